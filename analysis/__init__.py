@@ -1,0 +1,9 @@
+"""Read sweep results back from MLflow and write reports (never recomputes results).
+
+Depends on MLflow, pandas and matplotlib only; never imports ``orchestrator``.
+"""
+
+from .report import write_report, write_report_from
+from .runs import best_per_cell, load_sweep_info, load_trials
+
+__all__ = ["load_trials", "best_per_cell", "load_sweep_info", "write_report", "write_report_from"]

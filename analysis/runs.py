@@ -1,0 +1,197 @@
+"""Read a sweep's trial runs back from MLflow into typed pandas frames.
+
+Only MLflow is read: every number in the returned frames is a value the orchestrator logged
+(params are parsed from their string form, metrics are MLflow's latest value per key).
+No tracking URI or experiment is set globally: a private ``MlflowClient`` is used.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+from mlflow.entities import ViewType
+from mlflow.tracking import MlflowClient
+
+__all__ = [
+    "STR_COLUMNS",
+    "FLOAT_PARAM_COLUMNS",
+    "INT_COLUMNS",
+    "METRIC_COLUMNS",
+    "load_trials",
+    "best_per_cell",
+    "load_sweep_info",
+    "is_nm",
+    "pattern_sort_key",
+    "pattern_sparsity",
+]
+
+ROLE_TAG = "healsweep.role"
+
+# Identity columns (tags, run info and string params).
+STR_COLUMNS = (
+    "run_id", "experiment_id", "status", "cell_id", "trial_id", "store_key", "pattern",
+    "model", "pruner", "scope", "healer", "granularity", "failure_reason",
+)
+_TAG_COLUMNS = ("cell_id", "trial_id", "store_key", "pattern", "failure_reason")
+_STR_PARAMS = ("model", "pruner", "scope", "healer", "granularity")
+FLOAT_PARAM_COLUMNS = ("sparsity", "lr")
+INT_COLUMNS = ("calib_size", "epochs", "batch_size", "seed")  # nullable Int64
+METRIC_COLUMNS = (
+    "dense_acc", "pruned_acc", "healed_acc", "retention", "heal_seconds",
+    "dense_forward_images", "mask_violations", "achieved_sparsity", "selection_acc", "align_loss",
+)
+FAILED_STATUSES = ("FAILED", "KILLED")
+
+
+def _quote(value: str) -> str:
+    """Quote a value for an MLflow filter string."""
+    if "'" not in value:
+        return f"'{value}'"
+    if '"' not in value:
+        return f'"{value}"'
+    raise ValueError(f"cannot quote {value!r} for an MLflow filter string")
+
+
+def _search(client: MlflowClient, experiment_id: str, filter_string: str) -> list:
+    runs, token = [], None
+    while True:
+        page = client.search_runs(
+            [experiment_id], filter_string=filter_string, run_view_type=ViewType.ACTIVE_ONLY,
+            max_results=1000, page_token=token,
+        )
+        runs.extend(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def _empty_frame(extra_metrics: tuple[str, ...] = ()) -> pd.DataFrame:
+    return _typed(pd.DataFrame({c: [] for c in _column_order(extra_metrics)}), extra_metrics)
+
+
+def _column_order(extra_metrics: tuple[str, ...]) -> list[str]:
+    return [*STR_COLUMNS, *FLOAT_PARAM_COLUMNS, *INT_COLUMNS, *METRIC_COLUMNS, *extra_metrics]
+
+
+def _to_int(series: pd.Series) -> pd.Series:
+    num = pd.to_numeric(series, errors="coerce").astype("float64")
+    integral = num.where(np.isfinite(num) & (num == np.round(num)))
+    return integral.astype("Int64")
+
+
+def _typed(df: pd.DataFrame, extra_metrics: tuple[str, ...]) -> pd.DataFrame:
+    out = pd.DataFrame(index=df.index)
+    for c in STR_COLUMNS:
+        out[c] = pd.Series(df[c].tolist(), index=df.index, dtype="str")
+    for c in FLOAT_PARAM_COLUMNS:
+        out[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
+    for c in INT_COLUMNS:
+        out[c] = _to_int(df[c])
+    for c in (*METRIC_COLUMNS, *extra_metrics):
+        out[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
+    return out.reset_index(drop=True)
+
+
+def load_trials(tracking_uri: str, sweep_id: str, experiment: str = "healsweep") -> pd.DataFrame:
+    """One row per trial run (tag ``healsweep.role`` = "trial") of ``sweep_id``.
+
+    Columns: see ``STR_COLUMNS`` (str, NaN when the tag/param is absent), ``FLOAT_PARAM_COLUMNS``
+    (float64), ``INT_COLUMNS`` (nullable Int64, <NA> when absent), ``METRIC_COLUMNS`` plus any other
+    logged metric (float64, NaN when absent; MLflow's latest value, i.e. the one at the highest step).
+    Deleted runs are ignored; runs of any status are returned.
+    """
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return _empty_frame()
+    filt = f"tags.sweep_id = {_quote(sweep_id)} and tags.`{ROLE_TAG}` = 'trial'"
+    records = []
+    for run in _search(client, exp.experiment_id, filt):
+        tags, params = run.data.tags, run.data.params
+        rec = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id,
+               "status": run.info.status}
+        rec.update({c: tags.get(c) for c in _TAG_COLUMNS})
+        rec.update({c: params.get(c) for c in (*_STR_PARAMS, *FLOAT_PARAM_COLUMNS, *INT_COLUMNS)})
+        rec.update({f"metric:{k}": v for k, v in run.data.metrics.items()})
+        records.append(rec)
+    extra = tuple(sorted({k[7:] for r in records for k in r if k.startswith("metric:")}
+                         - set(METRIC_COLUMNS) - set(_column_order(()))))
+    if not records:
+        return _empty_frame()
+    raw = pd.DataFrame.from_records(
+        [{(k[7:] if k.startswith("metric:") else k): v for k, v in r.items()} for r in records])
+    for c in _column_order(extra):
+        if c not in raw.columns:
+            raw[c] = None
+    df = _typed(raw, extra)
+    return df.sort_values(["cell_id", "trial_id", "run_id"], na_position="last",
+                          ignore_index=True)
+
+
+def best_per_cell(trials: pd.DataFrame) -> pd.DataFrame:
+    """Best FINISHED trial of every cell, chosen by ``selection_acc`` (never ``healed_acc``).
+
+    Ties on selection_acc go to the smaller ``heal_seconds``, then the smaller ``run_id``; runs
+    without selection_acc rank last. Adds ``n_trials`` (all runs of the cell, any status) and
+    ``n_failed`` (status FAILED or KILLED). Cells without a finished run are absent.
+    """
+    counts = trials.dropna(subset=["cell_id"]).groupby("cell_id", sort=True).agg(
+        n_trials=("run_id", "size"),
+        n_failed=("status", lambda s: int(s.isin(FAILED_STATUSES).sum())),
+    )
+    done = trials[(trials["status"] == "FINISHED") & trials["cell_id"].notna()]
+    ranked = done.sort_values(
+        ["cell_id", "selection_acc", "heal_seconds", "run_id"],
+        ascending=[True, False, True, True], na_position="last",
+    )
+    best = ranked.drop_duplicates("cell_id", keep="first")
+    best = best.merge(counts, left_on="cell_id", right_index=True, how="left")
+    best["n_trials"] = best["n_trials"].astype("int64")
+    best["n_failed"] = best["n_failed"].astype("int64")
+    return best.reset_index(drop=True)
+
+
+def load_sweep_info(tracking_uri: str, sweep_id: str, experiment: str = "healsweep") -> dict:
+    """``{"name", "run_id", "experiment_id"}`` of the sweep's parent run (values None if absent)."""
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    info = {"name": None, "run_id": None,
+            "experiment_id": exp.experiment_id if exp is not None else None}
+    if exp is None:
+        return info
+    filt = f"tags.sweep_id = {_quote(sweep_id)} and tags.`{ROLE_TAG}` = 'sweep'"
+    parents = _search(client, exp.experiment_id, filt)
+    if parents:
+        run = parents[0]
+        info["name"] = run.info.run_name or run.data.tags.get("mlflow.runName")
+        info["run_id"] = run.info.run_id
+    return info
+
+
+def pattern_sparsity(pattern: str) -> float:
+    """Nominal sparsity of a pattern tag: "0.9" -> 0.9, "2:4" -> 0.5; NaN when unparseable."""
+    text = str(pattern).strip()
+    if ":" in text:
+        try:
+            n, m = (int(x) for x in text.split(":"))
+        except ValueError:
+            return math.nan
+        return 1.0 - n / m if m > 0 else math.nan
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
+def is_nm(pattern: str) -> bool:
+    return ":" in str(pattern) and not math.isnan(pattern_sparsity(pattern))
+
+
+def pattern_sort_key(pattern: str) -> tuple:
+    """Numeric sparsities ascending first, then N:M patterns (by sparsity), then anything else."""
+    s = pattern_sparsity(pattern)
+    if math.isnan(s):
+        return (2, 0.0, str(pattern))
+    return (1 if is_nm(pattern) else 0, s, str(pattern))

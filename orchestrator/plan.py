@@ -1,0 +1,63 @@
+"""Expand a spec into grid cells and the distinct jobs they need (dense targets, masks)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+from orchestrator.spec import SweepSpec
+from tasks.store import content_key
+
+TARGETS_FORMAT = "healsweep-targets/1"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One grid cell: model x pattern x calibration size x pruner x healer x seed."""
+
+    model: str
+    pruner: str
+    pruner_settings: Mapping[str, Any]
+    sparsity: float  # requested (for N:M: 1 - N/M)
+    pattern: str  # "0.9" or "2:4"
+    scope: str
+    calib_size: int
+    healer: str
+    healer_settings: Mapping[str, Any]
+    seed: int
+    cell_id: str = field(default="", compare=False)
+
+    def identity(self) -> dict:
+        d = asdict(self)
+        d.pop("cell_id")
+        return d
+
+    def mask_identity(self, model_digest: str) -> dict:
+        return {"kind": "mask/1", "model_digest": model_digest, "pruner": self.pruner,
+                "settings": dict(self.pruner_settings), "sparsity": self.sparsity, "scope": self.scope,
+                "seed": self.seed}
+
+
+def expand_cells(spec: SweepSpec, scopes: Mapping[str, str]) -> list[Cell]:
+    """All cells of the grid, in a stable order; ``scopes`` maps model -> resolved scope name."""
+    from tasks.pruners import PRUNERS
+
+    cells = []
+    for model in spec.models:
+        for p in spec.pruners:
+            pruner = PRUNERS.get(p.name)
+            fixed = pruner.fixed_sparsity(p.settings)
+            for s in ([fixed] if fixed is not None else list(spec.sparsities)):
+                for n in spec.calib_sizes:
+                    for h in spec.healers:
+                        for seed in spec.seeds:
+                            c = Cell(model, p.name, dict(p.settings), float(s), pruner.pattern(s, p.settings),
+                                     scopes[model], n, h.name, dict(h.settings), seed)
+                            cells.append(Cell(**{**c.identity(), "cell_id": content_key(c.identity())[:12]}))
+    return cells
+
+
+def targets_identity(model: str, model_digest: str, dataset_digest: str, calib_order_digest: str,
+                     blocks: list[str], dtype: str) -> dict:
+    """What determines a dense target set; the row count is not part of it (nested calibration sizes)."""
+    return {"format": TARGETS_FORMAT, "model": model, "model_digest": model_digest, "dataset": dataset_digest,
+            "calibration_order": calib_order_digest, "blocks": blocks, "dtype": dtype}

@@ -1,0 +1,254 @@
+"""Sweep spec: YAML (safe loader) -> a frozen, validated ``SweepSpec``.
+
+Every error is a ``SpecError`` whose one-line message names the field and what is allowed. Validation runs
+before any work: no Ray, no MLflow, nothing written.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+
+class SpecError(ValueError):
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}" if path else message)
+        self.path = path
+
+
+@dataclass(frozen=True)
+class MethodRef:
+    name: str
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SearchSpec:
+    trials_per_cell: int = 4
+    lr: tuple[float, float] = (1e-4, 3e-3)  # log-uniform bounds
+    epochs: tuple[int, int] = (1, 8)  # integer bounds, inclusive
+    objective: str = "selection_acc"
+    sampler_seed: int = 0
+
+
+@dataclass(frozen=True)
+class HealSpec:
+    batch_size: int = 32
+    weight_decay: float = 0.0
+    lr_min: float = 1e-6
+
+
+@dataclass(frozen=True)
+class ResourceSpec:
+    cpus_per_trial: float = 1.0
+    gpus_per_trial: float = 0.0
+    max_concurrent: int | None = None  # None: as many as the cluster's CPUs allow
+    cpus_per_dense_task: float = 1.0
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    shard_size: int = 64
+    dtype: str = "float16"
+
+
+@dataclass(frozen=True)
+class MlflowSpec:
+    tracking_uri: str | None = None  # None: sqlite database in the run directory
+    experiment: str = "healsweep"
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    name: str
+    models: tuple[str, ...]
+    sparsities: tuple[float, ...]
+    calib_sizes: tuple[int, ...]
+    pruners: tuple[MethodRef, ...]
+    healers: tuple[MethodRef, ...]
+    dataset: str = "digits"
+    data_seed: int = 0
+    seeds: tuple[int, ...] = (0,)
+    scope: Mapping[str, str] = field(default_factory=dict)  # model -> scope; missing: the adapter's default
+    search: SearchSpec = SearchSpec()
+    heal: HealSpec = HealSpec()
+    resources: ResourceSpec = ResourceSpec()
+    store: StoreSpec = StoreSpec()
+    mlflow: MlflowSpec = MlflowSpec()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# --- parsing helpers ---------------------------------------------------------------------------------
+
+def _keys(d: Any, path: str, allowed: set[str], required: set[str] = frozenset()) -> dict:
+    if not isinstance(d, Mapping):
+        raise SpecError(path or "spec", f"must be a mapping, got {type(d).__name__}")
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise SpecError(f"{path + '.' if path else ''}{unknown[0]}", f"unknown key; allowed: {', '.join(sorted(allowed))}")
+    missing = sorted(required - set(d))
+    if missing:
+        raise SpecError(f"{path + '.' if path else ''}{missing[0]}", "required key is missing")
+    return dict(d)
+
+
+def _num(v: Any, path: str, kind: type = float, lo: float | None = None, hi: float | None = None,
+         lo_open: bool = False, hi_open: bool = False) -> Any:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (kind is float or isinstance(v, int))
+    if not ok or (isinstance(v, float) and not math.isfinite(v)):
+        raise SpecError(path, f"must be {'an integer' if kind is int else 'a number'}, got {v!r}")
+    if lo is not None and (v < lo or (lo_open and v == lo)):
+        raise SpecError(path, f"must be {'>' if lo_open else '>='} {lo}, got {v!r}")
+    if hi is not None and (v > hi or (hi_open and v == hi)):
+        raise SpecError(path, f"must be {'<' if hi_open else '<='} {hi}, got {v!r}")
+    return kind(v)
+
+
+def _list(v: Any, path: str) -> list:
+    if not isinstance(v, list) or not v:
+        raise SpecError(path, f"must be a non-empty list, got {v!r}")
+    return v
+
+
+def _methods(v: Any, path: str, registry, kind: str) -> tuple[MethodRef, ...]:
+    out = []
+    for i, item in enumerate(_list(v, path)):
+        p = f"{path}[{i}]"
+        if isinstance(item, str):
+            item = {"name": item}
+        d = _keys(item, p, {"name", "settings"}, {"name"})
+        if d["name"] not in registry:
+            raise SpecError(f"{p}.name", f"unknown {kind} {d['name']!r}; allowed: {', '.join(registry.names())}")
+        settings = d.get("settings") or {}
+        if not isinstance(settings, Mapping):
+            raise SpecError(f"{p}.settings", "must be a mapping")
+        try:
+            registry.get(d["name"]).check(settings)
+        except ValueError as e:
+            raise SpecError(f"{p}.settings", str(e)) from None
+        out.append(MethodRef(d["name"], dict(settings)))
+    return tuple(out)
+
+
+def _section(cls, d: Any, path: str):
+    if d is None:
+        return cls()
+    fields = {f for f in cls.__dataclass_fields__}
+    return cls(**_keys(d, path, fields))
+
+
+def parse_spec(raw: Any) -> SweepSpec:
+    """Validate a parsed YAML document."""
+    from tasks.adapters import ADAPTERS
+    from tasks.data import DATASETS, load_dataset
+    from tasks.heal import HEALERS
+    from tasks.models import MODELS
+    from tasks.pruners import PRUNERS
+
+    top = {f for f in SweepSpec.__dataclass_fields__}
+    d = _keys(raw, "", top, {"name", "models", "sparsities", "calib_sizes", "pruners", "healers"})
+    if not isinstance(d["name"], str) or not d["name"].replace("-", "").replace("_", "").isalnum():
+        raise SpecError("name", f"must be letters, digits, '-' or '_', got {d['name']!r}")
+    dataset = d.get("dataset", "digits")
+    if dataset not in DATASETS:
+        raise SpecError("dataset", f"unknown dataset {dataset!r}; allowed: {', '.join(DATASETS.names())}")
+    models = []
+    for i, m in enumerate(_list(d["models"], "models")):
+        if m not in MODELS:
+            raise SpecError(f"models[{i}]", f"unknown model {m!r}; allowed: {', '.join(MODELS.names())}")
+        if MODELS.get(m).dataset != dataset:
+            raise SpecError(f"models[{i}]", f"model {m!r} is trained on {MODELS.get(m).dataset!r}, not {dataset!r}")
+        models.append(m)
+    sparsities = tuple(_num(s, f"sparsities[{i}]", float, 0.0, 1.0, hi_open=True)
+                       for i, s in enumerate(_list(d["sparsities"], "sparsities")))
+    data_seed = _num(d.get("data_seed", 0), "data_seed", int, 0)
+    n_calib = len(load_dataset(dataset, seed=data_seed)["calibration"])
+    calib = tuple(_num(n, f"calib_sizes[{i}]", int, 1, n_calib) for i, n in enumerate(_list(d["calib_sizes"], "calib_sizes")))
+    pruners = _methods(d["pruners"], "pruners", PRUNERS, "pruner")
+    healers = _methods(d["healers"], "healers", HEALERS, "healer")
+    seeds = tuple(_num(s, f"seeds[{i}]", int, 0) for i, s in enumerate(_list(d.get("seeds", [0]), "seeds")))
+
+    scope = d.get("scope") or {}
+    if not isinstance(scope, Mapping):
+        raise SpecError("scope", "must map model names to scope names")
+    for m, s in scope.items():
+        if m not in models:
+            raise SpecError(f"scope.{m}", f"not a model of this sweep; models: {', '.join(models)}")
+    search = _section(SearchSpec, d.get("search"), "search")
+    lr = search.lr
+    if not (isinstance(lr, (list, tuple)) and len(lr) == 2):
+        raise SpecError("search.lr", f"must be [low, high], got {lr!r}")
+    lo = _num(lr[0], "search.lr[0]", float, 0.0, lo_open=True)
+    hi = _num(lr[1], "search.lr[1]", float, lo)
+    ep = search.epochs
+    if not (isinstance(ep, (list, tuple)) and len(ep) == 2):
+        raise SpecError("search.epochs", f"must be [low, high], got {ep!r}")
+    e_lo = _num(ep[0], "search.epochs[0]", int, 1)
+    e_hi = _num(ep[1], "search.epochs[1]", int, e_lo)
+    if search.objective != "selection_acc":
+        raise SpecError("search.objective", f"must be 'selection_acc', got {search.objective!r}")
+    search = SearchSpec(_num(search.trials_per_cell, "search.trials_per_cell", int, 1), (lo, hi), (e_lo, e_hi),
+                        search.objective, _num(search.sampler_seed, "search.sampler_seed", int, 0))
+    heal = _section(HealSpec, d.get("heal"), "heal")
+    heal = HealSpec(_num(heal.batch_size, "heal.batch_size", int, 1), _num(heal.weight_decay, "heal.weight_decay", float, 0.0),
+                    _num(heal.lr_min, "heal.lr_min", float, 0.0))
+    res = _section(ResourceSpec, d.get("resources"), "resources")
+    res = ResourceSpec(_num(res.cpus_per_trial, "resources.cpus_per_trial", float, 0.0, lo_open=True),
+                       _num(res.gpus_per_trial, "resources.gpus_per_trial", float, 0.0),
+                       None if res.max_concurrent is None else _num(res.max_concurrent, "resources.max_concurrent", int, 1),
+                       _num(res.cpus_per_dense_task, "resources.cpus_per_dense_task", float, 0.0, lo_open=True))
+    store = _section(StoreSpec, d.get("store"), "store")
+    if store.dtype not in ("float16", "bfloat16"):
+        raise SpecError("store.dtype", f"must be float16 or bfloat16, got {store.dtype!r}")
+    store = StoreSpec(_num(store.shard_size, "store.shard_size", int, 1), store.dtype)
+    mlf = _section(MlflowSpec, d.get("mlflow"), "mlflow")
+
+    spec = SweepSpec(d["name"], tuple(models), sparsities, calib, pruners, healers, dataset, data_seed, seeds,
+                     dict(scope), search, heal, res, store, mlf)
+    _check_scopes(spec, ADAPTERS, MODELS)
+    return spec
+
+
+def _check_scopes(spec: SweepSpec, adapters, models) -> None:
+    """Scopes must exist for the model family (checked on an untrained instance: no training here)."""
+    import torch
+
+    from tasks.adapters import get_adapter
+
+    for m in spec.models:
+        src = models.get(m)
+        torch.manual_seed(0)
+        model = src.build(src.arch)
+        adapter = get_adapter(model)
+        s = spec.scope.get(m, adapter.default_scope)
+        try:
+            entries = adapter.scope(model, s)
+        except ValueError as e:
+            raise SpecError(f"scope.{m}", str(e)) from None
+        for i, p in enumerate(spec.pruners):
+            if p.name == "nm":  # every prunable tensor's input dim must split into groups of M
+                mm = p.settings.get("m", 4)
+                params = dict(model.named_parameters())
+                for e in entries:
+                    width = params[e.param][0].numel()
+                    if width % mm:
+                        raise SpecError(f"pruners[{i}].settings.m", f"M={mm} does not divide the input width "
+                                        f"{width} of {m}:{e.param}")
+
+
+def load_spec(path: str | Path) -> SweepSpec:
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError("spec", f"file not found: {p}")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise SpecError("spec", f"malformed YAML{where}: {getattr(e, 'problem', e)}") from None
+    return parse_spec(raw)

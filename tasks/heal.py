@@ -1,0 +1,179 @@
+"""Healers (SPEC §3), registered by name, and the one gradient training loop they share.
+
+A gradient healer is an objective plus the shared loop: AdamW over the prunable tensors only, a per-step
+cosine schedule from lr to lr_min, gradients of masked and out-of-region entries zeroed, and after every
+step every entry a healer may not change is restored (masked entries stay exactly 0; the rest of the model is
+frozen with requires_grad=False). BatchNorm/Dropout run in eval mode so no buffer outside the scope changes.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+import torch.nn as nn
+
+from tasks._registry import Registry
+from tasks.adapters import ScopeEntry
+from tasks.losses import GRANULARITIES, cosine_align_loss
+from tasks.pruners import train_masks
+from tasks.targets import block_tap
+
+Batches = Callable[[int], Iterable[tuple[Any, dict[str, torch.Tensor]]]]  # epoch -> (rows, {block: targets})
+
+
+class HealingDiverged(RuntimeError):
+    """The healing loss became NaN or Inf; the weights are left as they were before that step."""
+
+
+@dataclass(frozen=True)
+class HealConfig:
+    lr: float = 6e-4
+    epochs: int = 10
+    batch_size: int = 32
+    weight_decay: float = 0.0
+    lr_min: float = 1e-6
+    seed: int = 0
+    settings: Mapping[str, Any] = field(default_factory=dict)  # healer-specific (e.g. granularity)
+
+
+@dataclass
+class HealContext:
+    model: nn.Module  # already pruned (masks applied)
+    blocks: list[tuple[str, nn.Module]]  # target blocks, in store order
+    entries: list[ScopeEntry]  # prunable scope
+    masks: Mapping[str, torch.Tensor]  # full-shape bool, True = keep
+    images: torch.Tensor  # (N, C, H, W) calibration images, row i = store row i
+    batches: Batches  # streams (rows, targets) for an epoch, in batches of cfg.batch_size
+    steps_per_epoch: int
+    default_granularity: str = "token"
+
+
+@dataclass
+class HealResult:
+    epoch_losses: list[float]
+    seconds: float
+    steps: int
+
+
+EpochCallback = Callable[[int, dict[str, float]], None]
+
+
+class Healer:
+    name = ""
+    settings_schema: dict[str, tuple] = {}  # setting -> allowed values (tuple) or a type
+
+    def check(self, settings: Mapping[str, Any]) -> None:
+        for k, v in settings.items():
+            if k not in self.settings_schema:
+                raise ValueError(f"unknown setting {k!r} for healer {self.name!r}; allowed: "
+                                 f"{', '.join(self.settings_schema) or 'none'}")
+            allowed = self.settings_schema[k]
+            if isinstance(allowed, tuple) and v not in allowed:
+                raise ValueError(f"healer {self.name!r} setting {k!r} must be one of {allowed}, got {v!r}")
+
+    def heal(self, ctx: HealContext, cfg: HealConfig, on_epoch: EpochCallback | None = None) -> HealResult:
+        raise NotImplementedError
+
+
+HEALERS: Registry[Healer] = Registry("healer")
+
+
+class GradientHealer(Healer):
+    """Shared loop; subclasses define ``loss(outputs, targets, settings)``."""
+
+    def resolve(self, ctx: HealContext, settings: Mapping[str, Any]) -> dict[str, Any]:
+        return dict(settings)
+
+    def loss(self, outputs: list[torch.Tensor], targets: list[torch.Tensor], settings: Mapping[str, Any]
+             ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def heal(self, ctx: HealContext, cfg: HealConfig, on_epoch: EpochCallback | None = None) -> HealResult:
+        model = ctx.model
+        settings = self.resolve(ctx, cfg.settings)
+        params = dict(model.named_parameters())
+        names = sorted({e.param for e in ctx.entries})
+        trainable = train_masks(model, ctx.entries, ctx.masks)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        dev = params[names[0]].device
+        keep = {n: trainable[n].to(dev) for n in names}
+        frozen = {n: params[n].detach().clone() for n in names}  # pruned values: masked entries are 0
+        for n in names:
+            params[n].requires_grad_(True)
+        opt = torch.optim.AdamW([params[n] for n in names], lr=cfg.lr, weight_decay=cfg.weight_decay)
+        total = max(cfg.epochs * ctx.steps_per_epoch, 1)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total, eta_min=cfg.lr_min)
+        torch.manual_seed(cfg.seed)
+        model.eval()
+        block_names = [b for b, _ in ctx.blocks]
+        losses, steps, t0 = [], 0, time.perf_counter()
+        with block_tap(ctx.blocks) as cap:
+            for epoch in range(cfg.epochs):
+                run, n = 0.0, 0
+                for rows, tgt in ctx.batches(epoch):
+                    x = ctx.images[torch.as_tensor(rows)].to(dev, non_blocking=True)
+                    model(x)
+                    outs = [cap[b] for b in block_names]
+                    tg = [tgt[b].to(dev, non_blocking=True) for b in block_names]
+                    loss = self.loss(outs, tg, settings)
+                    if not torch.isfinite(loss):
+                        raise HealingDiverged(f"healer {self.name!r}: loss became {loss.item()} at epoch "
+                                              f"{epoch + 1}, step {steps + 1} (lr={cfg.lr:g})")
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    with torch.no_grad():
+                        for name in names:
+                            params[name].grad.mul_(keep[name])
+                    opt.step()
+                    sched.step()
+                    with torch.no_grad():
+                        for name in names:
+                            params[name].copy_(torch.where(keep[name], params[name], frozen[name]))
+                    run += float(loss.detach()) * len(rows)
+                    n += len(rows)
+                    steps += 1
+                losses.append(run / max(n, 1))
+                if on_epoch is not None:
+                    on_epoch(epoch + 1, {"align_loss": losses[-1]})
+        for name in names:
+            params[name].requires_grad_(False)
+            params[name].grad = None
+        return HealResult(losses, time.perf_counter() - t0, steps)
+
+
+class StarfishHealer(GradientHealer):
+    """STARFISH: cosine alignment of every block output with the dense model's (paper 000)."""
+
+    name = "starfish"
+    settings_schema = {"granularity": ("auto",) + GRANULARITIES}
+
+    def resolve(self, ctx, settings):
+        g = settings.get("granularity", "auto")
+        return {"granularity": ctx.default_granularity if g == "auto" else g}
+
+    def loss(self, outputs, targets, settings):
+        return cosine_align_loss(outputs, targets, settings["granularity"])
+
+
+HEALERS.register("starfish")(StarfishHealer())
+
+
+def steps_per_epoch(n_rows: int, batch_size: int) -> int:
+    return math.ceil(n_rows / batch_size)
+
+
+def in_memory_batches(targets: Mapping[str, torch.Tensor], batch_size: int, seed: int) -> Batches:
+    """Targets held in RAM, shuffled per epoch with a seeded generator (tests, benchmarks, recompute mode)."""
+    n = next(iter(targets.values())).shape[0]
+
+    def batches(epoch: int) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        for i in range(0, n, batch_size):
+            rows = order[i : i + batch_size]
+            yield rows, {k: v[rows] for k, v in targets.items()}
+
+    return batches

@@ -1,0 +1,177 @@
+"""Model sources: the embedded reference models, trained by the project on first use and cached.
+
+A model source is registered by name (the name used in configs, MLflow params and reports). The reference
+models are trained once per content key (architecture, recipe, dataset digest, seed) and stored as
+safetensors; a second request with the same settings loads the checkpoint and never retrains.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+from tasks._registry import Registry
+from tasks.data import DatasetSplits, load_dataset
+from tasks.evaluate import accuracy
+from tasks.store import content_key
+
+
+@dataclass(frozen=True)
+class TrainRecipe:
+    epochs: int
+    lr: float
+    weight_decay: float
+    batch_size: int
+    max_shift: int  # random translation augmentation, pixels
+    label_smoothing: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str
+    dataset: str
+    arch: dict  # constructor settings, part of the content key
+    build: Callable[[dict], nn.Module]
+    recipe: TrainRecipe
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: nn.Module
+    digest: str  # sha256 of the weights file (first 16 hex)
+    dataset: DatasetSplits
+    info: dict  # training metadata (dense accuracy on the evaluation split, seconds, ...)
+
+
+MODELS: Registry[ModelSource] = Registry("model")
+
+
+def _build_vit(arch: dict) -> nn.Module:
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(**arch)
+
+
+def _build_resnet(arch: dict) -> nn.Module:
+    from timm.models.resnet import BasicBlock, ResNet
+
+    model = ResNet(block=BasicBlock, layers=tuple(arch["layers"]), channels=tuple(arch["channels"]),
+                   in_chans=arch["in_chans"], num_classes=arch["num_classes"])
+    # CIFAR-style stem for 16x16 inputs: one 3x3 stride-1 conv (timm's stem width, 64), no max-pool.
+    model.conv1 = nn.Conv2d(arch["in_chans"], model.bn1.num_features, 3, 1, 1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
+
+
+for _src in (
+    ModelSource(
+        name="vit_digits", dataset="digits",
+        arch=dict(img_size=16, patch_size=4, in_chans=1, num_classes=10, embed_dim=64, depth=6,
+                  num_heads=4, mlp_ratio=4.0),
+        build=_build_vit,
+        recipe=TrainRecipe(epochs=80, lr=2e-3, weight_decay=0.05, batch_size=64, max_shift=2,
+                           label_smoothing=0.1),
+    ),
+    ModelSource(
+        name="resnet_digits", dataset="digits",
+        arch=dict(layers=[1, 1, 1, 1], channels=[16, 32, 64, 128], in_chans=1,
+                  num_classes=10),
+        build=_build_resnet,
+        recipe=TrainRecipe(epochs=30, lr=3e-3, weight_decay=5e-4, batch_size=64, max_shift=2),
+    ),
+):
+    MODELS.register(_src.name)(_src)
+
+
+def random_shift(x: torch.Tensor, max_shift: int, gen: torch.Generator) -> torch.Tensor:
+    """Translate each image by up to ``max_shift`` pixels, padding with the background value -1. (B,C,H,W)."""
+    if max_shift <= 0:
+        return x
+    b, _, h, w = x.shape
+    pad = torch.nn.functional.pad(x, (max_shift,) * 4, value=-1.0)  # (B, C, H+2s, W+2s)
+    dy = torch.randint(0, 2 * max_shift + 1, (b,), generator=gen)
+    dx = torch.randint(0, 2 * max_shift + 1, (b,), generator=gen)
+    return torch.stack([pad[i, :, dy[i] : dy[i] + h, dx[i] : dx[i] + w] for i in range(b)])
+
+
+def train_classifier(model: nn.Module, data: DatasetSplits, recipe: TrainRecipe, seed: int,
+                     progress: bool = True) -> None:
+    """Supervised training on the ``train`` split only (AdamW, cosine schedule)."""
+    from tqdm.auto import tqdm
+
+    gen = torch.Generator().manual_seed(seed)
+    train = data["train"]
+    n = len(train)
+    steps_per_epoch = math.ceil(n / recipe.batch_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=recipe.lr, total_steps=recipe.epochs * steps_per_epoch,
+                                                pct_start=0.1)
+    loss_fn = nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)
+    model.train()
+    bar = tqdm(range(recipe.epochs), desc="train dense", unit="epoch", disable=not progress, leave=False)
+    for _ in bar:
+        perm = torch.randperm(n, generator=gen)
+        for i in range(0, n, recipe.batch_size):
+            idx = perm[i : i + recipe.batch_size]
+            x = random_shift(train.images[idx], recipe.max_shift, gen)
+            loss = loss_fn(model(x), train.labels[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, meta: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(fd)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"meta": json.dumps(meta)})
+    os.replace(tmp, path)
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def load_model(name: str, cache_dir: str | os.PathLike, *, data_seed: int = 0, train_seed: int = 0,
+               progress: bool = True) -> LoadedModel:
+    """Load a registered model, training and caching it on first use (content-addressed)."""
+    src = MODELS.get(name)
+    data = load_dataset(src.dataset, seed=data_seed)
+    key = content_key({"model": name, "arch": src.arch, "recipe": asdict(src.recipe),
+                       "dataset": data.digest, "seed": train_seed})
+    path = Path(cache_dir) / "models" / f"{name}-{key}.safetensors"
+    torch.manual_seed(train_seed)
+    model = src.build(src.arch)
+    if path.exists():
+        model.load_state_dict(load_file(path))
+        with open(path, "rb") as f:  # safetensors header: 8-byte length + JSON
+            header_len = int.from_bytes(f.read(8), "little")
+            meta = json.loads(json.loads(f.read(header_len))["__metadata__"]["meta"])
+    else:
+        import time
+
+        t0 = time.perf_counter()
+        train_classifier(model, data, src.recipe, seed=train_seed, progress=progress)
+        ev = data["evaluation"]
+        meta = {"model": name, "key": key, "train_seconds": round(time.perf_counter() - t0, 2),
+                "dense_eval_acc": accuracy(model, ev.images, ev.labels)}
+        _atomic_save(model.state_dict(), path, meta)
+    model.eval()
+    return LoadedModel(name, model, file_digest(path), data, meta)

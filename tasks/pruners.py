@@ -1,0 +1,197 @@
+"""Mask generators (SPEC §2), registered by name.
+
+A mask is {parameter name -> bool tensor of the parameter's shape}, True = keep. Generators see only the
+prunable region of each scope entry (a whole tensor, or a row range such as the Q/K rows of qkv) and return
+region masks; ``expand_masks`` places them into full-shape masks (True outside the region).
+Counts are exact: a tensor of n prunable weights at sparsity s loses exactly floor(s*n + 0.5) of them.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+
+from tasks._registry import Registry
+from tasks.adapters import ScopeEntry
+
+
+def n_pruned(numel: int, sparsity: float) -> int:
+    """Exact number of weights removed from ``numel`` at ``sparsity`` (round half up)."""
+    return int(math.floor(sparsity * numel + 0.5))
+
+
+def _keep_all_but_smallest(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Bool mask of scores' shape that drops exactly the k smallest (ties: lower flat index first)."""
+    flat = scores.flatten()
+    order = torch.argsort(flat, stable=True)
+    keep = torch.ones_like(flat, dtype=torch.bool)
+    keep[order[:k]] = False
+    return keep.view_as(scores)
+
+
+class Pruner:
+    """Base class: ``fixed_sparsity`` is not None for patterns that define their own sparsity (N:M)."""
+
+    name = ""
+    settings_schema: dict[str, type] = {}
+
+    def check(self, settings: Mapping[str, Any]) -> None:
+        for k, v in settings.items():
+            if k not in self.settings_schema:
+                raise ValueError(f"unknown setting {k!r} for pruner {self.name!r}; allowed: "
+                                 f"{', '.join(self.settings_schema) or 'none'}")
+            if not isinstance(v, self.settings_schema[k]) or isinstance(v, bool):
+                raise ValueError(f"pruner {self.name!r} setting {k!r} must be {self.settings_schema[k].__name__}")
+
+    def fixed_sparsity(self, settings: Mapping[str, Any]) -> float | None:
+        return None
+
+    def pattern(self, sparsity: float, settings: Mapping[str, Any]) -> str:
+        """Human label of the pattern, used as the `pattern` tag in MLflow and reports."""
+        return f"{sparsity:g}"
+
+    def __call__(self, weights: Mapping[str, torch.Tensor], sparsity: float, *, seed: int,
+                 **settings: Any) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+PRUNERS: Registry[Pruner] = Registry("pruner")
+
+
+class MagnitudePruner(Pruner):
+    """Layerwise (uniform) unstructured magnitude: every prunable tensor reaches the sparsity."""
+
+    name = "magnitude"
+
+    def __call__(self, weights, sparsity, *, seed, **settings):
+        return {k: _keep_all_but_smallest(w.detach().abs(), n_pruned(w.numel(), sparsity)) for k, w in weights.items()}
+
+
+class GlobalMagnitudePruner(Pruner):
+    """One magnitude threshold across all prunable tensors (exact global count)."""
+
+    name = "global_magnitude"
+
+    def __call__(self, weights, sparsity, *, seed, **settings):
+        names = list(weights)
+        flat = torch.cat([weights[k].detach().abs().flatten().float() for k in names])  # (P,)
+        keep = _keep_all_but_smallest(flat, n_pruned(flat.numel(), sparsity))
+        out, start = {}, 0
+        for k in names:
+            n = weights[k].numel()
+            out[k] = keep[start : start + n].view_as(weights[k])
+            start += n
+        return out
+
+
+def nm_mask(w: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    """Keep the n largest |w| in every group of m consecutive weights along the (flattened) input dim.
+
+    w: (out, in) Linear or (out, in, kh, kw) Conv -> viewed as (out, in*kh*kw) -> groups (out, G, m).
+    """
+    w2 = w.detach().abs().reshape(w.shape[0], -1)  # (out, I)
+    if w2.shape[1] % m:
+        raise ValueError(f"input dimension {w2.shape[1]} is not divisible by M={m}")
+    groups = w2.view(w2.shape[0], -1, m)  # (out, G, m)
+    order = torch.argsort(groups, dim=-1, descending=True, stable=True)  # (out, G, m)
+    keep = torch.zeros_like(groups, dtype=torch.bool)
+    keep.scatter_(-1, order[..., :n], True)
+    return keep.view_as(w)
+
+
+class NMPruner(Pruner):
+    """N:M semi-structured (2:4 default); sparsity is 1 - N/M by construction."""
+
+    name = "nm"
+    settings_schema = {"n": int, "m": int}
+
+    def check(self, settings):
+        super().check(settings)
+        n, m = settings.get("n", 2), settings.get("m", 4)
+        if not (0 < n < m):
+            raise ValueError(f"pruner 'nm' needs 0 < n < m, got n={n}, m={m}")
+
+    def fixed_sparsity(self, settings):
+        return 1.0 - settings.get("n", 2) / settings.get("m", 4)
+
+    def pattern(self, sparsity, settings):
+        return f"{settings.get('n', 2)}:{settings.get('m', 4)}"
+
+    def __call__(self, weights, sparsity, *, seed, n: int = 2, m: int = 4):
+        return {k: nm_mask(w, n, m) for k, w in weights.items()}
+
+
+for _p in (MagnitudePruner(), GlobalMagnitudePruner(), NMPruner()):
+    PRUNERS.register(_p.name)(_p)
+
+
+# --- applying masks --------------------------------------------------------------------------------
+
+def region(param: torch.Tensor, entry: ScopeEntry) -> torch.Tensor:
+    """The prunable view of a parameter (a row slice for row-range entries)."""
+    return param if entry.rows is None else param[entry.rows[0] : entry.rows[1]]
+
+
+def make_masks(model: nn.Module, entries: list[ScopeEntry], pruner: str, sparsity: float, *, seed: int,
+               settings: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """Run a registered pruner on a model's scope and return full-shape masks (True = keep)."""
+    params = dict(model.named_parameters())
+    missing = [e.param for e in entries if e.param not in params]
+    if missing:
+        raise KeyError(f"scope names parameters the model does not have: {missing[:3]}")
+    p = PRUNERS.get(pruner)
+    settings = dict(settings or {})
+    p.check(settings)
+    fixed = p.fixed_sparsity(settings)
+    region_masks = p({e.param: region(params[e.param], e) for e in entries},
+                     fixed if fixed is not None else sparsity, seed=seed, **settings)
+    return expand_masks(model, entries, region_masks)
+
+
+def expand_masks(model: nn.Module, entries: list[ScopeEntry], region_masks: Mapping[str, torch.Tensor]
+                 ) -> dict[str, torch.Tensor]:
+    params = dict(model.named_parameters())
+    out = {}
+    for e in entries:
+        full = torch.ones_like(params[e.param], dtype=torch.bool)
+        region(full, e).copy_(region_masks[e.param])
+        out[e.param] = full
+    return out
+
+
+def train_masks(model: nn.Module, entries: list[ScopeEntry], masks: Mapping[str, torch.Tensor]
+                ) -> dict[str, torch.Tensor]:
+    """Entries a healer may change: surviving weights inside the prunable region."""
+    params = dict(model.named_parameters())
+    out = {}
+    for e in entries:
+        inside = torch.zeros_like(params[e.param], dtype=torch.bool)
+        region(inside, e).fill_(True)
+        out[e.param] = inside & masks[e.param]
+    return out
+
+
+@torch.no_grad()
+def apply_masks(model: nn.Module, masks: Mapping[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    for k, m in masks.items():
+        params[k].mul_(m.to(params[k].device, params[k].dtype))
+
+
+@torch.no_grad()
+def mask_violations(model: nn.Module, masks: Mapping[str, torch.Tensor]) -> int:
+    """Number of masked (pruned) entries that are not exactly zero."""
+    params = dict(model.named_parameters())
+    return int(sum(int((params[k][~m.to(params[k].device)] != 0).sum()) for k, m in masks.items()))
+
+
+def achieved_sparsity(entries: list[ScopeEntry], masks: Mapping[str, torch.Tensor]) -> float:
+    """Fraction of prunable-region weights that are masked."""
+    total = pruned = 0
+    for e in entries:
+        r = region(masks[e.param], e)
+        total += r.numel()
+        pruned += int((~r).sum())
+    return pruned / max(total, 1)

@@ -1,0 +1,47 @@
+"""Block taps and the dense target pass (SPEC §3): r_x^l for every calibration image x and block l."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+LOGITS = "logits"  # pseudo-block holding the dense logits (for logit-distillation healers)
+
+
+@contextmanager
+def block_tap(blocks: list[tuple[str, nn.Module]]) -> Iterator[dict[str, torch.Tensor]]:
+    """Forward hooks that record each block's output of the latest forward pass, keyed by block name."""
+    captured: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def fn(_mod, _inp, out):
+            captured[name] = out
+
+        return fn
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in blocks]
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def dense_targets(model: nn.Module, blocks: list[tuple[str, nn.Module]], images: torch.Tensor,
+                  batch_size: int = 64, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
+    """Run the dense model on (N, C, H, W) images; return {block: (N, *block_shape)} in ``dtype``,
+    plus ``LOGITS``: (N, num_classes)."""
+    model.eval()
+    dev = next(model.parameters()).device
+    parts: dict[str, list[torch.Tensor]] = {n: [] for n, _ in blocks}
+    parts[LOGITS] = []
+    with block_tap(blocks) as cap:
+        for i in range(0, len(images), batch_size):
+            logits = model(images[i : i + batch_size].to(dev))
+            for n, _ in blocks:
+                parts[n].append(cap[n].to("cpu", dtype))
+            parts[LOGITS].append(logits.to("cpu", dtype))
+    return {n: torch.cat(v) for n, v in parts.items()}
