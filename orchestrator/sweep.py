@@ -132,7 +132,9 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
             run_config=tune.RunConfig(name=f"{spec.name}-{sweep_id}", storage_path=str(out_dir / "tune"),
                                       callbacks=[logger_cb, prog.callback], verbose=0),
         )
+        t_tune = time.time()
         tuner.fit()
+        tune_seconds = time.time() - t_tune
         prog.bar.close()
         dense_total = sum(dense.values())
         seconds = time.time() - t0
@@ -142,7 +144,9 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         client.log_batch(parent, metrics=[Metric("dense_forward_images", dense_total, ts, 0),
                                           Metric("trials_finished", logger_cb.finished, ts, 0),
                                           Metric("trials_failed", logger_cb.failed, ts, 0),
-                                          Metric("sweep_seconds", seconds, ts, 0)])
+                                          Metric("sweep_seconds", seconds, ts, 0),
+                                          Metric("tune_seconds", tune_seconds, ts, 0),
+                                          Metric("concurrency", concurrency, ts, 0)])
         client.set_terminated(parent, "FINISHED")
     finally:
         if started_ray:

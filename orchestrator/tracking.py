@@ -13,6 +13,7 @@ TRIAL_PARAMS = ("model", "pruner", "scope", "sparsity", "calib_size", "healer", 
 EPOCH_METRICS = ("align_loss", "selection_acc")
 FINAL_METRICS = ("dense_acc", "pruned_acc", "healed_acc", "retention", "heal_seconds", "dense_forward_images",
                  "mask_violations", "achieved_sparsity")
+EXTRA_METRICS = ("changed_outside_scope", "trial_seconds")
 
 
 def experiment_id(client: MlflowClient, name: str) -> str:
@@ -62,7 +63,7 @@ class MlflowTrialLogger(Callback):
         metrics = [Metric(k, float(result[k]), ts, step) for k in EPOCH_METRICS if k in result]
         if result.get("final"):
             extra = dict(result, dense_forward_images=self.dense_images.get(trial.config["model"], 0))
-            metrics += [Metric(k, float(extra[k]), ts, step) for k in FINAL_METRICS if k in extra]
+            metrics += [Metric(k, float(extra[k]), ts, step) for k in FINAL_METRICS + EXTRA_METRICS if k in extra]
         self.client.log_batch(run_id, metrics=metrics)
 
     def on_trial_complete(self, iteration, trials, trial, **info):

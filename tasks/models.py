@@ -156,7 +156,7 @@ def load_model(name: str, cache_dir: str | os.PathLike, *, data_seed: int = 0, t
     data = load_dataset(src.dataset, seed=data_seed)
     key = content_key({"model": name, "arch": src.arch, "recipe": asdict(src.recipe),
                        "dataset": data.digest, "seed": train_seed})
-    path = Path(cache_dir) / "models" / f"{name}-{key}.safetensors"
+    path = Path(cache_dir) / f"{name}-{key}.safetensors"
     torch.manual_seed(train_seed)
     model = src.build(src.arch)
     if path.exists():

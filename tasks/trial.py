@@ -49,6 +49,7 @@ def _outside_scope_digest(model: torch.nn.Module, scoped: set[str]) -> dict[str,
 
 def run_trial(p: TrialParams, report: Callable[[dict], None]) -> dict:
     """Run one trial; ``report`` receives one dict per epoch, the last one carrying the final metrics."""
+    t_start = time.perf_counter()
     torch.set_num_threads(max(1, p.threads))
     torch.manual_seed(p.seed)
     lm = load_model(p.model, p.cache_dir, data_seed=p.data_seed, progress=False)
@@ -93,6 +94,6 @@ def run_trial(p: TrialParams, report: Callable[[dict], None]) -> dict:
     final = dict(last, final=True, dense_acc=dense_acc, pruned_acc=pruned_acc, healed_acc=healed_acc,
                  retention=healed_acc / dense_acc if dense_acc > 0 else 0.0, heal_seconds=heal_seconds,
                  mask_violations=mask_violations(model, masks), achieved_sparsity=achieved_sparsity(entries, masks),
-                 changed_outside_scope=changed_outside)
+                 changed_outside_scope=changed_outside, trial_seconds=time.perf_counter() - t_start)
     report(final)
     return final

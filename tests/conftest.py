@@ -1,0 +1,110 @@
+"""Shared fixtures for the tasks/ unit tests: tiny random-init models (never trained) and healing setups."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tasks.adapters import get_adapter
+from tasks.data import load_digits
+from tasks.heal import HealContext, in_memory_batches, steps_per_epoch
+from tasks.models import MODELS, _build_resnet
+from tasks.pruners import apply_masks, make_masks, region
+from tasks.targets import dense_targets
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    """One intra-op thread: tiny models are ~20x faster without thread hand-offs on a shared 2-core box."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _timm_vit():
+    from timm.models.vision_transformer import VisionTransformer
+
+    m = VisionTransformer(img_size=16, patch_size=4, in_chans=1, num_classes=10, embed_dim=32, depth=2,
+                          num_heads=4)  # mlp hidden 128, 17 tokens
+    for lin in m.modules():  # timm's std-0.02 init leaves attention ~uniform, so Q/K pruning would be invisible
+        if isinstance(lin, torch.nn.Linear):
+            torch.nn.init.normal_(lin.weight, std=lin.in_features ** -0.5)
+    return m
+
+
+def _tv_vit():
+    from torchvision.models import VisionTransformer
+
+    return VisionTransformer(image_size=16, patch_size=4, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64,
+                             num_classes=10)  # 3 input channels (fixed by torchvision)
+
+
+BUILDERS = {"timm_vit": (_timm_vit, 1), "tv_vit": (_tv_vit, 3),
+            "resnet": (lambda: _build_resnet(MODELS.get("resnet_digits").arch), 1)}
+
+
+def build_model(kind: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return BUILDERS[kind][0]().eval()
+
+
+def calib_images(kind: str, n: int) -> torch.Tensor:
+    """First n digits calibration images (N, C, 16, 16), channels repeated for 3-channel models."""
+    x = load_digits(0)["calibration"].images[:n]
+    return x.repeat(1, BUILDERS[kind][1], 1, 1).contiguous()
+
+
+@dataclass
+class HealCase:
+    model: torch.nn.Module
+    entries: list
+    masks: dict
+    ctx: HealContext
+    targets: dict
+    before: dict  # state_dict of the pruned model before healing (clones)
+
+    def assert_invariants(self):
+        """Mask invariant + nothing outside the trainable region changed (parameters and buffers)."""
+        sd = self.model.state_dict()
+        scoped = {e.param for e in self.entries}
+        for k, v in sd.items():
+            if k not in scoped:
+                assert torch.equal(v, self.before[k]), f"{k} changed outside the scope"
+        for e in self.entries:
+            p, m, b = sd[e.param], self.masks[e.param], self.before[e.param]
+            assert torch.all(p[~m] == 0), f"{e.param}: masked entries not 0"
+            inside = torch.zeros_like(m)
+            region(inside, e).fill_(True)
+            assert torch.equal(p[~inside], b[~inside]), f"{e.param}: rows outside the region changed"
+            # zeros inside the region: exactly the masked ones (surviving weights stay nonzero)
+            assert int((region(p, e) == 0).sum()) == int((~region(m, e)).sum()), e.param
+
+
+def make_heal_case(kind: str, scope: str, sparsity: float = 0.8, pruner: str = "magnitude", n: int = 32,
+                   batch: int = 8, seed: int = 0, images: torch.Tensor | None = None) -> HealCase:
+    dense = build_model(kind, seed)
+    adapter = get_adapter(dense)
+    imgs = calib_images(kind, n) if images is None else images
+    targets = dense_targets(dense, adapter.blocks(dense), imgs)
+    model = copy.deepcopy(dense)
+    entries = adapter.scope(model, scope)
+    masks = make_masks(model, entries, pruner, sparsity, seed=seed)
+    apply_masks(model, masks)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ctx = HealContext(model=model, blocks=adapter.blocks(model), entries=entries, masks=masks, images=imgs,
+                      batches=in_memory_batches(targets, batch, seed), steps_per_epoch=steps_per_epoch(len(imgs), batch),
+                      default_granularity=adapter.default_granularity)
+    return HealCase(model, entries, masks, ctx, targets, before)
+
+
+@pytest.fixture
+def tiny_model():
+    return build_model
+
+
+@pytest.fixture
+def heal_case():
+    return make_heal_case

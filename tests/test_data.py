@@ -1,0 +1,101 @@
+"""Data splits (tasks.data): disjointness, sizes, unlabeled calibration, seeded order, digests."""
+import numpy as np
+import pytest
+import torch
+
+from tasks.data import (DIGITS_SPLIT_SIZES, SPLITS, DatasetSplits, SplitData, digits_preprocess, load_dataset,
+                        load_digits, split_indices)
+
+
+def test_digits_splits_disjoint_sizes_and_unlabeled_calibration():
+    d = load_digits(0)
+    assert (d.name, d.num_classes, d.image_shape) == ("digits", 10, (1, 16, 16))
+    assert {s: len(d[s]) for s in SPLITS} == DIGITS_SPLIT_SIZES == {"train": 937, "calibration": 320,
+                                                                    "selection": 180, "evaluation": 360}
+    idx = [d[s].indices for s in SPLITS]
+    allidx = np.concatenate(idx)
+    assert len(np.unique(allidx)) == len(allidx) == 1797  # disjoint, and together the whole dataset
+    assert allidx.min() == 0 and allidx.max() == 1796
+    assert d["calibration"].labels is None
+    for s in ("train", "selection", "evaluation"):
+        sd = d[s]
+        assert sd.labels.dtype == torch.int64 and sd.labels.shape == (len(sd),)
+        assert sd.images.shape == (len(sd), 1, 16, 16) and sd.images.dtype == torch.float32
+    assert set(torch.cat([d[s].labels for s in ("train", "evaluation")]).tolist()) == set(range(10))
+
+
+def test_digits_images_follow_split_indices():
+    from sklearn.datasets import load_digits as sk
+
+    raw = sk().images
+    d = load_digits(0)
+    for s in ("calibration", "evaluation"):
+        i = d[s].indices[:7]
+        assert torch.equal(d[s].images[:7], digits_preprocess(raw[i]))
+    i = d["evaluation"].indices[:7]
+    assert d["evaluation"].labels[:7].tolist() == sk().target[i].tolist()
+
+
+def test_digits_preprocess_range_and_constants():
+    raw = np.stack([np.zeros((8, 8)), np.full((8, 8), 16.0), np.full((8, 8), 8.0)])
+    x = digits_preprocess(raw)
+    assert x.shape == (3, 1, 16, 16) and x.dtype == torch.float32
+    assert torch.all(x[0] == -1.0) and torch.all(x[1] == 1.0) and torch.all(x[2] == 0.0)
+    d = load_digits(0)
+    assert d["train"].images.min() >= -1.0 and d["train"].images.max() <= 1.0
+
+
+def test_seeded_order():
+    a, b, c = load_digits(0), load_digits(0), load_digits(1)
+    for s in SPLITS:
+        np.testing.assert_array_equal(a[s].indices, b[s].indices)
+        assert not np.array_equal(a[s].indices, c[s].indices)
+    assert a.digest == b.digest != c.digest
+    assert load_dataset("digits", seed=1).digest == c.digest
+    with pytest.raises(KeyError, match="unknown dataset"):
+        load_dataset("imagenet-typo")
+
+
+def test_split_indices_properties():
+    sizes = {"train": 5, "calibration": 3, "selection": 2, "evaluation": 4}
+    a = split_indices(20, sizes, seed=4)
+    assert list(a) == list(SPLITS) and {s: len(v) for s, v in a.items()} == sizes
+    allidx = np.concatenate(list(a.values()))
+    assert len(set(allidx.tolist())) == 14 and all(0 <= i < 20 for i in allidx)
+    assert all(v.dtype == np.int64 for v in a.values())
+    perm = np.random.default_rng(4).permutation(20)  # consecutive slices of one seeded permutation
+    np.testing.assert_array_equal(allidx, perm[:14])
+    b = split_indices(20, sizes, seed=4)
+    assert all(np.array_equal(a[s], b[s]) for s in SPLITS)
+    c = split_indices(20, sizes, seed=5)
+    assert not all(np.array_equal(a[s], c[s]) for s in SPLITS)
+    assert sum(len(v) for v in split_indices(14, sizes, seed=0).values()) == 14  # exactly fits
+
+
+def test_split_indices_rejects_oversized():
+    with pytest.raises(ValueError, match="add up to 15 but the dataset has 14"):
+        split_indices(14, {"train": 5, "calibration": 4, "selection": 2, "evaluation": 4}, seed=0)
+
+
+def test_split_digest_prefix_semantics():
+    d = load_digits(0)
+    digests = [d.split_digest("calibration", n) for n in (1, 10, 11, 100, 320)]
+    assert len(set(digests)) == 5 and all(len(h) == 16 for h in digests)
+    assert d.split_digest("calibration", 10) == load_digits(0).split_digest("calibration", 10)  # stable
+    assert d.split_digest("calibration") == d.split_digest("calibration", 320)  # None = all
+    assert d.split_digest("calibration", 10) != d.split_digest("selection", 10)
+    assert d.split_digest("calibration", 10) != load_digits(1).split_digest("calibration", 10)
+
+
+def test_split_digest_depends_only_on_the_prefix():
+    def ds(idx):
+        n = len(idx)
+        sd = SplitData(torch.zeros(n, 1, 2, 2), None, np.asarray(idx, dtype=np.int64))
+        return DatasetSplits("toy", 2, (1, 2, 2), {"calibration": sd}, digest="abc")
+
+    a, b = ds([4, 1, 7, 2, 9]), ds([4, 1, 7, 3, 8])
+    assert a.split_digest("calibration", 3) == b.split_digest("calibration", 3)
+    assert a.split_digest("calibration", 4) != b.split_digest("calibration", 4)
+    assert ds([4, 1, 7]).split_digest("calibration") == a.split_digest("calibration", 3)
+    c = DatasetSplits("toy", 2, (1, 2, 2), a.splits, digest="abd")  # dataset digest is part of it
+    assert c.split_digest("calibration", 3) != a.split_digest("calibration", 3)

@@ -1,0 +1,115 @@
+"""Spec validation: every bad input is a one-line error naming the field, exit code 2, nothing started."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.cli import main
+from orchestrator.spec import SpecError, load_spec, parse_spec
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+
+
+def spec_with(**changes):
+    d = copy.deepcopy(BASE)
+    for dotted, value in changes.items():
+        node, *path = dotted.split("__")
+        target = d
+        for p in [node, *path][:-1]:
+            target = target.setdefault(p, {})
+        last = [node, *path][-1]
+        if value is KeyError:
+            target.pop(last, None)
+        else:
+            target[last] = value
+    return d
+
+
+def test_shipped_configs_validate():
+    for p in sorted((REPO / "configs").glob("*.yaml")):
+        spec = load_spec(p)
+        assert spec.models and spec.pruners and spec.healers, p
+
+
+def test_defaults_fill_in():
+    s = parse_spec(BASE)
+    assert s.seeds == (0,) and s.heal.batch_size == 32 and s.heal.lr_min == 1e-6 and s.store.dtype == "float16"
+    assert s.search.lr == (1e-3, 3e-3) and s.search.epochs == (3, 5)
+
+
+@pytest.mark.parametrize("changes, field, words", [
+    ({"models": ["resnet99"]}, "models[0]", "unknown model 'resnet99'; allowed: resnet_digits, vit_digits"),
+    ({"pruners": ["random"]}, "pruners[0].name", "unknown pruner 'random'; allowed: global_magnitude, magnitude, nm"),
+    ({"healers": ["magic"]}, "healers[0].name", "unknown healer 'magic'"),
+    ({"colour": "red"}, "colour", "unknown key"),
+    ({"search__tpe": 3}, "search.tpe", "unknown key"),
+    ({"sparsities": [0.5, 1.0]}, "sparsities[1]", "must be < 1.0"),
+    ({"sparsities": [-0.1]}, "sparsities[0]", "must be >= 0.0"),
+    ({"sparsities": ["high"]}, "sparsities[0]", "must be a number"),
+    ({"pruners": [{"name": "nm", "settings": {"n": 4, "m": 4}}]}, "pruners[0].settings", "0 < n < m"),
+    ({"pruners": [{"name": "nm", "settings": {"k": 4}}]}, "pruners[0].settings", "unknown setting 'k'"),
+    ({"pruners": [{"name": "nm", "settings": {"n": 2, "m": 7}}]}, "pruners[0].settings.m", "does not divide"),
+    ({"calib_sizes": [128, 321]}, "calib_sizes[1]", "must be <= 320"),
+    ({"calib_sizes": [0]}, "calib_sizes[0]", "must be >= 1"),
+    ({"search__lr": [0.0, 1e-3]}, "search.lr[0]", "must be > 0.0"),
+    ({"search__lr": [-1e-3, 1e-3]}, "search.lr[0]", "must be > 0.0"),
+    ({"search__lr": [1e-2, 1e-3]}, "search.lr[1]", "must be >= 0.01"),
+    ({"search__epochs": [0, 3]}, "search.epochs[0]", "must be >= 1"),
+    ({"search__trials_per_cell": 0}, "search.trials_per_cell", "must be >= 1"),
+    ({"healers": [{"name": "starfish", "settings": {"granularity": "pixel"}}]}, "healers[0].settings",
+     "must be one of ('auto', 'token', 'example')"),
+    ({"scope": {"vit_digits": "conv"}}, "scope.vit_digits", "scope 'conv' is not defined"),
+    ({"scope": {"resnet_digits": "conv"}}, "scope.resnet_digits", "not a model of this sweep"),
+    ({"store__dtype": "float32"}, "store.dtype", "must be float16 or bfloat16"),
+    ({"models": KeyError}, "models", "required key is missing"),
+    ({"dataset": "imagenet-22k"}, "dataset", "unknown dataset"),
+])
+def test_bad_input_names_the_field(changes, field, words):
+    with pytest.raises(SpecError) as e:
+        parse_spec(spec_with(**changes))
+    msg = str(e.value)
+    assert e.value.path == field
+    assert msg.startswith(field + ": ") and words in msg and "\n" not in msg
+
+
+def test_malformed_yaml(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("name: x\nmodels: [vit_digits\n")
+    with pytest.raises(SpecError, match=r"malformed YAML at line \d+, column \d+"):
+        load_spec(p)
+
+
+def test_yaml_is_loaded_safely(tmp_path):
+    p = tmp_path / "evil.yaml"
+    p.write_text("name: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(SpecError, match="malformed YAML"):
+        load_spec(p)
+
+
+def test_cli_bad_spec_exits_2_and_starts_nothing(tmp_path, capsys):
+    import ray
+
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(spec_with(sparsities=[0.5, 1.5])))
+    out = tmp_path / "run"
+    code = main(["run", str(p), "--out", str(out), "--store", str(tmp_path / "store")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err == "healsweep: error: sparsities[1]: must be < 1.0, got 1.5"
+    assert not out.exists() and not (tmp_path / "store").exists()
+    assert not ray.is_initialized()
+
+
+def test_cli_validate_counts_cells(capsys):
+    assert main(["validate", str(REPO / "configs" / "default.yaml")]) == 0
+    # 2 models x (6 sparsities + one 2:4 pattern) x 2 calibration sizes x 1 healer x 1 seed
+    assert "28 cells x 4 trials = 112 trials" in capsys.readouterr().out
+
+
+def test_cli_report_on_non_run_dir(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "not a run directory" in capsys.readouterr().err
