@@ -31,10 +31,16 @@ class Cell:
         d.pop("cell_id")
         return d
 
-    def mask_identity(self, model_digest: str) -> dict:
-        return {"kind": "mask/1", "model_digest": model_digest, "pruner": self.pruner,
-                "settings": dict(self.pruner_settings), "sparsity": self.sparsity, "scope": self.scope,
-                "seed": self.seed}
+    def mask_identity(self, model_digest: str, calib_digest: str) -> dict:
+        """What determines this cell's mask; calibration data only for pruners that read it."""
+        from tasks.pruners import PRUNERS
+
+        ident = {"kind": "mask/1", "model_digest": model_digest, "pruner": self.pruner,
+                 "settings": dict(self.pruner_settings), "sparsity": self.sparsity, "scope": self.scope,
+                 "seed": self.seed}
+        if PRUNERS.get(self.pruner).uses_calibration:
+            ident.update(calibration=calib_digest, calib_size=self.calib_size)
+        return ident
 
 
 def expand_cells(spec: SweepSpec, scopes: Mapping[str, str]) -> list[Cell]:

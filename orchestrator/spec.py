@@ -230,15 +230,21 @@ def _check_scopes(spec: SweepSpec, adapters, models) -> None:
             entries = adapter.scope(model, s)
         except ValueError as e:
             raise SpecError(f"scope.{m}", str(e)) from None
+        from tasks.heal import HEALERS
+        from tasks.pruners import PRUNERS
+
         for i, p in enumerate(spec.pruners):
-            if p.name == "nm":  # every prunable tensor's input dim must split into groups of M
-                mm = p.settings.get("m", 4)
-                params = dict(model.named_parameters())
-                for e in entries:
-                    width = params[e.param][0].numel()
-                    if width % mm:
-                        raise SpecError(f"pruners[{i}].settings.m", f"M={mm} does not divide the input width "
-                                        f"{width} of {m}:{e.param}")
+            try:
+                PRUNERS.get(p.name).check_model(model, adapter, s, p.settings)
+            except ValueError as e:
+                where = "settings.m" if p.name == "nm" else "name"
+                raise SpecError(f"pruners[{i}].{where}", f"pruner {p.name!r} cannot serve model {m!r}: {e}") from None
+            for j, h in enumerate(spec.healers):
+                try:
+                    HEALERS.get(h.name).check_cell(model, adapter, p.name, p.settings, h.settings)
+                except ValueError as e:
+                    raise SpecError(f"healers[{j}].name", f"healer {h.name!r} with pruner {p.name!r} on model "
+                                    f"{m!r}: {e}") from None
 
 
 def load_spec(path: str | Path) -> SweepSpec:

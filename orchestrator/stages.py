@@ -14,7 +14,7 @@ from orchestrator.spec import SweepSpec
 from tasks.adapters import get_adapter
 from tasks.masks import MaskStore
 from tasks.models import load_model
-from tasks.pruners import make_masks
+from tasks.pruners import PruneContext, make_masks
 from tasks.store import TargetStore, content_key
 from tasks.targets import LOGITS, dense_targets
 
@@ -100,14 +100,17 @@ def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: Pa
     out: dict[str, str] = {}
     loaded = {}
     for c in cells:
-        key = content_key(c.mask_identity(models[c.model].digest))
+        ident = c.mask_identity(models[c.model].digest, models[c.model].calib_digest)
+        key = content_key(ident)
         out[c.cell_id] = key
         if masks.has(key):
             continue
         if c.model not in loaded:
-            loaded[c.model] = load_model(c.model, cache_dir, data_seed=data_seed, progress=False).model
-        model = loaded[c.model]
-        entries = get_adapter(model).scope(model, c.scope)
-        m = make_masks(model, entries, c.pruner, c.sparsity, seed=c.seed, settings=c.pruner_settings)
-        masks.save(key, m, c.mask_identity(models[c.model].digest))
+            loaded[c.model] = load_model(c.model, cache_dir, data_seed=data_seed, progress=False)
+        lm = loaded[c.model]
+        adapter = get_adapter(lm.model)
+        entries = adapter.scope(lm.model, c.scope)
+        ctx = PruneContext(lm.model, adapter, entries, calib_images=lm.dataset["calibration"].images[: c.calib_size])
+        m = make_masks(lm.model, entries, c.pruner, c.sparsity, seed=c.seed, settings=c.pruner_settings, ctx=ctx)
+        masks.save(key, m, ident)
     return out

@@ -13,7 +13,10 @@ TRIAL_PARAMS = ("model", "pruner", "scope", "sparsity", "calib_size", "healer", 
 EPOCH_METRICS = ("align_loss", "selection_acc")
 FINAL_METRICS = ("dense_acc", "pruned_acc", "healed_acc", "retention", "heal_seconds", "dense_forward_images",
                  "mask_violations", "achieved_sparsity")
-EXTRA_METRICS = ("changed_outside_scope", "trial_seconds")
+# Bookkeeping keys Ray Tune adds to every result; not metrics of the trial.
+TUNE_KEYS = {"epoch", "final", "training_iteration", "timestamp", "time_this_iter_s", "time_total_s", "pid",
+             "time_since_restore", "iterations_since_restore", "done", "date", "hostname", "node_ip",
+             "trial_id", "experiment_id", "config", "should_checkpoint", "checkpoint_dir_name"}
 
 
 def experiment_id(client: MlflowClient, name: str) -> str:
@@ -61,9 +64,11 @@ class MlflowTrialLogger(Callback):
             return
         ts, step = int(time.time() * 1000), int(result.get("epoch", 0))
         metrics = [Metric(k, float(result[k]), ts, step) for k in EPOCH_METRICS if k in result]
-        if result.get("final"):
+        if result.get("final"):  # every numeric value the trial returned is a final metric
             extra = dict(result, dense_forward_images=self.dense_images.get(trial.config["model"], 0))
-            metrics += [Metric(k, float(extra[k]), ts, step) for k in FINAL_METRICS + EXTRA_METRICS if k in extra]
+            skip = set(EPOCH_METRICS) | TUNE_KEYS
+            metrics += [Metric(k, float(v), ts, step) for k, v in extra.items()
+                        if k not in skip and isinstance(v, (int, float)) and not isinstance(v, bool)]
         self.client.log_batch(run_id, metrics=metrics)
 
     def on_trial_complete(self, iteration, trials, trial, **info):

@@ -49,6 +49,8 @@ class HealContext:
     batches: Batches  # streams (rows, targets) for an epoch, in batches of cfg.batch_size
     steps_per_epoch: int
     default_granularity: str = "token"
+    dense_model: Callable[[], nn.Module] | None = None  # lazily builds an unpruned copy (repair operators)
+    labeled: tuple[torch.Tensor, torch.Tensor] | None = None  # (images, labels) for supervised baselines
 
 
 @dataclass
@@ -73,6 +75,10 @@ class Healer:
             allowed = self.settings_schema[k]
             if isinstance(allowed, tuple) and v not in allowed:
                 raise ValueError(f"healer {self.name!r} setting {k!r} must be one of {allowed}, got {v!r}")
+
+    def check_cell(self, model: nn.Module, adapter: Any, pruner: str, pruner_settings: Mapping[str, Any],
+                   settings: Mapping[str, Any]) -> None:
+        """Raise ValueError naming both sides when this healer cannot serve the pruner/model combination."""
 
     def heal(self, ctx: HealContext, cfg: HealConfig, on_epoch: EpochCallback | None = None) -> HealResult:
         raise NotImplementedError

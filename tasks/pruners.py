@@ -8,13 +8,26 @@ Counts are exact: a tensor of n prunable weights at sparsity s loses exactly flo
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
 
 from tasks._registry import Registry
-from tasks.adapters import ScopeEntry
+from tasks.adapters import ModelAdapter, ScopeEntry
+
+
+@dataclass
+class PruneContext:
+    """What a mask generator may look at besides the weights: the model, its scope, unlabeled calibration
+    images (for methods that collect activation statistics) and precomputed stage outputs (diagnostics)."""
+
+    model: nn.Module
+    adapter: ModelAdapter
+    entries: list[ScopeEntry]
+    calib_images: torch.Tensor | None = None  # (N, C, H, W), unlabeled
+    diagnostics: Mapping[str, Any] = field(default_factory=dict)
 
 
 def n_pruned(numel: int, sparsity: float) -> int:
@@ -36,6 +49,7 @@ class Pruner:
 
     name = ""
     settings_schema: dict[str, type] = {}
+    uses_calibration = False  # True: masks depend on calibration images (their count is part of the mask key)
 
     def check(self, settings: Mapping[str, Any]) -> None:
         for k, v in settings.items():
@@ -48,12 +62,16 @@ class Pruner:
     def fixed_sparsity(self, settings: Mapping[str, Any]) -> float | None:
         return None
 
+    def check_model(self, model: nn.Module, adapter: ModelAdapter, scope: str, settings: Mapping[str, Any]) -> None:
+        """Raise ValueError (naming model, pruner and why) when this pruner cannot serve the model/scope."""
+
     def pattern(self, sparsity: float, settings: Mapping[str, Any]) -> str:
         """Human label of the pattern, used as the `pattern` tag in MLflow and reports."""
         return f"{sparsity:g}"
 
     def __call__(self, weights: Mapping[str, torch.Tensor], sparsity: float, *, seed: int,
-                 **settings: Any) -> dict[str, torch.Tensor]:
+                 ctx: PruneContext | None = None, **settings: Any) -> dict[str, torch.Tensor]:
+        """weights: {param: prunable region tensor}; returns {param: bool keep-mask of the region's shape}."""
         raise NotImplementedError
 
 
@@ -65,7 +83,7 @@ class MagnitudePruner(Pruner):
 
     name = "magnitude"
 
-    def __call__(self, weights, sparsity, *, seed, **settings):
+    def __call__(self, weights, sparsity, *, seed, ctx=None, **settings):
         return {k: _keep_all_but_smallest(w.detach().abs(), n_pruned(w.numel(), sparsity)) for k, w in weights.items()}
 
 
@@ -74,7 +92,7 @@ class GlobalMagnitudePruner(Pruner):
 
     name = "global_magnitude"
 
-    def __call__(self, weights, sparsity, *, seed, **settings):
+    def __call__(self, weights, sparsity, *, seed, ctx=None, **settings):
         names = list(weights)
         flat = torch.cat([weights[k].detach().abs().flatten().float() for k in names])  # (P,)
         keep = _keep_all_but_smallest(flat, n_pruned(flat.numel(), sparsity))
@@ -119,7 +137,15 @@ class NMPruner(Pruner):
     def pattern(self, sparsity, settings):
         return f"{settings.get('n', 2)}:{settings.get('m', 4)}"
 
-    def __call__(self, weights, sparsity, *, seed, n: int = 2, m: int = 4):
+    def check_model(self, model, adapter, scope, settings):
+        m = settings.get("m", 4)
+        params = dict(model.named_parameters())
+        for e in adapter.scope(model, scope):
+            width = params[e.param][0].numel()
+            if width % m:
+                raise ValueError(f"M={m} does not divide the input width {width} of {e.param}")
+
+    def __call__(self, weights, sparsity, *, seed, ctx=None, n: int = 2, m: int = 4):
         return {k: nm_mask(w, n, m) for k, w in weights.items()}
 
 
@@ -135,7 +161,7 @@ def region(param: torch.Tensor, entry: ScopeEntry) -> torch.Tensor:
 
 
 def make_masks(model: nn.Module, entries: list[ScopeEntry], pruner: str, sparsity: float, *, seed: int,
-               settings: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
+               settings: Mapping[str, Any] | None = None, ctx: PruneContext | None = None) -> dict[str, torch.Tensor]:
     """Run a registered pruner on a model's scope and return full-shape masks (True = keep)."""
     params = dict(model.named_parameters())
     missing = [e.param for e in entries if e.param not in params]
@@ -146,7 +172,7 @@ def make_masks(model: nn.Module, entries: list[ScopeEntry], pruner: str, sparsit
     p.check(settings)
     fixed = p.fixed_sparsity(settings)
     region_masks = p({e.param: region(params[e.param], e) for e in entries},
-                     fixed if fixed is not None else sparsity, seed=seed, **settings)
+                     fixed if fixed is not None else sparsity, seed=seed, ctx=ctx, **settings)
     return expand_masks(model, entries, region_masks)
 
 

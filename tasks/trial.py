@@ -71,6 +71,9 @@ def run_trial(p: TrialParams, report: Callable[[dict], None]) -> dict:
         batches=lambda epoch: reader.iter_batches(p.batch_size, shuffle=True, seed=p.seed, epoch=epoch),
         steps_per_epoch=steps_per_epoch(p.calib_size, p.batch_size),
         default_granularity=adapter.default_granularity,
+        dense_model=lambda: load_model(p.model, p.cache_dir, data_seed=p.data_seed, progress=False).model.to(p.device),
+        # Supervised baselines get a budget-matched labeled set: the first calib_size items of the train split.
+        labeled=(lm.dataset["train"].images[: p.calib_size], lm.dataset["train"].labels[: p.calib_size]),
     )
     cfg = HealConfig(lr=p.lr, epochs=p.epochs, batch_size=p.batch_size, weight_decay=p.weight_decay,
                      lr_min=p.lr_min, seed=p.seed, settings=dict(p.healer_settings))

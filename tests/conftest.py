@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import pytest
 import torch
@@ -94,9 +94,16 @@ def make_heal_case(kind: str, scope: str, sparsity: float = 0.8, pruner: str = "
     masks = make_masks(model, entries, pruner, sparsity, seed=seed)
     apply_masks(model, masks)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    extra = {}  # optional context some healers need (present once tasks.heal.HealContext defines the fields)
+    names = {f.name for f in fields(HealContext)}
+    if "dense_model" in names:
+        extra["dense_model"] = lambda: copy.deepcopy(dense)
+    if "labeled" in names:
+        train = load_digits(0)["train"]
+        extra["labeled"] = (train.images[:n].repeat(1, BUILDERS[kind][1], 1, 1), train.labels[:n])
     ctx = HealContext(model=model, blocks=adapter.blocks(model), entries=entries, masks=masks, images=imgs,
                       batches=in_memory_batches(targets, batch, seed), steps_per_epoch=steps_per_epoch(len(imgs), batch),
-                      default_granularity=adapter.default_granularity)
+                      default_granularity=adapter.default_granularity, **extra)
     return HealCase(model, entries, masks, ctx, targets, before)
 
 
