@@ -76,6 +76,11 @@ class Healer:
             if isinstance(allowed, tuple) and v not in allowed:
                 raise ValueError(f"healer {self.name!r} setting {k!r} must be one of {allowed}, got {v!r}")
 
+    def may_change(self, model: nn.Module, entries: list[ScopeEntry]) -> set[str]:
+        """state_dict names outside the prunable scope that this healer is allowed to change (e.g. BatchNorm
+        running statistics for CR+BN, an fc2 bias for CORP). Default: none."""
+        return set()
+
     def check_cell(self, model: nn.Module, adapter: Any, pruner: str, pruner_settings: Mapping[str, Any],
                    settings: Mapping[str, Any]) -> None:
         """Raise ValueError naming both sides when this healer cannot serve the pruner/model combination."""
@@ -117,37 +122,49 @@ class GradientHealer(Healer):
         model.eval()
         block_names = [b for b, _ in ctx.blocks]
         losses, steps, t0 = [], 0, time.perf_counter()
-        with block_tap(ctx.blocks) as cap:
-            for epoch in range(cfg.epochs):
-                run, n = 0.0, 0
-                for rows, tgt in ctx.batches(epoch):
-                    x = ctx.images[torch.as_tensor(rows)].to(dev, non_blocking=True)
-                    model(x)
-                    outs = [cap[b] for b in block_names]
-                    tg = [tgt[b].to(dev, non_blocking=True) for b in block_names]
-                    loss = self.loss(outs, tg, settings)
-                    if not torch.isfinite(loss):
-                        raise HealingDiverged(f"healer {self.name!r}: loss became {loss.item()} at epoch "
-                                              f"{epoch + 1}, step {steps + 1} (lr={cfg.lr:g})")
-                    opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    with torch.no_grad():
-                        for name in names:
-                            params[name].grad.mul_(keep[name])
-                    opt.step()
-                    sched.step()
-                    with torch.no_grad():
-                        for name in names:
-                            params[name].copy_(torch.where(keep[name], params[name], frozen[name]))
-                    run += float(loss.detach()) * len(rows)
-                    n += len(rows)
-                    steps += 1
-                losses.append(run / max(n, 1))
-                if on_epoch is not None:
-                    on_epoch(epoch + 1, {"align_loss": losses[-1]})
-        for name in names:
-            params[name].requires_grad_(False)
-            params[name].grad = None
+        try:
+            with block_tap(ctx.blocks) as cap:
+                for epoch in range(cfg.epochs):
+                    run, n = 0.0, 0
+                    for rows, tgt in ctx.batches(epoch):
+                        x = ctx.images[torch.as_tensor(rows)].to(dev, non_blocking=True)
+                        model(x)
+                        outs = [cap[b] for b in block_names]
+                        tg = [tgt[b].to(dev, non_blocking=True) for b in block_names]
+                        loss = self.loss(outs, tg, settings)
+                        where = f"epoch {epoch + 1}, step {steps + 1} (lr={cfg.lr:g})"
+                        if not torch.isfinite(loss):
+                            raise HealingDiverged(f"healer {self.name!r}: loss became {loss.item()} at {where}")
+                        opt.zero_grad(set_to_none=True)
+                        loss.backward()
+                        with torch.no_grad():
+                            for name in names:
+                                g = params[name].grad
+                                if g is None:  # e.g. a classifier after the last target block: untouched
+                                    continue
+                                g.mul_(keep[name])
+                                if not torch.isfinite(g).all():
+                                    raise HealingDiverged(f"healer {self.name!r}: non-finite gradient for {name} at {where}")
+                            before = {name: params[name].detach().clone() for name in names}
+                        opt.step()
+                        sched.step()
+                        with torch.no_grad():
+                            for name in names:
+                                params[name].copy_(torch.where(keep[name], params[name], frozen[name]))
+                            if not all(torch.isfinite(params[name]).all() for name in names):
+                                for name in names:  # never leave NaN/Inf weights behind
+                                    params[name].copy_(before[name])
+                                raise HealingDiverged(f"healer {self.name!r}: weights became non-finite at {where}")
+                        run += float(loss.detach()) * len(rows)
+                        n += len(rows)
+                        steps += 1
+                    losses.append(run / max(n, 1))
+                    if on_epoch is not None:
+                        on_epoch(epoch + 1, {"align_loss": losses[-1]})
+        finally:
+            for name in names:
+                params[name].requires_grad_(False)
+                params[name].grad = None
         return HealResult(losses, time.perf_counter() - t0, steps)
 
 

@@ -41,9 +41,6 @@ def test_heal_keeps_invariants_and_reduces_loss(heal_case, kind, scope):
     assert not any(p.requires_grad or p.grad is not None for p in case.model.parameters())
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="GradientHealer.heal calls .grad.mul_ on scope params that got no gradient (ResNet fc.weight "
-                          "lies after the last target block), grad is None -> AttributeError")
 def test_heal_scope_param_without_gradient_path(heal_case):
     case = heal_case("resnet", "conv_fc", sparsity=0.8)
     STARFISH.heal(case.ctx, HealConfig(lr=1e-2, epochs=1, batch_size=8))
@@ -92,9 +89,6 @@ def test_huge_lr_raises_healing_diverged(heal_case):
     assert mask_violations(case.model, case.masks) == 0
 
 
-@pytest.mark.xfail(strict=True, reason="GradientHealer.heal: only the loss is checked for finiteness; a step with a finite "
-                                       "loss but NaN gradients (lr=1e6) writes NaN into the weights and the next "
-                                       "step raises HealingDiverged with the NaN weights left in the model")
 def test_huge_lr_leaves_no_nan_weights(heal_case):
     case = heal_case("timm_vit", "qkv_out_mlp")
     with pytest.raises(HealingDiverged):
@@ -102,8 +96,6 @@ def test_huge_lr_leaves_no_nan_weights(heal_case):
     assert all(torch.isfinite(p).all() for p in case.model.parameters())
 
 
-@pytest.mark.xfail(strict=True, reason="GradientHealer.heal: the requires_grad/grad cleanup after the loop is not in a "
-                                       "finally block, so HealingDiverged leaves scope params requires_grad=True")
 def test_divergence_restores_requires_grad(heal_case):
     case = heal_case("resnet", "conv")
     for v in case.targets.values():
