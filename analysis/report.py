@@ -107,7 +107,7 @@ class Table:
 def model_table(best: pd.DataFrame) -> Table:
     """Formatted rows (last column = run id) for one model's best-per-cell frame."""
     best = _sorted_rows(best)
-    extra = [c for c in ("scope", "granularity") if _varying(best, c)]
+    extra = [c for c in ("scope", "granularity", "seed") if _varying(best, c)]
     headers = ["pruner", "pattern", "sparsity", "calib size", "dense (%)", "pruned (%)",
                "healed (%)", "retention", "best lr", "epochs", "trials", "healer", *extra,
                "MLflow run"]
@@ -232,7 +232,8 @@ _CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans
 color:#222;max-width:1400px}table{border-collapse:collapse;margin:1em 0;font-size:.9em}
 th,td{border:1px solid #ccc;padding:.3em .6em;text-align:right}th{background:#f2f2f2}
 td.l,th{text-align:left}code{font-size:.9em}
-img{max-width:100%;border:1px solid #eee}figure{margin:1em 0}figcaption{color:#555;max-width:75em}.note{color:#555}dl{display:grid;
+img{max-width:100%;border:1px solid #eee}figure{margin:1em 0}
+figcaption{color:#555;max-width:75em}.note{color:#555}dl{display:grid;
 grid-template-columns:max-content auto;gap:.2em 1em}dt{font-weight:bold}"""
 
 
