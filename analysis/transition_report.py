@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -19,7 +20,7 @@ from .bands import BandSettings, bands
 from .cts import CTSSettings
 from .figures import allocation_figure, bands_figure, cts_figure, rr_heatmap
 
-__all__ = ["Sections", "build_sections", "HOW_TO_READ"]
+__all__ = ["Sections", "build_sections", "HOW_TO_READ", "json_clean"]
 
 HOW_TO_READ = {
     "bands": "Healed top-1 accuracy (mean ± std over seeds of the best trial per cell) against nominal "
@@ -57,6 +58,19 @@ def _png_b64(fig: Figure) -> tuple[bytes, str]:
     fig.savefig(buf, format="png")
     data = buf.getvalue()
     return data, base64.b64encode(data).decode("ascii")
+
+
+def json_clean(x):
+    """JSON-safe copy: NaN/inf -> None, numpy scalars -> Python numbers, tuples -> lists."""
+    if isinstance(x, dict):
+        return {str(k): json_clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_clean(v) for v in x]
+    if hasattr(x, "item") and not isinstance(x, (str, bytes)):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
 
 
 def _safe(text: str) -> str:
@@ -172,7 +186,8 @@ def _paired(w: _Writer, best: pd.DataFrame, tracking_uri: str) -> None:
 def build_sections(best: pd.DataFrame, models: list[str], diags: dict[str, pd.DataFrame], out_dir,
                    tracking_uri: str, url_of, cts_st: CTSSettings = CTSSettings(),
                    band_st: BandSettings = BandSettings()) -> Sections:
-    sec = Sections(bands_json={"settings": {"cts": cts_st.to_dict(), "bands": band_st.to_dict()}, "models": {}})
+    sec = Sections(bands_json={"settings": json_clean({"cts": cts_st.to_dict(), "bands": band_st.to_dict()}),
+                               "models": {}})
     for model in models:
         md, ht = [], []
         w = _Writer(out_dir, model, md, ht)
@@ -193,7 +208,7 @@ def build_sections(best: pd.DataFrame, models: list[str], diags: dict[str, pd.Da
             _points_table(w, recs, url_of)
             _paired(w, mb, tracking_uri)
         sec.md[model], sec.html[model] = md, ht
-        sec.bands_json["models"][model] = {
+        sec.bands_json["models"][model] = json_clean({
             "cts": None if cts is None else {k: v for k, v in cts.items() if k != "settings"},
-            "bands": recs}
+            "bands": recs})
     return sec

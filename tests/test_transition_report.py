@@ -94,3 +94,11 @@ def test_report_without_allocation_module_or_diagnostics(sweep, tmp_path, monkey
     tf.write_sweep_json(run_dir, sweep["uri"])
     md = write_report(run_dir)["md"].read_text()
     assert "CTS unavailable" in md and "Repairability bands: magnitude" in md
+
+
+def test_json_clean():
+    from analysis.transition_report import json_clean
+
+    got = json_clean({"a": float("nan"), "b": (np.float32(0.5), np.int64(3)), "c": [float("inf"), "x"]})
+    assert got == {"a": None, "b": [0.5, 3], "c": [None, "x"]}
+    assert type(got["b"][1]) is int
