@@ -75,12 +75,18 @@ def load_diagnostics(tracking_uri: str, parent_run_id: str | None) -> dict[str, 
     return out
 
 
+def _reachable(c: RRCurves, target: float) -> float:
+    """The target, capped at the global sparsity of every layer at the top of the grid (float-exact)."""
+    top = sum(n * c.grid[-1] for n in c.sizes.values()) / sum(c.sizes.values())
+    return min(float(target), top)
+
+
 def allocations(c: RRCurves, target: float) -> dict[str, dict[str, float]]:
     """``{"RR": {layer: s}, "ERK": {layer: s}}`` at a global target sparsity."""
     from tasks.allocation import erk_sparsities, greedy_allocate
 
     cost = {ly: c.r[i].tolist() for i, ly in enumerate(c.layers)}
-    return {"RR": dict(greedy_allocate(cost, c.sizes, c.grid, target)),
+    return {"RR": dict(greedy_allocate(cost, c.sizes, c.grid, _reachable(c, target))),
             "ERK": dict(erk_sparsities(c.shapes, target))}
 
 
@@ -92,7 +98,7 @@ def model_cts(c: RRCurves, st: CTSSettings = CTSSettings()) -> dict:
     targets = tuple(x for x in st.targets if c.grid[0] <= x <= c.grid[-1] + 1e-12)
     st = CTSSettings(**{**st.to_dict(), "targets": targets})
     out = compute_cts(c.r, c.grid, c.layers,
-                      lambda x: greedy_allocate(cost, c.sizes, c.grid, x),
+                      lambda x: greedy_allocate(cost, c.sizes, c.grid, _reachable(c, x)),
                       lambda x: erk_sparsities(c.shapes, x), st)
     out["model"] = c.model
     return out

@@ -144,12 +144,16 @@ def _cts_for(model: str, diags: dict, cts_st: CTSSettings, w: _Writer) -> dict |
     try:
         curves = curves_from_frame(diags[model])
         cts = model_cts(curves, cts_st)
-    except ImportError as e:
+        target = round((cts["core"]["lo"] + cts["core"]["hi"]) / 2, 4) if cts["core"] else 0.95
+        target = min(max(target, curves.grid[0]), curves.grid[-1])
+        al = allocations(curves, target)
+    except (ImportError, ValueError) as e:  # allocation module missing, bad diagnostics, infeasible target
         w.note(f"CTS unavailable: {e}.")
         return None
-    w.heading("Calibration transition score (calibration data only)")
     core = cts["core"]
-    w.note("CTS core: " + (f"{100 * core['lo']:.1f}–{100 * core['hi']:.1f}%" if core else "none (flat score)")
+    w.heading("Calibration transition score (calibration data only)")
+    none = "none (CTS̄ never rises above its low-sparsity baseline B)"
+    w.note("CTS core: " + (f"{100 * core['lo']:.1f}–{100 * core['hi']:.1f}%" if core else none)
            + "; broad band: " + (f"{100 * cts['band']['lo']:.1f}–{100 * cts['band']['hi']:.1f}%"
                                  if cts["band"] else "none"))
     w.figure(cts_figure(cts, f"{model}: calibration transition score"), "cts", f"{model}: CTS",
@@ -158,9 +162,6 @@ def _cts_for(model: str, diags: dict, cts_st: CTSSettings, w: _Writer) -> dict |
     w.heading("Per-layer relative repairability")
     w.figure(rr_heatmap(curves.layers, curves.grid, curves.r, f"{model}: R_ℓ(s)"), "rr", f"{model}: RR heat map",
              HOW_TO_READ["rr"])
-    target = round((core["lo"] + core["hi"]) / 2, 4) if core else 0.95
-    target = min(max(target, curves.grid[0]), curves.grid[-1])
-    al = allocations(curves, target)
     w.heading(f"Allocation: RR vs ERK at {100 * target:g}%")
     w.figure(allocation_figure(curves.layers, al["RR"], al["ERK"], target, f"{model}: RR − ERK sparsity"),
              "alloc", f"{model}: RR vs ERK allocation", HOW_TO_READ["alloc"].format(t=100 * target))
