@@ -102,3 +102,14 @@ def test_json_clean():
     got = json_clean({"a": float("nan"), "b": (np.float32(0.5), np.int64(3)), "c": [float("inf"), "x"]})
     assert got == {"a": None, "b": [0.5, 3], "c": [None, "x"]}
     assert type(got["b"][1]) is int
+
+
+def test_rr_targets_capped_at_reachable(monkeypatch):
+    from analysis.rr import _reachable, allocations
+
+    tf.install_reference_allocation(monkeypatch)
+    c = curves_from_frame(tf.diagnostics_frame(MODEL))
+    assert _reachable(c, 0.99) == pytest.approx(0.975) and _reachable(c, 0.9) == 0.9
+    al = allocations(c, 0.99)
+    assert set(al["RR"].values()) == {0.975}  # every layer at the top of the grid
+    assert al["ERK"] == pytest.approx({ly: 0.975 for ly in tf.LAYERS}, abs=1e-6)  # ERK floor 0.025
