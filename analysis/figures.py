@@ -32,7 +32,7 @@ def _edges(xs: list[float]) -> list[tuple[float, float]]:
     for i, x in enumerate(xs):
         lo = (xs[i - 1] + x) / 2 if i > 0 else x - (xs[1] - x) / 2 if len(xs) > 1 else x - 0.0025
         hi = (xs[i + 1] + x) / 2 if i + 1 < len(xs) else x + (x - xs[i - 1]) / 2 if len(xs) > 1 else x + 0.0025
-        out.append((lo, hi))
+        out.append((max(0.0, lo), min(1.0, hi)))  # sparsity lives in [0, 1]
     return out
 
 
