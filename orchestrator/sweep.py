@@ -102,7 +102,8 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(address=address, include_dashboard=False, num_cpus=None if address else num_cpus,
+        # No address: always a fresh local instance ("local"), never whatever Ray happens to run on the machine.
+        ray.init(address=address or "local", include_dashboard=False, num_cpus=None if address else num_cpus,
                  logging_level=logging.WARNING, log_to_driver=False, configure_logging=True)
     try:
         dense = dense_stage(spec, models, rows, Path(paths["targets"]), cache_dir, progress=progress)
