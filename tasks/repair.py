@@ -118,10 +118,15 @@ def has_batchnorm(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def recalibrate_bn(model: nn.Module, images: torch.Tensor, batches: int = 20, batch_size: int = 128) -> int:
-    """Reset and re-estimate every BatchNorm's running stats (cumulative average over the batches, labels and
-    gradients unused; other modules stay in eval mode). Returns the number of batches used."""
+def recalibrate_bn(model: nn.Module, images: torch.Tensor, batches: int = 20, batch_size: int = 128,
+                   modules: list[nn.Module] | None = None) -> int:
+    """Reset and re-estimate every BatchNorm's running stats (or only ``modules``'), as a cumulative average
+    over the batches; labels and gradients unused; every other module stays in eval mode (standard practice:
+    all BNs in train mode together, so a BN sees inputs normalized by upstream batch statistics).
+    Returns the number of batches used."""
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if modules is not None:
+        bns = [m for m in bns if any(m is x for x in modules)]
     if not bns:
         return 0
     was = model.training

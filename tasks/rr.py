@@ -78,7 +78,7 @@ def _bn(bn: nn.Module | None, y: torch.Tensor, mean=None, var=None) -> torch.Ten
 
 def _layer_input(model: nn.Module, layer: nn.Module, images: torch.Tensor, batch_size: int) -> torch.Tensor:
     xs = []
-    h = layer.register_forward_hook(lambda _m, inp, _o: xs.append(inp[0].detach()))
+    h = layer.register_forward_hook(lambda _m, inp, _o: xs.append(inp[0].detach().clone()))  # clone: later in-place ops
     try:
         for i in range(0, len(images), batch_size):
             model(images[i : i + batch_size])
