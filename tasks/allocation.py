@@ -12,6 +12,7 @@ into exact per-layer weight counts (``allocate_counts``) and magnitude-prune eac
 """
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 import torch
@@ -22,8 +23,6 @@ _TOL = 1e-12
 
 def n_pruned(numel: int, sparsity: float) -> int:
     """Exact number of weights removed from ``numel`` at ``sparsity`` (round half up; as tasks.pruners)."""
-    import math
-
     return int(math.floor(sparsity * numel + 0.5))
 
 
