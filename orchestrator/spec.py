@@ -239,6 +239,12 @@ def _check_scopes(spec: SweepSpec, adapters, models) -> None:
             except ValueError as e:
                 where = "settings.m" if p.name == "nm" else "name"
                 raise SpecError(f"pruners[{i}].{where}", f"pruner {p.name!r} cannot serve model {m!r}: {e}") from None
+            check_sparsity = getattr(PRUNERS.get(p.name), "check_sparsity", None)  # e.g. an RR candidate grid
+            for sp in spec.sparsities if check_sparsity else ():
+                try:
+                    check_sparsity(sp, p.settings)
+                except ValueError as e:
+                    raise SpecError(f"pruners[{i}].settings.grid", f"pruner {p.name!r} on model {m!r}: {e}") from None
             for j, h in enumerate(spec.healers):
                 try:
                     HEALERS.get(h.name).check_cell(model, adapter, p.name, p.settings, h.settings)

@@ -94,8 +94,9 @@ def dense_stage(spec: SweepSpec, models: Mapping[str, ModelInfo], rows: Mapping[
 
 
 def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: Path, cache_dir: Path,
-               data_seed: int) -> dict[str, str]:
-    """Compute each distinct mask once (content-addressed); return {cell_id: mask_key}."""
+               data_seed: int, diagnostics: Mapping[str, Mapping] | None = None) -> dict[str, str]:
+    """Compute each distinct mask once (content-addressed); return {cell_id: mask_key}.
+    ``diagnostics``: {cell_id: RR diagnostics table} from orchestrator.diagnostics, for the pruners that read one."""
     masks = MaskStore(mask_root)
     out: dict[str, str] = {}
     loaded = {}
@@ -110,7 +111,9 @@ def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: Pa
         lm = loaded[c.model]
         adapter = get_adapter(lm.model)
         entries = adapter.scope(lm.model, c.scope)
-        ctx = PruneContext(lm.model, adapter, entries, calib_images=lm.dataset["calibration"].images[: c.calib_size])
+        diag = {"rr": diagnostics[c.cell_id]} if diagnostics and c.cell_id in diagnostics else {}
+        ctx = PruneContext(lm.model, adapter, entries, calib_images=lm.dataset["calibration"].images[: c.calib_size],
+                           diagnostics=diag)
         m = make_masks(lm.model, entries, c.pruner, c.sparsity, seed=c.seed, settings=c.pruner_settings, ctx=ctx)
         masks.save(key, m, ident)
     return out

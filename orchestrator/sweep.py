@@ -78,6 +78,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
     from ray import tune
 
     from orchestrator.search import PerCellOptunaSearch
+    from orchestrator.diagnostics import diagnostics_stage, log_diagnostics
     from orchestrator.stages import dense_stage, mask_stage, prepare_models
     from orchestrator.tracking import MlflowTrialLogger, start_parent
     from tasks.adapters import get_adapter
@@ -107,7 +108,11 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
                  logging_level=logging.WARNING, log_to_driver=False, configure_logging=True)
     try:
         dense = dense_stage(spec, models, rows, Path(paths["targets"]), cache_dir, progress=progress)
-        mask_keys = mask_stage(cells, models, Path(paths["masks"]), cache_dir, spec.data_seed)
+        diag_root = store_root / "diagnostics"
+        diag = diagnostics_stage(cells, models, diag_root, cache_dir, spec.data_seed,
+                                 int(spec.resources.cpus_per_dense_task))
+        mask_keys = mask_stage(cells, models, Path(paths["masks"]), cache_dir, spec.data_seed,
+                               diagnostics=diag.tables(diag_root))
 
         client = MlflowClient(tracking_uri)
         step = int(resume["round"]) if resume else 0
@@ -119,6 +124,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
                 "spec_name": spec.name, "cells": len(cells), "trials_per_cell": spec.search.trials_per_cell,
                 "models": ",".join(spec.models), "objective": spec.search.objective, "store": str(store_root)})
             client.log_text(parent, json.dumps(spec.to_dict(), indent=1, default=list), "spec.json")
+        log_diagnostics(client, parent, diag_root, diag)
         gran = {}
         for m in models:
             src = MODELS.get(m)
@@ -158,6 +164,8 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
                                           Metric("trials_failed", logger_cb.failed, ts, step),
                                           Metric("sweep_seconds", seconds, ts, step),
                                           Metric("tune_seconds", tune_seconds, ts, step),
+                                          Metric("diagnostics_layers_computed", diag.computed_layers, ts, step),
+                                          Metric("diagnostics_seconds", diag.seconds, ts, step),
                                           Metric("concurrency", concurrency, ts, step)])
         client.set_terminated(parent, "FINISHED")
     finally:

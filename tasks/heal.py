@@ -200,3 +200,6 @@ def in_memory_batches(targets: Mapping[str, torch.Tensor], batch_size: int, seed
             yield rows, {k: v[rows] for k, v in targets.items()}
 
     return batches
+
+
+from tasks import crbn_healer as _crbn_healer  # noqa: E402,F401  registers the CR+BN repair healer

@@ -221,3 +221,6 @@ def achieved_sparsity(entries: list[ScopeEntry], masks: Mapping[str, torch.Tenso
         total += r.numel()
         pruned += int((~r).sum())
     return pruned / max(total, 1)
+
+
+from tasks import allocation_pruners as _allocation_pruners  # noqa: E402,F401  registers the allocation rules

@@ -61,7 +61,8 @@ def run_trial(p: TrialParams, report: Callable[[dict], None]) -> dict:
     dense_acc = accuracy(model, ev.images, ev.labels)
     apply_masks(model, masks)
     pruned_acc = accuracy(model, ev.images, ev.labels)
-    untouched = _outside_scope_digest(model, {e.param for e in entries})
+    healer = HEALERS.get(p.healer)  # state it may change outside the scope (e.g. CR+BN: BatchNorm statistics)
+    untouched = _outside_scope_digest(model, {e.param for e in entries} | healer.may_change(model, entries))
 
     reader = TargetStore(p.store_root).open(p.targets_key, num_rows=p.calib_size)
     blocks = adapter.blocks(model)
@@ -87,7 +88,7 @@ def run_trial(p: TrialParams, report: Callable[[dict], None]) -> dict:
 
     t0 = time.perf_counter()
     try:
-        HEALERS.get(p.healer).heal(ctx, cfg, on_epoch)
+        healer.heal(ctx, cfg, on_epoch)
     finally:
         reader.close()
     heal_seconds = time.perf_counter() - t0

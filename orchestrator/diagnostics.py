@@ -1,0 +1,144 @@
+"""RR diagnostics as a cached stage (SPEC §5): Ray tasks, one per prunable layer, content-addressed Parquet.
+
+A diagnostics table is computed only for cells whose pruner needs one (pruners with ``diagnostic_settings``:
+raw_shift, repair_residual, rr), once per distinct identity (model digest, calibration digest, scope, grid,
+images, τ rule), and reused by every later sweep on the same store:
+``<store root>/diagnostics/<key>.parquet`` with columns ``tasks.rr.COLUMNS``. The sweep logs each table as an
+artifact of its parent run (``diagnostics/<model>.parquet``) with the tag ``diagnostics_key.<model>``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+import torch
+
+from orchestrator.plan import Cell
+from tasks.store import KEY_RE, StoreError, content_key
+
+SCHEMA = pa.schema([("model", pa.string()), ("layer", pa.string()), ("n_weights", pa.int64()),
+                    ("shape", pa.string()), ("sparsity", pa.float64()), ("D_raw", pa.float64()),
+                    ("D_repair", pa.float64()), ("R", pa.float64())])
+
+
+@dataclass
+class DiagnosticsResult:
+    keys: dict[str, str] = field(default_factory=dict)  # cell_id -> diagnostics key
+    models: dict[str, list[str]] = field(default_factory=dict)  # model -> keys (sweep order)
+    computed_layers: int = 0  # layer tasks run by this call (0 when everything was cached)
+    seconds: float = 0.0
+
+    def tables(self, root: Path) -> dict[str, dict[str, list]]:
+        """{cell_id: columnar table} for PruneContext.diagnostics."""
+        cache: dict[str, dict] = {}
+        return {cid: cache.setdefault(k, load_table(root, k)) for cid, k in self.keys.items()}
+
+
+def table_path(root: Path, key: str) -> Path:
+    if not KEY_RE.match(key):
+        raise StoreError(f"invalid diagnostics key {key!r}")
+    return Path(root) / f"{key}.parquet"
+
+
+def load_table(root: Path, key: str) -> dict[str, list]:
+    return pq.read_table(table_path(root, key)).to_pydict()
+
+
+def diagnostics_identity(cell: Cell, model_digest: str, calib_digest: str) -> dict[str, Any] | None:
+    """What determines a cell's diagnostics table, or None when its pruner reads none."""
+    from tasks.pruners import PRUNERS
+
+    p = PRUNERS.get(cell.pruner)
+    if not hasattr(p, "diagnostic_settings"):
+        return None
+    return {"kind": "rr-diagnostics/1", "model": cell.model, "model_digest": model_digest,
+            "calibration": calib_digest, "scope": cell.scope, **p.diagnostic_settings(cell.pruner_settings)}
+
+
+@ray.remote
+def diagnostics_layer(model: str, cache_dir: str, data_seed: int, scope: str, index: int, grid: list[float],
+                      n_images: int, tau: str, threads: int) -> list[dict]:
+    """One Ray task: every candidate sparsity of one prunable layer (layer input captured once)."""
+    from tasks.adapters import get_adapter
+    from tasks.models import load_model
+    from tasks.rr import layer_diagnostics
+
+    torch.set_num_threads(max(1, threads))
+    lm = load_model(model, cache_dir, data_seed=data_seed, progress=False)
+    entry = get_adapter(lm.model).scope(lm.model, scope)[index]
+    images = lm.dataset["calibration"].images[:n_images]
+    rows = layer_diagnostics(lm.model, entry, images, grid, tau=tau)
+    return [dict(r, model=model) for r in rows]
+
+
+def _write(root: Path, key: str, rows: list[dict], ident: Mapping[str, Any]) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    table = pa.Table.from_pylist(rows, schema=SCHEMA).replace_schema_metadata(
+        {"healsweep.identity": json.dumps(ident, sort_keys=True)})
+    fd, tmp = tempfile.mkstemp(dir=root, suffix=".tmp")
+    os.close(fd)
+    pq.write_table(table, tmp)
+    os.replace(tmp, table_path(root, key))  # atomic: a table is complete or absent
+
+
+def diagnostics_stage(cells: list[Cell], models: Mapping[str, Any], root: Path, cache_dir: Path, data_seed: int,
+                      threads: int = 1) -> DiagnosticsResult:
+    """Make sure every diagnostics table the cells need exists under ``root``; compute only missing ones."""
+    import time
+
+    from tasks.adapters import get_adapter
+    from tasks.models import MODELS
+
+    t0 = time.perf_counter()
+    res = DiagnosticsResult()
+    idents: dict[str, tuple[Cell, dict]] = {}
+    for c in cells:
+        ident = diagnostics_identity(c, models[c.model].digest, models[c.model].calib_digest)
+        if ident is None:
+            continue
+        key = content_key(ident)
+        res.keys[c.cell_id] = key
+        if key not in idents:
+            idents[key] = (c, ident)
+            res.models.setdefault(c.model, []).append(key)
+    jobs: dict[Any, str] = {}
+    for key, (c, ident) in idents.items():
+        if table_path(root, key).exists():
+            continue
+        src = MODELS.get(c.model)
+        skeleton = src.build(src.arch)  # only the layer list: no weights needed in the driver
+        n_layers = len(get_adapter(skeleton).scope(skeleton, c.scope))
+        for i in range(n_layers):
+            ref = diagnostics_layer.options(num_cpus=threads).remote(
+                c.model, str(cache_dir), data_seed, c.scope, i, ident["grid"], ident["diag_images"], ident["tau"],
+                threads)
+            jobs[ref] = key
+    rows: dict[str, list[list[dict]]] = {}
+    order = list(jobs)
+    for ref, out in zip(order, ray.get(order)):  # re-raises a task's error here; keeps layer order
+        rows.setdefault(jobs[ref], []).append(out)
+    for key, parts in rows.items():
+        _write(root, key, [r for part in parts for r in part], idents[key][1])
+    res.computed_layers = len(jobs)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def log_diagnostics(client, parent_run_id: str, root: Path, res: DiagnosticsResult) -> None:
+    """Parent-run artifacts ``diagnostics/<model>.parquet`` (suffix ``-<key[:8]>`` from a model's second
+    table on) and tags ``diagnostics_key.<model>`` (comma-separated keys when a model has several)."""
+    for model, keys in res.models.items():
+        client.set_tag(parent_run_id, f"diagnostics_key.{model}", ",".join(keys))
+        for i, key in enumerate(keys):
+            with tempfile.TemporaryDirectory() as d:
+                name = f"{model}.parquet" if i == 0 else f"{model}-{key[:8]}.parquet"
+                dst = Path(d) / name
+                dst.write_bytes(table_path(root, key).read_bytes())
+                client.log_artifact(parent_run_id, str(dst), "diagnostics")

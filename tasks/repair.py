@@ -1,0 +1,206 @@
+"""CR+BN repair operator (SPEC §5, paper 004 appendix A): label-free, forward passes only, no gradients.
+
+For every pruned layer ℓ and output channel c (conv output channel, or Linear output feature):
+    r_c = log(σ²_d,c + ε) − log(σ²_p,c + ε)      dense vs pruned activation variance on calibration images
+    λ_c = σ²_p,c / (σ²_p,c + τ_ℓ)                 shrink the correction of collapsed channels
+    γ_c = exp(½ λ_c r_c)                          the output filter (and its bias) is multiplied by γ_c
+then every BatchNorm's running statistics are recalibrated on unlabeled batches (cumulative average,
+``bn_batches`` batches of ``bn_batch_size``; fewer when the calibration set is smaller, never repeated).
+
+Decisions (the paper leaves them open):
+- τ_ℓ = median of the layer's pruned channel variances (setting ``tau``: "median" | "mean").
+- Variances are population variances over every non-channel position (batch × H × W, or batch × tokens),
+  accumulated in float64 in one pass; all pruned layers are measured in the same pass of the fully pruned
+  model (simultaneous, not layer-by-layer sequential), then all scales are applied, then BN recalibration.
+- Models without BatchNorm (ViTs): the analogous operator is the per-output-feature variance matching above on
+  each pruned Linear, with no recalibration step (setting ``no_bn``: "variance_match" (default) | "reject").
+- Only output channels inside the pruned region are scaled (the Q/K rows of a fused qkv, never V rows).
+
+The stats hooks here are a minimal local mechanism (``channel_moments``); tasks/stats.py (another branch) is
+meant to become the shared one.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import torch
+import torch.nn as nn
+
+from tasks.adapters import ScopeEntry
+
+EPS = 1e-8
+TAU_RULES = ("median", "mean")
+
+
+def module_of(model: nn.Module, param: str) -> nn.Module:
+    """The module owning a parameter name such as ``layer1.0.conv1.weight``."""
+    return model.get_submodule(param.rsplit(".", 1)[0])
+
+
+def to_channels(y: torch.Tensor) -> torch.Tensor:
+    """A layer output -> (N, C, L): conv (N, C, H, W) -> (N, C, HW); Linear (N, T, F) -> (N, F, T); (N, F) -> (N, F, 1)."""
+    if y.dim() == 4:
+        return y.flatten(2)
+    if y.dim() == 3:
+        return y.transpose(1, 2)
+    return y.unsqueeze(-1)
+
+
+def crbn_scales(var_dense: torch.Tensor, var_pruned: torch.Tensor, tau: float, eps: float = EPS) -> torch.Tensor:
+    """γ (C,) from dense and pruned per-channel variances (C,) and the layer's shrinkage scale τ."""
+    r = torch.log(var_dense + eps) - torch.log(var_pruned + eps)  # (C,)
+    lam = var_pruned / (var_pruned + tau) if tau > 0 else torch.ones_like(var_pruned)
+    return torch.exp(0.5 * lam * r)
+
+
+def tau_of(var_pruned: torch.Tensor, rule: str = "median") -> float:
+    if rule not in TAU_RULES:
+        raise ValueError(f"tau must be one of {TAU_RULES}, got {rule!r}")
+    v = var_pruned.double()
+    return float(v.median() if rule == "median" else v.mean())  # torch median: lower middle for even C
+
+
+class _Moments:
+    """Streaming per-channel Σx, Σx², count in float64."""
+
+    def __init__(self) -> None:
+        self.s = self.ss = None
+        self.n = 0
+
+    def add(self, y: torch.Tensor) -> None:
+        x = to_channels(y.detach()).double()  # (N, C, L)
+        s, ss = x.sum((0, 2)), (x * x).sum((0, 2))  # (C,)
+        self.s = s if self.s is None else self.s + s
+        self.ss = ss if self.ss is None else self.ss + ss
+        self.n += x.shape[0] * x.shape[2]
+
+    def var(self) -> torch.Tensor:
+        mean = self.s / self.n
+        return (self.ss / self.n - mean * mean).clamp_min(0.0)
+
+
+@torch.no_grad()
+def channel_variances(model: nn.Module, params: Iterable[str], images: torch.Tensor, batch_size: int = 128
+                      ) -> dict[str, torch.Tensor]:
+    """{param: (C,) float64 population variance of its module's output channels} over ``images``."""
+    params = list(params)
+    acc = {p: _Moments() for p in params}
+    hooks = [module_of(model, p).register_forward_hook(lambda _m, _i, out, p=p: acc[p].add(out)) for p in params]
+    was = model.training
+    model.eval()
+    dev = next(model.parameters()).device
+    try:
+        for i in range(0, len(images), batch_size):
+            model(images[i : i + batch_size].to(dev))
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was)
+    return {p: a.var() for p, a in acc.items()}
+
+
+def unrepairable_reason(model: nn.Module, param: str) -> str | None:
+    """Why CR+BN / RR diagnostics cannot observe the layer of ``param`` (None when they can): the operator needs
+    a Conv2d or Linear weight whose module forward runs (torchvision's fused MultiheadAttention projections
+    are read directly by F.multi_head_attention_forward, so no forward hook sees their outputs)."""
+    layer_name = param.rsplit(".", 1)[0]
+    mod = model.get_submodule(layer_name)
+    parent = model.get_submodule(layer_name.rpartition(".")[0]) if "." in layer_name else model
+    if isinstance(mod, nn.MultiheadAttention) or isinstance(parent, nn.MultiheadAttention):
+        return f"{param} is a fused nn.MultiheadAttention projection (its output is not observable by hooks)"
+    if not isinstance(mod, (nn.Conv2d, nn.Linear)) or not param.endswith(".weight"):
+        return f"{param} is not a Conv2d/Linear weight"
+    return None
+
+
+def has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+@torch.no_grad()
+def recalibrate_bn(model: nn.Module, images: torch.Tensor, batches: int = 20, batch_size: int = 128,
+                   modules: list[nn.Module] | None = None) -> int:
+    """Reset and re-estimate every BatchNorm's running stats (or only ``modules``'), as a cumulative average
+    over the batches; labels and gradients unused; every other module stays in eval mode (standard practice:
+    all BNs in train mode together, so a BN sees inputs normalized by upstream batch statistics).
+    Returns the number of batches used."""
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if modules is not None:
+        bns = [m for m in bns if any(m is x for x in modules)]
+    if not bns:
+        return 0
+    was = model.training
+    model.eval()
+    moms = [m.momentum for m in bns]
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None  # cumulative moving average: the mean of the batch statistics
+        m.train()
+    dev = next(model.parameters()).device
+    used = 0
+    try:
+        for i in range(0, min(len(images), batches * batch_size), batch_size):
+            chunk = images[i : i + batch_size]
+            if len(chunk) < 2:
+                break  # a batch of one has no variance
+            model(chunk.to(dev))
+            used += 1
+    finally:
+        for m, mom in zip(bns, moms):
+            m.momentum = mom
+        model.train(was)
+    return used
+
+
+@torch.no_grad()
+def scale_output_channels(model: nn.Module, entry: ScopeEntry, gamma: torch.Tensor) -> None:
+    """Multiply the output filters (dim 0) of a pruned layer, and its bias, by γ, inside the region only."""
+    mod = module_of(model, entry.param)
+    w = mod.get_parameter(entry.param.rsplit(".", 1)[1])
+    lo, hi = entry.rows if entry.rows is not None else (0, w.shape[0])
+    g = gamma[lo:hi].to(w.device, w.dtype)
+    w[lo:hi].mul_(g.view(-1, *([1] * (w.dim() - 1))))
+    if getattr(mod, "bias", None) is not None and entry.param.endswith("weight"):
+        mod.bias[lo:hi].mul_(g)
+
+
+def crbn_repair(model: nn.Module, dense: nn.Module, entries: list[ScopeEntry], images: torch.Tensor, *,
+                tau: str = "median", bn_batches: int = 20, bn_batch_size: int = 128, eps: float = EPS
+                ) -> dict[str, torch.Tensor]:
+    """Apply CR+BN in place to a pruned ``model`` (``dense`` is its unpruned twin). Returns {param: γ}."""
+    params = [e.param for e in entries]
+    var_d = channel_variances(dense, params, images, bn_batch_size)
+    var_p = channel_variances(model, params, images, bn_batch_size)
+    gammas = {}
+    for e in entries:
+        vd, vp = var_d[e.param], var_p[e.param]
+        lo, hi = e.rows if e.rows is not None else (0, vp.numel())
+        g = torch.ones_like(vp)
+        g[lo:hi] = crbn_scales(vd[lo:hi], vp[lo:hi], tau_of(vp[lo:hi], tau), eps)
+        scale_output_channels(model, e, g)
+        gammas[e.param] = g
+    recalibrate_bn(model, images, bn_batches, bn_batch_size)
+    return gammas
+
+
+def bn_state_names(model: nn.Module) -> set[str]:
+    out = set()
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            out.update(f"{name}.{b}" for b in ("running_mean", "running_var", "num_batches_tracked"))
+    return out
+
+
+def scaled_bias_names(model: nn.Module, entries: list[ScopeEntry]) -> set[str]:
+    out = set()
+    for e in entries:
+        mod = module_of(model, e.param)
+        if getattr(mod, "bias", None) is not None:
+            out.add(e.param.rsplit(".", 1)[0] + ".bias")
+    return out
+
+
+def check_finite(gammas: Mapping[str, torch.Tensor]) -> None:
+    for k, g in gammas.items():
+        if not bool(torch.isfinite(g).all()):
+            raise FloatingPointError(f"CR+BN produced a non-finite channel scale for {k}")
