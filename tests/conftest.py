@@ -66,12 +66,13 @@ class HealCase:
     targets: dict
     before: dict  # state_dict of the pruned model before healing (clones)
 
-    def assert_invariants(self):
-        """Mask invariant + nothing outside the trainable region changed (parameters and buffers)."""
+    def assert_invariants(self, allowed: set[str] = frozenset()):
+        """Mask invariant + nothing outside the trainable region changed (parameters and buffers), except the
+        state_dict names in ``allowed`` (a healer's ``may_change``)."""
         sd = self.model.state_dict()
         scoped = {e.param for e in self.entries}
         for k, v in sd.items():
-            if k not in scoped:
+            if k not in scoped and k not in allowed:
                 assert torch.equal(v, self.before[k]), f"{k} changed outside the scope"
         for e in self.entries:
             p, m, b = sd[e.param], self.masks[e.param], self.before[e.param]
