@@ -4,6 +4,8 @@ A gradient healer is an objective plus the shared loop: AdamW over the prunable 
 cosine schedule from lr to lr_min, gradients of masked and out-of-region entries zeroed, and after every
 step every entry a healer may not change is restored (masked entries stay exactly 0; the rest of the model is
 frozen with requires_grad=False). BatchNorm/Dropout run in eval mode so no buffer outside the scope changes.
+The per-epoch report key ``align_loss`` is the healer's own training objective (cosine, MSE, KL, CE, ...).
+Healers other than STARFISH and chains of healers: tasks/healers.py.
 """
 from __future__ import annotations
 
@@ -51,7 +53,9 @@ class HealContext:
     steps_per_epoch: int
     default_granularity: str = "token"
     dense_model: Callable[[], nn.Module] | None = None  # lazily builds an unpruned copy (repair operators)
-    labeled: tuple[torch.Tensor, torch.Tensor] | None = None  # (images, labels) for supervised baselines
+    # (images (N, C, H, W), labels (N,)) for supervised baselines (``ce``); the trial passes the first calib_size
+    # items of the dataset's TRAIN split: budget-matched, disjoint from calibration/selection/evaluation.
+    labeled: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
