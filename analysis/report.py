@@ -22,6 +22,7 @@ from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from .paired import paired_sections
 from .runs import best_per_cell, is_nm, load_sweep_info, load_trials, pattern_sort_key, \
     pattern_sparsity
 
@@ -302,6 +303,9 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
         md += ["", f"![{_md_cell(model)}: top-1 vs sparsity]({fname})"]
         ht.append(f'<p><img src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}" '
                   f'alt="{e(model)}: top-1 vs sparsity"></p>')
+        paired_md, paired_html = paired_sections(mb)  # healers on identical masks (analysis/paired.py)
+        md += paired_md
+        ht += paired_html
         md += trans.md.get(model, [])
         ht += trans.html.get(model, [])
 

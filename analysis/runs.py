@@ -32,9 +32,9 @@ ROLE_TAG = "healsweep.role"
 # Identity columns (tags, run info and string params).
 STR_COLUMNS = (
     "run_id", "experiment_id", "status", "cell_id", "trial_id", "store_key", "pattern",
-    "model", "pruner", "scope", "healer", "granularity", "failure_reason",
+    "model", "pruner", "scope", "healer", "granularity", "failure_reason", "mask_key",
 )
-_TAG_COLUMNS = ("cell_id", "trial_id", "store_key", "pattern", "failure_reason")
+_TAG_COLUMNS = ("cell_id", "trial_id", "store_key", "pattern", "failure_reason", "mask_key")
 _STR_PARAMS = ("model", "pruner", "scope", "healer", "granularity")
 FLOAT_PARAM_COLUMNS = ("sparsity", "lr")
 INT_COLUMNS = ("calib_size", "epochs", "batch_size", "seed")  # nullable Int64

@@ -1,5 +1,5 @@
 """Transition-band sections of the report: CTS (calibration only), RR heat map, RR vs ERK allocation,
-repairability bands with multi-seed statistics, the paired healer table hook, and ``bands.json``.
+repairability bands with multi-seed statistics, and ``bands.json`` (the paired healer table is analysis/paired.py).
 
 Built from MLflow alone: trial metrics (``runs.best_per_cell``) and the parent run's diagnostics
 artifacts. Missing pieces (no diagnostics, no allocation module) become a one-line note, not an error.
@@ -169,21 +169,6 @@ def _cts_for(model: str, diags: dict, cts_st: CTSSettings, w: _Writer) -> dict |
     return cts
 
 
-def _paired(w: _Writer, best: pd.DataFrame, tracking_uri: str) -> None:
-    """Hook: ``analysis.paired.report_section(best, tracking_uri) -> (markdown, html)`` when present."""
-    try:
-        from . import paired  # written by another helper
-    except ImportError:
-        return
-    fn = getattr(paired, "report_section", None)
-    if fn is None:
-        return
-    md, ht = fn(best, tracking_uri)
-    w.heading("Paired healer comparison (identical masks, across seeds)")
-    w.md += [md, ""]
-    w.ht.append(ht)
-
-
 def build_sections(best: pd.DataFrame, models: list[str], diags: dict[str, pd.DataFrame], out_dir,
                    tracking_uri: str, url_of, cts_st: CTSSettings = CTSSettings(),
                    band_st: BandSettings = BandSettings()) -> Sections:
@@ -207,7 +192,6 @@ def build_sections(best: pd.DataFrame, models: list[str], diags: dict[str, pd.Da
             w.heading("Seed statistics per healer")
             w.note(HOW_TO_READ["table"])
             _points_table(w, recs, url_of)
-            _paired(w, mb, tracking_uri)
         sec.md[model], sec.html[model] = md, ht
         sec.bands_json["models"][model] = json_clean({
             "cts": None if cts is None else {k: v for k, v in cts.items() if k != "settings"},

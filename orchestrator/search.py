@@ -5,6 +5,9 @@ JournalStorage file under the run directory. One Ray Tune ``Searcher`` routes: `
 cell's study for (lr, epochs) and returns the full trial config; ``on_trial_complete`` tells that study the
 selection objective (or FAIL). Cells are visited round-major (trial 0 of every cell, then trial 1, ...), so
 free workers always have work and every study sees completed trials before its later asks.
+
+Cells whose healer does not train (``Healer.trains`` False: ``none``, closed-form healers) have nothing to search:
+they run exactly one trial with lr = 0 and epochs = 0 and no Optuna study (``fixed_cell``).
 """
 from __future__ import annotations
 
@@ -20,6 +23,13 @@ from ray.tune.search import Searcher
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
+def fixed_cell(cell: Mapping[str, Any]) -> bool:
+    """True when the cell's healer (or every step of its chain) uses no lr/epochs."""
+    from tasks.heal import resolve_healer
+
+    return not resolve_healer(cell["healer"], cell.get("healer_settings")).trains
+
+
 def cell_sampler_seed(sampler_seed: int, cell_id: str) -> int:
     return int(hashlib.sha256(f"{sampler_seed}:{cell_id}".encode()).hexdigest()[:8], 16)
 
@@ -30,7 +40,10 @@ class PerCellOptunaSearch(Searcher):
                  metric: str = "selection_acc", mode: str = "max") -> None:
         super().__init__(metric=metric, mode=mode)
         self._cells = {c["cell_id"]: dict(c) for c in cells}
-        self._queue = [cid for _ in range(trials_per_cell) for cid in self._cells]  # round-major
+        self._fixed = {cid for cid, c in self._cells.items() if fixed_cell(c)}
+        self._queue = [cid for r in range(trials_per_cell) for cid in self._cells
+                       if r == 0 or cid not in self._fixed]  # round-major
+        self.total = len(self._queue)
         self._space = {"lr": FloatDistribution(lr[0], lr[1], log=True), "epochs": IntDistribution(epochs[0], epochs[1])}
         self._trials_per_cell = trials_per_cell
         self._sampler_seed = sampler_seed
@@ -55,6 +68,8 @@ class PerCellOptunaSearch(Searcher):
         if not self._queue:
             return Searcher.FINISHED
         cell_id = self._queue.pop(0)
+        if cell_id in self._fixed:
+            return {**self._cells[cell_id], "lr": 0.0, "epochs": 0, "optuna_trial": 0, "trial_key": f"{cell_id}-0"}
         ot = self.study(cell_id).ask(self._space)
         self._live[trial_id] = (cell_id, ot.number)
         return {**self._cells[cell_id], "lr": ot.params["lr"], "epochs": ot.params["epochs"],

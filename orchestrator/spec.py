@@ -146,7 +146,7 @@ def parse_spec(raw: Any) -> SweepSpec:
     """Validate a parsed YAML document."""
     from tasks.adapters import ADAPTERS
     from tasks.data import DATASETS, load_dataset
-    from tasks.heal import HEALERS
+    from orchestrator.healer_spec import check_healer_data, parse_healers
     from tasks.models import MODELS
     from tasks.pruners import PRUNERS
 
@@ -167,10 +167,11 @@ def parse_spec(raw: Any) -> SweepSpec:
     sparsities = tuple(_num(s, f"sparsities[{i}]", float, 0.0, 1.0, hi_open=True)
                        for i, s in enumerate(_list(d["sparsities"], "sparsities")))
     data_seed = _num(d.get("data_seed", 0), "data_seed", int, 0)
-    n_calib = len(load_dataset(dataset, seed=data_seed)["calibration"])
+    data = load_dataset(dataset, seed=data_seed)
+    n_calib = len(data["calibration"])
     calib = tuple(_num(n, f"calib_sizes[{i}]", int, 1, n_calib) for i, n in enumerate(_list(d["calib_sizes"], "calib_sizes")))
     pruners = _methods(d["pruners"], "pruners", PRUNERS, "pruner")
-    healers = _methods(d["healers"], "healers", HEALERS, "healer")
+    healers = parse_healers(d["healers"], "healers")  # single healers and chains (orchestrator/healer_spec.py)
     seeds = tuple(_num(s, f"seeds[{i}]", int, 0) for i, s in enumerate(_list(d.get("seeds", [0]), "seeds")))
 
     scope = d.get("scope") or {}
@@ -210,6 +211,7 @@ def parse_spec(raw: Any) -> SweepSpec:
 
     spec = SweepSpec(d["name"], tuple(models), sparsities, calib, pruners, healers, dataset, data_seed, seeds,
                      dict(scope), search, heal, res, store, mlf)
+    check_healer_data(spec, data)
     _check_scopes(spec, ADAPTERS, MODELS)
     return spec
 
@@ -230,7 +232,7 @@ def _check_scopes(spec: SweepSpec, adapters, models) -> None:
             entries = adapter.scope(model, s)
         except ValueError as e:
             raise SpecError(f"scope.{m}", str(e)) from None
-        from tasks.heal import HEALERS
+        from tasks.heal import resolve_healer
         from tasks.pruners import PRUNERS
 
         for i, p in enumerate(spec.pruners):
@@ -247,7 +249,7 @@ def _check_scopes(spec: SweepSpec, adapters, models) -> None:
                     raise SpecError(f"pruners[{i}].settings.grid", f"pruner {p.name!r} on model {m!r}: {e}") from None
             for j, h in enumerate(spec.healers):
                 try:
-                    HEALERS.get(h.name).check_cell(model, adapter, p.name, p.settings, h.settings)
+                    resolve_healer(h.name, h.settings).check_cell(model, adapter, p.name, p.settings, h.settings)
                 except ValueError as e:
                     raise SpecError(f"healers[{j}].name", f"healer {h.name!r} with pruner {p.name!r} on model "
                                     f"{m!r}: {e}") from None

@@ -134,10 +134,10 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         device = "cuda" if spec.resources.gpus_per_trial > 0 else "cpu"
         configs = [_trial_config(c, spec, paths, models[c.model].targets_key, mask_keys[c.cell_id], gran[c.model],
                                  threads, device) for c in cells]
-        total = len(cells) * spec.search.trials_per_cell
-        concurrency = spec.resources.max_concurrent or max(1, int(total_cpus // spec.resources.cpus_per_trial))
         searcher = PerCellOptunaSearch(configs, spec.search.trials_per_cell, spec.search.lr, spec.search.epochs,
                                        spec.search.sampler_seed, out_dir / "optuna.journal")
+        total = searcher.total  # trials_per_cell per cell; 1 for cells whose healer does not train (e.g. none)
+        concurrency = spec.resources.max_concurrent or max(1, int(total_cpus // spec.resources.cpus_per_trial))
         logger_cb = MlflowTrialLogger(tracking_uri, spec.mlflow.experiment, sweep_id, parent, dense)
         prog = _Progress(total, progress)
         resources = {"cpu": spec.resources.cpus_per_trial, "gpu": spec.resources.gpus_per_trial}

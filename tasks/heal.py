@@ -4,11 +4,14 @@ A gradient healer is an objective plus the shared loop: AdamW over the prunable 
 cosine schedule from lr to lr_min, gradients of masked and out-of-region entries zeroed, and after every
 step every entry a healer may not change is restored (masked entries stay exactly 0; the rest of the model is
 frozen with requires_grad=False). BatchNorm/Dropout run in eval mode so no buffer outside the scope changes.
+The per-epoch report key ``align_loss`` is the healer's own training objective (cosine, MSE, KL, CE, ...).
+Healers other than STARFISH and chains of healers: tasks/healers.py.
 """
 from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -50,7 +53,9 @@ class HealContext:
     steps_per_epoch: int
     default_granularity: str = "token"
     dense_model: Callable[[], nn.Module] | None = None  # lazily builds an unpruned copy (repair operators)
-    labeled: tuple[torch.Tensor, torch.Tensor] | None = None  # (images, labels) for supervised baselines
+    # (images (N, C, H, W), labels (N,)) for supervised baselines (``ce``); the trial passes the first calib_size
+    # items of the dataset's TRAIN split: budget-matched, disjoint from calibration/selection/evaluation.
+    labeled: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -66,6 +71,7 @@ EpochCallback = Callable[[int, dict[str, float]], None]
 class Healer:
     name = ""
     settings_schema: dict[str, tuple] = {}  # setting -> allowed values (tuple) or a type
+    trains = False  # uses lr/epochs (gradient steps); False: the search runs one trial per cell (plan.trials_for)
 
     def check(self, settings: Mapping[str, Any]) -> None:
         for k, v in settings.items():
@@ -85,6 +91,13 @@ class Healer:
                    settings: Mapping[str, Any]) -> None:
         """Raise ValueError naming both sides when this healer cannot serve the pruner/model combination."""
 
+    def check_data(self, dataset: Any, settings: Mapping[str, Any]) -> None:
+        """Raise ValueError when the sweep's dataset (tasks.data.DatasetSplits) lacks what this healer reads."""
+
+    def epochs(self, cfg: HealConfig) -> int:
+        """How many on_epoch reports heal() makes under cfg (0: none; the trial then reports final metrics only)."""
+        return 0
+
     def heal(self, ctx: HealContext, cfg: HealConfig, on_epoch: EpochCallback | None = None) -> HealResult:
         raise NotImplementedError
 
@@ -93,14 +106,38 @@ HEALERS: Registry[Healer] = Registry("healer")
 
 
 class GradientHealer(Healer):
-    """Shared loop; subclasses define ``loss(outputs, targets, settings)``."""
+    """The shared loop. A subclass defines its objective: ``loss(outputs, targets, settings)`` on the tapped block
+    outputs (block-target healers), or ``objective(...)`` for anything else (logits, labels, mixtures). Healers that
+    do not read block outputs set ``uses_blocks = False``: no forward hooks are installed at all."""
+
+    trains = True
+    uses_blocks = True
 
     def resolve(self, ctx: HealContext, settings: Mapping[str, Any]) -> dict[str, Any]:
         return dict(settings)
 
+    def epochs(self, cfg: HealConfig) -> int:
+        return cfg.epochs
+
+    def steps_per_epoch(self, ctx: HealContext, cfg: HealConfig) -> int:
+        return ctx.steps_per_epoch
+
+    def stream(self, ctx: HealContext, cfg: HealConfig, epoch: int) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """(images (B, C, H, W), {name: (B, ...)}) for one epoch: calibration images and their dense targets."""
+        for rows, tgt in ctx.batches(epoch):
+            yield ctx.images[torch.as_tensor(rows)], tgt
+
     def loss(self, outputs: list[torch.Tensor], targets: list[torch.Tensor], settings: Mapping[str, Any]
              ) -> torch.Tensor:
         raise NotImplementedError
+
+    def objective(self, blocks: Mapping[str, torch.Tensor], logits: torch.Tensor, targets: Mapping[str, torch.Tensor],
+                  block_names: list[str], settings: Mapping[str, Any]) -> torch.Tensor:
+        """Scalar loss of one batch. ``blocks``: tapped outputs (empty when uses_blocks is False); ``logits``:
+        (B, K) model output; ``targets``: the batch's stream dict (on CPU, store dtype)."""
+        dev = logits.device
+        return self.loss([blocks[b] for b in block_names], [targets[b].to(dev, non_blocking=True) for b in block_names],
+                         settings)
 
     def heal(self, ctx: HealContext, cfg: HealConfig, on_epoch: EpochCallback | None = None) -> HealResult:
         model = ctx.model
@@ -116,22 +153,19 @@ class GradientHealer(Healer):
         for n in names:
             params[n].requires_grad_(True)
         opt = torch.optim.AdamW([params[n] for n in names], lr=cfg.lr, weight_decay=cfg.weight_decay)
-        total = max(cfg.epochs * ctx.steps_per_epoch, 1)
+        total = max(cfg.epochs * self.steps_per_epoch(ctx, cfg), 1)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total, eta_min=cfg.lr_min)
         torch.manual_seed(cfg.seed)
         model.eval()
-        block_names = [b for b, _ in ctx.blocks]
+        block_names = [b for b, _ in ctx.blocks] if self.uses_blocks else []
         losses, steps, t0 = [], 0, time.perf_counter()
         try:
-            with block_tap(ctx.blocks) as cap:
+            with (block_tap(ctx.blocks) if self.uses_blocks else nullcontext({})) as cap:
                 for epoch in range(cfg.epochs):
                     run, n = 0.0, 0
-                    for rows, tgt in ctx.batches(epoch):
-                        x = ctx.images[torch.as_tensor(rows)].to(dev, non_blocking=True)
-                        model(x)
-                        outs = [cap[b] for b in block_names]
-                        tg = [tgt[b].to(dev, non_blocking=True) for b in block_names]
-                        loss = self.loss(outs, tg, settings)
+                    for x, tgt in self.stream(ctx, cfg, epoch):
+                        logits = model(x.to(dev, non_blocking=True))
+                        loss = self.objective(cap, logits, tgt, block_names, settings)
                         where = f"epoch {epoch + 1}, step {steps + 1} (lr={cfg.lr:g})"
                         if not torch.isfinite(loss):
                             raise HealingDiverged(f"healer {self.name!r}: loss became {loss.item()} at {where}")
@@ -155,8 +189,8 @@ class GradientHealer(Healer):
                                 for name in names:  # never leave NaN/Inf weights behind
                                     params[name].copy_(before[name])
                                 raise HealingDiverged(f"healer {self.name!r}: weights became non-finite at {where}")
-                        run += float(loss.detach()) * len(rows)
-                        n += len(rows)
+                        run += float(loss.detach()) * len(x)
+                        n += len(x)
                         steps += 1
                     losses.append(run / max(n, 1))
                     if on_epoch is not None:
@@ -203,3 +237,7 @@ def in_memory_batches(targets: Mapping[str, torch.Tensor], batch_size: int, seed
 
 
 from tasks import crbn_healer as _crbn_healer  # noqa: E402,F401  registers the CR+BN repair healer
+# Every other healer (MSE, KL, CE, cosine+KL, none) and composition live in tasks.healers; importing it here keeps
+# the registry complete on ``import tasks.heal``.
+from tasks import healers as _healers  # noqa: E402,F401
+from tasks.healers import resolve_healer  # noqa: E402,F401

@@ -13,7 +13,7 @@ import torch
 
 from tasks.adapters import get_adapter
 from tasks.evaluate import accuracy
-from tasks.heal import HEALERS, HealConfig, HealContext, steps_per_epoch
+from tasks.heal import HealConfig, HealContext, resolve_healer, steps_per_epoch
 from tasks.masks import MaskStore
 from tasks.models import load_model
 from tasks.pruners import achieved_sparsity, apply_masks, mask_violations
@@ -78,12 +78,14 @@ def run_trial(p: TrialParams, report: Callable[[dict], None]) -> dict:
     )
     cfg = HealConfig(lr=p.lr, epochs=p.epochs, batch_size=p.batch_size, weight_decay=p.weight_decay,
                      lr_min=p.lr_min, seed=p.seed, settings=dict(p.healer_settings))
+    healer = resolve_healer(p.healer, p.healer_settings)
+    n_epochs = healer.epochs(cfg)  # 0 for closed-form / no-op healers: only the final report below
     last: dict = {}
 
     def on_epoch(epoch: int, m: dict[str, float]) -> None:
         last.clear()
         last.update(epoch=epoch, align_loss=m["align_loss"], selection_acc=accuracy(model, sel.images, sel.labels))
-        if epoch < p.epochs:
+        if epoch < n_epochs:
             report(dict(last))
 
     t0 = time.perf_counter()
@@ -92,8 +94,11 @@ def run_trial(p: TrialParams, report: Callable[[dict], None]) -> dict:
     finally:
         reader.close()
     heal_seconds = time.perf_counter() - t0
+    if not last:  # a healer without epochs: the search objective is still measured, after healing
+        last.update(epoch=0, selection_acc=accuracy(model, sel.images, sel.labels))
+    allowed = healer.may_change(model, entries)  # e.g. a bias CORP folds into: not a violation
     changed_outside = sum(int(not torch.equal(v, untouched[k])) for k, v in model.state_dict().items()
-                          if k in untouched)
+                          if k in untouched and k not in allowed)
     healed_acc = accuracy(model, ev.images, ev.labels)
     final = dict(last, final=True, dense_acc=dense_acc, pruned_acc=pruned_acc, healed_acc=healed_acc,
                  retention=healed_acc / dense_acc if dense_acc > 0 else 0.0, heal_seconds=heal_seconds,

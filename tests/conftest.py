@@ -66,9 +66,9 @@ class HealCase:
     targets: dict
     before: dict  # state_dict of the pruned model before healing (clones)
 
-    def assert_invariants(self, allowed=frozenset()):
+    def assert_invariants(self, allowed: set[str] = frozenset()):
         """Mask invariant + nothing outside the trainable region changed (parameters and buffers), except the
-        state names in ``allowed`` (a healer's ``may_change``, e.g. BatchNorm running statistics)."""
+        state_dict names in ``allowed`` (a healer's ``may_change``)."""
         sd = self.model.state_dict()
         scoped = {e.param for e in self.entries}
         for k, v in sd.items():

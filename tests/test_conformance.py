@@ -12,7 +12,7 @@ import torch
 
 import tasks
 from tasks.adapters import get_adapter
-from tasks.heal import HEALERS, HealConfig
+from tasks.heal import HEALERS, GradientHealer, HealConfig, HealingDiverged, resolve_healer
 from tasks import pruners as pruners_mod
 from tasks.pruners import PRUNERS, achieved_sparsity, make_masks, mask_violations, region
 from tests.conftest import calib_images
@@ -84,25 +84,57 @@ def test_pruner_deterministic_under_seed(tiny_model, name, kind, scope):
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# Compositions (spec `chain:` entries) go through the same contract as registered healers.
+CHAINS = {"none+starfish": ["none", "starfish"], "mse+starfish": ["mse", "starfish"], "starfish+none": ["starfish", "none"]}
+GRADIENT = [n for n in HEALERS.names() if isinstance(HEALERS.get(n), GradientHealer)]
+
+
+def _healer(name):
+    settings = {"steps": [{"name": s, "settings": {}} for s in CHAINS[name]]} if name in CHAINS else {}
+    return resolve_healer(name, settings), settings
+
+
 @pytest.mark.parametrize("kind,scope", [("timm_vit", "qk_mlp"), ("resnet", "conv")])
-@pytest.mark.parametrize("name", HEALERS.names())
+@pytest.mark.parametrize("name", HEALERS.names() + sorted(CHAINS))
 def test_healer_contract(heal_case, name, kind, scope):
-    """Shared by every healer (gradient or closed-form): mask invariant, nothing outside the scope changes,
-    deterministic under a seed. Loss decrease and step counts are STARFISH facts, tested in test_heal.py."""
-    healer = HEALERS.get(name)
-    healer.check({})
+    """Shared by every healer (gradient or closed-form): mask invariant, nothing outside the scope changes
+    (except what the healer's ``may_change`` declares), deterministic under a seed. Loss decrease and step
+    counts are objective facts, tested in test_heal.py / test_healers.py."""
+    healer, settings = _healer(name)
+    healer.check(settings)
     a, b = heal_case(kind, scope, sparsity=0.8), heal_case(kind, scope, sparsity=0.8)
     if hasattr(healer, "check_cell"):
         try:
-            healer.check_cell(a.model, get_adapter(a.model), "magnitude", {}, {})
+            healer.check_cell(a.model, get_adapter(a.model), "magnitude", {}, settings)
         except ValueError as e:
             pytest.skip(f"{name} cannot serve {kind}/{scope} with magnitude masks: {e}")
-    cfg = HealConfig(lr=1e-2, epochs=2, batch_size=8, seed=1)
+    cfg = HealConfig(lr=1e-2, epochs=2, batch_size=8, seed=1, settings=settings)
     ra = healer.heal(a.ctx, cfg)
     rb = healer.heal(b.ctx, cfg)
+    assert len(ra.epoch_losses) == healer.epochs(cfg)
     assert all(torch.isfinite(torch.tensor(ra.epoch_losses, dtype=torch.float64)))
-    a.assert_invariants(healer.may_change(a.model, a.entries))  # masked entries 0, nonzero count unchanged, outside scope / V rows bit-identical
+    # masked entries 0, nonzero count unchanged, outside scope / V rows bit-identical (bar may_change)
+    a.assert_invariants(healer.may_change(a.model, a.entries))
     assert mask_violations(a.model, a.masks) == 0
     assert ra.epoch_losses == rb.epoch_losses
     sa, sb = a.model.state_dict(), b.model.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)  # deterministic under a seed
+
+
+@pytest.mark.parametrize("kind,scope", [("timm_vit", "qkv_out_mlp"), ("resnet", "conv")])
+@pytest.mark.parametrize("name", GRADIENT + ["mse+starfish"])
+def test_gradient_healer_nan_loss_stops_with_healing_diverged(heal_case, name, kind, scope):
+    """A NaN input image (row 5 of the calibration and of the labeled set) makes every objective NaN on the step
+    that contains it: the healer must raise HealingDiverged and leave finite weights that keep the invariants."""
+    healer, settings = _healer(name)
+    case = heal_case(kind, scope)
+    case.ctx.images = case.ctx.images.clone()
+    case.ctx.images[5] = float("nan")
+    li, ll = case.ctx.labeled
+    case.ctx.labeled = (li.clone(), ll)
+    case.ctx.labeled[0][5] = float("nan")
+    with pytest.raises(HealingDiverged, match="loss became nan"):
+        healer.heal(case.ctx, HealConfig(lr=1e-3, epochs=2, batch_size=8, settings=settings))
+    assert all(torch.isfinite(p).all() for p in case.model.parameters())
+    assert not any(p.requires_grad for p in case.model.parameters())
+    case.assert_invariants()

@@ -1,0 +1,53 @@
+"""End to end: healers as a grid dimension on identical masks (none, a chain, starfish), 2 seeds, paired report."""
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.spec import parse_spec
+from orchestrator.sweep import run_sweep
+from tests.test_e2e import child_runs, model_cache  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.e2e
+
+SPEC = {"name": "healers-e2e", "models": ["vit_digits"], "sparsities": [0.9], "calib_sizes": [64],
+        "pruners": ["magnitude"], "seeds": [0, 1],
+        "healers": ["starfish", "none", {"chain": ["none", "starfish"]}],
+        # fixed lr/epochs: one trial per cell, so starfish and none+starfish see the same budget
+        "search": {"trials_per_cell": 1, "lr": [2.0e-3, 2.0e-3], "epochs": [2, 2]}}
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory, model_cache):  # noqa: F811
+    root = tmp_path_factory.mktemp("e2e_healers")
+    return run_sweep(parse_spec(SPEC), root / "run", root / "store", model_cache, progress=False, num_cpus=2)
+
+
+def test_healers_share_masks_and_pair_in_the_report(sweep):
+    client, runs = child_runs(sweep)
+    assert len(runs) == 6 and sweep.trials_failed == 0  # 3 healers x 2 seeds, one trial each
+    by = {(r.data.params["healer"], int(r.data.params["seed"])): r for r in runs}
+    assert set(by) == {(h, s) for h in ("starfish", "none", "none+starfish") for s in (0, 1)}
+    for seed in (0, 1):
+        keys = {by[h, seed].data.tags["mask_key"] for h in ("starfish", "none", "none+starfish")}
+        assert len(keys) == 1  # identical mask across healers of a cell
+        assert len({by[h, seed].data.metrics["pruned_acc"] for h in ("starfish", "none", "none+starfish")}) == 1
+    assert by["none", 0].data.tags["mask_key"] != by["none", 1].data.tags["mask_key"]  # the seed draws the mask
+    for seed in (0, 1):
+        none, sf, chain = by["none", seed], by["starfish", seed], by["none+starfish", seed]
+        # none: no epochs, nothing searched, the pruned model as is
+        assert (none.data.params["epochs"], float(none.data.params["lr"])) == ("0", 0.0)
+        assert none.data.metrics["healed_acc"] == none.data.metrics["pruned_acc"]
+        assert "selection_acc" in none.data.metrics and "align_loss" not in none.data.metrics
+        assert client.get_metric_history(none.info.run_id, "selection_acc")[0].step == 0
+        # none then starfish = starfish, bit for bit (same mask, seed, lr, epochs and batches)
+        for m in ("healed_acc", "selection_acc", "align_loss"):
+            assert chain.data.metrics[m] == sf.data.metrics[m], m
+        assert len(client.get_metric_history(chain.info.run_id, "align_loss")) == 2
+        assert sf.data.metrics["healed_acc"] > none.data.metrics["healed_acc"] + 0.05
+    md = (sweep.out_dir / "report.md").read_text()
+    section = md.split("### Healers on identical masks", 1)[1]
+    assert "#### magnitude, pattern 0.9, calib size 64" in section
+    rows = {ln.split(" | ")[0][2:]: ln for ln in section.splitlines() if ln.startswith("| ") and "---" not in ln}
+    assert set(rows) == {"healer", "starfish", "none", "none+starfish"}
+    assert rows["none+starfish"].endswith("| +0.00 ± 0.00 | 2 |")
+    assert rows["starfish"].endswith("| reference | – |")

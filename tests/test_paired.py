@@ -1,0 +1,97 @@
+"""analysis/paired.py: healers on identical masks, from a synthetic MLflow store (hand-computed numbers)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param
+
+from analysis import best_per_cell, load_trials, write_report_from
+from analysis.paired import paired_groups
+
+SWEEP = "sw-paired"
+
+
+def _run(client, exp, parent, *, model, healer, seed, pattern, healed, sel, pruned, mask, cell=None, trial="0"):
+    cell = cell or f"{model}-{healer}-{pattern}-{seed}"
+    tags = {"mlflow.parentRunId": parent, "sweep_id": SWEEP, "cell_id": cell, "trial_id": f"{cell}-{trial}",
+            "healsweep.role": "trial", "pattern": pattern, "mask_key": mask, "store_key": "k"}
+    rid = client.create_run(exp, tags=tags).info.run_id
+    params = dict(model=model, pruner="magnitude", scope="qkv_out_mlp", sparsity=pattern, calib_size="64",
+                  healer=healer, granularity="token", seed=str(seed), lr="0.001", epochs="3", batch_size="32")
+    ts = int(time.time() * 1000)
+    metrics = dict(selection_acc=sel, healed_acc=healed, pruned_acc=pruned, dense_acc=0.95,
+                   retention=healed / 0.95, heal_seconds=1.0, achieved_sparsity=float(pattern), mask_violations=0.0)
+    client.log_batch(rid, metrics=[Metric(k, v, ts, 3) for k, v in metrics.items()],
+                     params=[Param(k, v) for k, v in params.items()])
+    client.set_terminated(rid, "FINISHED")
+    return rid
+
+
+# vit @ 0.9, seeds 0..2 (mask key m<seed>; none's seed-2 run sits on another mask, so it is not paired):
+#   starfish  .80 .70 .75 -> 75.00 ± 5.00
+#   mse       .78 .69 .70 -> 72.33 ± 4.93;  d = -.02 -.01 -.05 -> -2.67 ± 2.08
+#   none      .10 .12 .08 -> 10.00 ± 2.00;  d = -.70 -.58 (seed 2 unpaired) -> -64.00 ± 8.49
+#   pruned    .05 .06 .07 (same for every healer of a seed) -> 6.00
+# vit @ 0.5: starfish only -> no paired table.  cnn @ 0.9, one seed: starfish .5, kl .4 -> Δ -10.00, no ± (n=1).
+HEALED = {"starfish": (0.80, 0.70, 0.75), "mse": (0.78, 0.69, 0.70), "none": (0.10, 0.12, 0.08)}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("paired")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("healsweep", artifact_location=(root / "art").as_uri())
+    parent = client.create_run(exp, tags={"sweep_id": SWEEP, "healsweep.role": "sweep"}, run_name="paired").info.run_id
+    R = dict(client=client, exp=exp, parent=parent)
+    for healer, values in HEALED.items():
+        for seed, h in enumerate(values):
+            mask = "other" if (healer, seed) == ("none", 2) else f"m{seed}"
+            _run(**R, model="vit", healer=healer, seed=seed, pattern="0.9", healed=h, sel=0.5, pruned=0.05 + 0.01 * seed,
+                 mask=mask)
+    # a second mse trial on seed 0: better healed, worse selection -> must not be used
+    _run(**R, model="vit", healer="mse", seed=0, pattern="0.9", healed=0.99, sel=0.1, pruned=0.05, mask="m0",
+         cell="vit-mse-0.9-0", trial="1")
+    _run(**R, model="vit", healer="starfish", seed=0, pattern="0.5", healed=0.9, sel=0.9, pruned=0.5, mask="q")
+    _run(**R, model="cnn", healer="starfish", seed=0, pattern="0.9", healed=0.5, sel=0.5, pruned=0.1, mask="c")
+    _run(**R, model="cnn", healer="kl", seed=0, pattern="0.9", healed=0.4, sel=0.5, pruned=0.1, mask="c")
+    return uri
+
+
+def test_paired_groups_hand_values(store):
+    best = best_per_cell(load_trials(store, SWEEP))
+    groups = paired_groups(best[best["model"] == "vit"])
+    assert len(groups) == 1  # the 0.5 group has one healer only
+    group, rows = groups[0]
+    assert (group["pruner"], group["pattern"], group["calib_size"]) == ("magnitude", "0.9", 64)
+    got = {r.healer: r for r in rows}
+    assert [r.healer for r in rows] == ["starfish", "mse", "none"]  # by mean healed accuracy
+    assert got["starfish"].healed_mean == pytest.approx(0.75) and got["starfish"].healed_std == pytest.approx(0.05)
+    assert got["starfish"].diff_mean is None and got["starfish"].pairs == 0
+    assert got["mse"].healed_mean == pytest.approx(0.723333, abs=1e-6)
+    assert got["mse"].healed_std == pytest.approx(0.0493288, abs=1e-6)
+    assert got["mse"].diff_mean == pytest.approx(-0.0266667, abs=1e-6)
+    assert got["mse"].diff_std == pytest.approx(0.0208167, abs=1e-6)
+    assert (got["mse"].pairs, got["mse"].unpaired, got["mse"].seeds) == (3, 0, 3)
+    assert got["none"].diff_mean == pytest.approx(-0.64) and got["none"].diff_std == pytest.approx(0.0848528, abs=1e-6)
+    assert (got["none"].pairs, got["none"].unpaired) == (2, 1)
+    assert all(r.pruned_mean == pytest.approx(0.06) for r in rows)
+
+
+def test_report_has_the_paired_section(store, tmp_path):
+    paths = write_report_from(store, SWEEP, tmp_path)
+    md = paths["md"].read_text()
+    vit = md.split("## vit\n", 1)[1]
+    assert vit.count("### Healers on identical masks") == 1
+    assert "#### magnitude, pattern 0.9, calib size 64" in vit and "pattern 0.5" not in vit
+    assert "| starfish | 3 | 6.00 | 75.00 ± 5.00 | reference | – |" in vit
+    assert "| mse | 3 | 6.00 | 72.33 ± 4.93 | -2.67 ± 2.08 | 3 |" in vit
+    assert "| none | 3 | 6.00 | 10.00 ± 2.00 | -64.00 ± 8.49 | 2 (1 on other masks) |" in vit
+    cnn = md.split("## cnn\n", 1)[1].split("\n## ", 1)[0]
+    assert "| starfish | 1 | 10.00 | 50.00 | reference | – |" in cnn
+    assert "| kl | 1 | 10.00 | 40.00 | -10.00 | 1 |" in cnn
+    page = paths["html"].read_text()
+    assert page.count("<h3>Healers on identical masks</h3>") == 2
+    assert '<td class="l">none</td><td>3</td><td>6.00</td><td>10.00 ± 2.00</td><td>-64.00 ± 8.49</td>' in page
