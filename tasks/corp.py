@@ -1,4 +1,5 @@
-"""CORP (paper 002, SPEC §4): structured ViT masks (pruner ``corp``) and closed-form compensation (healer ``corp``).
+"""CORP (paper 002, SPEC §4): structured ViT masks (pruner ``corp``); the closed-form compensation (healer
+``corp``) lives in tasks.corp_heal.
 
 Units: MLP hidden channels (row j of fc1 and its bias entry, column j of fc2) and, per attention head, Q/K
 dimension pairs (row j of the head's query and key weights and their bias entries; V untouched). Sparsity =
@@ -11,7 +12,6 @@ must be 0 too, or it would still contribute (GELU(b_j) W_2[:, j], b_q,j k_j).
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -19,13 +19,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tasks import corp_math
 from tasks.adapters import ModelAdapter, ScopeEntry, get_adapter
-from tasks.heal import HEALERS, HealConfig, HealContext, Healer, HealResult
-from tasks.losses import cosine_align_loss
 from tasks.pruners import PRUNERS, Pruner, _keep_all_but_smallest, n_pruned
 from tasks.stats import HeadQK, Moments, Several, Tap, collect
-from tasks.targets import block_tap
 
 CORP_SCOPES = ("mlp", "qk", "qk_mlp", "mlp_qk")
 RANKS = ("activation", "magnitude")
@@ -80,6 +76,19 @@ def scope_parts(entries: list[ScopeEntry], blk: VitBlock) -> tuple[bool, bool]:
     """(MLP in scope, Q/K in scope) for one block."""
     names = {e.param for e in entries}
     return blk.fc1 in names, blk.qkv in names
+
+
+def unit_stats(model: nn.Module, blocks: list[VitBlock], entries: list[ScopeEntry], images: torch.Tensor,
+               full: bool) -> dict[str, Any]:
+    """One streamed pass: {"<block>/hidden": MomentStats of fc2's input (full=True: covariance, else energy
+    only), "<block>/qkv": HeadQKStats} for the parts of every block that are in scope."""
+    taps, routes = {}, {}
+    for blk in blocks:
+        mlp, qk = scope_parts(entries, blk)
+        for k, t in blk.taps(model, mlp, qk).items():
+            taps[k] = t
+            routes[k] = Moments(full=full) if k.endswith("/hidden") else HeadQK(blk.num_heads, blk.head_dim)
+    return collect(model, images, taps, Several(routes)).result()
 
 
 def check_vit(model: nn.Module, adapter: ModelAdapter, scope: str, who: str) -> None:
@@ -145,13 +154,7 @@ class CorpPruner(Pruner):
         if rank == "activation":
             if ctx.calib_images is None:
                 raise ValueError("pruner 'corp' with rank='activation' needs calibration images")
-            taps, routes = {}, {}
-            for blk in blocks:
-                mlp, qk = scope_parts(ctx.entries, blk)
-                for k, t in blk.taps(ctx.model, mlp, qk).items():
-                    taps[k] = t
-                    routes[k] = Moments(full=False) if k.endswith("/hidden") else HeadQK(blk.num_heads, blk.head_dim)
-            stats = collect(ctx.model, ctx.calib_images, taps, Several(routes)).result()
+            stats = unit_stats(ctx.model, blocks, ctx.entries, ctx.calib_images, full=False)
         params = dict(ctx.model.named_parameters())
         out: dict[str, torch.Tensor] = {}
         for blk in blocks:
@@ -178,115 +181,4 @@ class CorpPruner(Pruner):
         return out
 
 
-class CorpHealer(Healer):
-    """Closed-form CORP compensation (no gradients) from dense calibration statistics.
-
-    Settings: ``shrinkage`` ('oas' default, the authors' choice, or 'fixed'), ``ridge`` (float; with 'fixed',
-    lam = ridge * mean variance of the kept hidden units), ``qk_ridge`` (float, relative, default 1e-3)."""
-
-    name = "corp"
-    requires_pruner = "corp"
-    settings_schema = {"shrinkage": ("oas", "fixed"), "ridge": float, "qk_ridge": float}
-
-    def check(self, settings):
-        super().check(settings)
-        for k in ("ridge", "qk_ridge"):
-            v = settings.get(k, 0.0)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise ValueError(f"healer 'corp' setting {k!r} must be a number >= 0, got {v!r}")
-
-    def check_cell(self, model, adapter, pruner, pruner_settings, settings):
-        if pruner != self.requires_pruner:
-            raise ValueError(f"healer 'corp' compensates structured units of pruner 'corp' masks; pruner {pruner!r} "
-                             f"does not produce them")
-        if not {"fc1", "fc2", "qkv"} <= set(getattr(adapter, "parts", {})):
-            raise ValueError(f"healer 'corp' needs a ViT; a {adapter.family} has no MLP hidden units or Q/K dims")
-
-    def may_change(self, model, entries):
-        names = set(model.state_dict())
-        out = set()
-        for blk in vit_blocks(model, get_adapter(model)):
-            mlp, qk = scope_parts(entries, blk)
-            if mlp:
-                out.add(_bias_name(blk.fc2))  # b~ = b + W_P c
-            if qk:
-                out.add(_bias_name(blk.qkv))  # q/k biases of kept dims are rotated with their weights
-        return out & names
-
-    @torch.no_grad()
-    def heal(self, ctx: HealContext, cfg: HealConfig, on_epoch=None) -> HealResult:
-        t0 = time.perf_counter()
-        if ctx.dense_model is None:
-            raise ValueError("healer 'corp' needs the dense model (HealContext.dense_model)")
-        s = cfg.settings
-        dense = ctx.dense_model()
-        adapter = get_adapter(ctx.model)
-        blocks = vit_blocks(dense, adapter)
-        taps, routes = {}, {}
-        for blk in blocks:
-            mlp, qk = scope_parts(ctx.entries, blk)
-            for k, t in blk.taps(dense, mlp, qk).items():
-                taps[k] = t
-                routes[k] = Moments(full=True) if k.endswith("/hidden") else HeadQK(blk.num_heads, blk.head_dim)
-        stats = collect(dense, ctx.images, taps, Several(routes)).result()
-        dp, mp = dict(dense.named_parameters()), dict(ctx.model.named_parameters())
-        for blk in blocks:
-            mlp, qk = scope_parts(ctx.entries, blk)
-            if mlp:
-                self._fold_mlp(blk, stats[f"{blk.name}/hidden"], ctx.masks[blk.fc1].any(dim=1), dp, mp, s)
-            if qk:
-                self._fold_qk(blk, stats[f"{blk.name}/qkv"], ctx.masks[blk.qkv][: blk.dim].any(dim=1), mp,
-                              float(s.get("qk_ridge", 1e-3)))
-        loss = align_loss(ctx)
-        if on_epoch is not None:
-            on_epoch(1, {"align_loss": loss})
-        return HealResult([loss], time.perf_counter() - t0, 0)
-
-    @staticmethod
-    def _fold_mlp(blk, st, keep, dp, mp, s) -> None:
-        cov = st.cov  # (H, H) centered
-        if s.get("shrinkage", "oas") == "oas":
-            lam = corp_math.oas_ridge(cov, st.count)
-        else:
-            lam = float(s.get("ridge", 1e-3)) * float(cov.diagonal()[keep].mean()) if keep.any() else 0.0
-        b, c = corp_math.affine_predictor(st.mean, cov, keep.cpu(), lam)
-        w2 = dp[blk.fc2].detach().cpu()  # dense fc2 (D, H): W_P is the part the pruned model lost
-        b2 = dp[_bias_name(blk.fc2)].detach().cpu() if _bias_name(blk.fc2) in dp else torch.zeros(w2.shape[0])
-        ws, bias = corp_math.fold_mlp(w2, b2, keep.cpu(), b, c)
-        tgt = mp[blk.fc2]
-        tgt[:, keep.to(tgt.device)] = ws.to(tgt.device, tgt.dtype)
-        if _bias_name(blk.fc2) in mp:
-            mp[_bias_name(blk.fc2)].copy_(bias.to(tgt.device, tgt.dtype))
-
-    @staticmethod
-    def _fold_qk(blk, st, keep, mp, ridge) -> None:
-        d, h, dh = blk.dim, blk.num_heads, blk.head_dim
-        w = mp[blk.qkv]  # (3D, D)
-        bias = mp.get(_bias_name(blk.qkv))  # (3D,)
-        keep = keep.cpu().view(h, dh)
-        for i in range(h):
-            u, v = corp_math.qk_compensation(st.gram_q[i], st.gram_k[i], keep[i], ridge)  # (k, k) each
-            rows = keep[i].nonzero().flatten() + i * dh
-            for off, m in ((0, u), (d, v)):  # q rows, then k rows: W_S <- M^T W_S, b_S <- M^T b_S
-                r = (rows + off).to(w.device)
-                w[r] = (m.T @ w[r].double().cpu()).to(w.device, w.dtype)
-                if bias is not None:
-                    bias[r] = (m.T @ bias[r].double().cpu()).to(w.device, w.dtype)
-
-
-def align_loss(ctx: HealContext) -> float:
-    """Mean cosine alignment loss of the (compensated) model over one pass of the calibration targets."""
-    dev = next(ctx.model.parameters()).device
-    names = [b for b, _ in ctx.blocks]
-    total, n = 0.0, 0
-    with block_tap(ctx.blocks) as cap:
-        for rows, tgt in ctx.batches(0):
-            ctx.model(ctx.images[torch.as_tensor(rows)].to(dev))
-            loss = cosine_align_loss([cap[b] for b in names], [tgt[b].to(dev) for b in names], ctx.default_granularity)
-            total += float(loss) * len(rows)
-            n += len(rows)
-    return total / max(n, 1)
-
-
 PRUNERS.register("corp")(CorpPruner())
-HEALERS.register("corp")(CorpHealer())

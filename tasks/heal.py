@@ -200,3 +200,7 @@ def in_memory_batches(targets: Mapping[str, torch.Tensor], batch_size: int, seed
             yield rows, {k: v[rows] for k, v in targets.items()}
 
     return batches
+
+
+# Healers defined in their own modules register on import (after everything above exists).
+from tasks import corp_heal as _corp_heal  # noqa: E402,F401  registers 'corp' (closed-form CORP compensation)

@@ -236,3 +236,7 @@ def achieved_sparsity(entries: list[ScopeEntry], masks: Mapping[str, torch.Tenso
         total += r.numel()
         pruned += int((~r).sum())
     return pruned / max(total, 1)
+
+
+# Pruners defined in their own modules register on import (after everything above exists).
+from tasks import corp as _corp  # noqa: E402,F401  registers 'corp' (structured CORP masks)
