@@ -28,7 +28,8 @@ class CorpHealer(Healer):
     lam = ridge * mean variance of the kept hidden units), ``qk_ridge`` (float, relative, default 1e-3)."""
 
     name = "corp"
-    requires_pruner = "corp"
+    requires_pruner = "corp"  # the only masks it can compensate (check_cell; the conformance suite reads it)
+    trains = False  # no lr/epochs: a sweep needs one trial per cell
     settings_schema = {"shrinkage": ("oas", "fixed"), "ridge": float, "qk_ridge": float}
 
     def check(self, settings):

@@ -21,25 +21,31 @@ from torch.utils.flop_counter import FlopCounterMode
 
 
 class QKPrunedAttention(nn.Module):
-    """Multi-head self-attention with d' <= dh query/key dims per head and full dh value dims."""
+    """Multi-head self-attention with d' <= dh query/key dims per head and full dh value dims. One fused
+    projection, rows [q (H*d') | k (H*d') | v (H*dh)], like timm's qkv (one matmul)."""
 
-    def __init__(self, qk: nn.Linear, v: nn.Linear, proj: nn.Linear, num_heads: int, qk_dim: int, head_dim: int,
+    def __init__(self, qkv: nn.Linear, proj: nn.Linear, num_heads: int, qk_dim: int, head_dim: int,
                  scale: float) -> None:
         super().__init__()
-        self.qk, self.v, self.proj = qk, v, proj  # (D -> 2*H*d'), (D -> H*dh), (H*dh -> D)
+        self.qkv, self.proj = qkv, proj  # (D -> H*(2d' + dh)), (H*dh -> D)
         self.num_heads, self.qk_dim, self.head_dim, self.scale = num_heads, qk_dim, head_dim, scale
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
         b, n, _ = x.shape
-        v = self.v(x).reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, N, dh)
+        h, e = self.num_heads, self.num_heads * self.qk_dim
+        y = self.qkv(x)  # (B, N, H*(2d' + dh))
+        v = y[..., 2 * e :].reshape(b, n, h, self.head_dim).transpose(1, 2)  # (B, H, N, dh)
         if self.qk_dim == 0:  # every Q/K dim removed: all logits 0, uniform attention
             out = v.mean(dim=2, keepdim=True).expand(-1, -1, n, -1)
         else:
-            qk = self.qk(x).reshape(b, n, 2, self.num_heads, self.qk_dim).permute(2, 0, 3, 1, 4)
+            qk = y[..., : 2 * e].reshape(b, n, 2, h, self.qk_dim).permute(2, 0, 3, 1, 4)
             q, k = qk.unbind(0)  # (B, H, N, d') each
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                                 scale=self.scale)  # (B, H, N, dh)
-        return self.proj(out.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
+            if x.is_cuda or attn_mask is not None or is_causal:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                                     scale=self.scale)  # (B, H, N, dh)
+            else:  # CPU: SDPA with d' != dh takes a slow path on strided inputs; the plain math is ~2x faster
+                out = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1) @ v  # (B, H, N, dh)
+        return self.proj(out.transpose(1, 2).reshape(b, n, h * self.head_dim))
 
 
 def _linear(w: torch.Tensor, b: torch.Tensor | None) -> nn.Linear:
@@ -74,11 +80,10 @@ def shrink_vit(model: nn.Module, masks: Mapping[str, torch.Tensor]) -> nn.Module
             per_head = keep.view(a.num_heads, a.head_dim).sum(1)
             if len(set(per_head.tolist())) != 1:
                 raise ValueError(f"blocks.{i}: heads keep different numbers of Q/K dims: {per_head.tolist()}")
-            rows = torch.cat([keep, keep, torch.zeros(d, dtype=torch.bool, device=keep.device)])
+            rows = torch.cat([keep, keep, torch.ones(d, dtype=torch.bool, device=keep.device)])  # [q_S|k_S|v]
             w, b = a.qkv.weight, a.qkv.bias
-            qk = _linear(w[rows], None if b is None else b[rows])
-            v = _linear(w[2 * d :], None if b is None else b[2 * d :])
-            blk.attn = QKPrunedAttention(qk, v, a.proj, a.num_heads, int(per_head[0]), a.head_dim, a.scale)
+            qkv = _linear(w[rows], None if b is None else b[rows])
+            blk.attn = QKPrunedAttention(qkv, a.proj, a.num_heads, int(per_head[0]), a.head_dim, a.scale)
     return out.eval()
 
 
@@ -94,25 +99,22 @@ def flops(model: nn.Module, example: torch.Tensor) -> int:
 
 
 @torch.no_grad()
-def latency_ms(model: nn.Module, example: torch.Tensor, repeats: int = 20, warmup: int = 3) -> float:
-    """p50 wall-clock milliseconds of one forward pass of the batch (synchronizing CUDA)."""
+def latencies_ms(models: list[nn.Module], example: torch.Tensor, repeats: int = 20, warmup: int = 3) -> list[float]:
+    """p50 wall-clock milliseconds of one forward pass of the batch for each model (synchronizing CUDA). The
+    models are timed interleaved (a, b, a, b, ...) so that they see the same background load."""
     sync = torch.cuda.synchronize if example.is_cuda else (lambda: None)
-    for _ in range(warmup):
-        model(example)
-    times = []
+    for m in models:
+        for _ in range(warmup):
+            m(example)
+    times: list[list[float]] = [[] for _ in models]
     for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        model(example)
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def measure(model: nn.Module, example: torch.Tensor, repeats: int = 20) -> dict[str, float]:
-    lat = latency_ms(model, example, repeats)
-    return {"params": n_params(model), "flops": flops(model, example), "latency_ms": lat,
-            "throughput": example.shape[0] / (lat / 1e3)}
+        for i, m in enumerate(models):
+            sync()
+            t0 = time.perf_counter()
+            m(example)
+            sync()
+            times[i].append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(t) for t in times]
 
 
 @torch.no_grad()
@@ -127,8 +129,10 @@ def efficiency_metrics(model: nn.Module, masks: Mapping[str, torch.Tensor], exam
     model.eval()
     small = shrink_vit(model, masks)
     diff = float((model(example) - small(example)).abs().max())
-    d, s = measure(model, example, repeats), measure(small, example, repeats)
-    out = {f"dense_{k}": float(v) for k, v in d.items()}
-    out.update({f"shrunk_{k}": float(v) for k, v in s.items()})
-    out.update(speedup=s["throughput"] / d["throughput"], shrink_max_abs_diff=diff)
+    lat = latencies_ms([model, small], example, repeats)
+    out: dict[str, float] = {}
+    for tag, m, ms in (("dense", model, lat[0]), ("shrunk", small, lat[1])):
+        out.update({f"{tag}_params": float(n_params(m)), f"{tag}_flops": float(flops(m, example)),
+                    f"{tag}_latency_ms": ms, f"{tag}_throughput": example.shape[0] / (ms / 1e3)})
+    out.update(speedup=out["shrunk_throughput"] / out["dense_throughput"], shrink_max_abs_diff=diff)
     return out

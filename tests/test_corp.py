@@ -275,7 +275,7 @@ def test_shrink_equals_masked_model_and_counts_params(tiny_model):
     # per block: fc1 (64 of 128 rows) + bias, fc2 columns, q/k rows 16 of 32 each (+bias)
     removed = 2 * (64 * 32 + 64 + 32 * 64 + 2 * 16 * 32 + 2 * 16)
     assert n_params(small) == n_params(model) - removed
-    assert small.blocks[0].attn.qk_dim == 4 and small.blocks[0].mlp.fc1.out_features == 64
+    assert small.blocks[0].attn.qk_dim == 4 and small.blocks[0].attn.qkv.out_features == 2 * 16 + 32 and small.blocks[0].mlp.fc1.out_features == 64
     with pytest.raises(ValueError, match="timm VisionTransformer"):
         shrink_vit(tiny_model("tv_vit"), masks)
 
