@@ -55,6 +55,7 @@ VIT_SCOPES: dict[str, tuple[str, ...]] = {
     "mlp": ("fc1", "fc2"),
     "qk": ("qk",),
     "qk_mlp": ("qk", "fc1", "fc2"),
+    "mlp_qk": ("qk", "fc1", "fc2"),  # alias of qk_mlp (the name CORP's paper and SPEC §4 use)
 }
 
 

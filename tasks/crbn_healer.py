@@ -11,12 +11,9 @@ import time
 import torch
 
 from tasks.heal import HEALERS, HealConfig, HealContext, Healer, HealResult
-from tasks.losses import cosine_align_loss
 from tasks.repair import TAU_RULES, bn_state_names, check_finite, crbn_repair, has_batchnorm, scaled_bias_names
-from tasks.targets import block_tap
 
 
-@torch.no_grad()
 class CRBNHealer(Healer):
     name = "crbn"
     settings_schema = {"tau": TAU_RULES, "no_bn": ("variance_match", "reject"), "bn_batches": int,

@@ -241,3 +241,4 @@ from tasks import crbn_healer as _crbn_healer  # noqa: E402,F401  registers the 
 # the registry complete on ``import tasks.heal``.
 from tasks import healers as _healers  # noqa: E402,F401
 from tasks.healers import resolve_healer  # noqa: E402,F401
+from tasks import corp_heal as _corp_heal  # noqa: E402,F401  registers 'corp' (closed-form CORP compensation)

@@ -65,6 +65,16 @@ class Pruner:
     def check_model(self, model: nn.Module, adapter: ModelAdapter, scope: str, settings: Mapping[str, Any]) -> None:
         """Raise ValueError (naming model, pruner and why) when this pruner cannot serve the model/scope."""
 
+    def tolerance(self, model: nn.Module, entries: list[ScopeEntry]) -> float:
+        """Largest |removed weights - sparsity * prunable weights| rounding may cause: half a weight per tensor
+        (structured pruners round per channel group and override this)."""
+        return 0.5 * len(entries)
+
+    def structured_metrics(self, model: nn.Module, masks: Mapping[str, torch.Tensor], example: torch.Tensor
+                           ) -> dict[str, float]:
+        """Efficiency figures of the physically shrunk model (structured pruners); default: none."""
+        return {}
+
     def pattern(self, sparsity: float, settings: Mapping[str, Any]) -> str:
         """Human label of the pattern, used as the `pattern` tag in MLflow and reports."""
         return f"{sparsity:g}"
@@ -184,6 +194,11 @@ def expand_masks(model: nn.Module, entries: list[ScopeEntry], region_masks: Mapp
         full = torch.ones_like(params[e.param], dtype=torch.bool)
         region(full, e).copy_(region_masks[e.param])
         out[e.param] = full
+    for k, m in region_masks.items():  # companion masks outside the scope (a removed unit's bias): full shape
+        if k not in out:
+            if k not in params or m.shape != params[k].shape:
+                raise ValueError(f"companion mask {k!r} must have the full shape of a model parameter")
+            out[k] = m.to(torch.bool).clone()
     return out
 
 
@@ -224,3 +239,4 @@ def achieved_sparsity(entries: list[ScopeEntry], masks: Mapping[str, torch.Tenso
 
 
 from tasks import allocation_pruners as _allocation_pruners  # noqa: E402,F401  registers the allocation rules
+from tasks import corp as _corp  # noqa: E402,F401  registers 'corp' (structured CORP masks)

@@ -16,7 +16,7 @@ from tasks.evaluate import accuracy
 from tasks.heal import HealConfig, HealContext, resolve_healer, steps_per_epoch
 from tasks.masks import MaskStore
 from tasks.models import load_model
-from tasks.pruners import achieved_sparsity, apply_masks, mask_violations
+from tasks.pruners import PRUNERS, achieved_sparsity, apply_masks, mask_violations
 from tasks.store import TargetStore
 
 
@@ -41,6 +41,8 @@ class TrialParams:
     healer_settings: Mapping[str, Any] = field(default_factory=dict)
     threads: int = 1
     device: str = "cpu"
+    pruner: str = ""  # registered pruner of the mask (structured pruners add efficiency metrics)
+    efficiency_batch: int = 64  # evaluation images per timed forward pass (structured pruners)
 
 
 def _outside_scope_digest(model: torch.nn.Module, scoped: set[str]) -> dict[str, torch.Tensor]:
@@ -61,7 +63,7 @@ def run_trial(p: TrialParams, report: Callable[[dict], None]) -> dict:
     dense_acc = accuracy(model, ev.images, ev.labels)
     apply_masks(model, masks)
     pruned_acc = accuracy(model, ev.images, ev.labels)
-    healer = HEALERS.get(p.healer)  # state it may change outside the scope (e.g. CR+BN: BatchNorm statistics)
+    healer = resolve_healer(p.healer, p.healer_settings)  # a chain too; may_change: state it may touch
     untouched = _outside_scope_digest(model, {e.param for e in entries} | healer.may_change(model, entries))
 
     reader = TargetStore(p.store_root).open(p.targets_key, num_rows=p.calib_size)
@@ -78,7 +80,6 @@ def run_trial(p: TrialParams, report: Callable[[dict], None]) -> dict:
     )
     cfg = HealConfig(lr=p.lr, epochs=p.epochs, batch_size=p.batch_size, weight_decay=p.weight_decay,
                      lr_min=p.lr_min, seed=p.seed, settings=dict(p.healer_settings))
-    healer = resolve_healer(p.healer, p.healer_settings)
     n_epochs = healer.epochs(cfg)  # 0 for closed-form / no-op healers: only the final report below
     last: dict = {}
 
@@ -103,7 +104,10 @@ def run_trial(p: TrialParams, report: Callable[[dict], None]) -> dict:
     final = dict(last, final=True, dense_acc=dense_acc, pruned_acc=pruned_acc, healed_acc=healed_acc,
                  retention=healed_acc / dense_acc if dense_acc > 0 else 0.0, heal_seconds=heal_seconds,
                  mask_violations=mask_violations(model, masks), achieved_sparsity=achieved_sparsity(entries, masks),
-                 changed_outside_scope=changed_outside, trial_seconds=time.perf_counter() - t_start,
-                 n_eval=len(ev), num_classes=lm.dataset.num_classes)  # binomial noise of chance (bands)
+                 changed_outside_scope=changed_outside, n_eval=len(ev),
+                 num_classes=lm.dataset.num_classes)  # n_eval, num_classes: binomial noise of chance (bands)
+    if p.pruner:  # structured pruners: params/flops/latency/throughput of the dense vs physically shrunk model
+        final.update(PRUNERS.get(p.pruner).structured_metrics(model, masks, ev.images[: p.efficiency_batch].to(p.device)))
+    final["trial_seconds"] = time.perf_counter() - t_start
     report(final)
     return final

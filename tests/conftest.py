@@ -11,7 +11,7 @@ from tasks.adapters import get_adapter
 from tasks.data import load_digits
 from tasks.heal import HealContext, in_memory_batches, steps_per_epoch
 from tasks.models import MODELS, _build_resnet
-from tasks.pruners import apply_masks, make_masks, region
+from tasks.pruners import PruneContext, apply_masks, make_masks, region
 from tasks.targets import dense_targets
 
 
@@ -68,9 +68,11 @@ class HealCase:
 
     def assert_invariants(self, allowed: set[str] = frozenset()):
         """Mask invariant + nothing outside the trainable region changed (parameters and buffers), except the
-        state_dict names in ``allowed`` (a healer's ``may_change``)."""
+        state_dict names in ``allowed`` (a healer's ``may_change``); masks on companion params (biases) hold."""
         sd = self.model.state_dict()
         scoped = {e.param for e in self.entries}
+        for k, m in self.masks.items():
+            assert torch.all(sd[k][~m] == 0), f"{k}: masked entries not 0"
         for k, v in sd.items():
             if k not in scoped and k not in allowed:
                 assert torch.equal(v, self.before[k]), f"{k} changed outside the scope"
@@ -92,7 +94,8 @@ def make_heal_case(kind: str, scope: str, sparsity: float = 0.8, pruner: str = "
     targets = dense_targets(dense, adapter.blocks(dense), imgs)
     model = copy.deepcopy(dense)
     entries = adapter.scope(model, scope)
-    masks = make_masks(model, entries, pruner, sparsity, seed=seed)
+    masks = make_masks(model, entries, pruner, sparsity, seed=seed,
+                       ctx=PruneContext(model, adapter, entries, calib_images=imgs))
     apply_masks(model, masks)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     extra = {}  # optional context some healers need (present once tasks.heal.HealContext defines the fields)

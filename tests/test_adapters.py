@@ -20,7 +20,8 @@ TIMM = {"qkv": "attn.qkv.weight", "proj": "attn.proj.weight", "fc1": "mlp.fc1.we
 TV = {"qkv": "self_attention.in_proj_weight", "proj": "self_attention.out_proj.weight", "fc1": "mlp.0.weight",
       "fc2": "mlp.3.weight"}
 VIT_PARTS = {"qkv": ["qkv"], "qkv_out": ["qkv", "proj"], "qkv_out_mlp": ["qkv", "proj", "fc1", "fc2"],
-             "mlp": ["fc1", "fc2"], "qk": ["qkv"], "qk_mlp": ["qkv", "fc1", "fc2"]}
+             "mlp": ["fc1", "fc2"], "qk": ["qkv"], "qk_mlp": ["qkv", "fc1", "fc2"],
+             "mlp_qk": ["qkv", "fc1", "fc2"]}  # mlp_qk: alias of qk_mlp (CORP's name)
 VIT_FAMILIES = {"timm_vit": (TimmVitAdapter, ["blocks.0", "blocks.1"], TIMM),
                 "tv_vit": (TorchvisionVitAdapter, ["encoder.layers.encoder_layer_0", "encoder.layers.encoder_layer_1"],
                            TV)}
@@ -51,7 +52,7 @@ def test_vit_blocks_and_every_scope(tiny_model, kind):
         entries = ad.scope(model, scope)
         assert _names(entries) == _vit_scope(blocks, [parts[p] for p in ps]), scope
         rows = [e.rows for e in entries]
-        if scope.startswith("qk") and not scope.startswith("qkv"):  # qk, qk_mlp: Q and K rows of [3D, D]
+        if "qk" in scope and "qkv" not in scope:  # qk, qk_mlp, mlp_qk: Q and K rows of [3D, D]
             assert rows == [(0, 64) if e.param.endswith(parts["qkv"]) else None for e in entries]
         else:
             assert rows == [None] * len(entries)

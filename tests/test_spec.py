@@ -43,7 +43,7 @@ def test_defaults_fill_in():
 
 @pytest.mark.parametrize("changes, field, words", [
     ({"models": ["resnet99"]}, "models[0]", "unknown model 'resnet99'; allowed: resnet_digits, vit_digits"),
-    ({"pruners": ["random"]}, "pruners[0].name", "unknown pruner 'random'; allowed: erk, global, global_magnitude, lamp, magnitude"),
+    ({"pruners": ["random"]}, "pruners[0].name", "unknown pruner 'random'; allowed: corp, erk, global, global_magnitude, lamp, magnitude"),
     ({"healers": ["magic"]}, "healers[0].name", "unknown healer 'magic'"),
     ({"colour": "red"}, "colour", "unknown key"),
     ({"search__tpe": 3}, "search.tpe", "unknown key"),
