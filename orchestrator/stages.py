@@ -110,7 +110,8 @@ def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: Pa
         lm = loaded[c.model]
         adapter = get_adapter(lm.model)
         entries = adapter.scope(lm.model, c.scope)
-        ctx = PruneContext(lm.model, adapter, entries, calib_images=lm.dataset["calibration"].images[: c.calib_size])
+        ctx = PruneContext(lm.model, adapter, entries, calib_images=lm.dataset["calibration"].images[: c.calib_size],
+                           diagnostics={"ranking_dir": str(Path(mask_root).parent / "rankings")})  # cached rankings
         m = make_masks(lm.model, entries, c.pruner, c.sparsity, seed=c.seed, settings=c.pruner_settings, ctx=ctx)
         masks.save(key, m, ident)
     return out

@@ -50,6 +50,7 @@ class Pruner:
     name = ""
     settings_schema: dict[str, type] = {}
     uses_calibration = False  # True: masks depend on calibration images (their count is part of the mask key)
+    quick_settings: dict[str, Any] = {}  # cheap settings for contract tests where the defaults are slow searches
 
     def check(self, settings: Mapping[str, Any]) -> None:
         for k, v in settings.items():
@@ -64,6 +65,11 @@ class Pruner:
 
     def check_model(self, model: nn.Module, adapter: ModelAdapter, scope: str, settings: Mapping[str, Any]) -> None:
         """Raise ValueError (naming model, pruner and why) when this pruner cannot serve the model/scope."""
+
+    def rounding_unit(self, model: nn.Module, entries: list[ScopeEntry], settings: Mapping[str, Any]) -> int:
+        """Most prunable weights removed together (1 = unstructured; a whole neuron/head for structured
+        pruners): the achieved sparsity is within half of it per scope tensor of the request."""
+        return 1
 
     def pattern(self, sparsity: float, settings: Mapping[str, Any]) -> str:
         """Human label of the pattern, used as the `pattern` tag in MLflow and reports."""
@@ -178,12 +184,21 @@ def make_masks(model: nn.Module, entries: list[ScopeEntry], pruner: str, sparsit
 
 def expand_masks(model: nn.Module, entries: list[ScopeEntry], region_masks: Mapping[str, torch.Tensor]
                  ) -> dict[str, torch.Tensor]:
+    """Full-shape masks of the scope entries, plus full-shape masks a structured pruner returns for other
+    parameters (the biases of removed units). Those are applied and checked like the rest, stay frozen while
+    healing (outside the scope) and do not count towards ``achieved_sparsity`` (scope weights only)."""
     params = dict(model.named_parameters())
     out = {}
     for e in entries:
         full = torch.ones_like(params[e.param], dtype=torch.bool)
         region(full, e).copy_(region_masks[e.param])
         out[e.param] = full
+    for k, m in region_masks.items():
+        if k in out:
+            continue
+        if k not in params or m.shape != params[k].shape:
+            raise ValueError(f"pruner returned a mask for {k!r} that matches no parameter of the model")
+        out[k] = m.to(torch.bool)
     return out
 
 
@@ -221,3 +236,7 @@ def achieved_sparsity(entries: list[ScopeEntry], masks: Mapping[str, torch.Tenso
         total += r.numel()
         pruned += int((~r).sum())
     return pruned / max(total, 1)
+
+
+# Pruners defined in their own modules register on import (after everything above exists).
+from tasks import snapvit_pruner as _snapvit_pruner  # noqa: E402,F401

@@ -39,7 +39,7 @@ def _masks(model, kind, scope, name, s, seed=0):
     if "ctx" in inspect.signature(make_masks).parameters and hasattr(pruners_mod, "PruneContext"):
         kw["ctx"] = pruners_mod.PruneContext(model=model, adapter=adapter, entries=entries,
                                              calib_images=calib_images(kind, 16))
-    return make_masks(model, entries, name, s, seed=seed, **kw)
+    return make_masks(model, entries, name, s, seed=seed, settings=getattr(p, "quick_settings", {}), **kw)
 
 
 @pytest.mark.parametrize("kind,scope", MODEL_SCOPES)
@@ -52,7 +52,10 @@ def test_pruner_contract(tiny_model, name, kind, scope):
     fixed = PRUNERS.get(name).fixed_sparsity({})
     for s in SPARSITIES:
         masks = _masks(model, kind, scope, name, s)
-        assert set(masks) == {e.param for e in entries}  # every scope tensor, nothing else
+        scoped = {e.param for e in entries}
+        assert scoped <= set(masks)  # every scope tensor; beyond it only biases of structured units
+        for k in set(masks) - scoped:
+            assert k.endswith("bias") and masks[k].shape == params[k].shape, k
         total = pruned = 0
         for e in entries:
             m = masks[e.param]
@@ -68,7 +71,8 @@ def test_pruner_contract(tiny_model, name, kind, scope):
             pruned += k
         assert achieved_sparsity(entries, masks) == pruned / total
         target = fixed if fixed is not None else s
-        assert abs(pruned - target * total) <= 0.5 * len(entries)  # at most one rounding per tensor
+        unit = PRUNERS.get(name).rounding_unit(model, entries, {})  # 1, or a whole neuron/head's weights
+        assert abs(pruned - target * total) <= 0.5 * len(entries) * unit  # at most one rounding (unit) per tensor
         if fixed is None and s == 0.0:
             assert pruned == 0
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())  # pruners never touch weights
