@@ -50,6 +50,7 @@ class Pruner:
     name = ""
     settings_schema: dict[str, type] = {}
     uses_calibration = False  # True: masks depend on calibration images (their count is part of the mask key)
+    quick_settings: dict[str, Any] = {}  # cheap settings for contract tests where the defaults are slow searches
 
     def check(self, settings: Mapping[str, Any]) -> None:
         for k, v in settings.items():
@@ -188,6 +189,9 @@ def make_masks(model: nn.Module, entries: list[ScopeEntry], pruner: str, sparsit
 
 def expand_masks(model: nn.Module, entries: list[ScopeEntry], region_masks: Mapping[str, torch.Tensor]
                  ) -> dict[str, torch.Tensor]:
+    """Full-shape masks of the scope entries, plus full-shape masks a structured pruner returns for other
+    parameters (the biases of removed units). Those are applied and checked like the rest, stay frozen while
+    healing (outside the scope) and do not count towards ``achieved_sparsity`` (scope weights only)."""
     params = dict(model.named_parameters())
     out = {}
     for e in entries:
@@ -240,3 +244,4 @@ def achieved_sparsity(entries: list[ScopeEntry], masks: Mapping[str, torch.Tenso
 
 from tasks import allocation_pruners as _allocation_pruners  # noqa: E402,F401  registers the allocation rules
 from tasks import corp as _corp  # noqa: E402,F401  registers 'corp' (structured CORP masks)
+from tasks import snapvit_pruner as _snapvit_pruner  # noqa: E402,F401  registers 'snapvit'

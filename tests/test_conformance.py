@@ -39,7 +39,7 @@ def _masks(model, kind, scope, name, s, seed=0):
     if "ctx" in inspect.signature(make_masks).parameters and hasattr(pruners_mod, "PruneContext"):
         kw["ctx"] = pruners_mod.PruneContext(model=model, adapter=adapter, entries=entries,
                                              calib_images=calib_images(kind, 16))
-    return make_masks(model, entries, name, s, seed=seed, **kw)
+    return make_masks(model, entries, name, s, seed=seed, settings=getattr(p, "quick_settings", {}), **kw)
 
 
 @pytest.mark.parametrize("kind,scope", MODEL_SCOPES)
@@ -52,9 +52,10 @@ def test_pruner_contract(tiny_model, name, kind, scope):
     fixed = PRUNERS.get(name).fixed_sparsity({})
     for s in SPARSITIES:
         masks = _masks(model, kind, scope, name, s)
-        assert {e.param for e in entries} <= set(masks)  # every scope tensor
-        for extra in set(masks) - {e.param for e in entries}:  # else only companion biases of scope weights
-            assert extra.endswith("bias") and extra[: -len("bias")] + "weight" in {e.param for e in entries}, extra
+        scoped = {e.param for e in entries}
+        assert scoped <= set(masks)  # every scope tensor; beyond it only biases of structured units
+        for k in set(masks) - scoped:
+            assert k.endswith("bias") and masks[k].shape == params[k].shape, k
         total = pruned = 0
         for e in entries:
             m = masks[e.param]
