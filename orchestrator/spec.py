@@ -53,6 +53,9 @@ class ResourceSpec:
 class StoreSpec:
     shard_size: int = 64
     dtype: str = "float16"
+    uri: str | None = None  # where dense targets live: a path or pyarrow.fs URI; None: <--store>/targets
+    budget_gb: float | None = None  # disk budget of the target store; None: unlimited
+    on_budget: str = "refuse"  # over budget: "refuse" (error before any compute) | "recompute" (in each trial)
 
 
 @dataclass(frozen=True)
@@ -206,7 +209,13 @@ def parse_spec(raw: Any) -> SweepSpec:
     store = _section(StoreSpec, d.get("store"), "store")
     if store.dtype not in ("float16", "bfloat16"):
         raise SpecError("store.dtype", f"must be float16 or bfloat16, got {store.dtype!r}")
-    store = StoreSpec(_num(store.shard_size, "store.shard_size", int, 1), store.dtype)
+    if store.on_budget not in ("refuse", "recompute"):
+        raise SpecError("store.on_budget", f"must be refuse or recompute, got {store.on_budget!r}")
+    if store.uri is not None and (not isinstance(store.uri, str) or not store.uri):
+        raise SpecError("store.uri", f"must be a non-empty path or pyarrow.fs URI, got {store.uri!r}")
+    store = StoreSpec(_num(store.shard_size, "store.shard_size", int, 1), store.dtype, store.uri,
+                      None if store.budget_gb is None else _num(store.budget_gb, "store.budget_gb", float, 0.0),
+                      store.on_budget)
     mlf = _section(MlflowSpec, d.get("mlflow"), "mlflow")
 
     spec = SweepSpec(d["name"], tuple(models), sparsities, calib, pruners, healers, dataset, data_seed, seeds,

@@ -61,8 +61,9 @@ class _Progress:
 
 
 def _trial_config(c: Cell, spec: SweepSpec, paths: dict, targets_key: str, mask_key: str, default_gran: str,
-                  threads: int, device: str) -> dict:
+                  threads: int, device: str, target_mode: str = "store") -> dict:
     return {**asdict(c), "targets_key": targets_key, "mask_key": mask_key, "default_granularity": default_gran,
+            "target_mode": target_mode, "target_dtype": spec.store.dtype,
             "store_root": paths["targets"], "mask_root": paths["masks"], "cache_dir": paths["cache"],
             "data_seed": spec.data_seed, "batch_size": spec.heal.batch_size, "weight_decay": spec.heal.weight_decay,
             "lr_min": spec.heal.lr_min, "threads": threads, "device": device}
@@ -79,6 +80,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
 
     from orchestrator.search import PerCellOptunaSearch
     from orchestrator.diagnostics import diagnostics_stage, log_diagnostics
+    from orchestrator.dense import DenseReport, budget_modes
     from orchestrator.stages import dense_stage, mask_stage, prepare_models
     from orchestrator.tracking import MlflowTrialLogger, start_parent
     from tasks.adapters import get_adapter
@@ -89,7 +91,8 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
     out_dir.mkdir(parents=True, exist_ok=True)
     tracking_uri = spec.mlflow.tracking_uri or f"sqlite:///{out_dir / 'mlflow.db'}"
     sweep_id = resume["sweep_id"] if resume else uuid.uuid4().hex[:12]
-    paths = {"targets": str(store_root / "targets"), "masks": str(store_root / "masks"), "cache": str(cache_dir)}
+    paths = {"targets": spec.store.uri or str(store_root / "targets"), "masks": str(store_root / "masks"),
+             "cache": str(cache_dir)}
     if not resume:
         (out_dir / "sweep.json").write_text(json.dumps(
             {"sweep_id": sweep_id, "name": spec.name, "tracking_uri": tracking_uri,
@@ -99,6 +102,9 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
     models = prepare_models(spec, cache_dir, progress=progress)
     cells = expand_cells(spec, {m: i.scope for m, i in models.items()})
     rows = {m: max(c.calib_size for c in cells if c.model == m) for m in models}
+    modes = budget_modes(spec, models, rows, paths["targets"], cache_dir)  # refuses before any dense compute
+    (out_dir / "targets.json").write_text(json.dumps(  # for `healsweep store gc --keep-referenced`
+        {"store": paths["targets"], "keys": {m: i.targets_key for m, i in models.items()}, "modes": modes}, indent=1))
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     started_ray = not ray.is_initialized()
@@ -107,7 +113,9 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         ray.init(address=address or "local", include_dashboard=False, num_cpus=None if address else num_cpus,
                  logging_level=logging.WARNING, log_to_driver=False, configure_logging=True)
     try:
-        dense = dense_stage(spec, models, rows, Path(paths["targets"]), cache_dir, progress=progress)
+        dense_rep = DenseReport()
+        dense = dense_stage(spec, models, rows, paths["targets"], cache_dir, progress=progress,
+                            skip=tuple(m for m, v in modes.items() if v == "recompute"), report=dense_rep)
         diag_root = store_root / "diagnostics"
         diag = diagnostics_stage(cells, models, diag_root, cache_dir, spec.data_seed,
                                  int(spec.resources.cpus_per_dense_task))
@@ -125,6 +133,8 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
                 "models": ",".join(spec.models), "objective": spec.search.objective, "store": str(store_root)})
             client.log_text(parent, json.dumps(spec.to_dict(), indent=1, default=list), "spec.json")
         log_diagnostics(client, parent, diag_root, diag)
+        if dense_rep.events:  # damaged shards found and recomputed
+            client.log_text(parent, "\n".join(dense_rep.events) + "\n", f"store_events_{step}.txt")
         gran = {}
         for m in models:
             src = MODELS.get(m)
@@ -133,7 +143,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         threads = max(1, int(spec.resources.cpus_per_trial))
         device = "cuda" if spec.resources.gpus_per_trial > 0 else "cpu"
         configs = [_trial_config(c, spec, paths, models[c.model].targets_key, mask_keys[c.cell_id], gran[c.model],
-                                 threads, device) for c in cells]
+                                 threads, device, modes[c.model]) for c in cells]
         searcher = PerCellOptunaSearch(configs, spec.search.trials_per_cell, spec.search.lr, spec.search.epochs,
                                        spec.search.sampler_seed, out_dir / "optuna.journal")
         total = searcher.total  # trials_per_cell per cell; 1 for cells whose healer does not train (e.g. none)
@@ -166,7 +176,9 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
                                           Metric("tune_seconds", tune_seconds, ts, step),
                                           Metric("diagnostics_layers_computed", diag.computed_layers, ts, step),
                                           Metric("diagnostics_seconds", diag.seconds, ts, step),
-                                          Metric("concurrency", concurrency, ts, step)])
+                                          Metric("concurrency", concurrency, ts, step),
+                                          Metric("dense_shards_computed", sum(dense_rep.shards.values()), ts, step),
+                                          Metric("store_integrity_events", len(dense_rep.events), ts, step)])
         client.set_terminated(parent, "FINISHED")
     finally:
         if started_ray:

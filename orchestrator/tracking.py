@@ -9,7 +9,7 @@ from mlflow.entities import Metric, Param, RunTag
 from ray.tune import Callback
 
 TRIAL_PARAMS = ("model", "pruner", "scope", "sparsity", "calib_size", "healer", "granularity", "seed", "lr",
-                "epochs", "batch_size")
+                "epochs", "batch_size", "target_mode")
 EPOCH_METRICS = ("align_loss", "selection_acc")
 FINAL_METRICS = ("dense_acc", "pruned_acc", "healed_acc", "retention", "heal_seconds", "dense_forward_images",
                  "mask_violations", "achieved_sparsity")
@@ -47,6 +47,7 @@ class MlflowTrialLogger(Callback):
         c = trial.config
         tags = {"mlflow.parentRunId": self.parent, "sweep_id": self.sweep_id, "cell_id": c["cell_id"],
                 "trial_id": c["trial_key"], "store_key": c["targets_key"], "mask_key": c["mask_key"],
+                "target_mode": c.get("target_mode", "store"),
                 "pattern": c["pattern"], "healsweep.role": "trial", "tune_trial_id": trial.trial_id}
         run = self.client.create_run(self.exp_id, run_name=c["trial_key"], tags=tags)
         self.runs[trial.trial_id] = run.info.run_id

@@ -18,6 +18,7 @@ from tasks.masks import MaskStore
 from tasks.models import load_model
 from tasks.pruners import PRUNERS, achieved_sparsity, apply_masks, mask_violations
 from tasks.store import TargetStore
+from tasks.target_source import recompute_batches
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class TrialParams:
     device: str = "cpu"
     pruner: str = ""  # registered pruner of the mask (structured pruners add efficiency metrics)
     efficiency_batch: int = 64  # evaluation images per timed forward pass (structured pruners)
+    target_mode: str = "store"  # "store": stream from the target store | "recompute": dense pass per batch
+    target_dtype: str = "float16"  # dtype of recomputed targets (the store's dtype)
 
 
 def _outside_scope_digest(model: torch.nn.Module, scoped: set[str]) -> dict[str, torch.Tensor]:
@@ -66,12 +69,25 @@ def run_trial(p: TrialParams, report: Callable[[dict], None]) -> dict:
     healer = resolve_healer(p.healer, p.healer_settings)  # a chain too; may_change: state it may touch
     untouched = _outside_scope_digest(model, {e.param for e in entries} | healer.may_change(model, entries))
 
-    reader = TargetStore(p.store_root).open(p.targets_key, num_rows=p.calib_size)
     blocks = adapter.blocks(model)
+    images = lm.dataset["calibration"].images[: p.calib_size]
+    reader = None
+    if p.target_mode == "recompute":
+        dense = load_model(p.model, p.cache_dir, data_seed=p.data_seed, progress=False).model.to(p.device)
+        dense_blocks = get_adapter(dense).blocks(dense)
+
+        def batches(epoch):
+            return recompute_batches(dense, dense_blocks, images, p.batch_size, p.seed, epoch,
+                                     getattr(torch, p.target_dtype))
+    else:
+        reader = TargetStore(p.store_root).open(p.targets_key, num_rows=p.calib_size)
+
+        def batches(epoch):
+            return reader.iter_batches(p.batch_size, shuffle=True, seed=p.seed, epoch=epoch, device=p.device)
     ctx = HealContext(
         model=model, blocks=blocks, entries=entries, masks=masks,
-        images=lm.dataset["calibration"].images[: p.calib_size],
-        batches=lambda epoch: reader.iter_batches(p.batch_size, shuffle=True, seed=p.seed, epoch=epoch),
+        images=images,
+        batches=batches,
         steps_per_epoch=steps_per_epoch(p.calib_size, p.batch_size),
         default_granularity=adapter.default_granularity,
         dense_model=lambda: load_model(p.model, p.cache_dir, data_seed=p.data_seed, progress=False).model.to(p.device),
@@ -93,7 +109,8 @@ def run_trial(p: TrialParams, report: Callable[[dict], None]) -> dict:
     try:
         healer.heal(ctx, cfg, on_epoch)
     finally:
-        reader.close()
+        if reader is not None:
+            reader.close()
     heal_seconds = time.perf_counter() - t0
     if not last:  # a healer without epochs: the search objective is still measured, after healing
         last.update(epoch=0, selection_acc=accuracy(model, sel.images, sel.labels))

@@ -235,12 +235,17 @@ def test_no_temp_files_remain(tmp_path, monkeypatch):
     write_all(st, KEY, make_blocks(9, torch.bfloat16), shard_size=4, dtype="bfloat16")
     names = sorted(p.name for p in st.key_dir(KEY).iterdir())
     assert names == ["manifest.json"] + [f"shard-0000{i}.{e}" for i in range(3) for e in ("arrow", "json")]
+    with st.open(KEY):  # first open records the checksum pass and the last use
+        pass
+    names = sorted(p.name for p in st.key_dir(KEY).iterdir())
+    assert names == ["last_use", "manifest.json"] + [f"shard-0000{i}.{e}" for i in range(3)
+                                                     for e in ("arrow", "json")] + ["verified.json"]
     # A write that fails after the temp file exists must clean it up and publish nothing.
     key2 = content_key("fail")
 
-    def boom(path):
+    def boom(fd):
         raise OSError("disk on fire")
-    monkeypatch.setattr(store_mod, "_sha256_file", boom)
+    monkeypatch.setattr(os, "fsync", boom)
     with pytest.raises(OSError):
         st.write_shard(key2, 0, 0, {"x": torch.zeros(3).half()})
     assert list(st.key_dir(key2).iterdir()) == []

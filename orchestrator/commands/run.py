@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from orchestrator.commands.common import DEFAULT_HOME, load_spec_or_exit
+from orchestrator.commands.common import DEFAULT_HOME, CliError, load_spec_or_exit
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -28,11 +28,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def main(args) -> int:
     spec = load_spec_or_exit(args.spec)
+    from orchestrator.dense import StoreBudgetError
     from orchestrator.sweep import run_sweep
 
     out = Path(args.out or Path("runs") / spec.name)
-    res = run_sweep(spec, out, Path(args.store), Path(args.cache), address=args.address, progress=not args.quiet,
-                    report=not args.no_report, num_cpus=args.num_cpus)
+    try:
+        res = run_sweep(spec, out, Path(args.store), Path(args.cache), address=args.address, progress=not args.quiet,
+                        report=not args.no_report, num_cpus=args.num_cpus)
+    except StoreBudgetError as e:
+        raise CliError(str(e)) from None
     print(f"sweep {res.sweep_id}: {res.trials_finished} trials finished, {res.trials_failed} failed, "
           f"dense forward images {res.dense_forward_images}, {res.seconds:.0f} s")
     print(f"mlflow: {res.tracking_uri}")

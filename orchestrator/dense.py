@@ -1,0 +1,126 @@
+"""The sharded dense stage: a pool of Ray actors (model loaded once per worker) computes missing target shards
+in parallel; ``tasks.store.ensure_targets`` decides which (verify, repair, resume, append) under a key lock.
+Also the store's disk budget policy (refuse | recompute)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import ray
+import torch
+from tqdm.auto import tqdm
+
+from tasks.adapters import get_adapter
+from tasks.models import load_model
+from tasks.store import TargetStore, ensure_targets
+from tasks.targets import dense_targets
+
+log = logging.getLogger("healsweep.store")
+
+
+@ray.remote
+class DenseWorker:
+    """Holds one model; each call computes calibration rows [start, stop) and writes them as one shard."""
+
+    def __init__(self, model: str, cache_dir: str, data_seed: int, threads: int) -> None:
+        torch.set_num_threads(max(1, threads))
+        lm = load_model(model, cache_dir, data_seed=data_seed, progress=False)
+        self.model, self.images = lm.model, lm.dataset["calibration"].images
+        self.blocks = get_adapter(lm.model).blocks(lm.model)
+
+    def shard(self, store_root: str, key: str, index: int, start: int, stop: int, dtype: str) -> dict:
+        targets = dense_targets(self.model, self.blocks, self.images[start:stop], dtype=getattr(torch, dtype))
+        return TargetStore(store_root).write_shard(key, index, start, targets)
+
+
+@dataclass
+class DenseReport:
+    computed: dict[str, int] = field(default_factory=dict)  # model -> rows computed now
+    shards: dict[str, int] = field(default_factory=dict)  # model -> shards computed now
+    events: list[str] = field(default_factory=list)  # integrity events (damaged shards recomputed)
+
+
+def dense_stage(spec, models: Mapping, rows: Mapping[str, int], store_root: str | Path, cache_dir: Path,
+                progress: bool = True, *, max_workers: int | None = None, skip: tuple[str, ...] = (),
+                report: DenseReport | None = None) -> dict[str, int]:
+    """Make every model's key (except ``skip``) hold at least ``rows[model]`` rows; compute only what is
+    missing or damaged. Returns {model: dense forward images computed now}; ``report`` gets the details."""
+    store = TargetStore(store_root)
+    rep = report if report is not None else DenseReport()
+    per_task = spec.resources.cpus_per_dense_task
+    cpus = int(ray.cluster_resources().get("CPU", 1)) if ray.is_initialized() else 1
+    for m, info in models.items():
+        rep.computed[m] = rep.shards[m] = 0
+        if m in skip:
+            continue
+
+        def run_shards(plan, m=m, info=info):
+            n = max(1, min(len(plan), max_workers or max(1, int(cpus // per_task))))
+            actors = [DenseWorker.options(num_cpus=per_task).remote(
+                m, str(cache_dir), spec.data_seed, max(1, int(per_task))) for _ in range(n)]
+            pool = ray.util.ActorPool(actors)
+            with tqdm(total=sum(b - a for _, a, b in plan), desc=f"dense targets {m} ({n} workers)", unit="img",
+                      disable=not progress) as bar:
+                for shard in pool.map_unordered(
+                        lambda a, job: a.shard.remote(str(store_root), info.targets_key, *job, spec.store.dtype), plan):
+                    bar.update(shard["row_stop"] - shard["row_start"])
+                    yield shard
+            for a in actors:
+                ray.kill(a)
+
+        res = ensure_targets(store, info.targets_key, rows[m], spec.store.shard_size, run_shards,
+                             meta={"model": m, "model_digest": info.digest, "calibration": info.calib_digest,
+                                   "shard_size": spec.store.shard_size, "blocks": list(info.blocks)},
+                             dtype=spec.store.dtype, calibration_rows=_calibration_rows(m, cache_dir, spec.data_seed))
+        rep.computed[m], rep.shards[m] = res.computed_rows, len(res.computed_shards)
+        rep.events += res.events
+    return dict(rep.computed)
+
+
+def _calibration_rows(model: str, cache_dir: Path, data_seed: int) -> list[int]:
+    """Dataset index of each calibration item (row i of the store = calibration item i)."""
+    lm = load_model(model, cache_dir, data_seed=data_seed, progress=False)
+    return [int(i) for i in lm.dataset["calibration"].indices]
+
+
+# ---------------------------------------------------------------------------------------------- budget
+class StoreBudgetError(Exception):
+    """The targets a sweep needs do not fit ``store.budget_gb`` and ``store.on_budget`` is refuse."""
+
+
+def row_bytes(model: str, cache_dir: Path, data_seed: int, dtype: str) -> int:
+    """Bytes of one calibration row of dense targets (every block + logits)."""
+    lm = load_model(model, cache_dir, data_seed=data_seed, progress=False)
+    t = dense_targets(lm.model, get_adapter(lm.model).blocks(lm.model), lm.dataset["calibration"].images[:1],
+                      dtype=getattr(torch, dtype))
+    return sum(v[0].numel() * v.element_size() for v in t.values())
+
+
+def budget_modes(spec, models: Mapping, rows: Mapping[str, int], store_root: str | Path, cache_dir: Path
+                 ) -> dict[str, str]:
+    """{model: "store" | "recompute"} under ``spec.store.budget_gb``; StoreBudgetError (one line) when over
+    budget and ``on_budget`` is refuse. Keys already holding enough rows cost nothing new."""
+    modes = {m: "store" for m in models}
+    budget = spec.store.budget_gb
+    if budget is None:
+        return modes
+    store = TargetStore(store_root)
+    ours = {info.targets_key for info in models.values()}
+    used = sum(store.key_bytes(k) for k in store.keys() if k not in ours)
+    for m, info in models.items():
+        man = store.manifest(info.targets_key)
+        need = max(rows[m], man["num_rows"] if man else 0) * row_bytes(m, cache_dir, spec.data_seed, spec.store.dtype)
+        if (used + need) / 1e9 <= budget:
+            used += need
+            continue
+        if spec.store.on_budget == "refuse":
+            raise StoreBudgetError(
+                f"store.budget_gb: dense targets of {m} need {need / 1e9:.3g} GB and the store already holds "
+                f"{used / 1e9:.3g} GB, over the budget of {budget:g} GB; raise store.budget_gb, free space with "
+                f"`healsweep store gc`, or set store.on_budget: recompute")
+        modes[m] = "recompute"
+        log.warning("store budget: %s targets (%.3g GB) do not fit; its trials recompute targets on the fly",
+                    m, need / 1e9)
+    return modes

@@ -1,0 +1,24 @@
+"""Content-addressed, sharded target store for dense block targets.
+
+A *key* (``content_key`` of whatever determines the targets) names one directory under the store root::
+
+    <root>/<key>/shard-00000.arrow   Arrow IPC file: one column per block, FixedSizeList<uint16>[prod(shape)]
+    <root>/<key>/shard-00000.json    sidecar: the shard info, written right after the shard (used for resume)
+    <root>/<key>/manifest.json       written LAST: schema, block names/shapes, dtype, row count, calibration
+                                     rows, shards (row ranges, bytes, sha256), producer versions
+    <root>/<key>/verified.json       shards whose sha256 was checked (sha, size, mtime): checksum once
+    <root>/<key>/last_use            ISO time of the latest open (``healsweep store ls`` / ``gc``)
+    <root>/<key>/lock                writer lock (fcntl, local filesystems)
+
+Row ``i`` is calibration item ``i``; each shard holds a contiguous row range; a larger calibration size
+appends shards. Values are the raw 16-bit patterns of float16 / bfloat16 tensors, so round trips are
+bit-exact. Files are written under a temporary name and moved into place. The root is a local directory
+or any ``pyarrow.fs`` URI / FileSystem. No pickle anywhere.
+"""
+from tasks.store.build import EnsureResult, ensure_targets
+from tasks.store.core import (FORMAT, KEY_RE, StoreError, TargetStore, canonical_json, content_key,
+                              producer_versions)
+from tasks.store.reader import TargetReader
+
+__all__ = ["FORMAT", "KEY_RE", "canonical_json", "content_key", "producer_versions", "StoreError", "TargetStore",
+           "TargetReader", "EnsureResult", "ensure_targets"]

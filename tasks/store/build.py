@@ -1,0 +1,83 @@
+"""Make a key hold at least n rows: verify what is there, recompute damaged shards, resume a crashed build,
+append rows for a larger calibration size, publish the manifest last. Compute is injected (no Ray here)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from tasks.store.core import StoreError, TargetStore
+
+log = logging.getLogger("healsweep.store")
+
+Plan = list[tuple[int, int, int]]  # [(shard_index, row_start, row_stop)]
+RunShards = Callable[[Plan], Iterable[dict]]  # computes and writes every planned shard, yields shard infos
+
+
+@dataclass
+class EnsureResult:
+    key: str
+    num_rows: int
+    computed_shards: list[tuple[int, int, int]] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)  # integrity events (logged; for MLflow too)
+
+    @property
+    def computed_rows(self) -> int:
+        return sum(b - a for _, a, b in self.computed_shards)
+
+
+def ensure_targets(store: TargetStore, key: str, num_rows: int, shard_size: int, run_shards: RunShards, *,
+                   meta: dict, dtype: str, calibration_rows: list[int] | None = None) -> EnsureResult:
+    """Under the key's writer lock: keep sound shards, compute only what is missing or damaged, finalize.
+
+    - complete key with >= num_rows rows: its covering shards are checked (size, and checksum unless verified
+      before); damaged ones are recomputed with their row range and the manifest rewritten.
+    - key with fewer rows (nested calibration sizes): rows [old, num_rows) are appended as new shards.
+    - no manifest (first build or a crashed one): shards whose sidecar and size match are kept (resume).
+    ``calibration_rows`` (dataset index of every row, at least num_rows long) goes into the manifest.
+    """
+    res = EnsureResult(key, num_rows)
+    with store.lock(key):
+        if store.fs.local:  # leftovers of writers killed mid-write (only we write this key while locked)
+            for name in store.fs.listdir(key):
+                if name.startswith(".tmp-"):
+                    store.fs.delete(f"{key}/{name}")
+        m = store.manifest(key)
+        keep: list[dict] = []
+        todo: Plan = []
+        if m is not None:
+            for s, problem in store.verify(key, full=False):
+                msg = f"store key {key}: shard {s['file']} (rows {s['row_start']}-{s['row_stop']}) {problem}; recomputing"
+                log.warning(msg)
+                res.events.append(msg)
+                todo.append((s["index"], s["row_start"], s["row_stop"]))
+            bad = {t[0] for t in todo}
+            keep = [s for s in m["shards"] if s["index"] not in bad]
+            have = m["num_rows"]
+            if have >= num_rows and not todo:
+                return res
+            next_index = max(s["index"] for s in m["shards"]) + 1
+            if num_rows > have:
+                todo += store.missing_shards(key, store.shard_plan(num_rows, shard_size, have, next_index))
+                appended = store.shard_plan(num_rows, shard_size, have, next_index)
+                keep += [store.shard_info(key, i) for i, a, b in appended if (i, a, b) not in todo]
+            total = max(have, num_rows)
+        else:
+            plan = store.shard_plan(num_rows, shard_size)
+            todo = store.missing_shards(key, plan, verify=True)
+            keep = [store.shard_info(key, i) for i, a, b in plan if (i, a, b) not in todo]
+            total = num_rows
+        infos = list(run_shards(todo)) if todo else []
+        res.computed_shards = list(todo)
+        if len(infos) != len(todo):
+            raise StoreError(f"store key {key}: {len(todo)} shards planned, {len(infos)} written")
+        allinfo = keep + infos
+        shapes = allinfo[0]["block_shapes"]
+        cal = None if calibration_rows is None else list(calibration_rows)[:total]
+        if cal is not None and len(cal) < total:
+            raise StoreError(f"calibration_rows has {len(cal)} entries, need {total}")
+        store.finalize(key, meta=meta, block_shapes=shapes, dtype=dtype, num_rows=total, shard_infos=allinfo,
+                       calibration_rows=cal)
+        store._mark_verified(key, {i["file"]: store._stamp(key, i) for i in infos})
+        res.num_rows = total
+    return res

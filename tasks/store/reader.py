@@ -1,0 +1,255 @@
+"""Bounded-memory reads of one target set: random row access and a prefetching, windowed-shuffle stream."""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import torch
+
+from tasks.store.core import DTYPES, StoreError, from_u16
+
+Batch = tuple[np.ndarray, dict[str, torch.Tensor]]  # rows (B,) int64, {block: (B, *shape)}
+
+
+class TargetReader:
+    """Rows [0, num_rows) of one key (see ``TargetStore.open``).
+
+    ``iter_batches`` streams one *window* of shards at a time (read whole, sequentially, then dropped), so
+    memory is bounded by ``window`` shards plus ``prefetch`` batches whatever the calibration size.
+    ``read_rows`` serves random access through memory maps (local) or per-record-batch reads (remote).
+    """
+
+    def __init__(self, store, key: str, manifest: dict, shard_infos: list[dict], num_rows: int):
+        self._store, self._key = store, key
+        self.block_names: list[str] = list(manifest["block_names"])
+        self.block_shapes: dict[str, tuple[int, ...]] = {
+            k: tuple(manifest["block_shapes"][k]) for k in self.block_names}
+        self.dtype: torch.dtype = DTYPES[manifest["dtype"]]
+        self.num_rows: int = num_rows
+        self._widths = {n: math.prod(self.block_shapes[n]) for n in self.block_names}
+        self._infos = sorted(shard_infos, key=lambda s: s["row_start"])
+        self._starts = np.array([s["row_start"] for s in self._infos], dtype=np.int64)  # (n_shards,)
+        self._random: dict[int, tuple] = {}  # shard -> (file, ipc reader, batch starts) for read_rows
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------ raw access
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError("reader is closed")
+
+    def _columns(self, batch: pa.RecordBatch, where: str) -> dict[str, np.ndarray]:
+        """{block: (rows, width) uint16} views of one record batch, schema checked."""
+        if batch.schema.names != self.block_names:
+            raise StoreError(f"{where} has columns {batch.schema.names}, expected {self.block_names}")
+        out = {}
+        for name, col in zip(self.block_names, batch.columns):
+            if col.null_count or col.type.list_size != self._widths[name]:
+                raise StoreError(f"{where} column {name}: nulls or width {col.type.list_size}")
+            out[name] = col.flatten().to_numpy(zero_copy_only=True).reshape(batch.num_rows, self._widths[name])
+        return out
+
+    def _random_reader(self, si: int):
+        if si not in self._random:
+            info = self._infos[si]
+            f = self._store.fs.open_random(self._store._rel(self._key, info["file"]))
+            try:
+                r = ipc.open_file(f)
+                sizes = [r.get_batch(b).num_rows for b in range(r.num_record_batches)]
+            except pa.ArrowException as e:
+                f.close()
+                raise StoreError(f"shard {info['file']} is not a readable Arrow IPC file: {e}") from e
+            starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+            if starts[-1] != info["row_stop"] - info["row_start"]:
+                f.close()
+                raise StoreError(f"shard {info['file']} holds {starts[-1]} rows, manifest says "
+                                 f"{info['row_stop'] - info['row_start']}")
+            self._random[si] = (f, r, starts)
+        return self._random[si]
+
+    def read_shard(self, si: int) -> dict[str, np.ndarray]:
+        """Rows of shard ``si`` below num_rows, {block: (rows, width) uint16}, in fresh memory (file closed)."""
+        info = self._infos[si]
+        keep = min(info["row_stop"], self.num_rows) - info["row_start"]
+        # Locally: memory-mapped, copied once, unmapped on return (its pages leave this process's RSS).
+        with self._store.fs.open_random(self._store._rel(self._key, info["file"])) as f:
+            try:
+                table = ipc.open_file(f).read_all()
+            except pa.ArrowException as e:
+                raise StoreError(f"shard {info['file']} is not a readable Arrow IPC file: {e}") from e
+            if table.num_rows != info["row_stop"] - info["row_start"]:
+                raise StoreError(f"shard {info['file']} holds {table.num_rows} rows, manifest says "
+                                 f"{info['row_stop'] - info['row_start']}")
+            out = {n: np.empty((keep, w), np.uint16) for n, w in self._widths.items()}
+            pos = 0
+            for batch in table.slice(0, keep).to_batches():
+                for n, v in self._columns(batch, info["file"]).items():
+                    out[n][pos:pos + batch.num_rows] = v
+                pos += batch.num_rows
+            del table
+        return out
+
+    def read_rows(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
+        """Rows in the given order -> {name: (len(rows), *shape)} fresh tensors in the store dtype."""
+        self._check_open()
+        rows = np.asarray(rows).reshape(-1)  # (B,)
+        if rows.size and rows.dtype.kind not in "iu":
+            raise StoreError(f"row indices must be integers, got dtype {rows.dtype}")
+        rows = rows.astype(np.int64)
+        if rows.size and (rows.min() < 0 or rows.max() >= self.num_rows):
+            raise StoreError(f"row indices must lie in [0, {self.num_rows})")
+        out = {n: np.empty((rows.size, w), np.uint16) for n, w in self._widths.items()}  # name -> (B, width)
+        shard_of = np.searchsorted(self._starts, rows, side="right") - 1  # (B,)
+        for si in np.unique(shard_of):
+            _, reader, starts = self._random_reader(int(si))
+            pos = np.flatnonzero(shard_of == si)  # positions in the output
+            local = rows[pos] - self._starts[si]  # rows within the shard
+            batch_of = np.searchsorted(starts, local, side="right") - 1
+            for bi in np.unique(batch_of):
+                sel = batch_of == bi
+                p, r = pos[sel], local[sel] - starts[bi]
+                cols = self._columns(reader.get_batch(int(bi)), self._infos[si]["file"])
+                for name in self.block_names:
+                    out[name][p] = cols[name][r]  # copies only these rows
+        return {n: from_u16(a, self.dtype, self.block_shapes[n]) for n, a in out.items()}
+
+    # ------------------------------------------------------------------------------------ epoch order
+    def windows(self, *, shuffle: bool = False, seed: int = 0, epoch: int = 0, window: int = 1
+                ) -> list[tuple[list[int], np.ndarray]]:
+        """One epoch as [(shard indices, row order (k,) int64)]: shards in (seeded) random order, grouped
+        ``window`` at a time, rows permuted within each group. Without shuffle: identity, one shard each."""
+        self._check_open()
+        if window < 1:
+            raise StoreError(f"window must be >= 1, got {window}")
+        ns = len(self._infos)
+        rng = np.random.default_rng([seed, epoch]) if shuffle else None
+        shard_order = rng.permutation(ns) if shuffle else np.arange(ns)
+        out = []
+        for g in range(0, ns, window if shuffle else 1):
+            group = [int(s) for s in shard_order[g:g + (window if shuffle else 1)]]
+            rows = np.concatenate([np.arange(self._infos[s]["row_start"],
+                                             min(self._infos[s]["row_stop"], self.num_rows), dtype=np.int64)
+                                   for s in group])
+            out.append((group, rng.permutation(rows) if shuffle else rows))
+        return out
+
+    def epoch_order(self, *, shuffle: bool = False, seed: int = 0, epoch: int = 0, window: int = 1) -> np.ndarray:
+        """Row order of one epoch, (num_rows,) int64 (the order ``iter_batches`` yields)."""
+        w = self.windows(shuffle=shuffle, seed=seed, epoch=epoch, window=window)
+        return np.concatenate([o for _, o in w]) if w else np.zeros(0, np.int64)
+
+    def _produce(self, batch_size: int, drop_last: bool, wins, pin: bool) -> Iterator[Batch]:
+        left_rows = np.zeros(0, np.int64)  # rows carried into the next window (< batch_size)
+        left = {n: np.zeros((0, w), np.uint16) for n, w in self._widths.items()}
+        for group, order in wins:
+            parts = [self.read_shard(s) for s in group]
+            sizes = [len(p[self.block_names[0]]) for p in parts]
+            off = np.zeros(len(self._infos), np.int64)  # shard -> (position in the window) - (global row)
+            off[group] = np.concatenate([[0], np.cumsum(sizes)[:-1]]) - self._starts[group]
+            local = order + off[np.searchsorted(self._starts, order, side="right") - 1]  # (k,)
+            win = {n: (np.concatenate([p[n] for p in parts]) if len(parts) > 1 else parts[0][n])[local]
+                   for n in self.block_names}  # (k, width): the window, permuted (one copy)
+            del parts
+            i = 0
+            if left_rows.size:
+                i = min(batch_size - left_rows.size, order.size)
+                left_rows = np.concatenate([left_rows, order[:i]])
+                left = {n: np.concatenate([left[n], win[n][:i]]) for n in self.block_names}
+                if left_rows.size < batch_size:
+                    continue
+                yield left_rows, self._tensors(left, pin)
+                left_rows = np.zeros(0, np.int64)
+            while order.size - i >= batch_size:
+                yield order[i:i + batch_size], self._tensors({n: v[i:i + batch_size] for n, v in win.items()}, pin)
+                i += batch_size
+            left_rows = order[i:].copy()
+            left = {n: v[i:].copy() for n, v in win.items()}
+        if left_rows.size and not drop_last:
+            yield left_rows, self._tensors(left, pin)
+
+    def _tensors(self, cols: dict[str, np.ndarray], pin: bool) -> dict[str, torch.Tensor]:
+        out = {n: from_u16(np.ascontiguousarray(a), self.dtype, self.block_shapes[n]) for n, a in cols.items()}
+        return {n: t.pin_memory() for n, t in out.items()} if pin else out
+
+    def iter_batches(self, batch_size: int, *, shuffle: bool = False, seed: int = 0, epoch: int = 0,
+                     drop_last: bool = False, window: int = 1, prefetch: int = 2,
+                     device: str | torch.device | None = None) -> Iterator[Batch]:
+        """Yield (rows (B,) int64, {name: (B, *shape)}) covering every row exactly once per epoch.
+
+        A background thread reads windows and assembles batches into a queue of ``prefetch`` batches
+        (0: no thread). On a CUDA ``device`` batches are built in pinned host memory and copied with
+        ``non_blocking=True``; otherwise they stay on the CPU.
+        """
+        if batch_size < 1:
+            raise StoreError(f"batch_size must be >= 1, got {batch_size}")
+        wins = self.windows(shuffle=shuffle, seed=seed, epoch=epoch, window=window)
+        dev = torch.device(device) if device is not None else None
+        cuda = dev is not None and dev.type == "cuda"
+        gen = self._produce(batch_size, drop_last, wins, pin=cuda)
+        if prefetch > 0:
+            gen = _prefetched(gen, prefetch)
+        for rows, tgt in gen:
+            if cuda:
+                tgt = {n: t.to(dev, non_blocking=True) for n, t in tgt.items()}
+            yield rows, tgt
+
+    def load_all(self) -> dict[str, torch.Tensor]:
+        """Every row in RAM, {name: (num_rows, *shape)}. For benchmarks and small sets only."""
+        return self.read_rows(np.arange(self.num_rows, dtype=np.int64))
+
+    def close(self) -> None:
+        for f, _, _ in self._random.values():
+            f.close()
+        self._random, self._closed = {}, True
+
+    def __enter__(self) -> "TargetReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_DONE = object()
+
+
+def _prefetched(gen: Iterator, depth: int) -> Iterator:
+    """Run ``gen`` in a daemon thread feeding a queue of ``depth`` items; errors re-raise in the consumer;
+    closing the consumer early stops the thread."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def work() -> None:
+        try:
+            for item in gen:
+                if not put(item):
+                    return
+            put(_DONE)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            put(e)
+
+    t = threading.Thread(target=work, name="healsweep-prefetch", daemon=True)
+    t.start()
+    try:
+        while True:
+            item = q.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        t.join(timeout=5)

@@ -1,0 +1,103 @@
+"""healsweep store ls / verify / gc: output and exit codes; the disk budget policy; spec fields."""
+import json
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from orchestrator.cli import main
+from tasks.store import TargetStore, content_key, ensure_targets
+from tests.store_helpers import Runner
+
+K1, K2 = content_key("one"), content_key("two")
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def store_root(tmp_path):
+    st = TargetStore(tmp_path / "home" / "targets")
+    for k, n in ((K1, 10), (K2, 6)):
+        ensure_targets(st, k, n, 4, Runner(st, k), meta={"model": f"m{n}"}, dtype="float16")
+    return tmp_path / "home", st
+
+
+def test_ls_lists_keys_rows_models(store_root, capsys):
+    home, st = store_root
+    st.open(K1).close()  # records last use
+    assert main(["store", "ls", "--store", str(home)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    row1 = next(line for line in out if line.startswith(K1)).split()
+    row2 = next(line for line in out if line.startswith(K2)).split()
+    assert row1[1:4] == ["m10", "10", "3"] and row2[1:4] == ["m6", "6", "2"] and row2[-1] == "never"
+    assert float(row1[4]) == pytest.approx(st.key_bytes(K1) / 1e6, abs=0.01)
+    assert out[-1].startswith("2 keys")
+
+
+def test_verify_exit_codes(store_root, capsys):
+    home, st = store_root
+    assert main(["store", "verify", "--store", str(home)]) == 0
+    p = st.key_dir(K2) / "shard-00000.arrow"
+    data = p.read_bytes()
+    p.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])  # same size: only the checksum tells
+    assert main(["store", "verify", K1, "--store", str(home)]) == 0
+    capsys.readouterr()
+    assert main(["store", "verify", "--store", str(home)]) == 1
+    out = capsys.readouterr().out
+    assert f"{K2} shard-00000.arrow (rows 0-4): fails its sha256 check" in out and "1 damaged" in out
+    assert main(["store", "verify", "../etc", "--store", str(home)]) == 2
+    assert main(["store", "verify", content_key("absent"), "--store", str(home)]) == 2
+    assert main(["store", "ls", "--store", str(home / "nope")]) == 2
+
+
+def test_gc_older_than_and_keep_referenced(store_root, tmp_path, capsys):
+    home, st = store_root
+    st.open(K1).close()
+    old = time.time() - 10 * 86400
+    (st.key_dir(K2) / "last_use").write_text("2000-01-01T00:00:00+00:00")
+    os.utime(st.key_dir(K2) / "manifest.json", (old, old))
+    assert main(["store", "gc", "--older-than", "5", "--dry-run", "--store", str(home)]) == 0
+    assert st.keys() == [K1, K2] and f"would delete {K2}" in capsys.readouterr().out
+    assert main(["store", "gc", "--older-than", "5", "--store", str(home)]) == 0
+    assert st.keys() == [K1]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "targets.json").write_text(json.dumps({"keys": {"m": K2}}))
+    assert main(["store", "gc", "--keep-referenced", str(run), "--store", str(home)]) == 0
+    assert st.keys() == []
+    assert main(["store", "gc", "--keep-referenced", str(tmp_path), "--store", str(home)]) == 2  # no targets.json
+    with pytest.raises(SystemExit):
+        main(["store", "gc", "--store", str(home)])  # one of the two modes is required
+
+
+def test_spec_store_fields():
+    from orchestrator.spec import SpecError, parse_spec as load_spec
+    import yaml
+
+    base = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
+    for bad, field in (({"on_budget": "maybe"}, "store.on_budget"), ({"budget_gb": -1}, "store.budget_gb"),
+                       ({"uri": ""}, "store.uri")):
+        d = {**base, "store": {**base["store"], **bad}}
+        with pytest.raises(SpecError, match=field.replace(".", r"\.")):
+            load_spec(d)
+    s = load_spec({**base, "store": {**base["store"], "budget_gb": 1.5, "on_budget": "recompute"}})
+    assert s.store.budget_gb == 1.5 and s.store.on_budget == "recompute" and s.store.uri is None
+
+
+def test_budget_refuse_and_recompute(tmp_path):
+    from orchestrator.dense import StoreBudgetError, budget_modes, row_bytes
+
+    cache = Path(os.environ.get("HEALSWEEP_TEST_CACHE", REPO / ".healsweep" / "models"))
+    rb = row_bytes("vit_digits", cache, 0, "float16")
+    models = {"vit_digits": SimpleNamespace(targets_key=content_key("vit"))}
+
+    def spec(budget, mode):
+        return SimpleNamespace(data_seed=0, store=SimpleNamespace(budget_gb=budget, on_budget=mode, dtype="float16"))
+    rows = {"vit_digits": 100}
+    assert budget_modes(spec(None, "refuse"), models, rows, tmp_path, cache) == {"vit_digits": "store"}
+    assert budget_modes(spec(100 * rb / 1e9, "refuse"), models, rows, tmp_path, cache) == {"vit_digits": "store"}
+    with pytest.raises(StoreBudgetError, match=r"^store\.budget_gb: dense targets of vit_digits need") as e:
+        budget_modes(spec(99 * rb / 1e9, "refuse"), models, rows, tmp_path, cache)
+    assert "\n" not in str(e.value)
+    assert budget_modes(spec(99 * rb / 1e9, "recompute"), models, rows, tmp_path, cache) == {"vit_digits": "recompute"}
