@@ -50,6 +50,7 @@ def dense_shard(model: str, cache_dir: str, data_seed: int, store_root: str, key
     """One Ray task: dense forward of calibration rows [start, stop) -> one shard of block targets."""
     torch.set_num_threads(max(1, threads))
     lm = load_model(model, cache_dir, data_seed=data_seed, progress=False)
+    lm.model.to("cuda" if ray.get_gpu_ids() else "cpu")  # a GPU only when the task was given one
     blocks = get_adapter(lm.model).blocks(lm.model)
     images = lm.dataset["calibration"].images[start:stop]
     targets = dense_targets(lm.model, blocks, images, dtype=getattr(torch, dtype))
@@ -71,7 +72,8 @@ def dense_stage(spec: SweepSpec, models: Mapping[str, ModelInfo], rows: Mapping[
             continue  # complete: no dense forward pass at all
         stale.append(m)
         for idx, start, stop in store.missing_shards(info.targets_key, rows[m], spec.store.shard_size):
-            ref = dense_shard.options(num_cpus=spec.resources.cpus_per_dense_task).remote(
+            ref = dense_shard.options(num_cpus=spec.resources.cpus_per_dense_task,
+                                      num_gpus=spec.resources.gpus_per_dense_task).remote(
                 m, str(cache_dir), spec.data_seed, str(store_root), info.targets_key, idx, start, stop,
                 spec.store.dtype, int(spec.resources.cpus_per_dense_task))
             jobs[ref] = (m, stop - start)

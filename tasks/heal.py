@@ -51,6 +51,11 @@ class HealContext:
     default_granularity: str = "token"
     dense_model: Callable[[], nn.Module] | None = None  # lazily builds an unpruned copy (repair operators)
     labeled: tuple[torch.Tensor, torch.Tensor] | None = None  # (images, labels) for supervised baselines
+    # Fault tolerance (gradient healers): ``resume`` = a state passed to ``checkpoint`` earlier (the model
+    # already holds that epoch's healed weights); ``checkpoint(epoch, state)`` runs after each epoch, before
+    # ``on_epoch``, with the loop state needed to continue bit-identically (optimizer, schedule, epoch, losses).
+    resume: Mapping[str, Any] | None = None
+    checkpoint: Callable[[int, dict[str, Any]], None] | None = None
 
 
 @dataclass
@@ -121,10 +126,14 @@ class GradientHealer(Healer):
         torch.manual_seed(cfg.seed)
         model.eval()
         block_names = [b for b, _ in ctx.blocks]
-        losses, steps, t0 = [], 0, time.perf_counter()
+        losses, steps, t0, start = [], 0, time.perf_counter(), 0
+        if ctx.resume is not None:
+            opt.load_state_dict(ctx.resume["optimizer"])
+            sched.load_state_dict(ctx.resume["scheduler"])
+            start, steps, losses = int(ctx.resume["epoch"]), int(ctx.resume["steps"]), list(ctx.resume["losses"])
         try:
             with block_tap(ctx.blocks) as cap:
-                for epoch in range(cfg.epochs):
+                for epoch in range(start, cfg.epochs):
                     run, n = 0.0, 0
                     for rows, tgt in ctx.batches(epoch):
                         x = ctx.images[torch.as_tensor(rows)].to(dev, non_blocking=True)
@@ -159,6 +168,9 @@ class GradientHealer(Healer):
                         n += len(rows)
                         steps += 1
                     losses.append(run / max(n, 1))
+                    if ctx.checkpoint is not None:
+                        ctx.checkpoint(epoch + 1, {"epoch": epoch + 1, "steps": steps, "losses": list(losses),
+                                                   "optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
                     if on_epoch is not None:
                         on_epoch(epoch + 1, {"align_loss": losses[-1]})
         finally:
