@@ -108,7 +108,8 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         if journal.exists():
             raise ResumeError(f"{out_dir} already holds a sweep: continue it with --resume {out_dir} or choose "
                               "another --out")
-        tracking_uri = spec.mlflow.tracking_uri or f"sqlite:///{out_dir / 'mlflow.db'}"
+        tracking_uri = (spec.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+                        or f"sqlite:///{out_dir / 'mlflow.db'}")
         sweep_id = uuid.uuid4().hex[:12]
         info = {"sweep_id": sweep_id, "name": spec.name, "tracking_uri": tracking_uri,
                 "experiment": spec.mlflow.experiment, "store": str(store_root), "cache": str(cache_dir),

@@ -295,3 +295,16 @@ def test_killed_driver_resumes_without_rerunning_or_duplicating(tmp_path, model_
         if r.data.tags["trial_id"] not in done_before:
             assert r.data.metrics["dense_forward_images"] == 0
     assert (out / "report.md").read_text().count("| magnitude |") == 2
+
+
+def test_asha_scheduler_from_the_spec_stops_on_epochs_of_selection_acc():
+    from orchestrator.sweep import _concurrency, _scheduler
+
+    assert _scheduler(parse_spec(_gpu_spec())) is None  # fifo by default
+    spec = parse_spec(_gpu_spec(scheduler="asha", epochs=[2, 8], asha_grace_period=2, asha_reduction_factor=3))
+    asha = _scheduler(spec)
+    assert (asha._time_attr, asha.metric, asha.mode, asha._max_t) == ("epoch", "selection_acc", "max", 8)
+    assert [m for m, _ in asha._brackets[0]._rungs] == [6, 2]  # rungs: grace period 2, then x3
+    # fractional GPUs pack trials: 0.25 GPU per trial on 2 GPUs -> 8, unless CPUs run out first
+    assert _concurrency(spec, {"CPU": 16, "GPU": 2}) == 8 and _concurrency(spec, {"CPU": 5, "GPU": 2}) == 5
+    assert _concurrency(override_resources(spec, cpu_only=True), {"CPU": 3}) == 3
