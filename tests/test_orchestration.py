@@ -303,7 +303,7 @@ def test_asha_scheduler_from_the_spec_stops_on_epochs_of_selection_acc():
     assert _scheduler(parse_spec(_gpu_spec())) is None  # fifo by default
     spec = parse_spec(_gpu_spec(scheduler="asha", epochs=[2, 8], asha_grace_period=2, asha_reduction_factor=3))
     asha = _scheduler(spec)
-    assert (asha._time_attr, asha.metric, asha.mode, asha._max_t) == ("epoch", "selection_acc", "max", 8)
+    assert (asha._time_attr, asha.metric, asha._mode, asha._max_t) == ("epoch", "selection_acc", "max", 8)
     assert [m for m, _ in asha._brackets[0]._rungs] == [6, 2]  # rungs: grace period 2, then x3
     # fractional GPUs pack trials: 0.25 GPU per trial on 2 GPUs -> 8, unless CPUs run out first
     assert _concurrency(spec, {"CPU": 16, "GPU": 2}) == 8 and _concurrency(spec, {"CPU": 5, "GPU": 2}) == 5
