@@ -110,9 +110,8 @@ def run_refinement(run_dir: Path, step: float = 0.005, *, address: str | None = 
     from orchestrator.sweep import run_sweep
 
     res = run_sweep(spec, Path(run_dir), Path(meta["store"]), Path(meta["cache"]), address=address,
-                    progress=progress, report=False, num_cpus=num_cpus,
-                    resume={"sweep_id": meta["sweep_id"], "parent_run_id": plan["parent_run_id"],
-                            "round": plan["round"]})
+                    progress=progress, report=False, num_cpus=num_cpus, refine_round=plan["round"])
+    meta = json.loads((Path(run_dir) / "sweep.json").read_text(encoding="utf-8"))  # run_sweep updated it
     meta.setdefault("refinements", []).append(
         {"round": plan["round"], "step": step, "interval": list(plan["interval"]), "sparsities": plan["sparsities"],
          "trials_finished": res.trials_finished, "trials_failed": res.trials_failed})

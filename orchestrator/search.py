@@ -2,18 +2,30 @@
 
 Every grid cell owns an Optuna study (its own TPE state: cells never share history), stored in a
 JournalStorage file under the run directory. One Ray Tune ``Searcher`` routes: ``suggest`` asks the next
-cell's study for (lr, epochs) and returns the full trial config; ``on_trial_complete`` tells that study the
-selection objective (or FAIL). Cells are visited round-major (trial 0 of every cell, then trial 1, ...), so
-free workers always have work and every study sees completed trials before its later asks.
+cell's study and returns the full trial config; ``on_trial_complete`` tells that study the selection
+objective. Cells are visited round-major (trial 0 of every cell, then trial 1, ...), so free workers always
+have work (no per-cell idle tail) and every study sees completed trials before its later asks.
+
+Determinism and resume: the sampler is re-seeded before every ask from (sampler seed, cell, trial number),
+so a trial's suggestion depends only on its number and the study history, not on the order of asks across
+cells or on a restart. On construction over an existing journal, trials already told (COMPLETE, PRUNED,
+FAIL) are never run again; trials asked but never told (the driver died while they ran) are run again with
+the same parameters and the same trial number; only the remaining count is asked anew.
+
+Early stopping (ASHA): the search space is lr only and every trial runs ``epochs_max`` epochs unless the
+scheduler stops it. Per-epoch objective values are recorded as Optuna intermediate values, and a trial that
+ends without its final result (stopped early) is told PRUNED: Optuna's TPE then ranks it below completed
+trials by the step it reached and its last intermediate value, so the evidence is used without treating a
+2-epoch score as a full-length one. Errors and diverged trials are told FAIL (ignored by TPE).
 
 Cells whose healer does not train (``Healer.trains`` False: ``none``, closed-form healers) have nothing to search:
-they run exactly one trial with lr = 0 and epochs = 0 and no Optuna study (``fixed_cell``).
+they run exactly one trial with lr = 0 and epochs = 0 (``fixed_cell``; the journal still numbers that trial).
 """
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import optuna
 from optuna.distributions import FloatDistribution, IntDistribution
@@ -21,6 +33,7 @@ from optuna.trial import TrialState
 from ray.tune.search import Searcher
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
+DONE = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
 def fixed_cell(cell: Mapping[str, Any]) -> bool:
@@ -30,36 +43,59 @@ def fixed_cell(cell: Mapping[str, Any]) -> bool:
     return not resolve_healer(cell["healer"], cell.get("healer_settings")).trains
 
 
-def cell_sampler_seed(sampler_seed: int, cell_id: str) -> int:
-    return int(hashlib.sha256(f"{sampler_seed}:{cell_id}".encode()).hexdigest()[:8], 16)
+def cell_sampler_seed(sampler_seed: int, cell_id: str, number: int = 0) -> int:
+    return int(hashlib.sha256(f"{sampler_seed}:{cell_id}:{number}".encode()).hexdigest()[:8], 16)
+
+
+def open_journal(journal: Path) -> optuna.storages.JournalStorage:
+    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
 
 
 class PerCellOptunaSearch(Searcher):
     def __init__(self, cells: list[Mapping[str, Any]], trials_per_cell: int, lr: tuple[float, float],
-                 epochs: tuple[int, int], sampler_seed: int, journal: Path,
-                 metric: str = "selection_acc", mode: str = "max") -> None:
+                 epochs: tuple[int, int], sampler_seed: int, journal: Path, *, asha: bool = False,
+                 startup_trials: int | None = None, metric: str = "selection_acc", mode: str = "max",
+                 defer: Callable[[Callable[[], None]], None] | None = None) -> None:
         super().__init__(metric=metric, mode=mode)
         self._cells = {c["cell_id"]: dict(c) for c in cells}
-        self._fixed = {cid for cid, c in self._cells.items() if fixed_cell(c)}
-        self._queue = [cid for r in range(trials_per_cell) for cid in self._cells
-                       if r == 0 or cid not in self._fixed]  # round-major
-        self.total = len(self._queue)
-        self._space = {"lr": FloatDistribution(lr[0], lr[1], log=True), "epochs": IntDistribution(epochs[0], epochs[1])}
-        self._trials_per_cell = trials_per_cell
+        self._space = {"lr": FloatDistribution(lr[0], lr[1], log=True)}
+        self._asha_epochs = {"epochs": epochs[1]} if asha else {}
+        self._no_search = {cid for cid, c in self._cells.items() if fixed_cell(c)}
+        if not asha:
+            self._space["epochs"] = IntDistribution(epochs[0], epochs[1])
+        self._startup = startup_trials or max(1, min(10, trials_per_cell // 2))
         self._sampler_seed = sampler_seed
-        self._storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
+        self._storage = open_journal(journal)
         self._studies: dict[str, optuna.Study] = {}
         self._live: dict[str, tuple[str, int]] = {}  # tune trial id -> (cell id, optuna trial number)
+        self._defer = defer or (lambda fn: fn())  # the driver runs tells after that trial's MLflow writes
+        self.rerun: list[str] = []  # trial keys asked before a restart and run again now
+        self.already_done = 0
+        # Work list, round-major: (cell id, trial number or None for a new ask).
+        todo: list[list[tuple[str, int | None]]] = []
+        for cid in self._cells:
+            trials = self.study(cid).get_trials(deepcopy=False)
+            self.already_done += sum(t.state in DONE for t in trials)
+            pending = [(cid, t.number) for t in trials if t.state not in DONE]
+            self.rerun += [f"{cid}-{n}" for _, n in pending]
+            budget = 1 if cid in self._no_search else trials_per_cell
+            todo.append(pending + [(cid, None)] * max(0, budget - len(trials)))
+        self._queue = [row[i] for i in range(max(map(len, todo), default=0)) for row in todo if i < len(row)]
+
+    @property
+    def total(self) -> int:
+        return len(self._queue)
 
     def study(self, cell_id: str) -> optuna.Study:
         if cell_id not in self._studies:
-            startup = max(1, min(10, self._trials_per_cell // 2))
-            sampler = optuna.samplers.TPESampler(seed=cell_sampler_seed(self._sampler_seed, cell_id),
-                                                 n_startup_trials=startup)
             self._studies[cell_id] = optuna.create_study(
-                study_name=cell_id, storage=self._storage, sampler=sampler,
+                study_name=cell_id, storage=self._storage, sampler=self._sampler(cell_id, 0),
                 direction="maximize" if self.mode == "max" else "minimize", load_if_exists=True)
         return self._studies[cell_id]
+
+    def _sampler(self, cell_id: str, number: int) -> optuna.samplers.BaseSampler:
+        return optuna.samplers.TPESampler(seed=cell_sampler_seed(self._sampler_seed, cell_id, number),
+                                          n_startup_trials=self._startup)
 
     def set_search_properties(self, metric, mode, config, **spec) -> bool:
         return True  # the space is ours; metric/mode were fixed at construction
@@ -67,23 +103,42 @@ class PerCellOptunaSearch(Searcher):
     def suggest(self, trial_id: str) -> dict | None:
         if not self._queue:
             return Searcher.FINISHED
-        cell_id = self._queue.pop(0)
-        if cell_id in self._fixed:
-            return {**self._cells[cell_id], "lr": 0.0, "epochs": 0, "optuna_trial": 0, "trial_key": f"{cell_id}-0"}
-        ot = self.study(cell_id).ask(self._space)
-        self._live[trial_id] = (cell_id, ot.number)
-        return {**self._cells[cell_id], "lr": ot.params["lr"], "epochs": ot.params["epochs"],
-                "optuna_trial": ot.number, "trial_key": f"{cell_id}-{ot.number}"}
+        cell_id, number = self._queue.pop(0)
+        study = self.study(cell_id)
+        if number is None:
+            study.sampler = self._sampler(cell_id, len(study.get_trials(deepcopy=False)))
+            number = study.ask(self._space).number
+        params = study.trials[number].params
+        if cell_id in self._no_search:
+            params = {"lr": 0.0, "epochs": 0}
+        self._live[trial_id] = (cell_id, number)
+        return {**self._cells[cell_id], **self._asha_epochs, **params, "optuna_trial": number,
+                "trial_key": f"{cell_id}-{number}"}
+
+    def _report(self, trial_id: str, result: Mapping[str, Any] | None) -> None:
+        if trial_id in self._live and result and self.metric in result and "epoch" in result \
+                and not result.get("diverged"):
+            cell_id, number = self._live[trial_id]
+            study, value, step = self.study(cell_id), float(result[self.metric]), int(result["epoch"])
+            tid = study.trials[number]._trial_id
+            self._defer(lambda: study._storage.set_trial_intermediate_value(tid, step, value))
+
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
+        self._report(trial_id, result)
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         if trial_id not in self._live:
             return
+        self._report(trial_id, result)  # the last result of an early-stopped trial never reached on_trial_result
         cell_id, number = self._live.pop(trial_id)
         study = self.study(cell_id)
-        if error or not result or self.metric not in result or not result.get("final"):
-            study.tell(number, state=TrialState.FAIL)
+        if error or not result or self.metric not in result or result.get("diverged"):
+            self._defer(lambda: study.tell(number, state=TrialState.FAIL))
+        elif not result.get("final"):
+            self._defer(lambda: study.tell(number, state=TrialState.PRUNED))
         else:
-            study.tell(number, float(result[self.metric]))
+            value = float(result[self.metric])
+            self._defer(lambda: study.tell(number, value))
 
     # Tune checkpoints searchers; study state already lives in the journal file.
     def save(self, checkpoint_path: str) -> None:

@@ -32,6 +32,10 @@ class SearchSpec:
     epochs: tuple[int, int] = (1, 8)  # integer bounds, inclusive
     objective: str = "selection_acc"
     sampler_seed: int = 0
+    startup_trials: int | None = None  # random trials before TPE per cell; None: trials_per_cell // 2 (1..10)
+    scheduler: str = "fifo"  # fifo | asha (ASHA: Optuna searches lr only, every trial gets epochs[1] epochs)
+    asha_grace_period: int = 1  # epochs before ASHA may stop a trial
+    asha_reduction_factor: int = 2
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,9 @@ class ResourceSpec:
     gpus_per_trial: float = 0.0
     max_concurrent: int | None = None  # None: as many as the cluster's CPUs allow
     cpus_per_dense_task: float = 1.0
+    gpus_per_dense_task: float = 0.0
+    max_failures: int = 2  # retries of a failed trial, each from its last per-epoch checkpoint
+    reuse_actors: bool = True
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,7 @@ class SweepSpec:
     resources: ResourceSpec = ResourceSpec()
     store: StoreSpec = StoreSpec()
     mlflow: MlflowSpec = MlflowSpec()
+    plugins: tuple[str, ...] = ()  # modules imported before validation and in every trial (custom methods)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -154,6 +162,7 @@ def parse_spec(raw: Any) -> SweepSpec:
     from tasks.pruners import PRUNERS
 
     top = {f for f in SweepSpec.__dataclass_fields__}
+    plugins = _plugins(raw.get("plugins") if isinstance(raw, Mapping) else None)
     d = _keys(raw, "", top, {"name", "models", "sparsities", "calib_sizes", "pruners", "healers"})
     if not isinstance(d["name"], str) or not d["name"].replace("-", "").replace("_", "").isalnum():
         raise SpecError("name", f"must be letters, digits, '-' or '_', got {d['name']!r}")
@@ -196,8 +205,14 @@ def parse_spec(raw: Any) -> SweepSpec:
     e_hi = _num(ep[1], "search.epochs[1]", int, e_lo)
     if search.objective != "selection_acc":
         raise SpecError("search.objective", f"must be 'selection_acc', got {search.objective!r}")
+    if search.scheduler not in ("fifo", "asha"):
+        raise SpecError("search.scheduler", f"must be 'fifo' or 'asha', got {search.scheduler!r}")
     search = SearchSpec(_num(search.trials_per_cell, "search.trials_per_cell", int, 1), (lo, hi), (e_lo, e_hi),
-                        search.objective, _num(search.sampler_seed, "search.sampler_seed", int, 0))
+                        search.objective, _num(search.sampler_seed, "search.sampler_seed", int, 0),
+                        None if search.startup_trials is None else
+                        _num(search.startup_trials, "search.startup_trials", int, 1), search.scheduler,
+                        _num(search.asha_grace_period, "search.asha_grace_period", int, 1, e_hi),
+                        _num(search.asha_reduction_factor, "search.asha_reduction_factor", int, 2))
     heal = _section(HealSpec, d.get("heal"), "heal")
     heal = HealSpec(_num(heal.batch_size, "heal.batch_size", int, 1), _num(heal.weight_decay, "heal.weight_decay", float, 0.0),
                     _num(heal.lr_min, "heal.lr_min", float, 0.0))
@@ -205,7 +220,15 @@ def parse_spec(raw: Any) -> SweepSpec:
     res = ResourceSpec(_num(res.cpus_per_trial, "resources.cpus_per_trial", float, 0.0, lo_open=True),
                        _num(res.gpus_per_trial, "resources.gpus_per_trial", float, 0.0),
                        None if res.max_concurrent is None else _num(res.max_concurrent, "resources.max_concurrent", int, 1),
-                       _num(res.cpus_per_dense_task, "resources.cpus_per_dense_task", float, 0.0, lo_open=True))
+                       _num(res.cpus_per_dense_task, "resources.cpus_per_dense_task", float, 0.0, lo_open=True),
+                       _num(res.gpus_per_dense_task, "resources.gpus_per_dense_task", float, 0.0),
+                       _num(res.max_failures, "resources.max_failures", int, 0), res.reuse_actors)
+    for f in ("gpus_per_trial", "gpus_per_dense_task"):
+        g = getattr(res, f)
+        if g > 1 and g != int(g):
+            raise SpecError(f"resources.{f}", f"must be a fraction below 1 or a whole number, got {g!r}")
+    if not isinstance(res.reuse_actors, bool):
+        raise SpecError("resources.reuse_actors", f"must be true or false, got {res.reuse_actors!r}")
     store = _section(StoreSpec, d.get("store"), "store")
     if store.dtype not in ("float16", "bfloat16"):
         raise SpecError("store.dtype", f"must be float16 or bfloat16, got {store.dtype!r}")
@@ -219,10 +242,26 @@ def parse_spec(raw: Any) -> SweepSpec:
     mlf = _section(MlflowSpec, d.get("mlflow"), "mlflow")
 
     spec = SweepSpec(d["name"], tuple(models), sparsities, calib, pruners, healers, dataset, data_seed, seeds,
-                     dict(scope), search, heal, res, store, mlf)
+                     dict(scope), search, heal, res, store, mlf, plugins)
     check_healer_data(spec, data)
     _check_scopes(spec, ADAPTERS, MODELS)
     return spec
+
+
+def _plugins(v: Any) -> tuple[str, ...]:
+    """Import the spec's plugin modules (they register methods) so validation sees their names."""
+    import importlib
+
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(m, str) for m in v):
+        raise SpecError("plugins", f"must be a list of module names, got {v!r}")
+    for i, m in enumerate(v):
+        try:
+            importlib.import_module(m)
+        except ImportError as e:
+            raise SpecError(f"plugins[{i}]", f"cannot import module {m!r}: {e}") from None
+    return tuple(v)
 
 
 def _check_scopes(spec: SweepSpec, adapters, models) -> None:

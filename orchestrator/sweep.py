@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from orchestrator.plan import Cell, expand_cells
 from orchestrator.spec import SweepSpec
-from tasks.trial import TrialParams, run_trial
+from orchestrator.trainable import tune_trainable  # noqa: F401 - re-exported
 
 
 @dataclass
@@ -27,14 +27,6 @@ class SweepResult:
     dense_forward_images: int
     seconds: float
     report: dict | None
-
-
-def tune_trainable(config: dict) -> None:
-    """Ray Tune function trainable: one trial, reporting each epoch to Tune."""
-    from ray import tune
-
-    fields = TrialParams.__dataclass_fields__
-    run_trial(TrialParams(**{k: v for k, v in config.items() if k in fields}), report=tune.report)
 
 
 def _trial_name(trial) -> str:
@@ -62,42 +54,75 @@ class _Progress:
 
 def _trial_config(c: Cell, spec: SweepSpec, paths: dict, targets_key: str, mask_key: str, default_gran: str,
                   threads: int, device: str, target_mode: str = "store") -> dict:
-    return {**asdict(c), "targets_key": targets_key, "mask_key": mask_key, "default_granularity": default_gran,
-            "target_mode": target_mode, "target_dtype": spec.store.dtype,
+    return {**asdict(c), "plugins": list(spec.plugins), "targets_key": targets_key, "mask_key": mask_key,
+            "default_granularity": default_gran, "target_mode": target_mode, "target_dtype": spec.store.dtype,
             "store_root": paths["targets"], "mask_root": paths["masks"], "cache_dir": paths["cache"],
             "data_seed": spec.data_seed, "batch_size": spec.heal.batch_size, "weight_decay": spec.heal.weight_decay,
             "lr_min": spec.heal.lr_min, "threads": threads, "device": device}
 
 
+def _concurrency(spec: SweepSpec, cluster: dict) -> int:
+    if spec.resources.max_concurrent:
+        return spec.resources.max_concurrent
+    n = int(cluster.get("CPU", 1) // spec.resources.cpus_per_trial)
+    if spec.resources.gpus_per_trial > 0:
+        n = min(n, int(cluster.get("GPU", 0) // spec.resources.gpus_per_trial))
+    return max(1, n)
+
+
+def _scheduler(spec: SweepSpec):
+    if spec.search.scheduler != "asha":
+        return None
+    from ray.tune.schedulers import ASHAScheduler
+
+    return ASHAScheduler(time_attr="epoch", metric=spec.search.objective, mode="max", max_t=spec.search.epochs[1],
+                         grace_period=spec.search.asha_grace_period,
+                         reduction_factor=spec.search.asha_reduction_factor)
+
+
 def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path, *, address: str | None = None,
               progress: bool = True, report: bool = True, num_cpus: int | None = None,
-              resume: dict | None = None) -> SweepResult:
-    """Run ``spec``; ``resume`` = {"sweep_id", "parent_run_id", "round"} continues an existing sweep (refinement):
-    same sweep id and parent run, sweep.json left alone, the parent's metrics logged at step ``round``."""
+              resume: bool = False, refine_round: int | None = None) -> SweepResult:
+    """Run a sweep into ``out_dir``; with ``resume``, continue the sweep recorded there (see orchestrator/resume.py):
+    its sweep id, MLflow parent run and Optuna journal are reused, told trials are not run again. With
+    ``refine_round`` (healsweep refine), ``spec`` is a refinement grid run as a continuation of that sweep: same
+    sweep id, parent run, journal and stores; the refined spec is logged as ``refine_<round>/spec.json``."""
     import ray
     from mlflow import MlflowClient
     from ray import tune
 
+    from orchestrator.mlflow_async import AsyncMlflowWriter
+    from orchestrator.resume import JOURNAL_FILE, ResumeError, read_sweep, reconcile, told_states, write_sweep
     from orchestrator.search import PerCellOptunaSearch
     from orchestrator.diagnostics import diagnostics_stage, log_diagnostics
     from orchestrator.dense import DenseReport, budget_modes
     from orchestrator.stages import dense_stage, mask_stage, prepare_models
-    from orchestrator.tracking import MlflowTrialLogger, start_parent
+    from orchestrator.tracking import MlflowTrialLogger, experiment_id, start_parent
     from tasks.adapters import get_adapter
     from tasks.models import MODELS
 
     t0 = time.time()
     out_dir, store_root, cache_dir = (Path(p).resolve() for p in (out_dir, store_root, cache_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
-    tracking_uri = spec.mlflow.tracking_uri or f"sqlite:///{out_dir / 'mlflow.db'}"
-    sweep_id = resume["sweep_id"] if resume else uuid.uuid4().hex[:12]
+    journal = out_dir / JOURNAL_FILE
+    resume = resume or refine_round is not None
+    if resume:
+        info = read_sweep(out_dir)
+        sweep_id, tracking_uri = info["sweep_id"], info["tracking_uri"]
+        info["resumes"] = info.get("resumes", 0) + 1
+    else:
+        if journal.exists():
+            raise ResumeError(f"{out_dir} already holds a sweep: continue it with --resume {out_dir} or choose "
+                              "another --out")
+        tracking_uri = (spec.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+                        or f"sqlite:///{out_dir / 'mlflow.db'}")
+        sweep_id = uuid.uuid4().hex[:12]
+        info = {"sweep_id": sweep_id, "name": spec.name, "tracking_uri": tracking_uri,
+                "experiment": spec.mlflow.experiment, "store": str(store_root), "cache": str(cache_dir),
+                "spec": spec.to_dict()}
+    write_sweep(out_dir, info)
     paths = {"targets": spec.store.uri or str(store_root / "targets"), "masks": str(store_root / "masks"),
              "cache": str(cache_dir)}
-    if not resume:
-        (out_dir / "sweep.json").write_text(json.dumps(
-            {"sweep_id": sweep_id, "name": spec.name, "tracking_uri": tracking_uri,
-             "experiment": spec.mlflow.experiment, "store": str(store_root), "cache": str(cache_dir),
-             "spec": spec.to_dict()}, indent=1, default=list))
 
     models = prepare_models(spec, cache_dir, progress=progress)
     cells = expand_cells(spec, {m: i.scope for m, i in models.items()})
@@ -112,6 +137,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         # No address: always a fresh local instance ("local"), never whatever Ray happens to run on the machine.
         ray.init(address=address or "local", include_dashboard=False, num_cpus=None if address else num_cpus,
                  logging_level=logging.WARNING, log_to_driver=False, configure_logging=True)
+    writer = None
     try:
         dense_rep = DenseReport()
         dense = dense_stage(spec, models, rows, paths["targets"], cache_dir, progress=progress,
@@ -123,64 +149,81 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
                                diagnostics=diag.tables(diag_root))
 
         client = MlflowClient(tracking_uri)
-        step = int(resume["round"]) if resume else 0
-        if resume:
-            parent = resume["parent_run_id"]
-            client.log_text(parent, json.dumps(spec.to_dict(), indent=1, default=list), f"refine_{step}/spec.json")
-        else:
+        parent = info.get("parent_run_id")
+        if parent is None:
             parent = start_parent(client, spec.mlflow.experiment, sweep_id, spec.name, {
                 "spec_name": spec.name, "cells": len(cells), "trials_per_cell": spec.search.trials_per_cell,
-                "models": ",".join(spec.models), "objective": spec.search.objective, "store": str(store_root)})
+                "models": ",".join(spec.models), "objective": spec.search.objective, "store": str(store_root),
+                "scheduler": spec.search.scheduler})
             client.log_text(parent, json.dumps(spec.to_dict(), indent=1, default=list), "spec.json")
+            info["parent_run_id"] = parent
+            write_sweep(out_dir, info)
+        else:
+            client.update_run(parent, status="RUNNING")
+            client.set_tag(parent, "resumes", str(info["resumes"]))
+            if refine_round is not None:
+                client.log_text(parent, json.dumps(spec.to_dict(), indent=1, default=list),
+                                f"refine_{refine_round}/spec.json")
+            reconcile(client, experiment_id(client, spec.mlflow.experiment), sweep_id, journal)
+        session = info.get("resumes", 0)
         log_diagnostics(client, parent, diag_root, diag)
         if dense_rep.events:  # damaged shards found and recomputed
-            client.log_text(parent, "\n".join(dense_rep.events) + "\n", f"store_events_{step}.txt")
+            client.log_text(parent, "\n".join(dense_rep.events) + "\n", f"store_events_{session}.txt")
         gran = {}
         for m in models:
             src = MODELS.get(m)
             gran[m] = get_adapter(src.build(src.arch)).default_granularity
-        total_cpus = int(ray.cluster_resources().get("CPU", 1))
         threads = max(1, int(spec.resources.cpus_per_trial))
         device = "cuda" if spec.resources.gpus_per_trial > 0 else "cpu"
         configs = [_trial_config(c, spec, paths, models[c.model].targets_key, mask_keys[c.cell_id], gran[c.model],
                                  threads, device, modes[c.model]) for c in cells]
+        concurrency = _concurrency(spec, ray.cluster_resources())
+        writer = AsyncMlflowWriter(client)
         searcher = PerCellOptunaSearch(configs, spec.search.trials_per_cell, spec.search.lr, spec.search.epochs,
-                                       spec.search.sampler_seed, out_dir / "optuna.journal")
-        total = searcher.total  # trials_per_cell per cell; 1 for cells whose healer does not train (e.g. none)
-        concurrency = spec.resources.max_concurrent or max(1, int(total_cpus // spec.resources.cpus_per_trial))
-        logger_cb = MlflowTrialLogger(tracking_uri, spec.mlflow.experiment, sweep_id, parent, dense)
-        prog = _Progress(total, progress)
+                                       spec.search.sampler_seed, journal, asha=spec.search.scheduler == "asha",
+                                       startup_trials=spec.search.startup_trials, defer=writer.submit)
+        logger_cb = MlflowTrialLogger(writer, spec.mlflow.experiment, sweep_id, parent, dense, replace=resume)
+        prog = _Progress(searcher.total, progress)
         resources = {"cpu": spec.resources.cpus_per_trial, "gpu": spec.resources.gpus_per_trial}
+        session = info.get("resumes", 0)
         tuner = tune.Tuner(
             tune.with_resources(tune_trainable, resources),
-            tune_config=tune.TuneConfig(search_alg=searcher, num_samples=total, max_concurrent_trials=concurrency,
-                                        reuse_actors=True, trial_name_creator=_trial_name,
-                                        trial_dirname_creator=_trial_name),
-            run_config=tune.RunConfig(name=f"{spec.name}-{sweep_id}" + (f"-refine{step}" if step else ""),
-                                      storage_path=str(out_dir / "tune"),
-                                      callbacks=[logger_cb, prog.callback], verbose=0),
+            tune_config=tune.TuneConfig(search_alg=searcher, scheduler=_scheduler(spec), num_samples=searcher.total,
+                                        max_concurrent_trials=concurrency, reuse_actors=spec.resources.reuse_actors,
+                                        trial_name_creator=_trial_name, trial_dirname_creator=_trial_name),
+            run_config=tune.RunConfig(name=f"{spec.name}-{sweep_id}-s{session}", storage_path=str(out_dir / "tune"),
+                                      callbacks=[logger_cb, prog.callback], verbose=0,
+                                      failure_config=tune.FailureConfig(max_failures=spec.resources.max_failures),
+                                      checkpoint_config=tune.CheckpointConfig(num_to_keep=1)),
         )
         t_tune = time.time()
-        tuner.fit()
+        if searcher.total:
+            tuner.fit()
         tune_seconds = time.time() - t_tune
         prog.bar.close()
+        t_flush = time.perf_counter()
+        writer.close()  # every queued MLflow write and Optuna tell is done after this
+        flush_seconds = time.perf_counter() - t_flush
+        states = told_states(journal).values()
+        finished = sum(s.name in ("COMPLETE", "PRUNED") for s in states)
+        failed = sum(s.name == "FAIL" for s in states)
         dense_total = sum(dense.values())
         seconds = time.time() - t0
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
-        client.log_batch(parent, metrics=[Metric("dense_forward_images", dense_total, ts, step),
-                                          Metric("trials_finished", logger_cb.finished, ts, step),
-                                          Metric("trials_failed", logger_cb.failed, ts, step),
-                                          Metric("sweep_seconds", seconds, ts, step),
-                                          Metric("tune_seconds", tune_seconds, ts, step),
-                                          Metric("diagnostics_layers_computed", diag.computed_layers, ts, step),
-                                          Metric("diagnostics_seconds", diag.seconds, ts, step),
-                                          Metric("concurrency", concurrency, ts, step),
-                                          Metric("dense_shards_computed", sum(dense_rep.shards.values()), ts, step),
-                                          Metric("store_integrity_events", len(dense_rep.events), ts, step)])
+        client.log_batch(parent, metrics=[Metric(k, float(v), ts, session) for k, v in {
+            "dense_forward_images": dense_total, "trials_finished": finished, "trials_failed": failed,
+            "trials_run": logger_cb.finished + logger_cb.failed, "trials_rerun": len(searcher.rerun),
+            "sweep_seconds": seconds, "tune_seconds": tune_seconds, "concurrency": concurrency,
+            "diagnostics_layers_computed": diag.computed_layers, "diagnostics_seconds": diag.seconds,
+            "dense_shards_computed": sum(dense_rep.shards.values()), "store_integrity_events": len(dense_rep.events),
+            "mlflow_callback_seconds": logger_cb.callback_seconds, "mlflow_writer_seconds": writer.write_seconds,
+            "mlflow_flush_seconds": flush_seconds, "mlflow_write_errors": writer.errors}.items()])
         client.set_terminated(parent, "FINISHED")
     finally:
+        if writer is not None:
+            writer.close()
         if started_ray:
             ray.shutdown()
     paths_out = None
@@ -188,5 +231,4 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         from analysis.report import write_report
 
         paths_out = write_report(out_dir)
-    return SweepResult(sweep_id, out_dir, tracking_uri, parent, logger_cb.finished, logger_cb.failed, dense_total,
-                       seconds, paths_out)
+    return SweepResult(sweep_id, out_dir, tracking_uri, parent, finished, failed, dense_total, seconds, paths_out)

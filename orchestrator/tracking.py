@@ -8,6 +8,8 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from ray.tune import Callback
 
+from orchestrator.mlflow_async import AsyncMlflowWriter
+
 TRIAL_PARAMS = ("model", "pruner", "scope", "sparsity", "calib_size", "healer", "granularity", "seed", "lr",
                 "epochs", "batch_size", "target_mode")
 EPOCH_METRICS = ("align_loss", "selection_acc")
@@ -16,7 +18,7 @@ FINAL_METRICS = ("dense_acc", "pruned_acc", "healed_acc", "retention", "heal_sec
 # Bookkeeping keys Ray Tune adds to every result; not metrics of the trial.
 TUNE_KEYS = {"epoch", "final", "training_iteration", "timestamp", "time_this_iter_s", "time_total_s", "pid",
              "time_since_restore", "iterations_since_restore", "done", "date", "hostname", "node_ip",
-             "trial_id", "experiment_id", "config", "should_checkpoint", "checkpoint_dir_name"}
+             "trial_id", "experiment_id", "config", "should_checkpoint", "checkpoint_dir_name", "diverged"}
 
 
 def experiment_id(client: MlflowClient, name: str) -> str:
@@ -32,36 +34,71 @@ def start_parent(client: MlflowClient, experiment: str, sweep_id: str, name: str
 
 
 class MlflowTrialLogger(Callback):
-    """Tune callback in the driver: maps Tune trials to MLflow child runs."""
+    """Tune callback in the driver: maps Tune trials to MLflow child runs (one per trial key
+    ``<cell_id>-<optuna trial number>``, tagged ``trial_id``). Every write goes through the asynchronous
+    single writer, so the Tune loop never waits on the tracking server. With ``replace`` (a resumed sweep),
+    any earlier run of a trial key that is run again is deleted first: no duplicate child runs."""
 
-    def __init__(self, tracking_uri: str, experiment: str, sweep_id: str, parent_run_id: str,
-                 dense_images: Mapping[str, int]) -> None:
-        self.client = MlflowClient(tracking_uri)
+    def __init__(self, writer: AsyncMlflowWriter, experiment: str, sweep_id: str, parent_run_id: str,
+                 dense_images: Mapping[str, int], replace: bool = False) -> None:
+        self.writer, self.client = writer, writer.client
         self.exp_id = experiment_id(self.client, experiment)
-        self.sweep_id, self.parent = sweep_id, parent_run_id
+        self.sweep_id, self.parent, self.replace = sweep_id, parent_run_id, replace
         self.dense_images = dict(dense_images)  # model -> dense forward images computed by this sweep
-        self.runs: dict[str, str] = {}  # tune trial id -> mlflow run id
+        self.runs: dict[str, str] = {}  # trial key -> mlflow run id (filled by the writer thread)
+        self.keys: dict[str, str] = {}  # tune trial id -> trial key
         self.finished = self.failed = 0
+        self.callback_seconds = 0.0  # driver time spent in these callbacks (enqueueing)
 
+    def _timed(fn):  # noqa: N805 - decorator inside the class body
+        def wrapper(self, *a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *a, **kw)
+            finally:
+                self.callback_seconds += time.perf_counter() - t0
+        return wrapper
+
+    def _run_id(self, key: str):
+        return lambda: self.runs.get(key)
+
+    @_timed
     def on_trial_start(self, iteration, trials, trial, **info):
         c = trial.config
+        key = c["trial_key"]
+        if trial.trial_id in self.keys:  # restarted after a failure: same child run
+            return
+        self.keys[trial.trial_id] = key
         tags = {"mlflow.parentRunId": self.parent, "sweep_id": self.sweep_id, "cell_id": c["cell_id"],
-                "trial_id": c["trial_key"], "store_key": c["targets_key"], "mask_key": c["mask_key"],
+                "trial_id": key, "store_key": c["targets_key"], "mask_key": c["mask_key"],
                 "target_mode": c.get("target_mode", "store"),
                 "pattern": c["pattern"], "healsweep.role": "trial", "tune_trial_id": trial.trial_id}
-        run = self.client.create_run(self.exp_id, run_name=c["trial_key"], tags=tags)
-        self.runs[trial.trial_id] = run.info.run_id
         granularity = c["healer_settings"].get("granularity", "auto")
         if granularity == "auto":
             granularity = c["default_granularity"]
         values = {**c, "granularity": granularity}
         params = [Param(k, str(values[k])) for k in TRIAL_PARAMS]
-        params += [Param("pruner_settings", str(dict(c["pruner_settings"]))), Param("optuna_trial", str(c["optuna_trial"]))]
-        self.client.log_batch(run.info.run_id, params=params)
+        params += [Param("pruner_settings", str(dict(c["pruner_settings"]))),
+                   Param("optuna_trial", str(c["optuna_trial"])), Param("device", str(c.get("device", "cpu")))]
 
+        def create():
+            if self.replace:
+                for old in self.client.search_runs([self.exp_id], f"tags.sweep_id = '{self.sweep_id}' and "
+                                                                  f"tags.trial_id = '{key}'"):
+                    self.client.delete_run(old.info.run_id)
+            run = self.client.create_run(self.exp_id, run_name=key, tags=tags)
+            self.runs[key] = run.info.run_id
+            self.client.log_batch(run.info.run_id, params=params)
+        self.writer.submit(create)
+
+    @_timed
     def on_trial_result(self, iteration, trials, trial, result, **info):
-        run_id = self.runs.get(trial.trial_id)
-        if run_id is None:
+        key = self.keys.get(trial.trial_id)
+        if key is None:
+            return
+        if result.get("diverged"):
+            reason = str(result.get("failure_reason", "diverged"))[:5000]
+            self.writer.submit(lambda: self.client.set_tag(self.runs[key], "failure_reason", reason))
             return
         ts, step = int(time.time() * 1000), int(result.get("epoch", 0))
         metrics = [Metric(k, float(result[k]), ts, step) for k in EPOCH_METRICS if k in result]
@@ -70,24 +107,52 @@ class MlflowTrialLogger(Callback):
             skip = set(EPOCH_METRICS) | TUNE_KEYS
             metrics += [Metric(k, float(v), ts, step) for k, v in extra.items()
                         if k not in skip and isinstance(v, (int, float)) and not isinstance(v, bool)]
-        self.client.log_batch(run_id, metrics=metrics)
+        self.writer.log_metrics(self._run_id(key), metrics)
+        if result.get("final") and "node_id" in result:
+            node = str(result["node_id"])
+            self.writer.submit(lambda: self.client.set_tag(self.runs[key], "node_id", node))
 
+    @_timed
+    def on_trial_recover(self, iteration, trials, trial, **info):
+        key = self.keys.get(trial.trial_id)
+        if key is not None:
+            n = trial.run_metadata.num_failures
+            self.writer.submit(lambda: self.client.set_tag(self.runs[key], "retries", str(n)))
+
+    @_timed
     def on_trial_complete(self, iteration, trials, trial, **info):
-        if trial.trial_id in self.runs:
-            self.client.set_terminated(self.runs[trial.trial_id], "FINISHED")
-            self.finished += 1
-
-    def on_trial_error(self, iteration, trials, trial, **info):
-        run_id = self.runs.get(trial.trial_id)
-        self.failed += 1
-        if run_id is None:
+        key = self.keys.get(trial.trial_id)
+        if key is None:
             return
-        reason = "unknown error"
-        try:
-            err = trial.get_error()
-            if err is not None:
-                reason = str(err).strip().splitlines()[-1][:5000]
-        except Exception:  # noqa: BLE001 - best effort: the reason must not break logging
-            pass
-        self.client.log_batch(run_id, tags=[RunTag("failure_reason", reason)])
-        self.client.set_terminated(run_id, "FAILED")
+        last = trial.last_result or {}
+        if last.get("diverged"):
+            self.failed += 1
+            status = "FAILED"
+        elif last.get("final"):
+            self.finished += 1
+            status = "FINISHED"
+        else:  # stopped early by the scheduler (ASHA)
+            self.finished += 1
+            status = "KILLED"
+            self.writer.submit(lambda: self.client.set_tag(self.runs[key], "early_stopped", "true"))
+        self.writer.submit(lambda: self.client.set_terminated(self.runs[key], status))
+
+    @_timed
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self.failed += 1
+        key = self.keys.get(trial.trial_id)
+        if key is None:
+            return
+        reason = _error_line(trial)
+        self.writer.submit(lambda: self.client.log_batch(self.runs[key], tags=[RunTag("failure_reason", reason)]))
+        self.writer.submit(lambda: self.client.set_terminated(self.runs[key], "FAILED"))
+
+
+def _error_line(trial) -> str:
+    try:
+        err = trial.get_error()
+        if err is not None:
+            return str(err).strip().splitlines()[-1][:5000]
+    except Exception:  # noqa: BLE001 - best effort: the reason must not break logging
+        pass
+    return "unknown error"

@@ -56,6 +56,11 @@ class HealContext:
     # (images (N, C, H, W), labels (N,)) for supervised baselines (``ce``); the trial passes the first calib_size
     # items of the dataset's TRAIN split: budget-matched, disjoint from calibration/selection/evaluation.
     labeled: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Fault tolerance (gradient healers): ``resume`` = a state passed to ``checkpoint`` earlier (the model
+    # already holds that epoch's healed weights); ``checkpoint(epoch, state)`` runs after each epoch, before
+    # ``on_epoch``, with the loop state needed to continue bit-identically (optimizer, schedule, epoch, losses).
+    resume: Mapping[str, Any] | None = None
+    checkpoint: Callable[[int, dict[str, Any]], None] | None = None
 
 
 @dataclass
@@ -158,10 +163,14 @@ class GradientHealer(Healer):
         torch.manual_seed(cfg.seed)
         model.eval()
         block_names = [b for b, _ in ctx.blocks] if self.uses_blocks else []
-        losses, steps, t0 = [], 0, time.perf_counter()
+        losses, steps, t0, start = [], 0, time.perf_counter(), 0
+        if ctx.resume is not None:
+            opt.load_state_dict(ctx.resume["optimizer"])
+            sched.load_state_dict(ctx.resume["scheduler"])
+            start, steps, losses = int(ctx.resume["epoch"]), int(ctx.resume["steps"]), list(ctx.resume["losses"])
         try:
             with (block_tap(ctx.blocks) if self.uses_blocks else nullcontext({})) as cap:
-                for epoch in range(cfg.epochs):
+                for epoch in range(start, cfg.epochs):
                     run, n = 0.0, 0
                     for x, tgt in self.stream(ctx, cfg, epoch):
                         logits = model(x.to(dev, non_blocking=True))
@@ -193,6 +202,9 @@ class GradientHealer(Healer):
                         n += len(x)
                         steps += 1
                     losses.append(run / max(n, 1))
+                    if ctx.checkpoint is not None:
+                        ctx.checkpoint(epoch + 1, {"epoch": epoch + 1, "steps": steps, "losses": list(losses),
+                                                   "optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
                     if on_epoch is not None:
                         on_epoch(epoch + 1, {"align_loss": losses[-1]})
         finally:

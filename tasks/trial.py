@@ -13,7 +13,7 @@ import torch
 
 from tasks.adapters import get_adapter
 from tasks.evaluate import accuracy
-from tasks.heal import HealConfig, HealContext, resolve_healer, steps_per_epoch
+from tasks.heal import GradientHealer, HealConfig, HealContext, resolve_healer, steps_per_epoch
 from tasks.masks import MaskStore
 from tasks.models import load_model
 from tasks.pruners import PRUNERS, achieved_sparsity, apply_masks, mask_violations
@@ -52,8 +52,15 @@ def _outside_scope_digest(model: torch.nn.Module, scoped: set[str]) -> dict[str,
     return {k: v.detach().clone() for k, v in model.state_dict().items() if k not in scoped}
 
 
-def run_trial(p: TrialParams, report: Callable[[dict], None]) -> dict:
-    """Run one trial; ``report`` receives one dict per epoch, the last one carrying the final metrics."""
+def run_trial(p: TrialParams, report: Callable[[dict], None], *, start: Mapping[str, Any] | None = None,
+              checkpoint: Callable[[dict, dict], None] | None = None) -> dict:
+    """Run one trial; ``report`` receives one dict per epoch, the last one carrying the final metrics.
+
+    Fault tolerance: with ``checkpoint``, every non-final epoch of a resumable (gradient) healer calls
+    ``checkpoint(metrics, state)`` instead of ``report(metrics)``; ``state`` holds the healed prunable weights,
+    the healer's loop state (optimizer, schedule, epoch) and the epoch's metrics. Passing such a state back as
+    ``start`` continues the trial after that epoch with the same result as an uninterrupted run.
+    """
     t_start = time.perf_counter()
     torch.set_num_threads(max(1, p.threads))
     torch.manual_seed(p.seed)
@@ -94,15 +101,32 @@ def run_trial(p: TrialParams, report: Callable[[dict], None]) -> dict:
         # Supervised baselines get a budget-matched labeled set: the first calib_size items of the train split.
         labeled=(lm.dataset["train"].images[: p.calib_size], lm.dataset["train"].labels[: p.calib_size]),
     )
+    if not isinstance(healer, GradientHealer):  # chains and closed-form healers restart from scratch on retry
+        checkpoint = start = None
+    if start is not None:  # healed weights of the checkpointed epoch; masked entries are 0 in them too
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, w in start["weights"].items():
+                params[name].copy_(w.to(params[name].device))
+        ctx.resume = start["loop"]
+    loop_state: dict = {}
+    if checkpoint is not None:
+        ctx.checkpoint = lambda epoch, st: loop_state.update(st)
     cfg = HealConfig(lr=p.lr, epochs=p.epochs, batch_size=p.batch_size, weight_decay=p.weight_decay,
                      lr_min=p.lr_min, seed=p.seed, settings=dict(p.healer_settings))
     n_epochs = healer.epochs(cfg)  # 0 for closed-form / no-op healers: only the final report below
-    last: dict = {}
+    last: dict = dict(start["last"]) if start is not None else {}
 
     def on_epoch(epoch: int, m: dict[str, float]) -> None:
         last.clear()
         last.update(epoch=epoch, align_loss=m["align_loss"], selection_acc=accuracy(model, sel.images, sel.labels))
-        if epoch < n_epochs:
+        if epoch >= n_epochs:
+            return
+        if checkpoint is not None and loop_state.get("epoch") == epoch:
+            named = dict(model.named_parameters())
+            weights = {n: named[n].detach().cpu().clone() for n in sorted({e.param for e in entries})}
+            checkpoint(dict(last), {"weights": weights, "loop": dict(loop_state), "last": dict(last)})
+        else:
             report(dict(last))
 
     t0 = time.perf_counter()

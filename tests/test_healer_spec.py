@@ -70,6 +70,8 @@ def test_healers_without_training_get_one_trial_and_no_search(tmp_path):
     assert [g["cell_id"] for g in got] == ["a", "b", "c", "b", "c", "b", "c"]
     assert (got[0]["lr"], got[0]["epochs"], got[0]["trial_key"]) == (0.0, 0, "a-0")
     assert all(1e-4 <= g["lr"] <= 1e-2 and 1 <= g["epochs"] <= 5 for g in got[1:])
-    s.on_trial_complete("t0", {"selection_acc": 0.5, "final": True})  # no study behind a fixed cell
-    s.on_trial_complete("t1", {"selection_acc": 0.5, "final": True})
-    assert "a" not in s._studies and len(s.study("b").trials) == 3
+    s.on_trial_complete("t0", {"selection_acc": 0.5, "final": True})  # the journal numbers the one fixed trial,
+    s.on_trial_complete("t1", {"selection_acc": 0.5, "final": True})  # so a resumed sweep never reruns it
+    assert len(s.study("a").trials) == 1 and len(s.study("b").trials) == 3
+    resumed = PerCellOptunaSearch(cells, 3, (1e-4, 1e-2), (1, 5), 0, tmp_path / "j")
+    assert resumed.already_done == 2 and "a-0" not in [f"{c}-{n}" for c, n in resumed._queue if n is not None]

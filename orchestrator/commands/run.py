@@ -1,4 +1,4 @@
-"""healsweep run SPEC: validate, then run the sweep and write its report."""
+"""healsweep run SPEC: validate, then run the sweep and write its report (or --resume DIR to continue one)."""
 from __future__ import annotations
 
 import argparse
@@ -11,15 +11,20 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="validate a sweep spec, run it and write its report",
                        description="Validate SPEC, train/load the reference models, cache dense block targets in "
                                    "the store (Ray tasks), run every trial (Ray Tune + per-cell Optuna), log to "
-                                   "MLflow and write DIR/report.html and DIR/report.md.")
-    p.add_argument("spec", help="sweep spec (YAML), e.g. configs/default.yaml")
+                                   "MLflow and write DIR/report.html and DIR/report.md. With --resume DIR, continue "
+                                   "the sweep of DIR after its driver died: finished trials are not run again.")
+    p.add_argument("spec", nargs="?", help="sweep spec (YAML), e.g. configs/default.yaml (not with --resume)")
     p.add_argument("--out", metavar="DIR", help="run directory (default: runs/<spec name>)")
+    p.add_argument("--resume", metavar="DIR", help="continue the sweep recorded in run directory DIR")
     p.add_argument("--store", metavar="DIR", default=str(DEFAULT_HOME / "store"),
                    help="target/mask store root, shared across sweeps (default: %(default)s)")
     p.add_argument("--cache", metavar="DIR", default=str(DEFAULT_HOME / "models"),
                    help="reference model cache (default: %(default)s)")
     p.add_argument("--address", help="Ray cluster address ('auto', 'ray://host:10001'); default: a local Ray")
     p.add_argument("--num-cpus", type=int, help="CPUs for the local Ray instance (default: all)")
+    p.add_argument("--cpu-only", action="store_true", help="ignore the spec's GPU requests: run every task on CPU")
+    p.add_argument("--resources", metavar="K=V,...",
+                   help="override the spec's resources, keys cpu, gpu (per trial), dense_cpu, dense_gpu; e.g. cpu=1,gpu=0")
     p.add_argument("--no-report", action="store_true", help="skip writing the report at the end")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=main)
@@ -27,15 +32,34 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def main(args) -> int:
-    spec = load_spec_or_exit(args.spec)
+    from orchestrator.resources import override_resources
+    from orchestrator.resume import ResumeError, read_sweep
+    from orchestrator.spec import SpecError, parse_spec
+
+    store, cache = Path(args.store), Path(args.cache)
+    try:
+        if args.resume:
+            if args.spec or args.out:
+                raise CliError("--resume DIR takes no SPEC and no --out: the sweep's spec and paths are in DIR")
+            out = Path(args.resume)
+            info = read_sweep(out)
+            spec = parse_spec(info["spec"])
+            store, cache = Path(info["store"]), Path(info["cache"])
+        else:
+            if not args.spec:
+                raise CliError("run: give a SPEC file, or --resume DIR")
+            spec = load_spec_or_exit(args.spec)
+            out = Path(args.out or Path("runs") / spec.name)
+        spec = override_resources(spec, args.resources, args.cpu_only)
+    except (SpecError, ResumeError) as e:
+        raise CliError(str(e)) from None
     from orchestrator.dense import StoreBudgetError
     from orchestrator.sweep import run_sweep
 
-    out = Path(args.out or Path("runs") / spec.name)
     try:
-        res = run_sweep(spec, out, Path(args.store), Path(args.cache), address=args.address, progress=not args.quiet,
-                        report=not args.no_report, num_cpus=args.num_cpus)
-    except StoreBudgetError as e:
+        res = run_sweep(spec, out, store, cache, address=args.address, progress=not args.quiet,
+                        report=not args.no_report, num_cpus=args.num_cpus, resume=bool(args.resume))
+    except (ResumeError, StoreBudgetError) as e:
         raise CliError(str(e)) from None
     print(f"sweep {res.sweep_id}: {res.trials_finished} trials finished, {res.trials_failed} failed, "
           f"dense forward images {res.dense_forward_images}, {res.seconds:.0f} s")

@@ -1,0 +1,34 @@
+"""Resource overrides from the command line: run a GPU spec on a CPU-only machine without editing it."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from orchestrator.spec import SpecError, SweepSpec
+
+KEYS = {"cpu": "cpus_per_trial", "gpu": "gpus_per_trial", "dense_cpu": "cpus_per_dense_task",
+        "dense_gpu": "gpus_per_dense_task"}
+
+
+def parse_override(text: str) -> dict[str, float]:
+    """'cpu=1,gpu=0' -> {"cpus_per_trial": 1.0, "gpus_per_trial": 0.0}."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        k, sep, v = part.partition("=")
+        if not sep or k.strip() not in KEYS:
+            raise SpecError("--resources", f"expected KEY=NUMBER with KEY in {', '.join(KEYS)}, got {part!r}")
+        try:
+            x = float(v)
+        except ValueError:
+            raise SpecError("--resources", f"{k.strip()} must be a number, got {v!r}") from None
+        if x < 0 or (k.strip() in ("cpu", "dense_cpu") and x == 0) or (x > 1 and x != int(x) and "gpu" in k):
+            raise SpecError("--resources", f"{k.strip()}={v} is not allowed (cpu > 0; gpu a fraction < 1 or whole)")
+        out[KEYS[k.strip()]] = x
+    return out
+
+
+def override_resources(spec: SweepSpec, text: str | None = None, cpu_only: bool = False) -> SweepSpec:
+    """The spec with its resources overridden; ``cpu_only`` zeroes every GPU request (trials run on CPU)."""
+    changes = parse_override(text) if text else {}
+    if cpu_only:
+        changes.update(gpus_per_trial=0.0, gpus_per_dense_task=0.0)
+    return replace(spec, resources=replace(spec.resources, **changes)) if changes else spec

@@ -1,0 +1,57 @@
+"""The Ray Tune function trainable around ``tasks.trial.run_trial``: per-epoch checkpoints, restart from
+the last checkpoint after a failure (Tune ``FailureConfig.max_failures``), and diverged trials ended cleanly.
+
+A checkpoint is one ``state.pt`` (``torch.save``; read back with ``weights_only=True``) holding the healed
+prunable weights, the healer loop state (optimizer, cosine schedule, epoch, losses) and that epoch's metrics.
+A trial whose loss or weights become NaN/Inf (``HealingDiverged``) is deterministic: retrying it would diverge
+again, so it is not raised to Tune (which would retry it) but reported as a last result with ``final``,
+``diverged`` and ``failure_reason``; the driver marks its MLflow run FAILED and tells Optuna FAIL.
+"""
+from __future__ import annotations
+
+import importlib
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tasks.heal import HealingDiverged
+from tasks.trial import TrialParams, run_trial
+
+STATE_FILE = "state.pt"
+
+
+def tune_trainable(config: dict) -> None:
+    import ray
+    from ray import tune
+
+    for module in config.get("plugins", ()):  # registers the spec's custom pruners/healers in this worker
+        importlib.import_module(module)
+    fields = TrialParams.__dataclass_fields__
+    params = TrialParams(**{k: v for k, v in config.items() if k in fields})
+    start = None
+    ckpt = tune.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            start = torch.load(Path(d) / STATE_FILE, map_location="cpu", weights_only=True)
+    last = {"epoch": int(start["last"]["epoch"]) if start else 0,
+            "selection_acc": float(start["last"]["selection_acc"]) if start else 0.0}
+
+    def report(metrics: dict) -> None:
+        last.update({k: metrics[k] for k in last if k in metrics})
+        tune.report({**metrics, "resumed_from_epoch": last_start, "node_id": node})
+
+    def checkpoint(metrics: dict, state: dict) -> None:
+        last.update({k: metrics[k] for k in last if k in metrics})
+        with tempfile.TemporaryDirectory(prefix="healsweep-ckpt-") as d:
+            torch.save(state, Path(d) / STATE_FILE)
+            tune.report({**metrics, "resumed_from_epoch": last_start},
+                        checkpoint=tune.Checkpoint.from_directory(d))
+
+    last_start = last["epoch"]
+    node = ray.get_runtime_context().get_node_id()
+    try:
+        run_trial(params, report, start=start, checkpoint=checkpoint)
+    except HealingDiverged as e:
+        # selection_acc/epoch repeat the last reported values: Tune requires the metric in every result.
+        tune.report({**last, "final": True, "diverged": True, "failure_reason": f"HealingDiverged: {e}"})

@@ -1,0 +1,310 @@
+"""Cluster-scale orchestration (issue 6): resumable healing, per-cell search bookkeeping, the asynchronous MLflow
+writer, resource overrides, and two tiny real sweeps: faults on a simulated two-node cluster, and a driver
+killed with SIGKILL then resumed."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+from mlflow.entities import Metric
+from optuna.trial import TrialState
+
+from orchestrator.resources import override_resources, parse_override
+from orchestrator.resume import told_states
+from orchestrator.search import PerCellOptunaSearch
+from orchestrator.spec import SpecError, load_spec, parse_spec
+from tasks.heal import HEALERS, HealConfig
+
+REPO = Path(__file__).resolve().parents[1]
+STARFISH = HEALERS.get("starfish")
+
+
+# --- resumable healing (tasks/, no Ray) ------------------------------------------------------------------
+
+def test_heal_resumed_from_a_checkpoint_is_bit_identical(heal_case):
+    cfg = HealConfig(lr=1e-2, epochs=3, batch_size=8)
+    full = heal_case("timm_vit", "qkv_out_mlp")
+    STARFISH.heal(full.ctx, cfg)
+
+    first = heal_case("timm_vit", "qkv_out_mlp")
+    saved = {}
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_1(epoch, _m):
+        if epoch == 1:
+            raise Stop
+    first.ctx.checkpoint = lambda epoch, st: saved.update(
+        st, weights={e.param: dict(first.model.named_parameters())[e.param].detach().clone() for e in first.entries})
+    with pytest.raises(Stop):
+        STARFISH.heal(first.ctx, cfg, stop_after_1)
+    assert saved["epoch"] == 1 and saved["steps"] == 4 and len(saved["losses"]) == 1
+
+    second = heal_case("timm_vit", "qkv_out_mlp")  # a fresh process: pruned model, then the checkpoint
+    params = dict(second.model.named_parameters())
+    with torch.no_grad():
+        for n, w in saved["weights"].items():
+            params[n].copy_(w)
+    second.ctx.resume = saved
+    seen = []
+    res = STARFISH.heal(second.ctx, cfg, lambda e, m: seen.append(e))
+    assert seen == [2, 3] and res.steps == 12 and len(res.epoch_losses) == 3
+    for k, v in full.model.state_dict().items():
+        assert torch.equal(v, second.model.state_dict()[k]), k
+    second.assert_invariants()
+
+
+# --- per-cell search bookkeeping (Optuna journal, no Tune run) ---------------------------------------------
+
+CELLS = [{"cell_id": "cellA", "x": 1}, {"cell_id": "cellB", "x": 2}]
+
+
+def test_search_round_major_and_restart_reruns_untold_trials_with_same_params(tmp_path):
+    j = tmp_path / "optuna.journal"
+    s = PerCellOptunaSearch(CELLS, 2, (1e-4, 1e-2), (1, 5), 0, j)
+    cfgs = [s.suggest(f"t{i}") for i in range(3)]
+    assert [c["trial_key"] for c in cfgs] == ["cellA-0", "cellB-0", "cellA-1"]
+    assert all(c["x"] == (1 if c["cell_id"] == "cellA" else 2) and 1 <= c["epochs"] <= 5 for c in cfgs)
+    s.on_trial_complete("t0", {"selection_acc": 0.7, "final": True, "epoch": 3})
+    s.on_trial_complete("t1", {"selection_acc": 0.5, "epoch": 1}, error=True)
+    # driver dies here: cellA-1 asked, never told; cellB-1 never asked
+    r = PerCellOptunaSearch(CELLS, 2, (1e-4, 1e-2), (1, 5), 0, j)
+    assert r.total == 2 and r.rerun == ["cellA-1"] and r.already_done == 2
+    again = [r.suggest("u0"), r.suggest("u1")]
+    assert again[0]["trial_key"] == "cellA-1" and again[0]["lr"] == cfgs[2]["lr"]
+    assert again[0]["epochs"] == cfgs[2]["epochs"]
+    assert again[1]["trial_key"] == "cellB-1" and r.suggest("u2") is PerCellOptunaSearch.FINISHED
+    states = told_states(j)
+    assert states == {"cellA-0": TrialState.COMPLETE, "cellB-0": TrialState.FAIL, "cellA-1": TrialState.RUNNING,
+                      "cellB-1": TrialState.RUNNING}
+    # a fresh journal with the same seed asks the same first parameters, whatever the order of cells
+    other = PerCellOptunaSearch(CELLS[::-1], 2, (1e-4, 1e-2), (1, 5), 0, tmp_path / "other.journal")
+    first_b = other.suggest("v0")
+    assert first_b["trial_key"] == "cellB-0" and first_b["lr"] == cfgs[1]["lr"]
+
+
+def test_search_with_asha_searches_lr_only_and_tells_early_stopped_trials_pruned(tmp_path):
+    s = PerCellOptunaSearch(CELLS[:1], 3, (1e-4, 1e-2), (2, 6), 0, tmp_path / "j", asha=True)
+    a, b, c = (s.suggest(t) for t in ("a", "b", "c"))
+    assert a["epochs"] == b["epochs"] == c["epochs"] == 6
+    study = s.study("cellA")
+    assert set(study.trials[0].distributions) == {"lr"}
+    for e in (1, 2):
+        s.on_trial_result("a", {"selection_acc": 0.1 * e, "epoch": e})
+    s.on_trial_complete("a", {"selection_acc": 0.35, "epoch": 3})  # stopped by ASHA after epoch 3
+    s.on_trial_complete("b", {"selection_acc": 0.9, "epoch": 6, "final": True})
+    s.on_trial_complete("c", {"selection_acc": 0.0, "epoch": 1, "final": True, "diverged": True})
+    t = s.study("cellA").trials
+    assert [x.state for x in t] == [TrialState.PRUNED, TrialState.COMPLETE, TrialState.FAIL]
+    assert t[0].intermediate_values == {1: 0.1, 2: 0.2, 3: 0.35} and t[1].value == 0.9
+
+
+# --- asynchronous single MLflow writer ---------------------------------------------------------------------
+
+def test_async_writer_batches_in_order_and_never_blocks(tmp_path):
+    from orchestrator.mlflow_async import AsyncMlflowWriter
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    exp = client.create_experiment("x")
+    w = AsyncMlflowWriter(client)
+    runs, gate, ready = {}, threading.Event(), threading.Event()
+    w.submit(lambda: runs.update(a=client.create_run(exp).info.run_id))
+    w.submit(ready.set)
+    w.submit(gate.wait)  # the tracking server "hangs": the caller must still never wait
+    for step in range(2500):
+        w.log_metrics(lambda: runs.get("a"), [Metric("m", float(step), 0, step)])
+    assert ready.wait(30)
+    assert client.get_metric_history(runs["a"], "m") == []
+    gate.set()
+    w.submit(lambda: client.set_terminated(runs["a"], "FINISHED"))
+    w.log_metrics(lambda: None, [Metric("lost", 1.0, 0, 0)])  # no run: dropped, not raised
+    w.close()
+    w.close()  # idempotent
+    hist = client.get_metric_history(runs["a"], "m")
+    assert sorted(h.step for h in hist) == list(range(2500)) and w.errors == 0
+    assert w.batches <= 2500 // 1000 + 3  # coalesced, not one call per metric
+    assert client.get_run(runs["a"]).info.status == "FINISHED"
+
+
+# --- resources ---------------------------------------------------------------------------------------------
+
+def _gpu_spec(**search):
+    raw = {"name": "gpu", "models": ["vit_digits"], "sparsities": [0.9], "calib_sizes": [64],
+           "pruners": ["magnitude"], "healers": ["starfish"],
+           "resources": {"cpus_per_trial": 1, "gpus_per_trial": 0.25, "gpus_per_dense_task": 1},
+           "search": {"trials_per_cell": 1, "lr": [1e-3, 3e-3], "epochs": [2, 2], **search}}
+    return raw
+
+
+def test_resource_override_turns_a_gpu_spec_into_a_cpu_run():
+    spec = parse_spec(_gpu_spec())
+    assert spec.resources.gpus_per_trial == 0.25 and spec.resources.gpus_per_dense_task == 1
+    cpu = override_resources(spec, cpu_only=True)
+    assert cpu.resources.gpus_per_trial == 0 and cpu.resources.gpus_per_dense_task == 0
+    assert cpu.resources.cpus_per_trial == 1 and cpu.models == spec.models
+    o = override_resources(spec, "cpu=2,gpu=0.5")
+    assert (o.resources.cpus_per_trial, o.resources.gpus_per_trial) == (2.0, 0.5)
+    assert parse_override("gpu=0") == {"gpus_per_trial": 0.0}
+    for bad in ("gpu", "tpu=1", "cpu=0", "gpu=1.5", "cpu=x"):
+        with pytest.raises(SpecError, match="--resources"):
+            parse_override(bad)
+    with pytest.raises(SpecError, match="resources.gpus_per_trial"):
+        parse_spec({**_gpu_spec(), "resources": {"gpus_per_trial": 1.5}})
+    with pytest.raises(SpecError, match="search.scheduler"):
+        parse_spec(_gpu_spec(scheduler="hyperband"))
+
+
+# --- real sweeps -------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model_cache() -> Path:
+    return Path(os.environ.get("HEALSWEEP_TEST_CACHE", REPO / ".healsweep" / "models"))
+
+
+def _child_runs(tracking_uri: str, sweep_id: str):
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name("healsweep")
+    return client, client.search_runs([exp.experiment_id], f"tags.sweep_id = '{sweep_id}' and "
+                                                           "tags.`healsweep.role` = 'trial'")
+
+
+@pytest.fixture(scope="module")
+def fault_sweep(tmp_path_factory, model_cache):
+    """A GPU spec, overridden to CPU, on a simulated two-node cluster (1 CPU each): one healthy trial, one
+    that fails once after epoch 1, one whose loss becomes NaN in epoch 2."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from orchestrator.sweep import run_sweep
+
+    root = tmp_path_factory.mktemp("fault")
+    marks = root / "marks"
+    marks.mkdir()
+    raw = _gpu_spec()
+    raw.update(name="fault", plugins=["tests.fault_plugins"], healers=[
+        "starfish", {"name": "test_flaky", "settings": {"marker_dir": str(marks)}},
+        {"name": "test_nan", "settings": {"marker_dir": str(marks)}}])
+    raw["search"]["epochs"] = [3, 3]
+    spec = override_resources(parse_spec(raw), cpu_only=True)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    try:
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+        res = run_sweep(spec, root / "run", root / "store", model_cache, progress=False, report=False)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    client, runs = _child_runs(res.tracking_uri, res.sweep_id)
+    return res, marks, client, {r.data.params["healer"]: r for r in runs}
+
+
+def test_two_node_cluster_sweep_completes_on_cpu_from_a_gpu_spec(fault_sweep):
+    res, _, client, runs = fault_sweep
+    assert set(runs) == {"starfish", "test_flaky", "test_nan"}
+    assert res.trials_finished == 2 and res.trials_failed == 1
+    assert res.dense_forward_images == 64
+    assert all(r.data.params["device"] == "cpu" for r in runs.values())
+    nodes = {r.data.tags.get("node_id") for h, r in runs.items() if h != "test_nan"}
+    assert None not in nodes and len(nodes) >= 1
+    parent = client.get_run(res.parent_run_id)
+    assert parent.data.metrics["concurrency"] == 2  # both nodes' CPUs
+
+
+def test_failed_trial_is_retried_from_its_checkpoint(fault_sweep):
+    _, marks, client, runs = fault_sweep
+    r = runs["test_flaky"]
+    logs = list(marks.glob("flaky-*.log"))
+    assert len(logs) == 1 and logs[0].read_text().split() == ["0", "1"]  # attempt 2 started after epoch 1
+    assert r.info.status == "FINISHED" and r.data.tags["retries"] == "1"
+    assert r.data.metrics["resumed_from_epoch"] == 1
+    hist = client.get_metric_history(r.info.run_id, "selection_acc")
+    assert sorted(h.step for h in hist) == [1, 2, 3]  # epoch 1 from attempt 1, epochs 2-3 from attempt 2
+    assert r.data.metrics["mask_violations"] == 0 and r.data.metrics["healed_acc"] > 0
+
+
+def test_nan_trial_fails_with_its_reason_and_is_not_retried(fault_sweep):
+    _, _, client, runs = fault_sweep
+    r = runs["test_nan"]
+    assert r.info.status == "FAILED" and "retries" not in r.data.tags
+    assert r.data.tags["failure_reason"].startswith("HealingDiverged: healer 'test_nan': loss became nan at epoch 2")
+    assert "healed_acc" not in r.data.metrics
+    assert runs["starfish"].info.status == "FINISHED" and runs["starfish"].data.metrics["resumed_from_epoch"] == 0
+
+
+KILL_SPEC = """name: killme
+models: [vit_digits]
+sparsities: [0.9]
+calib_sizes: [64, 128]
+pruners: [magnitude]
+healers: [starfish]
+search: {trials_per_cell: 2, lr: [1.0e-3, 3.0e-3], epochs: [2, 2], startup_trials: 2}
+"""
+
+
+def test_killed_driver_resumes_without_rerunning_or_duplicating(tmp_path, model_cache):
+    from orchestrator.resume import read_sweep
+    from orchestrator.sweep import run_sweep
+
+    (tmp_path / "kill.yaml").write_text(KILL_SPEC)
+    out, journal = tmp_path / "run", tmp_path / "run" / "optuna.journal"
+    cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(tmp_path / "kill.yaml"), "--out", str(out),
+           "--store", str(tmp_path / "store"), "--cache", str(model_cache), "--num-cpus", "2", "--quiet"]
+    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            if journal.exists() and TrialState.COMPLETE in told_states(journal).values():
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, "the sweep ended before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)  # the driver only
+        proc.wait()
+    finally:
+        time.sleep(1)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # Ray processes this driver started
+        except ProcessLookupError:
+            pass
+    before = told_states(journal)
+    done_before = {k for k, s in before.items() if s == TrialState.COMPLETE}
+    assert 1 <= len(done_before) < 4
+    info = read_sweep(out)
+    spec = load_spec(tmp_path / "kill.yaml")
+    res = run_sweep(spec, out, tmp_path / "store", model_cache, progress=False, report=True, num_cpus=2,
+                    resume=True)
+    assert res.sweep_id == info["sweep_id"] and res.parent_run_id == info["parent_run_id"]
+    assert res.dense_forward_images == 0 and res.trials_finished == 4 and res.trials_failed == 0
+    client, runs = _child_runs(res.tracking_uri, res.sweep_id)
+    keys = sorted(r.data.tags["trial_id"] for r in runs)
+    cells = sorted({k.rsplit("-", 1)[0] for k in keys})
+    assert len(cells) == 2 and keys == sorted(f"{c}-{n}" for c in cells for n in (0, 1))  # no duplicates
+    assert all(r.info.status == "FINISHED" and "healed_acc" in r.data.metrics for r in runs)
+    parent = client.get_run(res.parent_run_id).data.metrics
+    assert parent["trials_run"] == 4 - len(done_before)  # finished trials were not run again
+    for r in runs:
+        if r.data.tags["trial_id"] not in done_before:
+            assert r.data.metrics["dense_forward_images"] == 0
+    assert (out / "report.md").read_text().count("| magnitude |") == 2
+
+
+def test_asha_scheduler_from_the_spec_stops_on_epochs_of_selection_acc():
+    from orchestrator.sweep import _concurrency, _scheduler
+
+    assert _scheduler(parse_spec(_gpu_spec())) is None  # fifo by default
+    spec = parse_spec(_gpu_spec(scheduler="asha", epochs=[2, 8], asha_grace_period=2, asha_reduction_factor=3))
+    asha = _scheduler(spec)
+    assert (asha._time_attr, asha.metric, asha._mode, asha._max_t) == ("epoch", "selection_acc", "max", 8)
+    assert [m for m, _ in asha._brackets[0]._rungs] == [6, 2]  # rungs: grace period 2, then x3
+    # fractional GPUs pack trials: 0.25 GPU per trial on 2 GPUs -> 8, unless CPUs run out first
+    assert _concurrency(spec, {"CPU": 16, "GPU": 2}) == 8 and _concurrency(spec, {"CPU": 5, "GPU": 2}) == 5
+    assert _concurrency(override_resources(spec, cpu_only=True), {"CPU": 3}) == 3
