@@ -34,7 +34,7 @@ def prepare_models(spec: SweepSpec, cache_dir: Path, progress: bool = True) -> d
     """Load (training on first use) every model of the sweep in the driver; derive its target-store key."""
     out = {}
     for name in spec.models:
-        lm = load_model(name, cache_dir, data_seed=spec.data_seed, progress=progress)
+        lm = load_model(name, cache_dir, data_seed=spec.data_seed, progress=progress, **spec.load_kwargs(name))
         adapter = get_adapter(lm.model)
         blocks = [b for b, _ in adapter.blocks(lm.model)] + [LOGITS]
         calib_digest = lm.dataset.split_digest("calibration")
@@ -46,10 +46,10 @@ def prepare_models(spec: SweepSpec, cache_dir: Path, progress: bool = True) -> d
 
 @ray.remote
 def dense_shard(model: str, cache_dir: str, data_seed: int, store_root: str, key: str, index: int,
-                start: int, stop: int, dtype: str, threads: int) -> dict:
+                start: int, stop: int, dtype: str, threads: int, load_kw: dict | None = None) -> dict:
     """One Ray task: dense forward of calibration rows [start, stop) -> one shard of block targets."""
     torch.set_num_threads(max(1, threads))
-    lm = load_model(model, cache_dir, data_seed=data_seed, progress=False)
+    lm = load_model(model, cache_dir, data_seed=data_seed, progress=False, **(load_kw or {}))
     blocks = get_adapter(lm.model).blocks(lm.model)
     images = lm.dataset["calibration"].images[start:stop]
     targets = dense_targets(lm.model, blocks, images, dtype=getattr(torch, dtype))
@@ -73,7 +73,7 @@ def dense_stage(spec: SweepSpec, models: Mapping[str, ModelInfo], rows: Mapping[
         for idx, start, stop in store.missing_shards(info.targets_key, rows[m], spec.store.shard_size):
             ref = dense_shard.options(num_cpus=spec.resources.cpus_per_dense_task).remote(
                 m, str(cache_dir), spec.data_seed, str(store_root), info.targets_key, idx, start, stop,
-                spec.store.dtype, int(spec.resources.cpus_per_dense_task))
+                spec.store.dtype, int(spec.resources.cpus_per_dense_task), spec.load_kwargs(m))
             jobs[ref] = (m, stop - start)
     pending = list(jobs)
     with tqdm(total=sum(r for _, r in jobs.values()), desc="dense targets", unit="img", disable=not progress) as bar:
@@ -94,7 +94,7 @@ def dense_stage(spec: SweepSpec, models: Mapping[str, ModelInfo], rows: Mapping[
 
 
 def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: Path, cache_dir: Path,
-               data_seed: int) -> dict[str, str]:
+               data_seed: int, load_kw: Mapping[str, dict] | None = None) -> dict[str, str]:
     """Compute each distinct mask once (content-addressed); return {cell_id: mask_key}."""
     masks = MaskStore(mask_root)
     out: dict[str, str] = {}
@@ -106,7 +106,8 @@ def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: Pa
         if masks.has(key):
             continue
         if c.model not in loaded:
-            loaded[c.model] = load_model(c.model, cache_dir, data_seed=data_seed, progress=False)
+            loaded[c.model] = load_model(c.model, cache_dir, data_seed=data_seed, progress=False,
+                                         **(load_kw or {}).get(c.model, {}))
         lm = loaded[c.model]
         adapter = get_adapter(lm.model)
         entries = adapter.scope(lm.model, c.scope)

@@ -65,7 +65,8 @@ def _trial_config(c: Cell, spec: SweepSpec, paths: dict, targets_key: str, mask_
     return {**asdict(c), "targets_key": targets_key, "mask_key": mask_key, "default_granularity": default_gran,
             "store_root": paths["targets"], "mask_root": paths["masks"], "cache_dir": paths["cache"],
             "data_seed": spec.data_seed, "batch_size": spec.heal.batch_size, "weight_decay": spec.heal.weight_decay,
-            "lr_min": spec.heal.lr_min, "threads": threads, "device": device}
+            "lr_min": spec.heal.lr_min, "threads": threads, "device": device,
+            "load_kw": spec.load_kwargs(c.model), "out_dir": paths.get("out", "")}
 
 
 def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path, *, address: str | None = None,
@@ -78,14 +79,15 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
     from orchestrator.stages import dense_stage, mask_stage, prepare_models
     from orchestrator.tracking import MlflowTrialLogger, start_parent
     from tasks.adapters import get_adapter
-    from tasks.models import MODELS
+    from orchestrator.spec_sources import untrained
 
     t0 = time.time()
     out_dir, store_root, cache_dir = (Path(p).resolve() for p in (out_dir, store_root, cache_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     tracking_uri = spec.mlflow.tracking_uri or f"sqlite:///{out_dir / 'mlflow.db'}"
     sweep_id = uuid.uuid4().hex[:12]
-    paths = {"targets": str(store_root / "targets"), "masks": str(store_root / "masks"), "cache": str(cache_dir)}
+    paths = {"targets": str(store_root / "targets"), "masks": str(store_root / "masks"), "cache": str(cache_dir),
+             "out": str(out_dir)}
     (out_dir / "sweep.json").write_text(json.dumps(
         {"sweep_id": sweep_id, "name": spec.name, "tracking_uri": tracking_uri, "experiment": spec.mlflow.experiment,
          "store": str(store_root), "cache": str(cache_dir), "spec": spec.to_dict()}, indent=1, default=list))
@@ -101,7 +103,8 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
                  logging_level=logging.WARNING, log_to_driver=False, configure_logging=True)
     try:
         dense = dense_stage(spec, models, rows, Path(paths["targets"]), cache_dir, progress=progress)
-        mask_keys = mask_stage(cells, models, Path(paths["masks"]), cache_dir, spec.data_seed)
+        mask_keys = mask_stage(cells, models, Path(paths["masks"]), cache_dir, spec.data_seed,
+                               {m: spec.load_kwargs(m) for m in models})
 
         client = MlflowClient(tracking_uri)
         parent = start_parent(client, spec.mlflow.experiment, sweep_id, spec.name, {
@@ -110,8 +113,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         client.log_text(parent, json.dumps(spec.to_dict(), indent=1, default=list), "spec.json")
         gran = {}
         for m in models:
-            src = MODELS.get(m)
-            gran[m] = get_adapter(src.build(src.arch)).default_granularity
+            gran[m] = get_adapter(untrained(spec, m)).default_granularity
         total_cpus = int(ray.cluster_resources().get("CPU", 1))
         threads = max(1, int(spec.resources.cpus_per_trial))
         device = "cuda" if spec.resources.gpus_per_trial > 0 else "cpu"

@@ -69,6 +69,9 @@ class MlflowTrialLogger(Callback):
             skip = set(EPOCH_METRICS) | TUNE_KEYS
             metrics += [Metric(k, float(v), ts, step) for k, v in extra.items()
                         if k not in skip and isinstance(v, (int, float)) and not isinstance(v, bool)]
+            # data and weights identity (calib_digest, eval_digest, ...): string params of the trial
+            params = [Param(k, str(v)) for k, v in result.items() if k.endswith("_digest") and isinstance(v, str)]
+            self.client.log_batch(run_id, params=params)
         self.client.log_batch(run_id, metrics=metrics)
 
     def on_trial_complete(self, iteration, trials, trial, **info):

@@ -1,0 +1,65 @@
+"""Spec parsing for model sources and dataset settings (``models`` mapping entries, ``dataset`` mapping).
+
+``models`` entries are names (reference models, or timm names) or mappings {name, source, arch, pretrained,
+weights, path, num_classes, model_args, init_seed}; ``dataset`` is a name or {name: ..., <settings>}.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from orchestrator.spec import SpecError
+
+
+def parse_dataset(raw: Any, datasets) -> tuple[str, dict, int | None]:
+    """-> (name, settings, largest calibration size the settings allow; None: load the dataset to know)."""
+    settings: dict = {}
+    if isinstance(raw, Mapping):
+        if "name" not in raw:
+            raise SpecError("dataset.name", "required key is missing")
+        settings = {k: v for k, v in raw.items() if k != "name"}
+        raw = raw["name"]
+    if not isinstance(raw, str) or raw not in datasets:
+        raise SpecError("dataset", f"unknown dataset {raw!r}; allowed: {', '.join(datasets.names())}")
+    check = getattr(datasets.get(raw), "check", None)
+    if check is None:
+        if settings:
+            raise SpecError(f"dataset.{sorted(settings)[0]}", f"dataset {raw!r} takes no settings")
+        return raw, settings, None
+    try:
+        return raw, settings, int(check(settings))
+    except ValueError as e:
+        raise SpecError("dataset", str(e)) from None
+
+
+def parse_models(raw: Any, dataset: str, offline: bool, models) -> tuple[list[str], dict[str, dict]]:
+    """-> (model display names, {name: ModelRef dict}); reference models must be trained on ``dataset``."""
+    from orchestrator.spec import _list
+    from tasks.sources import ModelSourceError, parse_ref
+
+    names, refs = [], {}
+    for i, item in enumerate(_list(raw, "models")):
+        try:
+            ref = parse_ref(item, offline=offline)
+        except ModelSourceError as e:
+            raise SpecError(f"models[{i}]", str(e)) from None
+        except KeyError as e:  # unknown source name from the registry
+            raise SpecError(f"models[{i}].source", str(e.args[0])) from None
+        if ref.name in refs:
+            raise SpecError(f"models[{i}].name", f"model {ref.name!r} is listed twice")
+        if ref.source == "reference" and models.get(ref.name).dataset != dataset:
+            raise SpecError(f"models[{i}]", f"model {ref.name!r} is trained on {models.get(ref.name).dataset!r}, "
+                                            f"not {dataset!r}")
+        if ref.source != "reference" and dataset == "digits":
+            raise SpecError(f"models[{i}]", f"model {ref.name!r} ({ref.source}) needs an image dataset, not the "
+                                            f"digits reference set; set dataset: imagenet1k, cifar100, imagefolder, ...")
+        names.append(ref.name)
+        refs[ref.name] = ref.to_dict()
+    return names, refs
+
+
+def untrained(spec, name: str):
+    """A randomly initialized instance of a spec's model (validation, adapter defaults): no download, no training."""
+    from tasks.sources import ModelRef, build_untrained
+
+    ref = spec.model_refs.get(name) or {"name": name}
+    return build_untrained(ModelRef(**ref))
