@@ -110,6 +110,12 @@ def _builder_args(ref: ModelRef) -> dict:
 
 # --- timm ----------------------------------------------------------------------------------------------
 
+def hf_hub_cache() -> str:
+    """The Hugging Face hub cache directory as the environment says now (HF_HUB_CACHE, else HF_HOME/hub)."""
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.environ.get("HF_HUB_CACHE") or os.path.join(home, "hub")
+
+
 def _timm_cached(ref: ModelRef) -> bool:
     """Whether timm's pretrained weights for ``ref`` are in the local Hugging Face or torch hub cache."""
     import timm
@@ -121,7 +127,7 @@ def _timm_cached(ref: ModelRef) -> bool:
         raise ModelSourceError(f"model {ref.name!r}: timm has no pretrained weights {name!r}")
     if cfg.hf_hub_id:
         for fn in ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin"):
-            if isinstance(try_to_load_from_cache(cfg.hf_hub_id, fn), str):
+            if isinstance(try_to_load_from_cache(cfg.hf_hub_id, fn, cache_dir=hf_hub_cache()), str):
                 return True
     if cfg.url:
         return (Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(cfg.url)).is_file()
@@ -150,7 +156,7 @@ class TimmSource(ModelSource):
         if pretrained and is_offline(ref) and not _timm_cached(ref):
             raise ModelSourceError(
                 f"model {ref.name!r}: pretrained timm weights {name!r} are not in the local cache "
-                f"(HF_HOME={os.environ.get('HF_HOME', '~/.cache/huggingface')}) and offline mode is on "
+                f"({hf_hub_cache()}) and offline mode is on "
                 f"(HF_HUB_OFFLINE=1); download them once online, or use source: checkpoint with a local file")
         try:
             return timm.create_model(name, pretrained=pretrained, **kw)
