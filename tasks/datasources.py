@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -23,6 +24,9 @@ import numpy as np
 import torch
 
 from tasks.data import SPLITS, DatasetSplits, SplitData
+
+# Threads that decode and preprocess the rows of one batch (HEALSWEEP_DECODE_THREADS; default: up to 8).
+DECODE_THREADS = int(os.environ.get("HEALSWEEP_DECODE_THREADS", min(8, os.cpu_count() or 1)))
 
 
 def _pil(x: Any):
@@ -182,7 +186,13 @@ class LazyImages:
             return self.transform(self.table.image(int(sel)))
         if len(sel) == 0:
             return torch.empty((0, *self.item_shape))
-        return torch.stack([self.transform(self.table.image(int(i))) for i in sel])  # (B, C, H, W)
+        load = lambda i: self.transform(self.table.image(int(i)))  # noqa: E731 - decode + preprocess one row
+        if len(sel) < 16 or DECODE_THREADS <= 1:
+            return torch.stack([load(i) for i in sel])  # (B, C, H, W)
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(DECODE_THREADS) as pool:  # PIL decoding releases the GIL
+            return torch.stack(list(pool.map(load, sel)))  # (B, C, H, W), in row order
 
 
 def build_splits(name: str, tables: Mapping[str, tuple[str, ImageTable]], sizes: Mapping[str, int], seed: int,

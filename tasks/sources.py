@@ -345,19 +345,20 @@ def parse_ref(item: Any, offline: bool = False) -> ModelRef:
     return ref
 
 
-def build_untrained(ref: ModelRef) -> nn.Module:
-    """The architecture with random weights (spec validation, adapters): never downloads, never trains."""
+def build_untrained(ref: ModelRef, device: str = "cpu") -> nn.Module:
+    """The architecture with random weights (spec validation, adapters): never downloads, never trains.
+    ``device="meta"``: structure and shapes only (fast validation of large models; no forward pass)."""
     from tasks.models import MODELS
 
     torch.manual_seed(0)
-    if ref.source == "reference":
-        src = MODELS.get(ref.name)
-        return src.build(src.arch).eval()
-    src = MODEL_SOURCES.get(ref.source)
-    if isinstance(src, CheckpointSource):
-        s, inner = src._arch(ref)
-        return s.build(inner, pretrained=False).eval()
-    return src.build(ref, pretrained=False).eval()
+    with torch.device(device):
+        if ref.source == "reference":
+            src = MODELS.get(ref.name)
+            return src.build(src.arch).eval()
+        src = MODEL_SOURCES.get(ref.source)
+        if isinstance(src, CheckpointSource):
+            src, ref = src._arch(ref)
+        return src.build(ref, pretrained=False).eval()
 
 
 def load_external(source: Mapping[str, Any], dataset: Mapping[str, Any], data_seed: int = 0):
