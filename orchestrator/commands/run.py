@@ -22,11 +22,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--num-cpus", type=int, help="CPUs for the local Ray instance (default: all)")
     p.add_argument("--no-report", action="store_true", help="skip writing the report at the end")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--offline", action="store_true",
+                   help="no downloads (sets HF_HUB_OFFLINE=1): pretrained weights and datasets must be cached")
     p.set_defaults(func=main)
     return p
 
 
 def main(args) -> int:
+    if getattr(args, "offline", False):
+        import os
+
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"  # inherited by Ray workers
     spec = load_spec_or_exit(args.spec)
     from orchestrator.sweep import run_sweep
 
