@@ -99,3 +99,25 @@ def test_export_reloads_through_timm_with_identical_logits(trial, tmp_path):
     assert not torch.equal(sd["blocks.0.mlp.fc1.weight"], lm.model.state_dict()["blocks.0.mlp.fc1.weight"])
 
     assert main(["export", "0" * 32, "--out", str(out), "--run-dir", str(run_dir)]) == 2
+
+
+def test_final_result_digests_become_mlflow_params(tmp_path):
+    from types import SimpleNamespace
+
+    from mlflow import MlflowClient
+
+    from orchestrator.tracking import MlflowTrialLogger
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    client = MlflowClient(uri)
+    parent = client.create_run(client.create_experiment("healsweep")).info.run_id
+    cb = MlflowTrialLogger(uri, "healsweep", "sw", parent, {"m": 0})
+    run_id = client.create_run(cb.exp_id).info.run_id
+    cb.runs["t1"] = run_id
+    trial = SimpleNamespace(trial_id="t1", config={"model": "m"})
+    cb.on_trial_result(0, [], trial, {"final": True, "epoch": 2, "healed_acc": 0.5, "calib_digest": "ab12",
+                                      "eval_digest": "cd34", "selection_digest": "ef56", "model_digest": "0f0f"})
+    r = client.get_run(run_id)
+    assert {k: r.data.params[k] for k in ("calib_digest", "eval_digest", "selection_digest", "model_digest")} == {
+        "calib_digest": "ab12", "eval_digest": "cd34", "selection_digest": "ef56", "model_digest": "0f0f"}
+    assert r.data.metrics["healed_acc"] == 0.5 and "calib_digest" not in r.data.metrics
