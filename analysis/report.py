@@ -107,7 +107,7 @@ class Table:
 def model_table(best: pd.DataFrame) -> Table:
     """Formatted rows (last column = run id) for one model's best-per-cell frame."""
     best = _sorted_rows(best)
-    extra = [c for c in ("scope", "granularity") if _varying(best, c)]
+    extra = [c for c in ("scope", "granularity", "seed") if _varying(best, c)]
     headers = ["pruner", "pattern", "sparsity", "calib size", "dense (%)", "pruned (%)",
                "healed (%)", "retention", "best lr", "epochs", "trials", "healer", *extra,
                "MLflow run"]
@@ -232,7 +232,8 @@ _CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans
 color:#222;max-width:1400px}table{border-collapse:collapse;margin:1em 0;font-size:.9em}
 th,td{border:1px solid #ccc;padding:.3em .6em;text-align:right}th{background:#f2f2f2}
 td.l,th{text-align:left}code{font-size:.9em}
-img{max-width:100%;border:1px solid #eee}.note{color:#555}dl{display:grid;
+img{max-width:100%;border:1px solid #eee}figure{margin:1em 0}
+figcaption{color:#555;max-width:75em}.note{color:#555}dl{display:grid;
 grid-template-columns:max-content auto;gap:.2em 1em}dt{font-weight:bold}"""
 
 
@@ -247,16 +248,22 @@ def _summary(trials: pd.DataFrame, name: str, sweep_id: str, tracking_uri: str) 
 
 
 def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
-                      experiment: str = "healsweep", title: str | None = None) -> dict[str, Path]:
-    """Write ``out_dir/report.html``, ``out_dir/report.md`` and ``out_dir/fig_<model>.png``."""
+                      experiment: str = "healsweep", title: str | None = None,
+                      settings: dict | None = None) -> dict[str, Path]:
+    """Write ``out_dir/report.html``, ``report.md``, ``bands.json`` and ``fig_<model>*.png``.
+
+    ``settings``: optional ``{"cts": {...CTSSettings fields}, "bands": {...BandSettings fields}}``.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     trials = load_trials(tracking_uri, sweep_id, experiment)
-    name = title or load_sweep_info(tracking_uri, sweep_id, experiment)["name"] or sweep_id
+    info = load_sweep_info(tracking_uri, sweep_id, experiment)
+    name = title or info["name"] or sweep_id
     best = best_per_cell(trials)
     model_of = trials["model"].astype("object").fillna(UNKNOWN_MODEL)
     models = sorted(set(model_of))
     summary = _summary(trials, name, sweep_id, tracking_uri)
+    trans = _transition_sections(best, models, info, out, tracking_uri, settings or {})
 
     e = html.escape
     md = [f"# Sweep report: {name}", ""] + [f"- **{k}:** {_md_cell(v)}" for k, v in summary]
@@ -295,14 +302,32 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
         md += ["", f"![{_md_cell(model)}: top-1 vs sparsity]({fname})"]
         ht.append(f'<p><img src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}" '
                   f'alt="{e(model)}: top-1 vs sparsity"></p>')
+        md += trans.md.get(model, [])
+        ht += trans.html.get(model, [])
 
-    paths = {"html": out / "report.html", "md": out / "report.md"}
+    paths = {"html": out / "report.html", "md": out / "report.md", "bands": out / "bands.json"}
+    paths["bands"].write_text(json.dumps(trans.bands_json, indent=1, allow_nan=False), encoding="utf-8")
     paths["md"].write_text("\n".join(md) + "\n", encoding="utf-8")
     page = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
             f"<title>Sweep report: {e(name)}</title>", f"<style>{_CSS}</style></head><body>",
             *ht, "</body></html>"]
     paths["html"].write_text("\n".join(page) + "\n", encoding="utf-8")
     return paths
+
+
+def _transition_sections(best, models, info, out, tracking_uri, settings):
+    from .bands import BandSettings
+    from .cts import CTSSettings
+    from .rr import load_diagnostics
+    from .transition_report import build_sections
+
+    cts_kw = dict(settings.get("cts", {}))
+    if "targets" in cts_kw:
+        cts_kw["targets"] = tuple(float(x) for x in cts_kw["targets"])
+    return build_sections(best, [m for m in models if m != UNKNOWN_MODEL],
+                          load_diagnostics(tracking_uri, info["run_id"]), out, tracking_uri,
+                          lambda eid, rid: run_url(tracking_uri, eid, rid), CTSSettings(**cts_kw),
+                          BandSettings(**settings.get("bands", {})))
 
 
 def write_report(run_dir: str | Path) -> dict[str, Path]:
@@ -312,4 +337,4 @@ def write_report(run_dir: str | Path) -> dict[str, Path]:
     uri = meta.get("tracking_uri") or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
     return write_report_from(uri, meta["sweep_id"], run_dir,
                              experiment=meta.get("experiment") or "healsweep",
-                             title=meta.get("name"))
+                             title=meta.get("name"), settings=meta.get("analysis"))

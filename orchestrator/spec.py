@@ -160,6 +160,9 @@ def parse_spec(raw: Any) -> SweepSpec:
     from tasks.models import MODELS
     from tasks.pruners import PRUNERS
 
+    from orchestrator.spec_sources import from_dict_form
+
+    raw = from_dict_form(raw)
     top = {f for f in SweepSpec.__dataclass_fields__}
     d = _keys(raw, "", top, {"name", "models", "sparsities", "calib_sizes", "pruners", "healers"})
     if not isinstance(d["name"], str) or not d["name"].replace("-", "").replace("_", "").isalnum():

@@ -10,6 +10,22 @@ from typing import Any, Mapping
 from orchestrator.spec import SpecError
 
 
+def from_dict_form(raw: Any) -> Any:
+    """A ``SweepSpec.to_dict()`` (sweep.json, refine rounds) back to spec syntax: model names -> their mapping
+    entries, dataset name + settings -> the dataset mapping. Plain YAML specs pass through unchanged."""
+    if not isinstance(raw, Mapping) or not ({"model_refs", "dataset_settings"} & set(raw)):
+        return raw
+    d = dict(raw)
+    refs, settings = d.pop("model_refs", None) or {}, d.pop("dataset_settings", None) or {}
+    if isinstance(d.get("models"), (list, tuple)):
+        d["models"] = [m if (refs.get(m) or {}).get("source", "reference") == "reference"
+                       else {k: v for k, v in refs[m].items() if v is not None and k != "offline"}
+                       for m in d["models"]]
+    if settings:
+        d["dataset"] = {"name": d.get("dataset", "digits"), **settings}
+    return d
+
+
 def parse_dataset(raw: Any, datasets) -> tuple[str, dict, int | None]:
     """-> (name, settings, largest calibration size the settings allow; None: load the dataset to know)."""
     settings: dict = {}

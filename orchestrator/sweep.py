@@ -70,7 +70,10 @@ def _trial_config(c: Cell, spec: SweepSpec, paths: dict, targets_key: str, mask_
 
 
 def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path, *, address: str | None = None,
-              progress: bool = True, report: bool = True, num_cpus: int | None = None) -> SweepResult:
+              progress: bool = True, report: bool = True, num_cpus: int | None = None,
+              resume: dict | None = None) -> SweepResult:
+    """Run ``spec``; ``resume`` = {"sweep_id", "parent_run_id", "round"} continues an existing sweep (refinement):
+    same sweep id and parent run, sweep.json left alone, the parent's metrics logged at step ``round``."""
     import ray
     from mlflow import MlflowClient
     from ray import tune
@@ -85,12 +88,14 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
     out_dir, store_root, cache_dir = (Path(p).resolve() for p in (out_dir, store_root, cache_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     tracking_uri = spec.mlflow.tracking_uri or f"sqlite:///{out_dir / 'mlflow.db'}"
-    sweep_id = uuid.uuid4().hex[:12]
+    sweep_id = resume["sweep_id"] if resume else uuid.uuid4().hex[:12]
     paths = {"targets": str(store_root / "targets"), "masks": str(store_root / "masks"), "cache": str(cache_dir),
              "out": str(out_dir)}
-    (out_dir / "sweep.json").write_text(json.dumps(
-        {"sweep_id": sweep_id, "name": spec.name, "tracking_uri": tracking_uri, "experiment": spec.mlflow.experiment,
-         "store": str(store_root), "cache": str(cache_dir), "spec": spec.to_dict()}, indent=1, default=list))
+    if not resume:
+        (out_dir / "sweep.json").write_text(json.dumps(
+            {"sweep_id": sweep_id, "name": spec.name, "tracking_uri": tracking_uri,
+             "experiment": spec.mlflow.experiment, "store": str(store_root), "cache": str(cache_dir),
+             "spec": spec.to_dict()}, indent=1, default=list))
 
     models = prepare_models(spec, cache_dir, progress=progress)
     cells = expand_cells(spec, {m: i.scope for m, i in models.items()})
@@ -99,7 +104,8 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(address=address, include_dashboard=False, num_cpus=None if address else num_cpus,
+        # No address: always a fresh local instance ("local"), never whatever Ray happens to run on the machine.
+        ray.init(address=address or "local", include_dashboard=False, num_cpus=None if address else num_cpus,
                  logging_level=logging.WARNING, log_to_driver=False, configure_logging=True)
     try:
         dense = dense_stage(spec, models, rows, Path(paths["targets"]), cache_dir, progress=progress)
@@ -107,10 +113,15 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
                                {m: spec.load_kwargs(m) for m in models})
 
         client = MlflowClient(tracking_uri)
-        parent = start_parent(client, spec.mlflow.experiment, sweep_id, spec.name, {
-            "spec_name": spec.name, "cells": len(cells), "trials_per_cell": spec.search.trials_per_cell,
-            "models": ",".join(spec.models), "objective": spec.search.objective, "store": str(store_root)})
-        client.log_text(parent, json.dumps(spec.to_dict(), indent=1, default=list), "spec.json")
+        step = int(resume["round"]) if resume else 0
+        if resume:
+            parent = resume["parent_run_id"]
+            client.log_text(parent, json.dumps(spec.to_dict(), indent=1, default=list), f"refine_{step}/spec.json")
+        else:
+            parent = start_parent(client, spec.mlflow.experiment, sweep_id, spec.name, {
+                "spec_name": spec.name, "cells": len(cells), "trials_per_cell": spec.search.trials_per_cell,
+                "models": ",".join(spec.models), "objective": spec.search.objective, "store": str(store_root)})
+            client.log_text(parent, json.dumps(spec.to_dict(), indent=1, default=list), "spec.json")
         gran = {}
         for m in models:
             gran[m] = get_adapter(untrained(spec, m)).default_granularity
@@ -131,7 +142,8 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
             tune_config=tune.TuneConfig(search_alg=searcher, num_samples=total, max_concurrent_trials=concurrency,
                                         reuse_actors=True, trial_name_creator=_trial_name,
                                         trial_dirname_creator=_trial_name),
-            run_config=tune.RunConfig(name=f"{spec.name}-{sweep_id}", storage_path=str(out_dir / "tune"),
+            run_config=tune.RunConfig(name=f"{spec.name}-{sweep_id}" + (f"-refine{step}" if step else ""),
+                                      storage_path=str(out_dir / "tune"),
                                       callbacks=[logger_cb, prog.callback], verbose=0),
         )
         t_tune = time.time()
@@ -143,12 +155,12 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
-        client.log_batch(parent, metrics=[Metric("dense_forward_images", dense_total, ts, 0),
-                                          Metric("trials_finished", logger_cb.finished, ts, 0),
-                                          Metric("trials_failed", logger_cb.failed, ts, 0),
-                                          Metric("sweep_seconds", seconds, ts, 0),
-                                          Metric("tune_seconds", tune_seconds, ts, 0),
-                                          Metric("concurrency", concurrency, ts, 0)])
+        client.log_batch(parent, metrics=[Metric("dense_forward_images", dense_total, ts, step),
+                                          Metric("trials_finished", logger_cb.finished, ts, step),
+                                          Metric("trials_failed", logger_cb.failed, ts, step),
+                                          Metric("sweep_seconds", seconds, ts, step),
+                                          Metric("tune_seconds", tune_seconds, ts, step),
+                                          Metric("concurrency", concurrency, ts, step)])
         client.set_terminated(parent, "FINISHED")
     finally:
         if started_ray:

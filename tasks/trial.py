@@ -103,7 +103,8 @@ def run_trial(p: TrialParams, report: Callable[[dict], None]) -> dict:
     final = dict(last, final=True, dense_acc=dense_acc, pruned_acc=pruned_acc, healed_acc=healed_acc,
                  retention=healed_acc / dense_acc if dense_acc > 0 else 0.0, heal_seconds=heal_seconds,
                  mask_violations=mask_violations(model, masks), achieved_sparsity=achieved_sparsity(entries, masks),
-                 changed_outside_scope=changed_outside, trial_seconds=time.perf_counter() - t_start)
+                 changed_outside_scope=changed_outside, trial_seconds=time.perf_counter() - t_start,
+                 n_eval=len(ev), num_classes=lm.dataset.num_classes)  # binomial noise of chance (bands)
     final.update(model_digest=lm.digest, calib_digest=lm.dataset.split_digest("calibration", p.calib_size),
                  selection_digest=lm.dataset.split_digest("selection"), eval_digest=lm.dataset.split_digest("evaluation"))
     if p.out_dir and p.trial_key:

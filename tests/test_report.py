@@ -151,7 +151,7 @@ def test_best_per_cell_selects_on_selection_split(store):
 
 
 def _md_rows(md: str, model: str) -> list[str]:
-    section = md.split(f"## {model}\n", 1)[1].split("\n## ", 1)[0]
+    section = md.split(f"## {model}\n", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
     return [ln for ln in section.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
 
 
@@ -182,7 +182,7 @@ def test_html_self_contained_with_figures(store, tmp_path):
     page = write_report_from(store["uri"], SWEEP, tmp_path)["html"].read_text()
     assert "demo &lt;sweep&gt; &amp; co" in page and SWEEP_NAME not in page
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page)  # nothing fetched remotely
-    imgs = re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    imgs = re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)" alt="[^"]*top-1 vs sparsity"', page)
     assert len(imgs) == 2  # resnet18 and deit_tiny; vgg11 has no finished trials
     for b64, model in zip(imgs, ("deit_tiny", "resnet18")):  # sections in model-name order
         png = base64.b64decode(b64)
@@ -215,7 +215,8 @@ def test_write_report_via_sweep_json(store, tmp_path):
         {"sweep_id": SWEEP, "name": "from-json", "tracking_uri": store["uri"],
          "experiment": "healsweep", "spec": {}}))
     paths = write_report(run_dir)
-    assert paths == {"html": run_dir / "report.html", "md": run_dir / "report.md"}
+    assert paths == {"html": run_dir / "report.html", "md": run_dir / "report.md",
+                     "bands": run_dir / "bands.json"}
     md = paths["md"].read_text()
     assert md.startswith("# Sweep report: from-json\n")
     assert f"`{store['ids']['c1/t1']}`" in md and store["uri"] in md

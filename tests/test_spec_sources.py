@@ -3,6 +3,7 @@ swapped for registered ones) and hand the right load arguments to the workers.""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,19 @@ def test_offline_setting_reaches_the_model_refs():
     d = {**copy.deepcopy(TINY), "offline": True, "dataset": "cifar10", "models": [{"name": "resnet18"}]}
     spec = parse_spec(d)
     assert spec.offline and spec.load_kwargs("resnet18")["source"]["offline"] is True
+
+
+def test_to_dict_round_trip_keeps_sources_and_dataset_settings(tmp_path):
+    """sweep.json holds spec.to_dict(); refine rounds parse it again."""
+    import timm
+    from safetensors.torch import save_file
+
+    save_file(timm.create_model("resnet18", pretrained=False, num_classes=10).state_dict(), str(tmp_path / "r.safetensors"))
+    d = {**copy.deepcopy(TINY), "dataset": {"name": "imagefolder", "root": str(tmp_path), "sizes": {"calibration": 300}},
+         "models": [{"name": "r18", "source": "checkpoint", "arch": "resnet18", "num_classes": 10,
+                     "path": str(tmp_path / "r.safetensors")}], "offline": True}
+    spec = parse_spec(d)
+    as_json = lambda s: json.loads(json.dumps(s.to_dict(), default=list))  # noqa: E731 - as in sweep.json
+    again = parse_spec(as_json(spec))
+    assert again.load_kwargs("r18") == spec.load_kwargs("r18") and again.offline
+    assert parse_spec(as_json(parse_spec(TINY))).models == ("vit_digits",)

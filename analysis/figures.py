@@ -1,0 +1,145 @@
+"""Figures of the transition-band report (Agg canvases; no global matplotlib state).
+
+- ``bands_figure``: healed accuracy vs sparsity (seed mean ± std) per healer, bands shaded,
+  CTS core/band marked.
+- ``cts_figure``: G, T, CTS, CTS̄ with threshold, core and broad band.
+- ``rr_heatmap``: per-layer R_ℓ(s) on the candidate grid.
+- ``allocation_figure``: s_ℓ(RR) − s_ℓ(ERK) per layer at one target (paper 004 Fig. 4 style).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import LogNorm
+from matplotlib.figure import Figure
+
+__all__ = ["bands_figure", "cts_figure", "rr_heatmap", "allocation_figure", "BAND_COLORS"]
+
+BAND_COLORS = {"recoverable": "#2ca02c", "transition": "#ff7f0e", "collapse": "#d62728"}
+
+
+def _fig(w: float, h: float) -> Figure:
+    fig = Figure(figsize=(w, h), dpi=100)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _edges(xs: list[float]) -> list[tuple[float, float]]:
+    """Span of each point: halfway to its neighbours (a 0.005 half-width at the ends)."""
+    out = []
+    for i, x in enumerate(xs):
+        lo = (xs[i - 1] + x) / 2 if i > 0 else x - (xs[1] - x) / 2 if len(xs) > 1 else x - 0.0025
+        hi = (xs[i + 1] + x) / 2 if i + 1 < len(xs) else x + (x - xs[i - 1]) / 2 if len(xs) > 1 else x + 0.0025
+        out.append((max(0.0, lo), min(1.0, hi)))  # sparsity lives in [0, 1]
+    return out
+
+
+def _mark_cts(ax, cts: dict | None) -> None:
+    if not cts:
+        return
+    if cts.get("band"):
+        b = cts["band"]
+        ax.axvspan(b["lo"] - 0.0025, b["hi"] + 0.0025, facecolor="none", edgecolor="navy", linestyle="--",
+                   linewidth=1.2, label=f"CTS band {100 * b['lo']:.1f}–{100 * b['hi']:.1f}%")
+    if cts.get("core"):
+        c = cts["core"]
+        ax.axvspan(c["lo"] - 0.0025, c["hi"] + 0.0025, facecolor="none", edgecolor="black", hatch="//",
+                   linewidth=1.2, label=f"CTS core {100 * c['lo']:.1f}–{100 * c['hi']:.1f}%")
+
+
+def bands_figure(records: list[dict], title: str, cts: dict | None = None) -> Figure:
+    """One panel per band record (healer × calib size × ...), accuracy in %."""
+    n = max(1, len(records))
+    cols = min(3, n)
+    rows = math.ceil(n / cols)
+    fig = _fig(5.2 * cols, 3.9 * rows)
+    for k, rec in enumerate(records):
+        ax = fig.add_subplot(rows, cols, k + 1)
+        pts = rec["points"]
+        xs = [p["sparsity"] for p in pts]
+        for (lo, hi), p in zip(_edges(xs), pts):
+            ax.axvspan(lo, hi, color=BAND_COLORS[p["label"]], alpha=0.18, linewidth=0)
+        ax.errorbar(xs, [100 * p["healed_mean"] for p in pts], yerr=[100 * p["healed_std"] for p in pts],
+                    marker="s", capsize=3, color="black",
+                    label=f"healed (mean ± std, {max(p['n_seeds'] for p in pts)} seed(s))")
+        lims = [p["chance_limit"] for p in pts if p["chance_limit"] is not None]
+        if lims:
+            ax.axhline(100 * lims[0], color=BAND_COLORS["collapse"], linestyle=":", linewidth=1,
+                       label="chance + 2σ")
+        _mark_cts(ax, cts)
+        for lab, col in BAND_COLORS.items():
+            ax.plot([], [], color=col, alpha=0.4, linewidth=8, label=lab)
+        extra = [f"{c}={rec[c]}" for c in ("calib_size", "scope", "granularity") if rec.get(c)]
+        ax.set_title(f"{rec['healer']}\n{rec['pruner']}; {', '.join(extra)}", fontsize="small")
+        ax.set_xlabel("sparsity (nominal)")
+        ax.set_ylabel("healed top-1 (%)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="x-small", loc="lower left")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def cts_figure(cts: dict, title: str) -> Figure:
+    fig = _fig(8.0, 4.6)
+    ax = fig.add_subplot()
+    s = np.asarray(cts["s"])
+    ax.plot(s, cts["G"], color="tab:blue", linewidth=1, label="G(s) = J_RR(ERK) − J_RR(RR)")
+    ax.plot(s, cts["CTS"], color="grey", marker=".", linewidth=1, label="CTS(s) = G·T")
+    ax.plot(s, cts["CTS_smooth"], color="black", linewidth=2, label="CTS̄ (3-point mean)")
+    ax2 = ax.twinx()
+    ax2.plot(s, cts["T"], color="tab:purple", linestyle="--", linewidth=1, label="T(s) (right axis)")
+    ax2.set_ylim(-0.05, 1.05)
+    ax2.set_ylabel("repair stress T(s)")
+    for key, col in (("core", "black"), ("band", "navy")):
+        iv = cts.get(key)
+        if iv:
+            ax.axhline(iv["threshold"], color=col, linestyle=":", linewidth=1,
+                       label=f"{key} threshold (B = {iv['baseline']:.3g})")
+    _mark_cts(ax, cts)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize="x-small", loc="upper left")
+    ax.set_xlabel("target global sparsity")
+    ax.set_ylabel("RR objective gap / score")
+    ax.grid(True, alpha=0.3)
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def rr_heatmap(layers: list[str], grid: list[float], r: np.ndarray, title: str) -> Figure:
+    """r: (L, K); log colour scale (R > 1 is legal: repair made it worse)."""
+    fig = _fig(max(6.0, 0.9 * len(grid) + 4), max(3.0, 0.28 * len(layers) + 1.6))
+    ax = fig.add_subplot()
+    pos = np.clip(r, 1e-6, None)
+    norm = LogNorm(vmin=pos.min(), vmax=max(pos.max(), pos.min() * 1.01))
+    im = ax.imshow(pos, aspect="auto", cmap="viridis", norm=norm)
+    ax.set_xticks(range(len(grid)), [f"{100 * g:g}" for g in grid])
+    ax.set_yticks(range(len(layers)), layers, fontsize="x-small")
+    ax.set_xlabel("layer sparsity (%)")
+    for i in range(r.shape[0]):
+        for j in range(r.shape[1]):
+            ax.text(j, i, f"{r[i, j]:.2f}", ha="center", va="center", fontsize=6,
+                    color="white" if pos[i, j] < np.sqrt(pos.min() * pos.max()) else "black")
+    fig.colorbar(im, ax=ax, label="R = D_repair / D_raw (log)")
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def allocation_figure(layers: list[str], rr: dict, erk: dict, target: float, title: str) -> Figure:
+    d = np.array([rr[ly] - erk[ly] for ly in layers])  # (L,)
+    fig = _fig(8.0, max(3.0, 0.28 * len(layers) + 1.4))
+    ax = fig.add_subplot()
+    ax.barh(range(len(layers)), 100 * d, color=["tab:red" if x > 0 else "tab:blue" for x in d])
+    ax.set_yticks(range(len(layers)), layers, fontsize="x-small")
+    ax.invert_yaxis()
+    ax.axvline(0, color="black", linewidth=0.8)
+    ax.set_xlabel(f"s(RR) − s(ERK), points of sparsity, at target {100 * target:g}%")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig

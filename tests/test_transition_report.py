@@ -1,0 +1,115 @@
+"""Transition sections of the report from a tiny MLflow sweep (diagnostics artifact + trials)."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+
+import matplotlib.image as mpimg
+import numpy as np
+import pytest
+
+from analysis import write_report
+from analysis.cts import CTSSettings, compute_cts
+from analysis.rr import curves_from_frame, load_diagnostics
+from tests import transition_fixture as tf
+
+MODEL = "resnet_digits"
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trans")
+    return tf.build_store(root, MODEL)
+
+
+def test_diagnostics_round_trip(sweep):
+    diags = load_diagnostics(sweep["uri"], sweep["parent"])
+    assert list(diags) == [MODEL]
+    c = curves_from_frame(diags[MODEL])
+    assert c.layers == list(tf.LAYERS) and c.grid == list(tf.GRID)
+    assert c.sizes == {"conv1.weight": 72, "layer1.conv.weight": 1152, "fc.weight": 160}
+    assert c.shapes["fc.weight"] == (10, 16)
+    np.testing.assert_array_equal(c.r[1], tf.R["layer1.conv.weight"])
+    assert load_diagnostics(sweep["uri"], None) == {}
+
+
+def test_reference_greedy_known_optimum():
+    # two layers, equal sizes: layer a's cost rises slowly, b's fast -> a is promoted first
+    grid = [0.7, 0.8, 0.9]
+    got = tf.greedy_allocate({"a": [0, 0.1, 0.2], "b": [0, 1.0, 2.0]}, {"a": 10, "b": 10}, grid, 0.8)
+    assert got == {"a": 0.9, "b": 0.7}
+
+
+def test_report_has_every_section(sweep, tmp_path, monkeypatch):
+    tf.install_reference_allocation(monkeypatch)
+    run_dir = tmp_path / "run"
+    tf.write_sweep_json(run_dir, sweep["uri"])
+    paths = write_report(run_dir)
+    md = paths["md"].read_text()
+    page = paths["html"].read_text()
+    for heading in ("Calibration transition score (calibration data only)", "Per-layer relative repairability",
+                    "Allocation: RR vs ERK at", "Repairability bands: magnitude", "Seed statistics per healer"):
+        assert heading in md, heading
+        assert heading in page, heading
+    assert md.count("**How to read this.**") == 4  # cts, rr, alloc, bands figures
+    imgs = re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert len(imgs) == 5  # top-1 vs sparsity + the four transition figures
+    for b64 in imgs:
+        px = mpimg.imread(io.BytesIO(base64.b64decode(b64)), format="png")
+        assert len(np.unique(px.reshape(-1, px.shape[-1]), axis=0)) > 10  # not blank
+    for stem in ("cts", "rr", "alloc", "bands_magnitude"):
+        assert (run_dir / f"fig_{MODEL}_{stem}.png").is_file()
+
+    bands = json.loads(paths["bands"].read_text())
+    m = bands["models"][MODEL]
+    # CTS equals a direct computation with the same allocation rules (math tested in test_cts.py)
+    c = curves_from_frame(tf.diagnostics_frame(MODEL))
+    cost = {ly: c.r[i].tolist() for i, ly in enumerate(c.layers)}
+    st = CTSSettings()
+    ref = compute_cts(c.r, c.grid, c.layers, lambda x: tf.greedy_allocate(cost, c.sizes, c.grid, x),
+                      lambda x: tf.erk_sparsities(c.shapes, x),
+                      CTSSettings(targets=tuple(x for x in st.targets if x <= 0.975)))
+    assert m["cts"]["CTS_smooth"] == pytest.approx(ref["CTS_smooth"])
+    assert m["cts"]["core"] == ref["core"] and ref["core"] is not None
+    by = {b["healer"]: b for b in m["bands"]}
+    assert by["starfish"]["intervals"] == [{"label": "recoverable", "lo": 0.5, "hi": 0.7},
+                                           {"label": "transition", "lo": 0.8, "hi": 0.9},
+                                           {"label": "collapse", "lo": 0.95, "hi": 0.95}]
+    assert [iv["label"] for iv in by["none"]["intervals"]] == ["recoverable", "transition", "collapse"]
+    assert set(by["starfish"]["agreement"]) == {"core_iou", "core_coverage", "band_iou", "band_coverage"}
+    p = by["starfish"]["points"][1]
+    assert p["healed_mean"] == pytest.approx(0.85) and p["healed_std"] == pytest.approx(2 ** 0.5 * 0.01)
+    assert set(p["run_ids"]) == {sweep["ids"]["starfish-0.7-0"], sweep["ids"]["starfish-0.7-1"]}
+    assert f"<code>{sweep['ids']['starfish-0.7-0']}</code>" in page  # row links (sqlite: ids, no URL)
+    assert "85.00 ± 1.41" in md
+
+
+def test_report_without_allocation_module_or_diagnostics(sweep, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tasks.allocation", None)  # import fails
+    run_dir = tmp_path / "run"
+    tf.write_sweep_json(run_dir, sweep["uri"])
+    md = write_report(run_dir)["md"].read_text()
+    assert "CTS unavailable" in md and "Repairability bands: magnitude" in md
+
+
+def test_json_clean():
+    from analysis.transition_report import json_clean
+
+    got = json_clean({"a": float("nan"), "b": (np.float32(0.5), np.int64(3)), "c": [float("inf"), "x"]})
+    assert got == {"a": None, "b": [0.5, 3], "c": [None, "x"]}
+    assert type(got["b"][1]) is int
+
+
+def test_rr_targets_capped_at_reachable(monkeypatch):
+    from analysis.rr import _reachable, allocations
+
+    tf.install_reference_allocation(monkeypatch)
+    c = curves_from_frame(tf.diagnostics_frame(MODEL))
+    assert _reachable(c, 0.99) == pytest.approx(0.975) and _reachable(c, 0.9) == 0.9
+    al = allocations(c, 0.99)
+    assert set(al["RR"].values()) == {0.975}  # every layer at the top of the grid
+    assert al["ERK"] == pytest.approx({ly: 0.975 for ly in tf.LAYERS}, abs=1e-6)  # ERK floor 0.025
