@@ -24,9 +24,10 @@ log = logging.getLogger("healsweep.store")
 class DenseWorker:
     """Holds one model; each call computes calibration rows [start, stop) and writes them as one shard."""
 
-    def __init__(self, model: str, cache_dir: str, data_seed: int, threads: int) -> None:
+    def __init__(self, model: str, cache_dir: str, data_seed: int, threads: int, load_kw: dict | None = None) -> None:
         torch.set_num_threads(max(1, threads))
-        lm = load_model(model, cache_dir, data_seed=data_seed, progress=False)
+        lm = load_model(model, cache_dir, data_seed=data_seed, progress=False, **(load_kw or {}))
+        lm.model.to("cuda" if ray.get_gpu_ids() else "cpu")  # a GPU only when the task was given one
         self.model, self.images = lm.model, lm.dataset["calibration"].images
         self.blocks = get_adapter(lm.model).blocks(lm.model)
 
@@ -58,8 +59,8 @@ def dense_stage(spec, models: Mapping, rows: Mapping[str, int], store_root: str 
 
         def run_shards(plan, m=m, info=info):
             n = max(1, min(len(plan), max_workers or max(1, int(cpus // per_task))))
-            actors = [DenseWorker.options(num_cpus=per_task).remote(
-                m, str(cache_dir), spec.data_seed, max(1, int(per_task))) for _ in range(n)]
+            actors = [DenseWorker.options(num_cpus=per_task, num_gpus=spec.resources.gpus_per_dense_task).remote(
+                m, str(cache_dir), spec.data_seed, max(1, int(per_task)), spec.load_kwargs(m)) for _ in range(n)]
             pool = ray.util.ActorPool(actors)
             with tqdm(total=sum(b - a for _, a, b in plan), desc=f"dense targets {m} ({n} workers)", unit="img",
                       disable=not progress) as bar:

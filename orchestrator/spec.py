@@ -89,9 +89,19 @@ class SweepSpec:
     store: StoreSpec = StoreSpec()
     mlflow: MlflowSpec = MlflowSpec()
     plugins: tuple[str, ...] = ()  # modules imported before validation and in every trial (custom methods)
+    model_refs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> tasks.sources.ModelRef dict
+    dataset_settings: Mapping[str, Any] = field(default_factory=dict)  # `dataset: {name: ..., <settings>}`
+    offline: bool = False  # no downloads: weights must be in the local cache
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def load_kwargs(self, model: str) -> dict:
+        """Extra ``tasks.models.load_model`` arguments for a model; {} for reference models (unchanged path)."""
+        ref = self.model_refs.get(model)
+        if not ref or ref.get("source", "reference") == "reference":
+            return {}
+        return {"source": dict(ref), "dataset": {"name": self.dataset, **self.dataset_settings}}
 
 
 # --- parsing helpers ---------------------------------------------------------------------------------
@@ -161,26 +171,26 @@ def parse_spec(raw: Any) -> SweepSpec:
     from tasks.models import MODELS
     from tasks.pruners import PRUNERS
 
+    from orchestrator.spec_sources import from_dict_form
+
+    raw = from_dict_form(raw)
     top = {f for f in SweepSpec.__dataclass_fields__}
     plugins = _plugins(raw.get("plugins") if isinstance(raw, Mapping) else None)
     d = _keys(raw, "", top, {"name", "models", "sparsities", "calib_sizes", "pruners", "healers"})
     if not isinstance(d["name"], str) or not d["name"].replace("-", "").replace("_", "").isalnum():
         raise SpecError("name", f"must be letters, digits, '-' or '_', got {d['name']!r}")
-    dataset = d.get("dataset", "digits")
-    if dataset not in DATASETS:
-        raise SpecError("dataset", f"unknown dataset {dataset!r}; allowed: {', '.join(DATASETS.names())}")
-    models = []
-    for i, m in enumerate(_list(d["models"], "models")):
-        if m not in MODELS:
-            raise SpecError(f"models[{i}]", f"unknown model {m!r}; allowed: {', '.join(MODELS.names())}")
-        if MODELS.get(m).dataset != dataset:
-            raise SpecError(f"models[{i}]", f"model {m!r} is trained on {MODELS.get(m).dataset!r}, not {dataset!r}")
-        models.append(m)
+    from orchestrator.spec_sources import parse_dataset, parse_models
+
+    offline = d.get("offline", False)
+    if not isinstance(offline, bool):
+        raise SpecError("offline", f"must be true or false, got {offline!r}")
+    dataset, dataset_settings, calib_capacity = parse_dataset(d.get("dataset", "digits"), DATASETS)
+    models, refs = parse_models(d["models"], dataset, offline, MODELS)
     sparsities = tuple(_num(s, f"sparsities[{i}]", float, 0.0, 1.0, hi_open=True)
                        for i, s in enumerate(_list(d["sparsities"], "sparsities")))
     data_seed = _num(d.get("data_seed", 0), "data_seed", int, 0)
-    data = load_dataset(dataset, seed=data_seed)
-    n_calib = len(data["calibration"])
+    data = load_dataset(dataset, seed=data_seed) if calib_capacity is None else None
+    n_calib = calib_capacity if calib_capacity is not None else len(data["calibration"])
     calib = tuple(_num(n, f"calib_sizes[{i}]", int, 1, n_calib) for i, n in enumerate(_list(d["calib_sizes"], "calib_sizes")))
     pruners = _methods(d["pruners"], "pruners", PRUNERS, "pruner")
     healers = parse_healers(d["healers"], "healers")  # single healers and chains (orchestrator/healer_spec.py)
@@ -242,8 +252,9 @@ def parse_spec(raw: Any) -> SweepSpec:
     mlf = _section(MlflowSpec, d.get("mlflow"), "mlflow")
 
     spec = SweepSpec(d["name"], tuple(models), sparsities, calib, pruners, healers, dataset, data_seed, seeds,
-                     dict(scope), search, heal, res, store, mlf, plugins)
-    check_healer_data(spec, data)
+                     dict(scope), search, heal, res, store, mlf, plugins, refs, dataset_settings, offline)
+    if data is not None:
+        check_healer_data(spec, data)
     _check_scopes(spec, ADAPTERS, MODELS)
     return spec
 
@@ -270,10 +281,10 @@ def _check_scopes(spec: SweepSpec, adapters, models) -> None:
 
     from tasks.adapters import get_adapter
 
+    from orchestrator.spec_sources import untrained
+
     for m in spec.models:
-        src = models.get(m)
-        torch.manual_seed(0)
-        model = src.build(src.arch)
+        model = untrained(spec, m)
         adapter = get_adapter(model)
         s = spec.scope.get(m, adapter.default_scope)
         try:

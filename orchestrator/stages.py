@@ -31,7 +31,7 @@ def prepare_models(spec: SweepSpec, cache_dir: Path, progress: bool = True) -> d
     """Load (training on first use) every model of the sweep in the driver; derive its target-store key."""
     out = {}
     for name in spec.models:
-        lm = load_model(name, cache_dir, data_seed=spec.data_seed, progress=progress)
+        lm = load_model(name, cache_dir, data_seed=spec.data_seed, progress=progress, **spec.load_kwargs(name))
         adapter = get_adapter(lm.model)
         blocks = [b for b, _ in adapter.blocks(lm.model)] + [LOGITS]
         calib_digest = lm.dataset.split_digest("calibration")
@@ -42,9 +42,11 @@ def prepare_models(spec: SweepSpec, cache_dir: Path, progress: bool = True) -> d
 
 
 def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: Path, cache_dir: Path,
-               data_seed: int, diagnostics: Mapping[str, Mapping] | None = None) -> dict[str, str]:
+               data_seed: int, diagnostics: Mapping[str, Mapping] | None = None,
+               load_kw: Mapping[str, dict] | None = None) -> dict[str, str]:
     """Compute each distinct mask once (content-addressed); return {cell_id: mask_key}.
-    ``diagnostics``: {cell_id: RR diagnostics table} from orchestrator.diagnostics, for the pruners that read one."""
+    ``diagnostics``: {cell_id: RR diagnostics table} from orchestrator.diagnostics, for the pruners that read one;
+    ``load_kw``: {model: load_model kwargs} for non-reference model sources."""
     masks = MaskStore(mask_root)
     out: dict[str, str] = {}
     loaded = {}
@@ -55,7 +57,8 @@ def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: Pa
         if masks.has(key):
             continue
         if c.model not in loaded:
-            loaded[c.model] = load_model(c.model, cache_dir, data_seed=data_seed, progress=False)
+            loaded[c.model] = load_model(c.model, cache_dir, data_seed=data_seed, progress=False,
+                                         **(load_kw or {}).get(c.model, {}))
         lm = loaded[c.model]
         adapter = get_adapter(lm.model)
         entries = adapter.scope(lm.model, c.scope)

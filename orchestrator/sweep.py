@@ -58,7 +58,8 @@ def _trial_config(c: Cell, spec: SweepSpec, paths: dict, targets_key: str, mask_
             "default_granularity": default_gran, "target_mode": target_mode, "target_dtype": spec.store.dtype,
             "store_root": paths["targets"], "mask_root": paths["masks"], "cache_dir": paths["cache"],
             "data_seed": spec.data_seed, "batch_size": spec.heal.batch_size, "weight_decay": spec.heal.weight_decay,
-            "lr_min": spec.heal.lr_min, "threads": threads, "device": device}
+            "lr_min": spec.heal.lr_min, "threads": threads, "device": device,
+            "load_kw": spec.load_kwargs(c.model), "out_dir": paths.get("out", "")}
 
 
 def _concurrency(spec: SweepSpec, cluster: dict) -> int:
@@ -99,7 +100,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
     from orchestrator.stages import dense_stage, mask_stage, prepare_models
     from orchestrator.tracking import MlflowTrialLogger, experiment_id, start_parent
     from tasks.adapters import get_adapter
-    from tasks.models import MODELS
+    from orchestrator.spec_sources import untrained
 
     t0 = time.time()
     out_dir, store_root, cache_dir = (Path(p).resolve() for p in (out_dir, store_root, cache_dir))
@@ -122,7 +123,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
                 "spec": spec.to_dict()}
     write_sweep(out_dir, info)
     paths = {"targets": spec.store.uri or str(store_root / "targets"), "masks": str(store_root / "masks"),
-             "cache": str(cache_dir)}
+             "cache": str(cache_dir), "out": str(out_dir)}
 
     models = prepare_models(spec, cache_dir, progress=progress)
     cells = expand_cells(spec, {m: i.scope for m, i in models.items()})
@@ -146,7 +147,8 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         diag = diagnostics_stage(cells, models, diag_root, cache_dir, spec.data_seed,
                                  int(spec.resources.cpus_per_dense_task))
         mask_keys = mask_stage(cells, models, Path(paths["masks"]), cache_dir, spec.data_seed,
-                               diagnostics=diag.tables(diag_root))
+                               diagnostics=diag.tables(diag_root),
+                               load_kw={m: spec.load_kwargs(m) for m in models})
 
         client = MlflowClient(tracking_uri)
         parent = info.get("parent_run_id")
@@ -171,8 +173,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
             client.log_text(parent, "\n".join(dense_rep.events) + "\n", f"store_events_{session}.txt")
         gran = {}
         for m in models:
-            src = MODELS.get(m)
-            gran[m] = get_adapter(src.build(src.arch)).default_granularity
+            gran[m] = get_adapter(untrained(spec, m)).default_granularity
         threads = max(1, int(spec.resources.cpus_per_trial))
         device = "cuda" if spec.resources.gpus_per_trial > 0 else "cpu"
         configs = [_trial_config(c, spec, paths, models[c.model].targets_key, mask_keys[c.cell_id], gran[c.model],

@@ -107,6 +107,10 @@ class MlflowTrialLogger(Callback):
             skip = set(EPOCH_METRICS) | TUNE_KEYS
             metrics += [Metric(k, float(v), ts, step) for k, v in extra.items()
                         if k not in skip and isinstance(v, (int, float)) and not isinstance(v, bool)]
+            # data and weights identity (calib_digest, eval_digest, ...): string params of the trial
+            params = [Param(k, str(v)) for k, v in result.items() if k.endswith("_digest") and isinstance(v, str)]
+            if params:
+                self.writer.submit(lambda get=self._run_id(key), ps=params: self.client.log_batch(get(), params=ps))
         self.writer.log_metrics(self._run_id(key), metrics)
         if result.get("final") and "node_id" in result:
             node = str(result["node_id"])

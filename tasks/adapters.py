@@ -138,19 +138,28 @@ class ResNetAdapter(ModelAdapter):
 
     def scope(self, model: nn.Module, scope: str, include_stem: bool = False) -> list[ScopeEntry]:
         self.check_scope(scope)
-        out = []
-        for name, mod in model.named_modules():
-            if isinstance(mod, nn.Conv2d) and scope in ("conv", "conv_fc", "conv_dw"):
-                if name == "conv1" and not include_stem:
-                    continue  # the first conv stays dense unless asked
-                depthwise = mod.groups > 1 and mod.groups == mod.in_channels
-                if (scope == "conv_dw") == depthwise:
-                    out.append(ScopeEntry(f"{name}.weight"))
-            elif isinstance(mod, nn.Linear) and scope in ("fc", "conv_fc"):
+        return cnn_scope(model, scope, self.family, () if include_stem else ("conv1",))
+
+
+def cnn_scope(model: nn.Module, scope: str, family: str, dense: tuple[str, ...] = (),
+              fc_prefixes: tuple[str, ...] = ()) -> list[ScopeEntry]:
+    """Conv/linear scopes of a CNN. ``conv``: non-depthwise convs; ``conv_dw``: depthwise convs (groups ==
+    in_channels > 1); ``fc``: linear layers and convs under ``fc_prefixes`` (classifier MLPs written as
+    convs); ``conv_fc``: both. Modules named in ``dense`` (the stem) stay dense."""
+    out = []
+    for name, mod in model.named_modules():
+        if name in dense:
+            continue
+        is_fc = isinstance(mod, nn.Linear) or (isinstance(mod, nn.Conv2d) and name.startswith(fc_prefixes))
+        if is_fc and scope in ("fc", "conv_fc"):
+            out.append(ScopeEntry(f"{name}.weight"))
+        elif isinstance(mod, nn.Conv2d) and not is_fc and scope in ("conv", "conv_fc", "conv_dw"):
+            depthwise = mod.groups > 1 and mod.groups == mod.in_channels
+            if (scope == "conv_dw") == depthwise:
                 out.append(ScopeEntry(f"{name}.weight"))
-        if not out:
-            raise ValueError(f"scope {scope!r} selects no parameters in this {self.family}")
-        return out
+    if not out:
+        raise ValueError(f"scope {scope!r} selects no parameters in this {family}")
+    return out
 
 
 def get_adapter(model: nn.Module) -> ModelAdapter:
@@ -166,3 +175,5 @@ def get_adapter(model: nn.Module) -> ModelAdapter:
 ADAPTERS.register("timm_vit")(TimmVitAdapter())
 ADAPTERS.register("torchvision_vit")(TorchvisionVitAdapter())
 ADAPTERS.register("resnet")(ResNetAdapter())
+
+import tasks.adapters_cnn  # noqa: E402,F401 - registers VGG and MobileNet adapters

@@ -108,5 +108,9 @@ def load_digits(seed: int = 0) -> DatasetSplits:
     return DatasetSplits("digits", 10, (1, 16, 16), splits, digest)
 
 
-def load_dataset(name: str, seed: int = 0) -> DatasetSplits:
-    return DATASETS.get(name)(seed=seed)
+def load_dataset(name: str, seed: int = 0, **kwargs) -> DatasetSplits:
+    """``kwargs``: the dataset's settings and, for image datasets, ``transform``/``transform_id`` of the model."""
+    return DATASETS.get(name)(seed=seed, **kwargs)
+
+
+import tasks.imagedata  # noqa: E402,F401 - registers the image folder / table / Hugging Face datasets

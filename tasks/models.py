@@ -150,8 +150,14 @@ def file_digest(path: Path) -> str:
 
 
 def load_model(name: str, cache_dir: str | os.PathLike, *, data_seed: int = 0, train_seed: int = 0,
-               progress: bool = True) -> LoadedModel:
-    """Load a registered model, training and caching it on first use (content-addressed)."""
+               progress: bool = True, source: dict | None = None, dataset: dict | None = None) -> LoadedModel:
+    """Load a model with its dataset splits. Without ``source`` (or with source ``reference``): a registered
+    reference model, trained and cached on first use (content-addressed). Otherwise ``source`` is a
+    ``tasks.sources.ModelRef`` as a dict (timm, torchvision, checkpoint) and ``dataset`` {name, settings...}."""
+    if source and source.get("source", "reference") != "reference":
+        from tasks.sources import load_external
+
+        return load_external(source, dataset or {"name": "digits"}, data_seed)
     src = MODELS.get(name)
     data = load_dataset(src.dataset, seed=data_seed)
     key = content_key({"model": name, "arch": src.arch, "recipe": asdict(src.recipe),

@@ -6,13 +6,15 @@ align_loss and selection accuracy per epoch -> evaluation accuracy, invariant ch
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
 
 from tasks.adapters import get_adapter
 from tasks.evaluate import accuracy
+from tasks.export import save_healed
 from tasks.heal import GradientHealer, HealConfig, HealContext, resolve_healer, steps_per_epoch
 from tasks.masks import MaskStore
 from tasks.models import load_model
@@ -46,6 +48,9 @@ class TrialParams:
     efficiency_batch: int = 64  # evaluation images per timed forward pass (structured pruners)
     target_mode: str = "store"  # "store": stream from the target store | "recompute": dense pass per batch
     target_dtype: str = "float16"  # dtype of recomputed targets (the store's dtype)
+    load_kw: Mapping[str, Any] = field(default_factory=dict)  # model source + dataset (tasks.models.load_model)
+    out_dir: str = ""  # run directory: the healed weights go to <out_dir>/trials/<trial_key>/ ("" = not saved)
+    trial_key: str = ""
 
 
 def _outside_scope_digest(model: torch.nn.Module, scoped: set[str]) -> dict[str, torch.Tensor]:
@@ -64,7 +69,7 @@ def run_trial(p: TrialParams, report: Callable[[dict], None], *, start: Mapping[
     t_start = time.perf_counter()
     torch.set_num_threads(max(1, p.threads))
     torch.manual_seed(p.seed)
-    lm = load_model(p.model, p.cache_dir, data_seed=p.data_seed, progress=False)
+    lm = load_model(p.model, p.cache_dir, data_seed=p.data_seed, progress=False, **p.load_kw)
     model = lm.model.to(p.device)
     adapter = get_adapter(model)
     entries = adapter.scope(model, p.scope)
@@ -80,7 +85,7 @@ def run_trial(p: TrialParams, report: Callable[[dict], None], *, start: Mapping[
     images = lm.dataset["calibration"].images[: p.calib_size]
     reader = None
     if p.target_mode == "recompute":
-        dense = load_model(p.model, p.cache_dir, data_seed=p.data_seed, progress=False).model.to(p.device)
+        dense = load_model(p.model, p.cache_dir, data_seed=p.data_seed, progress=False, **p.load_kw).model.to(p.device)
         dense_blocks = get_adapter(dense).blocks(dense)
 
         def batches(epoch):
@@ -97,7 +102,8 @@ def run_trial(p: TrialParams, report: Callable[[dict], None], *, start: Mapping[
         batches=batches,
         steps_per_epoch=steps_per_epoch(p.calib_size, p.batch_size),
         default_granularity=adapter.default_granularity,
-        dense_model=lambda: load_model(p.model, p.cache_dir, data_seed=p.data_seed, progress=False).model.to(p.device),
+        dense_model=lambda: load_model(p.model, p.cache_dir, data_seed=p.data_seed, progress=False,
+                                       **p.load_kw).model.to(p.device),
         # Supervised baselines get a budget-matched labeled set: the first calib_size items of the train split.
         labeled=(lm.dataset["train"].images[: p.calib_size], lm.dataset["train"].labels[: p.calib_size]),
     )
@@ -147,8 +153,12 @@ def run_trial(p: TrialParams, report: Callable[[dict], None], *, start: Mapping[
                  mask_violations=mask_violations(model, masks), achieved_sparsity=achieved_sparsity(entries, masks),
                  changed_outside_scope=changed_outside, n_eval=len(ev),
                  num_classes=lm.dataset.num_classes)  # n_eval, num_classes: binomial noise of chance (bands)
+    final.update(model_digest=lm.digest, calib_digest=lm.dataset.split_digest("calibration", p.calib_size),
+                 selection_digest=lm.dataset.split_digest("selection"), eval_digest=lm.dataset.split_digest("evaluation"))
     if p.pruner:  # structured pruners: params/flops/latency/throughput of the dense vs physically shrunk model
         final.update(PRUNERS.get(p.pruner).structured_metrics(model, masks, ev.images[: p.efficiency_batch].to(p.device)))
+    if p.out_dir and p.trial_key:
+        save_healed(Path(p.out_dir) / "trials" / p.trial_key, model, entries, asdict(p), final)
     final["trial_seconds"] = time.perf_counter() - t_start
     report(final)
     return final

@@ -32,7 +32,7 @@ RESNET_CONV = ["layer1.0.conv1.weight", "layer1.0.conv2.weight", "layer1.0.downs
 
 
 def test_registered_adapters():
-    assert ADAPTERS.names() == ["resnet", "timm_vit", "torchvision_vit"]
+    assert ADAPTERS.names() == ["mobilenet", "resnet", "timm_vit", "torchvision_vit", "vgg"]
     assert TimmVitAdapter.scopes == TorchvisionVitAdapter.scopes == tuple(VIT_PARTS)
     assert ResNetAdapter.scopes == ("conv", "fc", "conv_fc", "conv_dw")
 

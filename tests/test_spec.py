@@ -29,10 +29,31 @@ def spec_with(**changes):
     return d
 
 
-def test_shipped_configs_validate():
-    for p in sorted((REPO / "configs").glob("*.yaml")):
-        spec = load_spec(p)
-        assert spec.models and spec.pruners and spec.healers, p
+def _unavailable(raw: dict) -> list[str]:
+    """What a GPU config needs that this checkout lacks: methods from unmerged branches, user checkpoints."""
+    from tasks.heal import HEALERS
+    from tasks.pruners import PRUNERS
+
+    out = []
+    for key, reg in (("pruners", PRUNERS), ("healers", HEALERS)):
+        for m in raw[key]:
+            name = m if isinstance(m, str) else m["name"]
+            out += [f"{key[:-1]} {name!r}"] if name not in reg else []
+    for m in raw["models"]:
+        if isinstance(m, dict) and m.get("source") == "checkpoint" and not (REPO / m["path"]).is_file():
+            out.append(f"checkpoint {m['path']}")
+    return out
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    missing = _unavailable(yaml.safe_load(path.read_text()))
+    if missing:
+        with pytest.raises(SpecError):  # rejected before any work, naming what is missing
+            load_spec(path)
+        pytest.skip(f"{path.name} needs {', '.join(missing)}")
+    spec = load_spec(path)
+    assert spec.models and spec.pruners and spec.healers, path
 
 
 def test_defaults_fill_in():

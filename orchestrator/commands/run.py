@@ -27,11 +27,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="override the spec's resources, keys cpu, gpu (per trial), dense_cpu, dense_gpu; e.g. cpu=1,gpu=0")
     p.add_argument("--no-report", action="store_true", help="skip writing the report at the end")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--offline", action="store_true",
+                   help="no downloads (sets HF_HUB_OFFLINE=1): pretrained weights and datasets must be cached")
     p.set_defaults(func=main)
     return p
 
 
 def main(args) -> int:
+    if getattr(args, "offline", False):
+        import os
+
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"  # inherited by Ray workers
     from orchestrator.resources import override_resources
     from orchestrator.resume import ResumeError, read_sweep
     from orchestrator.spec import SpecError, parse_spec

@@ -1,0 +1,318 @@
+"""Image data sources for real models: local image folders, Parquet/Arrow image tables, Hugging Face datasets
+(map-style or streaming), all through one split builder and one lazy split type.
+
+An ``ImageTable`` is an indexable source of (image, label). The four splits (SPEC §1) are drawn from one or
+more tables: splits that share a table are consecutive slices of one seeded permutation of it (so they are
+disjoint); splits from different tables are disjoint by construction (e.g. ImageNet calibration from the test
+split, evaluation from the validation split). A streamed table is first materialized to the items a sweep needs
+through a seeded shuffle buffer (encoded bytes kept, decoded on access); its indices are stream positions.
+
+Images stay lazy: ``LazyImages`` decodes and preprocesses only the rows asked for, so ``images[i:i+b]`` on a
+50 000-image evaluation split reads b images. Slicing returns tensors (callers batch), so a split is never
+materialized as a whole except by an explicit ``images[:n]`` (the calibration set of size n).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from tasks.data import SPLITS, DatasetSplits, SplitData
+
+# Threads that decode and preprocess the rows of one batch (HEALSWEEP_DECODE_THREADS; default: up to 8).
+DECODE_THREADS = int(os.environ.get("HEALSWEEP_DECODE_THREADS", min(8, os.cpu_count() or 1)))
+
+
+def _pil(x: Any):
+    """An HF/Arrow image cell (PIL image, {'bytes','path'} dict, raw bytes or a path) -> RGB PIL image."""
+    from PIL import Image
+
+    if isinstance(x, Image.Image):
+        img = x
+    elif isinstance(x, Mapping):
+        img = Image.open(io.BytesIO(x["bytes"])) if x.get("bytes") is not None else Image.open(x["path"])
+    elif isinstance(x, (bytes, bytearray)):
+        img = Image.open(io.BytesIO(x))
+    else:
+        img = Image.open(x)
+    return img.convert("RGB")
+
+
+class ImageTable:
+    ident: str = ""  # stable description (part of the dataset digest)
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def image(self, i: int):
+        raise NotImplementedError
+
+    def labels(self, idx: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+
+class FolderTable(ImageTable):
+    """torchvision ImageFolder layout: root/<class>/<image>; classes sorted, label = class index."""
+
+    def __init__(self, root: str | Path) -> None:
+        from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+
+        root = Path(root)
+        if not root.is_dir():
+            raise ValueError(f"image folder {str(root)!r} does not exist")
+        self.classes, cls_idx = find_classes(str(root))
+        self.samples = make_dataset(str(root), cls_idx, extensions=IMG_EXTENSIONS)
+        self.num_classes = len(self.classes)
+        self.ident = f"folder:{root.resolve()}:{len(self.samples)}:" + ",".join(self.classes)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def image(self, i: int):
+        return _pil(self.samples[i][0])
+
+    def labels(self, idx: np.ndarray) -> np.ndarray:
+        return np.array([self.samples[i][1] for i in idx], dtype=np.int64)
+
+
+class ArrowTable(ImageTable):
+    """A Parquet or Arrow IPC file (or a directory of them) with an image column and a label column."""
+
+    def __init__(self, path: str | Path, image_column: str = "image", label_column: str | None = "label") -> None:
+        import pyarrow.dataset as pads
+
+        p = Path(path)
+        if not p.exists():
+            raise ValueError(f"image table {str(p)!r} does not exist")
+        fmt = "arrow" if p.suffix in (".arrow", ".feather", ".ipc") else "parquet"
+        self.table = pads.dataset(str(p), format=fmt).to_table()
+        for c in (image_column, label_column):
+            if c is not None and c not in self.table.column_names:
+                raise ValueError(f"image table {str(p)!r} has no column {c!r}; columns: {', '.join(self.table.column_names)}")
+        self.image_column, self.label_column = image_column, label_column
+        self._labels = (np.asarray(self.table.column(label_column).to_numpy(zero_copy_only=False), dtype=np.int64)
+                        if label_column else np.full(len(self.table), -1, dtype=np.int64))
+        self.num_classes = int(self._labels.max()) + 1 if len(self._labels) else 0
+        self.ident = f"arrow:{p.resolve()}:{len(self.table)}:{image_column}:{label_column}"
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def image(self, i: int):
+        return _pil(self.table.column(self.image_column)[i].as_py())
+
+    def labels(self, idx: np.ndarray) -> np.ndarray:
+        return self._labels[idx]
+
+
+class HFTable(ImageTable):
+    """A map-style ``datasets.Dataset`` (Arrow-backed, memory-mapped: nothing is read until asked)."""
+
+    def __init__(self, ds, image_column: str = "image", label_column: str | None = "label", ident: str = "") -> None:
+        self.ds, self.image_column, self.label_column = ds, image_column, label_column
+        self._labels = (np.asarray(ds[label_column], dtype=np.int64) if label_column in ds.column_names
+                        else np.full(len(ds), -1, dtype=np.int64))
+        feat = ds.features.get(label_column) if label_column else None
+        self.num_classes = int(getattr(feat, "num_classes", 0) or (self._labels.max() + 1 if len(ds) else 0))
+        self.ident = ident or f"hf:{ds._fingerprint}"
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def image(self, i: int):
+        return _pil(self.ds[int(i)][self.image_column])
+
+    def labels(self, idx: np.ndarray) -> np.ndarray:
+        return self._labels[idx]
+
+
+class StreamTable(ImageTable):
+    """The first ``n`` items of a streamed dataset after a seeded shuffle buffer, kept encoded in RAM.
+
+    ``positions`` are the items' positions in the unshuffled stream (recorded as the split indices)."""
+
+    def __init__(self, stream, n: int, seed: int, buffer_size: int = 10_000, image_column: str = "image",
+                 label_column: str | None = "label", ident: str = "") -> None:
+        from datasets import Image
+
+        if image_column in (stream.features or {}):
+            stream = stream.cast_column(image_column, Image(decode=False))  # keep bytes; decode on access
+        stream = stream.map(lambda ex, i: {"__pos": i}, with_indices=True)
+        stream = stream.shuffle(seed=seed, buffer_size=buffer_size)
+        self.items, pos, lab = [], [], []
+        for ex in stream.take(n):
+            self.items.append(ex[image_column])
+            pos.append(ex["__pos"])
+            lab.append(ex.get(label_column, -1) if label_column else -1)
+        if len(self.items) < n:
+            raise ValueError(f"stream {ident or 'dataset'} has only {len(self.items)} items, {n} needed")
+        self.positions = np.asarray(pos, dtype=np.int64)
+        self._labels = np.asarray([-1 if v is None else v for v in lab], dtype=np.int64)
+        self.num_classes = int(self._labels.max()) + 1 if n else 0
+        self.ident = f"stream:{ident}:seed={seed}:buffer={buffer_size}"
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def image(self, i: int):
+        return _pil(self.items[int(i)])
+
+    def labels(self, idx: np.ndarray) -> np.ndarray:
+        return self._labels[idx]
+
+
+class LazyImages:
+    """(N, C, H, W) view of preprocessed images, decoded on indexing; indexing returns a float32 tensor."""
+
+    def __init__(self, table: ImageTable, rows: np.ndarray, transform: Callable, item_shape: tuple[int, ...]) -> None:
+        self.table, self.rows, self.transform, self.item_shape = table, rows, transform, tuple(item_shape)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.rows), *self.item_shape)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, key) -> torch.Tensor:
+        sel = self.rows[key.numpy() if isinstance(key, torch.Tensor) else key]
+        if np.ndim(sel) == 0:
+            return self.transform(self.table.image(int(sel)))
+        if len(sel) == 0:
+            return torch.empty((0, *self.item_shape))
+        load = lambda i: self.transform(self.table.image(int(i)))  # noqa: E731 - decode + preprocess one row
+        if len(sel) < 16 or DECODE_THREADS <= 1:
+            return torch.stack([load(i) for i in sel])  # (B, C, H, W)
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(DECODE_THREADS) as pool:  # PIL decoding releases the GIL
+            return torch.stack(list(pool.map(load, sel)))  # (B, C, H, W), in row order
+
+
+def build_splits(name: str, tables: Mapping[str, tuple[str, ImageTable]], sizes: Mapping[str, int], seed: int,
+                 transform: Callable, transform_id: str, num_classes: int, shuffle: Mapping[str, bool] = {}) -> DatasetSplits:
+    """Assemble the four splits. ``tables``: split -> (table key, table); splits sharing a table key get
+    consecutive, disjoint slices (in SPLITS order) of one seeded permutation of it (identity order for tables
+    that are already shuffled: ``shuffle[key] = False``)."""
+    by_key: dict[str, list[str]] = {}
+    for s in SPLITS:
+        by_key.setdefault(tables[s][0], []).append(s)
+    rows: dict[str, np.ndarray] = {}
+    for key, splits in by_key.items():
+        table = tables[splits[0]][1]
+        need = sum(sizes[s] for s in splits)
+        if need > len(table):
+            raise ValueError(f"dataset {name}: splits {', '.join(splits)} need {need} items from {key!r}, "
+                             f"which has {len(table)}")
+        order = (np.random.default_rng(seed).permutation(len(table)) if shuffle.get(key, True)
+                 else np.arange(len(table)))
+        start = 0
+        for s in splits:
+            rows[s] = order[start : start + sizes[s]].astype(np.int64)
+            start += sizes[s]
+    probe = next(((tables[s][1], rows[s][0]) for s in SPLITS if len(rows[s])), None)
+    if probe is None:
+        raise ValueError(f"dataset {name}: every split is empty")
+    item_shape = tuple(transform(probe[0].image(int(probe[1]))).shape)
+    splits = {}
+    for s in SPLITS:
+        table = tables[s][1]
+        positions = getattr(table, "positions", None)
+        idx = rows[s] if positions is None else positions[rows[s]]
+        labels = None if s == "calibration" else torch.from_numpy(table.labels(rows[s]))
+        splits[s] = SplitData(LazyImages(table, rows[s], transform, item_shape), labels, idx)  # type: ignore[arg-type]
+    desc = {"name": name, "tables": {s: tables[s][1].ident for s in SPLITS}, "transform": transform_id,
+            "seed": seed, "sizes": dict(sizes)}
+    digest = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+    return DatasetSplits(name, num_classes, item_shape, splits, digest)  # type: ignore[arg-type]
+
+
+def assert_disjoint(data: DatasetSplits, tables: Mapping[str, str]) -> None:
+    """Splits that share a table key must not share an index (a safety net for custom split layouts)."""
+    for i, a in enumerate(SPLITS):
+        for b in SPLITS[i + 1 :]:
+            if tables[a] == tables[b]:
+                common = np.intersect1d(data[a].indices, data[b].indices)
+                if len(common):
+                    raise AssertionError(f"splits {a} and {b} share {len(common)} items")
+
+
+def default_transform(image_size: int = 224) -> tuple[Callable, str]:
+    """When no model gives one: resize + center crop + ImageNet normalization."""
+    from torchvision import transforms as T
+
+    t = T.Compose([T.Resize(image_size), T.CenterCrop(image_size), T.ToTensor(),
+                   T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))])
+    return t, f"default:{image_size}"
+
+
+def split_sizes(sizes: Mapping[str, int] | None, defaults: Mapping[str, int]) -> dict[str, int]:
+    out = dict(defaults)
+    for k, v in (sizes or {}).items():
+        if k not in SPLITS:
+            raise ValueError(f"sizes.{k}: unknown split; allowed: {', '.join(SPLITS)}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"sizes.{k}: must be an integer >= 0, got {v!r}")
+        out[k] = v
+    return out
+
+
+def hf_splits(name: str, by_split: Mapping[str, Any], sizes: Mapping[str, int], seed: int, transform: Callable,
+              transform_id: str, image_column: str = "image", label_column: str | None = "label",
+              buffer_size: int = 10_000, num_classes: int | None = None, ident: str = "") -> DatasetSplits:
+    """Hugging Face data (map-style ``Dataset`` or streaming ``IterableDataset``) per hub split -> DatasetSplits.
+
+    ``by_split``: our split -> the hub split's dataset object; several of ours may share one hub split (same
+    object -> same table -> disjoint slices). Streams take exactly the items their splits need, through a
+    seeded shuffle buffer."""
+    from datasets import IterableDataset
+
+    tables: dict[str, tuple[str, ImageTable]] = {}
+    made: dict[int, tuple[str, ImageTable]] = {}
+    shuffle: dict[str, bool] = {}
+    for s in SPLITS:
+        ds = by_split[s]
+        if id(ds) not in made:
+            key = f"{ident}:{getattr(ds, 'split', None) or len(made)}"
+            if isinstance(ds, IterableDataset):
+                need = sum(sizes[t] for t in SPLITS if by_split[t] is ds)
+                made[id(ds)] = (key, StreamTable(ds, need, seed, buffer_size, image_column, label_column, key))
+                shuffle[key] = False  # the shuffle buffer already fixed a seeded order
+            else:
+                made[id(ds)] = (key, HFTable(ds, image_column, label_column, key + f":{ds._fingerprint}"))
+        tables[s] = made[id(ds)]
+    nc = num_classes or max(getattr(t, "num_classes", 0) for _, t in tables.values())
+    data = build_splits(name, tables, sizes, seed, transform, transform_id, nc, shuffle)
+    assert_disjoint(data, {s: tables[s][0] for s in SPLITS})
+    return data
+
+
+def table_splits(name: str, table: ImageTable, sizes: Mapping[str, int], seed: int, transform: Callable,
+                 transform_id: str, num_classes: int | None = None) -> DatasetSplits:
+    """All four splits from one local table (image folder, Parquet/Arrow file)."""
+    tables = {s: ("table", table) for s in SPLITS}
+    data = build_splits(name, tables, sizes, seed, transform, transform_id, num_classes or table.num_classes)
+    assert_disjoint(data, {s: "table" for s in SPLITS})
+    return data
+
+
+def hub_by_split(path: str, config: str | None, mapping: Mapping[str, str], streaming: bool,
+                 revision: str | None = None) -> dict[str, Any]:
+    """Open each distinct hub split once (``datasets.load_dataset``); our split -> its dataset object."""
+    import datasets
+
+    opened = {}
+    for hub_split in sorted(set(mapping.values())):
+        try:
+            opened[hub_split] = datasets.load_dataset(path, config, split=hub_split, streaming=streaming,
+                                                      revision=revision)
+        except Exception as e:  # noqa: BLE001 - network, auth, cache misses: one line
+            msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise ValueError(f"dataset {path!r} split {hub_split!r}: {msg}") from None
+    return {s: opened[h] for s, h in mapping.items()}

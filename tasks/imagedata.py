@@ -1,0 +1,93 @@
+"""Registered image datasets (``tasks.data.DATASETS``): local image folders, Parquet/Arrow image tables, any
+Hugging Face dataset, and presets for ImageNet-1k (paper 000's protocol) and CIFAR-10/100.
+
+Each loader takes ``seed``, the model's preprocessing (``transform`` + ``transform_id``, from
+``tasks.sources``) and the spec's ``dataset`` settings; ``check(settings)`` validates the settings without
+reading data and returns the largest calibration size they allow.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from tasks.data import DATASETS, SPLITS, DatasetSplits
+from tasks.datasources import ArrowTable, FolderTable, default_transform, hf_splits, hub_by_split, split_sizes, table_splits
+
+_MEMO: dict[str, DatasetSplits] = {}  # one load per process and (dataset, settings, seed, transform)
+
+
+@dataclass(frozen=True)
+class ImageDataset:
+    kind: str  # folder | table | hub
+    sizes: Mapping[str, int]  # default split sizes
+    defaults: Mapping[str, Any] = field(default_factory=dict)  # preset settings (hub path, columns, split map)
+
+    def settings(self, settings: Mapping[str, Any]) -> dict:
+        allowed = {"folder": {"root", "image_size"}, "table": {"path", "image_column", "label_column", "image_size"},
+                   "hub": {"path", "config", "splits", "streaming", "image_column", "label_column", "buffer_size",
+                           "num_classes", "revision", "image_size"}}[self.kind] | {"sizes"}
+        unknown = sorted(set(settings) - allowed)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: unknown dataset setting; allowed: {', '.join(sorted(allowed))}")
+        d = {**self.defaults, **settings}
+        need = {"folder": "root", "table": "path", "hub": "path"}[self.kind]
+        if not d.get(need):
+            raise ValueError(f"{need}: required for a {self.kind} dataset")
+        d["sizes"] = split_sizes(settings.get("sizes"), self.sizes)
+        if self.kind == "hub":
+            splits = {**{s: "train" for s in SPLITS}, **dict(d.get("splits") or {})}
+            bad = sorted(set(splits) - set(SPLITS))
+            if bad:
+                raise ValueError(f"splits.{bad[0]}: unknown split; allowed: {', '.join(SPLITS)}")
+            d["splits"] = splits
+        return d
+
+    def check(self, settings: Mapping[str, Any]) -> int:
+        return self.settings(settings)["sizes"]["calibration"]
+
+    def __call__(self, seed: int = 0, *, transform: Callable | None = None, transform_id: str = "",
+                 **settings) -> DatasetSplits:
+        d = self.settings(settings)
+        if transform is None:
+            transform, transform_id = default_transform(d.get("image_size", 224))
+        memo = json.dumps([self.kind, d, seed, transform_id], sort_keys=True, default=str)
+        if memo in _MEMO:
+            return _MEMO[memo]
+        name = d.get("path") or d.get("root")
+        if self.kind == "folder":
+            data = table_splits(str(name), FolderTable(d["root"]), d["sizes"], seed, transform, transform_id)
+        elif self.kind == "table":
+            table = ArrowTable(d["path"], d.get("image_column", "image"), d.get("label_column", "label"))
+            data = table_splits(str(name), table, d["sizes"], seed, transform, transform_id)
+        else:
+            streaming = bool(d.get("streaming", False))
+            by_split = hub_by_split(d["path"], d.get("config"), d["splits"], streaming, d.get("revision"))
+            data = hf_splits(str(name), by_split, d["sizes"], seed, transform, transform_id,
+                             d.get("image_column", "image"), d.get("label_column", "label"),
+                             int(d.get("buffer_size", 10_000)), d.get("num_classes"),
+                             ident=f"{d['path']}:{d.get('config')}:{d.get('revision')}:streaming={streaming}")
+        _MEMO[memo] = data
+        return data
+
+
+_SMALL = {"train": 0, "calibration": 64, "selection": 32, "evaluation": 64}
+for _name, _ds in {
+    "imagefolder": ImageDataset("folder", _SMALL),
+    "image_table": ImageDataset("table", _SMALL),
+    "hf": ImageDataset("hub", _SMALL),
+    # Paper 000: calibration from the unlabeled test split, evaluation on the validation split, both streamed;
+    # selection (search objective) and the labeled baseline budget from the train split (disjoint slices).
+    "imagenet1k": ImageDataset("hub", {"train": 0, "calibration": 5000, "selection": 1000, "evaluation": 50_000},
+                               {"path": "ILSVRC/imagenet-1k", "streaming": True, "num_classes": 1000,
+                                "splits": {"train": "train", "calibration": "test", "selection": "train",
+                                           "evaluation": "validation"}}),
+    # CIFAR: train-derived calibration/selection/train slices (disjoint), evaluation on the test split.
+    "cifar10": ImageDataset("hub", {"train": 0, "calibration": 5000, "selection": 1000, "evaluation": 10_000},
+                            {"path": "uoft-cs/cifar10", "image_column": "img", "label_column": "label",
+                             "num_classes": 10, "splits": {"evaluation": "test"}}),
+    "cifar100": ImageDataset("hub", {"train": 0, "calibration": 5000, "selection": 1000, "evaluation": 10_000},
+                             {"path": "uoft-cs/cifar100", "image_column": "img", "label_column": "fine_label",
+                              "num_classes": 100, "splits": {"evaluation": "test"}}),
+}.items():
+    DATASETS.register(_name)(_ds)

@@ -1,0 +1,377 @@
+"""Model sources beyond the embedded reference models: timm, torchvision (weight enums), local checkpoints.
+
+A spec names a model either by a registered reference name (``vit_digits``) or by a mapping that becomes a
+``ModelRef``. ``MODEL_SOURCES`` maps a source name to a ``ModelSource`` that can build the architecture
+(randomly initialized, for validation), load it (pretrained weights, checkpoint), give a stable digest (content
+keys), and give the model's preprocessing (timm data config or the torchvision weights' transforms).
+
+Offline mode (``HF_HUB_OFFLINE=1``, ``ModelRef.offline``): weights that are not in the local cache fail with a
+one-line ``ModelSourceError`` before any download is tried.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.nn as nn
+
+from tasks._registry import Registry
+
+REF_KEYS = ("name", "source", "arch", "pretrained", "weights", "path", "num_classes", "offline", "init_seed",
+            "model_args")
+
+
+class ModelSourceError(ValueError):
+    """A user-facing, one-line error about a model source (unknown name, missing weights, offline cache miss)."""
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    name: str  # display name: configs, MLflow params, reports
+    source: str = "reference"  # reference | timm | torchvision | checkpoint
+    arch: str = ""  # builder name (timm model name, torchvision builder, or "torchvision:<builder>"); "" = name
+    pretrained: bool = False  # timm: load the pretrained weights (pretrained tag via `weights`)
+    weights: str | None = None  # torchvision: enum "ViT_B_16_Weights.IMAGENET1K_V1"; timm: pretrained tag
+    path: str | None = None  # checkpoint: a .safetensors file or a torch state dict (weights_only)
+    num_classes: int | None = None  # None: the architecture's default (1000 for ImageNet models)
+    offline: bool = False  # also offline when HF_HUB_OFFLINE=1
+    init_seed: int = 0  # random init (pretrained off, or layers a checkpoint does not cover)
+    model_args: Mapping[str, Any] | None = None  # extra builder arguments (timm: img_size, depth, drop_path_rate...)
+
+    @property
+    def builder(self) -> str:
+        return self.arch or self.name
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def is_offline(ref: ModelRef) -> bool:
+    return ref.offline or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+class ModelSource:
+    kind = ""
+
+    def check(self, ref: ModelRef) -> None:
+        """Raise ModelSourceError for an invalid ref (no building, no download)."""
+
+    def build(self, ref: ModelRef, pretrained: bool) -> nn.Module:
+        raise NotImplementedError
+
+    def load(self, ref: ModelRef) -> nn.Module:
+        """The model with its real weights, in eval mode."""
+        torch.manual_seed(ref.init_seed)
+        return self.build(ref, pretrained=ref.pretrained).eval()
+
+    def digest(self, ref: ModelRef) -> str:
+        """Identity of the weights (part of every content key built on this model)."""
+        return _digest({k: v for k, v in ref.to_dict().items() if k not in ("name", "offline")})
+
+    def transform(self, ref: ModelRef, model: nn.Module) -> tuple[Callable, str]:
+        """(PIL image -> (C, H, W) float tensor, a stable description of it)."""
+        return timm_transform(model)
+
+
+MODEL_SOURCES: Registry[ModelSource] = Registry("model source")
+
+
+def timm_transform(model: nn.Module) -> tuple[Callable, str]:
+    """Evaluation preprocessing from the model's timm data config (resolve_data_config + create_transform)."""
+    from timm.data import create_transform, resolve_data_config
+
+    cfg = resolve_data_config({}, model=model)
+    return create_transform(**cfg, is_training=False), "timm:" + json.dumps(cfg, sort_keys=True, default=list)
+
+
+def _builder_args(ref: ModelRef) -> dict:
+    kw = dict(ref.model_args or {})
+    if ref.num_classes is not None:
+        kw["num_classes"] = ref.num_classes
+    return kw
+
+
+# --- timm ----------------------------------------------------------------------------------------------
+
+def hf_hub_cache() -> str:
+    """The Hugging Face hub cache directory as the environment says now (HF_HUB_CACHE, else HF_HOME/hub)."""
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.environ.get("HF_HUB_CACHE") or os.path.join(home, "hub")
+
+
+def _timm_cached(ref: ModelRef) -> bool:
+    """Whether timm's pretrained weights for ``ref`` are in the local Hugging Face or torch hub cache."""
+    import timm
+    from huggingface_hub import try_to_load_from_cache
+
+    name = ref.builder + (f".{ref.weights}" if ref.weights else "")
+    cfg = timm.models.get_pretrained_cfg(name, allow_unregistered=False)
+    if cfg is None:
+        raise ModelSourceError(f"model {ref.name!r}: timm has no pretrained weights {name!r}")
+    if cfg.hf_hub_id:
+        for fn in ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin"):
+            if isinstance(try_to_load_from_cache(cfg.hf_hub_id, fn, cache_dir=hf_hub_cache()), str):
+                return True
+    if cfg.url:
+        return (Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(cfg.url)).is_file()
+    return False
+
+
+class TimmSource(ModelSource):
+    kind = "timm"
+
+    def check(self, ref: ModelRef) -> None:
+        import timm
+
+        if not timm.is_model(ref.builder):
+            raise ModelSourceError(f"model {ref.name!r}: {ref.builder!r} is not a timm model name "
+                                   f"(see timm.list_models(), e.g. deit_tiny_patch16_224, resnet18, vgg16_bn)")
+
+    def build(self, ref: ModelRef, pretrained: bool) -> nn.Module:
+        import timm
+
+        self.check(ref)
+        kw = _builder_args(ref)
+        if "img_size" in kw and "pretrained_cfg_overlay" not in kw:  # preprocessing follows the input size
+            size = kw["img_size"] if isinstance(kw["img_size"], (list, tuple)) else (kw["img_size"],) * 2
+            kw["pretrained_cfg_overlay"] = {"input_size": (3, *size)}
+        name = ref.builder + (f".{ref.weights}" if ref.weights else "")
+        if pretrained and is_offline(ref) and not _timm_cached(ref):
+            raise ModelSourceError(
+                f"model {ref.name!r}: pretrained timm weights {name!r} are not in the local cache "
+                f"({hf_hub_cache()}) and offline mode is on "
+                f"(HF_HUB_OFFLINE=1); download them once online, or use source: checkpoint with a local file")
+        try:
+            return timm.create_model(name, pretrained=pretrained, **kw)
+        except Exception as e:  # noqa: BLE001 - network/cache errors become one line
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelSourceError(f"model {ref.name!r}: timm could not create {name!r}: {msg}") from None
+
+
+# --- torchvision ---------------------------------------------------------------------------------------
+
+def _tv_weights(ref: ModelRef):
+    from torchvision.models import get_weight
+
+    if not ref.weights:
+        return None
+    try:
+        return get_weight(ref.weights)
+    except (ValueError, KeyError, AttributeError):
+        raise ModelSourceError(f"model {ref.name!r}: unknown torchvision weights {ref.weights!r}; "
+                               f"write e.g. ViT_B_16_Weights.IMAGENET1K_V1") from None
+
+
+class TorchvisionSource(ModelSource):
+    kind = "torchvision"
+
+    def check(self, ref: ModelRef) -> None:
+        from torchvision.models import list_models
+
+        if ref.builder not in list_models():
+            raise ModelSourceError(f"model {ref.name!r}: {ref.builder!r} is not a torchvision model builder "
+                                   f"(e.g. vit_b_16, vit_l_16, resnet18)")
+        _tv_weights(ref)
+        if ref.pretrained and not ref.weights:
+            raise ModelSourceError(f"model {ref.name!r}: torchvision pretrained weights need `weights`, "
+                                   f"e.g. ViT_B_16_Weights.IMAGENET1K_V1")
+
+    def build(self, ref: ModelRef, pretrained: bool) -> nn.Module:
+        from torchvision.models import get_model
+
+        self.check(ref)
+        w = _tv_weights(ref) if pretrained else None
+        kw = _builder_args(ref)
+        if w is not None:
+            cached = (Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(w.url)).is_file()
+            if is_offline(ref) and not cached:
+                raise ModelSourceError(
+                    f"model {ref.name!r}: torchvision weights {ref.weights} are not in the local cache "
+                    f"({torch.hub.get_dir()}/checkpoints) and offline mode is on (HF_HUB_OFFLINE=1); download "
+                    f"them once online, or use source: checkpoint with a local file")
+        try:
+            return get_model(ref.builder, weights=w, **kw)
+        except Exception as e:  # noqa: BLE001
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelSourceError(f"model {ref.name!r}: torchvision could not build {ref.builder!r}: {msg}") from None
+
+    def load(self, ref: ModelRef) -> nn.Module:
+        torch.manual_seed(ref.init_seed)
+        return self.build(ref, pretrained=bool(ref.weights)).eval()
+
+    def transform(self, ref: ModelRef, model: nn.Module) -> tuple[Callable, str]:
+        w = _tv_weights(ref)
+        if w is None:
+            return timm_transform(model)
+        return w.transforms(), f"torchvision:{ref.weights}"
+
+
+# --- local checkpoints ---------------------------------------------------------------------------------
+
+def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """A state dict from .safetensors, or from a torch file loaded with weights_only=True (never pickle code)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ModelSourceError(f"checkpoint {str(p)!r}: file not found")
+    if p.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(p))
+    try:
+        sd = torch.load(str(p), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise ModelSourceError(f"checkpoint {str(p)!r}: not loadable with weights_only=True: "
+                               f"{str(e).strip().splitlines()[0][:200]}") from None
+    for key in ("state_dict", "model", "model_state_dict"):  # common wrappers
+        if isinstance(sd, Mapping) and isinstance(sd.get(key), Mapping):
+            sd = sd[key]
+    if not isinstance(sd, Mapping) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise ModelSourceError(f"checkpoint {str(p)!r}: expected a mapping of parameter names to tensors")
+    return dict(sd)
+
+
+class CheckpointSource(ModelSource):
+    """``arch`` names the architecture (a timm name, or ``torchvision:<builder>``); ``path`` holds its weights."""
+
+    kind = "checkpoint"
+
+    def _arch(self, ref: ModelRef) -> tuple[ModelSource, ModelRef]:
+        if not ref.arch:
+            raise ModelSourceError(f"model {ref.name!r}: source checkpoint needs `arch` (a timm model name or "
+                                   f"torchvision:<builder>)")
+        src, _, arch = ref.arch.rpartition(":")
+        inner = ModelRef(ref.name, src or "timm", arch, False, None, None, ref.num_classes, ref.offline, ref.init_seed,
+                         ref.model_args)
+        return MODEL_SOURCES.get(inner.source), inner
+
+    def check(self, ref: ModelRef) -> None:
+        if not ref.path:
+            raise ModelSourceError(f"model {ref.name!r}: source checkpoint needs `path`")
+        if not Path(ref.path).is_file():
+            raise ModelSourceError(f"model {ref.name!r}: checkpoint file not found: {ref.path}")
+        src, inner = self._arch(ref)
+        src.check(inner)
+
+    def build(self, ref: ModelRef, pretrained: bool) -> nn.Module:
+        src, inner = self._arch(ref)
+        model = src.build(inner, pretrained=False)
+        if pretrained:
+            self.check(ref)
+            try:
+                model.load_state_dict(read_state_dict(ref.path), strict=True)
+            except RuntimeError as e:
+                raise ModelSourceError(f"model {ref.name!r}: checkpoint {ref.path} does not fit {ref.arch!r}: "
+                                       f"{str(e).strip().splitlines()[0][:300]}") from None
+        return model
+
+    def load(self, ref: ModelRef) -> nn.Module:
+        torch.manual_seed(ref.init_seed)
+        return self.build(ref, pretrained=True).eval()
+
+    def digest(self, ref: ModelRef) -> str:
+        return file_digest(ref.path)
+
+    def transform(self, ref: ModelRef, model: nn.Module) -> tuple[Callable, str]:
+        src, inner = self._arch(ref)
+        return src.transform(inner, model)
+
+
+for _name, _src in (("timm", TimmSource()), ("torchvision", TorchvisionSource()), ("checkpoint", CheckpointSource())):
+    MODEL_SOURCES.register(_name)(_src)
+
+
+# --- spec entries --------------------------------------------------------------------------------------
+
+def parse_ref(item: Any, offline: bool = False) -> ModelRef:
+    """A spec ``models`` entry (a name or a mapping) -> ModelRef; one-line ModelSourceError when invalid."""
+    from tasks.models import MODELS
+
+    if isinstance(item, str):
+        import timm
+
+        if item not in MODELS and not timm.is_model(item):
+            raise ModelSourceError(f"unknown model {item!r}; allowed: {', '.join(MODELS.names())} (reference), "
+                                   f"a timm model name, or a mapping with `source`")
+        item = {"name": item, "source": "reference" if item in MODELS else "timm"}
+    if not isinstance(item, Mapping):
+        raise ModelSourceError(f"must be a model name or a mapping, got {item!r}")
+    unknown = sorted(set(item) - set(REF_KEYS))
+    if unknown:
+        raise ModelSourceError(f"{unknown[0]}: unknown key; allowed: {', '.join(REF_KEYS)}")
+    if not isinstance(item.get("name"), str) or not item["name"]:
+        raise ModelSourceError("name: required, a non-empty string")
+    d = dict(item)
+    d.setdefault("source", "reference" if d["name"] in MODELS else "timm")
+    if d["source"] not in MODEL_SOURCES and d["source"] != "reference":
+        raise ModelSourceError(f"source: unknown model source {d['source']!r}; allowed: reference, "
+                               f"{', '.join(MODEL_SOURCES.names())}")
+    for key, typ in (("pretrained", bool), ("offline", bool)):
+        if key in d and not isinstance(d[key], typ):
+            raise ModelSourceError(f"{key}: must be true or false, got {d[key]!r}")
+    if d.get("model_args") is not None and not isinstance(d["model_args"], Mapping):
+        raise ModelSourceError(f"model_args: must be a mapping of builder arguments, got {d['model_args']!r}")
+    nc = d.get("num_classes")
+    if nc is not None and (not isinstance(nc, int) or isinstance(nc, bool) or nc < 1):
+        raise ModelSourceError(f"num_classes: must be a positive integer, got {nc!r}")
+    d["offline"] = bool(d.get("offline", False) or offline)
+    if d["source"] == "timm":
+        d.setdefault("pretrained", True)  # a timm name means its pretrained weights unless `pretrained: false`
+    ref = ModelRef(**d)
+    if ref.source == "reference":
+        if ref.name not in MODELS:
+            raise ModelSourceError(f"unknown reference model {ref.name!r}; allowed: {', '.join(MODELS.names())}")
+        extra = sorted(k for k in d if k not in ("name", "source", "offline"))
+        if extra:
+            raise ModelSourceError(f"{extra[0]}: not a setting of reference models")
+    else:
+        MODEL_SOURCES.get(ref.source).check(ref)
+    return ref
+
+
+def build_untrained(ref: ModelRef, device: str = "cpu") -> nn.Module:
+    """The architecture with random weights (spec validation, adapters): never downloads, never trains.
+    ``device="meta"``: structure and shapes only (fast validation of large models; no forward pass)."""
+    from tasks.models import MODELS
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        if ref.source == "reference":
+            src = MODELS.get(ref.name)
+            return src.build(src.arch).eval()
+        src = MODEL_SOURCES.get(ref.source)
+        if isinstance(src, CheckpointSource):
+            src, ref = src._arch(ref)
+        return src.build(ref, pretrained=False).eval()
+
+
+def load_external(source: Mapping[str, Any], dataset: Mapping[str, Any], data_seed: int = 0):
+    """A timm / torchvision / checkpoint model with its dataset preprocessed the model's way -> LoadedModel."""
+    from tasks.data import load_dataset
+    from tasks.models import LoadedModel
+
+    ref = ModelRef(**source)
+    src = MODEL_SOURCES.get(ref.source)
+    model = src.load(ref)
+    transform, transform_id = src.transform(ref, model)
+    settings = {k: v for k, v in dataset.items() if k != "name"}
+    data = load_dataset(dataset["name"], seed=data_seed, transform=transform, transform_id=transform_id, **settings)
+    info = {"model": ref.name, "source": ref.source, "arch": ref.builder, "weights": ref.weights,
+            "dense_eval_acc": float("nan"), "transform": transform_id}  # dense accuracy: measured by each trial
+    return LoadedModel(ref.name, model, src.digest(ref), data, info)

@@ -1,0 +1,126 @@
+"""A real-source trial end to end in one process (timm checkpoint + image folder -> store -> mask -> run_trial),
+its healed weights saved in the run directory, ``healsweep export`` through MLflow, and a reload through timm
+that gives the healed model's logits and accuracy exactly."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tasks.adapters import get_adapter
+from tasks.masks import MaskStore
+from tasks.models import load_model
+from tasks.pruners import make_masks
+from tasks.sources import parse_ref
+from tasks.store import TargetStore
+from tasks.targets import dense_targets
+from tasks.trial import TrialParams, run_trial
+from tests.test_sources import N_CLASSES, SIZES, TINY, _images, _tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def trial(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    for img, _, rel in _images():
+        (root / "folder" / rel).parent.mkdir(parents=True, exist_ok=True)
+        img.save(root / "folder" / rel)
+    _, ckpt = _tiny_checkpoint(root)
+    ref = parse_ref({"name": "tiny", "source": "checkpoint", "arch": "deit_tiny_patch16_224", "path": str(ckpt),
+                     "num_classes": N_CLASSES, "model_args": TINY})
+    load_kw = {"source": ref.to_dict(), "dataset": {"name": "imagefolder", "root": str(root / "folder"), "sizes": SIZES}}
+    lm = load_model("tiny", root / "cache", **load_kw)
+    adapter = get_adapter(lm.model)
+    n = SIZES["calibration"]
+    targets = dense_targets(lm.model, adapter.blocks(lm.model), lm.dataset["calibration"].images[:n])
+    store = TargetStore(root / "targets")
+    info = store.write_shard("a" * 32, 0, 0, targets)
+    store.finalize("a" * 32, meta={}, block_shapes=info["block_shapes"], dtype="float16", num_rows=n, shard_infos=[info])
+    entries = adapter.scope(lm.model, "qk_mlp")
+    MaskStore(root / "masks").save("b" * 32, make_masks(lm.model, entries, "magnitude", 0.5, seed=0), {})
+    p = TrialParams(model="tiny", scope="qk_mlp", healer="starfish", calib_size=n, lr=2e-3, epochs=2, seed=0,
+                    targets_key="a" * 32, mask_key="b" * 32, store_root=str(root / "targets"),
+                    mask_root=str(root / "masks"), cache_dir=str(root / "cache"), batch_size=4, load_kw=load_kw,
+                    out_dir=str(root / "run"), trial_key="cell-0")
+    final = run_trial(p, lambda r: None)
+    return root, lm, final
+
+
+def test_trial_records_split_digests_and_saves_healed_weights(trial):
+    root, lm, final = trial
+    assert final["calib_digest"] == lm.dataset.split_digest("calibration", SIZES["calibration"])
+    assert final["eval_digest"] == lm.dataset.split_digest("evaluation") != final["selection_digest"]
+    assert final["model_digest"] == lm.digest and final["mask_violations"] == 0
+    healed = load_file(str(root / "run" / "trials" / "cell-0" / "healed.safetensors"))
+    assert sorted(healed) == sorted({f"blocks.{i}.{p}" for i in range(2)
+                                     for p in ("attn.qkv.weight", "mlp.fc1.weight", "mlp.fc2.weight")})
+
+
+def test_export_reloads_through_timm_with_identical_logits(trial, tmp_path):
+    import timm
+    from mlflow import MlflowClient
+
+    from orchestrator.cli import main
+    from tasks.evaluate import accuracy, logits
+
+    root, lm, final = trial
+    run_dir = root / "run"
+    uri = f"sqlite:///{run_dir / 'mlflow.db'}"
+    (run_dir / "sweep.json").write_text(json.dumps({"tracking_uri": uri}))
+    client = MlflowClient(uri)
+    exp = client.create_experiment("healsweep")
+    run = client.create_run(exp, tags={"healsweep.role": "trial", "trial_id": "cell-0"})
+    for k, v in {"pruner": "magnitude", "sparsity": "0.5", "pruner_settings": "{}"}.items():
+        client.log_param(run.info.run_id, k, v)
+    client.set_terminated(run.info.run_id, "FINISHED")
+
+    out = tmp_path / "export"
+    assert main(["export", run.info.run_id, "--out", str(out), "--tracking-uri", uri]) == 0
+    card = json.loads((out / "model_card.json").read_text())
+    assert card["reload"] == {"library": "timm", "arch": "deit_tiny_patch16_224", "pretrained": False,
+                              "kwargs": {**TINY, "num_classes": N_CLASSES}}
+    assert card["pruner"] == "magnitude" and card["healer"] == "starfish" and card["sparsity"] == 0.5
+    assert card["calib_digest"] == final["calib_digest"] and card["accuracy"]["healed_acc"] == final["healed_acc"]
+    assert "timm.create_model('deit_tiny_patch16_224'" in (out / "model_card.md").read_text()
+
+    reloaded = timm.create_model(card["reload"]["arch"], pretrained=False, **card["reload"]["kwargs"]).eval()
+    reloaded.load_state_dict(load_file(str(out / "model.safetensors")))
+    healed = load_model("tiny", root / "cache", **json.loads(
+        (run_dir / "trials" / "cell-0" / "trial.json").read_text())["params"]["load_kw"]).model
+    healed.load_state_dict(load_file(str(run_dir / "trials" / "cell-0" / "healed.safetensors")), strict=False)
+    ev = lm.dataset["evaluation"]
+    x = ev.images[:]
+    assert torch.equal(logits(reloaded, x), logits(healed, x))
+    assert accuracy(reloaded, x, ev.labels) == final["healed_acc"]
+    mask = load_file(str(out / "mask.safetensors"))
+    sd = reloaded.state_dict()
+    assert mask and all(torch.all(sd[k][v == 0] == 0) for k, v in mask.items())
+    assert not torch.equal(sd["blocks.0.mlp.fc1.weight"], lm.model.state_dict()["blocks.0.mlp.fc1.weight"])
+
+    assert main(["export", "0" * 32, "--out", str(out), "--run-dir", str(run_dir)]) == 2
+
+
+def test_final_result_digests_become_mlflow_params(tmp_path):
+    from types import SimpleNamespace
+
+    from mlflow import MlflowClient
+
+    from orchestrator.mlflow_async import AsyncMlflowWriter
+    from orchestrator.tracking import MlflowTrialLogger
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    client = MlflowClient(uri)
+    parent = client.create_run(client.create_experiment("healsweep")).info.run_id
+    writer = AsyncMlflowWriter(client)
+    cb = MlflowTrialLogger(writer, "healsweep", "sw", parent, {"m": 0})
+    run_id = client.create_run(cb.exp_id).info.run_id
+    cb.keys["t1"], cb.runs["c-0"] = "c-0", run_id
+    trial = SimpleNamespace(trial_id="t1", config={"model": "m"})
+    cb.on_trial_result(0, [], trial, {"final": True, "epoch": 2, "healed_acc": 0.5, "calib_digest": "ab12",
+                                      "eval_digest": "cd34", "selection_digest": "ef56", "model_digest": "0f0f"})
+    writer.close()  # flushes every queued write
+    r = client.get_run(run_id)
+    assert {k: r.data.params[k] for k in ("calib_digest", "eval_digest", "selection_digest", "model_digest")} == {
+        "calib_digest": "ab12", "eval_digest": "cd34", "selection_digest": "ef56", "model_digest": "0f0f"}
+    assert r.data.metrics["healed_acc"] == 0.5 and "calib_digest" not in r.data.metrics

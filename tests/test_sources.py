@@ -1,0 +1,250 @@
+"""Real data and model sources on files the tests make: an image folder, a Parquet image table and a
+Hugging Face ``datasets.Dataset`` (map-style and streamed) through the same split code; timm checkpoints;
+offline mode; spec mapping entries."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from tasks.data import SPLITS, load_dataset
+from tasks.datasources import ArrowTable, FolderTable, HFTable, LazyImages, hf_splits, table_splits
+from tasks.sources import MODEL_SOURCES, ModelRef, ModelSourceError, file_digest, load_external, parse_ref
+
+N_CLASSES, PER_CLASS = 3, 12
+SIZES = {"train": 4, "calibration": 12, "selection": 6, "evaluation": 10}
+
+
+def _transform():
+    from torchvision import transforms as T
+
+    return T.Compose([T.Resize(16), T.ToTensor()]), "test:resize16"
+
+
+def _images():
+    """36 seeded 20x20 RGB images, label-dependent colour + noise, in ImageFolder order (class, file name)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    out = []
+    for c in range(N_CLASSES):
+        for i in range(PER_CLASS):
+            arr = rng.integers(0, 60, (20, 20, 3), dtype=np.uint8)
+            arr[..., c] += 150
+            out.append((Image.fromarray(arr), c, f"c{c}/img{i:02d}.png"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """The same 36 images as an image folder, a Parquet table (HF-style {bytes, path} cells) and an HF Dataset."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path_factory.mktemp("src")
+    items = _images()
+    rows = []
+    for img, label, rel in items:
+        p = root / "folder" / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        img.save(p)
+        rows.append({"image": {"bytes": p.read_bytes(), "path": rel}, "label": label})
+    pq.write_table(pa.Table.from_pylist(rows), root / "table.parquet")
+    feats = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(num_classes=N_CLASSES)})
+    hf = datasets.Dataset.from_dict({"image": [r["image"] for r in rows], "label": [r["label"] for r in rows]},
+                                    features=feats)
+    return {"root": root, "folder": root / "folder", "parquet": root / "table.parquet", "hf": hf}
+
+
+def _all_three(sources, seed=0):
+    t, tid = _transform()
+    return {
+        "folder": table_splits("f", FolderTable(sources["folder"]), SIZES, seed, t, tid),
+        "parquet": table_splits("p", ArrowTable(sources["parquet"]), SIZES, seed, t, tid),
+        "hf": hf_splits("h", {s: sources["hf"] for s in SPLITS}, SIZES, seed, t, tid, ident="tiny"),
+    }
+
+
+def test_three_sources_give_the_same_splits_and_pixels(sources):
+    data = _all_three(sources)
+    ref = data["folder"]
+    for name, d in data.items():
+        assert d.num_classes == N_CLASSES and d.image_shape == (3, 16, 16), name
+        for s in SPLITS:
+            assert np.array_equal(d[s].indices, ref[s].indices), (name, s)
+            assert len(d[s]) == SIZES[s] and d[s].images.shape == (SIZES[s], 3, 16, 16)
+            assert torch.equal(d[s].images[:], ref[s].images[:]), (name, s)  # PNG is lossless: bit-identical
+            if s == "calibration":
+                assert d[s].labels is None  # unlabeled by contract
+            else:  # labels are the folder's class of each index
+                assert d[s].labels.tolist() == [int(i) // PER_CLASS for i in d[s].indices]
+
+
+def test_splits_are_disjoint_seeded_and_digested(sources):
+    for name, d in _all_three(sources).items():
+        seen = np.concatenate([d[s].indices for s in SPLITS])
+        assert len(np.unique(seen)) == len(seen) == sum(SIZES.values()), name
+        assert d.split_digest("calibration", 5) != d.split_digest("calibration", 6)
+    a, b = _all_three(sources, seed=0)["parquet"], _all_three(sources, seed=1)["parquet"]
+    assert not np.array_equal(a["calibration"].indices, b["calibration"].indices)
+    assert a.digest != b.digest and a.split_digest("evaluation") != b.split_digest("evaluation")
+    with pytest.raises(ValueError, match="need 40 items from 'table', which has 36"):
+        t, tid = _transform()
+        table_splits("p", ArrowTable(sources["parquet"]), {**SIZES, "evaluation": 18}, 0, t, tid)
+
+
+def test_streamed_hub_splits_use_a_seeded_shuffle_buffer(sources):
+    """Paper 000's layout: calibration streamed from one hub split, evaluation from another."""
+    hf = sources["hf"]
+    t, tid = _transform()
+    test_split, val_split = hf.select(range(18)), hf.select(range(18, 36))
+    stream = test_split.to_iterable_dataset()
+
+    def load(seed):
+        by = {"train": val_split, "calibration": stream, "selection": val_split, "evaluation": val_split}
+        return hf_splits("im", by, {**SIZES, "train": 0, "selection": 4, "evaluation": 10}, seed, t, tid,
+                         buffer_size=8, ident="tiny")
+
+    a, a2, b = load(0), load(0), load(1)
+    cal = a["calibration"].indices  # positions in the unshuffled stream
+    assert len(cal) == 12 and len(set(cal.tolist())) == 12 and cal.max() < 18
+    assert np.array_equal(cal, a2["calibration"].indices) and not np.array_equal(cal, b["calibration"].indices)
+    assert not np.array_equal(cal, np.sort(cal))  # shuffled, not the stream's first 12 in order
+    for row, pos in enumerate(cal[:4]):  # the streamed item is the map-style item at that position
+        assert torch.equal(a["calibration"].images[row], t(test_split[int(pos)]["image"].convert("RGB")))
+    ev, sel = a["evaluation"].indices, a["selection"].indices  # same hub split: disjoint slices
+    assert not set(ev.tolist()) & set(sel.tolist())
+    assert a["evaluation"].labels.tolist() == [val_split[int(i)]["label"] for i in ev]
+
+
+def test_lazy_images_index_like_a_tensor(sources):
+    t, _ = _transform()
+    table = FolderTable(sources["folder"])
+    rows = np.array([5, 0, 30])
+    lazy = LazyImages(table, rows, t, (3, 16, 16))
+    full = torch.stack([t(table.image(i)) for i in rows])
+    assert lazy.shape == (3, 3, 16, 16) and len(lazy) == 3
+    assert torch.equal(lazy[1:], full[1:]) and torch.equal(lazy[torch.tensor([2, 0])], full[[2, 0]])
+    assert torch.equal(lazy[np.array([1])], full[[1]]) and torch.equal(lazy[0], full[0])
+    assert lazy[3:].shape == (0, 3, 16, 16)
+
+
+def test_registered_loaders_validate_settings(sources):
+    t, tid = _transform()
+    d = load_dataset("imagefolder", seed=0, transform=t, transform_id=tid, root=str(sources["folder"]), sizes=SIZES)
+    e = load_dataset("image_table", seed=0, transform=t, transform_id=tid, path=str(sources["parquet"]), sizes=SIZES)
+    assert np.array_equal(d["evaluation"].indices, e["evaluation"].indices)
+    from tasks.data import DATASETS
+
+    with pytest.raises(ValueError, match="^colour: unknown dataset setting; allowed: image_size, root, sizes$"):
+        DATASETS.get("imagefolder").check({"root": "x", "colour": 1})
+    with pytest.raises(ValueError, match="^sizes.test: unknown split"):
+        DATASETS.get("imagenet1k").check({"sizes": {"test": 3}})
+    assert DATASETS.get("imagenet1k").check({"sizes": {"calibration": 2500}}) == 2500
+    assert DATASETS.get("cifar100").settings({})["splits"] == {"train": "train", "calibration": "train",
+                                                              "selection": "train", "evaluation": "test"}
+
+
+# --- model sources --------------------------------------------------------------------------------------
+
+TINY = {"img_size": 32, "patch_size": 8, "depth": 2}
+
+
+def _tiny_checkpoint(tmp_path, suffix=".safetensors"):
+    import timm
+    from safetensors.torch import save_file
+
+    torch.manual_seed(3)
+    m = timm.create_model("deit_tiny_patch16_224", pretrained=False, num_classes=N_CLASSES, **TINY).eval()
+    path = tmp_path / f"tiny{suffix}"
+    if suffix == ".safetensors":
+        save_file({k: v.contiguous() for k, v in m.state_dict().items()}, str(path))
+    else:
+        torch.save({"state_dict": m.state_dict()}, str(path))
+    return m, path
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_local_timm_checkpoint_gives_identical_logits(tmp_path, suffix):
+    m, path = _tiny_checkpoint(tmp_path, suffix)
+    ref = parse_ref({"name": "tiny", "source": "checkpoint", "arch": "deit_tiny_patch16_224", "path": str(path),
+                     "num_classes": N_CLASSES, "model_args": TINY})
+    src = MODEL_SOURCES.get("checkpoint")
+    loaded = src.load(ref)
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), m(x))
+    assert src.digest(ref) == file_digest(path)
+    _, tid = src.transform(ref, loaded)  # timm data config follows the model's input size
+    assert '"input_size": [3, 32, 32]' in tid and '"interpolation": "bicubic"' in tid
+
+
+def test_checkpoint_errors_are_one_line(tmp_path):
+    _, path = _tiny_checkpoint(tmp_path)
+    bad = ModelRef("tiny", "checkpoint", "deit_small_patch16_224", path=str(path), num_classes=N_CLASSES,
+                   model_args=TINY)
+    with pytest.raises(ModelSourceError, match=r"^model 'tiny': checkpoint .* does not fit 'deit_small_patch16_224'") as e:
+        MODEL_SOURCES.get("checkpoint").load(bad)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ModelSourceError, match="checkpoint file not found"):
+        parse_ref({"name": "x", "source": "checkpoint", "arch": "resnet18", "path": str(tmp_path / "nope.pt")})
+
+
+def test_offline_request_for_uncached_pretrained_weights_fails_clearly(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    ref = parse_ref("deit_tiny_patch16_224")
+    assert ref.source == "timm" and ref.pretrained  # a bare timm name means its pretrained weights
+    with pytest.raises(ModelSourceError) as e:
+        MODEL_SOURCES.get("timm").load(ref)
+    msg = str(e.value)
+    assert msg.startswith("model 'deit_tiny_patch16_224': pretrained timm weights 'deit_tiny_patch16_224' are not "
+                          "in the local cache") and str(tmp_path / "hf") in msg and "HF_HUB_OFFLINE=1" in msg
+    assert "\n" not in msg
+    tv = parse_ref({"name": "vitb", "source": "torchvision", "arch": "vit_b_16", "weights": "ViT_B_16_Weights.IMAGENET1K_V1"})
+    with pytest.raises(ModelSourceError, match=r"torchvision weights ViT_B_16_Weights.IMAGENET1K_V1 are not in the "
+                                               r"local cache .*offline mode is on"):
+        MODEL_SOURCES.get("torchvision").load(tv)
+
+
+def test_torchvision_weights_give_their_transforms_and_digest():
+    from torchvision.models import ViT_B_16_Weights
+
+    ref = parse_ref({"name": "vitb", "source": "torchvision", "arch": "vit_b_16",
+                     "weights": "ViT_B_16_Weights.IMAGENET1K_V1"})
+    t, tid = MODEL_SOURCES.get("torchvision").transform(ref, None)
+    assert tid == "torchvision:ViT_B_16_Weights.IMAGENET1K_V1"
+    assert repr(t) == repr(ViT_B_16_Weights.IMAGENET1K_V1.transforms())
+    other = ModelRef("vitb", "torchvision", "vit_b_16", weights="ViT_B_16_Weights.IMAGENET1K_SWAG_E2E_V1")
+    assert MODEL_SOURCES.get("torchvision").digest(ref) != MODEL_SOURCES.get("torchvision").digest(other)
+    with pytest.raises(ModelSourceError, match="unknown torchvision weights 'ViT_B_16_Weights.NOPE'"):
+        parse_ref({"name": "v", "source": "torchvision", "arch": "vit_b_16", "weights": "ViT_B_16_Weights.NOPE"})
+
+
+def test_external_model_loads_with_its_dataset(tmp_path, sources):
+    m, path = _tiny_checkpoint(tmp_path)
+    ref = parse_ref({"name": "tiny", "source": "checkpoint", "arch": "deit_tiny_patch16_224", "path": str(path),
+                     "num_classes": N_CLASSES, "model_args": TINY})
+    lm = load_external(ref.to_dict(), {"name": "imagefolder", "root": str(sources["folder"]), "sizes": SIZES})
+    assert lm.digest == file_digest(path) and lm.dataset.image_shape == (3, 32, 32)  # timm config: 32 px
+    assert lm.dataset["evaluation"].images[:2].shape == (2, 3, 32, 32)
+
+
+@pytest.mark.parametrize("entry, words", [
+    ({"name": "a", "source": "hub"}, "source: unknown model source 'hub'; allowed: reference, checkpoint, timm, torchvision"),
+    ({"name": "a", "colour": 1}, "colour: unknown key; allowed: name, source"),
+    ({"name": "not_a_model_name"}, "'not_a_model_name' is not a timm model name"),
+    ({"name": "resnet18", "pretrained": "yes"}, "pretrained: must be true or false"),
+    ({"name": "resnet18", "num_classes": 0}, "num_classes: must be a positive integer"),
+    ({"name": "vit_digits", "weights": "x"}, "weights: not a setting of reference models"),
+    ({"name": "v", "source": "torchvision", "arch": "vit_b_16", "pretrained": True}, "need `weights`"),
+])
+def test_bad_model_entries(entry, words):
+    with pytest.raises(ModelSourceError) as e:
+        parse_ref(entry)
+    assert words in str(e.value) and "\n" not in str(e.value)
