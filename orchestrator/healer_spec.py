@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 
-def parse_healers(v: Any, path: str) -> tuple:
+def parse_healers(v: Any, path: str, models: tuple[str, ...] | None = None) -> tuple:
     from orchestrator.spec import MethodRef, SpecError, _keys, _list, _methods
     from tasks.heal import HEALERS, resolve_healer
 
@@ -24,7 +24,7 @@ def parse_healers(v: Any, path: str) -> tuple:
     for i, item in enumerate(_list(v, path)):
         p = f"{path}[{i}]"
         if not (isinstance(item, Mapping) and "chain" in item):
-            out.append(_one(item, p, _methods, SpecError, HEALERS))
+            out.append(_one(item, p, _methods, SpecError, HEALERS, models))
             continue
         d = _keys(item, p, {"chain"}, {"chain"})
         steps = []
@@ -46,10 +46,10 @@ def parse_healers(v: Any, path: str) -> tuple:
     return tuple(out)
 
 
-def _one(item, p, methods, spec_error, registry):
+def _one(item, p, methods, spec_error, registry, models=None):
     """spec._methods on one item, with error paths at ``p`` (not ``p[0]``)."""
     try:
-        return methods([item], "@", registry, "healer")[0]
+        return methods([item], "@", registry, "healer", models)[0]
     except spec_error as e:
         raise spec_error(e.path.replace("@[0]", p, 1), str(e).split(": ", 1)[1]) from None
 

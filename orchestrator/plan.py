@@ -43,22 +43,33 @@ class Cell:
         return ident
 
 
-def expand_cells(spec: SweepSpec, scopes: Mapping[str, str]) -> list[Cell]:
-    """All cells of the grid, in a stable order; ``scopes`` maps model -> resolved scope name."""
+def grid(spec: SweepSpec, scopes: Mapping[str, str]):
+    """Yield every cell's fields in a stable order (pruner/healer entries may be restricted to some models,
+    a pruner entry may bring its own sparsities and scope)."""
     from tasks.pruners import PRUNERS
 
-    cells = []
     for model in spec.models:
         for p in spec.pruners:
+            if not p.applies_to(model):
+                continue
             pruner = PRUNERS.get(p.name)
             fixed = pruner.fixed_sparsity(p.settings)
-            for s in ([fixed] if fixed is not None else list(spec.sparsities)):
+            for s in ([fixed] if fixed is not None else list(p.sparsities or spec.sparsities)):
                 for n in spec.calib_sizes:
                     for h in spec.healers:
+                        if not h.applies_to(model):
+                            continue
                         for seed in spec.seeds:
-                            c = Cell(model, p.name, dict(p.settings), float(s), pruner.pattern(s, p.settings),
-                                     scopes[model], n, h.name, dict(h.settings), seed)
-                            cells.append(Cell(**{**c.identity(), "cell_id": content_key(c.identity())[:12]}))
+                            yield (model, p.name, dict(p.settings), float(s), pruner.pattern(s, p.settings),
+                                   p.scope or scopes[model], n, h.name, dict(h.settings), seed)
+
+
+def expand_cells(spec: SweepSpec, scopes: Mapping[str, str]) -> list[Cell]:
+    """All cells of the grid, in a stable order; ``scopes`` maps model -> resolved scope name."""
+    cells = []
+    for fields in grid(spec, scopes):
+        c = Cell(*fields)
+        cells.append(Cell(**{**c.identity(), "cell_id": content_key(c.identity())[:12]}))
     return cells
 
 

@@ -23,6 +23,13 @@ class SpecError(ValueError):
 class MethodRef:
     name: str
     settings: Mapping[str, Any] = field(default_factory=dict)
+    # Optional restrictions of one pruner/healer entry (the grid is otherwise a full cross product):
+    models: tuple[str, ...] | None = None  # only these models of the sweep
+    sparsities: tuple[float, ...] | None = None  # pruners: this sparsity list instead of the sweep's
+    scope: str | None = None  # pruners: this scope instead of the model's (e.g. CORP's mlp_qk on a ViT)
+
+    def applies_to(self, model: str) -> bool:
+        return self.models is None or model in self.models
 
 
 @dataclass(frozen=True)
@@ -136,13 +143,15 @@ def _list(v: Any, path: str) -> list:
     return v
 
 
-def _methods(v: Any, path: str, registry, kind: str) -> tuple[MethodRef, ...]:
+def _methods(v: Any, path: str, registry, kind: str, models: tuple[str, ...] | None = None) -> tuple[MethodRef, ...]:
+    """Method entries: a name, or {name, settings, models?, sparsities? (pruners), scope? (pruners)}."""
+    extra = {"models"} | ({"sparsities", "scope"} if kind == "pruner" else set())
     out = []
     for i, item in enumerate(_list(v, path)):
         p = f"{path}[{i}]"
         if isinstance(item, str):
             item = {"name": item}
-        d = _keys(item, p, {"name", "settings"}, {"name"})
+        d = _keys(item, p, {"name", "settings"} | (extra if models is not None else set()), {"name"})
         if d["name"] not in registry:
             raise SpecError(f"{p}.name", f"unknown {kind} {d['name']!r}; allowed: {', '.join(registry.names())}")
         settings = d.get("settings") or {}
@@ -152,7 +161,20 @@ def _methods(v: Any, path: str, registry, kind: str) -> tuple[MethodRef, ...]:
             registry.get(d["name"]).check(settings)
         except ValueError as e:
             raise SpecError(f"{p}.settings", str(e)) from None
-        out.append(MethodRef(d["name"], dict(settings)))
+        only = None
+        if "models" in d:
+            only = tuple(_list(d["models"], f"{p}.models"))
+            for j, m in enumerate(only):
+                if m not in models:
+                    raise SpecError(f"{p}.models[{j}]", f"{m!r} is not a model of this sweep; models: {', '.join(models)}")
+        sps = None
+        if "sparsities" in d:
+            sps = tuple(_num(x, f"{p}.sparsities[{j}]", float, 0.0, 1.0, hi_open=True)
+                        for j, x in enumerate(_list(d["sparsities"], f"{p}.sparsities")))
+        scope = d.get("scope")
+        if scope is not None and not isinstance(scope, str):
+            raise SpecError(f"{p}.scope", f"must be a scope name, got {scope!r}")
+        out.append(MethodRef(d["name"], dict(settings), only, sps, scope))
     return tuple(out)
 
 
@@ -192,8 +214,8 @@ def parse_spec(raw: Any) -> SweepSpec:
     data = load_dataset(dataset, seed=data_seed) if calib_capacity is None else None
     n_calib = calib_capacity if calib_capacity is not None else len(data["calibration"])
     calib = tuple(_num(n, f"calib_sizes[{i}]", int, 1, n_calib) for i, n in enumerate(_list(d["calib_sizes"], "calib_sizes")))
-    pruners = _methods(d["pruners"], "pruners", PRUNERS, "pruner")
-    healers = parse_healers(d["healers"], "healers")  # single healers and chains (orchestrator/healer_spec.py)
+    pruners = _methods(d["pruners"], "pruners", PRUNERS, "pruner", tuple(models))
+    healers = parse_healers(d["healers"], "healers", tuple(models))  # single healers and chains (orchestrator/healer_spec.py)
     seeds = tuple(_num(s, f"seeds[{i}]", int, 0) for i, s in enumerate(_list(d.get("seeds", [0]), "seeds")))
 
     scope = d.get("scope") or {}
@@ -277,8 +299,6 @@ def _plugins(v: Any) -> tuple[str, ...]:
 
 def _check_scopes(spec: SweepSpec, adapters, models) -> None:
     """Scopes must exist for the model family (checked on an untrained instance: no training here)."""
-    import torch
-
     from tasks.adapters import get_adapter
 
     from orchestrator.spec_sources import untrained
@@ -286,27 +306,36 @@ def _check_scopes(spec: SweepSpec, adapters, models) -> None:
     for m in spec.models:
         model = untrained(spec, m)
         adapter = get_adapter(model)
-        s = spec.scope.get(m, adapter.default_scope)
+        model_scope = spec.scope.get(m, adapter.default_scope)
         try:
-            entries = adapter.scope(model, s)
+            adapter.scope(model, model_scope)
         except ValueError as e:
             raise SpecError(f"scope.{m}", str(e)) from None
         from tasks.heal import resolve_healer
         from tasks.pruners import PRUNERS
 
         for i, p in enumerate(spec.pruners):
+            if not p.applies_to(m):
+                continue
+            s = p.scope or model_scope
+            try:
+                adapter.scope(model, s)
+            except ValueError as e:
+                raise SpecError(f"pruners[{i}].scope", f"model {m!r}: {e}") from None
             try:
                 PRUNERS.get(p.name).check_model(model, adapter, s, p.settings)
             except ValueError as e:
                 where = "settings.m" if p.name == "nm" else "name"
                 raise SpecError(f"pruners[{i}].{where}", f"pruner {p.name!r} cannot serve model {m!r}: {e}") from None
             check_sparsity = getattr(PRUNERS.get(p.name), "check_sparsity", None)  # e.g. an RR candidate grid
-            for sp in spec.sparsities if check_sparsity else ():
+            for sp in (p.sparsities or spec.sparsities) if check_sparsity else ():
                 try:
                     check_sparsity(sp, p.settings)
                 except ValueError as e:
                     raise SpecError(f"pruners[{i}].settings.grid", f"pruner {p.name!r} on model {m!r}: {e}") from None
             for j, h in enumerate(spec.healers):
+                if not h.applies_to(m):
+                    continue
                 try:
                     resolve_healer(h.name, h.settings).check_cell(model, adapter, p.name, p.settings, h.settings)
                 except ValueError as e:

@@ -128,9 +128,51 @@ def test_cli_bad_spec_exits_2_and_starts_nothing(tmp_path, capsys):
 def test_cli_validate_counts_cells(capsys):
     assert main(["validate", str(REPO / "configs" / "default.yaml")]) == 0
     # 2 models x (6 sparsities + one 2:4 pattern) x 2 calibration sizes x 1 healer x 1 seed
-    assert "28 cells x 4 trials = 112 trials" in capsys.readouterr().out
+    assert "28 cells, 112 trials" in capsys.readouterr().out
 
 
 def test_cli_report_on_non_run_dir(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "not a run directory" in capsys.readouterr().err
+
+
+def test_method_entries_can_be_restricted_to_models_sparsities_and_scope(capsys, tmp_path):
+    from orchestrator.plan import expand_cells
+
+    d = spec_with(models=["vit_digits", "resnet_digits"], sparsities=[0.5, 0.9], calib_sizes=[128],
+                  pruners=["magnitude",
+                           {"name": "corp", "models": ["vit_digits"], "sparsities": [0.25], "scope": "mlp_qk"},
+                           {"name": "erk", "models": ["resnet_digits"], "sparsities": [0.95]}],
+                  healers=["starfish", {"name": "none", "models": ["resnet_digits"]}])
+    spec = parse_spec(d)
+    cells = expand_cells(spec, {"vit_digits": "qkv_out_mlp", "resnet_digits": "conv"})
+    got = sorted((c.model, c.pruner, c.sparsity, c.scope, c.healer) for c in cells)
+    assert got == sorted([
+        ("vit_digits", "magnitude", 0.5, "qkv_out_mlp", "starfish"), ("vit_digits", "magnitude", 0.9, "qkv_out_mlp", "starfish"),
+        ("vit_digits", "corp", 0.25, "mlp_qk", "starfish"),
+        ("resnet_digits", "magnitude", 0.5, "conv", "starfish"), ("resnet_digits", "magnitude", 0.9, "conv", "starfish"),
+        ("resnet_digits", "magnitude", 0.5, "conv", "none"), ("resnet_digits", "magnitude", 0.9, "conv", "none"),
+        ("resnet_digits", "erk", 0.95, "conv", "starfish"), ("resnet_digits", "erk", 0.95, "conv", "none")])
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump(d))
+    assert main(["validate", str(p)]) == 0
+    # 9 cells: 6 starfish cells x 2 trials + 3 `none` cells x 1 trial
+    assert "9 cells, 15 trials (3 cells whose healer does not train run 1 trial)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("entry, field, words", [
+    ({"name": "corp", "models": ["resnet_digits"]}, "pruners[0].models[0]", "not a model of this sweep"),
+    ({"name": "corp", "scope": "conv"}, "pruners[0].scope", "scope 'conv' is not defined"),
+    ({"name": "corp", "scope": "qkv_out_mlp"}, "pruners[0].name", "pruner 'corp' cannot serve model 'vit_digits'"),
+    ({"name": "magnitude", "sparsities": [1.0]}, "pruners[0].sparsities[0]", "must be < 1.0"),
+])
+def test_restricted_entries_are_validated(entry, field, words):
+    with pytest.raises(SpecError) as e:
+        parse_spec(spec_with(pruners=[entry]))
+    assert e.value.path == field and words in str(e.value)
+
+
+def test_healer_entries_take_no_pruner_keys():
+    with pytest.raises(SpecError) as e:
+        parse_spec(spec_with(healers=[{"name": "starfish", "sparsities": [0.5]}]))
+    assert e.value.path == "healers[0].sparsities" and "unknown key" in str(e.value)

@@ -12,16 +12,21 @@ def add_parser(sub):
 
 
 def main(args) -> int:
-    from tasks.pruners import PRUNERS
+    from collections import defaultdict
 
-    spec = load_spec_or_exit(args.spec)
-    n = sum(1 if PRUNERS.get(p.name).fixed_sparsity(p.settings) is not None else len(spec.sparsities)
-            for p in spec.pruners)
-    cells = len(spec.models) * n * len(spec.calib_sizes) * len(spec.healers) * len(spec.seeds)
+    from orchestrator.plan import grid
     from tasks.heal import resolve_healer
 
-    fixed = sum(not resolve_healer(h.name, h.settings).trains for h in spec.healers)  # 1 trial per cell (none)
-    trials = cells * spec.search.trials_per_cell - cells // len(spec.healers) * fixed * (spec.search.trials_per_cell - 1)
-    note = f" ({fixed} healer(s) without training run 1 trial per cell)" if fixed else ""
-    print(f"{args.spec}: ok: {cells} cells x {spec.search.trials_per_cell} trials = {trials} trials{note}")
+    spec = load_spec_or_exit(args.spec)
+    cells, trials, fixed = 0, 0, 0
+    trains = defaultdict(lambda: True)
+    for *_, healer, settings, _seed in grid(spec, defaultdict(str)):
+        key = (healer, repr(sorted(settings.items())))
+        if key not in trains:
+            trains[key] = resolve_healer(healer, settings).trains
+        cells += 1
+        trials += spec.search.trials_per_cell if trains[key] else 1  # healers without training: 1 trial
+        fixed += not trains[key]
+    note = f" ({fixed} cells whose healer does not train run 1 trial)" if fixed else ""
+    print(f"{args.spec}: ok: {cells} cells, {trials} trials{note}")
     return 0
