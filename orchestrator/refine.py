@@ -107,14 +107,21 @@ def run_refinement(run_dir: Path, step: float = 0.005, *, address: str | None = 
     if dry_run:
         return plan
     from analysis.report import write_report
+    from orchestrator.resume import JOURNAL_FILE, told_states
     from orchestrator.sweep import run_sweep
+
+    def counts() -> tuple[int, int]:  # (finished, failed) trials of the whole sweep so far
+        states = told_states(Path(run_dir) / JOURNAL_FILE).values() if (Path(run_dir) / JOURNAL_FILE).exists() else ()
+        return (sum(st.name in ("COMPLETE", "PRUNED") for st in states), sum(st.name == "FAIL" for st in states))
+
+    done_before, failed_before = counts()
 
     res = run_sweep(spec, Path(run_dir), Path(meta["store"]), Path(meta["cache"]), address=address,
                     progress=progress, report=False, num_cpus=num_cpus, refine_round=plan["round"])
     meta = json.loads((Path(run_dir) / "sweep.json").read_text(encoding="utf-8"))  # run_sweep updated it
     meta.setdefault("refinements", []).append(
         {"round": plan["round"], "step": step, "interval": list(plan["interval"]), "sparsities": plan["sparsities"],
-         "trials_finished": res.trials_finished, "trials_failed": res.trials_failed})
+         "trials_finished": res.trials_finished - done_before, "trials_failed": res.trials_failed - failed_before})
     (Path(run_dir) / "sweep.json").write_text(json.dumps(meta, indent=1, default=list), encoding="utf-8")
     plan.update(result=res, report=write_report(run_dir))
     return plan

@@ -151,8 +151,9 @@ def _methods(v: Any, path: str, registry, kind: str, models: tuple[str, ...] | N
         p = f"{path}[{i}]"
         if isinstance(item, str):
             item = {"name": item}
+        if isinstance(item, Mapping):  # null = no restriction (what SweepSpec.to_dict writes)
+            item = {k: v for k, v in item.items() if v is not None or k not in ("models", "sparsities", "scope")}
         d = _keys(item, p, {"name", "settings"} | (extra if models is not None else set()), {"name"})
-        d = {k: v for k, v in d.items() if v is not None or k not in extra}  # null = no restriction (to_dict)
         if d["name"] not in registry:
             raise SpecError(f"{p}.name", f"unknown {kind} {d['name']!r}; allowed: {', '.join(registry.names())}")
         settings = d.get("settings") or {}
