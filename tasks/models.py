@@ -106,9 +106,24 @@ def random_shift(x: torch.Tensor, max_shift: int, gen: torch.Generator) -> torch
 
 def train_classifier(model: nn.Module, data: DatasetSplits, recipe: TrainRecipe, seed: int,
                      progress: bool = True) -> None:
-    """Supervised training on the ``train`` split only (AdamW, cosine schedule)."""
+    """Supervised training on the ``train`` split only (AdamW, cosine schedule).
+
+    Runs with exactly TRAIN_THREADS torch threads: CPU kernels partition their reductions by thread count, so
+    the same seed gives bit-identical weights (and the same content-addressed checkpoint) on every machine."""
     from tqdm.auto import tqdm
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(TRAIN_THREADS)
+    try:
+        _train(model, data, recipe, seed, progress, tqdm)
+    finally:
+        torch.set_num_threads(threads)
+
+
+TRAIN_THREADS = 2
+
+
+def _train(model: nn.Module, data: DatasetSplits, recipe: TrainRecipe, seed: int, progress: bool, tqdm) -> None:
     gen = torch.Generator().manual_seed(seed)
     train = data["train"]
     n = len(train)
