@@ -156,11 +156,14 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, meta: dict) -> No
     os.replace(tmp, path)
 
 
-def file_digest(path: Path) -> str:
+def weights_digest(state: dict[str, torch.Tensor]) -> str:
+    """Content digest of a state dict (names, dtypes, shapes, bytes): the reference model's identity in every
+    content key. The checkpoint file itself also holds training metadata (seconds), so its bytes are not used."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    for k in sorted(state):
+        t = state[k].detach().cpu().contiguous()
+        h.update(f"{k}:{t.dtype}:{tuple(t.shape)}:".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()[:16]
 
 
@@ -195,4 +198,4 @@ def load_model(name: str, cache_dir: str | os.PathLike, *, data_seed: int = 0, t
                 "dense_eval_acc": accuracy(model, ev.images, ev.labels)}
         _atomic_save(model.state_dict(), path, meta)
     model.eval()
-    return LoadedModel(name, model, file_digest(path), data, meta)
+    return LoadedModel(name, model, weights_digest(model.state_dict()), data, meta)

@@ -127,8 +127,8 @@ def test_cli_bad_spec_exits_2_and_starts_nothing(tmp_path, capsys):
 
 def test_cli_validate_counts_cells(capsys):
     assert main(["validate", str(REPO / "configs" / "default.yaml")]) == 0
-    # 2 models x (6 sparsities + one 2:4 pattern) x 2 calibration sizes x 1 healer x 1 seed
-    assert "28 cells, 112 trials" in capsys.readouterr().out
+    # ((6 magnitude + 2:4) x 2 models + CORP on the ViT + 5 allocation rules x 2 sparsities on the ResNet) x 2 calib x 2 healers
+    assert "100 cells, 250 trials (50 cells whose healer does not train run 1 trial)" in capsys.readouterr().out
 
 
 def test_cli_report_on_non_run_dir(tmp_path, capsys):
