@@ -40,7 +40,7 @@ def fixed_cell(cell: Mapping[str, Any]) -> bool:
     """True when the cell's healer (or every step of its chain) uses no lr/epochs."""
     from tasks.heal import resolve_healer
 
-    return not resolve_healer(cell["healer"], cell.get("healer_settings")).trains
+    return "healer" in cell and not resolve_healer(cell["healer"], cell.get("healer_settings")).trains
 
 
 def cell_sampler_seed(sampler_seed: int, cell_id: str, number: int = 0) -> int:

@@ -161,8 +161,8 @@ def weights_digest(state: dict[str, torch.Tensor]) -> str:
     content key. The checkpoint file itself also holds training metadata (seconds), so its bytes are not used."""
     h = hashlib.sha256()
     for k in sorted(state):
-        t = state[k].detach().cpu().contiguous()
-        h.update(f"{k}:{t.dtype}:{tuple(t.shape)}:".encode())
+        t = state[k].detach().cpu().contiguous().reshape(-1)  # 0-dim buffers (num_batches_tracked) too
+        h.update(f"{k}:{t.dtype}:{tuple(state[k].shape)}:".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()[:16]
 
