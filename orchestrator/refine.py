@@ -84,10 +84,12 @@ def plan_refinement(run_dir: Path, step: float) -> dict:
 
 
 def refine_spec(spec, sparsities: list[float]):
-    """The coarse spec restricted to the fine sparsities and to pruners whose sparsity is a free parameter."""
+    """The coarse spec restricted to the fine sparsities and to pruners that follow the sweep's sparsity list
+    (not N:M-style fixed patterns, not entries that carry their own ``sparsities``)."""
     from tasks.pruners import PRUNERS
 
-    pruners = tuple(p for p in spec.pruners if PRUNERS.get(p.name).fixed_sparsity(p.settings) is None)
+    pruners = tuple(p for p in spec.pruners
+                    if PRUNERS.get(p.name).fixed_sparsity(p.settings) is None and p.sparsities is None)
     if not pruners:
         raise RefineError("pruners: every pruner has a fixed sparsity (e.g. N:M); nothing to refine")
     return replace(spec, sparsities=tuple(sparsities), pruners=pruners)
