@@ -322,7 +322,7 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
 def _transition_sections(best, models, info, out, tracking_uri, settings):
     from .bands import BandSettings
     from .cts import CTSSettings
-    from .rr import load_diagnostics
+    from .rr import load_diagnostics, load_lamp
     from .transition_report import build_sections
 
     cts_kw = dict(settings.get("cts", {}))
@@ -331,7 +331,7 @@ def _transition_sections(best, models, info, out, tracking_uri, settings):
     return build_sections(best, [m for m in models if m != UNKNOWN_MODEL],
                           load_diagnostics(tracking_uri, info["run_id"]), out, tracking_uri,
                           lambda eid, rid: run_url(tracking_uri, eid, rid), CTSSettings(**cts_kw),
-                          BandSettings(**settings.get("bands", {})))
+                          BandSettings(**settings.get("bands", {})), lamp=load_lamp(tracking_uri, info["run_id"]))
 
 
 def write_report(run_dir: str | Path) -> dict[str, Path]:

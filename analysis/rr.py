@@ -3,8 +3,8 @@
 Contract (written by the sweep): the parent run holds ``diagnostics/<model>.parquet`` with columns
 model, layer, n_weights, shape (JSON list), sparsity (candidate grid), D_raw, D_repair, R.
 Allocations come from ``tasks.allocation`` (imported lazily): RR = greedy on R, ERK from the layer
-shapes. LAMP needs the weights, which the analysis side never loads, so CTS and the allocation figure
-compare RR with ERK only (as the paper's CTS does).
+shapes. LAMP needs the weights, which the analysis side never loads: the sweep logs LAMP's per-layer allocations
+at the CTS targets as ``diagnostics/<model>.lamp.json`` ({target "0.9500": {layer: s}}), read back here.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from mlflow.tracking import MlflowClient
 
 from .cts import CTSSettings, compute_cts
 
-__all__ = ["RRCurves", "curves_from_frame", "load_diagnostics", "allocations", "model_cts"]
+__all__ = ["RRCurves", "curves_from_frame", "load_diagnostics", "load_lamp", "allocations", "model_cts", "jrr_table"]
 
 DIAG_DIR = "diagnostics"
 DIAG_COLUMNS = ("model", "layer", "n_weights", "shape", "sparsity", "D_raw", "D_repair", "R")
@@ -73,6 +73,43 @@ def load_diagnostics(tracking_uri: str, parent_run_id: str | None) -> dict[str, 
             df = pd.read_parquet(local)
             out[Path(a.path).stem if df.empty else str(df["model"].iloc[0])] = df
     return out
+
+
+def load_lamp(tracking_uri: str, parent_run_id: str | None) -> dict[str, dict[float, dict[str, float]]]:
+    """``{model: {target: {layer: sparsity}}}`` from the parent run's ``diagnostics/*.lamp.json`` ({} if none)."""
+    if not parent_run_id:
+        return {}
+    client = MlflowClient(tracking_uri)
+    try:
+        arts = client.list_artifacts(parent_run_id, DIAG_DIR)
+    except Exception:  # noqa: BLE001 - nothing logged
+        return {}
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for a in arts:
+            if a.path.endswith(".lamp.json"):
+                raw = json.loads(Path(client.download_artifacts(parent_run_id, a.path, tmp)).read_text())
+                out[Path(a.path).name[: -len(".lamp.json")]] = {float(t): al for t, al in raw.items()}
+    return out
+
+
+def jrr_table(c: RRCurves, lamp: dict[float, dict[str, float]], targets) -> list[dict[str, float]]:
+    """J_RR of the RR, ERK and LAMP allocations at each target (LAMP where the sweep logged it)."""
+    from tasks.allocation import erk_sparsities, greedy_allocate
+
+    from .cts import j_rr
+
+    cost = {ly: c.r[i].tolist() for i, ly in enumerate(c.layers)}
+    rows = []
+    for t in targets:
+        row = {"target": float(t),
+               "RR": j_rr(c.r, c.grid, c.layers, greedy_allocate(cost, c.sizes, c.grid, _reachable(c, t))),
+               "ERK": j_rr(c.r, c.grid, c.layers, erk_sparsities(c.shapes, t))}
+        key = min(lamp, key=lambda x: abs(x - t), default=None)
+        if key is not None and abs(key - t) < 1e-9:
+            row["LAMP"] = j_rr(c.r, c.grid, c.layers, lamp[key])
+        rows.append(row)
+    return rows
 
 
 def _reachable(c: RRCurves, target: float) -> float:

@@ -134,7 +134,26 @@ def _agreement_lines(recs: list[dict]) -> list[str]:
     return out
 
 
-def _cts_for(model: str, diags: dict, cts_st: CTSSettings, w: _Writer) -> dict | None:
+def _jrr_section(w: _Writer, curves, lamp: dict, targets) -> list[dict]:
+    """Mean repairability J_RR of the RR, ERK and LAMP allocations at a few targets (SPEC §6)."""
+    from .rr import jrr_table
+
+    rows = jrr_table(curves, lamp, targets)
+    w.heading("J_RR of the allocations (mean R over layers at the allocated sparsities; lower = more repairable)")
+    cols = ["RR", "ERK", "LAMP"]
+    w.md += ["| target | " + " | ".join(cols) + " |", "|---:|" + "---:|" * len(cols)]
+    w.md += ["| " + f"{100 * r['target']:g}%" + " | " + " | ".join(f"{r[c]:.3f}" if c in r else "–" for c in cols)
+             + " |" for r in rows] + [""]
+    cells = "".join(f"<th>{c}</th>" for c in cols)
+    body = "".join("<tr><td>" + f"{100 * r['target']:g}%</td>" + "".join(
+        f"<td>{r[c]:.3f}</td>" if c in r else "<td>–</td>" for c in cols) + "</tr>" for r in rows)
+    w.ht.append(f"<table><tr><th>target</th>{cells}</tr>{body}</table>")
+    if not lamp:
+        w.note("LAMP: no diagnostics/<model>.lamp.json on the parent run (sweeps before LAMP logging).")
+    return rows
+
+
+def _cts_for(model: str, diags: dict, cts_st: CTSSettings, w: _Writer, lamp: dict | None = None) -> dict | None:
     from .rr import allocations, curves_from_frame, model_cts
 
     if model not in diags:
@@ -166,18 +185,24 @@ def _cts_for(model: str, diags: dict, cts_st: CTSSettings, w: _Writer) -> dict |
     w.figure(allocation_figure(curves.layers, al["RR"], al["ERK"], target, f"{model}: RR − ERK sparsity"),
              "alloc", f"{model}: RR vs ERK allocation", HOW_TO_READ["alloc"].format(t=100 * target))
     cts["allocation"] = {"target": target, **al}
+    lamp = lamp or {}
+    near = min(lamp, key=lambda x: abs(x - target), default=None)
+    if near is not None and abs(near - target) < 1e-9:
+        cts["allocation"]["LAMP"] = lamp[near]
+    targets = [t for t in (0.9, 0.925, 0.95, 0.975) if curves.grid[0] <= t <= curves.grid[-1] + 1e-12]
+    cts["j_rr"] = _jrr_section(w, curves, lamp, targets)
     return cts
 
 
 def build_sections(best: pd.DataFrame, models: list[str], diags: dict[str, pd.DataFrame], out_dir,
                    tracking_uri: str, url_of, cts_st: CTSSettings = CTSSettings(),
-                   band_st: BandSettings = BandSettings()) -> Sections:
+                   band_st: BandSettings = BandSettings(), lamp: dict | None = None) -> Sections:
     sec = Sections(bands_json={"settings": json_clean({"cts": cts_st.to_dict(), "bands": band_st.to_dict()}),
                                "models": {}})
     for model in models:
         md, ht = [], []
         w = _Writer(out_dir, model, md, ht)
-        cts = _cts_for(model, diags, cts_st, w)
+        cts = _cts_for(model, diags, cts_st, w, (lamp or {}).get(model))
         mb = best[best["model"].astype("object") == model]
         recs = bands(mb, {model: cts} if cts else None, band_st) if not mb.empty else []
         for pruner in sorted({r["pruner"] for r in recs}):

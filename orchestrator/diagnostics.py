@@ -142,3 +142,23 @@ def log_diagnostics(client, parent_run_id: str, root: Path, res: DiagnosticsResu
                 dst = Path(d) / name
                 dst.write_bytes(table_path(root, key).read_bytes())
                 client.log_artifact(parent_run_id, str(dst), "diagnostics")
+
+
+def log_lamp_allocations(client, parent_run_id: str, root: Path, res: DiagnosticsResult, weights_of,
+                         targets) -> None:
+    """Parent-run artifacts ``diagnostics/<model>.lamp.json``: {target: {layer: sparsity}} of LAMP over the layers
+    of the model's diagnostics table. The analysis side never loads weights, so LAMP (which needs them) is
+    computed here once and read back by the report's CTS section. ``weights_of(model) -> {param: tensor}``."""
+    import json
+
+    from tasks.allocation import lamp_sparsities
+
+    for model, keys in res.models.items():
+        layers = list(dict.fromkeys(load_table(root, keys[0])["layer"]))
+        params = weights_of(model)
+        w = {ly: params[ly] for ly in layers}
+        alloc = {f"{t:.4f}": lamp_sparsities(w, float(t)) for t in targets}
+        with tempfile.TemporaryDirectory() as d:
+            dst = Path(d) / f"{model}.lamp.json"
+            dst.write_text(json.dumps(alloc, sort_keys=True))
+            client.log_artifact(parent_run_id, str(dst), "diagnostics")

@@ -95,12 +95,13 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
     from orchestrator.mlflow_async import AsyncMlflowWriter
     from orchestrator.resume import JOURNAL_FILE, ResumeError, read_sweep, reconcile, told_states, write_sweep
     from orchestrator.search import PerCellOptunaSearch
-    from orchestrator.diagnostics import diagnostics_stage, log_diagnostics
+    from orchestrator.diagnostics import diagnostics_stage, log_diagnostics, log_lamp_allocations
     from orchestrator.dense import DenseReport, budget_modes
     from orchestrator.stages import dense_stage, mask_stage, prepare_models
     from orchestrator.tracking import MlflowTrialLogger, experiment_id, start_parent
-    from tasks.adapters import get_adapter
     from orchestrator.spec_sources import untrained
+    from tasks.adapters import get_adapter
+    from tasks.models import load_model
 
     t0 = time.time()
     out_dir, store_root, cache_dir = (Path(p).resolve() for p in (out_dir, store_root, cache_dir))
@@ -169,6 +170,14 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
             reconcile(client, experiment_id(client, spec.mlflow.experiment), sweep_id, journal)
         session = info.get("resumes", 0)
         log_diagnostics(client, parent, diag_root, diag)
+        if diag.models:  # LAMP allocations need weights: computed here, read back by the report's CTS section
+            from analysis.cts import CTSSettings
+
+            def weights_of(m):
+                lm = load_model(m, cache_dir, data_seed=spec.data_seed, progress=False, **spec.load_kwargs(m))
+                return {k: v.detach() for k, v in lm.model.named_parameters()}
+
+            log_lamp_allocations(client, parent, diag_root, diag, weights_of, CTSSettings().targets)
         if dense_rep.events:  # damaged shards found and recomputed
             client.log_text(parent, "\n".join(dense_rep.events) + "\n", f"store_events_{session}.txt")
         gran = {}

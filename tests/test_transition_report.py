@@ -9,9 +9,10 @@ import re
 import matplotlib.image as mpimg
 import numpy as np
 import pytest
+from mlflow import MlflowClient
 
 from analysis import write_report
-from analysis.cts import CTSSettings, compute_cts
+from analysis.cts import CTSSettings, compute_cts, j_rr
 from analysis.rr import curves_from_frame, load_diagnostics
 from tests import transition_fixture as tf
 
@@ -113,3 +114,24 @@ def test_rr_targets_capped_at_reachable(monkeypatch):
     al = allocations(c, 0.99)
     assert set(al["RR"].values()) == {0.975}  # every layer at the top of the grid
     assert al["ERK"] == pytest.approx({ly: 0.975 for ly in tf.LAYERS}, abs=1e-6)  # ERK floor 0.025
+
+
+def test_jrr_table_includes_lamp_logged_by_the_sweep(sweep, tmp_path, monkeypatch):
+    """J_RR of RR, ERK and the LAMP allocation the sweep logged as diagnostics/<model>.lamp.json."""
+    tf.install_reference_allocation(monkeypatch)
+    lamp = {"0.9500": {"conv1.weight": 0.90, "layer1.conv.weight": 0.95, "fc.weight": 0.975}}
+    src = tmp_path / f"{MODEL}.lamp.json"
+    src.write_text(json.dumps(lamp))
+    MlflowClient(sweep["uri"]).log_artifact(sweep["parent"], str(src), "diagnostics")
+    run_dir = tmp_path / "run"
+    tf.write_sweep_json(run_dir, sweep["uri"])
+    md = write_report(run_dir)["md"].read_text()
+    assert "### J_RR of the allocations" in md
+    # R at the LAMP sparsities: conv1 0.70 @0.90, layer1 0.70 @0.95, fc 0.70 @0.975 -> mean 0.700
+    row = next(line for line in md.splitlines() if line.startswith("| 95% |"))
+    assert row.endswith("| 0.700 |")
+    c = curves_from_frame(tf.diagnostics_frame(MODEL))
+    cost = {ly: c.r[i].tolist() for i, ly in enumerate(c.layers)}
+    rr = j_rr(c.r, c.grid, c.layers, tf.greedy_allocate(cost, c.sizes, c.grid, 0.95))
+    assert row.startswith(f"| 95% | {rr:.3f} |")
+    assert next(line for line in md.splitlines() if line.startswith("| 90% |")).endswith("| – |")  # not logged
