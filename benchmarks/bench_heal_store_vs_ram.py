@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from tasks.adapters import get_adapter
-from tasks.heal import HEALERS, HealConfig, HealContext, steps_per_epoch
+from tasks.heal import HEALERS, HealConfig, HealContext, in_memory_batches, steps_per_epoch
 from tasks.models import load_model
 from tasks.pruners import apply_masks, make_masks
 from tasks.store import TargetStore
@@ -58,11 +58,9 @@ def main() -> None:
         def store_batches(epoch):
             return reader.iter_batches(a.batch, shuffle=True, seed=0, epoch=epoch)
 
-        def ram_batches(epoch):
-            order = torch.from_numpy(reader.epoch_order(shuffle=True, seed=0, epoch=epoch))
-            for i in range(0, len(order), a.batch):
-                rows = order[i : i + a.batch]
-                yield rows, {k: v[rows] for k, v in in_ram.items()}
+        # the same targets in RAM, visited in the store's row order
+        ram_batches = in_memory_batches(in_ram, a.batch, 0,
+                                        order=lambda epoch: reader.epoch_order(shuffle=True, seed=0, epoch=epoch))
 
         def one_epoch(batches) -> float:
             model = copy.deepcopy(lm.model)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from tasks.adapters import get_adapter
-from tasks.heal import HEALERS, HealConfig, HealContext, steps_per_epoch
+from tasks.heal import HEALERS, HealConfig, HealContext, in_memory_batches, steps_per_epoch
 from tasks.pruners import apply_masks, make_masks, mask_violations
 from tasks.sources import ModelRef, build_untrained
 from tasks.store import TargetStore
@@ -82,11 +82,9 @@ def run(a: argparse.Namespace) -> dict:
         def store_batches(epoch):
             return reader.iter_batches(a.batch, shuffle=True, seed=0, epoch=epoch)
 
-        def ram_batches(epoch):
-            order = torch.from_numpy(reader.epoch_order(shuffle=True, seed=0, epoch=epoch))
-            for i in range(0, len(order), a.batch):
-                rows = order[i : i + a.batch]
-                yield rows, {k: v[rows.to(dev)] for k, v in in_ram.items()}
+        # the same targets in RAM, visited in the store's row order
+        ram_batches = in_memory_batches(in_ram, a.batch, 0,
+                                        order=lambda epoch: reader.epoch_order(shuffle=True, seed=0, epoch=epoch))
 
         def heal(batches, epochs: int) -> tuple[float, torch.nn.Module]:
             model = copy.deepcopy(dense)

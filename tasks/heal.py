@@ -235,15 +235,20 @@ def steps_per_epoch(n_rows: int, batch_size: int) -> int:
     return math.ceil(n_rows / batch_size)
 
 
-def in_memory_batches(targets: Mapping[str, torch.Tensor], batch_size: int, seed: int) -> Batches:
-    """Targets held in RAM, shuffled per epoch with a seeded generator (tests, benchmarks, recompute mode)."""
+def in_memory_batches(targets: Mapping[str, torch.Tensor], batch_size: int, seed: int,
+                      order: Callable[[int], Any] | None = None) -> Batches:
+    """Targets held in RAM, shuffled per epoch with a seeded generator (tests, benchmarks, recompute mode).
+    ``order(epoch)`` overrides the row order (e.g. a store reader's ``epoch_order``, to compare like with like)."""
     n = next(iter(targets.values())).shape[0]
 
     def batches(epoch: int) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        if order is None:
+            rows_all = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        else:
+            rows_all = torch.as_tensor(order(epoch))
         for i in range(0, n, batch_size):
-            rows = order[i : i + batch_size]
-            yield rows, {k: v[rows] for k, v in targets.items()}
+            rows = rows_all[i : i + batch_size]
+            yield rows, {k: v[rows.to(v.device)] for k, v in targets.items()}
 
     return batches
 
