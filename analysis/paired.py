@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from .ordering import LEGEND, claim_check, measured_ordering
 from .runs import pattern_sort_key
 
 __all__ = ["REFERENCE", "PairedRow", "paired_groups", "paired_sections"]
@@ -76,16 +77,41 @@ def _rows(g: pd.DataFrame, reference: str) -> list[PairedRow]:
     return sorted(out, key=lambda r: (-r.healed_mean if not math.isnan(r.healed_mean) else math.inf, r.healer))
 
 
-def paired_groups(best: pd.DataFrame, reference: str = REFERENCE) -> list[tuple[dict, list[PairedRow]]]:
-    """[(group values, rows)] for one model's best-per-cell frame; only groups with two or more healers."""
+def _values(g: pd.DataFrame) -> dict[str, dict[tuple, float]]:
+    """healer label -> {(seed, mask_key): healed accuracy}: what analysis/ordering.py pairs."""
+    g = g.assign(_label=_labels(g))
+    return {label: {(r.seed, r.mask_key if isinstance(r.mask_key, str) else None): float(r.healed_acc)
+                    for r in h.drop_duplicates("seed").itertuples(index=False)}
+            for label, h in g.groupby("_label", sort=True)}
+
+
+def _groups(best: pd.DataFrame):
     best = best[best["healed_acc"].notna()]
-    out = []
-    for key, g in best.groupby(list(GROUP), dropna=False, sort=False):
-        if g["healer"].nunique() < 2:
-            continue
-        out.append((dict(zip(GROUP, key)), _rows(g, reference)))
+    out = [(dict(zip(GROUP, key)), g) for key, g in best.groupby(list(GROUP), dropna=False, sort=False)
+           if g["healer"].nunique() >= 2]
     return sorted(out, key=lambda x: (str(x[0]["pruner"]), str(x[0]["scope"]), pattern_sort_key(x[0]["pattern"]),
                                       float(x[0]["calib_size"]) if pd.notna(x[0]["calib_size"]) else math.inf))
+
+
+def paired_groups(best: pd.DataFrame, reference: str = REFERENCE) -> list[tuple[dict, list[PairedRow]]]:
+    """[(group values, rows)] for one model's best-per-cell frame; only groups with two or more healers."""
+    return [(group, _rows(g, reference)) for group, g in _groups(best)]
+
+
+def ordering_lines(g: pd.DataFrame) -> list[str]:
+    """The measured ordering of one group and, where its healers ran, the paper's claim pair by pair; nothing
+    when every healer ran with one seed only."""
+    values = _values(g)
+    if max(map(len, values.values()), default=0) < 2:
+        return []  # one seed: no noise estimate, nothing to order beyond the table
+    lines = [f"Measured ordering (paired, 95 % CI): {measured_ordering(values)}"]
+    checks = claim_check(values)
+    if checks:
+        lines.append("Paper's claim cosine ≥ MSE ≥ KL ≥ CE: " + "; ".join(
+            f"{a} − {b} = {_pm(ci.mean, None, sign=True)} pp"
+            f"{'' if ci.half is None else f' [95 % CI {(ci.mean - ci.half) * 100:+.2f}, {(ci.mean + ci.half) * 100:+.2f}]'}"
+            f" ({word})" for a, b, ci, word in checks))
+    return lines
 
 
 def _pm(mean: float | None, std: float | None, scale: float = 100.0, sign: bool = False) -> str:
@@ -111,21 +137,24 @@ def _title(group: dict, vary_scope: bool) -> str:
 
 def paired_sections(best: pd.DataFrame) -> tuple[list[str], list[str]]:
     """(markdown lines, html fragments) of the paired section for one model; both empty with < 2 healers."""
-    groups = paired_groups(best)
+    groups = _groups(best)
     if not groups:
         return [], []
     vary_scope = best["scope"].astype("object").nunique() > 1
     e = html.escape
-    md = ["", "### Healers on identical masks", "", NOTE]
-    ht = ["<h3>Healers on identical masks</h3>", f'<p class="note">{e(NOTE)}</p>']
-    for group, rows in groups:
+    md = ["", "### Healers on identical masks", "", NOTE + " Ordering: " + LEGEND]
+    ht = ["<h3>Healers on identical masks</h3>", f'<p class="note">{e(NOTE + " Ordering: " + LEGEND)}</p>']
+    for group, g in groups:
+        rows, order = _rows(g, REFERENCE), ordering_lines(g)
         title = _title(group, vary_scope)
         md += ["", f"#### {title}", "", "| " + " | ".join(HEADERS) + " |",
                "|---|" + "---:|" * (len(HEADERS) - 1)]
         md += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+        md += [""] + [f"{line}  " for line in order]
         head = "".join(f"<th>{e(h)}</th>" for h in HEADERS)
         tds = ['<td class="l">'] + ["<td>"] * (len(HEADERS) - 1)
         body = "".join("<tr>" + "".join(f"{td}{e(c)}</td>" for td, c in zip(tds, _cells(r))) + "</tr>\n"
                        for r in rows)
-        ht += [f"<h4>{e(title)}</h4>", f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}</tbody>\n</table>"]
+        ht += [f"<h4>{e(title)}</h4>", f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}</tbody>\n</table>",
+               *(f'<p class="ordering">{e(line)}</p>' for line in order)]
     return md, ht

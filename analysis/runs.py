@@ -32,10 +32,10 @@ ROLE_TAG = "healsweep.role"
 # Identity columns (tags, run info and string params).
 STR_COLUMNS = (
     "run_id", "experiment_id", "status", "cell_id", "trial_id", "store_key", "pattern",
-    "model", "pruner", "scope", "healer", "granularity", "failure_reason", "mask_key",
+    "model", "pruner", "scope", "healer", "granularity", "failure_reason", "mask_key", "grid",
 )
 _TAG_COLUMNS = ("cell_id", "trial_id", "store_key", "pattern", "failure_reason", "mask_key")
-_STR_PARAMS = ("model", "pruner", "scope", "healer", "granularity")
+_STR_PARAMS = ("model", "pruner", "scope", "healer", "granularity", "grid")
 FLOAT_PARAM_COLUMNS = ("sparsity", "lr")
 INT_COLUMNS = ("calib_size", "epochs", "batch_size", "seed")  # nullable Int64
 METRIC_COLUMNS = (

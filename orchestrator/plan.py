@@ -25,10 +25,12 @@ class Cell:
     healer_settings: Mapping[str, Any]
     seed: int
     cell_id: str = field(default="", compare=False)
+    grid: str = field(default="main", compare=False)  # the spec grid that listed it first (not its identity)
 
     def identity(self) -> dict:
         d = asdict(self)
         d.pop("cell_id")
+        d.pop("grid")
         return d
 
     def mask_identity(self, model_digest: str, calib_digest: str) -> dict:
@@ -65,12 +67,26 @@ def grid(spec: SweepSpec, scopes: Mapping[str, str]):
 
 
 def expand_cells(spec: SweepSpec, scopes: Mapping[str, str]) -> list[Cell]:
-    """All cells of the grid, in a stable order; ``scopes`` maps model -> resolved scope name."""
-    cells = []
-    for fields in grid(spec, scopes):
-        c = Cell(*fields)
-        cells.append(Cell(**{**c.identity(), "cell_id": content_key(c.identity())[:12]}))
+    """All cells of the sweep in a stable order: the main grid's, then each extra grid's (``spec.grids``) that
+    are not already listed; ``scopes`` maps model -> resolved scope name."""
+    from orchestrator.grids import views
+
+    cells, seen = [], set()
+    for name, view in views(spec):
+        for fields in grid(view, scopes):
+            ident = Cell(*fields).identity()
+            cid = content_key(ident)[:12]
+            if cid not in seen:
+                seen.add(cid)
+                cells.append(Cell(**ident, cell_id=cid, grid=name))
     return cells
+
+
+def grid_searches(spec: SweepSpec) -> dict:
+    """Grid name -> its SearchSpec (the top-level search with that grid's overrides)."""
+    from orchestrator.grids import views
+
+    return {name: view.search for name, view in views(spec)}
 
 
 def targets_identity(model: str, model_digest: str, dataset_digest: str, calib_order_digest: str,

@@ -64,6 +64,8 @@ def plan_refinement(run_dir: Path, step: float) -> dict:
     exp = meta.get("experiment") or "healsweep"
     trials = load_trials(uri, meta["sweep_id"], exp)
     best = best_per_cell(trials)
+    if "grid" in best:  # extra grids (e.g. a healer comparison) do not shape the main grid's refinement
+        best = best[best["grid"].isna() | (best["grid"] == "main")]
     if best.empty:
         raise RefineError(f"{run_dir}: sweep {meta['sweep_id']} has no finished trials to refine")
     recs = bands(best, None, BandSettings(**(meta.get("analysis") or {}).get("bands", {})))
@@ -85,14 +87,14 @@ def plan_refinement(run_dir: Path, step: float) -> dict:
 
 def refine_spec(spec, sparsities: list[float]):
     """The coarse spec restricted to the fine sparsities and to pruners that follow the sweep's sparsity list
-    (not N:M-style fixed patterns, not entries that carry their own ``sparsities``)."""
+    (not N:M-style fixed patterns, not entries that carry their own ``sparsities``); extra grids are not refined."""
     from tasks.pruners import PRUNERS
 
     pruners = tuple(p for p in spec.pruners
                     if PRUNERS.get(p.name).fixed_sparsity(p.settings) is None and p.sparsities is None)
     if not pruners:
         raise RefineError("pruners: every pruner has a fixed sparsity (e.g. N:M); nothing to refine")
-    return replace(spec, sparsities=tuple(sparsities), pruners=pruners)
+    return replace(spec, sparsities=tuple(sparsities), pruners=pruners, grids=())  # the main grid only
 
 
 def run_refinement(run_dir: Path, step: float = 0.005, *, address: str | None = None, progress: bool = True,

@@ -55,15 +55,19 @@ class PerCellOptunaSearch(Searcher):
     def __init__(self, cells: list[Mapping[str, Any]], trials_per_cell: int, lr: tuple[float, float],
                  epochs: tuple[int, int], sampler_seed: int, journal: Path, *, asha: bool = False,
                  startup_trials: int | None = None, metric: str = "selection_acc", mode: str = "max",
-                 defer: Callable[[Callable[[], None]], None] | None = None) -> None:
+                 defer: Callable[[Callable[[], None]], None] | None = None,
+                 grids: Mapping[str, Any] | None = None) -> None:
+        """``grids``: grid name -> search settings (``trials_per_cell``, ``lr``, ``epochs``, ``startup_trials``
+        attributes) for cells whose ``grid`` is listed; every other cell uses the arguments above."""
         super().__init__(metric=metric, mode=mode)
         self._cells = {c["cell_id"]: dict(c) for c in cells}
-        self._space = {"lr": FloatDistribution(lr[0], lr[1], log=True)}
+        self._asha = asha
         self._asha_epochs = {"epochs": epochs[1]} if asha else {}
         self._no_search = {cid for cid, c in self._cells.items() if fixed_cell(c)}
-        if not asha:
-            self._space["epochs"] = IntDistribution(epochs[0], epochs[1])
-        self._startup = startup_trials or max(1, min(10, trials_per_cell // 2))
+        default = (trials_per_cell, tuple(lr), tuple(epochs), startup_trials)
+        grids = {k: (g.trials_per_cell, tuple(g.lr), tuple(g.epochs), g.startup_trials)
+                 for k, g in (grids or {}).items()}
+        self._budget = {cid: grids.get(c.get("grid"), default) for cid, c in self._cells.items()}
         self._sampler_seed = sampler_seed
         self._storage = open_journal(journal)
         self._studies: dict[str, optuna.Study] = {}
@@ -78,9 +82,17 @@ class PerCellOptunaSearch(Searcher):
             self.already_done += sum(t.state in DONE for t in trials)
             pending = [(cid, t.number) for t in trials if t.state not in DONE]
             self.rerun += [f"{cid}-{n}" for _, n in pending]
-            budget = 1 if cid in self._no_search else trials_per_cell
+            budget = 1 if cid in self._no_search else self._budget[cid][0]
             todo.append(pending + [(cid, None)] * max(0, budget - len(trials)))
         self._queue = [row[i] for i in range(max(map(len, todo), default=0)) for row in todo if i < len(row)]
+
+    def space(self, cell_id: str) -> dict:
+        """The cell's Optuna search space: lr (log scale), and epochs unless ASHA decides the length."""
+        _, lr, epochs, _ = self._budget[cell_id]
+        out = {"lr": FloatDistribution(lr[0], lr[1], log=True)}
+        if not self._asha:
+            out["epochs"] = IntDistribution(epochs[0], epochs[1])
+        return out
 
     @property
     def total(self) -> int:
@@ -94,8 +106,9 @@ class PerCellOptunaSearch(Searcher):
         return self._studies[cell_id]
 
     def _sampler(self, cell_id: str, number: int) -> optuna.samplers.BaseSampler:
+        trials, _, _, startup = self._budget[cell_id]
         return optuna.samplers.TPESampler(seed=cell_sampler_seed(self._sampler_seed, cell_id, number),
-                                          n_startup_trials=self._startup)
+                                          n_startup_trials=startup or max(1, min(10, trials // 2)))
 
     def set_search_properties(self, metric, mode, config, **spec) -> bool:
         return True  # the space is ours; metric/mode were fixed at construction
@@ -107,7 +120,7 @@ class PerCellOptunaSearch(Searcher):
         study = self.study(cell_id)
         if number is None:
             study.sampler = self._sampler(cell_id, len(study.get_trials(deepcopy=False)))
-            number = study.ask(self._space).number
+            number = study.ask(self.space(cell_id)).number
         params = study.trials[number].params
         if cell_id in self._no_search:
             params = {"lr": 0.0, "epochs": 0}

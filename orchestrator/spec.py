@@ -16,7 +16,7 @@ import yaml
 class SpecError(ValueError):
     def __init__(self, path: str, message: str) -> None:
         super().__init__(f"{path}: {message}" if path else message)
-        self.path = path
+        self.path, self.message = path, message
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,7 @@ class SweepSpec:
     model_refs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> tasks.sources.ModelRef dict
     dataset_settings: Mapping[str, Any] = field(default_factory=dict)  # `dataset: {name: ..., <settings>}`
     offline: bool = False  # no downloads: weights must be in the local cache
+    grids: tuple = ()  # extra grids run in the same sweep (orchestrator/grids.py GridSpec)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -280,7 +281,29 @@ def parse_spec(raw: Any) -> SweepSpec:
     if data is not None:
         check_healer_data(spec, data)
     _check_scopes(spec, ADAPTERS, MODELS)
+    if d.get("grids"):  # [] (what to_dict writes for none) = no extra grids
+        from dataclasses import replace
+
+        from orchestrator.grids import parse_grids
+
+        spec = replace(spec, grids=parse_grids(d["grids"], spec, lambda g, s, p: _parse_view(raw, g, s, p)))
     return spec
+
+
+def _parse_view(raw: Mapping, grid: Mapping, search: Mapping, path: str) -> SweepSpec:
+    """One extra grid as a whole spec (the top level with the grid's keys and search overrides), validated by
+    ``parse_spec`` itself so that every rule holds for it; error paths gain ``path`` in front."""
+    view = {k: v for k, v in raw.items() if k != "grids"}
+    view.update(grid, search={**(raw.get("search") or {}), **search})
+    if "models" in grid:
+        from tasks.sources import parse_ref
+
+        entries = {parse_ref(m, offline=bool(raw.get("offline", False))).name: m for m in raw["models"]}
+        view["models"] = [entries.get(m, m) for m in grid["models"]]
+    try:
+        return parse_spec(view)
+    except SpecError as e:
+        raise SpecError(f"{path}.{e.path}" if e.path else path, e.message) from None
 
 
 def _plugins(v: Any) -> tuple[str, ...]:

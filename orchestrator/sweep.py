@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from orchestrator.plan import Cell, expand_cells
+from orchestrator.plan import Cell, expand_cells, grid_searches
 from orchestrator.spec import SweepSpec
 from orchestrator.trainable import tune_trainable  # noqa: F401 - re-exported
 
@@ -79,6 +79,19 @@ def _scheduler(spec: SweepSpec):
     return ASHAScheduler(time_attr="epoch", metric=spec.search.objective, mode="max", max_t=spec.search.epochs[1],
                          grace_period=spec.search.asha_grace_period,
                          reduction_factor=spec.search.asha_reduction_factor)
+
+
+def drop_epoch_checkpoints(experiment_dir: Path) -> int:
+    """Delete Tune's per-epoch checkpoints of a finished ``fit`` (they only serve retries inside that fit; a
+    resumed sweep reruns unfinished trials from scratch, and healed weights live in ``trials/``). -> bytes freed."""
+    import shutil
+
+    freed = 0
+    for ckpt in Path(experiment_dir).glob("*/checkpoint_*"):
+        if ckpt.is_dir() and not ckpt.is_symlink():
+            freed += sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+            shutil.rmtree(ckpt, ignore_errors=True)
+    return freed
 
 
 def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path, *, address: str | None = None,
@@ -157,7 +170,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
             parent = start_parent(client, spec.mlflow.experiment, sweep_id, spec.name, {
                 "spec_name": spec.name, "cells": len(cells), "trials_per_cell": spec.search.trials_per_cell,
                 "models": ",".join(spec.models), "objective": spec.search.objective, "store": str(store_root),
-                "scheduler": spec.search.scheduler})
+                "scheduler": spec.search.scheduler, "grids": ",".join(["main", *(g.name for g in spec.grids)])})
             client.log_text(parent, json.dumps(spec.to_dict(), indent=1, default=list), "spec.json")
             info["parent_run_id"] = parent
             write_sweep(out_dir, info)
@@ -191,7 +204,8 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         writer = AsyncMlflowWriter(client)
         searcher = PerCellOptunaSearch(configs, spec.search.trials_per_cell, spec.search.lr, spec.search.epochs,
                                        spec.search.sampler_seed, journal, asha=spec.search.scheduler == "asha",
-                                       startup_trials=spec.search.startup_trials, defer=writer.submit)
+                                       startup_trials=spec.search.startup_trials, defer=writer.submit,
+                                       grids=grid_searches(spec))
         logger_cb = MlflowTrialLogger(writer, spec.mlflow.experiment, sweep_id, parent, dense, replace=resume)
         prog = _Progress(searcher.total, progress)
         resources = {"cpu": spec.resources.cpus_per_trial, "gpu": spec.resources.gpus_per_trial}
@@ -206,9 +220,10 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
                                       failure_config=tune.FailureConfig(max_failures=spec.resources.max_failures),
                                       checkpoint_config=tune.CheckpointConfig(num_to_keep=1)),
         )
-        t_tune = time.time()
+        t_tune, freed = time.time(), 0
         if searcher.total:
             tuner.fit()
+            freed = drop_epoch_checkpoints(out_dir / "tune" / f"{spec.name}-{sweep_id}-s{session}")
         tune_seconds = time.time() - t_tune
         prog.bar.close()
         t_flush = time.perf_counter()
@@ -229,7 +244,8 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
             "diagnostics_layers_computed": diag.computed_layers, "diagnostics_seconds": diag.seconds,
             "dense_shards_computed": sum(dense_rep.shards.values()), "store_integrity_events": len(dense_rep.events),
             "mlflow_callback_seconds": logger_cb.callback_seconds, "mlflow_writer_seconds": writer.write_seconds,
-            "mlflow_flush_seconds": flush_seconds, "mlflow_write_errors": writer.errors}.items()])
+            "mlflow_flush_seconds": flush_seconds, "mlflow_write_errors": writer.errors,
+            "tune_checkpoint_bytes_freed": freed}.items()])
         client.set_terminated(parent, "FINISHED")
     finally:
         if writer is not None:

@@ -11,7 +11,7 @@ from ray.tune import Callback
 from orchestrator.mlflow_async import AsyncMlflowWriter
 
 TRIAL_PARAMS = ("model", "pruner", "scope", "sparsity", "calib_size", "healer", "granularity", "seed", "lr",
-                "epochs", "batch_size", "target_mode")
+                "epochs", "batch_size", "target_mode", "grid")
 EPOCH_METRICS = ("align_loss", "selection_acc")
 FINAL_METRICS = ("dense_acc", "pruned_acc", "healed_acc", "retention", "heal_seconds", "dense_forward_images",
                  "mask_violations", "achieved_sparsity")
@@ -76,7 +76,7 @@ class MlflowTrialLogger(Callback):
         granularity = c["healer_settings"].get("granularity", "auto")
         if granularity == "auto":
             granularity = c["default_granularity"]
-        values = {**c, "granularity": granularity}
+        values = {"grid": "main", **c, "granularity": granularity}
         params = [Param(k, str(values[k])) for k in TRIAL_PARAMS]
         params += [Param("pruner_settings", str(dict(c["pruner_settings"]))),
                    Param("optuna_trial", str(c["optuna_trial"])), Param("device", str(c.get("device", "cpu")))]

@@ -13,7 +13,10 @@ SPEC = {"name": "healers-e2e", "models": ["vit_digits"], "sparsities": [0.9], "c
         "pruners": ["magnitude"], "seeds": [0, 1],
         "healers": ["starfish", "none", {"chain": ["none", "starfish"]}],
         # fixed lr/epochs: one trial per cell, so starfish and none+starfish see the same budget
-        "search": {"trials_per_cell": 1, "lr": [2.0e-3, 2.0e-3], "epochs": [2, 2]}}
+        "search": {"trials_per_cell": 1, "lr": [2.0e-3, 2.0e-3], "epochs": [2, 2]},
+        # an extra grid with its own search budget: starfish alone on 128 images, 2 trials of 1 epoch
+        "grids": [{"name": "wide", "calib_sizes": [128], "seeds": [0], "healers": ["starfish"],
+                   "search": {"trials_per_cell": 2, "lr": [1.0e-3, 3.0e-3], "epochs": [1, 1]}}]}
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +27,7 @@ def sweep(tmp_path_factory, model_cache):  # noqa: F811
 
 def test_healers_share_masks_and_pair_in_the_report(sweep):
     client, runs = child_runs(sweep)
+    runs = [r for r in runs if r.data.params["grid"] == "main"]
     assert len(runs) == 6 and sweep.trials_failed == 0  # 3 healers x 2 seeds, one trial each
     by = {(r.data.params["healer"], int(r.data.params["seed"])): r for r in runs}
     assert set(by) == {(h, s) for h in ("starfish", "none", "none+starfish") for s in (0, 1)}
@@ -51,3 +55,23 @@ def test_healers_share_masks_and_pair_in_the_report(sweep):
     assert set(rows) == {"healer", "starfish", "none", "none+starfish"}
     assert rows["none+starfish"].endswith("| +0.00 ± 0.00 | 2 |")
     assert rows["starfish"].endswith("| reference | – |")
+
+
+def test_extra_grid_runs_with_its_own_budget_and_checkpoints_are_dropped(sweep):
+    client, runs = child_runs(sweep)
+    assert len(runs) == 8 and sweep.trials_finished == 8
+    wide = [r for r in runs if r.data.params["grid"] == "wide"]
+    assert len(wide) == 2 and len({r.data.tags["cell_id"] for r in wide}) == 1  # one cell, 2 trials
+    for r in wide:
+        p = r.data.params
+        assert (p["calib_size"], p["healer"], p["seed"], p["epochs"]) == ("128", "starfish", "0", "1")
+        assert 1e-3 <= float(p["lr"]) <= 3e-3
+        assert len(client.get_metric_history(r.info.run_id, "align_loss")) == 1
+    assert len({float(r.data.params["lr"]) for r in wide}) == 2  # the search drew two learning rates
+    # the mask of the wide cell is the main grid's seed-0 mask (masks do not depend on calibration size here)
+    main0 = [r for r in runs if r.data.params["grid"] == "main" and r.data.params["seed"] == "0"]
+    assert {r.data.tags["mask_key"] for r in wide} == {main0[0].data.tags["mask_key"]}
+    # Tune's per-epoch checkpoints are gone once the fit is over; healed weights stay for export
+    assert not list((sweep.out_dir / "tune").glob("*/*/checkpoint_*"))
+    assert client.get_run(sweep.parent_run_id).data.metrics["tune_checkpoint_bytes_freed"] > 0
+    assert len(list((sweep.out_dir / "trials").glob("*/healed.safetensors"))) == 8

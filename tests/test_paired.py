@@ -95,3 +95,34 @@ def test_report_has_the_paired_section(store, tmp_path):
     page = paths["html"].read_text()
     assert page.count("<h3>Healers on identical masks</h3>") == 2
     assert '<td class="l">none</td><td>3</td><td>6.00</td><td>10.00 ± 2.00</td><td>-64.00 ± 8.49</td>' in page
+
+
+def test_report_states_the_ordering_with_its_noise(store, tmp_path):
+    md = write_report_from(store, SWEEP, tmp_path)["md"].read_text()
+    vit = md.split("## vit\n", 1)[1].split("\n## ", 1)[0]
+    # starfish - mse: d = .02 .01 .05 -> +2.67 pp, 95 % CI ± t(0.975, 2) 4.3027 x 2.0817 / sqrt(3) = ± 5.17 pp;
+    # mse - none: two pairs only (seed 2 on another mask), ± 12.706 x 7.78 / sqrt(2) = ± 69.9 pp: within noise
+    assert "Measured ordering (paired, 95 % CI): starfish ≈ mse ≈ none" in vit
+    assert "Paper's claim cosine ≥ MSE ≥ KL ≥ CE: starfish − mse = +2.67 pp [95 % CI -2.50, +7.84] (within noise)" in vit
+    cnn = md.split("## cnn\n", 1)[1].split("\n## ", 1)[0]
+    assert "Measured ordering" not in cnn and "Paper's claim" not in cnn  # one seed: no noise estimate
+
+
+def test_paired_interval_and_verdicts_by_hand():
+    from analysis.ordering import claim_check, measured_ordering, paired_ci
+
+    ci = paired_ci({0: 0.80, 1: 0.70, 2: 0.75}, {0: 0.78, 1: 0.69, 2: 0.70, 9: 0.0})  # key 9 has no pair
+    assert ci.n == 3 and ci.mean == pytest.approx(0.0266667, abs=1e-6)
+    assert ci.half == pytest.approx(4.302653 * 0.0208167 / 3 ** 0.5, rel=1e-5) and ci.sign == "≈"
+    one = paired_ci({0: 0.9}, {0: 0.1, 1: 0.2})
+    assert (one.n, one.mean, one.half, one.sign) == (1, pytest.approx(0.8), None, "?")
+    assert paired_ci({0: 0.9}, {1: 0.1}) is None
+    a = {0: 0.90, 1: 0.91, 2: 0.92}
+    b = {0: 0.80, 1: 0.805, 2: 0.83}  # a - b = .1 .105 .09: interval well above 0
+    c = {0: 0.81, 1: 0.79, 2: 0.83}  # b - c = -.01 .015 0: contains 0
+    d = {7: 0.10}  # shares no seed with c
+    assert paired_ci(a, b).sign == ">" and paired_ci(b, a).sign == "<"
+    assert measured_ordering({"c": c, "a": a, "d": d, "b": b}) == "a > b ≈ c ? d"
+    got = {(x, y): w for x, y, _, w in claim_check({"starfish": b, "mse": a, "kl": c, "ce": d})}
+    assert got == {("starfish", "mse"): "reversed", ("mse", "kl"): "holds"}  # kl - ce: no shared seed
+    assert {(x, y): w for x, y, _, w in claim_check({"starfish": b, "mse": c})} == {("starfish", "mse"): "within noise"}

@@ -45,6 +45,19 @@ def test_refine_spec_drops_fixed_sparsity_pruners():
     fine = refine_spec(spec, [0.91, 0.92])
     assert fine.sparsities == (0.91, 0.92) and [p.name for p in fine.pruners] == ["magnitude"]
     assert fine.healers == spec.healers and fine.calib_sizes == spec.calib_sizes
+    assert spec.grids and fine.grids == ()  # the healer-comparison grid is not refined
+
+
+def test_extra_grid_records_do_not_widen_the_refinement(tmp_path):
+    from mlflow import MlflowClient
+
+    sweep = tf.build_store(tmp_path)
+    client = MlflowClient(sweep["uri"])
+    for cell, rid in sweep["ids"].items():  # `none` (transition at .7) ran in another grid: ignored
+        client.log_param(rid, "grid", "healers" if cell.startswith("none-") else "main")
+    run_dir = tmp_path / "run"
+    tf.write_sweep_json(run_dir, sweep["uri"])
+    assert plan_refinement(run_dir, 0.025)["interval"] == (0.7, 0.95)  # starfish's band alone
 
 
 def test_plan_and_cli_dry_run(tmp_path, capsys):

@@ -12,21 +12,24 @@ def add_parser(sub):
 
 
 def main(args) -> int:
-    from collections import defaultdict
+    from collections import Counter, defaultdict
 
-    from orchestrator.plan import grid
+    from orchestrator.plan import expand_cells, grid_searches
     from tasks.heal import resolve_healer
 
     spec = load_spec_or_exit(args.spec)
-    cells, trials, fixed = 0, 0, 0
-    trains = defaultdict(lambda: True)
-    for *_, healer, settings, _seed in grid(spec, defaultdict(str)):
-        key = (healer, repr(sorted(settings.items())))
+    searches = grid_searches(spec)
+    cells = expand_cells(spec, defaultdict(str))  # scopes are not needed to count cells
+    trains, trials, fixed = {}, Counter(), 0
+    for c in cells:
+        key = (c.healer, repr(sorted(c.healer_settings.items())))
         if key not in trains:
-            trains[key] = resolve_healer(healer, settings).trains
-        cells += 1
-        trials += spec.search.trials_per_cell if trains[key] else 1  # healers without training: 1 trial
+            trains[key] = resolve_healer(c.healer, c.healer_settings).trains
+        trials[c.grid] += searches[c.grid].trials_per_cell if trains[key] else 1  # no training: 1 trial
         fixed += not trains[key]
     note = f" ({fixed} cells whose healer does not train run 1 trial)" if fixed else ""
-    print(f"{args.spec}: ok: {cells} cells, {trials} trials{note}")
+    print(f"{args.spec}: ok: {len(cells)} cells, {sum(trials.values())} trials{note}")
+    if spec.grids:
+        per = Counter(c.grid for c in cells)
+        print("  " + "; ".join(f"grid {g}: {per[g]} cells, {trials[g]} trials" for g in searches))
     return 0
