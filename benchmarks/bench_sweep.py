@@ -27,7 +27,8 @@ def figures(run_dir: Path) -> dict:
     trials = client.search_runs([exp.experiment_id], f"tags.sweep_id = '{info['sweep_id']}' and "
                                                      "tags.`healsweep.role` = 'trial'", max_results=50000)
     spec = info["spec"]
-    distinct = len(spec["models"]) * max(spec["calib_sizes"])  # one calibration set per model, largest size
+    sizes = [*spec["calib_sizes"], *(n for g in spec.get("grids") or () for n in g.get("calib_sizes") or ())]
+    distinct = len(spec["models"]) * max(sizes)  # one calibration set per model, largest size of any grid
     pm = parent.data.metrics
     compute = sum(t.data.metrics.get("trial_seconds", 0.0) for t in trials)
     return {"run": str(run_dir), "trials": len(trials), "dense_forward_images": int(pm["dense_forward_images"]),
