@@ -5,6 +5,8 @@
 - ``cts_figure``: G, T, CTS, CTS̄ with threshold, core and broad band.
 - ``rr_heatmap``: per-layer R_ℓ(s) on the candidate grid.
 - ``allocation_figure``: s_ℓ(RR) − s_ℓ(ERK) per layer at one target (paper 004 Fig. 4 style).
+- ``healers_figure``: healers on identical masks, every seed's accuracy joined across healers (paired view),
+  mean ± std per healer.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 
-__all__ = ["bands_figure", "cts_figure", "rr_heatmap", "allocation_figure", "BAND_COLORS"]
+__all__ = ["bands_figure", "cts_figure", "rr_heatmap", "allocation_figure", "healers_figure", "BAND_COLORS"]
 
 BAND_COLORS = {"recoverable": "#2ca02c", "transition": "#ff7f0e", "collapse": "#d62728"}
 
@@ -141,5 +143,32 @@ def allocation_figure(layers: list[str], rr: dict, erk: dict, target: float, tit
     ax.set_xlabel(f"s(RR) − s(ERK), points of sparsity, at target {100 * target:g}%")
     ax.grid(True, axis="x", alpha=0.3)
     ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def healers_figure(panels: list[tuple[str, dict]], title: str) -> Figure:
+    """One panel per group: x = healers by mean healed accuracy, one grey line per seed (same mask) through
+    its healers, black bar = mean with a ± std whisker; accuracy in %."""
+    n = max(1, len(panels))
+    cols = min(3, n)
+    rows = math.ceil(n / cols)
+    fig = _fig(5.2 * cols, 3.9 * rows)
+    for k, (name, values) in enumerate(panels):
+        ax = fig.add_subplot(rows, cols, k + 1)
+        means = {h: float(np.mean(list(v.values()))) for h, v in values.items() if v}
+        order = sorted(means, key=lambda h: (-means[h], h))
+        for key in sorted({key for v in values.values() for key in v}, key=repr):  # one seed (and mask)
+            pts = [(i, 100 * values[h][key]) for i, h in enumerate(order) if key in values[h]]
+            ax.plot(*zip(*pts), color="0.6", marker="o", markersize=3.5, linewidth=0.8, zorder=1)
+        for i, h in enumerate(order):
+            v = 100 * np.asarray(list(values[h].values()))
+            std = float(v.std(ddof=1)) if len(v) > 1 else 0.0
+            ax.errorbar([i], [v.mean()], yerr=[std], fmt="_", color="black", markersize=18, capsize=4, zorder=2)
+        ax.set_xticks(range(len(order)), order, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("healed top-1 (%)")
+        ax.set_title(name, fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(title)
     fig.tight_layout()
     return fig

@@ -18,7 +18,7 @@ import pandas as pd
 from .ordering import LEGEND, claim_check, measured_ordering
 from .runs import pattern_sort_key
 
-__all__ = ["REFERENCE", "PairedRow", "paired_groups", "paired_sections"]
+__all__ = ["REFERENCE", "PairedRow", "paired_groups", "paired_sections", "healer_panels"]
 
 REFERENCE = "starfish"
 GROUP = ("pruner", "scope", "pattern", "calib_size")
@@ -96,6 +96,18 @@ def _groups(best: pd.DataFrame):
 def paired_groups(best: pd.DataFrame, reference: str = REFERENCE) -> list[tuple[dict, list[PairedRow]]]:
     """[(group values, rows)] for one model's best-per-cell frame; only groups with two or more healers."""
     return [(group, _rows(g, reference)) for group, g in _groups(best)]
+
+
+def healer_panels(best: pd.DataFrame) -> list[tuple[str, dict[str, dict[tuple, float]]]]:
+    """[(group title, healer -> {(seed, mask_key): healed acc})] of the groups where a healer ran with two or
+    more seeds: what ``analysis.figures.healers_figure`` draws."""
+    vary_scope = best["scope"].astype("object").nunique() > 1
+    out = []
+    for group, g in _groups(best):
+        values = _values(g)
+        if max(map(len, values.values()), default=0) >= 2:
+            out.append((_title(group, vary_scope), values))
+    return out
 
 
 def ordering_lines(g: pd.DataFrame) -> list[str]:

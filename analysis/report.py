@@ -22,7 +22,8 @@ from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .paired import paired_sections
+from .figures import healers_figure
+from .paired import healer_panels, paired_sections
 from .runs import best_per_cell, is_nm, load_sweep_info, load_trials, pattern_sort_key, \
     pattern_sparsity
 
@@ -37,6 +38,10 @@ HOW_TO_READ = (
     "is the achieved fraction of prunable weights that are zero. Trials counts every run of the "
     "cell, failed ones included; failed runs are never selected."
 )
+HEALERS_HOW = ("How to read this: one panel per pruner × pattern × calibration size; healers sorted by mean "
+               "healed accuracy. Each grey line is one seed, i.e. one mask shared by every healer, so parallel "
+               "lines mean a consistent (paired) difference and crossing lines mean the order changes with the "
+               "seed. Black bars: mean ± std over seeds.")
 UNKNOWN_MODEL = "(unknown model)"
 
 
@@ -306,6 +311,14 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
         paired_md, paired_html = paired_sections(mb)  # healers on identical masks (analysis/paired.py)
         md += paired_md
         ht += paired_html
+        panels = healer_panels(mb)
+        if panels:  # several seeds: show the noise and the pairing
+            png = _png(healers_figure(panels, f"{model}: healers on identical masks"))
+            fname = f"fig_{_safe_name(model + '_healers', taken)}.png"
+            (out / fname).write_bytes(png)
+            md += ["", f"![{_md_cell(model)}: healers on identical masks]({fname})", "", HEALERS_HOW]
+            ht.append(f'<figure><img src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}" '
+                      f'alt="{e(model)}: healers on identical masks"><figcaption>{e(HEALERS_HOW)}</figcaption></figure>')
         md += trans.md.get(model, [])
         ht += trans.html.get(model, [])
 

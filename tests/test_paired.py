@@ -106,6 +106,21 @@ def test_report_states_the_ordering_with_its_noise(store, tmp_path):
     assert "Paper's claim cosine ≥ MSE ≥ KL ≥ CE: starfish − mse = +2.67 pp [95 % CI -2.50, +7.84] (within noise)" in vit
     cnn = md.split("## cnn\n", 1)[1].split("\n## ", 1)[0]
     assert "Measured ordering" not in cnn and "Paper's claim" not in cnn  # one seed: no noise estimate
+    # the paired figure: vit (3 seeds) only
+    assert "![vit: healers on identical masks](fig_vit_healers.png)" in vit and (tmp_path / "fig_vit_healers.png").is_file()
+    assert "healers on identical masks](" not in cnn and not (tmp_path / "fig_cnn_healers.png").exists()
+
+
+def test_healer_panels_hold_every_seed_on_its_mask(store):
+    from analysis.paired import healer_panels
+
+    best = best_per_cell(load_trials(store, SWEEP))
+    (title, values), = healer_panels(best[best["model"] == "vit"])
+    assert title == "magnitude, pattern 0.9, calib size 64"
+    assert values["starfish"] == {(0, "m0"): 0.80, (1, "m1"): 0.70, (2, "m2"): 0.75}
+    assert values["mse"][(0, "m0")] == 0.78  # the best trial by selection accuracy, not the 0.99 one
+    assert set(values["none"]) == {(0, "m0"), (1, "m1"), (2, "other")}
+    assert healer_panels(best[best["model"] == "cnn"]) == []
 
 
 def test_paired_interval_and_verdicts_by_hand():
