@@ -90,3 +90,37 @@ def parse_grids(raw: Any, spec, parse_view) -> tuple[GridSpec, ...]:
         out.append(GridSpec(name, *(getattr(view, k) if k in d else None for k in GRID_KEYS),
                             {k: getattr(view.search, k) for k in search}))
     return tuple(out)
+
+
+def view_raw(raw: Mapping, grid: Mapping, search: Mapping, path: str) -> dict:
+    """The top-level spec document with one grid's keys and search overrides: what ``parse_spec`` validates for
+    that grid. With a ``models`` subset, the top-level model entries (sources) of those names are used, the
+    ``scope`` map keeps those models, and inherited pruner/healer entries restricted to other models are left
+    out (those restricted to some of the grid's models keep just those)."""
+    from orchestrator.spec import SpecError
+    from tasks.sources import parse_ref
+
+    view = {k: v for k, v in raw.items() if k != "grids"}
+    view.update(grid, search={**(raw.get("search") or {}), **search})
+    if "models" not in grid:
+        return view
+    names = list(grid["models"])
+    entries = {parse_ref(m, offline=bool(raw.get("offline", False))).name: m for m in raw["models"]}
+    view["models"] = [entries.get(m, m) for m in names]
+    if isinstance(raw.get("scope"), Mapping):
+        view["scope"] = {m: s for m, s in raw["scope"].items() if m in names}
+    for key in ("pruners", "healers"):
+        if key in grid or not isinstance(raw.get(key), list):
+            continue
+        kept = []
+        for item in raw[key]:
+            only = item.get("models") if isinstance(item, Mapping) else None
+            if only is None:
+                kept.append(item)
+            elif any(m in names for m in only):
+                kept.append({**item, "models": [m for m in only if m in names]})
+        if not kept:
+            raise SpecError(f"{path}.{key}", f"no top-level {key[:-1]} entry applies to the grid's models "
+                                             f"({', '.join(names)}); list {key} in the grid")
+        view[key] = kept
+    return view

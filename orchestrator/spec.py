@@ -291,15 +291,11 @@ def parse_spec(raw: Any) -> SweepSpec:
 
 
 def _parse_view(raw: Mapping, grid: Mapping, search: Mapping, path: str) -> SweepSpec:
-    """One extra grid as a whole spec (the top level with the grid's keys and search overrides), validated by
-    ``parse_spec`` itself so that every rule holds for it; error paths gain ``path`` in front."""
-    view = {k: v for k, v in raw.items() if k != "grids"}
-    view.update(grid, search={**(raw.get("search") or {}), **search})
-    if "models" in grid:
-        from tasks.sources import parse_ref
+    """One extra grid as a whole spec (orchestrator/grids.py ``view_raw``), validated by ``parse_spec`` itself so
+    that every rule holds for it; error paths gain ``path`` in front."""
+    from orchestrator.grids import view_raw
 
-        entries = {parse_ref(m, offline=bool(raw.get("offline", False))).name: m for m in raw["models"]}
-        view["models"] = [entries.get(m, m) for m in grid["models"]]
+    view = view_raw(raw, grid, search, path)  # its own errors carry the grid's path already
     try:
         return parse_spec(view)
     except SpecError as e:

@@ -120,3 +120,23 @@ def test_default_sweep_holds_the_healer_comparison(capsys):
     # healers grid: 45 training cells x 4 trials + 9 `none` cells
     assert "154 cells, 439 trials (59 cells whose healer does not train run 1 trial)" in out
     assert "grid main: 100 cells, 250 trials; grid healers: 54 cells, 189 trials" in out
+
+
+def test_a_grid_on_fewer_models_narrows_inherited_entries_and_scopes():
+    two = {"models": ["vit_digits", "resnet_digits"], "scope": {"resnet_digits": "conv"},
+           "pruners": ["magnitude", {"name": "erk", "models": ["resnet_digits"]},
+                       {"name": "corp", "models": ["vit_digits"], "scope": "mlp_qk"}],
+           "healers": ["starfish", {"name": "crbn", "models": ["resnet_digits"]},
+                       {"name": "none", "models": ["vit_digits", "resnet_digits"]}]}
+    spec = parse_spec(with_grids({"name": "vit", "models": ["vit_digits"], "sparsities": [0.7]}, **two))
+    cells = [c for c in expand_cells(spec, SCOPES) if c.grid == "vit"]
+    # erk and crbn are restricted to the ResNet: not inherited by a ViT-only grid; corp keeps its ViT entry,
+    # none its ViT half
+    assert {(c.model, c.pruner, c.healer) for c in cells} == {
+        ("vit_digits", p, h) for p in ("magnitude", "corp") for h in ("starfish", "none")}
+    (g,) = spec.grids
+    assert g.pruners is None and g.healers is None  # inherited, narrowed only in the view
+    with pytest.raises(SpecError) as e:
+        parse_spec(with_grids({"name": "r", "models": ["resnet_digits"]},
+                              **{**two, "pruners": [{"name": "corp", "models": ["vit_digits"], "scope": "mlp_qk"}]}))
+    assert e.value.path == "grids[0].pruners" and "no top-level pruner entry applies" in str(e.value)
