@@ -50,7 +50,7 @@ def report(tmp_path_factory):
 def test_figures_decode_in_chromium(report, tmp_path):
     page = report.read_text()
     n_img = page.count("<img ")
-    assert n_img == 5
+    assert n_img == 6  # top-1 vs sparsity, paired healers, four transition figures
     probe = tmp_path / "probe.html"  # a copy with a load-time probe; the report itself has no script
     probe.write_text(page.replace("</body>", PROBE + "</body>"))
     out = _chromium(tmp_path, "--dump-dom", probe.as_uri())

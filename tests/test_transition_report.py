@@ -56,11 +56,11 @@ def test_report_has_every_section(sweep, tmp_path, monkeypatch):
         assert heading in page, heading
     assert md.count("**How to read this.**") == 4  # cts, rr, alloc, bands figures
     imgs = re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
-    assert len(imgs) == 5  # top-1 vs sparsity + the four transition figures
+    assert len(imgs) == 6  # top-1 vs sparsity + paired healers figure (2 healers x 2 seeds) + four transition figures
     for b64 in imgs:
         px = mpimg.imread(io.BytesIO(base64.b64decode(b64)), format="png")
         assert len(np.unique(px.reshape(-1, px.shape[-1]), axis=0)) > 10  # not blank
-    for stem in ("cts", "rr", "alloc", "bands_magnitude"):
+    for stem in ("healers", "cts", "rr", "alloc", "bands_magnitude"):
         assert (run_dir / f"fig_{MODEL}_{stem}.png").is_file()
 
     bands = json.loads(paths["bands"].read_text())
