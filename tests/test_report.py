@@ -82,11 +82,11 @@ def store(tmp_path_factory):
                           healed=0.70, pruned=0.10351)
     ids["c2/t1"] = _trial(**R, **rn, cell="c2", trial="t1", pattern="0.5", calib=128, sel=0.74,
                           healed=0.72, pruned=0.10351)
-    # c3: tie on selection_acc -> the faster trial wins
-    ids["c3/t0"] = _trial(**R, **rn, cell="c3", trial="t0", pattern="0.8", calib=64, sel=0.5,
-                          healed=0.45, pruned=0.02, heal_s=30.0)
-    ids["c3/t1"] = _trial(**R, **rn, cell="c3", trial="t1", pattern="0.8", calib=64, sel=0.5,
-                          healed=0.40, pruned=0.02, heal_s=12.0)
+    # c3: tie on selection_acc -> the trial with fewer epochs wins (wall-clock heal_seconds does not count)
+    ids["c3/t0"] = _trial(**R, **rn, cell="c3", trial="t0", pattern="0.8", calib=64, sel=0.5, epochs=5,
+                          healed=0.45, pruned=0.02, heal_s=12.0)
+    ids["c3/t1"] = _trial(**R, **rn, cell="c3", trial="t1", pattern="0.8", calib=64, sel=0.5, epochs=3,
+                          healed=0.40, pruned=0.02, heal_s=30.0)
     ids["c4/t0"] = _trial(**R, **rn, cell="c4", trial="t0", pattern="2:4", calib=64, sel=0.6,
                           healed=0.62, pruned=0.3)
     ids["c4/t1"] = _trial(**R, **rn, cell="c4", trial="t1", pattern="2:4", calib=64, sel=0.65,
@@ -136,13 +136,27 @@ def test_load_trials_empty(store):
         assert best_per_cell(df).empty
 
 
+def test_best_per_cell_tie_break_is_deterministic():
+    # equal selection_acc and epochs: the lower Optuna trial number wins, compared as a number ("-2" < "-10"),
+    # whatever the row order or the run ids and wall-clock times
+    rows = [dict(run_id=f"r{i}", status="FINISHED", cell_id="c", trial_id=f"c-{n}", selection_acc=0.9,
+                 epochs=4, heal_seconds=float(h)) for i, (n, h) in enumerate([(10, 1.0), (2, 9.0), (3, 5.0)])]
+    rows.append(dict(run_id="r9", status="FINISHED", cell_id="c", trial_id="c-0", selection_acc=0.9,
+                     epochs=6, heal_seconds=0.5))
+    for order in ([0, 1, 2, 3], [3, 2, 1, 0], [1, 3, 0, 2]):
+        df = pd.DataFrame([rows[i] for i in order])
+        df["epochs"] = df["epochs"].astype("Int64")
+        best = best_per_cell(df)
+        assert list(best["trial_id"]) == ["c-2"] and int(best["n_trials"].iloc[0]) == 4
+
+
 def test_best_per_cell_selects_on_selection_split(store):
     ids = store["ids"]
     best = best_per_cell(load_trials(store["uri"], SWEEP)).set_index("cell_id")
     assert set(best.index) == {"c1", "c2", "c3", "c4", "d1", "d2"}  # c5, v1: no finished run
     assert best.loc["c1", "run_id"] == ids["c1/t1"]  # not t0, which has the higher healed_acc
     assert best.loc["c2", "run_id"] == ids["c2/t0"]
-    assert best.loc["c3", "run_id"] == ids["c3/t1"]  # tie -> smaller heal_seconds
+    assert best.loc["c3", "run_id"] == ids["c3/t1"]  # tie -> fewer epochs, though slower
     assert best.loc["c4", "run_id"] == ids["c4/t1"]
     assert best.loc["d2", "run_id"] == ids["d2/t0"]
     assert (best.loc["c1", "n_trials"], best.loc["c1", "n_failed"]) == (3, 1)
