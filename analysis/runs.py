@@ -37,7 +37,7 @@ STR_COLUMNS = (
 _TAG_COLUMNS = ("cell_id", "trial_id", "store_key", "pattern", "failure_reason", "mask_key")
 _STR_PARAMS = ("model", "pruner", "scope", "healer", "granularity", "grid")
 FLOAT_PARAM_COLUMNS = ("sparsity", "lr")
-INT_COLUMNS = ("calib_size", "epochs", "batch_size", "seed")  # nullable Int64
+INT_COLUMNS = ("calib_size", "epochs", "batch_size", "seed", "optuna_trial")  # nullable Int64
 METRIC_COLUMNS = (
     "dense_acc", "pruned_acc", "healed_acc", "retention", "heal_seconds",
     "dense_forward_images", "mask_violations", "achieved_sparsity", "selection_acc", "align_loss",
@@ -133,10 +133,9 @@ def load_trials(tracking_uri: str, sweep_id: str, experiment: str = "healsweep")
 def best_per_cell(trials: pd.DataFrame) -> pd.DataFrame:
     """Best FINISHED trial of every cell, chosen by ``selection_acc`` (never ``healed_acc``).
 
-    Ties on selection_acc go to the fewer ``epochs`` (the cheaper trial), then the lower Optuna trial number
-    (the trailing number of ``trial_id``, compared as a number), then ``run_id``: deterministic, so the same
-    trials always give the same pick (wall-clock ``heal_seconds`` would not). Runs without selection_acc
-    rank last. Adds ``n_trials`` (all runs of the cell, any status) and ``n_failed`` (status FAILED or KILLED).
+    Ties on selection_acc go to the fewer ``epochs`` (the cheaper trial), then the lower ``optuna_trial``
+    number (the one found first), then ``run_id``: deterministic, so the same trials always give the same pick
+    (wall-clock ``heal_seconds`` would not). Runs without selection_acc rank last. Adds ``n_trials`` (all runs of the cell, any status) and ``n_failed`` (status FAILED or KILLED).
     Cells without a finished run are absent.
     """
     counts = trials.dropna(subset=["cell_id"]).groupby("cell_id", sort=True).agg(
@@ -144,11 +143,10 @@ def best_per_cell(trials: pd.DataFrame) -> pd.DataFrame:
         n_failed=("status", lambda s: int(s.isin(FAILED_STATUSES).sum())),
     )
     done = trials[(trials["status"] == "FINISHED") & trials["cell_id"].notna()]
-    number = pd.to_numeric(done["trial_id"].astype("string").str.extract(r"(\d+)$")[0], errors="coerce")
-    ranked = done.assign(_number=number).sort_values(
-        ["cell_id", "selection_acc", "epochs", "_number", "run_id"],
+    ranked = done.sort_values(
+        ["cell_id", "selection_acc", "epochs", "optuna_trial", "run_id"],
         ascending=[True, False, True, True, True], na_position="last",
-    ).drop(columns="_number")
+    )
     best = ranked.drop_duplicates("cell_id", keep="first")
     best = best.merge(counts, left_on="cell_id", right_index=True, how="left")
     best["n_trials"] = best["n_trials"].astype("int64")

@@ -137,15 +137,15 @@ def test_load_trials_empty(store):
 
 
 def test_best_per_cell_tie_break_is_deterministic():
-    # equal selection_acc and epochs: the lower Optuna trial number wins, compared as a number ("-2" < "-10"),
-    # whatever the row order or the run ids and wall-clock times
-    rows = [dict(run_id=f"r{i}", status="FINISHED", cell_id="c", trial_id=f"c-{n}", selection_acc=0.9,
-                 epochs=4, heal_seconds=float(h)) for i, (n, h) in enumerate([(10, 1.0), (2, 9.0), (3, 5.0)])]
-    rows.append(dict(run_id="r9", status="FINISHED", cell_id="c", trial_id="c-0", selection_acc=0.9,
-                     epochs=6, heal_seconds=0.5))
+    # equal selection_acc and epochs: the lower Optuna trial number wins, compared as a number (2 < 10, though
+    # "c-10" < "c-2" as text), whatever the row order or the run ids and wall-clock times
+    rows = [dict(run_id=f"r{i}", status="FINISHED", cell_id="c", trial_id=f"c-{n}", optuna_trial=n,
+                 selection_acc=0.9, epochs=4, heal_seconds=float(h))
+            for i, (n, h) in enumerate([(10, 1.0), (2, 9.0), (3, 5.0)])]
+    rows.append(dict(run_id="r9", status="FINISHED", cell_id="c", trial_id="c-0", optuna_trial=0,
+                     selection_acc=0.9, epochs=6, heal_seconds=0.5))
     for order in ([0, 1, 2, 3], [3, 2, 1, 0], [1, 3, 0, 2]):
-        df = pd.DataFrame([rows[i] for i in order])
-        df["epochs"] = df["epochs"].astype("Int64")
+        df = pd.DataFrame([rows[i] for i in order]).astype({"epochs": "Int64", "optuna_trial": "Int64"})
         best = best_per_cell(df)
         assert list(best["trial_id"]) == ["c-2"] and int(best["n_trials"].iloc[0]) == 4
 
