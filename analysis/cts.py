@@ -1,4 +1,4 @@
-"""Calibration transition score (CTS, SPEC §6, paper 004 §5.3) from RR diagnostics alone.
+"""Calibration transition score (CTS, docs/methods.md#calibration-transition-score-and-bands, the Relative Repairability paper §5.3) from RR diagnostics alone.
 
 Inputs are the per-layer RR curves R_ℓ(s) on the candidate grid (the diagnostics table of a sweep);
 no accuracy is read. Pure numpy; allocations are passed in as callables so this module never
@@ -8,7 +8,7 @@ Definitions (all over an ascending list of target sparsities s_1 < ... < s_K):
 
 - J_RR(A) = (1/L) Σ_ℓ R_ℓ(s_ℓ). R_ℓ is evaluated by **linear interpolation** on the candidate grid
   with the anchor R_ℓ(0) = 1 (nothing pruned: D_raw = D_repair = 0 so R = ε/ε) and clamped to the
-  last grid value above the grid. SPEC's strict version recomputes R at off-grid sparsities; that needs
+  last grid value above the grid. The Relative Repairability paper's strict version recomputes R at off-grid sparsities; that needs
   the model and calibration data, so it is out of scope for the analysis side (RR allocations from the
   greedy solver lie on the grid exactly; only ERK's off-grid sparsities are interpolated).
 - G(s) = J_RR(A_s^ERK) − J_RR(A_s^RR).

@@ -4,7 +4,7 @@
   CTS core/band marked.
 - ``cts_figure``: G, T, CTS, CTS̄ with threshold, core and broad band.
 - ``rr_heatmap``: per-layer R_ℓ(s) on the candidate grid.
-- ``allocation_figure``: s_ℓ(RR) − s_ℓ(ERK) per layer at one target (paper 004 Fig. 4 style).
+- ``allocation_figure``: s_ℓ(RR) − s_ℓ(ERK) per layer at one target (the Relative Repairability paper Fig. 4 style).
 - ``healers_figure``: healers on identical masks, every seed's accuracy joined across healers (paired view),
   mean ± std per healer.
 """

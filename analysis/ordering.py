@@ -5,7 +5,7 @@ d_k = acc_A(k) - acc_B(k) over the seeds k where both ran on the same mask give 
 interval mean ± t_{0.975, n-1} · sd(d) / sqrt(n). A > B only when that interval lies above 0, A < B only when
 it lies below 0, A ≈ B otherwise ("within noise"); with fewer than two pairs there is no noise estimate ("?").
 The measured ordering sorts healers by mean accuracy and writes the verdict between neighbours; the claim
-check tests the paper's ordering (cosine ≥ MSE ≥ KL ≥ CE, SPEC §3) pair by pair.
+check tests the paper's ordering (cosine ≥ MSE ≥ KL ≥ CE, docs/methods.md#starfish) pair by pair.
 """
 from __future__ import annotations
 

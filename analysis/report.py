@@ -24,8 +24,7 @@ from matplotlib.figure import Figure
 
 from .figures import healers_figure
 from .paired import healer_panels, paired_sections
-from .runs import best_per_cell, is_nm, load_sweep_info, load_trials, pattern_sort_key, \
-    pattern_sparsity
+from .runs import best_per_cell, is_nm, load_sweep_info, load_trials, pattern_sort_key, pattern_sparsity
 
 __all__ = ["write_report", "write_report_from", "model_table", "model_figure", "run_url"]
 

@@ -18,6 +18,7 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from .cts import CTSSettings, compute_cts
+from tasks.pruning.allocation_math import erk_sparsities, greedy_allocate
 
 __all__ = ["RRCurves", "curves_from_frame", "load_diagnostics", "load_lamp", "allocations", "model_cts", "jrr_table"]
 
@@ -95,8 +96,6 @@ def load_lamp(tracking_uri: str, parent_run_id: str | None) -> dict[str, dict[fl
 
 def jrr_table(c: RRCurves, lamp: dict[float, dict[str, float]], targets) -> list[dict[str, float]]:
     """J_RR of the RR, ERK and LAMP allocations at each target (LAMP where the sweep logged it)."""
-    from tasks.allocation import erk_sparsities, greedy_allocate
-
     from .cts import j_rr
 
     cost = {ly: c.r[i].tolist() for i, ly in enumerate(c.layers)}
@@ -120,17 +119,13 @@ def _reachable(c: RRCurves, target: float) -> float:
 
 def allocations(c: RRCurves, target: float) -> dict[str, dict[str, float]]:
     """``{"RR": {layer: s}, "ERK": {layer: s}}`` at a global target sparsity."""
-    from tasks.allocation import erk_sparsities, greedy_allocate
-
     cost = {ly: c.r[i].tolist() for i, ly in enumerate(c.layers)}
     return {"RR": dict(greedy_allocate(cost, c.sizes, c.grid, _reachable(c, target))),
-            "ERK": dict(erk_sparsities(c.shapes, target))}
+            "ERK": dict(erk_sparsities(c.shapes, _reachable(c, target)))}
 
 
 def model_cts(c: RRCurves, st: CTSSettings = CTSSettings()) -> dict:
     """CTS of one model (targets restricted to the grid's range, where greedy RR is defined)."""
-    from tasks.allocation import erk_sparsities, greedy_allocate
-
     cost = {ly: c.r[i].tolist() for i, ly in enumerate(c.layers)}
     targets = tuple(x for x in st.targets if c.grid[0] <= x <= c.grid[-1] + 1e-12)
     st = CTSSettings(**{**st.to_dict(), "targets": targets})

@@ -135,7 +135,7 @@ def _agreement_lines(recs: list[dict]) -> list[str]:
 
 
 def _jrr_section(w: _Writer, curves, lamp: dict, targets) -> list[dict]:
-    """Mean repairability J_RR of the RR, ERK and LAMP allocations at a few targets (SPEC §6)."""
+    """Mean repairability J_RR of the RR, ERK and LAMP allocations at a few targets (docs/methods.md#calibration-transition-score-and-bands)."""
     from .rr import jrr_table
 
     rows = jrr_table(curves, lamp, targets)
@@ -166,7 +166,7 @@ def _cts_for(model: str, diags: dict, cts_st: CTSSettings, w: _Writer, lamp: dic
         target = round((cts["core"]["lo"] + cts["core"]["hi"]) / 2, 4) if cts["core"] else 0.95
         target = min(max(target, curves.grid[0]), curves.grid[-1])
         al = allocations(curves, target)
-    except (ImportError, ValueError) as e:  # allocation module missing, bad diagnostics, infeasible target
+    except ValueError as e:  # bad diagnostics, infeasible target
         w.note(f"CTS unavailable: {e}.")
         return None
     core = cts["core"]

@@ -14,12 +14,10 @@ from pathlib import Path
 
 import torch
 
-from tasks.adapters import get_adapter
-from tasks.heal import HEALERS, HealConfig, HealContext, in_memory_batches, steps_per_epoch
-from tasks.models import load_model
-from tasks.pruners import PruneContext, apply_masks, make_masks
-from tasks.shrink import efficiency_metrics
-from tasks.targets import dense_targets
+from tasks.healing import HEALERS, HealConfig, HealContext, dense_targets, in_memory_batches, steps_per_epoch
+from tasks.models import get_adapter, load_model
+from tasks.pruning import PruneContext, apply_masks, make_masks
+from tasks.pruning.shrink import efficiency_metrics
 
 
 def main() -> None:

@@ -18,12 +18,10 @@ from pathlib import Path
 
 import torch
 
-from tasks.adapters import get_adapter
-from tasks.heal import HEALERS, GradientHealer, HealConfig, HealContext, steps_per_epoch
-from tasks.models import load_model
-from tasks.pruners import apply_masks, make_masks
+from tasks.healing import HEALERS, GradientHealer, HealConfig, HealContext, dense_targets, steps_per_epoch
+from tasks.models import get_adapter, load_model
+from tasks.pruning import apply_masks, make_masks
 from tasks.store import TargetStore
-from tasks.targets import dense_targets
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Cost of RR diagnostics (SPEC §5) for the ResNet reference model, and how it scales with layers × candidates.
+"""Cost of RR diagnostics (docs/methods.md#relative-repairability-crbn-rr) for the ResNet reference model, and how it scales with layers × candidates.
 
 Per layer: one dense forward to capture the layer's input (fixed cost), then per candidate sparsity one
 pruned layer application, one CR (γ) and one BN re-estimation (per-candidate cost). The figures are in-process
@@ -17,10 +17,9 @@ from pathlib import Path
 
 import torch
 
-from tasks.adapters import get_adapter
-from tasks.allocation import CANDIDATE_GRID
-from tasks.models import load_model
-from tasks.rr import model_diagnostics
+from tasks.models import get_adapter, load_model
+from tasks.pruning.allocation_math import CANDIDATE_GRID
+from tasks.pruning.rr import model_diagnostics
 
 
 def timed(fn, repeats: int = 3) -> float:

@@ -18,12 +18,11 @@ import time
 
 import torch
 
-from tasks import snapvit
-from tasks.adapters import get_adapter
 from tasks.evaluate import accuracy
-from tasks.models import load_model
-from tasks.pruners import apply_masks
-from tasks.xnes import default_popsize
+from tasks.models import get_adapter, load_model
+from tasks.pruning import apply_masks
+from tasks.pruning import snapvit_math as snapvit
+from tasks.pruning.xnes import default_popsize
 
 
 def _acc(model, layout, order, s, ev) -> float:

@@ -16,7 +16,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 

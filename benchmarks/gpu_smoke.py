@@ -20,12 +20,10 @@ from pathlib import Path
 
 import torch
 
-from tasks.adapters import get_adapter
-from tasks.heal import HEALERS, HealConfig, HealContext, in_memory_batches, steps_per_epoch
-from tasks.pruners import apply_masks, make_masks, mask_violations
-from tasks.sources import ModelRef, build_untrained
+from tasks.healing import HEALERS, HealConfig, HealContext, dense_targets, in_memory_batches, steps_per_epoch
+from tasks.models import ModelRef, build_untrained, get_adapter
+from tasks.pruning import apply_masks, make_masks, mask_violations
 from tasks.store import TargetStore
-from tasks.targets import dense_targets
 
 
 def parse_args(argv=None) -> argparse.Namespace:

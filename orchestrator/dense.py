@@ -12,10 +12,9 @@ import ray
 import torch
 from tqdm.auto import tqdm
 
-from tasks.adapters import get_adapter
-from tasks.models import load_model
+from tasks.healing import dense_targets
+from tasks.models import get_adapter, load_model
 from tasks.store import TargetStore, ensure_targets
-from tasks.targets import dense_targets
 
 log = logging.getLogger("healsweep.store")
 

@@ -1,4 +1,4 @@
-"""RR diagnostics as a cached stage (SPEC §5): Ray tasks, one per prunable layer, content-addressed Parquet.
+"""RR diagnostics as a cached stage (docs/methods.md#relative-repairability-crbn-rr): Ray tasks, one per prunable layer, content-addressed Parquet.
 
 A diagnostics table is computed only for cells whose pruner needs one (pruners with ``diagnostic_settings``:
 raw_shift, repair_residual, rr), once per distinct identity (model digest, calibration digest, scope, grid,
@@ -53,7 +53,7 @@ def load_table(root: Path, key: str) -> dict[str, list]:
 
 def diagnostics_identity(cell: Cell, model_digest: str, calib_digest: str) -> dict[str, Any] | None:
     """What determines a cell's diagnostics table, or None when its pruner reads none."""
-    from tasks.pruners import PRUNERS
+    from tasks.pruning import PRUNERS
 
     p = PRUNERS.get(cell.pruner)
     if not hasattr(p, "diagnostic_settings"):
@@ -66,9 +66,8 @@ def diagnostics_identity(cell: Cell, model_digest: str, calib_digest: str) -> di
 def diagnostics_layer(model: str, cache_dir: str, data_seed: int, scope: str, index: int, grid: list[float],
                       n_images: int, tau: str, threads: int) -> list[dict]:
     """One Ray task: every candidate sparsity of one prunable layer (layer input captured once)."""
-    from tasks.adapters import get_adapter
-    from tasks.models import load_model
-    from tasks.rr import layer_diagnostics
+    from tasks.models import get_adapter, load_model
+    from tasks.pruning.rr import layer_diagnostics
 
     torch.set_num_threads(max(1, threads))
     lm = load_model(model, cache_dir, data_seed=data_seed, progress=False)
@@ -93,8 +92,7 @@ def diagnostics_stage(cells: list[Cell], models: Mapping[str, Any], root: Path, 
     """Make sure every diagnostics table the cells need exists under ``root``; compute only missing ones."""
     import time
 
-    from tasks.adapters import get_adapter
-    from tasks.models import MODELS
+    from tasks.models import MODELS, get_adapter
 
     t0 = time.perf_counter()
     res = DiagnosticsResult()
@@ -151,7 +149,7 @@ def log_lamp_allocations(client, parent_run_id: str, root: Path, res: Diagnostic
     computed here once and read back by the report's CTS section. ``weights_of(model) -> {param: tensor}``."""
     import json
 
-    from tasks.allocation import lamp_sparsities
+    from tasks.pruning.allocation_math import lamp_sparsities
 
     for model, keys in res.models.items():
         layers = list(dict.fromkeys(load_table(root, keys[0])["layer"]))

@@ -98,7 +98,7 @@ def view_raw(raw: Mapping, grid: Mapping, search: Mapping, path: str) -> dict:
     ``scope`` map keeps those models, and inherited pruner/healer entries restricted to other models are left
     out (those restricted to some of the grid's models keep just those)."""
     from orchestrator.spec import SpecError
-    from tasks.sources import parse_ref
+    from tasks.models import parse_ref
 
     view = {k: v for k, v in raw.items() if k != "grids"}
     view.update(grid, search={**(raw.get("search") or {}), **search})

@@ -9,7 +9,7 @@ Syntax (one list item each)::
 
 A chain runs its steps in order on the same masked model. It becomes one ``MethodRef`` named after its steps
 joined by ``+`` (``corp+starfish``: that name is the healer in MLflow and the report) whose settings are
-``{"steps": [{"name": ..., "settings": {...}}, ...]}``; ``tasks.heal.resolve_healer`` rebuilds it.
+``{"chain": [{"name": ..., "settings": {...}}, ...]}``; ``tasks.healing.resolve_healer`` rebuilds it.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 def parse_healers(v: Any, path: str, models: tuple[str, ...] | None = None) -> tuple:
     from orchestrator.spec import MethodRef, SpecError, _keys, _list, _methods
-    from tasks.heal import HEALERS, resolve_healer
+    from tasks.healing import HEALERS, resolve_healer
 
     out = []
     for i, item in enumerate(_list(v, path)):
@@ -36,7 +36,7 @@ def parse_healers(v: Any, path: str, models: tuple[str, ...] | None = None) -> t
             steps.append({"name": ref.name, "settings": dict(ref.settings)})
         if len(steps) < 2:
             raise SpecError(f"{p}.chain", f"a chain needs at least 2 healers, got {len(steps)}")
-        settings = {"steps": steps}
+        settings = {"chain": steps}
         healer = resolve_healer("+".join(s["name"] for s in steps), settings)
         out.append(MethodRef(healer.name, settings))
     names = [(r.name, repr(sorted(r.settings.items()))) for r in out]
@@ -57,7 +57,7 @@ def _one(item, p, methods, spec_error, registry, models=None):
 def check_healer_data(spec, dataset) -> None:
     """Every healer (chain steps included) must find what it reads in the dataset, e.g. ``ce`` a labeled split."""
     from orchestrator.spec import SpecError
-    from tasks.heal import resolve_healer
+    from tasks.healing import resolve_healer
 
     for j, h in enumerate(spec.healers):
         try:

@@ -35,7 +35,7 @@ class Cell:
 
     def mask_identity(self, model_digest: str, calib_digest: str) -> dict:
         """What determines this cell's mask; calibration data only for pruners that read it."""
-        from tasks.pruners import PRUNERS
+        from tasks.pruning import PRUNERS
 
         ident = {"kind": "mask/1", "model_digest": model_digest, "pruner": self.pruner,
                  "settings": dict(self.pruner_settings), "sparsity": self.sparsity, "scope": self.scope,
@@ -48,7 +48,7 @@ class Cell:
 def grid(spec: SweepSpec, scopes: Mapping[str, str]):
     """Yield every cell's fields in a stable order (pruner/healer entries may be restricted to some models,
     a pruner entry may bring its own sparsities and scope)."""
-    from tasks.pruners import PRUNERS
+    from tasks.pruning import PRUNERS
 
     for model in spec.models:
         for p in spec.pruners:

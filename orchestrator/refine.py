@@ -88,7 +88,7 @@ def plan_refinement(run_dir: Path, step: float) -> dict:
 def refine_spec(spec, sparsities: list[float]):
     """The coarse spec restricted to the fine sparsities and to pruners that follow the sweep's sparsity list
     (not N:M-style fixed patterns, not entries that carry their own ``sparsities``); extra grids are not refined."""
-    from tasks.pruners import PRUNERS
+    from tasks.pruning import PRUNERS
 
     pruners = tuple(p for p in spec.pruners
                     if PRUNERS.get(p.name).fixed_sparsity(p.settings) is None and p.sparsities is None)

@@ -38,7 +38,7 @@ DONE = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 def fixed_cell(cell: Mapping[str, Any]) -> bool:
     """True when the cell's healer (or every step of its chain) uses no lr/epochs."""
-    from tasks.heal import resolve_healer
+    from tasks.healing import resolve_healer
 
     return "healer" in cell and not resolve_healer(cell["healer"], cell.get("healer_settings")).trains
 

@@ -190,13 +190,11 @@ def _section(cls, d: Any, path: str):
 
 def parse_spec(raw: Any) -> SweepSpec:
     """Validate a parsed YAML document."""
-    from tasks.adapters import ADAPTERS
-    from tasks.data import DATASETS, load_dataset
     from orchestrator.healer_spec import check_healer_data, parse_healers
-    from tasks.models import MODELS
-    from tasks.pruners import PRUNERS
-
     from orchestrator.spec_sources import from_dict_form
+    from tasks.data import DATASETS, load_dataset
+    from tasks.models import ADAPTERS, MODELS
+    from tasks.pruning import PRUNERS
 
     raw = from_dict_form(raw)
     top = {f for f in SweepSpec.__dataclass_fields__}
@@ -320,9 +318,8 @@ def _plugins(v: Any) -> tuple[str, ...]:
 
 def _check_scopes(spec: SweepSpec, adapters, models) -> None:
     """Scopes must exist for the model family (checked on an untrained instance: no training here)."""
-    from tasks.adapters import get_adapter
-
     from orchestrator.spec_sources import untrained
+    from tasks.models import get_adapter
 
     for m in spec.models:
         model = untrained(spec, m)
@@ -332,8 +329,8 @@ def _check_scopes(spec: SweepSpec, adapters, models) -> None:
             adapter.scope(model, model_scope)
         except ValueError as e:
             raise SpecError(f"scope.{m}", str(e)) from None
-        from tasks.heal import resolve_healer
-        from tasks.pruners import PRUNERS
+        from tasks.healing import resolve_healer
+        from tasks.pruning import PRUNERS
 
         for i, p in enumerate(spec.pruners):
             if not p.applies_to(m):

@@ -50,7 +50,7 @@ def parse_dataset(raw: Any, datasets) -> tuple[str, dict, int | None]:
 def parse_models(raw: Any, dataset: str, offline: bool, models) -> tuple[list[str], dict[str, dict]]:
     """-> (model display names, {name: ModelRef dict}); reference models must be trained on ``dataset``."""
     from orchestrator.spec import _list
-    from tasks.sources import ModelSourceError, parse_ref
+    from tasks.models import ModelSourceError, parse_ref
 
     names, refs = [], {}
     for i, item in enumerate(_list(raw, "models")):
@@ -77,7 +77,7 @@ def untrained(spec, name: str):
     """A spec's model architecture for validation and adapter defaults: no download, no training. External
     models are built on the meta device (shapes only: seconds, not minutes, for DeiT3-H); reference models
     on the CPU as before."""
-    from tasks.sources import ModelRef, build_untrained
+    from tasks.models import ModelRef, build_untrained
 
     ref = ModelRef(**(spec.model_refs.get(name) or {"name": name}))
     return build_untrained(ref, device="cpu" if ref.source == "reference" else "meta")

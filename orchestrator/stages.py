@@ -8,12 +8,10 @@ from typing import Mapping
 from orchestrator.dense import dense_stage  # noqa: F401  (re-exported: the sharded dense stage)
 from orchestrator.plan import Cell, targets_identity
 from orchestrator.spec import SweepSpec
-from tasks.adapters import get_adapter
-from tasks.masks import MaskStore
-from tasks.models import load_model
-from tasks.pruners import PruneContext, make_masks
+from tasks.healing import LOGITS
+from tasks.models import get_adapter, load_model
+from tasks.pruning import MaskStore, PruneContext, make_masks
 from tasks.store import content_key
-from tasks.targets import LOGITS
 
 
 @dataclass(frozen=True)

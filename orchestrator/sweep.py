@@ -105,16 +105,15 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
     from mlflow import MlflowClient
     from ray import tune
 
+    from orchestrator.dense import DenseReport, budget_modes
+    from orchestrator.diagnostics import diagnostics_stage, log_diagnostics, log_lamp_allocations
     from orchestrator.mlflow_async import AsyncMlflowWriter
     from orchestrator.resume import JOURNAL_FILE, ResumeError, read_sweep, reconcile, told_states, write_sweep
     from orchestrator.search import PerCellOptunaSearch
-    from orchestrator.diagnostics import diagnostics_stage, log_diagnostics, log_lamp_allocations
-    from orchestrator.dense import DenseReport, budget_modes
+    from orchestrator.spec_sources import untrained
     from orchestrator.stages import dense_stage, mask_stage, prepare_models
     from orchestrator.tracking import MlflowTrialLogger, experiment_id, start_parent
-    from orchestrator.spec_sources import untrained
-    from tasks.adapters import get_adapter
-    from tasks.models import load_model
+    from tasks.models import get_adapter, load_model
 
     t0 = time.time()
     out_dir, store_root, cache_dir = (Path(p).resolve() for p in (out_dir, store_root, cache_dir))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tasks.heal import HealingDiverged
+from tasks.healing import HealingDiverged
 from tasks.trial import TrialParams, run_trial
 
 STATE_FILE = "state.pt"

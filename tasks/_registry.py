@@ -11,15 +11,23 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    def __init__(self, kind: str) -> None:
+    """``instances=True``: the registry holds one instance per name, and ``@REG.register(name)`` on a class
+    sets ``cls.name = name``, registers ``cls()`` and returns the class (pruners, healers, adapters: stateless strategies)."""
+
+    def __init__(self, kind: str, instances: bool = False) -> None:
         self.kind = kind
+        self.instances = instances
         self._entries: dict[str, T] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
         def deco(obj: T) -> T:
             if name in self._entries:
                 raise ValueError(f"{self.kind} {name!r} is registered twice")
-            self._entries[name] = obj
+            if self.instances and isinstance(obj, type):
+                obj.name = name  # the registered name is the one name of the method (configs, MLflow, reports)
+                self._entries[name] = obj()
+            else:
+                self._entries[name] = obj
             return obj
 
         return deco

@@ -18,6 +18,12 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
+from tasks.models.adapter import get_adapter
+from tasks.models.base import MODEL_SOURCES, MODELS, ModelRef
+from tasks.models.load import load_model
+from tasks.pruning.base import achieved_sparsity, mask_violations
+from tasks.pruning.masks import MaskStore
+
 HEALED = "healed.safetensors"
 TRIAL_JSON = "trial.json"
 
@@ -54,13 +60,10 @@ def save_healed(trial_dir: Path, model: nn.Module, entries, params: Mapping[str,
 
 def dense_model(params: Mapping[str, Any]) -> nn.Module:
     """The trial's dense model from its source (no dataset is loaded for timm/torchvision/checkpoint models)."""
-    from tasks.sources import MODEL_SOURCES, ModelRef
-
     src = dict(params.get("load_kw") or {}).get("source")
     if src and src.get("source", "reference") != "reference":
         ref = ModelRef(**src)
         return MODEL_SOURCES.get(ref.source).load(ref)
-    from tasks.models import load_model
 
     return load_model(params["model"], params["cache_dir"], data_seed=params.get("data_seed", 0), progress=False).model
 
@@ -75,7 +78,6 @@ def reload_recipe(params: Mapping[str, Any]) -> dict:
         if src.get("num_classes") is not None:
             kw["num_classes"] = src["num_classes"]
         return {"library": lib or "timm", "arch": arch, "kwargs": kw, "pretrained": False}
-    from tasks.models import MODELS
 
     s = MODELS.get(params["model"])
     return {"library": "healsweep-reference", "arch": params["model"], "kwargs": dict(s.arch),
@@ -84,9 +86,6 @@ def reload_recipe(params: Mapping[str, Any]) -> dict:
 
 def export_trial(trial_dir: Path, out: Path, run_info: Mapping[str, Any] | None = None) -> dict[str, Path]:
     """Rebuild the healed model of a finished trial and write it, its mask and a model card to ``out``."""
-    from tasks.masks import MaskStore
-    from tasks.pruners import achieved_sparsity, mask_violations
-
     trial_dir, out = Path(trial_dir), Path(out)
     if not (trial_dir / HEALED).is_file():
         raise FileNotFoundError(f"{trial_dir}: no {HEALED} (the trial did not finish, or ran before healed "
@@ -103,7 +102,6 @@ def export_trial(trial_dir: Path, out: Path, run_info: Mapping[str, Any] | None 
     bad = mask_violations(model, masks)
     if bad:
         raise ValueError(f"{trial_dir}: {bad} masked weights are nonzero in the healed weights")
-    from tasks.adapters import get_adapter
 
     entries = get_adapter(model).scope(model, params["scope"])
     info = dict(run_info or {})

@@ -12,15 +12,17 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from tasks.adapters import get_adapter
 from tasks.evaluate import accuracy
 from tasks.export import save_healed
-from tasks.heal import GradientHealer, HealConfig, HealContext, resolve_healer, steps_per_epoch
-from tasks.masks import MaskStore
-from tasks.models import load_model
-from tasks.pruners import PRUNERS, achieved_sparsity, apply_masks, mask_violations
+from tasks.healing.base import HealConfig, HealContext
+from tasks.healing.chain import resolve_healer
+from tasks.healing.loop import GradientHealer, steps_per_epoch
+from tasks.healing.targets import recompute_batches
+from tasks.models.adapter import get_adapter
+from tasks.models.load import load_model
+from tasks.pruning.base import PRUNERS, achieved_sparsity, apply_masks, mask_violations
+from tasks.pruning.masks import MaskStore
 from tasks.store import TargetStore
-from tasks.target_source import recompute_batches
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,11 @@ from dataclasses import dataclass, fields
 import pytest
 import torch
 
-from tasks.adapters import get_adapter
 from tasks.data import load_digits
-from tasks.heal import HealContext, in_memory_batches, steps_per_epoch
-from tasks.models import MODELS, _build_resnet
-from tasks.pruners import PruneContext, apply_masks, make_masks, region
-from tasks.targets import dense_targets
+from tasks.healing import HealContext, dense_targets, in_memory_batches, steps_per_epoch
+from tasks.models import MODELS, get_adapter
+from tasks.models.reference import _build_resnet
+from tasks.pruning import PruneContext, apply_masks, make_masks, region
 
 
 @pytest.fixture(autouse=True, scope="session")

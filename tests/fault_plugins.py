@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tasks.heal import HEALERS, StarfishHealer
-from tasks.losses import GRANULARITIES
+from tasks.healing import HEALERS, StarfishHealer
+from tasks.healing.losses import GRANULARITIES
 
 
 class _Faulty(StarfishHealer):

@@ -3,9 +3,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tasks.adapters import ADAPTERS, ResNetAdapter, ScopeEntry, TimmVitAdapter, TorchvisionVitAdapter, \
-    UnsupportedModelError, get_adapter
-from tasks.targets import block_tap
+from tasks.healing import block_tap
+from tasks.models import ADAPTERS, ScopeEntry, UnsupportedModelError, get_adapter
+from tasks.models.cnn_adapters import ResNetAdapter
+from tasks.models.vit_adapters import TimmVitAdapter, TorchvisionVitAdapter
 
 
 def _names(entries):

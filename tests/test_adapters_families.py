@@ -9,11 +9,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tasks.adapters import get_adapter
-from tasks.heal import HEALERS, HealConfig, HealContext, in_memory_batches, steps_per_epoch
-from tasks.pruners import apply_masks, make_masks, mask_violations
-from tasks.sources import ModelRef, build_untrained
-from tasks.targets import dense_targets
+from tasks.healing import HEALERS, HealConfig, HealContext, dense_targets, in_memory_batches, steps_per_epoch
+from tasks.models import ModelRef, build_untrained, get_adapter
+from tasks.pruning import apply_masks, make_masks, mask_violations
 
 
 def _timm(arch, **kw):

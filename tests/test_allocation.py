@@ -1,4 +1,4 @@
-"""Allocation rules (SPEC §5): LAMP, ERK, the greedy repairability solver, exact counts, spec validation."""
+"""Allocation rules (docs/methods.md#relative-repairability-crbn-rr): LAMP, ERK, the greedy repairability solver, exact counts, spec validation."""
 from __future__ import annotations
 
 import copy
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from orchestrator.spec import SpecError, parse_spec
-from tasks.adapters import get_adapter
-from tasks.allocation import (CANDIDATE_GRID, allocate_counts, erk_sparsities, fit_budget, global_magnitude_sparsities,
-                              greedy_allocate, lamp_scores, lamp_sparsities)
-from tasks.pruners import PruneContext, make_masks, n_pruned
+from tasks.models import get_adapter
+from tasks.pruning import PruneContext, make_masks, n_pruned
+from tasks.pruning.allocation_math import (CANDIDATE_GRID, allocate_counts, erk_sparsities, fit_budget,
+                                           global_magnitude_sparsities, greedy_allocate, lamp_scores, lamp_sparsities)
 from tests.test_spec import BASE
 
 

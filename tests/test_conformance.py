@@ -4,18 +4,17 @@ The parameter lists are read from the registries at collection time (after impor
 entries registered in any module are picked up): a new pruner or healer is tested here without editing this file.
 """
 import importlib
-import inspect
 import pkgutil
 
 import pytest
 import torch
 
 import tasks
-from tasks.adapters import get_adapter
-from tasks.heal import HEALERS, GradientHealer, HealConfig, HealingDiverged, resolve_healer
-from tasks import pruners as pruners_mod
-from tasks.pruners import PRUNERS, achieved_sparsity, make_masks, mask_violations, region
-from tests.conftest import build_model as tiny_model_for, calib_images
+from tasks.healing import HEALERS, GradientHealer, HealConfig, HealingDiverged, resolve_healer
+from tasks.models import get_adapter
+from tasks.pruning import PRUNERS, PruneContext, achieved_sparsity, make_masks, mask_violations, region
+from tests.conftest import build_model as tiny_model_for
+from tests.conftest import calib_images
 
 for _m in pkgutil.iter_modules(tasks.__path__):
     importlib.import_module(f"tasks.{_m.name}")
@@ -29,17 +28,13 @@ def _masks(model, kind, scope, name, s, seed=0):
     e.g. N:M on input widths M does not divide; calibration images are offered where the API takes them."""
     adapter = get_adapter(model)
     p = PRUNERS.get(name)
-    if hasattr(p, "check_model"):
-        try:
-            p.check_model(model, adapter, scope, {})
-        except ValueError as e:
-            pytest.skip(f"{name} cannot serve {kind}/{scope}: {e}")
+    try:
+        p.check_model(model, adapter, scope, {})
+    except ValueError as e:
+        pytest.skip(f"{name} cannot serve {kind}/{scope}: {e}")
     entries = adapter.scope(model, scope)
-    kw = {}
-    if "ctx" in inspect.signature(make_masks).parameters and hasattr(pruners_mod, "PruneContext"):
-        kw["ctx"] = pruners_mod.PruneContext(model=model, adapter=adapter, entries=entries,
-                                             calib_images=calib_images(kind, 16))
-    return make_masks(model, entries, name, s, seed=seed, settings=getattr(p, "quick_settings", {}), **kw)
+    ctx = PruneContext(model=model, adapter=adapter, entries=entries, calib_images=calib_images(kind, 16))
+    return make_masks(model, entries, name, s, seed=seed, settings=getattr(p, "quick_settings", {}), ctx=ctx)
 
 
 @pytest.mark.parametrize("kind,scope", MODEL_SCOPES)
@@ -95,7 +90,7 @@ GRADIENT = [n for n in HEALERS.names() if isinstance(HEALERS.get(n), GradientHea
 
 
 def _healer(name):
-    settings = {"steps": [{"name": s, "settings": {}} for s in CHAINS[name]]} if name in CHAINS else {}
+    settings = {"chain": [{"name": s, "settings": {}} for s in CHAINS[name]]} if name in CHAINS else {}
     return resolve_healer(name, settings), settings
 
 

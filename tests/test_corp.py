@@ -11,16 +11,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from tasks import corp_math
-from tasks.adapters import get_adapter
-from tasks.corp import CorpPruner, vit_blocks
-from tasks.heal import HEALERS, HealConfig, HealContext, in_memory_batches, steps_per_epoch
-from tasks.pruners import PRUNERS, PruneContext, achieved_sparsity, apply_masks, make_masks, mask_violations, n_pruned
-from tasks.shrink import n_params, shrink_vit
+from tasks.healing import HEALERS, HealConfig, HealContext, corp_math, dense_targets, in_memory_batches, steps_per_epoch
+from tasks.models import get_adapter
+from tasks.pruning import PRUNERS, PruneContext, achieved_sparsity, apply_masks, make_masks, mask_violations, n_pruned
+from tasks.pruning.corp import CorpPruner, vit_blocks
+from tasks.pruning.shrink import n_params, shrink_vit
 from tasks.stats import HeadQK, Moments, Several, Tap, collect
-from tasks.targets import dense_targets
 from tests.conftest import calib_images
 
 REPO = Path(__file__).resolve().parents[1]

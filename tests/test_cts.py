@@ -4,8 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from analysis.cts import CTSSettings, band_interval, compute_cts, cts_from_objectives, interp_r, \
-    longest_run, smooth3
+from analysis.cts import CTSSettings, band_interval, compute_cts, cts_from_objectives, interp_r, longest_run, smooth3
 
 
 def test_interp_r_anchor_at_zero_and_clamp():

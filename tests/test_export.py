@@ -9,13 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tasks.adapters import get_adapter
-from tasks.masks import MaskStore
-from tasks.models import load_model
-from tasks.pruners import make_masks
-from tasks.sources import parse_ref
+from tasks.healing import dense_targets
+from tasks.models import get_adapter, load_model, parse_ref
+from tasks.pruning import MaskStore, make_masks
 from tasks.store import TargetStore
-from tasks.targets import dense_targets
 from tasks.trial import TrialParams, run_trial
 from tests.test_sources import N_CLASSES, SIZES, TINY, _images, _tiny_checkpoint
 

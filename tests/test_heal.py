@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from tasks.adapters import get_adapter
-from tasks.heal import HEALERS, HealConfig, HealingDiverged, in_memory_batches, steps_per_epoch
-from tasks.losses import cosine_align_loss
-from tasks.pruners import mask_violations, train_masks
-from tasks.targets import LOGITS, block_tap, dense_targets
+from tasks.healing import (HEALERS, LOGITS, HealConfig, HealingDiverged, block_tap, dense_targets, in_memory_batches,
+                           steps_per_epoch)
+from tasks.healing.losses import cosine_align_loss
+from tasks.models import get_adapter
+from tasks.pruning import mask_violations, train_masks
 
 STARFISH = HEALERS.get("starfish")
 CASES = [("timm_vit", "qkv_out_mlp"), ("timm_vit", "qk"), ("tv_vit", "qkv_out_mlp"), ("resnet", "conv")]
@@ -84,15 +84,15 @@ def test_nan_target_on_first_step_leaves_weights_bit_identical(heal_case):
 
 def test_huge_lr_raises_healing_diverged(heal_case):
     case = heal_case("timm_vit", "qkv_out_mlp")
-    with pytest.raises(HealingDiverged, match=r"lr=1e\+06"):
-        STARFISH.heal(case.ctx, HealConfig(lr=1e6, epochs=4, batch_size=8))
+    with pytest.raises(HealingDiverged, match=r"lr=1e\+30"):
+        STARFISH.heal(case.ctx, HealConfig(lr=1e30, epochs=4, batch_size=8))
     assert mask_violations(case.model, case.masks) == 0
 
 
 def test_huge_lr_leaves_no_nan_weights(heal_case):
     case = heal_case("timm_vit", "qkv_out_mlp")
     with pytest.raises(HealingDiverged):
-        STARFISH.heal(case.ctx, HealConfig(lr=1e6, epochs=4, batch_size=8))
+        STARFISH.heal(case.ctx, HealConfig(lr=1e30, epochs=4, batch_size=8))
     assert all(torch.isfinite(p).all() for p in case.model.parameters())
 
 

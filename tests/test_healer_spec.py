@@ -13,7 +13,7 @@ def test_chain_entry_becomes_one_named_healer_with_steps():
     s = parse_spec(spec_with(healers=["none", {"chain": ["none", {"name": "starfish", "settings": {"granularity": "example"}}]},
                                       {"name": "starfish_kl", "settings": {"w_kl": 0.25}}]))
     assert [h.name for h in s.healers] == ["none", "none+starfish", "starfish_kl"]
-    assert s.healers[1].settings == {"steps": [{"name": "none", "settings": {}},
+    assert s.healers[1].settings == {"chain": [{"name": "none", "settings": {}},
                                                {"name": "starfish", "settings": {"granularity": "example"}}]}
     cells = expand_cells(s, {"vit_digits": "qkv_out_mlp"})
     assert {c.healer for c in cells} == {"none", "none+starfish", "starfish_kl"}
@@ -62,7 +62,7 @@ def test_healers_without_training_get_one_trial_and_no_search(tmp_path):
     cells = [{"cell_id": "a", "healer": "none", "healer_settings": {}},
              {"cell_id": "b", "healer": "starfish", "healer_settings": {}},
              {"cell_id": "c", "healer": "none+starfish",
-              "healer_settings": {"steps": [{"name": "none"}, {"name": "starfish"}]}}]
+              "healer_settings": {"chain": [{"name": "none"}, {"name": "starfish"}]}}]
     s = PerCellOptunaSearch(cells, 3, (1e-4, 1e-2), (1, 5), 0, tmp_path / "j")
     assert s.total == 1 + 3 + 3
     got = [s.suggest(f"t{i}") for i in range(7)]

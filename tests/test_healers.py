@@ -1,21 +1,19 @@
 """Healers beyond STARFISH (tasks.healers): hand-checked objectives, what each one reads, composition, checks."""
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tasks.heal import HEALERS, HealConfig, resolve_healer
-from tasks.healers import ComposedHealer
-from tasks.losses import ce_loss, cosine_align_loss, kl_logit_loss, weighted_sum
-from tasks.targets import LOGITS, block_tap
+from tasks.healing import HEALERS, LOGITS, HealConfig, block_tap, resolve_healer
+from tasks.healing.chain import ChainHealer
+from tasks.healing.losses import ce_loss, cosine_align_loss, kl_logit_loss, weighted_sum
 
 CFG = dict(lr=1e-2, epochs=3, batch_size=8, seed=2)
 
 
 def _chain(*names, settings=None):
     steps = [{"name": n, "settings": (settings or {}).get(n, {})} for n in names]
-    return resolve_healer("+".join(names), {"steps": steps}), {"steps": steps}
+    return resolve_healer("+".join(names), {"chain": steps}), {"chain": steps}
 
 
 # --- objectives, by hand --------------------------------------------------------------------------------
@@ -173,9 +171,9 @@ def test_chain_runs_in_order_with_continuing_epochs_and_part_settings(heal_case)
 
 def test_chain_errors_name_the_position(heal_case):
     with pytest.raises(ValueError, match=r"chain\[1\]: unknown healer 'nope'"):
-        ComposedHealer([{"name": "none"}, {"name": "nope"}])
+        ChainHealer([{"name": "none"}, {"name": "nope"}])
     with pytest.raises(ValueError, match="at least 2"):
-        ComposedHealer([{"name": "none"}])
+        ChainHealer([{"name": "none"}])
     chain, settings = _chain("none", "starfish", settings={"starfish": {"granularity": "channel"}})
     with pytest.raises(ValueError, match=r"chain\[1\] \('starfish'\): .*granularity"):
         chain.check(settings)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.losses import GRANULARITIES, as_rows, cosine_align_loss, mse_align_loss
+from tasks.healing.losses import GRANULARITIES, as_rows, cosine_align_loss, mse_align_loss
 
 # ViT-style block output (B=2, T=2, D=2). Hand values:
 #   example 0 tokens: cos([1,0],[2,0]) = 1, cos([0,1],[1,0]) = 0          -> 1-cos: 0, 1

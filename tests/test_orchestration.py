@@ -21,7 +21,7 @@ from orchestrator.resources import override_resources, parse_override
 from orchestrator.resume import told_states
 from orchestrator.search import PerCellOptunaSearch
 from orchestrator.spec import SpecError, load_spec, parse_spec
-from tasks.heal import HEALERS, HealConfig
+from tasks.healing import HEALERS, HealConfig
 
 REPO = Path(__file__).resolve().parents[1]
 STARFISH = HEALERS.get("starfish")

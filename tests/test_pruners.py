@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tasks.adapters import ScopeEntry, get_adapter
-from tasks.masks import MaskStore
-from tasks.pruners import (PRUNERS, achieved_sparsity, apply_masks, expand_masks, make_masks, mask_violations,
-                           n_pruned, nm_mask, train_masks)
+from tasks.models import ScopeEntry, get_adapter
+from tasks.pruning import (PRUNERS, MaskStore, achieved_sparsity, apply_masks, expand_masks, make_masks,
+                           mask_violations, n_pruned, train_masks)
+from tasks.pruning.magnitude import nm_mask
 from tasks.store import StoreError
 
 

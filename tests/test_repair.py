@@ -1,9 +1,8 @@
-"""CR+BN repair operator, distortion and RR diagnostics (SPEC §5), and the cached diagnostics stage."""
+"""CR+BN repair operator, distortion and RR diagnostics (docs/methods.md#relative-repairability-crbn-rr), and the cached diagnostics stage."""
 from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 from pathlib import Path
 
@@ -11,10 +10,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tasks.adapters import ScopeEntry, get_adapter
-from tasks.repair import (channel_variances, crbn_repair, crbn_scales, recalibrate_bn, scale_output_channels, tau_of,
-                          to_channels)
-from tasks.rr import distortion, following_bn, layer_diagnostics
+from tasks.models import ScopeEntry, get_adapter
+from tasks.pruning.repair import (channel_variances, crbn_repair, crbn_scales, recalibrate_bn, scale_output_channels,
+                                  tau_of, to_channels)
+from tasks.pruning.rr import distortion, following_bn, layer_diagnostics
 
 CACHE = Path(os.environ.get("HEALSWEEP_TEST_CACHE", Path(__file__).resolve().parents[1] / ".healsweep" / "models"))
 
@@ -96,8 +95,8 @@ def test_layer_diagnostics_match_a_full_model_reference(tiny_model, param):
     pruned (magnitude), γ-scaled, and only its BN recalibrated by a full forward on the calibration images (one
     batch: exact stats); the other BNs keep the dense statistics (upstream of the layer nothing is pruned). (conv2's BN is
     zero-initialized in a random timm ResNet, so its output carries no signal: conv1 is used instead.)"""
+    from tasks.pruning import apply_masks, make_masks
     from tests.conftest import calib_images
-    from tasks.pruners import make_masks, apply_masks
 
     torch.manual_seed(0)
     model = tiny_model("resnet")
@@ -124,8 +123,8 @@ def test_layer_diagnostics_match_a_full_model_reference(tiny_model, param):
 
 
 def test_vit_variance_matching_scales_only_the_pruned_rows(tiny_model):
+    from tasks.pruning import apply_masks, make_masks
     from tests.conftest import calib_images
-    from tasks.pruners import apply_masks, make_masks
 
     dense = tiny_model("timm_vit")
     model = copy.deepcopy(dense)
@@ -143,7 +142,7 @@ def test_vit_variance_matching_scales_only_the_pruned_rows(tiny_model):
 
 @pytest.fixture(scope="module")
 def resnet_digits():
-    from tasks.models import MODELS, load_model
+    from tasks.models import load_model
 
     if not any(CACHE.glob("resnet_digits-*.safetensors")):
         pytest.skip(f"no cached resnet_digits under {CACHE} (set HEALSWEEP_TEST_CACHE)")
@@ -153,7 +152,7 @@ def resnet_digits():
 def test_crbn_recovers_accuracy_on_digits_at_high_sparsity(resnet_digits):
     """Measured 2026-11-22: uniform 0.9 magnitude 0.083 -> 0.436 after CR+BN; global 0.9 0.086 -> 0.975."""
     from tasks.evaluate import accuracy
-    from tasks.pruners import apply_masks, make_masks
+    from tasks.pruning import apply_masks, make_masks
 
     lm = resnet_digits
     ev, cal = lm.dataset["evaluation"], lm.dataset["calibration"].images

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Metric, Param
 
 from analysis import best_per_cell, load_trials, write_report, write_report_from
 from analysis.report import model_figure, run_url

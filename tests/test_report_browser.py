@@ -35,16 +35,10 @@ def _chromium(tmp_path, *args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     root = tmp_path_factory.mktemp("browser")
-    mp = pytest.MonkeyPatch()
-    tf.install_reference_allocation(mp)
-    try:
-        sweep = tf.build_store(root)
-        run_dir = root / "run"
-        tf.write_sweep_json(run_dir, sweep["uri"])
-        paths = write_report(run_dir)
-    finally:
-        mp.undo()
-    return paths["html"]
+    sweep = tf.build_store(root)
+    run_dir = root / "run"
+    tf.write_sweep_json(run_dir, sweep["uri"])
+    return write_report(run_dir)["html"]
 
 
 def test_figures_decode_in_chromium(report, tmp_path):

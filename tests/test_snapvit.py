@@ -1,4 +1,4 @@
-"""SnapViT (SPEC §7): elastic nested masks, whole units, one cached ranking, xNES, PCA-cosine fitness."""
+"""SnapViT (docs/methods.md#snapvit): elastic nested masks, whole units, one cached ranking, xNES, PCA-cosine fitness."""
 from __future__ import annotations
 
 import copy
@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks import snapvit, snapvit_pruner
-from tasks.adapters import get_adapter
-from tasks.heal import HEALERS, HealConfig, HealContext, in_memory_batches, steps_per_epoch
-from tasks.pruners import PRUNERS, PruneContext, achieved_sparsity, apply_masks, make_masks, mask_violations
-from tasks.targets import dense_targets
-from tasks.xnes import utilities, xnes
+from tasks.healing import HEALERS, HealConfig, HealContext, dense_targets, in_memory_batches, steps_per_epoch
+from tasks.models import get_adapter
+from tasks.pruning import PRUNERS, PruneContext, achieved_sparsity, apply_masks, make_masks, mask_violations
+from tasks.pruning import snapvit as snapvit_pruner
+from tasks.pruning import snapvit_math as snapvit
+from tasks.pruning.xnes import utilities, xnes
 from tests.conftest import build_model, calib_images
 
 QUICK = {"iterations": 3, "fitness_sparsities": [0.25, 0.5], "fitness_images": 16}
@@ -276,7 +276,7 @@ def test_mask_stage_runs_one_ranking_for_the_whole_grid(tmp_path, model_cache, m
     from orchestrator.plan import expand_cells
     from orchestrator.spec import parse_spec
     from orchestrator.stages import mask_stage, prepare_models
-    from tasks.masks import MaskStore
+    from tasks.pruning import MaskStore
 
     calls = []
     real = snapvit.compute_ranking

@@ -3,15 +3,13 @@ Hugging Face ``datasets.Dataset`` (map-style and streamed) through the same spli
 offline mode; spec mapping entries."""
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pytest
 import torch
 
 from tasks.data import SPLITS, load_dataset
-from tasks.datasources import ArrowTable, FolderTable, HFTable, LazyImages, hf_splits, table_splits
-from tasks.sources import MODEL_SOURCES, ModelRef, ModelSourceError, file_digest, load_external, parse_ref
+from tasks.data.tables import ArrowTable, FolderTable, LazyImages, hf_splits, table_splits
+from tasks.models import MODEL_SOURCES, ModelRef, ModelSourceError, file_digest, load_external, parse_ref
 
 N_CLASSES, PER_CLASS = 3, 12
 SIZES = {"train": 4, "calibration": 12, "selection": 6, "evaluation": 10}

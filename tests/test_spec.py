@@ -31,8 +31,8 @@ def spec_with(**changes):
 
 def _unavailable(raw: dict) -> list[str]:
     """What a GPU config needs that this checkout lacks: methods from unmerged branches, user checkpoints."""
-    from tasks.heal import HEALERS
-    from tasks.pruners import PRUNERS
+    from tasks.healing import HEALERS
+    from tasks.pruning import PRUNERS
 
     out = []
     for key, reg in (("pruners", PRUNERS), ("healers", HEALERS)):

@@ -8,8 +8,7 @@ import pyarrow.ipc as ipc
 import pytest
 import torch
 
-from tasks import store as store_mod
-from tasks.store import StoreError, TargetStore, canonical_json, content_key
+from tasks.store import KEY_RE, StoreError, TargetStore, canonical_json, content_key
 
 SHAPES = {"blocks.0": (3, 4), "logits": (5,)}
 KEY = content_key({"test": "store"})
@@ -300,7 +299,7 @@ def test_content_key_and_canonical_json():
     b = {"cfg": {"n": 5, "lr": 1e-3}, "blocks": ["b0", "b1"], "model": "deit_tiny"}
     assert canonical_json(a) == canonical_json(b)
     assert content_key(a) == content_key(b)
-    assert store_mod.KEY_RE.match(content_key(a))
+    assert KEY_RE.match(content_key(a))
     assert content_key(a) != content_key({**a, "cfg": {"lr": 1e-3, "n": 6}})
     assert content_key(a) != content_key({**a, "blocks": ["b1", "b0"]})
     assert canonical_json({"t": (1, 2)}) == canonical_json({"t": [1, 2]}) == '{"t":[1,2]}'

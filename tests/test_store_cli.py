@@ -72,8 +72,10 @@ def test_gc_older_than_and_keep_referenced(store_root, tmp_path, capsys):
 
 
 def test_spec_store_fields():
-    from orchestrator.spec import SpecError, parse_spec as load_spec
     import yaml
+
+    from orchestrator.spec import SpecError
+    from orchestrator.spec import parse_spec as load_spec
 
     base = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
     for bad, field in (({"on_budget": "maybe"}, "store.on_budget"), ({"budget_gb": -1}, "store.budget_gb"),

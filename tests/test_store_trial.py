@@ -7,13 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.adapters import get_adapter
-from tasks.masks import MaskStore
-from tasks.models import load_model
-from tasks.pruners import make_masks
+from tasks.healing import dense_targets, recompute_batches
+from tasks.models import get_adapter, load_model
+from tasks.pruning import MaskStore, make_masks
 from tasks.store import TargetStore, content_key, ensure_targets
-from tasks.target_source import recompute_batches
-from tasks.targets import dense_targets
 from tasks.trial import TrialParams, run_trial
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,12 +1,10 @@
-"""A tiny MLflow sweep for the transition report: parent run with an RR diagnostics artifact, trials
-for two healers x two seeds x five sparsities with known bands, and reference allocation solvers
-(installed as ``tasks.allocation`` until the real module is merged)."""
+"""A tiny MLflow sweep for the transition report: parent run with an RR diagnostics artifact and trials for two
+healers x two seeds x five sparsities with known bands. The report under test runs the real allocators
+(tasks.pruning.allocation_math)."""
 from __future__ import annotations
 
 import json
-import sys
 import time
-import types
 
 import numpy as np
 import pandas as pd
@@ -25,38 +23,6 @@ SPARS = (0.5, 0.7, 0.8, 0.9, 0.95)
 HEALED = {"starfish": (0.88, 0.85, 0.70, 0.40, 0.12), "none": (0.86, 0.80, 0.13, 0.11, 0.10)}
 
 
-def greedy_allocate(cost, sizes, grid, target):
-    """Reference greedy (SPEC §5): promote the smallest q until the global sparsity reaches target."""
-    k = {ly: 0 for ly in cost}
-    total = sum(sizes.values())
-    while sum(sizes[ly] * grid[k[ly]] for ly in cost) / total < target - 1e-12:
-        cand = [((cost[ly][k[ly] + 1] - cost[ly][k[ly]]) / ((grid[k[ly] + 1] - grid[k[ly]]) * sizes[ly]), i, ly)
-                for i, ly in enumerate(cost) if k[ly] + 1 < len(grid)]
-        if not cand:
-            break
-        k[min(cand)[2]] += 1
-    return {ly: float(grid[k[ly]]) for ly in cost}
-
-
-def erk_sparsities(shapes, target, floor=0.025, cap=1.0):
-    """Reference ERK by bisection on the scale: density = clip(c * sum(dims)/prod(dims), floor, cap)."""
-    n = {ly: int(np.prod(s)) for ly, s in shapes.items()}
-    raw = {ly: sum(s) / n[ly] for ly, s in shapes.items()}
-    want = (1 - target) * sum(n.values())
-    lo, hi = 0.0, 1e6
-    for _ in range(200):
-        c = (lo + hi) / 2
-        kept = sum(n[ly] * min(cap, max(floor, c * raw[ly])) for ly in shapes)
-        lo, hi = (c, hi) if kept < want else (lo, c)
-    return {ly: 1 - min(cap, max(floor, lo * raw[ly])) for ly in shapes}
-
-
-def install_reference_allocation(monkeypatch) -> None:
-    mod = types.ModuleType("tasks.allocation")
-    mod.greedy_allocate, mod.erk_sparsities = greedy_allocate, erk_sparsities
-    monkeypatch.setitem(sys.modules, "tasks.allocation", mod)
-
-
 def diagnostics_frame(model: str) -> pd.DataFrame:
     rows = []
     for ly, shape in LAYERS.items():
@@ -66,15 +32,16 @@ def diagnostics_frame(model: str) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def build_store(root, model: str = "resnet_digits") -> dict:
+def build_store(root, model: str = "resnet_digits", diagnostics: bool = True) -> dict:
     uri = f"sqlite:///{root / 'mlflow.db'}"
     client = MlflowClient(uri)
     exp = client.create_experiment("healsweep", artifact_location=(root / "art").as_uri())
     parent = client.create_run(exp, tags={"sweep_id": SWEEP, "healsweep.role": "sweep",
                                           f"diagnostics_key.{model}": "k0"}, run_name="trans").info.run_id
     diag = root / f"{model}.parquet"
-    diagnostics_frame(model).to_parquet(diag)
-    client.log_artifact(parent, str(diag), "diagnostics")
+    if diagnostics:
+        diagnostics_frame(model).to_parquet(diag)
+        client.log_artifact(parent, str(diag), "diagnostics")
     ids = {}
     ts = int(time.time() * 1000)
     for healer, accs in HEALED.items():

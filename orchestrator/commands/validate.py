@@ -15,7 +15,7 @@ def main(args) -> int:
     from collections import Counter, defaultdict
 
     from orchestrator.plan import expand_cells, grid_searches
-    from tasks.heal import resolve_healer
+    from tasks.healing import resolve_healer
 
     spec = load_spec_or_exit(args.spec)
     searches = grid_searches(spec)

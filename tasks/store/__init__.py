@@ -16,8 +16,8 @@ bit-exact. Files are written under a temporary name and moved into place. The ro
 or any ``pyarrow.fs`` URI / FileSystem. No pickle anywhere.
 """
 from tasks.store.build import EnsureResult, ensure_targets
-from tasks.store.core import (FORMAT, KEY_RE, StoreError, TargetStore, canonical_json, content_key,
-                              producer_versions)
+from tasks.store.core import TargetStore
+from tasks.store.format import FORMAT, KEY_RE, StoreError, canonical_json, content_key, producer_versions
 from tasks.store.reader import TargetReader
 
 __all__ = ["FORMAT", "KEY_RE", "canonical_json", "content_key", "producer_versions", "StoreError", "TargetStore",

@@ -6,7 +6,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from tasks.store.core import StoreError, TargetStore
+from tasks.store.core import TargetStore
+from tasks.store.format import StoreError
 
 log = logging.getLogger("healsweep.store")
 

@@ -3,80 +3,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 import os
-import platform
-import re
 from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
 
 from tasks.store._fs import StoreFS
-
-log = logging.getLogger("healsweep.store")
-
-KEY_RE = re.compile(r"^[0-9a-f]{32}$")
-FORMAT = "healsweep-targets/1"
-MANIFEST = "manifest.json"
-VERIFIED = "verified.json"  # {shard file: {sha256, bytes, mtime}} of shards whose checksum was checked
-LAST_USE = "last_use"  # ISO timestamp of the latest open (for `healsweep store ls/gc`)
-LOCK = "lock"  # flock target of writers (local filesystems)
-BATCH_ROWS = 256  # max rows per Arrow record batch inside a shard file
-_FILE_RE = re.compile(r"^(shard-\d{5,}\.(arrow|json)|manifest\.json|verified\.json|last_use|lock)$")
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-
-
-def canonical_json(obj) -> str:
-    """Deterministic JSON text: sorted keys, no whitespace, ASCII only; tuples become lists.
-
-    Raises ValueError on NaN/inf and TypeError on anything JSON cannot represent.
-    """
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-
-
-def content_key(obj) -> str:
-    """32 hex chars: sha256 of ``canonical_json(obj)`` truncated to 128 bits."""
-    return hashlib.sha256(canonical_json(obj).encode("ascii")).hexdigest()[:32]
-
-
-class StoreError(Exception):
-    """Invalid key, incomplete or corrupt store content, or inconsistent arguments."""
-
-
-def producer_versions() -> dict[str, str]:
-    try:
-        from importlib.metadata import version
-
-        hs = version("healsweep")
-    except Exception:  # noqa: BLE001 - not installed as a distribution
-        hs = "unknown"
-    return {"healsweep": hs, "torch": torch.__version__, "pyarrow": pa.__version__, "numpy": np.__version__,
-            "python": platform.python_version()}
-
-
-def _to_u16(t: torch.Tensor) -> np.ndarray:
-    """(rows, *shape) float16/bfloat16 tensor -> (rows, prod(shape)) uint16 raw bit patterns."""
-    a = t.detach().to("cpu").contiguous().view(torch.int16).numpy().view(np.uint16)
-    return a.reshape(t.shape[0], -1)
-
-
-def from_u16(a: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """(B, prod(shape)) uint16 -> (B, *shape) tensor of ``dtype`` sharing ``a``'s memory."""
-    return torch.from_numpy(a.view(np.int16)).view(dtype).reshape(a.shape[0], *shape)
-
-
-def shard_name(index: int) -> str:
-    return f"shard-{index:05d}.arrow"
-
-
-def _sidecar(index: int) -> str:
-    return f"shard-{index:05d}.json"
+from tasks.store.format import (_DTYPE_NAMES, _FILE_RE, BATCH_ROWS, DTYPES, FORMAT, KEY_RE, LAST_USE, LOCK, MANIFEST,
+                                VERIFIED, StoreError, canonical_json, log, producer_versions, shard_name, sidecar_name,
+                                to_u16)
+from tasks.store.reader import TargetReader
 
 
 class TargetStore:
@@ -184,7 +124,7 @@ class TargetStore:
     def shard_info(self, key: str, shard_index: int) -> dict | None:
         """The sidecar of a written shard (row range, bytes, sha256, dtype, block shapes), or None."""
         try:
-            return self._read_json(self._rel(key, _sidecar(shard_index)))
+            return self._read_json(self._rel(key, sidecar_name(shard_index)))
         except StoreError:
             return None
 
@@ -288,7 +228,7 @@ class TargetStore:
             width = math.prod(shape)
             if width < 1:
                 raise StoreError(f"block {name!r} has empty per-row shape {shape}")
-            values = pa.array(_to_u16(t).reshape(-1), type=pa.uint16())  # (rows * width,)
+            values = pa.array(to_u16(t).reshape(-1), type=pa.uint16())  # (rows * width,)
             arrays.append(pa.FixedSizeListArray.from_arrays(values, width))
             fields.append(pa.field(name, pa.list_(pa.uint16(), width), nullable=False,
                                    metadata={"shape": json.dumps(shape)}))
@@ -303,7 +243,7 @@ class TargetStore:
                 "dtype": dtype, "block_shapes": {k: list(t.shape[1:]) for k, t in blocks.items()}}
         self.fs.mkdir(key)
         self.fs.write_atomic(self._rel(key, info["file"]), buf)
-        self.fs.write_atomic(self._rel(key, _sidecar(shard_index)), canonical_json(info).encode())
+        self.fs.write_atomic(self._rel(key, sidecar_name(shard_index)), canonical_json(info).encode())
         return info
 
     def finalize(self, key: str, *, meta: dict, block_shapes: dict[str, list[int]], dtype: str,
@@ -368,8 +308,6 @@ class TargetStore:
         Every needed shard's size must match the manifest. ``verify``: "first" (default) checks the sha256 of
         shards not verified before (and records them), True checks every needed shard, False only sizes.
         """
-        from tasks.store.reader import TargetReader
-
         m = self.manifest(key)
         if m is None:
             raise StoreError(f"key {key} has no manifest (missing or not finalized)")

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
 
-from tasks.store.core import DTYPES, StoreError, from_u16
+from tasks.store.format import DTYPES, StoreError, from_u16
 
 Batch = tuple[np.ndarray, dict[str, torch.Tensor]]  # rows (B,) int64, {block: (B, *shape)}
 

@@ -1,4 +1,4 @@
-"""CORP (paper 002, SPEC §4): structured ViT masks (pruner ``corp``); the closed-form compensation (healer
+"""CORP (the CORP paper, docs/methods.md#corp): structured ViT masks (pruner ``corp``); the closed-form compensation (healer
 ``corp``) lives in tasks.corp_heal.
 
 Units: MLP hidden channels (row j of fc1 and its bias entry, column j of fc2) and, per attention head, Q/K
@@ -19,8 +19,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tasks.adapters import ModelAdapter, ScopeEntry, get_adapter
-from tasks.pruners import PRUNERS, Pruner, _keep_all_but_smallest, n_pruned
+from tasks.models.adapter import ModelAdapter, ScopeEntry, get_adapter
+from tasks.pruning.allocation_math import n_pruned
+from tasks.pruning.base import PRUNERS, Pruner, _keep_all_but_smallest
+from tasks.pruning.shrink import efficiency_metrics
 from tasks.stats import HeadQK, Moments, Several, Tap, collect
 
 CORP_SCOPES = ("mlp", "qk", "qk_mlp", "mlp_qk")
@@ -112,10 +114,10 @@ def head_keep(scores: torch.Tensor, sparsity: float) -> torch.Tensor:
     return torch.stack([_keep_all_but_smallest(row, k) for row in scores])
 
 
+@PRUNERS.register("corp")
 class CorpPruner(Pruner):
     """Structured CORP masks: rank by activation energy (calibration images) or weight magnitude."""
 
-    name = "corp"
     settings_schema = {"rank": str}
     uses_calibration = True
 
@@ -142,8 +144,6 @@ class CorpPruner(Pruner):
 
     def structured_metrics(self, model: nn.Module, masks: Mapping[str, torch.Tensor], example: torch.Tensor
                            ) -> dict[str, float]:
-        from tasks.shrink import efficiency_metrics
-
         return efficiency_metrics(model, masks, example)
 
     def __call__(self, weights, sparsity, *, seed, ctx=None, rank: str = "activation"):
@@ -179,6 +179,3 @@ class CorpPruner(Pruner):
                 if bname in params:
                     out[bname] = torch.cat([keep, keep, torch.ones(d, dtype=torch.bool)])
         return out
-
-
-PRUNERS.register("corp")(CorpPruner())

@@ -11,52 +11,20 @@ one-line ``ModelSourceError`` before any download is tried.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
 
-from tasks._registry import Registry
-
-REF_KEYS = ("name", "source", "arch", "pretrained", "weights", "path", "num_classes", "offline", "init_seed",
-            "model_args")
-
-
-class ModelSourceError(ValueError):
-    """A user-facing, one-line error about a model source (unknown name, missing weights, offline cache miss)."""
-
-
-@dataclass(frozen=True)
-class ModelRef:
-    name: str  # display name: configs, MLflow params, reports
-    source: str = "reference"  # reference | timm | torchvision | checkpoint
-    arch: str = ""  # builder name (timm model name, torchvision builder, or "torchvision:<builder>"); "" = name
-    pretrained: bool = False  # timm: load the pretrained weights (pretrained tag via `weights`)
-    weights: str | None = None  # torchvision: enum "ViT_B_16_Weights.IMAGENET1K_V1"; timm: pretrained tag
-    path: str | None = None  # checkpoint: a .safetensors file or a torch state dict (weights_only)
-    num_classes: int | None = None  # None: the architecture's default (1000 for ImageNet models)
-    offline: bool = False  # also offline when HF_HUB_OFFLINE=1
-    init_seed: int = 0  # random init (pretrained off, or layers a checkpoint does not cover)
-    model_args: Mapping[str, Any] | None = None  # extra builder arguments (timm: img_size, depth, drop_path_rate...)
-
-    @property
-    def builder(self) -> str:
-        return self.arch or self.name
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+from tasks.data.splits import load_dataset
+from tasks.models.base import (MODEL_SOURCES, MODELS, REF_KEYS, ExternalSource, LoadedModel, ModelRef, ModelSourceError,
+                               timm_transform)
 
 
 def is_offline(ref: ModelRef) -> bool:
     return ref.offline or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-
-
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def file_digest(path: str | os.PathLike) -> str:
@@ -65,40 +33,6 @@ def file_digest(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()[:16]
-
-
-class ModelSource:
-    kind = ""
-
-    def check(self, ref: ModelRef) -> None:
-        """Raise ModelSourceError for an invalid ref (no building, no download)."""
-
-    def build(self, ref: ModelRef, pretrained: bool) -> nn.Module:
-        raise NotImplementedError
-
-    def load(self, ref: ModelRef) -> nn.Module:
-        """The model with its real weights, in eval mode."""
-        torch.manual_seed(ref.init_seed)
-        return self.build(ref, pretrained=ref.pretrained).eval()
-
-    def digest(self, ref: ModelRef) -> str:
-        """Identity of the weights (part of every content key built on this model)."""
-        return _digest({k: v for k, v in ref.to_dict().items() if k not in ("name", "offline")})
-
-    def transform(self, ref: ModelRef, model: nn.Module) -> tuple[Callable, str]:
-        """(PIL image -> (C, H, W) float tensor, a stable description of it)."""
-        return timm_transform(model)
-
-
-MODEL_SOURCES: Registry[ModelSource] = Registry("model source")
-
-
-def timm_transform(model: nn.Module) -> tuple[Callable, str]:
-    """Evaluation preprocessing from the model's timm data config (resolve_data_config + create_transform)."""
-    from timm.data import create_transform, resolve_data_config
-
-    cfg = resolve_data_config({}, model=model)
-    return create_transform(**cfg, is_training=False), "timm:" + json.dumps(cfg, sort_keys=True, default=list)
 
 
 def _builder_args(ref: ModelRef) -> dict:
@@ -134,7 +68,8 @@ def _timm_cached(ref: ModelRef) -> bool:
     return False
 
 
-class TimmSource(ModelSource):
+@MODEL_SOURCES.register("timm")
+class TimmSource(ExternalSource):
     kind = "timm"
 
     def check(self, ref: ModelRef) -> None:
@@ -179,7 +114,8 @@ def _tv_weights(ref: ModelRef):
                                f"write e.g. ViT_B_16_Weights.IMAGENET1K_V1") from None
 
 
-class TorchvisionSource(ModelSource):
+@MODEL_SOURCES.register("torchvision")
+class TorchvisionSource(ExternalSource):
     kind = "torchvision"
 
     def check(self, ref: ModelRef) -> None:
@@ -247,12 +183,13 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return dict(sd)
 
 
-class CheckpointSource(ModelSource):
+@MODEL_SOURCES.register("checkpoint")
+class CheckpointSource(ExternalSource):
     """``arch`` names the architecture (a timm name, or ``torchvision:<builder>``); ``path`` holds its weights."""
 
     kind = "checkpoint"
 
-    def _arch(self, ref: ModelRef) -> tuple[ModelSource, ModelRef]:
+    def _arch(self, ref: ModelRef) -> tuple[ExternalSource, ModelRef]:
         if not ref.arch:
             raise ModelSourceError(f"model {ref.name!r}: source checkpoint needs `arch` (a timm model name or "
                                    f"torchvision:<builder>)")
@@ -293,16 +230,12 @@ class CheckpointSource(ModelSource):
         return src.transform(inner, model)
 
 
-for _name, _src in (("timm", TimmSource()), ("torchvision", TorchvisionSource()), ("checkpoint", CheckpointSource())):
-    MODEL_SOURCES.register(_name)(_src)
 
 
 # --- spec entries --------------------------------------------------------------------------------------
 
 def parse_ref(item: Any, offline: bool = False) -> ModelRef:
     """A spec ``models`` entry (a name or a mapping) -> ModelRef; one-line ModelSourceError when invalid."""
-    from tasks.models import MODELS
-
     if isinstance(item, str):
         import timm
 
@@ -348,8 +281,6 @@ def parse_ref(item: Any, offline: bool = False) -> ModelRef:
 def build_untrained(ref: ModelRef, device: str = "cpu") -> nn.Module:
     """The architecture with random weights (spec validation, adapters): never downloads, never trains.
     ``device="meta"``: structure and shapes only (fast validation of large models; no forward pass)."""
-    from tasks.models import MODELS
-
     torch.manual_seed(0)
     with torch.device(device):
         if ref.source == "reference":
@@ -363,9 +294,6 @@ def build_untrained(ref: ModelRef, device: str = "cpu") -> nn.Module:
 
 def load_external(source: Mapping[str, Any], dataset: Mapping[str, Any], data_seed: int = 0):
     """A timm / torchvision / checkpoint model with its dataset preprocessed the model's way -> LoadedModel."""
-    from tasks.data import load_dataset
-    from tasks.models import LoadedModel
-
     ref = ModelRef(**source)
     src = MODEL_SOURCES.get(ref.source)
     model = src.load(ref)

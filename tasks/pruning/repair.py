@@ -1,4 +1,4 @@
-"""CR+BN repair operator (SPEC §5, paper 004 appendix A): label-free, forward passes only, no gradients.
+"""CR+BN repair operator (docs/methods.md#relative-repairability-crbn-rr, the Relative Repairability paper appendix A): label-free, forward passes only, no gradients.
 
 For every pruned layer ℓ and output channel c (conv output channel, or Linear output feature):
     r_c = log(σ²_d,c + ε) − log(σ²_p,c + ε)      dense vs pruned activation variance on calibration images
@@ -26,7 +26,7 @@ from typing import Iterable, Mapping
 import torch
 import torch.nn as nn
 
-from tasks.adapters import ScopeEntry
+from tasks.models.adapter import ScopeEntry
 
 EPS = 1e-8
 TAU_RULES = ("median", "mean")

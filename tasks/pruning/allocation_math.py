@@ -1,4 +1,4 @@
-"""Layerwise sparsity allocation rules (SPEC §5, paper 004), as pure functions.
+"""Layerwise sparsity allocation rules (docs/methods.md#relative-repairability-crbn-rr, the Relative Repairability paper), as pure functions.
 
 Every rule maps layers to per-layer sparsities; the registered pruners (tasks/allocation_pruners.py) turn those
 into exact per-layer weight counts (``allocate_counts``) and magnitude-prune each layer to its count.
@@ -116,7 +116,7 @@ def erk_sparsities(shapes: Mapping[str, tuple[int, ...]], target: float, floor: 
 
 def greedy_allocate(cost: Mapping[str, Sequence[float]], sizes: Mapping[str, int], grid: Sequence[float],
                     target: float) -> dict[str, float]:
-    """Repairability greedy solver (paper 004, Algorithm 1); returns grid values per layer.
+    """Repairability greedy solver (the Relative Repairability paper, Algorithm 1); returns grid values per layer.
 
     cost[layer][k] = g(layer, grid[k]). Every layer starts at grid[0]; while Σ n_l s_l / Σ n_l < target, promote
     the layer with the smallest q = (g(l, s_{k+1}) - g(l, s_k)) / ((s_{k+1} - s_k)·n_l) (negative q allowed).

@@ -1,4 +1,4 @@
-"""Physical shrink of a CORP-structured timm ViT and its efficiency figures (SPEC §4, issue 3 item 2).
+"""Physical shrink of a CORP-structured timm ViT and its efficiency figures (docs/methods.md#corp, issue 3 item 2).
 
 A masked model keeps its dense shapes; ``shrink_vit`` rebuilds it with fewer fc1 rows / fc2 columns and fewer
 Q/K dims per head. timm's ``Attention`` assumes equal q/k/v head dims, so a pruned attention is replaced by

@@ -1,7 +1,7 @@
 """Image data sources for real models: local image folders, Parquet/Arrow image tables, Hugging Face datasets
 (map-style or streaming), all through one split builder and one lazy split type.
 
-An ``ImageTable`` is an indexable source of (image, label). The four splits (SPEC §1) are drawn from one or
+An ``ImageTable`` is an indexable source of (image, label). The four splits (docs/methods.md#data-splits) are drawn from one or
 more tables: splits that share a table are consecutive slices of one seeded permutation of it (so they are
 disjoint); splits from different tables are disjoint by construction (e.g. ImageNet calibration from the test
 split, evaluation from the validation split). A streamed table is first materialized to the items a sweep needs
@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
-from tasks.data import SPLITS, DatasetSplits, SplitData
+from tasks.data.splits import SPLITS, DatasetSplits, SplitData
 
 # Threads that decode and preprocess the rows of one batch (HEALSWEEP_DECODE_THREADS; default: up to 8).
 DECODE_THREADS = int(os.environ.get("HEALSWEEP_DECODE_THREADS", min(8, os.cpu_count() or 1)))

@@ -10,12 +10,12 @@ import time
 
 import torch
 
-from tasks.heal import HEALERS, HealConfig, HealContext, Healer, HealResult
-from tasks.repair import TAU_RULES, bn_state_names, check_finite, crbn_repair, has_batchnorm, scaled_bias_names
+from tasks.healing.base import HEALERS, HealConfig, HealContext, Healer, HealResult
+from tasks.pruning.repair import TAU_RULES, bn_state_names, check_finite, crbn_repair, has_batchnorm, scaled_bias_names
 
 
+@HEALERS.register("crbn")
 class CRBNHealer(Healer):
-    name = "crbn"
     settings_schema = {"tau": TAU_RULES, "no_bn": ("variance_match", "reject"), "bn_batches": int,
                        "bn_batch_size": int}
 
@@ -48,6 +48,3 @@ class CRBNHealer(Healer):
                              bn_batches=s.get("bn_batches", 20), bn_batch_size=s.get("bn_batch_size", 128))
         check_finite(gammas)
         return HealResult([], time.perf_counter() - t0, 0)  # closed form: no epochs to report
-
-
-HEALERS.register("crbn")(CRBNHealer())

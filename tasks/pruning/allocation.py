@@ -1,4 +1,4 @@
-"""Allocation rules for unstructured magnitude pruning, registered as pruners (SPEC §5).
+"""Allocation rules for unstructured magnitude pruning, registered as pruners (docs/methods.md#relative-repairability-crbn-rr).
 
 Each rule decides per-layer sparsities (tasks/allocation.py); the pruner turns them into exact integer counts
 and removes the smallest-|w| weights of each layer. Global count: ``uniform`` rounds per layer like
@@ -17,9 +17,12 @@ from typing import Any, Mapping
 
 import torch
 
-from tasks.allocation import (CANDIDATE_GRID, allocate_counts, erk_sparsities, fit_budget, global_magnitude_sparsities,
-                              greedy_allocate, lamp_sparsities, n_pruned, uniform_sparsities)
-from tasks.pruners import PRUNERS, PruneContext, Pruner, _keep_all_but_smallest
+from tasks.pruning.allocation_math import (CANDIDATE_GRID, allocate_counts, erk_sparsities, fit_budget,
+                                           global_magnitude_sparsities, greedy_allocate, lamp_sparsities, n_pruned,
+                                           uniform_sparsities)
+from tasks.pruning.base import PRUNERS, PruneContext, Pruner, _keep_all_but_smallest
+from tasks.pruning.repair import TAU_RULES, unrepairable_reason
+from tasks.pruning.rr import cost_table, model_diagnostics
 
 DIAG_KEY = "rr"  # PruneContext.diagnostics[DIAG_KEY] = columnar diagnostics table
 
@@ -41,8 +44,8 @@ class AllocationPruner(Pruner):
         return prune_to_counts(weights, counts)
 
 
+@PRUNERS.register("uniform")
 class UniformPruner(AllocationPruner):
-    name = "uniform"
 
     def __call__(self, weights, sparsity, *, seed, ctx=None, **settings):
         return prune_to_counts(weights, {k: n_pruned(w.numel(), sparsity) for k, w in weights.items()})
@@ -51,15 +54,15 @@ class UniformPruner(AllocationPruner):
         return uniform_sparsities({k: w.numel() for k, w in weights.items()}, target)
 
 
+@PRUNERS.register("global")
 class GlobalPruner(AllocationPruner):
-    name = "global"
 
     def sparsities(self, weights, target, ctx, settings):
         return global_magnitude_sparsities(weights, target)
 
 
+@PRUNERS.register("erk")
 class ERKPruner(AllocationPruner):
-    name = "erk"
     settings_schema = {"floor": float, "cap": float}
 
     def check(self, settings):
@@ -73,15 +76,15 @@ class ERKPruner(AllocationPruner):
                               settings.get("floor", 0.025), settings.get("cap", 1.0))
 
 
+@PRUNERS.register("lamp")
 class LampPruner(AllocationPruner):
-    name = "lamp"
 
     def sparsities(self, weights, target, ctx, settings):
         return lamp_sparsities(weights, target)
 
 
 class RepairabilityPruner(AllocationPruner):
-    """Greedy allocation on the candidate grid with diagnostic column ``column`` as g (paper 004)."""
+    """Greedy allocation on the candidate grid with diagnostic column ``column`` as g (the Relative Repairability paper)."""
 
     column = ""
     uses_calibration = True
@@ -100,7 +103,6 @@ class RepairabilityPruner(AllocationPruner):
             raise ValueError(f"pruner {self.name!r} grid must be strictly increasing within [0, 1], got {list(g)}")
         if settings.get("diag_images", 128) < 1:
             raise ValueError(f"pruner {self.name!r} setting 'diag_images' must be >= 1")
-        from tasks.repair import TAU_RULES
 
         if settings.get("tau", "median") not in TAU_RULES:
             raise ValueError(f"pruner {self.name!r} setting 'tau' must be one of {TAU_RULES}")
@@ -113,8 +115,6 @@ class RepairabilityPruner(AllocationPruner):
                              f"{g[-1]})")
 
     def check_model(self, model, adapter, scope, settings):
-        from tasks.repair import unrepairable_reason
-
         for e in adapter.scope(model, scope):
             why = unrepairable_reason(model, e.param)
             if why:
@@ -130,14 +130,11 @@ class RepairabilityPruner(AllocationPruner):
             return ctx.diagnostics[DIAG_KEY]
         if ctx is None or ctx.calib_images is None:
             raise ValueError(f"pruner {self.name!r} needs RR diagnostics or calibration images")
-        from tasks.rr import model_diagnostics
 
         d = self.diagnostic_settings(settings)
         return model_diagnostics(ctx.model, ctx.entries, ctx.calib_images[: d["diag_images"]], d["grid"], tau=d["tau"])
 
     def sparsities(self, weights, target, ctx, settings):
-        from tasks.rr import cost_table
-
         grid = self.grid(settings)
         self.check_sparsity(target, settings)
         cost, sizes = cost_table(self.table(ctx, settings), self.column, list(weights), grid)
@@ -147,18 +144,16 @@ class RepairabilityPruner(AllocationPruner):
         return fit_budget(greedy_allocate(cost, sizes, grid, target), sizes, target)
 
 
+@PRUNERS.register("raw_shift")
 class RawShiftPruner(RepairabilityPruner):
-    name, column = "raw_shift", "D_raw"
+    column = "D_raw"
 
 
+@PRUNERS.register("repair_residual")
 class RepairResidualPruner(RepairabilityPruner):
-    name, column = "repair_residual", "D_repair"
+    column = "D_repair"
 
 
+@PRUNERS.register("rr")
 class RRPruner(RepairabilityPruner):
-    name, column = "rr", "R"
-
-
-for _p in (UniformPruner(), GlobalPruner(), ERKPruner(), LampPruner(), RawShiftPruner(), RepairResidualPruner(),
-           RRPruner()):
-    PRUNERS.register(_p.name)(_p)
+    column = "R"

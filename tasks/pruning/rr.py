@@ -1,4 +1,4 @@
-"""Relative Repairability diagnostics (SPEC §5, paper 004 §3.2): D_raw, D_repair and R per layer and sparsity.
+"""Relative Repairability diagnostics (docs/methods.md#relative-repairability-crbn-rr, the Relative Repairability paper §3.2): D_raw, D_repair and R per layer and sparsity.
 
 Diagnostic model: only layer ℓ is pruned to s (magnitude, exact count, inside its prunable region), all else
 dense. Because everything upstream of ℓ is dense, ℓ's input is the dense input: it is captured once and the
@@ -23,9 +23,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tasks.adapters import ScopeEntry
-from tasks.allocation import n_pruned
-from tasks.repair import EPS, _Moments, crbn_scales, module_of, tau_of, to_channels
+from tasks.models.adapter import ScopeEntry
+from tasks.pruning.allocation_math import n_pruned
+from tasks.pruning.repair import EPS, _Moments, crbn_scales, module_of, tau_of, to_channels
 
 COLUMNS = ("model", "layer", "n_weights", "shape", "sparsity", "D_raw", "D_repair", "R")
 DIAG_DEFAULTS = {"diag_images": 128, "tau": "median"}

@@ -1,5 +1,5 @@
 """Registered image datasets (``tasks.data.DATASETS``): local image folders, Parquet/Arrow image tables, any
-Hugging Face dataset, and presets for ImageNet-1k (paper 000's protocol) and CIFAR-10/100.
+Hugging Face dataset, and presets for ImageNet-1k (the STARFISH paper's protocol) and CIFAR-10/100.
 
 Each loader takes ``seed``, the model's preprocessing (``transform`` + ``transform_id``, from
 ``tasks.sources``) and the spec's ``dataset`` settings; ``check(settings)`` validates the settings without
@@ -11,8 +11,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from tasks.data import DATASETS, SPLITS, DatasetSplits
-from tasks.datasources import ArrowTable, FolderTable, default_transform, hf_splits, hub_by_split, split_sizes, table_splits
+from tasks.data.splits import DATASETS, SPLITS, DatasetSplits
+from tasks.data.tables import (ArrowTable, FolderTable, default_transform, hf_splits, hub_by_split, split_sizes,
+                               table_splits)
 
 _MEMO: dict[str, DatasetSplits] = {}  # one load per process and (dataset, settings, seed, transform)
 

@@ -1,9 +1,10 @@
-"""Block taps and the dense target pass (SPEC §3): r_x^l for every calibration image x and block l."""
+"""Block taps and the dense target pass (docs/methods.md#starfish): r_x^l for every calibration image x and block l."""
 from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Iterator
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -45,3 +46,20 @@ def dense_targets(model: nn.Module, blocks: list[tuple[str, nn.Module]], images:
                 parts[n].append(cap[n].to("cpu", dtype))
             parts[LOGITS].append(logits.to("cpu", dtype))
     return {n: torch.cat(v) for n, v in parts.items()}
+
+
+# --- where a trial's targets come from: the store, or recomputed per batch (target_mode = recompute) ---
+
+TARGET_MODES = ("store", "recompute")
+
+
+def recompute_batches(dense_model: nn.Module, blocks: list[tuple[str, nn.Module]], images: torch.Tensor,
+                      batch_size: int, seed: int, epoch: int, dtype: torch.dtype = torch.float16
+                      ) -> Iterator[tuple[np.ndarray, dict[str, torch.Tensor]]]:
+    """Yield (rows (B,) int64, {block: (B, *shape)}) for a seeded random order of the (N, C, H, W) images,
+    the targets computed now by ``dense_model`` (rounded to ``dtype`` exactly as the store would hold them)."""
+    order = np.random.default_rng([seed, epoch]).permutation(len(images)).astype(np.int64)  # (N,)
+    for i in range(0, order.size, batch_size):
+        rows = order[i:i + batch_size]
+        yield rows, dense_targets(dense_model, blocks, images[torch.from_numpy(rows)], batch_size=len(rows),
+                                  dtype=dtype)

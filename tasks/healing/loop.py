@@ -1,4 +1,4 @@
-"""Healers (SPEC §3), registered by name, and the one gradient training loop they share.
+"""Healers (docs/methods.md#starfish), registered by name, and the one gradient training loop they share.
 
 A gradient healer is an objective plus the shared loop: AdamW over the prunable tensors only, a per-step
 cosine schedule from lr to lr_min, gradients of masked and out-of-region entries zeroed, and after every
@@ -12,102 +12,13 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
-import torch.nn as nn
 
-from tasks._registry import Registry
-from tasks.adapters import ScopeEntry
-from tasks.losses import GRANULARITIES, cosine_align_loss
-from tasks.pruners import train_masks
-from tasks.targets import block_tap
-
-Batches = Callable[[int], Iterable[tuple[Any, dict[str, torch.Tensor]]]]  # epoch -> (rows, {block: targets})
-
-
-class HealingDiverged(RuntimeError):
-    """The healing loss became NaN or Inf; the weights are left as they were before that step."""
-
-
-@dataclass(frozen=True)
-class HealConfig:
-    lr: float = 6e-4
-    epochs: int = 10
-    batch_size: int = 32
-    weight_decay: float = 0.0
-    lr_min: float = 1e-6
-    seed: int = 0
-    settings: Mapping[str, Any] = field(default_factory=dict)  # healer-specific (e.g. granularity)
-
-
-@dataclass
-class HealContext:
-    model: nn.Module  # already pruned (masks applied)
-    blocks: list[tuple[str, nn.Module]]  # target blocks, in store order
-    entries: list[ScopeEntry]  # prunable scope
-    masks: Mapping[str, torch.Tensor]  # full-shape bool, True = keep
-    images: torch.Tensor  # (N, C, H, W) calibration images, row i = store row i
-    batches: Batches  # streams (rows, targets) for an epoch, in batches of cfg.batch_size
-    steps_per_epoch: int
-    default_granularity: str = "token"
-    dense_model: Callable[[], nn.Module] | None = None  # lazily builds an unpruned copy (repair operators)
-    # (images (N, C, H, W), labels (N,)) for supervised baselines (``ce``); the trial passes the first calib_size
-    # items of the dataset's TRAIN split: budget-matched, disjoint from calibration/selection/evaluation.
-    labeled: tuple[torch.Tensor, torch.Tensor] | None = None
-    # Fault tolerance (gradient healers): ``resume`` = a state passed to ``checkpoint`` earlier (the model
-    # already holds that epoch's healed weights); ``checkpoint(epoch, state)`` runs after each epoch, before
-    # ``on_epoch``, with the loop state needed to continue bit-identically (optimizer, schedule, epoch, losses).
-    resume: Mapping[str, Any] | None = None
-    checkpoint: Callable[[int, dict[str, Any]], None] | None = None
-
-
-@dataclass
-class HealResult:
-    epoch_losses: list[float]
-    seconds: float
-    steps: int
-
-
-EpochCallback = Callable[[int, dict[str, float]], None]
-
-
-class Healer:
-    name = ""
-    settings_schema: dict[str, tuple] = {}  # setting -> allowed values (tuple) or a type
-    trains = False  # uses lr/epochs (gradient steps); False: the search runs one trial per cell (plan.trials_for)
-
-    def check(self, settings: Mapping[str, Any]) -> None:
-        for k, v in settings.items():
-            if k not in self.settings_schema:
-                raise ValueError(f"unknown setting {k!r} for healer {self.name!r}; allowed: "
-                                 f"{', '.join(self.settings_schema) or 'none'}")
-            allowed = self.settings_schema[k]
-            if isinstance(allowed, tuple) and v not in allowed:
-                raise ValueError(f"healer {self.name!r} setting {k!r} must be one of {allowed}, got {v!r}")
-
-    def may_change(self, model: nn.Module, entries: list[ScopeEntry]) -> set[str]:
-        """state_dict names outside the prunable scope that this healer is allowed to change (e.g. BatchNorm
-        running statistics for CR+BN, an fc2 bias for CORP). Default: none."""
-        return set()
-
-    def check_cell(self, model: nn.Module, adapter: Any, pruner: str, pruner_settings: Mapping[str, Any],
-                   settings: Mapping[str, Any]) -> None:
-        """Raise ValueError naming both sides when this healer cannot serve the pruner/model combination."""
-
-    def check_data(self, dataset: Any, settings: Mapping[str, Any]) -> None:
-        """Raise ValueError when the sweep's dataset (tasks.data.DatasetSplits) lacks what this healer reads."""
-
-    def epochs(self, cfg: HealConfig) -> int:
-        """How many on_epoch reports heal() makes under cfg (0: none; the trial then reports final metrics only)."""
-        return 0
-
-    def heal(self, ctx: HealContext, cfg: HealConfig, on_epoch: EpochCallback | None = None) -> HealResult:
-        raise NotImplementedError
-
-
-HEALERS: Registry[Healer] = Registry("healer")
+from tasks.healing.base import Batches, EpochCallback, HealConfig, HealContext, Healer, HealingDiverged, HealResult
+from tasks.healing.targets import block_tap
+from tasks.pruning.base import train_masks
 
 
 class GradientHealer(Healer):
@@ -214,23 +125,6 @@ class GradientHealer(Healer):
         return HealResult(losses, time.perf_counter() - t0, steps)
 
 
-class StarfishHealer(GradientHealer):
-    """STARFISH: cosine alignment of every block output with the dense model's (paper 000)."""
-
-    name = "starfish"
-    settings_schema = {"granularity": ("auto",) + GRANULARITIES}
-
-    def resolve(self, ctx, settings):
-        g = settings.get("granularity", "auto")
-        return {"granularity": ctx.default_granularity if g == "auto" else g}
-
-    def loss(self, outputs, targets, settings):
-        return cosine_align_loss(outputs, targets, settings["granularity"])
-
-
-HEALERS.register("starfish")(StarfishHealer())
-
-
 def steps_per_epoch(n_rows: int, batch_size: int) -> int:
     return math.ceil(n_rows / batch_size)
 
@@ -251,11 +145,3 @@ def in_memory_batches(targets: Mapping[str, torch.Tensor], batch_size: int, seed
             yield rows, {k: v[rows.to(v.device)] for k, v in targets.items()}
 
     return batches
-
-
-from tasks import crbn_healer as _crbn_healer  # noqa: E402,F401  registers the CR+BN repair healer
-# Every other healer (MSE, KL, CE, cosine+KL, none) and composition live in tasks.healers; importing it here keeps
-# the registry complete on ``import tasks.heal``.
-from tasks import healers as _healers  # noqa: E402,F401
-from tasks.healers import resolve_healer  # noqa: E402,F401
-from tasks import corp_heal as _corp_heal  # noqa: E402,F401  registers 'corp' (closed-form CORP compensation)

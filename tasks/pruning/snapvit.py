@@ -21,9 +21,9 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tasks import snapvit
-from tasks.adapters import ModelAdapter, get_adapter
-from tasks.pruners import PRUNERS, Pruner, PruneContext
+import tasks.pruning.snapvit_math as snapvit
+from tasks.models.adapter import ModelAdapter, get_adapter
+from tasks.pruning.base import PRUNERS, PruneContext, Pruner
 from tasks.store import KEY_RE, StoreError, content_key
 
 RANKING_FORMAT = "snapvit-ranking/1"
@@ -111,14 +111,14 @@ def clear_memory_cache() -> None:
     _MEMORY.clear()
 
 
+@PRUNERS.register("snapvit")
 class SnapVitPruner(Pruner):
-    """Structured: whole MLP neurons and attention heads, one elastic ranking (SPEC §7).
+    """Structured: whole MLP neurons and attention heads, one elastic ranking (docs/methods.md#snapvit).
 
     Sparsity = fraction of the scope's prunable weights removed (parameter count; whole units, so the achieved
     value is within half a unit of the request). Masks also cover the removed units' biases (fc1 entries,
     qkv rows), which lie outside the weight scope and do not count towards sparsity."""
 
-    name = "snapvit"
     uses_calibration = True
     quick_settings = {"iterations": 2, "fitness_sparsities": [0.25, 0.5], "fitness_images": 8}
     settings_schema = {"iterations": int, "popsize": int, "sigma0": float, "pca_dim": int, "fitness_images": int,
@@ -152,6 +152,3 @@ class SnapVitPruner(Pruner):
         if missing:
             raise ValueError(f"pruner 'snapvit': scope tensors outside any unit: {sorted(missing)[:3]}")
         return masks
-
-
-PRUNERS.register(SnapVitPruner.name)(SnapVitPruner())

@@ -1,4 +1,4 @@
-"""CORP closed-form compensation as the healer ``corp`` (paper 002 §3.3-3.4, SPEC §4): no gradients.
+"""CORP closed-form compensation as the healer ``corp`` (the CORP paper §3.3-3.4, docs/methods.md#corp): no gradients.
 
 Statistics come from the *dense* model on the calibration images (paper Alg. 1: one pass, then compensate every
 module independently), gathered through tasks.stats in float64. MLP: ridge/OAS affine prediction of the removed
@@ -13,19 +13,19 @@ import time
 
 import torch
 
-from tasks import corp_math
-from tasks.adapters import get_adapter
-from tasks.corp import _bias_name, scope_parts, unit_stats, vit_blocks
-from tasks.heal import HEALERS, HealConfig, HealContext, Healer, HealResult
+import tasks.healing.corp_math as corp_math
+from tasks.healing.base import HEALERS, HealConfig, HealContext, Healer, HealResult
+from tasks.models.adapter import get_adapter
+from tasks.pruning.corp import _bias_name, scope_parts, unit_stats, vit_blocks
 
 
+@HEALERS.register("corp")
 class CorpHealer(Healer):
     """Closed-form CORP compensation (no gradients) from dense calibration statistics.
 
     Settings: ``shrinkage`` ('oas' default, the authors' choice, or 'fixed'), ``ridge`` (float; with 'fixed',
     lam = ridge * mean variance of the kept hidden units), ``qk_ridge`` (float, relative, default 1e-3)."""
 
-    name = "corp"
     requires_pruner = "corp"  # the only masks it can compensate (check_cell; the conformance suite reads it)
     trains = False  # no lr/epochs: a sweep needs one trial per cell
     settings_schema = {"shrinkage": ("oas", "fixed"), "ridge": float, "qk_ridge": float}
@@ -105,6 +105,3 @@ class CorpHealer(Healer):
                 w[r] = (m.T @ w[r].double().cpu()).to(w.device, w.dtype)
                 if bias is not None:
                     bias[r] = (m.T @ bias[r].double().cpu()).to(w.device, w.dtype)
-
-
-HEALERS.register("corp")(CorpHealer())

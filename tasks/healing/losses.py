@@ -1,4 +1,4 @@
-"""Alignment objectives on block outputs (SPEC §3). Pure functions on tensors.
+"""Alignment objectives on block outputs (docs/methods.md#starfish). Pure functions on tensors.
 
 Granularity:
 - ``token``:   cosine per token row. ViT (B, T, D) -> (B*T, D); CNN (B, C, H, W) -> (B*H*W, C), i.e. every

@@ -1,12 +1,36 @@
-"""Adapters for VGG (timm ``vgg16_bn`` and torchvision VGG) and timm MobileNet/EfficientNet-style networks
-(``mobilenetv1_100``): block discovery and conv/fc scopes (SPEC §2)."""
+"""Adapters for ResNet (timm and torchvision), VGG (timm ``vgg16_bn`` and torchvision VGG) and timm MobileNet/EfficientNet-style networks
+(``mobilenetv1_100``): block discovery and conv/fc scopes (docs/methods.md#pruning-patterns-and-scopes)."""
 from __future__ import annotations
 
 import torch.nn as nn
 
-from tasks.adapters import ADAPTERS, ModelAdapter, ScopeEntry, cnn_scope
+from tasks.models.adapter import ADAPTERS, ModelAdapter, ScopeEntry, cnn_scope
 
 
+@ADAPTERS.register("resnet")
+class ResNetAdapter(ModelAdapter):
+    """timm and torchvision ResNets (BasicBlock or Bottleneck): blocks are the residual blocks."""
+
+    family = "ResNet (timm or torchvision, BasicBlock/Bottleneck)"
+    scopes = ("conv", "fc", "conv_fc", "conv_dw")
+    default_scope = "conv"
+    default_granularity = "example"
+
+    def matches(self, model: nn.Module) -> bool:
+        from timm.models.resnet import ResNet as TimmResNet
+        from torchvision.models.resnet import ResNet as TvResNet
+
+        return isinstance(model, (TimmResNet, TvResNet))
+
+    def blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        return [(f"layer{i}.{n}", b) for i in range(1, 5) for n, b in getattr(model, f"layer{i}").named_children()]
+
+    def scope(self, model: nn.Module, scope: str, include_stem: bool = False) -> list[ScopeEntry]:
+        self.check_scope(scope)
+        return cnn_scope(model, scope, self.family, () if include_stem else ("conv1",))
+
+
+@ADAPTERS.register("vgg")
 class VggAdapter(ModelAdapter):
     """Blocks: each conv+bn+relu group of ``features`` (the ReLU closing it is tapped). Scopes: ``conv`` (all
     feature convs but the first), ``fc`` (the classifier: timm's pre_logits convs and head, torchvision's
@@ -38,6 +62,7 @@ class VggAdapter(ModelAdapter):
         return cnn_scope(model, scope, self.family, dense=(first,), fc_prefixes=("pre_logits.",))
 
 
+@ADAPTERS.register("mobilenet")
 class MobileNetAdapter(ModelAdapter):
     """timm EfficientNet-class models (mobilenetv1_100: depthwise-separable blocks). Blocks: every block of
     every stage. Scopes: ``conv`` (pointwise/full convs but the stem), ``conv_dw`` (depthwise convs only),
@@ -59,7 +84,3 @@ class MobileNetAdapter(ModelAdapter):
     def scope(self, model: nn.Module, scope: str) -> list[ScopeEntry]:
         self.check_scope(scope)
         return cnn_scope(model, scope, self.family, dense=("conv_stem",))
-
-
-ADAPTERS.register("vgg")(VggAdapter())
-ADAPTERS.register("mobilenet")(MobileNetAdapter())

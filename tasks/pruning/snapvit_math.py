@@ -1,4 +1,4 @@
-"""SnapViT elastic structured ranking (SPEC §7, paper 003): units, local sensitivity, xNES, one total order.
+"""SnapViT elastic structured ranking (docs/methods.md#snapvit, the SnapViT paper): units, local sensitivity, xNES, one total order.
 
 Units are the attention heads and MLP hidden neurons of every ViT block. A head removes its q, k and v rows
 of the fused qkv weight (and bias) and its columns of the attention projection; a neuron removes its fc1
@@ -38,8 +38,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tasks.adapters import ModelAdapter, ScopeEntry
-from tasks.xnes import xnes
+from tasks.models.adapter import ModelAdapter, ScopeEntry
+from tasks.pruning.xnes import xnes
 
 DEFAULTS: dict[str, Any] = {"iterations": 50, "popsize": 0, "sigma0": 1.0, "pca_dim": 192, "fitness_images": 128,
                             "fitness_sparsities": [0.1, 0.25, 0.4, 0.6], "grad_batch": 1, "tau_t": 0.04,

@@ -1,4 +1,4 @@
-"""Mask generators (SPEC §2), registered by name.
+"""Mask generators (docs/methods.md#pruning-patterns-and-scopes), registered by name.
 
 A mask is {parameter name -> bool tensor of the parameter's shape}, True = keep. Generators see only the
 prunable region of each scope entry (a whole tensor, or a row range such as the Q/K rows of qkv) and return
@@ -7,7 +7,6 @@ Counts are exact: a tensor of n prunable weights at sparsity s loses exactly flo
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -15,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from tasks._registry import Registry
-from tasks.adapters import ModelAdapter, ScopeEntry
+from tasks.models.adapter import ModelAdapter, ScopeEntry
 
 
 @dataclass
@@ -28,11 +27,6 @@ class PruneContext:
     entries: list[ScopeEntry]
     calib_images: torch.Tensor | None = None  # (N, C, H, W), unlabeled
     diagnostics: Mapping[str, Any] = field(default_factory=dict)
-
-
-def n_pruned(numel: int, sparsity: float) -> int:
-    """Exact number of weights removed from ``numel`` at ``sparsity`` (round half up)."""
-    return int(math.floor(sparsity * numel + 0.5))
 
 
 def _keep_all_but_smallest(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -86,82 +80,7 @@ class Pruner:
         raise NotImplementedError
 
 
-PRUNERS: Registry[Pruner] = Registry("pruner")
-
-
-class MagnitudePruner(Pruner):
-    """Layerwise (uniform) unstructured magnitude: every prunable tensor reaches the sparsity."""
-
-    name = "magnitude"
-
-    def __call__(self, weights, sparsity, *, seed, ctx=None, **settings):
-        return {k: _keep_all_but_smallest(w.detach().abs(), n_pruned(w.numel(), sparsity)) for k, w in weights.items()}
-
-
-class GlobalMagnitudePruner(Pruner):
-    """One magnitude threshold across all prunable tensors (exact global count)."""
-
-    name = "global_magnitude"
-
-    def __call__(self, weights, sparsity, *, seed, ctx=None, **settings):
-        names = list(weights)
-        flat = torch.cat([weights[k].detach().abs().flatten().float() for k in names])  # (P,)
-        keep = _keep_all_but_smallest(flat, n_pruned(flat.numel(), sparsity))
-        out, start = {}, 0
-        for k in names:
-            n = weights[k].numel()
-            out[k] = keep[start : start + n].view_as(weights[k])
-            start += n
-        return out
-
-
-def nm_mask(w: torch.Tensor, n: int, m: int) -> torch.Tensor:
-    """Keep the n largest |w| in every group of m consecutive weights along the (flattened) input dim.
-
-    w: (out, in) Linear or (out, in, kh, kw) Conv -> viewed as (out, in*kh*kw) -> groups (out, G, m).
-    """
-    w2 = w.detach().abs().reshape(w.shape[0], -1)  # (out, I)
-    if w2.shape[1] % m:
-        raise ValueError(f"input dimension {w2.shape[1]} is not divisible by M={m}")
-    groups = w2.view(w2.shape[0], -1, m)  # (out, G, m)
-    order = torch.argsort(groups, dim=-1, descending=True, stable=True)  # (out, G, m)
-    keep = torch.zeros_like(groups, dtype=torch.bool)
-    keep.scatter_(-1, order[..., :n], True)
-    return keep.view_as(w)
-
-
-class NMPruner(Pruner):
-    """N:M semi-structured (2:4 default); sparsity is 1 - N/M by construction."""
-
-    name = "nm"
-    settings_schema = {"n": int, "m": int}
-
-    def check(self, settings):
-        super().check(settings)
-        n, m = settings.get("n", 2), settings.get("m", 4)
-        if not (0 < n < m):
-            raise ValueError(f"pruner 'nm' needs 0 < n < m, got n={n}, m={m}")
-
-    def fixed_sparsity(self, settings):
-        return 1.0 - settings.get("n", 2) / settings.get("m", 4)
-
-    def pattern(self, sparsity, settings):
-        return f"{settings.get('n', 2)}:{settings.get('m', 4)}"
-
-    def check_model(self, model, adapter, scope, settings):
-        m = settings.get("m", 4)
-        params = dict(model.named_parameters())
-        for e in adapter.scope(model, scope):
-            width = params[e.param][0].numel()
-            if width % m:
-                raise ValueError(f"M={m} does not divide the input width {width} of {e.param}")
-
-    def __call__(self, weights, sparsity, *, seed, ctx=None, n: int = 2, m: int = 4):
-        return {k: nm_mask(w, n, m) for k, w in weights.items()}
-
-
-for _p in (MagnitudePruner(), GlobalMagnitudePruner(), NMPruner()):
-    PRUNERS.register(_p.name)(_p)
+PRUNERS: Registry[Pruner] = Registry("pruner", instances=True)
 
 
 # --- applying masks --------------------------------------------------------------------------------
@@ -240,8 +159,3 @@ def achieved_sparsity(entries: list[ScopeEntry], masks: Mapping[str, torch.Tenso
         total += r.numel()
         pruned += int((~r).sum())
     return pruned / max(total, 1)
-
-
-from tasks import allocation_pruners as _allocation_pruners  # noqa: E402,F401  registers the allocation rules
-from tasks import corp as _corp  # noqa: E402,F401  registers 'corp' (structured CORP masks)
-from tasks import snapvit_pruner as _snapvit_pruner  # noqa: E402,F401  registers 'snapvit'

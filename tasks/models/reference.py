@@ -11,49 +11,17 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from tasks._registry import Registry
-from tasks.data import DatasetSplits, load_dataset
+from tasks.data.splits import DatasetSplits, load_dataset
 from tasks.evaluate import accuracy
-from tasks.store import content_key
-
-
-@dataclass(frozen=True)
-class TrainRecipe:
-    epochs: int
-    lr: float
-    weight_decay: float
-    batch_size: int
-    max_shift: int  # random translation augmentation, pixels
-    label_smoothing: float = 0.0
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    name: str
-    dataset: str
-    arch: dict  # constructor settings, part of the content key
-    build: Callable[[dict], nn.Module]
-    recipe: TrainRecipe
-
-
-@dataclass
-class LoadedModel:
-    name: str
-    model: nn.Module
-    digest: str  # sha256 of the weights file (first 16 hex)
-    dataset: DatasetSplits
-    info: dict  # training metadata (dense accuracy on the evaluation split, seconds, ...)
-
-
-MODELS: Registry[ModelSource] = Registry("model")
+from tasks.models.base import MODELS, LoadedModel, ReferenceModel, TrainRecipe
+from tasks.store.format import content_key
 
 
 def _build_vit(arch: dict) -> nn.Module:
@@ -74,7 +42,7 @@ def _build_resnet(arch: dict) -> nn.Module:
 
 
 for _src in (
-    ModelSource(
+    ReferenceModel(
         name="vit_digits", dataset="digits",
         arch=dict(img_size=16, patch_size=4, in_chans=1, num_classes=10, embed_dim=64, depth=6,
                   num_heads=4, mlp_ratio=4.0),
@@ -82,7 +50,7 @@ for _src in (
         recipe=TrainRecipe(epochs=80, lr=2e-3, weight_decay=0.05, batch_size=64, max_shift=2,
                            label_smoothing=0.1),
     ),
-    ModelSource(
+    ReferenceModel(
         name="resnet_digits", dataset="digits",
         arch=dict(layers=[1, 1, 1, 1], channels=[16, 32, 64, 128], in_chans=1,
                   num_classes=10),
@@ -167,15 +135,10 @@ def weights_digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-def load_model(name: str, cache_dir: str | os.PathLike, *, data_seed: int = 0, train_seed: int = 0,
-               progress: bool = True, source: dict | None = None, dataset: dict | None = None) -> LoadedModel:
-    """Load a model with its dataset splits. Without ``source`` (or with source ``reference``): a registered
-    reference model, trained and cached on first use (content-addressed). Otherwise ``source`` is a
-    ``tasks.sources.ModelRef`` as a dict (timm, torchvision, checkpoint) and ``dataset`` {name, settings...}."""
-    if source and source.get("source", "reference") != "reference":
-        from tasks.sources import load_external
-
-        return load_external(source, dataset or {"name": "digits"}, data_seed)
+def load_reference(name: str, cache_dir: str | os.PathLike, *, data_seed: int = 0, train_seed: int = 0,
+                   progress: bool = True) -> LoadedModel:
+    """A registered reference model with its dataset splits, trained and cached on first use
+    (content-addressed by architecture, recipe, dataset digest and seed)."""
     src = MODELS.get(name)
     data = load_dataset(src.dataset, seed=data_seed)
     key = content_key({"model": name, "arch": src.arch, "recipe": asdict(src.recipe),

@@ -1,4 +1,4 @@
-"""CORP closed-form math (SPEC §4, paper 002 §3.3-3.4, App. B), as pure float64 functions with shape comments.
+"""CORP closed-form math (docs/methods.md#corp, the CORP paper §3.3-3.4, App. B), as pure float64 functions with shape comments.
 
 MLP (fold into fc2): x = [x_S; x_P] hidden activations, W = [W_S W_P] fc2 weight, b fc2 bias.
     B = Sigma_PS (Sigma_SS + lam I)^-1,  c = mu_P - B mu_S,  W~_S = W_S + W_P B,  b~ = b + W_P c

@@ -1,8 +1,9 @@
-"""Healers beyond STARFISH (SPEC §3 objectives) and healer composition.
+"""The gradient healers (STARFISH and the objectives it is compared with) and ``none``.
 
 Every gradient healer runs ``GradientHealer``'s loop (AdamW, cosine schedule, masking, NaN handling, per-epoch
 reports); only the objective differs:
 
+- ``starfish``:    cosine alignment of every block output with the dense model's (the method).
 - ``mse``:         mean squared error to the same cached dense block outputs as STARFISH.
 - ``kl``:          KL(dense || pruned) on logits (T = 1, batchmean); dense logits come from the target store's
                    pseudo-block ``tasks.targets.LOGITS``. No block hooks are installed.
@@ -13,48 +14,59 @@ reports); only the objective differs:
 - ``starfish_kl``: w_align * cosine + w_kl * KL (0.5 / 0.5 by default; settings ``w_align``, ``w_kl``).
 - ``none``:        the pruned model as is: no epochs, nothing changes.
 
-Composition: ``ComposedHealer`` runs registered healers in order on the same masked model; its name is the
-parts' names joined by ``+`` (e.g. ``corp+starfish``). Each gradient part gets the trial's lr and epochs.
+Chains of healers: tasks/healing/chain.py.
 """
 from __future__ import annotations
 
-import time
-from dataclasses import replace
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Iterator
 
 import torch
 
-from tasks.heal import (HEALERS, EpochCallback, GradientHealer, Healer, HealConfig, HealContext, HealResult,
-                        StarfishHealer)
-from tasks.losses import ce_loss, cosine_align_loss, kl_logit_loss, mse_align_loss, weighted_sum
-from tasks.targets import LOGITS
+from tasks.healing.base import HEALERS, HealContext, Healer, HealResult
+from tasks.healing.loop import GradientHealer
+from tasks.healing.losses import GRANULARITIES, ce_loss, cosine_align_loss, kl_logit_loss, mse_align_loss, weighted_sum
+from tasks.healing.targets import LOGITS
 
-LABELED_SPLITS = ("train",)  # splits a supervised healer may train on (selection/evaluation never: SPEC §1)
+LABELED_SPLITS = ("train",)  # splits a supervised healer may train on (selection/evaluation never: docs/methods.md#data-splits)
 
 
+@HEALERS.register("starfish")
+class StarfishHealer(GradientHealer):
+    """STARFISH: cosine alignment of every block output with the dense model's (the STARFISH paper)."""
+
+    settings_schema = {"granularity": ("auto",) + GRANULARITIES}
+
+    def resolve(self, ctx, settings):
+        g = settings.get("granularity", "auto")
+        return {"granularity": ctx.default_granularity if g == "auto" else g}
+
+    def loss(self, outputs, targets, settings):
+        return cosine_align_loss(outputs, targets, settings["granularity"])
+
+
+@HEALERS.register("mse")
 class MseHealer(GradientHealer):
-    """MSE between every block output and the dense model's (paper 000, Table 1 ablation)."""
+    """MSE between every block output and the dense model's (the STARFISH paper, Table 1 ablation)."""
 
-    name = "mse"
 
     def loss(self, outputs, targets, settings):
         return mse_align_loss(outputs, targets)
 
 
+@HEALERS.register("kl")
 class KlHealer(GradientHealer):
     """Logit distillation: KL(dense || pruned), T = 1, batchmean. Reads only the cached dense logits."""
 
-    name = "kl"
     uses_blocks = False
 
     def objective(self, blocks, logits, targets, block_names, settings):
         return kl_logit_loss(logits, targets[LOGITS].to(logits.device, non_blocking=True))  # (B, K) vs (B, K)
 
 
+@HEALERS.register("ce")
 class CeHealer(GradientHealer):
     """Cross-entropy fine-tuning on ``ctx.labeled`` (see the module docstring for which items)."""
 
-    name = "ce"
     uses_blocks = False
     settings_schema = {"split": LABELED_SPLITS}
 
@@ -85,10 +97,10 @@ class CeHealer(GradientHealer):
         return ce_loss(logits, targets["labels"].to(logits.device))
 
 
+@HEALERS.register("starfish_kl")
 class StarfishKlHealer(StarfishHealer):
-    """w_align * STARFISH cosine + w_kl * KL(dense || pruned logits); 0.5 / 0.5 by default (SPEC §3)."""
+    """w_align * STARFISH cosine + w_kl * KL(dense || pruned logits); 0.5 / 0.5 by default (docs/methods.md#starfish)."""
 
-    name = "starfish_kl"
     settings_schema = {**StarfishHealer.settings_schema, "w_align": float, "w_kl": float}
 
     def check(self, settings):
@@ -115,90 +127,13 @@ class StarfishKlHealer(StarfishHealer):
         return weighted_sum(terms)
 
 
+@HEALERS.register("none")
 class NoHealer(Healer):
     """The pruned model as is: no epochs, no steps, nothing changes (the lower bound of every paired table)."""
 
-    name = "none"
 
     def heal(self, ctx, cfg, on_epoch=None):
         return HealResult([], 0.0, 0)
 
 
-for _h in (MseHealer(), KlHealer(), CeHealer(), StarfishKlHealer(), NoHealer()):
-    HEALERS.register(_h.name)(_h)
-
-
 # --- composition -------------------------------------------------------------------------------------------
-
-CHAIN_SEP = "+"
-
-
-def chain_name(names: Sequence[str]) -> str:
-    return CHAIN_SEP.join(names)
-
-
-class ComposedHealer(Healer):
-    """Registered healers run in order on the same masked model. Built from a spec entry's ``steps`` setting:
-    ``[{"name": ..., "settings": {...}}, ...]``; every gradient part gets the trial's lr and epochs, and epoch
-    reports continue counting across parts (part 2's epoch 1 is reported as epochs(part 1) + 1)."""
-
-    def __init__(self, steps: Sequence[Mapping[str, Any]]) -> None:
-        if len(steps) < 2:
-            raise ValueError(f"a healer chain needs at least 2 steps, got {len(steps)}")
-        self.parts: list[tuple[Healer, dict]] = []
-        for i, st in enumerate(steps):
-            try:
-                part = HEALERS.get(st["name"])
-            except KeyError as e:
-                raise ValueError(f"chain[{i}]: {e.args[0]}") from None
-            self.parts.append((part, dict(st.get("settings") or {})))
-        self.name = chain_name([p.name for p, _ in self.parts])
-        self.trains = any(p.trains for p, _ in self.parts)
-
-    def _each(self, fn):
-        for i, (part, settings) in enumerate(self.parts):
-            try:
-                fn(part, settings)
-            except ValueError as e:
-                raise ValueError(f"chain[{i}] ({part.name!r}): {e}") from None
-
-    def check(self, settings):
-        if set(settings) - {"steps"}:
-            raise ValueError(f"a healer chain takes no settings of its own; set them per step, got {sorted(settings)}")
-        self._each(lambda part, s: part.check(s))
-
-    def check_cell(self, model, adapter, pruner, pruner_settings, settings):
-        self._each(lambda part, s: part.check_cell(model, adapter, pruner, pruner_settings, s))
-
-    def check_data(self, dataset, settings):
-        self._each(lambda part, s: part.check_data(dataset, s))
-
-    def may_change(self, model, entries):
-        return set().union(*(part.may_change(model, entries) for part, _ in self.parts))
-
-    def epochs(self, cfg):
-        return sum(part.epochs(replace(cfg, settings=s)) for part, s in self.parts)
-
-    def heal(self, ctx: HealContext, cfg: HealConfig, on_epoch: EpochCallback | None = None) -> HealResult:
-        t0, losses, steps, offset = time.perf_counter(), [], 0, 0
-        for part, settings in self.parts:
-            pcfg = replace(cfg, settings=settings)
-            cb = None if on_epoch is None else (lambda e, m, o=offset: on_epoch(o + e, m))
-            res = part.heal(ctx, pcfg, cb)
-            losses += res.epoch_losses
-            steps += res.steps
-            offset += part.epochs(pcfg)
-        return HealResult(losses, time.perf_counter() - t0, steps)
-
-
-def resolve_healer(name: str, settings: Mapping[str, Any] | None = None) -> Healer:
-    """A registered healer, or the composition a spec entry describes (name ``a+b`` with settings {"steps": ...})."""
-    settings = settings or {}
-    if name in HEALERS:
-        return HEALERS.get(name)
-    if "steps" in settings:
-        h = ComposedHealer(settings["steps"])
-        if h.name != name:
-            raise ValueError(f"healer chain name {name!r} does not match its steps ({h.name!r})")
-        return h
-    return HEALERS.get(name)  # raises the registry's "unknown healer" error

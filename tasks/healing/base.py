@@ -1,0 +1,97 @@
+"""The healer contract: configuration, context, result, the ``Healer`` base class and the ``HEALERS`` registry.
+A leaf of the healing package: every healer imports it; it imports no healer."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+import torch.nn as nn
+
+from tasks._registry import Registry
+from tasks.models.adapter import ScopeEntry
+
+Batches = Callable[[int], Iterable[tuple[Any, dict[str, torch.Tensor]]]]  # epoch -> (rows, {block: targets})
+
+
+class HealingDiverged(RuntimeError):
+    """The healing loss became NaN or Inf; the weights are left as they were before that step."""
+
+
+@dataclass(frozen=True)
+class HealConfig:
+    lr: float = 6e-4
+    epochs: int = 10
+    batch_size: int = 32
+    weight_decay: float = 0.0
+    lr_min: float = 1e-6
+    seed: int = 0
+    settings: Mapping[str, Any] = field(default_factory=dict)  # healer-specific (e.g. granularity)
+
+
+@dataclass
+class HealContext:
+    model: nn.Module  # already pruned (masks applied)
+    blocks: list[tuple[str, nn.Module]]  # target blocks, in store order
+    entries: list[ScopeEntry]  # prunable scope
+    masks: Mapping[str, torch.Tensor]  # full-shape bool, True = keep
+    images: torch.Tensor  # (N, C, H, W) calibration images, row i = store row i
+    batches: Batches  # streams (rows, targets) for an epoch, in batches of cfg.batch_size
+    steps_per_epoch: int
+    default_granularity: str = "token"
+    dense_model: Callable[[], nn.Module] | None = None  # lazily builds an unpruned copy (repair operators)
+    # (images (N, C, H, W), labels (N,)) for supervised baselines (``ce``); the trial passes the first calib_size
+    # items of the dataset's TRAIN split: budget-matched, disjoint from calibration/selection/evaluation.
+    labeled: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Fault tolerance (gradient healers): ``resume`` = a state passed to ``checkpoint`` earlier (the model
+    # already holds that epoch's healed weights); ``checkpoint(epoch, state)`` runs after each epoch, before
+    # ``on_epoch``, with the loop state needed to continue bit-identically (optimizer, schedule, epoch, losses).
+    resume: Mapping[str, Any] | None = None
+    checkpoint: Callable[[int, dict[str, Any]], None] | None = None
+
+
+@dataclass
+class HealResult:
+    epoch_losses: list[float]
+    seconds: float
+    steps: int
+
+
+EpochCallback = Callable[[int, dict[str, float]], None]
+
+
+class Healer:
+    name = ""
+    settings_schema: dict[str, tuple] = {}  # setting -> allowed values (tuple) or a type
+    trains = False  # uses lr/epochs (gradient steps); False: the search runs one trial per cell (plan.trials_for)
+
+    def check(self, settings: Mapping[str, Any]) -> None:
+        for k, v in settings.items():
+            if k not in self.settings_schema:
+                raise ValueError(f"unknown setting {k!r} for healer {self.name!r}; allowed: "
+                                 f"{', '.join(self.settings_schema) or 'none'}")
+            allowed = self.settings_schema[k]
+            if isinstance(allowed, tuple) and v not in allowed:
+                raise ValueError(f"healer {self.name!r} setting {k!r} must be one of {allowed}, got {v!r}")
+
+    def may_change(self, model: nn.Module, entries: list[ScopeEntry]) -> set[str]:
+        """state_dict names outside the prunable scope that this healer is allowed to change (e.g. BatchNorm
+        running statistics for CR+BN, an fc2 bias for CORP). Default: none."""
+        return set()
+
+    def check_cell(self, model: nn.Module, adapter: Any, pruner: str, pruner_settings: Mapping[str, Any],
+                   settings: Mapping[str, Any]) -> None:
+        """Raise ValueError naming both sides when this healer cannot serve the pruner/model combination."""
+
+    def check_data(self, dataset: Any, settings: Mapping[str, Any]) -> None:
+        """Raise ValueError when the sweep's dataset (tasks.data.DatasetSplits) lacks what this healer reads."""
+
+    def epochs(self, cfg: HealConfig) -> int:
+        """How many on_epoch reports heal() makes under cfg (0: none; the trial then reports final metrics only)."""
+        return 0
+
+    def heal(self, ctx: HealContext, cfg: HealConfig, on_epoch: EpochCallback | None = None) -> HealResult:
+        raise NotImplementedError
+
+
+HEALERS: Registry[Healer] = Registry("healer", instances=True)

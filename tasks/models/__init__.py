@@ -1,0 +1,18 @@
+"""Models: reference models the project trains itself, external ones (timm, torchvision, checkpoints), and the
+adapters that find blocks and prunable scopes in each architecture family.
+
+Implementations register themselves on import; this package face imports every one of them.
+"""
+from tasks.models import cnn_adapters, vit_adapters  # noqa: F401 - register the architecture adapters
+from tasks.models.adapter import (ADAPTERS, VIT_SCOPES, ModelAdapter, ScopeEntry, UnsupportedModelError, cnn_scope,
+                                  get_adapter)
+from tasks.models.base import (MODEL_SOURCES, MODELS, ExternalSource, LoadedModel, ModelRef, ModelSourceError,
+                               ReferenceModel, TrainRecipe)
+from tasks.models.external import build_untrained, file_digest, load_external, parse_ref
+from tasks.models.load import load_model
+from tasks.models.reference import load_reference, weights_digest
+
+__all__ = ["ADAPTERS", "VIT_SCOPES", "ModelAdapter", "ScopeEntry", "UnsupportedModelError", "cnn_scope",
+           "get_adapter", "MODEL_SOURCES", "MODELS", "ExternalSource", "LoadedModel", "ModelRef", "ModelSourceError",
+           "ReferenceModel", "TrainRecipe", "build_untrained", "file_digest", "load_external", "parse_ref",
+           "load_model", "load_reference", "weights_digest"]
