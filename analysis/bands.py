@@ -1,4 +1,5 @@
-"""Repairability bands from sweep results (docs/methods.md#calibration-transition-score-and-bands), and their agreement with the CTS core/band.
+"""Repairability bands from sweep results (docs/methods.md#calibration-transition-score-and-bands), and their
+agreement with the CTS core/band.
 
 Per model × pruner × healer (× calibration size, scope, granularity when they vary), the best trial
 of every cell is taken (``runs.best_per_cell``, chosen on the selection split), then averaged over

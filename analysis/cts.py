@@ -1,4 +1,5 @@
-"""Calibration transition score (CTS, docs/methods.md#calibration-transition-score-and-bands, the Relative Repairability paper §5.3) from RR diagnostics alone.
+"""Calibration transition score (CTS, docs/methods.md#calibration-transition-score-and-bands, the Relative
+Repairability paper §5.3) from RR diagnostics alone.
 
 Inputs are the per-layer RR curves R_ℓ(s) on the candidate grid (the diagnostics table of a sweep);
 no accuracy is read. Pure numpy; allocations are passed in as callables so this module never

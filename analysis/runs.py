@@ -135,7 +135,8 @@ def best_per_cell(trials: pd.DataFrame) -> pd.DataFrame:
 
     Ties on selection_acc go to the fewer ``epochs`` (the cheaper trial), then the lower ``optuna_trial``
     number (the one found first), then ``run_id``: deterministic, so the same trials always give the same pick
-    (wall-clock ``heal_seconds`` would not). Runs without selection_acc rank last. Adds ``n_trials`` (all runs of the cell, any status) and ``n_failed`` (status FAILED or KILLED).
+    (wall-clock ``heal_seconds`` would not). Runs without selection_acc rank last. Adds ``n_trials`` (all runs of
+    the cell, any status) and ``n_failed`` (status FAILED or KILLED).
     Cells without a finished run are absent.
     """
     counts = trials.dropna(subset=["cell_id"]).groupby("cell_id", sort=True).agg(

@@ -135,7 +135,8 @@ def _agreement_lines(recs: list[dict]) -> list[str]:
 
 
 def _jrr_section(w: _Writer, curves, lamp: dict, targets) -> list[dict]:
-    """Mean repairability J_RR of the RR, ERK and LAMP allocations at a few targets (docs/methods.md#calibration-transition-score-and-bands)."""
+    """Mean repairability J_RR of the RR, ERK and LAMP allocations at a few targets
+    (docs/methods.md#calibration-transition-score-and-bands)."""
     from .rr import jrr_table
 
     rows = jrr_table(curves, lamp, targets)

@@ -1,4 +1,5 @@
-"""Cost of RR diagnostics (docs/methods.md#relative-repairability-crbn-rr) for the ResNet reference model, and how it scales with layers × candidates.
+"""Cost of RR diagnostics (docs/methods.md#relative-repairability-crbn-rr) for the ResNet reference model, and how it
+scales with layers × candidates.
 
 Per layer: one dense forward to capture the layer's input (fixed cost), then per candidate sparsity one
 pruned layer application, one CR (γ) and one BN re-estimation (per-candidate cost). The figures are in-process

@@ -1,4 +1,5 @@
-"""RR diagnostics as a cached stage (docs/methods.md#relative-repairability-crbn-rr): Ray tasks, one per prunable layer, content-addressed Parquet.
+"""RR diagnostics as a cached stage (docs/methods.md#relative-repairability-crbn-rr): Ray tasks, one per prunable
+layer, content-addressed Parquet.
 
 A diagnostics table is computed only for cells whose pruner needs one (pruners with ``diagnostic_settings``:
 raw_shift, repair_residual, rr), once per distinct identity (model digest, calibration digest, scope, grid,

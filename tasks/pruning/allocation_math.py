@@ -1,4 +1,5 @@
-"""Layerwise sparsity allocation rules (docs/methods.md#relative-repairability-crbn-rr, the Relative Repairability paper), as pure functions.
+"""Layerwise sparsity allocation rules (docs/methods.md#relative-repairability-crbn-rr, the Relative Repairability
+paper), as pure functions.
 
 Every rule maps layers to per-layer sparsities; the registered pruners (tasks/allocation_pruners.py) turn those
 into exact per-layer weight counts (``allocate_counts``) and magnitude-prune each layer to its count.

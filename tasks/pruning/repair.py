@@ -1,4 +1,5 @@
-"""CR+BN repair operator (docs/methods.md#relative-repairability-crbn-rr, the Relative Repairability paper appendix A): label-free, forward passes only, no gradients.
+"""CR+BN repair operator (docs/methods.md#relative-repairability-crbn-rr, the Relative Repairability paper appendix
+A): label-free, forward passes only, no gradients.
 
 For every pruned layer ℓ and output channel c (conv output channel, or Linear output feature):
     r_c = log(σ²_d,c + ε) − log(σ²_p,c + ε)      dense vs pruned activation variance on calibration images

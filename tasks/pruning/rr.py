@@ -1,4 +1,5 @@
-"""Relative Repairability diagnostics (docs/methods.md#relative-repairability-crbn-rr, the Relative Repairability paper §3.2): D_raw, D_repair and R per layer and sparsity.
+"""Relative Repairability diagnostics (docs/methods.md#relative-repairability-crbn-rr, the Relative Repairability
+paper §3.2): D_raw, D_repair and R per layer and sparsity.
 
 Diagnostic model: only layer ℓ is pruned to s (magnitude, exact count, inside its prunable region), all else
 dense. Because everything upstream of ℓ is dense, ℓ's input is the dense input: it is captured once and the

@@ -1,4 +1,5 @@
-"""CR+BN repair operator, distortion and RR diagnostics (docs/methods.md#relative-repairability-crbn-rr), and the cached diagnostics stage."""
+"""CR+BN repair operator, distortion and RR diagnostics (docs/methods.md#relative-repairability-crbn-rr), and the
+cached diagnostics stage."""
 from __future__ import annotations
 
 import copy
@@ -15,7 +16,7 @@ from tasks.pruning.repair import (channel_variances, crbn_repair, crbn_scales, r
                                   tau_of, to_channels)
 from tasks.pruning.rr import distortion, following_bn, layer_diagnostics
 
-CACHE = Path(os.environ.get("HEALSWEEP_TEST_CACHE", Path(__file__).resolve().parents[1] / ".healsweep" / "models"))
+CACHE = Path(os.environ.get("HEALSWEEP_TEST_CACHE", Path(__file__).resolve().parents[2] / ".healsweep" / "models"))
 
 
 def test_crbn_scales_two_channels_hand_computed():
@@ -168,6 +169,7 @@ def test_crbn_recovers_accuracy_on_digits_at_high_sparsity(resnet_digits):
     assert all(int((params[k][~m] != 0).sum()) == 0 for k, m in masks.items())  # masked weights stay 0
 
 
+@pytest.mark.e2e  # starts Ray
 def test_diagnostics_stage_is_cached(resnet_digits, tmp_path):
     import pyarrow.parquet as pq
     import ray

@@ -10,7 +10,7 @@ import yaml
 from orchestrator.cli import main
 from orchestrator.spec import SpecError, load_spec, parse_spec
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BASE = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
 
 

@@ -13,7 +13,7 @@ from tasks.pruning import MaskStore, make_masks
 from tasks.store import TargetStore, content_key, ensure_targets
 from tasks.trial import TrialParams, run_trial
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODEL, CALIB, SHARD = "vit_digits", 48, 16
 KEY = content_key({"test": "store-trial"})
 

@@ -1,14 +1,8 @@
-"""Cluster-scale orchestration (issue 6): resumable healing, per-cell search bookkeeping, the asynchronous MLflow
-writer, resource overrides, and two tiny real sweeps: faults on a simulated two-node cluster, and a driver
-killed with SIGKILL then resumed."""
+"""Cluster-scale orchestration without a cluster: resumable healing, per-cell search bookkeeping, the asynchronous
+MLflow writer, resource overrides and the scheduler (the real sweeps are in tests/e2e/test_cluster_faults.py)."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -20,10 +14,10 @@ from optuna.trial import TrialState
 from orchestrator.resources import override_resources, parse_override
 from orchestrator.resume import told_states
 from orchestrator.search import PerCellOptunaSearch
-from orchestrator.spec import SpecError, load_spec, parse_spec
+from orchestrator.spec import SpecError, parse_spec
 from tasks.healing import HEALERS, HealConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STARFISH = HEALERS.get("starfish")
 
 
@@ -161,141 +155,6 @@ def test_resource_override_turns_a_gpu_spec_into_a_cpu_run():
         parse_spec({**_gpu_spec(), "resources": {"gpus_per_trial": 1.5}})
     with pytest.raises(SpecError, match="search.scheduler"):
         parse_spec(_gpu_spec(scheduler="hyperband"))
-
-
-# --- real sweeps -------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def model_cache() -> Path:
-    return Path(os.environ.get("HEALSWEEP_TEST_CACHE", REPO / ".healsweep" / "models"))
-
-
-def _child_runs(tracking_uri: str, sweep_id: str):
-    client = MlflowClient(tracking_uri)
-    exp = client.get_experiment_by_name("healsweep")
-    return client, client.search_runs([exp.experiment_id], f"tags.sweep_id = '{sweep_id}' and "
-                                                           "tags.`healsweep.role` = 'trial'")
-
-
-@pytest.fixture(scope="module")
-def fault_sweep(tmp_path_factory, model_cache):
-    """A GPU spec, overridden to CPU, on a simulated two-node cluster (1 CPU each): one healthy trial, one
-    that fails once after epoch 1, one whose loss becomes NaN in epoch 2."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from orchestrator.sweep import run_sweep
-
-    root = tmp_path_factory.mktemp("fault")
-    marks = root / "marks"
-    marks.mkdir()
-    raw = _gpu_spec()
-    raw.update(name="fault", plugins=["tests.fault_plugins"], healers=[
-        "starfish", {"name": "test_flaky", "settings": {"marker_dir": str(marks)}},
-        {"name": "test_nan", "settings": {"marker_dir": str(marks)}}])
-    raw["search"]["epochs"] = [3, 3]
-    spec = override_resources(parse_spec(raw), cpu_only=True)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    cluster.add_node(num_cpus=1)
-    try:
-        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-        res = run_sweep(spec, root / "run", root / "store", model_cache, progress=False, report=False)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-    client, runs = _child_runs(res.tracking_uri, res.sweep_id)
-    return res, marks, client, {r.data.params["healer"]: r for r in runs}
-
-
-def test_two_node_cluster_sweep_completes_on_cpu_from_a_gpu_spec(fault_sweep):
-    res, _, client, runs = fault_sweep
-    assert set(runs) == {"starfish", "test_flaky", "test_nan"}
-    assert res.trials_finished == 2 and res.trials_failed == 1
-    assert res.dense_forward_images == 64
-    assert all(r.data.params["device"] == "cpu" for r in runs.values())
-    nodes = {r.data.tags.get("node_id") for h, r in runs.items() if h != "test_nan"}
-    assert None not in nodes and len(nodes) >= 1
-    parent = client.get_run(res.parent_run_id)
-    assert parent.data.metrics["concurrency"] == 2  # both nodes' CPUs
-
-
-def test_failed_trial_is_retried_from_its_checkpoint(fault_sweep):
-    _, marks, client, runs = fault_sweep
-    r = runs["test_flaky"]
-    logs = list(marks.glob("flaky-*.log"))
-    assert len(logs) == 1 and logs[0].read_text().split() == ["0", "1"]  # attempt 2 started after epoch 1
-    assert r.info.status == "FINISHED" and r.data.tags["retries"] == "1"
-    assert r.data.metrics["resumed_from_epoch"] == 1
-    hist = client.get_metric_history(r.info.run_id, "selection_acc")
-    assert sorted(h.step for h in hist) == [1, 2, 3]  # epoch 1 from attempt 1, epochs 2-3 from attempt 2
-    assert r.data.metrics["mask_violations"] == 0 and r.data.metrics["healed_acc"] > 0
-
-
-def test_nan_trial_fails_with_its_reason_and_is_not_retried(fault_sweep):
-    _, _, client, runs = fault_sweep
-    r = runs["test_nan"]
-    assert r.info.status == "FAILED" and "retries" not in r.data.tags
-    assert r.data.tags["failure_reason"].startswith("HealingDiverged: healer 'test_nan': loss became nan at epoch 2")
-    assert "healed_acc" not in r.data.metrics
-    assert runs["starfish"].info.status == "FINISHED" and runs["starfish"].data.metrics["resumed_from_epoch"] == 0
-
-
-KILL_SPEC = """name: killme
-models: [vit_digits]
-sparsities: [0.9]
-calib_sizes: [64, 128]
-pruners: [magnitude]
-healers: [starfish]
-search: {trials_per_cell: 2, lr: [1.0e-3, 3.0e-3], epochs: [2, 2], startup_trials: 2}
-"""
-
-
-def test_killed_driver_resumes_without_rerunning_or_duplicating(tmp_path, model_cache):
-    from orchestrator.resume import read_sweep
-    from orchestrator.sweep import run_sweep
-
-    (tmp_path / "kill.yaml").write_text(KILL_SPEC)
-    out, journal = tmp_path / "run", tmp_path / "run" / "optuna.journal"
-    cmd = [sys.executable, "-m", "orchestrator.cli", "run", str(tmp_path / "kill.yaml"), "--out", str(out),
-           "--store", str(tmp_path / "store"), "--cache", str(model_cache), "--num-cpus", "2", "--quiet"]
-    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 300
-        while time.time() < deadline and proc.poll() is None:
-            if journal.exists() and TrialState.COMPLETE in told_states(journal).values():
-                break
-            time.sleep(0.5)
-        assert proc.poll() is None, "the sweep ended before it could be killed"
-        os.kill(proc.pid, signal.SIGKILL)  # the driver only
-        proc.wait()
-    finally:
-        time.sleep(1)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # Ray processes this driver started
-        except ProcessLookupError:
-            pass
-    before = told_states(journal)
-    done_before = {k for k, s in before.items() if s == TrialState.COMPLETE}
-    assert 1 <= len(done_before) < 4
-    info = read_sweep(out)
-    spec = load_spec(tmp_path / "kill.yaml")
-    res = run_sweep(spec, out, tmp_path / "store", model_cache, progress=False, report=True, num_cpus=2,
-                    resume=True)
-    assert res.sweep_id == info["sweep_id"] and res.parent_run_id == info["parent_run_id"]
-    assert res.dense_forward_images == 0 and res.trials_finished == 4 and res.trials_failed == 0
-    client, runs = _child_runs(res.tracking_uri, res.sweep_id)
-    keys = sorted(r.data.tags["trial_id"] for r in runs)
-    cells = sorted({k.rsplit("-", 1)[0] for k in keys})
-    assert len(cells) == 2 and keys == sorted(f"{c}-{n}" for c in cells for n in (0, 1))  # no duplicates
-    assert all(r.info.status == "FINISHED" and "healed_acc" in r.data.metrics for r in runs)
-    parent = client.get_run(res.parent_run_id).data.metrics
-    assert parent["trials_run"] == 4 - len(done_before)  # finished trials were not run again
-    for r in runs:
-        if r.data.tags["trial_id"] not in done_before:
-            assert r.data.metrics["dense_forward_images"] == 0
-    md = (out / "report.md").read_text()
-    assert sum(line.startswith("| magnitude |") for line in md.splitlines()) == 2  # one main-table row per cell
 
 
 def test_asha_scheduler_from_the_spec_stops_on_epochs_of_selection_acc():

@@ -14,7 +14,7 @@ from tasks.models import get_adapter, load_model, parse_ref
 from tasks.pruning import MaskStore, make_masks
 from tasks.store import TargetStore
 from tasks.trial import TrialParams, run_trial
-from tests.test_sources import N_CLASSES, SIZES, TINY, _images, _tiny_checkpoint
+from tests.models.test_sources import N_CLASSES, SIZES, TINY, _images, _tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from orchestrator.spec import load_spec
 from orchestrator.sweep import run_sweep
 from orchestrator.tracking import EPOCH_METRICS, FINAL_METRICS, TRIAL_PARAMS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
 TUNE_WARNINGS: list[str] = []  # warnings Tune's experiment-state logger gave during the two sweeps
 

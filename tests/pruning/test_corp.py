@@ -20,7 +20,7 @@ from tasks.pruning.shrink import n_params, shrink_vit
 from tasks.stats import HeadQK, Moments, Several, Tap, collect
 from tests.conftest import calib_images
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CORP_P, CORP_H = PRUNERS.get("corp"), HEALERS.get("corp")
 
 
@@ -272,7 +272,8 @@ def test_shrink_equals_masked_model_and_counts_params(tiny_model):
     # per block: fc1 (64 of 128 rows) + bias, fc2 columns, q/k rows 16 of 32 each (+bias)
     removed = 2 * (64 * 32 + 64 + 32 * 64 + 2 * 16 * 32 + 2 * 16)
     assert n_params(small) == n_params(model) - removed
-    assert small.blocks[0].attn.qk_dim == 4 and small.blocks[0].attn.qkv.out_features == 2 * 16 + 32 and small.blocks[0].mlp.fc1.out_features == 64
+    blk = small.blocks[0]
+    assert blk.attn.qk_dim == 4 and blk.attn.qkv.out_features == 2 * 16 + 32 and blk.mlp.fc1.out_features == 64
     with pytest.raises(ValueError, match="timm VisionTransformer"):
         shrink_vit(tiny_model("tv_vit"), masks)
 

@@ -217,7 +217,7 @@ def test_pca_cosine_is_one_for_identical_and_drops_for_a_perturbed_model():
 
 @pytest.fixture(scope="module")
 def model_cache() -> Path:
-    return Path(os.environ.get("HEALSWEEP_TEST_CACHE", Path(__file__).resolve().parents[1] / ".healsweep" / "models"))
+    return Path(os.environ.get("HEALSWEEP_TEST_CACHE", Path(__file__).resolve().parents[2] / ".healsweep" / "models"))
 
 
 def test_vit_digits_snapvit_beats_random_structured_masks(model_cache):
@@ -257,7 +257,7 @@ def test_spec_rejects_snapvit_on_a_resnet_naming_model_and_reason():
 
     from orchestrator.spec import SpecError, parse_spec
 
-    raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml").read_text())
+    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml").read_text())
     raw["models"] = ["resnet_digits"]
     raw["pruners"] = [{"name": "snapvit", "settings": {"iterations": 2}}]
     with pytest.raises(SpecError, match="pruner 'snapvit' cannot serve model 'resnet_digits'.*not a Vision Transformer"):
@@ -281,7 +281,7 @@ def test_mask_stage_runs_one_ranking_for_the_whole_grid(tmp_path, model_cache, m
     calls = []
     real = snapvit.compute_ranking
     monkeypatch.setattr(snapvit, "compute_ranking", lambda *a, **k: calls.append(1) or real(*a, **k))
-    raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml").read_text())
+    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml").read_text())
     raw.update(sparsities=[0.25, 0.5, 0.75], calib_sizes=[64],
                pruners=[{"name": "snapvit", "settings": {"iterations": 2, "fitness_images": 32}}])
     spec = parse_spec(raw)

@@ -6,7 +6,7 @@ import pytest
 from orchestrator.plan import expand_cells
 from orchestrator.search import PerCellOptunaSearch
 from orchestrator.spec import SpecError, parse_spec
-from tests.test_spec import spec_with
+from tests.orchestrator.test_spec import spec_with
 
 
 def test_chain_entry_becomes_one_named_healer_with_steps():

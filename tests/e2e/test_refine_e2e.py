@@ -11,7 +11,7 @@ from mlflow import MlflowClient
 
 from orchestrator.cli import main as cli_main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
 SPEC = {"name": "refinetiny", "models": ["resnet_digits"], "sparsities": [0.5, 0.9, 0.99], "calib_sizes": [64],
         "pruners": ["magnitude"], "healers": ["starfish"], "seeds": [0],

@@ -1,4 +1,5 @@
-"""Allocation rules (docs/methods.md#relative-repairability-crbn-rr): LAMP, ERK, the greedy repairability solver, exact counts, spec validation."""
+"""Allocation rules (docs/methods.md#relative-repairability-crbn-rr): LAMP, ERK, the greedy repairability solver,
+exact counts, spec validation."""
 from __future__ import annotations
 
 import copy
@@ -13,7 +14,7 @@ from tasks.models import get_adapter
 from tasks.pruning import PruneContext, make_masks, n_pruned
 from tasks.pruning.allocation_math import (CANDIDATE_GRID, allocate_counts, erk_sparsities, fit_budget,
                                            global_magnitude_sparsities, greedy_allocate, lamp_scores, lamp_sparsities)
-from tests.test_spec import BASE
+from tests.orchestrator.test_spec import BASE
 
 
 def test_lamp_scores_hand_computed():
@@ -162,6 +163,6 @@ def test_allocation_config_validates():
 
     from orchestrator.spec import load_spec
 
-    spec = load_spec(Path(__file__).resolve().parents[1] / "configs" / "allocation.yaml")
+    spec = load_spec(Path(__file__).resolve().parents[2] / "configs" / "allocation.yaml")
     assert {p.name for p in spec.pruners} >= {"uniform", "global", "erk", "lamp", "rr"}
     assert {h.name for h in spec.healers} == {"crbn", "starfish"}

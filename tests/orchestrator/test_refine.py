@@ -11,7 +11,7 @@ from orchestrator.refine import RefineError, fine_grid, plan_refinement, refine_
 from orchestrator.spec import load_spec
 from tests import transition_fixture as tf
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _rec(pairs):

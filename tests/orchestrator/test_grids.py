@@ -13,7 +13,7 @@ from orchestrator.plan import expand_cells, grid_searches
 from orchestrator.search import PerCellOptunaSearch
 from orchestrator.spec import SpecError, load_spec, parse_spec
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())  # vit_digits, magnitude x starfish, 2 trials
 SCOPES = {"vit_digits": "qkv_out_mlp", "resnet_digits": "conv"}
 HEALERS = {"name": "healers", "sparsities": [0.9], "calib_sizes": [64], "healers": ["starfish", "mse", "none"],

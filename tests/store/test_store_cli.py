@@ -12,7 +12,7 @@ from tasks.store import TargetStore, content_key, ensure_targets
 from tests.store_helpers import Runner
 
 K1, K2 = content_key("one"), content_key("two")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

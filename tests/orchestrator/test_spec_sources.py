@@ -11,7 +11,7 @@ import yaml
 
 from orchestrator.spec import SpecError, parse_spec
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
 
 
