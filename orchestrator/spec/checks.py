@@ -14,7 +14,7 @@ from typing import Any, Mapping
 MAX_LIST = 1_000  # items of any list (sparsities, calib_sizes, seeds, pruners, healers, models, grids)
 MAX_TRIALS_PER_CELL = 10_000
 MAX_EPOCHS = 10_000
-MAX_TRIALS = 100_000  # trials of the whole sweep (all grids)
+MAX_TRIALS = 100_000  # trials of the whole sweep (all grids); the environment's HEALSWEEP_MAX_TRIALS overrides it
 MAX_SEED = 2**32 - 1  # numpy / torch seeds are unsigned 32-bit
 MAX_NAME = 64  # sweep, grid and experiment names become directory names and MLflow names
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*\Z")
@@ -28,6 +28,14 @@ class SpecError(ValueError):
         message = " ".join(str(message).split())  # one line, whatever the value quoted in it contained
         super().__init__(f"{path}: {message}" if path else message)
         self.path, self.message = path, message
+
+
+def max_trials() -> int:
+    """MAX_TRIALS, or a deliberate larger (or smaller) bound from the HEALSWEEP_MAX_TRIALS environment variable."""
+    import os
+
+    v = os.environ.get("HEALSWEEP_MAX_TRIALS", "")
+    return int(v) if v.isdigit() else MAX_TRIALS
 
 
 def excerpt(v: Any, limit: int = EXCERPT) -> str:

@@ -2,8 +2,8 @@
 download), and the size bounds of a whole sweep."""
 from __future__ import annotations
 
-from orchestrator.spec.checks import MAX_TRIALS, SpecError
-from orchestrator.spec.sources import untrained
+from orchestrator.spec.checks import SpecError, max_trials
+from orchestrator.spec.sources import architecture
 
 
 def check_models(spec) -> None:
@@ -12,7 +12,7 @@ def check_models(spec) -> None:
     from tasks.models import get_adapter
 
     for m in spec.models:
-        model = untrained(spec, m)
+        model = architecture(spec, m)
         adapter = get_adapter(model)
         model_scope = spec.scope.get(m, adapter.default_scope)
         try:
@@ -73,7 +73,7 @@ def trials_upper_bound(spec) -> int:
 
 
 def check_size(spec) -> None:
-    n = trials_upper_bound(spec)
-    if n > MAX_TRIALS:
-        raise SpecError("spec", f"the grid has up to {n} trials; at most {MAX_TRIALS} are allowed per sweep "
-                                f"(split it into several sweeps, or lower sparsities/seeds/trials_per_cell)")
+    n, limit = trials_upper_bound(spec), max_trials()
+    if n > limit:
+        raise SpecError("spec", f"the grid has up to {n} trials; at most {limit} are allowed per sweep (split it, "
+                                f"lower sparsities/seeds/trials_per_cell, or set HEALSWEEP_MAX_TRIALS to allow more)")

@@ -140,7 +140,8 @@ def store_uri(v: Any, base_dir: str | Path | None) -> str:
     if "://" in uri:
         scheme = uri.split("://", 1)[0].lower()
         if scheme not in STORE_SCHEMES:
-            raise SpecError("store.uri", f"unknown scheme {excerpt(scheme, 20)}://; allowed: a local path or "
+            shown = scheme[:20] if scheme.isalnum() else excerpt(scheme, 20)
+            raise SpecError("store.uri", f"unknown scheme {shown}://; allowed: a local path or "
                                          f"{', '.join(s + '://' for s in STORE_SCHEMES)}")
         return uri
     return os.path.abspath(os.path.join(base_dir or os.getcwd(), os.path.expanduser(uri)))

@@ -5,6 +5,7 @@ weights, path, num_classes, model_args, init_seed}; ``dataset`` is a name or {na
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Mapping
 
 from orchestrator.spec.checks import SpecError, check_list, excerpt
@@ -74,6 +75,23 @@ def parse_models(raw: Any, dataset: str, offline: bool, models) -> tuple[list[st
         names.append(ref.name)
         refs[ref.name] = ref.to_dict()
     return names, refs
+
+
+def architecture(spec, name: str):
+    """A spec model's architecture for validation: built once per process and model entry, on the meta device
+    (shapes and module types only: no weight initialisation, no memory). Callers must not modify it."""
+    import json
+
+    return _architecture(json.dumps(spec.model_refs.get(name) or {"name": name}, sort_keys=True, default=str))
+
+
+@lru_cache(maxsize=16)
+def _architecture(ref_json: str):
+    import json
+
+    from tasks.models import ModelRef, build_untrained
+
+    return build_untrained(ModelRef(**json.loads(ref_json)), device="meta")
 
 
 def untrained(spec, name: str):
