@@ -87,6 +87,11 @@ def parse_healers(v: Any, path: str, models: tuple[str, ...] | None = None) -> t
         p = f"{path}[{i}]"
         if isinstance(item, Mapping) and "chain" in item:
             out.append(parse_chain(item, p))
+        elif _is_written_chain(item):  # SweepSpec.to_dict's form of a chain (sweep.json: resume, refine)
+            ref = parse_chain({"chain": item["settings"]["chain"]}, p)
+            if ref.name != item["name"]:
+                raise SpecError(f"{p}.name", f"chain of {ref.name!r} cannot be named {excerpt(item['name'])}")
+            out.append(ref)
         else:
             out.append(parse_method(item, p, "healer", models))
     keys = [(r.name, repr(sorted(r.settings.items()))) for r in out]
@@ -94,6 +99,13 @@ def parse_healers(v: Any, path: str, models: tuple[str, ...] | None = None) -> t
         if key in keys[:j]:
             raise SpecError(f"{path}[{j}]", f"healer {key[0]!r} with these settings is listed twice")
     return tuple(out)
+
+
+def _is_written_chain(item: Any) -> bool:
+    """{name: "a+b", settings: {chain: [...]}, models: None}: a chain as ``SweepSpec.to_dict`` writes it."""
+    return (isinstance(item, Mapping) and isinstance(item.get("name"), str) and "+" in item["name"]
+            and isinstance(item.get("settings"), Mapping) and set(item["settings"]) == {"chain"}
+            and all(item.get(k) is None for k in item if k not in ("name", "settings")))
 
 
 def parse_chain(item: Mapping, p: str) -> MethodRef:

@@ -18,8 +18,11 @@ def from_dict_form(raw: Any) -> Any:
         return raw
     d = dict(raw)
     refs, settings = d.pop("model_refs", None) or {}, d.pop("dataset_settings", None) or {}
+    for key, v in (("model_refs", refs), ("dataset_settings", settings)):
+        if not isinstance(v, Mapping) or (key == "model_refs" and not all(isinstance(r, Mapping) for r in v.values())):
+            raise SpecError(key, f"must be a mapping (as SweepSpec.to_dict writes it), got {excerpt(v)}")
     if isinstance(d.get("models"), (list, tuple)):
-        d["models"] = [m if (refs.get(m) or {}).get("source", "reference") == "reference"
+        d["models"] = [m if not isinstance(m, str) or refs.get(m, {}).get("source", "reference") == "reference"
                        else {k: v for k, v in refs[m].items() if v is not None and k != "offline"}
                        for m in d["models"]]
     if settings:
@@ -34,6 +37,9 @@ def parse_dataset(raw: Any, datasets) -> tuple[str, dict, int | None]:
         if "name" not in raw:
             raise SpecError("dataset.name", "required key is missing")
         settings = {k: v for k, v in raw.items() if k != "name"}
+        for k in settings:
+            if not isinstance(k, str):
+                raise SpecError("dataset", f"setting names must be strings, got {excerpt(k)}")
         raw = raw["name"]
     if not isinstance(raw, str) or raw not in datasets:
         raise SpecError("dataset", f"unknown dataset {excerpt(raw)}; allowed: {', '.join(datasets.names())}")
@@ -44,7 +50,7 @@ def parse_dataset(raw: Any, datasets) -> tuple[str, dict, int | None]:
         return raw, settings, None
     try:
         return raw, settings, int(check(settings))
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise SpecError("dataset", str(e)) from None
 
 
