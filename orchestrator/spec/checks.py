@@ -19,6 +19,7 @@ MAX_SEED = 2**32 - 1  # numpy / torch seeds are unsigned 32-bit
 MAX_NAME = 64  # sweep, grid and experiment names become directory names and MLflow names
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*\Z")
 EXCERPT = 60  # characters of a value quoted in an error message
+MAX_MESSAGE = 300  # characters of an error message (after its path)
 
 
 class SpecError(ValueError):
@@ -26,6 +27,8 @@ class SpecError(ValueError):
 
     def __init__(self, path: str, message: str) -> None:
         message = " ".join(str(message).split())  # one line, whatever the value quoted in it contained
+        if len(message) > MAX_MESSAGE:  # e.g. a method's own check quoting a long settings value
+            message = message[: MAX_MESSAGE - 3] + "..."
         super().__init__(f"{path}: {message}" if path else message)
         self.path, self.message = path, message
 

@@ -179,3 +179,11 @@ def test_help_and_bad_specs_answer_without_importing_torch(tmp_path, args):
     assert "orchestrator.cli" in imported  # the measurement saw the project's imports
     heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "ray", "mlflow", "timm", "sklearn", "pyarrow"))
     assert not heavy, heavy[:10]
+
+
+def test_a_method_check_quoting_a_long_value_stays_short():
+    grid = [1.0 - i / 1000 for i in range(900)]  # decreasing: rr's own check quotes the whole grid
+    with pytest.raises(SpecError) as e:
+        parse_spec(mutated(pruners=[{"name": "rr", "settings": {"grid": grid}}]))
+    assert e.value.path == "pruners[0].settings" and "strictly increasing" in str(e.value)
+    assert len(e.value.message) <= 300 and "\n" not in str(e.value)
