@@ -53,9 +53,10 @@ def _short_repr(v: Any, budget: int, depth: int) -> str:
     if isinstance(v, (list, tuple, dict)):
         if depth == 0:
             return f"<{type(v).__name__} of {len(v)} items>"
-        items = list(v.items())[:4] if isinstance(v, dict) else list(v)[:4]
-        parts = [f"{_short_repr(k, budget, 0)}: {_short_repr(x, budget, depth - 1)}" if isinstance(v, dict)
-                 else _short_repr(k, budget, depth - 1) for k, x in (items if isinstance(v, dict) else zip(items, items))]
+        if isinstance(v, dict):
+            parts = [f"{_short_repr(k, budget, 0)}: {_short_repr(x, budget, depth - 1)}" for k, x in list(v.items())[:4]]
+        else:
+            parts = [_short_repr(x, budget, depth - 1) for x in list(v)[:4]]
         more = ", ..." if len(v) > 4 else ""
         open_, close = ("{", "}") if isinstance(v, dict) else ("[", "]") if isinstance(v, list) else ("(", ")")
         return (open_ + ", ".join(parts) + more + close)[: budget + 3]
