@@ -24,11 +24,12 @@ def add_parser(sub):
 
 def main(args) -> int:
     from orchestrator.refine import RefineError, run_refinement
+    from orchestrator.resume import ResumeError
 
     try:
         plan = run_refinement(Path(args.dir), args.step, address=args.address, progress=not args.quiet,
                               num_cpus=args.num_cpus, dry_run=args.dry_run)
-    except RefineError as e:
+    except (RefineError, ResumeError) as e:  # ResumeError: e.g. another live driver holds the run directory
         raise CliError(str(e)) from None
     lo, hi = plan["interval"]
     n = len(plan["sparsities"])
