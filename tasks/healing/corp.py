@@ -44,7 +44,7 @@ class CorpHealer(Healer):
         if not {"fc1", "fc2", "qkv"} <= set(getattr(adapter, "parts", {})):
             raise ValueError(f"healer 'corp' needs a ViT; a {adapter.family} has no MLP hidden units or Q/K dims")
 
-    def may_change(self, model, entries):
+    def may_change(self, model, entries, settings=None):
         names = set(model.state_dict())
         out = set()
         for blk in vit_blocks(model, get_adapter(model)):

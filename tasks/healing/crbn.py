@@ -26,7 +26,7 @@ class CRBNHealer(Healer):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"healer 'crbn' setting {k!r} must be a positive integer, got {v!r}")
 
-    def may_change(self, model, entries):
+    def may_change(self, model, entries, settings=None):
         return bn_state_names(model) | scaled_bias_names(model, entries)
 
     def check_cell(self, model, adapter, pruner, pruner_settings, settings):
