@@ -122,6 +122,9 @@ class RepairabilityPruner(AllocationPruner):
             if why:
                 raise ValueError(f"RR diagnostics cannot measure scope {scope!r}: {why}")
 
+    def resolved_settings(self, settings):
+        return {**dict(settings), **self.diagnostic_settings(settings)}
+
     def diagnostic_settings(self, settings) -> dict[str, Any]:
         """What determines the diagnostics table (part of its content key)."""
         return {"grid": list(self.grid(settings)), "diag_images": int(settings.get("diag_images", 128)),

@@ -114,3 +114,30 @@ def test_loop_settings_are_validated():
             h.check({"bn": "eval"})
         with pytest.raises(ValueError, match="must be one of"):
             h.check({"qk_train": "v"})
+
+
+def test_resolved_settings_feed_cell_and_mask_keys():
+    """A spec that spells out a default and one that omits it are the same cell; a changed default is not
+    (docs/methods.md#run-identity). Pruner settings are resolved too (RR's ``at``)."""
+    from pathlib import Path
+
+    import yaml
+
+    from orchestrator.plan import expand_cells
+    from orchestrator.spec import parse_spec
+
+    base = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml").read_text())
+
+    def cells(healer, pruner="magnitude"):
+        spec = parse_spec(dict(base, healers=[healer], pruners=[pruner]))
+        return expand_cells(spec, {m: "conv" for m in spec.models})
+
+    plain, spelled = cells("starfish"), cells({"name": "starfish", "settings": {"bn": "train", "qk_train": "qkv"}})
+    frozen = cells({"name": "starfish", "settings": {"bn": "frozen"}})
+    assert plain[0].healer_settings == {"bn": "train", "qk_train": "qkv", "granularity": "auto"}
+    assert [c.cell_id for c in plain] == [c.cell_id for c in spelled]
+    assert not {c.cell_id for c in plain} & {c.cell_id for c in frozen}
+    rr = cells("crbn", pruner={"name": "rr", "settings": {"grid": [0.5, 0.9]}})
+    assert rr[0].pruner_settings["at"] == "conv" and rr[0].healer_settings["bn_momentum"] == "module"
+    ident = rr[0].mask_identity("d" * 32, "c" * 32)
+    assert ident["settings"]["at"] == "conv"
