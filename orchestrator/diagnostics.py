@@ -65,7 +65,7 @@ def diagnostics_identity(cell: Cell, model_digest: str, calib_digest: str) -> di
 
 @ray.remote
 def diagnostics_layer(model: str, cache_dir: str, data_seed: int, scope: str, index: int, grid: list[float],
-                      n_images: int, tau: str, threads: int) -> list[dict]:
+                      n_images: int, tau: str, threads: int, at: str = "conv") -> list[dict]:
     """One Ray task: every candidate sparsity of one prunable layer (layer input captured once)."""
     from tasks.models import get_adapter, load_model
     from tasks.pruning.rr import layer_diagnostics
@@ -74,7 +74,7 @@ def diagnostics_layer(model: str, cache_dir: str, data_seed: int, scope: str, in
     lm = load_model(model, cache_dir, data_seed=data_seed, progress=False)
     entry = get_adapter(lm.model).scope(lm.model, scope)[index]
     images = lm.dataset["calibration"].images[:n_images]
-    rows = layer_diagnostics(lm.model, entry, images, grid, tau=tau)
+    rows = layer_diagnostics(lm.model, entry, images, grid, tau=tau, at=at)
     return [dict(r, model=model) for r in rows]
 
 
@@ -117,7 +117,7 @@ def diagnostics_stage(cells: list[Cell], models: Mapping[str, Any], root: Path, 
         for i in range(n_layers):
             ref = diagnostics_layer.options(num_cpus=threads).remote(
                 c.model, str(cache_dir), data_seed, c.scope, i, ident["grid"], ident["diag_images"], ident["tau"],
-                threads)
+                threads, ident["at"])
             jobs[ref] = key
     rows: dict[str, list[list[dict]]] = {}
     order = list(jobs)

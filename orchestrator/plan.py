@@ -48,6 +48,7 @@ class Cell:
 def grid(spec: SweepSpec, scopes: Mapping[str, str]):
     """Yield every cell's fields in a stable order (pruner/healer entries may be restricted to some models,
     a pruner entry may bring its own sparsities and scope)."""
+    from tasks.healing import resolve_healer
     from tasks.pruning import PRUNERS
 
     for model in spec.models:
@@ -62,8 +63,11 @@ def grid(spec: SweepSpec, scopes: Mapping[str, str]):
                         if not h.applies_to(model):
                             continue
                         for seed in spec.seeds:
-                            yield (model, p.name, dict(p.settings), float(s), pruner.pattern(s, p.settings),
-                                   p.scope or scopes[model], n, h.name, dict(h.settings), seed)
+                            # resolved settings (defaults filled in): a changed default changes every key
+                            # (cell, mask, diagnostics) and the logged params (docs/methods.md#run-identity)
+                            yield (model, p.name, pruner.resolved_settings(p.settings), float(s),
+                                   pruner.pattern(s, p.settings), p.scope or scopes[model], n, h.name,
+                                   resolve_healer(h.name, h.settings).resolved_settings(h.settings), seed)
 
 
 def expand_cells(spec: SweepSpec, scopes: Mapping[str, str]) -> list[Cell]:

@@ -78,7 +78,8 @@ class MlflowTrialLogger(Callback):
             granularity = c["default_granularity"]
         values = {"grid": "main", **c, "granularity": granularity}
         params = [Param(k, str(values[k])) for k in TRIAL_PARAMS]
-        params += [Param("pruner_settings", str(dict(c["pruner_settings"]))),
+        params += [Param("pruner_settings", str(dict(c["pruner_settings"]))),  # resolved (plan.grid)
+                   Param("healer_settings", str(dict(c["healer_settings"]))),
                    Param("optuna_trial", str(c["optuna_trial"])), Param("device", str(c.get("device", "cpu")))]
 
         def create():

@@ -81,7 +81,7 @@ def run_trial(p: TrialParams, report: Callable[[dict], None], *, start: Mapping[
     apply_masks(model, masks)
     pruned_acc = accuracy(model, ev.images, ev.labels)
     healer = resolve_healer(p.healer, p.healer_settings)  # a chain too; may_change: state it may touch
-    untouched = _outside_scope_digest(model, {e.param for e in entries} | healer.may_change(model, entries))
+    untouched = _outside_scope_digest(model, {e.param for e in entries} | healer.may_change(model, entries, p.healer_settings))
 
     blocks = adapter.blocks(model)
     images = lm.dataset["calibration"].images[: p.calib_size]
@@ -146,7 +146,7 @@ def run_trial(p: TrialParams, report: Callable[[dict], None], *, start: Mapping[
     heal_seconds = time.perf_counter() - t0
     if not last:  # a healer without epochs: the search objective is still measured, after healing
         last.update(epoch=0, selection_acc=accuracy(model, sel.images, sel.labels))
-    allowed = healer.may_change(model, entries)  # e.g. a bias CORP folds into: not a violation
+    allowed = healer.may_change(model, entries, p.healer_settings)  # e.g. a bias CORP folds into: not a violation
     changed_outside = sum(int(not torch.equal(v, untouched[k])) for k, v in model.state_dict().items()
                           if k in untouched and k not in allowed)
     healed_acc = accuracy(model, ev.images, ev.labels)

@@ -118,7 +118,7 @@ def test_healer_contract(heal_case, name, kind, scope):
     assert all(torch.isfinite(torch.tensor(ra.epoch_losses, dtype=torch.float64)))
     # masked entries 0, nonzero count unchanged, outside scope / V rows bit-identical (bar may_change,
     # e.g. CORP's fc2 bias or CR+BN's BatchNorm statistics)
-    a.assert_invariants(allowed=healer.may_change(a.model, a.entries))
+    a.assert_invariants(allowed=healer.may_change(a.model, a.entries, settings))
     assert mask_violations(a.model, a.masks) == 0
     assert ra.epoch_losses == rb.epoch_losses
     sa, sb = a.model.state_dict(), b.model.state_dict()
@@ -140,5 +140,6 @@ def test_gradient_healer_nan_loss_stops_with_healing_diverged(heal_case, name, k
     with pytest.raises(HealingDiverged, match="loss became nan"):
         healer.heal(case.ctx, HealConfig(lr=1e-3, epochs=2, batch_size=8, settings=settings))
     assert all(torch.isfinite(p).all() for p in case.model.parameters())
+    assert all(torch.isfinite(b.float()).all() for b in case.model.buffers())  # bn='train': no NaN batch stats
     assert not any(p.requires_grad for p in case.model.parameters())
-    case.assert_invariants()
+    case.assert_invariants(allowed=healer.may_change(case.model, case.entries, settings))

@@ -74,10 +74,16 @@ class Healer:
             if isinstance(allowed, tuple) and v not in allowed:
                 raise ValueError(f"healer {self.name!r} setting {k!r} must be one of {allowed}, got {v!r}")
 
-    def may_change(self, model: nn.Module, entries: list[ScopeEntry]) -> set[str]:
-        """state_dict names outside the prunable scope that this healer is allowed to change (e.g. BatchNorm
-        running statistics for CR+BN, an fc2 bias for CORP). Default: none."""
+    def may_change(self, model: nn.Module, entries: list[ScopeEntry],
+                   settings: Mapping[str, Any] | None = None) -> set[str]:
+        """state_dict names outside the prunable scope that this healer is allowed to change under ``settings``
+        (e.g. BatchNorm running statistics for CR+BN or STARFISH's bn='train', an fc2 bias for CORP). Default: none."""
         return set()
+
+    def resolved_settings(self, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """``settings`` with every default filled in: what run identities and MLflow params record, so a changed
+        default never reuses results computed under the old one (docs/methods.md#run-identity)."""
+        return dict(settings)
 
     def check_cell(self, model: nn.Module, adapter: Any, pruner: str, pruner_settings: Mapping[str, Any],
                    settings: Mapping[str, Any]) -> None:

@@ -52,8 +52,11 @@ class ChainHealer(Healer):
     def check_data(self, dataset, settings):
         self._each(lambda part, s: part.check_data(dataset, s))
 
-    def may_change(self, model, entries):
-        return set().union(*(part.may_change(model, entries) for part, _ in self.parts))
+    def may_change(self, model, entries, settings=None):
+        return set().union(*(part.may_change(model, entries, s) for part, s in self.parts))
+
+    def resolved_settings(self, settings):
+        return {"chain": [{"name": part.name, "settings": part.resolved_settings(s)} for part, s in self.parts]}
 
     def epochs(self, cfg):
         return sum(part.epochs(replace(cfg, settings=s)) for part, s in self.parts)

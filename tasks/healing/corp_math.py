@@ -3,9 +3,13 @@
 MLP (fold into fc2): x = [x_S; x_P] hidden activations, W = [W_S W_P] fc2 weight, b fc2 bias.
     B = Sigma_PS (Sigma_SS + lam I)^-1,  c = mu_P - B mu_S,  W~_S = W_S + W_P B,  b~ = b + W_P c
   with Sigma the *centered* covariance (App. B.1: centering first, so the intercept c absorbs the means).
-  lam is a fixed ridge (relative to the mean variance of x_S) or the OAS shrinkage expressed as a ridge:
-  OAS shrinks the full covariance to (1-rho) Sigma + rho mu I (mu = tr Sigma / p); regressing x_P on x_S under
-  it gives B = Sigma_PS (Sigma_SS + rho/(1-rho) mu I)^-1, i.e. lam = rho mu / (1 - rho) (rho = 1: B = 0).
+  lam (docs/methods.md#corp, setting ``lambda``):
+  - ``authors`` (default, the authors' code): lam = max(1e-3, rho * tr(Sigma_SS) / p), rho the Chen et al.
+    (2010) OAS intensity of Sigma_SS (kept units only, p = |S|, n = tokens) -- ``authors_lambda``;
+  - ``oas`` (the project's earlier rule): scikit-learn's OAS of the *full* covariance expressed as a ridge:
+    OAS shrinks Sigma to (1-rho) Sigma + rho mu I (mu = tr Sigma / p); regressing x_P on x_S under it gives
+    B = Sigma_PS (Sigma_SS + rho/(1-rho) mu I)^-1, i.e. lam = rho mu / (1 - rho) (rho = 1: B = 0);
+  - a float: a fixed absolute lam (the authors' ``auto_shrinkage: false``).
 
 Q/K (per head, tokens as rows): Q = [Q_S Q_P], K = [K_S K_P]; the missing logits Q_P K_P^T ~ Q_S M K_S^T:
     (Q_S^T Q_S) M (K_S^T K_S) + lam M = (Q_S^T Q_P)(K_P^T K_S)
@@ -29,6 +33,30 @@ def oas_shrinkage(cov: torch.Tensor, n_samples: int) -> float:
     num = alpha + mu**2
     den = (n_samples + 1) * (alpha - mu**2 / p)
     return 1.0 if den == 0 else min(num / den, 1.0)
+
+
+def chen_oas_rho(cov_ss: torch.Tensor, n_samples: int) -> float:
+    """The authors' shrinkage intensity on Sigma_SS (p, p): the Chen et al. (2010) OAS formula
+    rho = min(1, ((1 - 2/p) tr(S^2) + tr(S)^2) / ((n + 1 - 2/p) (tr(S^2) - tr(S)^2 / p))); a zero or undefined
+    denominator (p = 1, S = c I) gives rho = 1, as the authors' torch code does (min(1, nan/inf) = 1)."""
+    s = cov_ss.double()
+    p = s.shape[0]
+    tr, tr2 = float(torch.trace(s)), float(torch.trace(s @ s))
+    den = (n_samples + 1 - 2 / p) * (tr2 - tr * tr / p)
+    num = (1 - 2 / p) * tr2 + tr * tr
+    if den == 0 or not den == den:
+        return 1.0
+    rho = num / den
+    return 1.0 if not rho == rho or rho == float("inf") else min(1.0, rho)
+
+
+def authors_lambda(cov_ss: torch.Tensor, n_samples: int, floor: float = 1e-3) -> float:
+    """lam = max(floor, rho tr(Sigma_SS)/p) (the authors' ``_compute_lambda``); floor alone when n <= 1 or p = 0.
+    cov_ss: (p, p) centred covariance of the kept units; n_samples = feature vectors (tokens)."""
+    p = cov_ss.shape[0]
+    if n_samples <= 1 or p == 0:
+        return floor
+    return max(floor, chen_oas_rho(cov_ss, n_samples) * float(torch.trace(cov_ss.double())) / p)
 
 
 def oas_ridge(cov: torch.Tensor, n_samples: int) -> float:
@@ -85,11 +113,13 @@ def sylvester_ridge(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, lam: floa
     return ua @ mt @ ub.T
 
 
-def qk_compensation(gram_q: torch.Tensor, gram_k: torch.Tensor, keep: torch.Tensor, ridge: float
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def qk_compensation(gram_q: torch.Tensor, gram_k: torch.Tensor, keep: torch.Tensor, ridge: float | None = None, *,
+                    lam: float | None = None, symmetrize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One head: Grams gram_q = E[q q^T], gram_k = E[k k^T] (dh, dh) over tokens, keep (dh,) bool.
 
-    lam = ridge * mean(diag G_Q,SS) * mean(diag G_K,SS) (scale-free). Returns U, V (|S|, |S|), U V^T = I + M."""
+    lam (mean-Gram units) is given, or lam = ridge * mean(diag G_Q,SS) * mean(diag G_K,SS) (the earlier relative
+    rule). symmetrize: I + M <- sym(I + M) and singular values clamped at 1e-6 before the split (the authors).
+    Returns U, V (|S|, |S|), U V^T = I + M (or its symmetric part)."""
     s, p = keep.nonzero().flatten(), (~keep).nonzero().flatten()
     k = len(s)
     eye = torch.eye(k, dtype=torch.float64)
@@ -98,8 +128,12 @@ def qk_compensation(gram_q: torch.Tensor, gram_k: torch.Tensor, keep: torch.Tens
     gq, gk = gram_q.double(), gram_k.double()
     a, bb = gq[s][:, s], gk[s][:, s]  # (k, k) Q_S^T Q_S, K_S^T K_S
     rhs = gq[s][:, p] @ gk[p][:, s]  # (k, k) (Q_S^T Q_P)(K_P^T K_S)
-    lam = ridge * float(a.diagonal().mean()) * float(bb.diagonal().mean())
+    if lam is None:
+        lam = float(ridge if ridge is not None else 1e-3) * float(a.diagonal().mean()) * float(bb.diagonal().mean())
     m = sylvester_ridge(a, bb, rhs, lam)
-    r, sig, sh = torch.linalg.svd(eye + m)  # I + M = R diag(sig) S^T  (sh = S^T)
-    root = sig.sqrt()
+    t = eye + m
+    if symmetrize:
+        t = (t + t.T) / 2
+    r, sig, sh = torch.linalg.svd(t)  # I + M = R diag(sig) S^T  (sh = S^T)
+    root = sig.clamp_min(1e-6).sqrt() if symmetrize else sig.sqrt()
     return r * root, sh.T * root  # U = R Sigma^1/2, V = S Sigma^1/2

@@ -3,6 +3,13 @@
 It reports one "epoch": ``align_loss`` is the STARFISH cosine alignment loss of the repaired model's block
 outputs against the dense targets (one pass over the calibration targets), so it is comparable to the gradient
 healers' losses. lr/epochs of the search are ignored.
+
+BN recalibration settings (docs/methods.md#relative-repairability-crbn-rr; defaults = the paper):
+``bn_momentum`` (null: the module's own, 0.1; a float in (0, 1]; "cumulative"), ``bn_reset`` (false: start from
+the dense statistics; true with bn_momentum null = the earlier reset + cumulative average), ``bn_batches`` 20,
+``bn_batch_size`` 128, ``bn_source`` ("calib": batches drawn with replacement from the calibration images by a
+seeded generator; "calib_once": each calibration image at most once, the earlier behaviour; "train": drawn from
+the budget-matched unlabeled train images of ``HealContext.labeled``, labels unused).
 """
 from __future__ import annotations
 
@@ -11,13 +18,14 @@ import time
 import torch
 
 from tasks.healing.base import HEALERS, HealConfig, HealContext, Healer, HealResult
-from tasks.pruning.repair import TAU_RULES, bn_state_names, check_finite, crbn_repair, has_batchnorm, scaled_bias_names
+from tasks.pruning.repair import BN_SOURCES, TAU_RULES, bn_state_names, check_finite, crbn_repair, has_batchnorm, scaled_bias_names
 
 
 @HEALERS.register("crbn")
 class CRBNHealer(Healer):
     settings_schema = {"tau": TAU_RULES, "no_bn": ("variance_match", "reject"), "bn_batches": int,
-                       "bn_batch_size": int}
+                       "bn_batch_size": int, "bn_momentum": object, "bn_reset": (False, True),
+                       "bn_source": BN_SOURCES}
 
     def check(self, settings):
         super().check(settings)
@@ -25,8 +33,22 @@ class CRBNHealer(Healer):
             v = settings.get(k, 1)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"healer 'crbn' setting {k!r} must be a positive integer, got {v!r}")
+        m = settings.get("bn_momentum")
+        ok = m is None or m in ("module", "cumulative") or (
+            isinstance(m, (int, float)) and not isinstance(m, bool) and 0 < m <= 1)
+        if not ok:
+            raise ValueError(f"healer 'crbn' setting 'bn_momentum' must be null, 'module', 'cumulative' or a "
+                             f"number in (0, 1], got {m!r}")
 
-    def may_change(self, model, entries):
+    def resolved_settings(self, settings):
+        reset = bool(settings.get("bn_reset", False))
+        m = settings.get("bn_momentum")
+        m = ("cumulative" if reset else "module") if m is None else (m if isinstance(m, str) else float(m))
+        return {"tau": settings.get("tau", "median"), "no_bn": settings.get("no_bn", "variance_match"),
+                "bn_batches": int(settings.get("bn_batches", 20)), "bn_batch_size": int(settings.get("bn_batch_size", 128)),
+                "bn_momentum": m, "bn_reset": reset, "bn_source": settings.get("bn_source", "calib")}
+
+    def may_change(self, model, entries, settings=None):
         return bn_state_names(model) | scaled_bias_names(model, entries)
 
     def check_cell(self, model, adapter, pruner, pruner_settings, settings):
@@ -41,10 +63,18 @@ class CRBNHealer(Healer):
     def heal(self, ctx: HealContext, cfg: HealConfig, on_epoch=None) -> HealResult:
         if ctx.dense_model is None:
             raise ValueError("healer 'crbn' needs the dense model (HealContext.dense_model)")
-        s = cfg.settings
+        s = self.resolved_settings(cfg.settings)
+        bn_images = None
+        if s["bn_source"] == "train":
+            if ctx.labeled is None:
+                raise ValueError("healer 'crbn' bn_source='train' needs unlabeled train images (HealContext.labeled)")
+            bn_images = ctx.labeled[0]
         t0 = time.perf_counter()
         dense = ctx.dense_model()
-        gammas = crbn_repair(ctx.model, dense, ctx.entries, ctx.images, tau=s.get("tau", "median"),
-                             bn_batches=s.get("bn_batches", 20), bn_batch_size=s.get("bn_batch_size", 128))
+        gammas = crbn_repair(ctx.model, dense, ctx.entries, ctx.images, tau=s["tau"], bn_batches=s["bn_batches"],
+                             bn_batch_size=s["bn_batch_size"],
+                             bn_momentum=None if s["bn_momentum"] == "cumulative" else s["bn_momentum"],
+                             bn_reset=s["bn_reset"], bn_source="train" if bn_images is not None else s["bn_source"],
+                             bn_images=bn_images, seed=cfg.seed)
         check_finite(gammas)
         return HealResult([], time.perf_counter() - t0, 0)  # closed form: no epochs to report

@@ -3,7 +3,15 @@
 A gradient healer is an objective plus the shared loop: AdamW over the prunable tensors only, a per-step
 cosine schedule from lr to lr_min, gradients of masked and out-of-region entries zeroed, and after every
 step every entry a healer may not change is restored (masked entries stay exactly 0; the rest of the model is
-frozen with requires_grad=False). BatchNorm/Dropout run in eval mode so no buffer outside the scope changes.
+frozen with requires_grad=False).
+
+Settings every gradient healer shares (docs/methods.md#starfish):
+- ``bn: train | frozen`` (default ``train``, the authors' ``pruned_model.train()``): the pruned model runs in
+  train mode while healing, so BatchNorm normalises with batch statistics and its running statistics follow
+  the pruned network (module momentum, starting from the dense values, no reset); every BN buffer is declared
+  in ``may_change``. ``frozen``: eval mode, no buffer changes (the project's earlier behaviour).
+- ``qk_train: qkv | qk`` (default ``qkv``, the authors): for row-range (``qk``) entries, every unmasked entry of
+  the whole fused tensor trains (V rows included; never the bias). ``qk``: only the Q/K rows.
 The per-epoch report key ``align_loss`` is the healer's own training objective (cosine, MSE, KL, CE, ...).
 Healers other than STARFISH and chains of healers: tasks/healers.py.
 """
@@ -19,6 +27,27 @@ import torch
 from tasks.healing.base import Batches, EpochCallback, HealConfig, HealContext, Healer, HealingDiverged, HealResult
 from tasks.healing.targets import block_tap
 from tasks.pruning.base import train_masks
+from tasks.pruning.repair import bn_state_names
+
+BN_MODES = ("train", "frozen")
+QK_TRAIN = ("qkv", "qk")
+LOOP_SETTINGS: dict[str, tuple] = {"bn": BN_MODES, "qk_train": QK_TRAIN}
+
+
+def loop_settings(settings: Mapping[str, Any]) -> dict[str, str]:
+    """The shared loop settings with their defaults filled in (the authors' behaviour)."""
+    return {"bn": settings.get("bn", "train"), "qk_train": settings.get("qk_train", "qkv")}
+
+
+def trainable_masks(model: torch.nn.Module, entries, masks, qk_train: str) -> dict[str, torch.Tensor]:
+    """Entries the loop trains: surviving weights of the prunable region; with ``qk_train='qkv'`` a row-range
+    entry trains every unmasked entry of its whole tensor (V rows of a fused qkv weight included)."""
+    out = train_masks(model, entries, masks)
+    if qk_train == "qkv":
+        for e in entries:
+            if e.rows is not None:
+                out[e.param] = masks[e.param].clone()
+    return out
 
 
 class GradientHealer(Healer):
@@ -28,9 +57,23 @@ class GradientHealer(Healer):
 
     trains = True
     uses_blocks = True
+    settings_schema: dict[str, tuple] = dict(LOOP_SETTINGS)
 
     def resolve(self, ctx: HealContext, settings: Mapping[str, Any]) -> dict[str, Any]:
         return dict(settings)
+
+    def resolved_settings(self, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """The settings with every default filled in (run identity and MLflow params log these)."""
+        return {**dict(settings), **loop_settings(settings)}
+
+    def may_change(self, model, entries, settings=None):
+        """BatchNorm buffers (whole model) under ``bn='train'``; under ``qk_train='qkv'`` the fused tensors of
+        row-range entries (their V rows change outside the prunable region)."""
+        common = loop_settings(settings or {})
+        out = bn_state_names(model) if common["bn"] == "train" else set()
+        if common["qk_train"] == "qkv":
+            out |= {e.param for e in entries if e.rows is not None}
+        return out
 
     def epochs(self, cfg: HealConfig) -> int:
         return cfg.epochs
@@ -58,9 +101,10 @@ class GradientHealer(Healer):
     def heal(self, ctx: HealContext, cfg: HealConfig, on_epoch: EpochCallback | None = None) -> HealResult:
         model = ctx.model
         settings = self.resolve(ctx, cfg.settings)
+        common = loop_settings(cfg.settings)
         params = dict(model.named_parameters())
         names = sorted({e.param for e in ctx.entries})
-        trainable = train_masks(model, ctx.entries, ctx.masks)
+        trainable = trainable_masks(model, ctx.entries, ctx.masks, common["qk_train"])
         for p in model.parameters():
             p.requires_grad_(False)
         dev = params[names[0]].device
@@ -72,22 +116,27 @@ class GradientHealer(Healer):
         total = max(cfg.epochs * self.steps_per_epoch(ctx, cfg), 1)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total, eta_min=cfg.lr_min)
         torch.manual_seed(cfg.seed)
-        model.eval()
+        model.train(common["bn"] == "train")  # the authors heal in train mode: BN batch statistics (docs/methods.md#starfish)
+        sd = model.state_dict()
+        bn_bufs = {k: sd[k] for k in bn_state_names(model)} if common["bn"] == "train" else {}
         block_names = [b for b, _ in ctx.blocks] if self.uses_blocks else []
         losses, steps, t0, start = [], 0, time.perf_counter(), 0
         if ctx.resume is not None:
             opt.load_state_dict(ctx.resume["optimizer"])
             sched.load_state_dict(ctx.resume["scheduler"])
             start, steps, losses = int(ctx.resume["epoch"]), int(ctx.resume["steps"]), list(ctx.resume["losses"])
+            _load_buffers(model, ctx.resume.get("buffers", {}))
         try:
             with (block_tap(ctx.blocks) if self.uses_blocks else nullcontext({})) as cap:
                 for epoch in range(start, cfg.epochs):
                     run, n = 0.0, 0
                     for x, tgt in self.stream(ctx, cfg, epoch):
+                        saved = {k: v.clone() for k, v in bn_bufs.items()}  # a NaN batch must not poison them
                         logits = model(x.to(dev, non_blocking=True))
                         loss = self.objective(cap, logits, tgt, block_names, settings)
                         where = f"epoch {epoch + 1}, step {steps + 1} (lr={cfg.lr:g})"
                         if not torch.isfinite(loss):
+                            _load_buffers(model, saved)
                             raise HealingDiverged(f"healer {self.name!r}: loss became {loss.item()} at {where}")
                         opt.zero_grad(set_to_none=True)
                         loss.backward()
@@ -98,6 +147,7 @@ class GradientHealer(Healer):
                                     continue
                                 g.mul_(keep[name])
                                 if not torch.isfinite(g).all():
+                                    _load_buffers(model, saved)
                                     raise HealingDiverged(f"healer {self.name!r}: non-finite gradient for {name} at {where}")
                             before = {name: params[name].detach().clone() for name in names}
                         opt.step()
@@ -108,6 +158,7 @@ class GradientHealer(Healer):
                             if not all(torch.isfinite(params[name]).all() for name in names):
                                 for name in names:  # never leave NaN/Inf weights behind
                                     params[name].copy_(before[name])
+                                _load_buffers(model, saved)
                                 raise HealingDiverged(f"healer {self.name!r}: weights became non-finite at {where}")
                         run += float(loss.detach()) * len(x)
                         n += len(x)
@@ -115,14 +166,29 @@ class GradientHealer(Healer):
                     losses.append(run / max(n, 1))
                     if ctx.checkpoint is not None:
                         ctx.checkpoint(epoch + 1, {"epoch": epoch + 1, "steps": steps, "losses": list(losses),
-                                                   "optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
+                                                   "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                                                   "buffers": _bn_buffers(model)})
                     if on_epoch is not None:
                         on_epoch(epoch + 1, {"align_loss": losses[-1]})
         finally:
+            model.eval()
             for name in names:
                 params[name].requires_grad_(False)
                 params[name].grad = None
         return HealResult(losses, time.perf_counter() - t0, steps)
+
+
+def _bn_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """BatchNorm buffers (they evolve under bn='train'; a resumed trial restores them)."""
+    sd = model.state_dict()
+    return {k: sd[k].detach().cpu().clone() for k in sorted(bn_state_names(model))}
+
+
+def _load_buffers(model: torch.nn.Module, buffers: Mapping[str, torch.Tensor]) -> None:
+    sd = model.state_dict()
+    with torch.no_grad():
+        for k, v in buffers.items():
+            sd[k].copy_(v.to(sd[k].device))
 
 
 def steps_per_epoch(n_rows: int, batch_size: int) -> int:

@@ -34,7 +34,10 @@ LABELED_SPLITS = ("train",)  # splits a supervised healer may train on (selectio
 class StarfishHealer(GradientHealer):
     """STARFISH: cosine alignment of every block output with the dense model's (the STARFISH paper)."""
 
-    settings_schema = {"granularity": ("auto",) + GRANULARITIES}
+    settings_schema = {**GradientHealer.settings_schema, "granularity": ("auto",) + GRANULARITIES}
+
+    def resolved_settings(self, settings):
+        return {**super().resolved_settings(settings), "granularity": settings.get("granularity", "auto")}
 
     def resolve(self, ctx, settings):
         g = settings.get("granularity", "auto")
@@ -68,7 +71,10 @@ class CeHealer(GradientHealer):
     """Cross-entropy fine-tuning on ``ctx.labeled`` (see the module docstring for which items)."""
 
     uses_blocks = False
-    settings_schema = {"split": LABELED_SPLITS}
+    settings_schema = {**GradientHealer.settings_schema, "split": LABELED_SPLITS}
+
+    def resolved_settings(self, settings):
+        return {**super().resolved_settings(settings), "split": settings.get("split", "train")}
 
     def check_data(self, dataset, settings):
         split = settings.get("split", "train")
@@ -111,6 +117,10 @@ class StarfishKlHealer(StarfishHealer):
                 raise ValueError(f"healer 'starfish_kl' setting {k!r} must be a finite number >= 0, got {v!r}")
         if not any(w):
             raise ValueError("healer 'starfish_kl' needs w_align or w_kl > 0, got both 0")
+
+    def resolved_settings(self, settings):
+        return {**super().resolved_settings(settings), "w_align": float(settings.get("w_align", 0.5)),
+                "w_kl": float(settings.get("w_kl", 0.5))}
 
     def resolve(self, ctx, settings):
         return {**super().resolve(ctx, settings), "w_align": float(settings.get("w_align", 0.5)),

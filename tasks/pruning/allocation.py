@@ -22,7 +22,7 @@ from tasks.pruning.allocation_math import (CANDIDATE_GRID, allocate_counts, erk_
                                            uniform_sparsities)
 from tasks.pruning.base import PRUNERS, PruneContext, Pruner, _keep_all_but_smallest
 from tasks.pruning.repair import TAU_RULES, unrepairable_reason
-from tasks.pruning.rr import cost_table, model_diagnostics
+from tasks.pruning.rr import MEASURE_AT, cost_table, model_diagnostics
 
 DIAG_KEY = "rr"  # PruneContext.diagnostics[DIAG_KEY] = columnar diagnostics table
 
@@ -88,7 +88,7 @@ class RepairabilityPruner(AllocationPruner):
 
     column = ""
     uses_calibration = True
-    settings_schema = {"grid": list, "diag_images": int, "tau": str}
+    settings_schema = {"grid": list, "diag_images": int, "tau": str, "at": str}
 
     def grid(self, settings) -> tuple[float, ...]:
         return tuple(float(g) for g in settings.get("grid", CANDIDATE_GRID))
@@ -106,6 +106,8 @@ class RepairabilityPruner(AllocationPruner):
 
         if settings.get("tau", "median") not in TAU_RULES:
             raise ValueError(f"pruner {self.name!r} setting 'tau' must be one of {TAU_RULES}")
+        if settings.get("at", "conv") not in MEASURE_AT:
+            raise ValueError(f"pruner {self.name!r} setting 'at' must be one of {MEASURE_AT}, got {settings['at']!r}")
 
     def check_sparsity(self, sparsity: float, settings: Mapping[str, Any]) -> None:
         """Spec validation: the grid must reach every requested sparsity (before any compute)."""
@@ -120,10 +122,13 @@ class RepairabilityPruner(AllocationPruner):
             if why:
                 raise ValueError(f"RR diagnostics cannot measure scope {scope!r}: {why}")
 
+    def resolved_settings(self, settings):
+        return {**dict(settings), **self.diagnostic_settings(settings)}
+
     def diagnostic_settings(self, settings) -> dict[str, Any]:
         """What determines the diagnostics table (part of its content key)."""
         return {"grid": list(self.grid(settings)), "diag_images": int(settings.get("diag_images", 128)),
-                "tau": settings.get("tau", "median")}
+                "tau": settings.get("tau", "median"), "at": settings.get("at", "conv")}
 
     def table(self, ctx: PruneContext | None, settings) -> Mapping[str, list]:
         if ctx is not None and DIAG_KEY in ctx.diagnostics:
@@ -132,7 +137,8 @@ class RepairabilityPruner(AllocationPruner):
             raise ValueError(f"pruner {self.name!r} needs RR diagnostics or calibration images")
 
         d = self.diagnostic_settings(settings)
-        return model_diagnostics(ctx.model, ctx.entries, ctx.calib_images[: d["diag_images"]], d["grid"], tau=d["tau"])
+        return model_diagnostics(ctx.model, ctx.entries, ctx.calib_images[: d["diag_images"]], d["grid"], tau=d["tau"],
+                                 at=d["at"])
 
     def sparsities(self, weights, target, ctx, settings):
         grid = self.grid(settings)

@@ -54,6 +54,11 @@ class Pruner:
             if not isinstance(v, self.settings_schema[k]) or isinstance(v, bool):
                 raise ValueError(f"pruner {self.name!r} setting {k!r} must be {self.settings_schema[k].__name__}")
 
+    def resolved_settings(self, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """``settings`` with every default filled in: what mask/diagnostics keys and MLflow params record, so a
+        changed default never reuses masks computed under the old one (docs/methods.md#run-identity)."""
+        return dict(settings)
+
     def fixed_sparsity(self, settings: Mapping[str, Any]) -> float | None:
         return None
 

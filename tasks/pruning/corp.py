@@ -90,6 +90,9 @@ def unit_stats(model: nn.Module, blocks: list[VitBlock], entries: list[ScopeEntr
         for k, t in blk.taps(model, mlp, qk).items():
             taps[k] = t
             routes[k] = Moments(full=full) if k.endswith("/hidden") else HeadQK(blk.num_heads, blk.head_dim)
+        if qk and full:  # mean of the attention input: the Q means (W_q E[x] + b_q) that centre CORP's Q-side λ
+            taps[f"{blk.name}/qkv_in"] = Tap(_module(model, blk.qkv), "input")
+            routes[f"{blk.name}/qkv_in"] = Moments(full=False)
     return collect(model, images, taps, Several(routes)).result()
 
 

@@ -5,8 +5,9 @@ For every pruned layer ℓ and output channel c (conv output channel, or Linear 
     r_c = log(σ²_d,c + ε) − log(σ²_p,c + ε)      dense vs pruned activation variance on calibration images
     λ_c = σ²_p,c / (σ²_p,c + τ_ℓ)                 shrink the correction of collapsed channels
     γ_c = exp(½ λ_c r_c)                          the output filter (and its bias) is multiplied by γ_c
-then every BatchNorm's running statistics are recalibrated on unlabeled batches (cumulative average,
-``bn_batches`` batches of ``bn_batch_size``; fewer when the calibration set is smaller, never repeated).
+then every BatchNorm's running statistics are recalibrated on unlabeled batches: ``bn_batches`` (20) batches of
+``bn_batch_size`` (128) images with the module's default momentum (0.1), starting from the current (dense)
+statistics (``bn_reset`` false). With reset + cumulative averaging a following BN would undo γ exactly.
 
 Decisions (the paper leaves them open):
 - τ_ℓ = median of the layer's pruned channel variances (setting ``tau``: "median" | "mean").
@@ -118,12 +119,34 @@ def has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
+BN_SOURCES = ("calib", "calib_once", "train")
+
+
+def recal_batches(n: int, batches: int, batch_size: int, source: str, seed: int = 0) -> list[torch.Tensor]:
+    """Row indices of each recalibration batch (docs/methods.md#relative-repairability-crbn-rr).
+    ``calib`` / ``train``: ``batches`` batches of ``batch_size`` rows drawn with replacement from the n source
+    images by a seeded generator (20 × 128 images even from 128). ``calib_once``: consecutive batches, each
+    image at most once (fewer batches when n < batches·batch_size; a last batch of one is dropped)."""
+    if source == "calib_once":
+        out = [torch.arange(i, min(i + batch_size, n)) for i in range(0, min(n, batches * batch_size), batch_size)]
+        return [b for b in out if len(b) >= 2]  # a batch of one has no variance
+    if source not in BN_SOURCES:
+        raise ValueError(f"bn_source must be one of {BN_SOURCES}, got {source!r}")
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(n, (batch_size,), generator=g) for _ in range(batches)] if n >= 1 else []
+
+
 @torch.no_grad()
 def recalibrate_bn(model: nn.Module, images: torch.Tensor, batches: int = 20, batch_size: int = 128,
-                   modules: list[nn.Module] | None = None) -> int:
-    """Reset and re-estimate every BatchNorm's running stats (or only ``modules``'), as a cumulative average
-    over the batches; labels and gradients unused; every other module stays in eval mode (standard practice:
-    all BNs in train mode together, so a BN sees inputs normalized by upstream batch statistics).
+                   modules: list[nn.Module] | None = None, *, momentum: float | str | None = "module",
+                   reset: bool = False, source: str = "calib_once", seed: int = 0) -> int:
+    """Re-estimate every BatchNorm's running stats (or only ``modules``') with forward passes in train mode;
+    labels and gradients unused; every other module stays in eval mode (standard practice: all BNs in train
+    mode together, so a BN sees inputs normalized by upstream batch statistics).
+
+    momentum: ``"module"`` = each BN's own momentum (PyTorch 0.1, the paper's "default running-statistics
+    momentum"), a float, or None = cumulative average. reset: start from (0, 1) instead of the current
+    (dense) statistics. Reset + cumulative = the exact mean of the batch statistics (the earlier behaviour).
     Returns the number of batches used."""
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if modules is not None:
@@ -134,23 +157,21 @@ def recalibrate_bn(model: nn.Module, images: torch.Tensor, batches: int = 20, ba
     model.eval()
     moms = [m.momentum for m in bns]
     for m in bns:
-        m.reset_running_stats()
-        m.momentum = None  # cumulative moving average: the mean of the batch statistics
+        if reset:
+            m.reset_running_stats()
+        if momentum != "module":
+            m.momentum = momentum
         m.train()
     dev = next(model.parameters()).device
-    used = 0
+    rows = recal_batches(len(images), batches, batch_size, source, seed)
     try:
-        for i in range(0, min(len(images), batches * batch_size), batch_size):
-            chunk = images[i : i + batch_size]
-            if len(chunk) < 2:
-                break  # a batch of one has no variance
-            model(chunk.to(dev))
-            used += 1
+        for r in rows:
+            model(images[r].to(dev))
     finally:
         for m, mom in zip(bns, moms):
             m.momentum = mom
         model.train(was)
-    return used
+    return len(rows)
 
 
 @torch.no_grad()
@@ -166,9 +187,11 @@ def scale_output_channels(model: nn.Module, entry: ScopeEntry, gamma: torch.Tens
 
 
 def crbn_repair(model: nn.Module, dense: nn.Module, entries: list[ScopeEntry], images: torch.Tensor, *,
-                tau: str = "median", bn_batches: int = 20, bn_batch_size: int = 128, eps: float = EPS
-                ) -> dict[str, torch.Tensor]:
-    """Apply CR+BN in place to a pruned ``model`` (``dense`` is its unpruned twin). Returns {param: γ}."""
+                tau: str = "median", bn_batches: int = 20, bn_batch_size: int = 128, eps: float = EPS,
+                bn_momentum: float | str | None = "module", bn_reset: bool = False, bn_source: str = "calib",
+                bn_images: torch.Tensor | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Apply CR+BN in place to a pruned ``model`` (``dense`` is its unpruned twin). γ is measured on
+    ``images``; BN recalibration draws from ``bn_images`` (default: ``images``). Returns {param: γ}."""
     params = [e.param for e in entries]
     var_d = channel_variances(dense, params, images, bn_batch_size)
     var_p = channel_variances(model, params, images, bn_batch_size)
@@ -180,7 +203,8 @@ def crbn_repair(model: nn.Module, dense: nn.Module, entries: list[ScopeEntry], i
         g[lo:hi] = crbn_scales(vd[lo:hi], vp[lo:hi], tau_of(vp[lo:hi], tau), eps)
         scale_output_channels(model, e, g)
         gammas[e.param] = g
-    recalibrate_bn(model, images, bn_batches, bn_batch_size)
+    recalibrate_bn(model, images if bn_images is None else bn_images, bn_batches, bn_batch_size,
+                   momentum=bn_momentum, reset=bn_reset, source=bn_source, seed=seed)
     return gammas
 
 

@@ -5,14 +5,14 @@ Diagnostic model: only layer ℓ is pruned to s (magnitude, exact count, inside 
 dense. Because everything upstream of ℓ is dense, ℓ's input is the dense input: it is captured once and the
 pruned layer is re-applied functionally for every candidate sparsity (no full forward per sparsity).
 
-Where distortion is measured (a choice; the paper writes "post-convolution activation"): on the output of
-the BatchNorm that directly follows the layer when there is one (ResNet convs: conv1->bn1, conv2->bn2,
-downsample.0->downsample.1), else on the layer's own output (ViT Linears, a classifier). On the raw conv output
-the BN-recalibration half of CR+BN would be invisible; after the BN both halves act.
-- raw:    BN(conv(x, W_pruned)) with the dense running statistics.
-- repair: γ-scaled pruned output (CR, ``tasks.repair.crbn_scales``), then the BN with statistics re-estimated
-          on the same calibration images (exact population mean and unbiased variance, i.e. what recalibration
-          converges to; downstream BNs do not affect this activation).
+Where distortion is measured (setting ``at``, docs/methods.md#relative-repairability-crbn-rr):
+- ``conv`` (default, the paper's "post-convolution activation"): a = the layer's own output.
+  raw: conv(x, W_pruned); repair: γ ⊙ conv(x, W_pruned) (CR, ``tasks.pruning.repair.crbn_scales``), so γ
+  enters D_repair directly.
+- ``bn`` (the project's earlier choice): on the output of the BatchNorm that directly follows the layer when
+  there is one (ResNet convs: conv1->bn1, conv2->bn2, downsample.0->downsample.1), else on the layer's own
+  output. raw: BN with the dense running statistics; repair: the γ-scaled output through the BN with exact
+  population statistics of the repaired output (γ then cancels up to BN eps).
 The BN that follows a layer is the next BatchNorm in module registration order with as many features as the
 layer has output channels, found inside the same parent module.
 """
@@ -29,7 +29,8 @@ from tasks.pruning.allocation_math import n_pruned
 from tasks.pruning.repair import EPS, _Moments, crbn_scales, module_of, tau_of, to_channels
 
 COLUMNS = ("model", "layer", "n_weights", "shape", "sparsity", "D_raw", "D_repair", "R")
-DIAG_DEFAULTS = {"diag_images": 128, "tau": "median"}
+DIAG_DEFAULTS = {"diag_images": 128, "tau": "median", "at": "conv"}
+MEASURE_AT = ("conv", "bn")
 
 
 def distortion(a: torch.Tensor, b: torch.Tensor, eps: float = EPS) -> torch.Tensor:
@@ -90,15 +91,19 @@ def _layer_input(model: nn.Module, layer: nn.Module, images: torch.Tensor, batch
 
 @torch.no_grad()
 def layer_diagnostics(model: nn.Module, entry: ScopeEntry, images: torch.Tensor, grid: Sequence[float], *,
-                      tau: str = "median", eps: float = EPS, batch_size: int = 128) -> list[dict[str, Any]]:
-    """Rows {layer, n_weights, shape, sparsity, D_raw, D_repair, R} of one layer over the candidate grid."""
+                      tau: str = "median", eps: float = EPS, batch_size: int = 128, at: str = "conv"
+                      ) -> list[dict[str, Any]]:
+    """Rows {layer, n_weights, shape, sparsity, D_raw, D_repair, R} of one layer over the candidate grid,
+    distortion measured ``at`` the layer output (``conv``) or after its following BatchNorm (``bn``)."""
     import json
 
     model.eval()
     layer = module_of(model, entry.param)
     if not isinstance(layer, (nn.Conv2d, nn.Linear)) or not entry.param.endswith(".weight"):
         raise TypeError(f"RR diagnostics support Conv2d/Linear weights, got {entry.param}")
-    bn = following_bn(model, entry.param)
+    if at not in MEASURE_AT:
+        raise ValueError(f"RR diagnostics setting 'at' must be one of {MEASURE_AT}, got {at!r}")
+    bn = following_bn(model, entry.param) if at == "bn" else None
     x = _layer_input(model, layer, images, batch_size)  # dense input of the layer
     w = layer.weight.detach()
     lo, hi = entry.rows if entry.rows is not None else (0, w.shape[0])
@@ -143,11 +148,11 @@ def _channel_view(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def model_diagnostics(model: nn.Module, entries: list[ScopeEntry], images: torch.Tensor, grid: Sequence[float],
-                      *, model_name: str = "", tau: str = "median") -> dict[str, list]:
+                      *, model_name: str = "", tau: str = "median", at: str = "conv") -> dict[str, list]:
     """Columnar table (``COLUMNS``) of every entry's diagnostics, in entry order then grid order."""
     cols: dict[str, list] = {c: [] for c in COLUMNS}
     for e in entries:
-        for r in layer_diagnostics(model, e, images, grid, tau=tau):
+        for r in layer_diagnostics(model, e, images, grid, tau=tau, at=at):
             r["model"] = model_name
             for c in COLUMNS:
                 cols[c].append(r[c])

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 import tasks.pruning.snapvit_math as snapvit
 from tasks.models.adapter import ModelAdapter, get_adapter
 from tasks.pruning.base import PRUNERS, PruneContext, Pruner
+from tasks.pruning.snapvit_authors import keep_from_scores
 from tasks.store import KEY_RE, StoreError, content_key
 
 RANKING_FORMAT = "snapvit-ranking/1"
@@ -120,13 +121,19 @@ class SnapVitPruner(Pruner):
     qkv rows), which lie outside the weight scope and do not count towards sparsity."""
 
     uses_calibration = True
-    quick_settings = {"iterations": 2, "fitness_sparsities": [0.25, 0.5], "fitness_images": 8}
-    settings_schema = {"iterations": int, "popsize": int, "sigma0": float, "pca_dim": int, "fitness_images": int,
+    quick_settings = {"iterations": 2, "evaluations": 6, "fitness_sparsities": [0.25, 0.5], "fitness_images": 8}
+    settings_schema = {"variant": str, "evaluations": int, "min_head_keep": float, "min_neuron_keep": float,
+                       "global_crops": int, "local_crops": int,
+                       "iterations": int, "popsize": int, "sigma0": float, "pca_dim": int, "fitness_images": int,
                        "fitness_sparsities": list, "grad_batch": int, "tau_t": float, "tau_s": float}
 
     def check(self, settings):
         super().check(settings)
-        snapvit.check_settings({**snapvit.DEFAULTS, **settings})
+        raw = {**snapvit.DEFAULTS, **settings}
+        snapvit.check_settings({**raw, "grad_batch": raw["grad_batch"] or 1})
+
+    def resolved_settings(self, settings):
+        return snapvit.resolve_settings(settings)
 
     def check_model(self, model: nn.Module, adapter: ModelAdapter, scope: str, settings) -> None:
         if not {"qkv", "proj", "fc1", "fc2"} <= set(getattr(adapter, "parts", {})):
@@ -147,7 +154,11 @@ class SnapVitPruner(Pruner):
         layout = snapvit.vit_layout(ctx.model, ctx.adapter, ctx.entries)
         resolved = snapvit.resolve_settings(settings)
         r = get_ranking(ctx, layout, resolved, seed)
-        masks = snapvit.unit_masks(ctx.model, layout, snapvit.keep_vector(r.order, layout.unit_params(), sparsity))
+        if resolved["variant"] == "authors":  # separate head/neuron cuts of the floored scores
+            keep = keep_from_scores(r.scores, layout, sparsity)
+        else:
+            keep = snapvit.keep_vector(r.order, layout.unit_params(), sparsity)
+        masks = snapvit.unit_masks(ctx.model, layout, keep)
         missing = set(weights) - set(masks)
         if missing:
             raise ValueError(f"pruner 'snapvit': scope tensors outside any unit: {sorted(missing)[:3]}")

@@ -39,11 +39,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tasks.models.adapter import ModelAdapter, ScopeEntry
+from tasks.pruning.snapvit_authors import authors_ranking
 from tasks.pruning.xnes import xnes
 
-DEFAULTS: dict[str, Any] = {"iterations": 50, "popsize": 0, "sigma0": 1.0, "pca_dim": 192, "fitness_images": 128,
-                            "fitness_sparsities": [0.1, 0.25, 0.4, 0.6], "grad_batch": 1, "tau_t": 0.04,
+DEFAULTS: dict[str, Any] = {"variant": "authors", "evaluations": 50, "min_head_keep": 0.2, "min_neuron_keep": 0.05,
+                            "global_crops": 2, "local_crops": 10,
+                            "iterations": 50, "popsize": 0, "sigma0": 1.0, "pca_dim": 192, "fitness_images": 128,
+                            "fitness_sparsities": [0.1, 0.25, 0.4, 0.6], "grad_batch": None, "tau_t": 0.04,
                             "tau_s": 0.1}
+VARIANTS = ("authors", "joint")  # authors: snapvit_authors.py; joint: this module (the project's earlier method)
 
 
 @dataclass(frozen=True)
@@ -300,7 +304,7 @@ class _Fitness:
     """Mean PCA-cosine over the fitness sparsities of the pruned copy vs the dense embeddings."""
 
     def __init__(self, model: nn.Module, layout: Layout, images: torch.Tensor, sens: torch.Tensor,
-                 sparsities: list[float], pca_dim: int) -> None:
+                 sparsities: list[float], pca_dim: int, raw_if_large: bool = False) -> None:
         self.work = copy.deepcopy(model).eval()
         self.layout, self.sens, self.sparsities = layout, sens, sparsities
         self.params = dict(self.work.named_parameters())
@@ -308,14 +312,23 @@ class _Fitness:
         self.dense_values = {n: self.params[n].detach().clone() for n in self.names}
         self.images = images.to(self.params[self.names[0]].device)
         self.dense = embed(self.work, self.images)  # (N, D)
-        self.basis = pca_basis(self.dense, pca_dim)
+        d = self.dense.shape[1]
+        if raw_if_large and pca_dim >= d:  # the authors: no PCA at all, raw uncentred embeddings
+            self.basis = (torch.zeros(d, dtype=torch.float64, device=self.dense.device),
+                          torch.eye(d, dtype=torch.float64, device=self.dense.device))
+        else:
+            self.basis = pca_basis(self.dense, pca_dim)
         self.gidx, self.uparams = layout.group_index(), layout.unit_params()
 
-    @torch.no_grad()
     def of_order(self, order: torch.Tensor) -> float:
+        return self.of_keep(lambda s: keep_vector(order, self.uparams, s))
+
+    @torch.no_grad()
+    def of_keep(self, keep_fn) -> float:
+        """Mean PCA-cosine over the fitness sparsities; keep_fn(s) -> (U,) bool keep vector."""
         vals = []
         for s in self.sparsities:
-            masks = unit_masks(self.work, self.layout, keep_vector(order, self.uparams, s))
+            masks = unit_masks(self.work, self.layout, keep_fn(s))
             for n in self.names:
                 self.params[n].copy_(self.dense_values[n] * masks[n].to(self.params[n].device))
             vals.append(pca_cosine(self.dense, embed(self.work, self.images), self.basis))
@@ -328,6 +341,11 @@ class _Fitness:
 def compute_ranking(model: nn.Module, layout: Layout, images: torch.Tensor, settings: Mapping[str, Any],
                     seed: int) -> Ranking:
     """The whole SnapViT search on calibration ``images`` (N, C, H, W); never changes ``model``."""
+    if settings["variant"] == "authors":
+        fit = _Fitness(model, layout, images[: settings["fitness_images"]], torch.zeros(layout.n_units),
+                       list(settings["fitness_sparsities"]), settings["pca_dim"], raw_if_large=True)
+        scores, sens, x, f, hist = authors_ranking(model, layout, images, settings, seed, fit.of_keep, embed)
+        return Ranking(torch.argsort(scores, stable=True), scores, sens, x, f, hist, layout.describe())
     sens = local_sensitivity(model, layout, images, settings, seed)
     fit = _Fitness(model, layout, images[: settings["fitness_images"]], sens, list(settings["fitness_sparsities"]),
                    settings["pca_dim"])
@@ -342,6 +360,8 @@ def compute_ranking(model: nn.Module, layout: Layout, images: torch.Tensor, sett
 
 def resolve_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
     out = {**DEFAULTS, **settings}
+    if out["grad_batch"] is None:
+        out["grad_batch"] = 16 if out["variant"] == "authors" else 1
     out["fitness_sparsities"] = [float(s) for s in out["fitness_sparsities"]]
     return out
 
@@ -351,7 +371,12 @@ def check_settings(s: Mapping[str, Any]) -> None:
     if not isinstance(sp, (list, tuple)) or not sp or not all(
             isinstance(x, (int, float)) and not isinstance(x, bool) and 0.0 < x < 1.0 for x in sp):
         raise ValueError("pruner 'snapvit' setting 'fitness_sparsities' must be a non-empty list of values in (0, 1)")
-    for k in ("iterations", "pca_dim", "fitness_images", "grad_batch"):
+    if s["variant"] not in VARIANTS:
+        raise ValueError(f"pruner 'snapvit' setting 'variant' must be one of {VARIANTS}, got {s['variant']!r}")
+    for k in ("min_head_keep", "min_neuron_keep"):
+        if not 0.0 <= s[k] <= 1.0:
+            raise ValueError(f"pruner 'snapvit' setting {k!r} must be in [0, 1], got {s[k]}")
+    for k in ("iterations", "pca_dim", "fitness_images", "grad_batch", "evaluations", "global_crops"):
         if s[k] < 1:
             raise ValueError(f"pruner 'snapvit' setting {k!r} must be >= 1, got {s[k]}")
     if s["popsize"] < 0 or s["popsize"] == 1:

@@ -29,6 +29,7 @@ class XnesResult:
     best_f: float
     history: list[float] = field(default_factory=list)  # best fitness of each generation
     evaluations: int = 0
+    updates: int = 0  # distribution updates made
 
     @property
     def cov(self) -> torch.Tensor:
@@ -48,8 +49,13 @@ def utilities(n: int) -> torch.Tensor:
 
 
 def xnes(fitness: Callable[[torch.Tensor], float], m0: torch.Tensor, sigma0: float = 1.0, iterations: int = 50,
-         popsize: int = 0, seed: int = 0, eta_m: float = 1.0, eta_cov: float | None = None) -> XnesResult:
-    """Maximize ``fitness`` over R^d starting at N(m0, sigma0^2 I); ``popsize`` 0 = the default."""
+         popsize: int = 0, seed: int = 0, eta_m: float = 1.0, eta_cov: float | None = None,
+         evaluations: int | None = None) -> XnesResult:
+    """Maximize ``fitness`` over R^d starting at N(m0, sigma0^2 I); ``popsize`` 0 = the default.
+
+    ``evaluations`` (the authors' pypop7 budget, docs/methods.md#snapvit): stop after that many fitness
+    evaluations instead of ``iterations`` generations; a last incomplete generation is evaluated (its samples
+    can become the best) but does not update the distribution. ``history`` has one entry per generation."""
     m = m0.detach().to(torch.float64).clone()
     d = m.numel()
     lam = popsize or default_popsize(d)
@@ -58,16 +64,20 @@ def xnes(fitness: Callable[[torch.Tensor], float], m0: torch.Tensor, sigma0: flo
     u = utilities(lam)  # (lam,)
     gen = torch.Generator().manual_seed(seed)
     eye = torch.eye(d, dtype=torch.float64)
-    best_x, best_f, hist, evals = m.clone(), -math.inf, [], 0
-    for _ in range(iterations):
+    best_x, best_f, hist, evals, updates = m.clone(), -math.inf, [], 0, 0
+    gens = iterations if evaluations is None else -(-evaluations // lam)
+    for _ in range(gens):
         s = torch.randn(lam, d, generator=gen, dtype=torch.float64)  # (lam, d)
         x = m + sigma * s @ B.T  # (lam, d)
-        f = torch.tensor([float(fitness(xi)) for xi in x], dtype=torch.float64)  # (lam,)
-        evals += lam
+        n = lam if evaluations is None else min(lam, evaluations - evals)
+        f = torch.tensor([float(fitness(xi)) for xi in x[:n]], dtype=torch.float64)  # (n,)
+        evals += n
         order = torch.argsort(-f, stable=True)  # best first
         if f[order[0]] > best_f:
             best_f, best_x = float(f[order[0]]), x[order[0]].clone()
         hist.append(float(f[order[0]]))
+        if n < lam:  # incomplete last generation: evaluated, no update
+            break
         s_sorted = s[order]  # (lam, d)
         g_delta = u @ s_sorted  # (d,)
         g_m = torch.einsum("k,ki,kj->ij", u, s_sorted, s_sorted) - u.sum() * eye  # (d, d)
@@ -76,4 +86,5 @@ def xnes(fitness: Callable[[torch.Tensor], float], m0: torch.Tensor, sigma0: flo
         m = m + eta_m * sigma * (B @ g_delta)
         sigma = sigma * math.exp(eta * float(g_sigma) / 2)
         B = B @ torch.linalg.matrix_exp(eta * g_b / 2)
-    return XnesResult(m, sigma, B, best_x, best_f, hist, evals)
+        updates += 1
+    return XnesResult(m, sigma, B, best_x, best_f, hist, evals, updates)

@@ -166,7 +166,7 @@ def test_chain_runs_in_order_with_continuing_epochs_and_part_settings(heal_case)
     assert res.epoch_losses == ref and res.steps == 2 * 3 * 4
     assert seen == list(zip(range(1, 7), ref)) and chain.epochs(cfg) == 6
     assert all(torch.equal(v, b.model.state_dict()[k]) for k, v in a.model.state_dict().items())
-    b.assert_invariants()
+    b.assert_invariants(allowed=chain.may_change(b.model, b.entries, settings))  # qk_train='qkv': V rows
 
 
 def test_chain_errors_name_the_position(heal_case):

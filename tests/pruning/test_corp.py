@@ -341,3 +341,76 @@ def _masks_digits(lm, model, s):
     e = ad.scope(model, "mlp_qk")
     return e, make_masks(model, e, "corp", s, seed=0,
                          ctx=PruneContext(model, ad, e, calib_images=lm.dataset["calibration"].images[:128]))
+
+
+# --- the authors' automatic λ (docs/methods.md#corp) -------------------------------------------------------------
+
+def test_authors_lambda_hand_values():
+    s2 = torch.tensor([[2.0, 0.5], [0.5, 1.0]], dtype=torch.float64)
+    assert corp_math.chen_oas_rho(s2, 10) == pytest.approx(0.9, abs=1e-12)  # 9 / ((10 + 1 - 1)(5.5 - 4.5))
+    assert corp_math.authors_lambda(s2, 10) == pytest.approx(1.35, abs=1e-12)
+    s3 = torch.tensor([[2.0, 0.5, 0.0], [0.5, 1.0, 0.2], [0.0, 0.2, 0.5]], dtype=torch.float64)
+    assert corp_math.chen_oas_rho(s3, 10) == pytest.approx(0.7863826644, abs=1e-10)
+    assert corp_math.authors_lambda(s3, 10) == pytest.approx(0.9174464418, abs=1e-10)
+    assert corp_math.authors_lambda(s3, 1000) == pytest.approx(0.009477120858, abs=1e-12)
+    assert corp_math.chen_oas_rho(s3, 100000) == pytest.approx(8.125927112e-05, rel=1e-9)
+    assert corp_math.authors_lambda(s3, 100000) == 1e-3  # raw 9.48e-5: the absolute floor applies
+    assert corp_math.authors_lambda(torch.tensor([[0.3]], dtype=torch.float64), 50) == pytest.approx(0.3)  # p = 1
+    assert corp_math.authors_lambda(0.5 * torch.eye(3, dtype=torch.float64), 50) == pytest.approx(0.5)  # c·I
+    assert corp_math.authors_lambda(1e-4 * s3, 10) == 1e-3  # raw 9.17e-5
+
+
+def test_authors_lambda_uses_only_the_kept_units():
+    """Full 4×4 covariance, keep units 0-2: the authors' λ is the 3×3 value; the earlier full-covariance OAS
+    gives B = 0 at n = 10 (ρ = 1) and 0.013330 at n = 1000."""
+    from tasks.healing.corp import _mlp_lambda
+
+    f = torch.tensor([[2, .5, 0, .3], [.5, 1, .2, .1], [0, .2, .5, .05], [.3, .1, .05, .8]], dtype=torch.float64)
+    keep = torch.tensor([True, True, True, False])
+    s = CORP_H.resolved_settings({})
+    assert s == {"lambda": "authors", "lambda_floor": 1e-3, "qk_ridge": 1e-3, "qk_symmetrize": True}
+    assert _mlp_lambda(f, keep, 10, s) == pytest.approx(0.9174464418, abs=1e-10)
+    assert _mlp_lambda(f, keep, 1000, s) == pytest.approx(0.009477120858, abs=1e-12)
+    oas = CORP_H.resolved_settings({"lambda": "oas"})
+    assert _mlp_lambda(f, keep, 10, oas) == float("inf")
+    assert _mlp_lambda(f, keep, 1000, oas) == pytest.approx(0.013330, abs=1e-6)
+    assert _mlp_lambda(f, keep, 1000, CORP_H.resolved_settings({"lambda": 0.25})) == 0.25  # fixed, absolute
+
+
+def test_qk_lambda_is_the_authors_value_over_n_squared():
+    """Head Q-side Σ_SS = the 3×3 example (Gram = Σ + μμᵀ), n = 1000 tokens: λ = 0.009477 in sum-Gram units,
+    0.009477 / 1000² in the project's mean-Gram units."""
+    from tasks.healing.corp import _qk_lambda
+
+    s3 = torch.tensor([[2.0, 0.5, 0.0], [0.5, 1.0, 0.2], [0.0, 0.2, 0.5]], dtype=torch.float64)
+    mu = torch.tensor([0.3, -1.0, 2.0, 5.0], dtype=torch.float64)
+    gram = torch.zeros(4, 4, dtype=torch.float64)
+    gram[:3, :3] = s3
+    gram += torch.outer(mu, mu)
+    keep = torch.tensor([True, True, True, False])
+    lam = _qk_lambda(gram, mu, keep, 1000, CORP_H.resolved_settings({}))
+    assert lam == pytest.approx(0.009477120858 / 1000 ** 2, rel=1e-9)
+    assert _qk_lambda(gram, mu, keep, 1000, CORP_H.resolved_settings({"lambda": "oas"})) is None  # relative qk_ridge
+
+
+def test_qk_symmetrize_gives_the_symmetric_part():
+    rng = np.random.default_rng(1)
+    q = torch.from_numpy(rng.normal(size=(40, 4)) @ rng.normal(size=(4, 4)))
+    k = torch.from_numpy(rng.normal(size=(40, 4)) @ rng.normal(size=(4, 4)))
+    keep = torch.tensor([True, True, False, True])
+    gq, gk = q.T @ q / 40, k.T @ k / 40
+    u, v = corp_math.qk_compensation(gq, gk, keep, lam=1e-9)
+    us, vs = corp_math.qk_compensation(gq, gk, keep, lam=1e-9, symmetrize=True)
+    t = u @ v.T
+    assert not torch.allclose(t, t.T)
+    torch.testing.assert_close(us @ vs.T, (t + t.T) / 2, rtol=1e-8, atol=1e-10)
+
+
+def test_corp_lambda_setting_validated():
+    CORP_H.check({"lambda": "oas"})
+    CORP_H.check({"lambda": 0.01, "qk_symmetrize": False})
+    for bad in ("auto", -1.0, True, float("inf")):
+        with pytest.raises(ValueError, match="lambda"):
+            CORP_H.check({"lambda": bad})
+    with pytest.raises(ValueError, match="unknown setting"):
+        CORP_H.check({"shrinkage": "oas"})

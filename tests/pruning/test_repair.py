@@ -47,7 +47,8 @@ def test_crbn_repair_two_channel_model_hand_computed():
     torch.manual_seed(0)
     x = torch.randn(64, 1, 4, 4, dtype=torch.float64)
     dense, pruned = TwoChannel([2.0, 1.0]).double().eval(), TwoChannel([1.0, 0.5]).double().eval()
-    g = crbn_repair(pruned, dense, [ScopeEntry("conv.weight")], x, bn_batches=1, bn_batch_size=64, eps=0.0)
+    g = crbn_repair(pruned, dense, [ScopeEntry("conv.weight")], x, bn_batches=1, bn_batch_size=64, eps=0.0,
+                    bn_momentum=None, bn_reset=True, bn_source="calib_once")  # exact batch statistics
     assert torch.allclose(g["conv.weight"], torch.tensor([4 ** 0.4, 4 ** 0.25], dtype=torch.float64))
     assert torch.allclose(pruned.conv.weight.flatten(), torch.tensor([4 ** 0.4, 0.5 * 2 ** 0.5], dtype=torch.float64))
     y = pruned.conv(x)  # (64, 2, 4, 4): one recalibration batch = exact batch statistics (unbiased variance)
@@ -59,7 +60,7 @@ def test_crbn_repair_two_channel_model_hand_computed():
 def test_recalibrate_bn_averages_batches_and_leaves_dropout_eval():
     m = nn.Sequential(nn.Conv2d(1, 3, 1), nn.BatchNorm2d(3), nn.Dropout(0.5)).eval()
     x = torch.randn(40, 1, 2, 2)
-    assert recalibrate_bn(m, x, batches=2, batch_size=20) == 2
+    assert recalibrate_bn(m, x, batches=2, batch_size=20, momentum=None, reset=True) == 2
     y = m[0](x).detach()
     means = torch.stack([y[:20].mean((0, 2, 3)), y[20:].mean((0, 2, 3))])
     assert torch.allclose(m[1].running_mean, means.mean(0), atol=1e-6)
@@ -103,7 +104,7 @@ def test_layer_diagnostics_match_a_full_model_reference(tiny_model, param):
     model = tiny_model("resnet")
     x = calib_images("resnet", 32)
     entry = ScopeEntry(param)
-    rows = layer_diagnostics(model, entry, x, [0.0, 0.8])
+    rows = layer_diagnostics(model, entry, x, [0.0, 0.8], at="bn")
     assert rows[0]["D_raw"] == pytest.approx(0.0, abs=1e-9)
     bn = following_bn(model, param)
     a = _bn_output(model, bn, x)
@@ -113,7 +114,7 @@ def test_layer_diagnostics_match_a_full_model_reference(tiny_model, param):
     d_raw = distortion(a, _bn_output(ref, ref_bn, x)).mean().item()
     var_d, var_p = channel_variances(model, [param], x)[param], channel_variances(ref, [param], x)[param]
     scale_output_channels(ref, entry, crbn_scales(var_d, var_p, tau_of(var_p)))
-    recalibrate_bn(ref, x, batches=1, batch_size=len(x), modules=[ref_bn])
+    recalibrate_bn(ref, x, batches=1, batch_size=len(x), modules=[ref_bn], momentum=None, reset=True)
     d_rep = distortion(a, _bn_output(ref, ref_bn, x)).mean().item()
     r = rows[1]
     assert r["D_raw"] == pytest.approx(d_raw, rel=1e-4)
@@ -151,7 +152,8 @@ def resnet_digits():
 
 
 def test_crbn_recovers_accuracy_on_digits_at_high_sparsity(resnet_digits):
-    """Measured 2026-11-22: uniform 0.9 magnitude 0.083 -> 0.436 after CR+BN; global 0.9 0.086 -> 0.975."""
+    """Measured 2026-11-22 with the earlier reset + cumulative recalibration: uniform 0.9 0.083 -> 0.436, global 0.9
+    0.086 -> 0.975; 2026-11-23 with the paper recalibration (128 images): global 0.9 0.083 -> 0.972."""
     from tasks.evaluate import accuracy
     from tasks.pruning import apply_masks, make_masks
 
@@ -207,3 +209,91 @@ def test_diagnostics_stage_is_cached(resnet_digits, tmp_path):
     finally:
         if started:
             ray.shutdown()
+
+
+# --- the paper's recalibration (default momentum, no reset) and distortion at the conv output -------------------
+
+def test_recalibrate_bn_momentum_updates_hand_values():
+    """One channel, reset stats (0, 1), constant batch [0, 2] (mean 1, unbiased var 2), momentum 0.1, no reset
+    between updates: k = 1 -> (0.1, 1.1), k = 3 -> (0.271, 1.271), k = 20 -> 1 - 0.9^20 = 0.8784233454."""
+    bn = nn.BatchNorm2d(1).double().eval()
+    x = torch.tensor([0.0, 2.0], dtype=torch.float64).view(2, 1, 1, 1)
+    seen = {}
+    for k in range(1, 21):
+        assert recalibrate_bn(bn, x, batches=1, batch_size=2, source="calib_once") == 1  # defaults: momentum 0.1, no reset
+        seen[k] = (bn.running_mean.item(), bn.running_var.item(), int(bn.num_batches_tracked))
+    assert seen[1] == pytest.approx((0.1, 1.1, 1)) and seen[3] == pytest.approx((0.271, 1.271, 3))
+    assert seen[20] == pytest.approx((0.8784233454, 1.8784233454, 20), abs=1e-10)
+    recalibrate_bn(bn, x, batches=1, batch_size=2, source="calib_once", momentum=None, reset=True)
+    assert (bn.running_mean.item(), bn.running_var.item()) == pytest.approx((1.0, 2.0))  # cumulative from reset
+
+
+@pytest.mark.parametrize("gamma,ratio", [(1.0, 0.8560025), (2.0, 0.9999988)])
+def test_cr_scale_is_not_cancelled_by_momentum_recalibration(gamma, ratio):
+    """conv (weight γ) -> BN with dense stats (0, 4); pruned activation ±1/√2 (mean 0, unbiased var 1);
+    20 recalibration batches, momentum 0.1, no reset: rv = 0.9^20·4 + (1 − 0.9^20)·γ², so the eval output
+    divided by the activation is 1/√1.36473 for γ = 1 and ≈ 1 for γ = 2 (the full variance match)."""
+    m = nn.Sequential(nn.Conv2d(1, 1, 1, bias=False), nn.BatchNorm2d(1)).double()
+    with torch.no_grad():
+        m[0].weight.fill_(gamma)
+        m[1].running_var.fill_(4.0)
+    m.eval()
+    a = torch.tensor([2 ** -0.5, -(2 ** -0.5)], dtype=torch.float64).view(2, 1, 1, 1)
+    assert recalibrate_bn(m, a.repeat(20, 1, 1, 1), batches=20, batch_size=2, source="calib_once") == 20
+    assert m[1].running_var.item() == pytest.approx(0.1215766546 * 4 + 0.8784233454 * gamma ** 2, abs=1e-9)
+    with torch.no_grad():
+        assert (m(a) / a).flatten()[0].item() == pytest.approx(ratio, abs=1e-6)
+
+
+def test_crbn_healer_rescale_changes_the_recalibrated_model(tiny_model):
+    """CR+BN with the computed γ vs the same recalibration with γ = 1 (BN recalibration alone): with the paper's
+    momentum recalibration the models differ; with the earlier reset + cumulative statistics γ cancels."""
+    from tasks.pruning import apply_masks, make_masks
+    from tests.conftest import calib_images
+
+    dense = tiny_model("resnet")
+    x = calib_images("resnet", 64)
+    entries = get_adapter(dense).scope(dense, "conv")
+    pruned = copy.deepcopy(dense)
+    apply_masks(pruned, make_masks(pruned, entries, "magnitude", 0.8, seed=0))
+    out = {}
+    for name, kw in {"paper": {}, "earlier": {"bn_momentum": None, "bn_reset": True, "bn_source": "calib_once"}}.items():
+        cr, bn_only = copy.deepcopy(pruned), copy.deepcopy(pruned)
+        g = crbn_repair(cr, dense, entries, x, bn_batch_size=32, **kw)
+        assert any((v - 1).abs().max() > 0.05 for v in g.values())  # γ is not trivially 1
+        recalibrate_bn(bn_only, x, 20, 32, momentum=kw.get("bn_momentum", "module"), reset=kw.get("bn_reset", False),
+                       source=kw.get("bn_source", "calib"))
+        with torch.no_grad():
+            out[name] = float((cr(x) - bn_only(x)).abs().max() / bn_only(x).abs().max())
+    assert out["paper"] > 1e-2  # measurably different models
+    assert out["earlier"] < 1e-2 * out["paper"]  # γ cancelled (up to BN eps and the last layer's zero-init BN)
+
+
+def test_rr_distortion_at_conv_hand_values():
+    """One example, one channel, L = 2: dense a = [2, −2], pruned b = [1, −1] -> γ = √2, D_raw = 0.25,
+    D_repair = 2(2 − √2)²/8 = 0.0857864, R = 0.3431458 (docs/methods.md#relative-repairability-crbn-rr)."""
+    conv = nn.Conv2d(2, 1, 1, bias=False)
+    with torch.no_grad():
+        conv.weight.fill_(1.0)
+    model = nn.Sequential(conv, nn.BatchNorm2d(1)).eval()
+    x = torch.tensor([1.0, -1.0]).view(1, 1, 1, 2).repeat(1, 2, 1, 1)  # (1, 2, 1, 2)
+    (row,) = layer_diagnostics(model, ScopeEntry("0.weight"), x, [0.5])  # default at="conv"
+    assert row["D_raw"] == pytest.approx(0.25, abs=1e-7)
+    assert row["D_repair"] == pytest.approx(0.0857864, abs=1e-7)
+    assert row["R"] == pytest.approx(0.3431458, abs=1e-6)
+    with pytest.raises(ValueError, match="'at' must be one of"):
+        layer_diagnostics(model, ScopeEntry("0.weight"), x, [0.5], at="relu")
+
+
+def test_crbn_healer_settings_validated_and_resolved():
+    from tasks.healing import HEALERS
+
+    h = HEALERS.get("crbn")
+    assert h.resolved_settings({}) == {"tau": "median", "no_bn": "variance_match", "bn_batches": 20,
+                                       "bn_batch_size": 128, "bn_momentum": "module", "bn_reset": False,
+                                       "bn_source": "calib"}
+    assert h.resolved_settings({"bn_reset": True})["bn_momentum"] == "cumulative"  # the earlier exact average
+    h.check({"bn_momentum": 0.05, "bn_reset": True, "bn_source": "train"})
+    for bad in ({"bn_momentum": 0}, {"bn_momentum": "fast"}, {"bn_source": "val"}, {"bn_reset": "no"}):
+        with pytest.raises(ValueError, match="crbn"):
+            h.check(bad)

@@ -17,7 +17,7 @@ from tasks.pruning import snapvit_math as snapvit
 from tasks.pruning.xnes import utilities, xnes
 from tests.conftest import build_model, calib_images
 
-QUICK = {"iterations": 3, "fitness_sparsities": [0.25, 0.5], "fitness_images": 16}
+QUICK = {"variant": "joint", "iterations": 3, "fitness_sparsities": [0.25, 0.5], "fitness_images": 16}
 GRID = (0.0, 0.1, 0.25, 0.4, 0.5, 0.6, 0.9, 1.0)
 
 
