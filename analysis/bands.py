@@ -25,12 +25,12 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pandas as pd
 
-from .runs import is_nm
+from .runs import grid_names, is_nm
 
 __all__ = ["BandSettings", "chance_limit", "classify", "seed_means", "bands", "intervals", "iou",
            "agreement", "GROUP_COLS"]
 
-GROUP_COLS = ("model", "pruner", "healer", "calib_size", "scope", "granularity")
+GROUP_COLS = ("model", "grid", "pruner", "healer", "calib_size", "scope", "granularity")
 LABELS = ("recoverable", "transition", "collapse")
 
 
@@ -61,6 +61,7 @@ def classify(healed_acc: float, retention: float, limit: float, st: BandSettings
 def seed_means(best: pd.DataFrame) -> pd.DataFrame:
     """Mean/std over seeds per group × sparsity; keeps the run ids of the seeds (';'-joined)."""
     df = best[~best["pattern"].map(is_nm)].copy()
+    df["grid"] = grid_names(df)  # grids are never averaged together
     for c in ("n_eval", "num_classes"):
         if c not in df.columns:
             df[c] = np.nan

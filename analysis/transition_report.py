@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import math
 import re
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from matplotlib.figure import Figure
 
 from .bands import BandSettings, bands
 from .cts import CTSSettings
+from .layout import save_png
 from .figures import allocation_figure, bands_figure, cts_figure, rr_heatmap
 
 __all__ = ["Sections", "build_sections", "HOW_TO_READ", "json_clean"]
@@ -51,13 +51,6 @@ class Sections:
     md: dict[str, list[str]] = field(default_factory=dict)
     html: dict[str, list[str]] = field(default_factory=dict)
     bands_json: dict = field(default_factory=dict)
-
-
-def _png_b64(fig: Figure) -> tuple[bytes, str]:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    data = buf.getvalue()
-    return data, base64.b64encode(data).decode("ascii")
 
 
 def json_clean(x):
@@ -94,9 +87,8 @@ class _Writer:
         self.ht.append(f'<p class="note">{html.escape(text)}</p>')
 
     def figure(self, fig: Figure, stem: str, alt: str, how: str) -> None:
-        data, b64 = _png_b64(fig)
         name = f"fig_{_safe(self.model)}_{stem}.png"
-        (self.out / name).write_bytes(data)
+        b64 = base64.b64encode(save_png(fig, self.out / name)).decode("ascii")
         self.md += [f"![{alt}]({name})", "", f"**How to read this.** {how}", ""]
         self.ht.append(f'<figure><img src="data:image/png;base64,{b64}" alt="{html.escape(alt)}">'
                        f'<figcaption><b>How to read this.</b> {html.escape(how)}</figcaption></figure>')
