@@ -109,11 +109,15 @@ def _coverage(cts: tuple[float, float] | None, hull: tuple[float, float] | None,
 
 def agreement(transition_hull: tuple[float, float] | None, cts_result: dict | None,
               st: BandSettings) -> dict:
-    """IoU and coverage of the CTS core and broad band against the accuracy transition hull."""
+    """IoU and coverage of the CTS core and broad band against the accuracy transition hull; None (n/a) where
+    the CTS has no such interval (no diagnostics, or CTS̄ never rises above its baseline)."""
     out = {}
     for key in ("core", "band"):
         iv = (cts_result or {}).get(key)
-        iv = (iv["lo"], iv["hi"]) if iv else None
+        if not iv:  # no CTS (or no core/band): nothing to agree with -> n/a, not 0
+            out[f"{key}_iou"] = out[f"{key}_coverage"] = None
+            continue
+        iv = (iv["lo"], iv["hi"])
         out[f"{key}_iou"] = iou(iv, transition_hull, st.resolution / 2)
         out[f"{key}_coverage"] = _coverage(iv, transition_hull, st.resolution / 2)
     return out
