@@ -176,10 +176,24 @@ def _warnings(mb: pd.DataFrame, failed: list[str]) -> list[str]:
     seeds = mb.groupby(["pruner", "healer", "pattern", "calib_size"], dropna=False)["seed"].nunique()
     if len(seeds) and seeds.max() <= 1:
         out.append("Single seed: no point has a spread or a confidence interval; differences are not tested.")
+    budget = _budget_warning(mb)
+    if budget:
+        out.append(budget)
     if failed:
         out.append(f"{len(failed)} cell(s) have no finished trial: {', '.join(failed[:6])}"
                    + (" …" if len(failed) > 6 else "") + ".")
     return out
+
+
+def _budget_warning(mb: pd.DataFrame) -> str:
+    """Epochs are passes over the calibration set: calibration sizes differ in optimizer steps per epoch."""
+    g = mb[(mb["lr"].fillna(0) > 0) & mb["calib_size"].notna() & mb["batch_size"].notna()]
+    sizes = sorted({(int(n), int(b)) for n, b in zip(g["calib_size"], g["batch_size"])})
+    if len({n for n, _ in sizes}) < 2:
+        return ""
+    steps = ", ".join(f"{n} images: {math.ceil(n / b)} steps/epoch (batch {b})" for n, b in sizes)
+    return (f"Calibration sizes get different optimisation budgets for the same epochs ({steps}): comparing "
+            "calibration sizes also compares budgets (docs/methods.md#search).")
 
 
 def findings(best: pd.DataFrame, model: str, recs: list[dict], cts: dict | None,

@@ -68,3 +68,14 @@ def test_closed_form_rows_show_no_lr_or_epochs():
                               run_id="r1", experiment_id="1")])
     row = model_table(best).rows[0]
     assert row[8:10] == ["closed form", "–"]
+
+
+def test_budget_warning_names_steps_per_epoch():
+    from analysis.findings import _budget_warning
+
+    mb = pd.DataFrame(dict(lr=[1e-3, 1e-3, 0.0], calib_size=[64, 256, 100], batch_size=[32, 32, 32]))
+    assert _budget_warning(mb) == (
+        "Calibration sizes get different optimisation budgets for the same epochs (64 images: 2 steps/epoch "
+        "(batch 32), 256 images: 8 steps/epoch (batch 32)): comparing calibration sizes also compares budgets "
+        "(docs/methods.md#search).")  # the closed-form row (lr 0) has no budget
+    assert _budget_warning(mb.iloc[:1]) == ""
