@@ -162,6 +162,7 @@ class Findings:
     ranges: list[Range]
     best: list[dict]
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
 def _warnings(mb: pd.DataFrame, failed: list[str]) -> list[str]:
@@ -197,14 +198,21 @@ def _budget_warning(mb: pd.DataFrame) -> str:
 
 
 def findings(best: pd.DataFrame, model: str, recs: list[dict], cts: dict | None,
-             failed: dict[str, list[str]]) -> list[Findings]:
-    """One ``Findings`` per grid of this model (grids are never mixed)."""
+             failed: dict[str, list[str]], trials: pd.DataFrame | None = None) -> list[Findings]:
+    """One ``Findings`` per grid of this model (grids are never mixed). ``trials``: the model's trials, for the
+    label-free objective's agreement (analysis/heldout_agreement.py)."""
+    from .heldout_agreement import agreement, agreement_line
+
     grids = grid_names(best)
+    tgrids = grid_names(trials) if trials is not None else None
     out = []
     for grid in sorted(set(grids), key=lambda g: (g != "main", g)):
         gb = best[grids == grid]
         gr = [r for r in recs if (r.get("grid") or "main") == grid]
-        out.append(Findings(model, grid, ranges(gr, cts), best_rows(gb), _warnings(gb, failed.get(grid, []))))
+        f = Findings(model, grid, ranges(gr, cts), best_rows(gb), _warnings(gb, failed.get(grid, [])))
+        line = agreement_line(agreement(trials[tgrids == grid])) if trials is not None else ""
+        f.notes = [line] if line else []
+        out.append(f)
     return out
 
 
@@ -240,6 +248,7 @@ def findings_md(fs: list[Findings], how: str) -> list[str]:
     for f in fs:
         md += [f"### {f.model} — grid `{f.grid}`", ""]
         md += [f"> **Warning:** {w}" for w in f.warnings] + ([""] if f.warnings else [])
+        md += [f"_{n}_" for n in f.notes] + ([""] if f.notes else [])
         md += ["| " + " | ".join(_RANGE_HEADS) + " |", "|" + "---|" * len(_RANGE_HEADS)]
         md += ["| " + " | ".join(str(getattr(r, k)) for k in Range.__dataclass_fields__) + " |" for r in f.ranges]
         heads, body = _best_grid(f.best)
@@ -257,6 +266,7 @@ def findings_html(fs: list[Findings], how: str) -> list[str]:
     for f in fs:
         ht.append(f'<div class="model"><h3>{e(f.model)} <span class="grid">grid {e(f.grid)}</span></h3>')
         ht += [f'<p class="warn">⚠ {e(w)}</p>' for w in f.warnings]
+        ht += [f'<p class="note">{e(n)}</p>' for n in f.notes]
         head = "".join(f"<th>{e(h)}</th>" for h in _RANGE_HEADS)
         rows = "".join("<tr>" + "".join(
             f'<td class="{k}">{e(str(getattr(r, k)))}</td>' for k in Range.__dataclass_fields__) + "</tr>"

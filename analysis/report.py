@@ -262,7 +262,8 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
         if mb.empty:
             continue
         mj = trans.bands_json["models"].get(model, {})
-        fs += findings(mb, model, mj.get("bands", []), mj.get("cts"), _failed_cells(trials[model_of == model], mb))
+        fs += findings(mb, model, mj.get("bands", []), mj.get("cts"), _failed_cells(trials[model_of == model], mb),
+                       trials[model_of == model])
     line = " · ".join(f"{k}: {v}" for k, v in summary)
     md = [f"# Sweep report: {name}", "", _md_cell(line), ""] + findings_md(fs, how)
     md += ["## Details", "", "### How to read this", "", HOW_TO_READ, ""]

@@ -79,3 +79,22 @@ def test_budget_warning_names_steps_per_epoch():
         "(batch 32), 256 images: 8 steps/epoch (batch 32)): comparing calibration sizes also compares budgets "
         "(docs/methods.md#search).")  # the closed-form row (lr 0) has no budget
     assert _budget_warning(mb.iloc[:1]) == ""
+
+
+def test_heldout_agreement_spearman_and_accuracy_lost():
+    from analysis.heldout_agreement import agreement, agreement_line
+
+    rows = []
+    # cell a: heldout ranks the 3 trials exactly as selection does (rho 1), same pick -> 0 pp lost
+    for i, (ho, sel, acc) in enumerate([(0.1, 0.9, 0.80), (0.2, 0.8, 0.70), (0.3, 0.7, 0.60)]):
+        rows.append(dict(cell_id="a", status="FINISHED", heldout_align=ho, selection_acc=sel, healed_acc=acc,
+                         epochs=3, optuna_trial=i))
+    # cell b: reversed (rho -1): heldout picks the trial with eval 0.50 instead of 0.75 -> 25 pp lost
+    for i, (ho, sel, acc) in enumerate([(0.3, 0.9, 0.75), (0.2, 0.8, 0.60), (0.1, 0.7, 0.50)]):
+        rows.append(dict(cell_id="b", status="FINISHED", heldout_align=ho, selection_acc=sel, healed_acc=acc,
+                         epochs=3, optuna_trial=i))
+    a = agreement(pd.DataFrame(rows))
+    assert a["cells"] == 2 and a["rho_median"] == pytest.approx(0.0) and a["rho_min"] == pytest.approx(-1.0)
+    assert a["lost_mean"] == pytest.approx(12.5) and a["lost_max"] == pytest.approx(25.0)
+    assert "loses +12.50 pp evaluation accuracy on average (worst +25.00 pp) over 2 cells" in agreement_line(a)
+    assert agreement(pd.DataFrame(rows).drop(columns="heldout_align")) is None
