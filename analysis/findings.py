@@ -169,7 +169,7 @@ def _warnings(mb: pd.DataFrame, failed: list[str]) -> list[str]:
     out = []
     edge = mb[mb["search_boundary"].astype(bool)] if "search_boundary" in mb.columns else mb.iloc[:0]
     if len(edge):
-        cells = ", ".join(f"{r.pruner}/{r.healer} {r.pattern} n={r.calib_size} ({r.search_boundary})"
+        cells = ", ".join(f"{r.pruner}/{r.healer} {r.pattern} n={r.calib_size} seed {r.seed} ({r.search_boundary})"
                           for r in edge.head(6).itertuples(index=False))
         more = f" and {len(edge) - 6} more" if len(edge) > 6 else ""
         out.append(f"{len(edge)} of {len(mb)} winning trials sit on the search boundary, so those accuracies may "
