@@ -25,12 +25,12 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pandas as pd
 
-from .runs import is_nm
+from .runs import grid_names, is_nm
 
 __all__ = ["BandSettings", "chance_limit", "classify", "seed_means", "bands", "intervals", "iou",
            "agreement", "GROUP_COLS"]
 
-GROUP_COLS = ("model", "pruner", "healer", "calib_size", "scope", "granularity")
+GROUP_COLS = ("model", "grid", "pruner", "healer", "calib_size", "scope", "granularity")
 LABELS = ("recoverable", "transition", "collapse")
 
 
@@ -61,6 +61,7 @@ def classify(healed_acc: float, retention: float, limit: float, st: BandSettings
 def seed_means(best: pd.DataFrame) -> pd.DataFrame:
     """Mean/std over seeds per group × sparsity; keeps the run ids of the seeds (';'-joined)."""
     df = best[~best["pattern"].map(is_nm)].copy()
+    df["grid"] = grid_names(df)  # grids are never averaged together
     for c in ("n_eval", "num_classes"):
         if c not in df.columns:
             df[c] = np.nan
@@ -108,11 +109,15 @@ def _coverage(cts: tuple[float, float] | None, hull: tuple[float, float] | None,
 
 def agreement(transition_hull: tuple[float, float] | None, cts_result: dict | None,
               st: BandSettings) -> dict:
-    """IoU and coverage of the CTS core and broad band against the accuracy transition hull."""
+    """IoU and coverage of the CTS core and broad band against the accuracy transition hull; None (n/a) where
+    the CTS has no such interval (no diagnostics, or CTS̄ never rises above its baseline)."""
     out = {}
     for key in ("core", "band"):
         iv = (cts_result or {}).get(key)
-        iv = (iv["lo"], iv["hi"]) if iv else None
+        if not iv:  # no CTS (or no core/band): nothing to agree with -> n/a, not 0
+            out[f"{key}_iou"] = out[f"{key}_coverage"] = None
+            continue
+        iv = (iv["lo"], iv["hi"])
         out[f"{key}_iou"] = iou(iv, transition_hull, st.resolution / 2)
         out[f"{key}_coverage"] = _coverage(iv, transition_hull, st.resolution / 2)
     return out

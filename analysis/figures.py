@@ -16,14 +16,17 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+from .layout import fit_legend
 
 __all__ = ["bands_figure", "cts_figure", "rr_heatmap", "allocation_figure", "healers_figure", "BAND_COLORS"]
 
 BAND_COLORS = {"recoverable": "#2ca02c", "transition": "#ff7f0e", "collapse": "#d62728"}
 
 
-def _fig(w: float, h: float) -> Figure:
-    fig = Figure(figsize=(w, h), dpi=100)
+def _fig(w: float, h: float, constrained: bool = False) -> Figure:
+    fig = Figure(figsize=(w, h), dpi=100, layout="constrained" if constrained else None)
     FigureCanvasAgg(fig)
     return fig
 
@@ -52,40 +55,47 @@ def _mark_cts(ax, cts: dict | None) -> None:
 
 
 def bands_figure(records: list[dict], title: str, cts: dict | None = None) -> Figure:
-    """One panel per band record (healer × calib size × ...), accuracy in %."""
+    """One panel per band record (healer × calib size × ...), accuracy in %, one shared y scale; one legend
+    below the panels."""
     n = max(1, len(records))
     cols = min(3, n)
     rows = math.ceil(n / cols)
-    fig = _fig(5.2 * cols, 3.9 * rows)
-    for k, rec in enumerate(records):
-        ax = fig.add_subplot(rows, cols, k + 1)
+    fig = _fig(max(7.0, 4.6 * cols), 3.4 * rows + 1.4, constrained=True)
+    axs = fig.subplots(rows, cols, sharey=True, squeeze=False).ravel()
+    for ax, rec in zip(axs, records):
         pts = rec["points"]
         xs = [p["sparsity"] for p in pts]
         for (lo, hi), p in zip(_edges(xs), pts):
             ax.axvspan(lo, hi, color=BAND_COLORS[p["label"]], alpha=0.18, linewidth=0)
-        ax.errorbar(xs, [100 * p["healed_mean"] for p in pts], yerr=[100 * p["healed_std"] for p in pts],
+        n_seeds = max(p["n_seeds"] for p in pts)
+        ax.errorbar(xs, [100 * p["healed_mean"] for p in pts],
+                    yerr=[100 * p["healed_std"] for p in pts] if n_seeds > 1 else None,
                     marker="s", capsize=3, color="black",
-                    label=f"healed (mean ± std, {max(p['n_seeds'] for p in pts)} seed(s))")
+                    label="healed (mean ± std over seeds)" if n_seeds > 1 else "healed (one seed)")
         lims = [p["chance_limit"] for p in pts if p["chance_limit"] is not None]
         if lims:
             ax.axhline(100 * lims[0], color=BAND_COLORS["collapse"], linestyle=":", linewidth=1,
                        label="chance + 2σ")
         _mark_cts(ax, cts)
-        for lab, col in BAND_COLORS.items():
-            ax.plot([], [], color=col, alpha=0.4, linewidth=8, label=lab)
         extra = [f"{c}={rec[c]}" for c in ("calib_size", "scope", "granularity") if rec.get(c)]
         ax.set_title(f"{rec['healer']}\n{rec['pruner']}; {', '.join(extra)}", fontsize="small")
         ax.set_xlabel("sparsity (nominal)")
-        ax.set_ylabel("healed top-1 (%)")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="x-small", loc="lower left")
+    for ax in axs[len(records):]:
+        ax.set_visible(False)
+    for r in range(rows):
+        axs[r * cols].set_ylabel("healed top-1 (%)")
+    handles, labels = axs[0].get_legend_handles_labels()
+    for lab, col in BAND_COLORS.items():
+        handles.append(Patch(color=col, alpha=0.4))
+        labels.append(lab)
+    fit_legend(fig, handles, labels, max_cols=4, fontsize="small")
     fig.suptitle(title)
-    fig.tight_layout()
     return fig
 
 
 def cts_figure(cts: dict, title: str) -> Figure:
-    fig = _fig(8.0, 4.6)
+    fig = _fig(8.0, 5.4, constrained=True)
     ax = fig.add_subplot()
     s = np.asarray(cts["s"])
     ax.plot(s, cts["G"], color="tab:blue", linewidth=1, label="G(s) = J_RR(ERK) − J_RR(RR)")
@@ -103,12 +113,11 @@ def cts_figure(cts: dict, title: str) -> Figure:
     _mark_cts(ax, cts)
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize="x-small", loc="upper left")
+    fit_legend(fig, h1 + h2, l1 + l2, max_cols=3, fontsize="x-small")
     ax.set_xlabel("target global sparsity")
     ax.set_ylabel("RR objective gap / score")
     ax.grid(True, alpha=0.3)
     ax.set_title(title)
-    fig.tight_layout()
     return fig
 
 

@@ -147,9 +147,16 @@ def _title(group: dict, vary_scope: bool) -> str:
     return ", ".join(parts)
 
 
+def _informative(g: pd.DataFrame) -> bool:
+    """A paired table says something beyond the main table with two or more seeds (noise, pairing) or three or
+    more healers (an ordering); a two-row single-seed table repeats two numbers of the main table."""
+    return g.groupby("healer")["seed"].nunique().max() >= 2 or g["healer"].nunique() >= 3
+
+
 def paired_sections(best: pd.DataFrame) -> tuple[list[str], list[str]]:
-    """(markdown lines, html fragments) of the paired section for one model; both empty with < 2 healers."""
-    groups = _groups(best)
+    """(markdown lines, html fragments) of the paired section for one model; both empty with < 2 healers, or
+    when no group is informative (``_informative``)."""
+    groups = [(group, g) for group, g in _groups(best) if _informative(g)]
     if not groups:
         return [], []
     vary_scope = best["scope"].astype("object").nunique() > 1

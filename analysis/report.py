@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import json
 import math
 import re
@@ -18,24 +17,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
-from matplotlib import colormaps
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
+from .accuracy_figure import healer_colors, model_figure
 from .figures import healers_figure
+from .findings import FINDINGS_HOW, boundary, findings, findings_html, findings_md
+from .layout import save_png
 from .paired import healer_panels, paired_sections
-from .runs import best_per_cell, is_nm, load_sweep_info, load_trials, pattern_sort_key, pattern_sparsity
+from .runs import best_per_cell, grid_names, load_sweep_info, load_trials, pattern_sort_key
 
-__all__ = ["write_report", "write_report_from", "model_table", "model_figure", "run_url"]
+__all__ = ["write_report", "write_report_from", "model_table", "model_figure", "run_url", "flag_boundary",
+           "search_bounds"]
 
 HOW_TO_READ = (
     "Each grid cell (model x pattern x calibration size x pruner x healer) ran several trials with "
     "different learning rates and epoch counts. The best trial per cell is chosen by its accuracy on "
-    "the selection split (ties: shorter healing time), never by evaluation accuracy. Dense, pruned "
+    "the selection split (ties: fewer epochs, then the lower Optuna trial number), never by evaluation accuracy. Dense, pruned "
     "and healed are top-1 accuracies (%) on the evaluation split: dense = unpruned model, pruned = "
     "after masking and before healing, healed = after healing. Retention = healed / dense. Sparsity "
     "is the achieved fraction of prunable weights that are zero. Trials counts every run of the "
-    "cell, failed ones included; failed runs are never selected."
+    "cell, failed ones included; failed runs are never selected. Closed-form healers (CR+BN, none) have no "
+    "learning rate or epochs: their rows read 'closed form'."
 )
 HEALERS_HOW = ("How to read this: one panel per pruner × pattern × calibration size; healers sorted by mean "
                "healed accuracy. Each grey line is one seed, i.e. one mask shared by every healer, so parallel "
@@ -118,11 +118,13 @@ def model_table(best: pd.DataFrame) -> Table:
                "MLflow run"]
     rows = []
     for r in best.itertuples(index=False):
+        fixed = _num(r.lr) == 0.0 and (_num(r.epochs) or 0) == 0
         rows.append([
             str(r.pruner), str(r.pattern), _fmt(r.achieved_sparsity, ".3f"), _fmt_int(r.calib_size),
             _fmt(r.dense_acc, ".2f", 100), _fmt(r.pruned_acc, ".2f", 100),
-            _fmt(r.healed_acc, ".2f", 100), _fmt(r.retention, ".3f"), _fmt(r.lr, ".2e"),
-            _fmt_int(r.epochs), _fmt_trials(int(r.n_trials), int(r.n_failed)), str(r.healer),
+            _fmt(r.healed_acc, ".2f", 100), _fmt(r.retention, ".3f"),
+            "closed form" if fixed else _fmt(r.lr, ".2e"), "–" if fixed else _fmt_int(r.epochs),
+            _fmt_trials(int(r.n_trials), int(r.n_failed)), str(r.healer),
             *(str(getattr(r, c)) for c in extra), str(r.run_id),
         ])
     return Table(headers, rows, [str(x) for x in best["run_id"]],
@@ -160,86 +162,20 @@ def _html_table(t: Table, tracking_uri: str) -> str:
         "\n</tbody>\n</table>"
 
 
-# ----------------------------------------------------------------------------- figures
-def _variant_cols(best: pd.DataFrame, cols: tuple[str, ...]) -> list[str]:
-    return [c for c in cols if _varying(best, c)]
-
-
-def _prefix(row, cols: list[str]) -> str:
-    return "/".join(str(row[c]) for c in cols) + " " if cols else ""
-
-
-def model_figure(best: pd.DataFrame, model: str) -> Figure:
-    """Top-1 (%) vs nominal sparsity for one model's best-per-cell rows."""
-    fig = Figure(figsize=(7.5, 4.8), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    df = best.assign(_x=best["pattern"].map(pattern_sparsity), _nm=best["pattern"].map(is_nm))
-    df = df[df["_x"].notna()]
-    dense = df["dense_acc"].dropna()
-    if len(dense):
-        d = 100 * float(dense.median())
-        ax.axhline(d, color="black", linestyle="--", linewidth=1, label=f"dense ({d:.2f}%)")
-    heal_cols = _variant_cols(df, ("pruner", "scope", "healer", "granularity"))
-    prune_cols = [c for c in heal_cols if c in ("pruner", "scope")]
-    calibs = sorted({int(c) for c in df["calib_size"].dropna()})
-    cmap = colormaps["tab10"]
-    color = {c: cmap(i % 10) for i, c in enumerate(calibs)}
-    num, nm = df[~df["_nm"]], df[df["_nm"]]
-
-    # pruned: one line per pruner variant (split by calib size only if the pruned model depends on it)
-    for _, g in (num.groupby(prune_cols, dropna=False) if prune_cols else [((), num)]):
-        if g.empty:
-            continue
-        pre = _prefix(g.iloc[0], prune_cols)
-        spread = g.groupby("_x")["pruned_acc"].agg(lambda s: s.max() - s.min()).fillna(0)
-        parts = [(None, g)] if (spread <= 1e-9).all() else list(g.groupby("calib_size"))
-        for n, gg in parts:
-            s = gg.groupby("_x")["pruned_acc"].mean().dropna().sort_index()
-            lab = f"{pre}pruned" + (f" (n={int(n)})" if n is not None else "")
-            ax.plot(s.index, 100 * s.values, marker="o", linestyle=":", color="grey", label=lab)
-    # healed: one line per (variant, calib size)
-    for _, g in num.groupby([*heal_cols, "calib_size"], dropna=False):
-        r0 = g.iloc[0]
-        s = g.groupby("_x")["healed_acc"].mean().dropna().sort_index()
-        n = r0["calib_size"]
-        c = color.get(int(n)) if pd.notna(n) else None
-        ax.plot(s.index, 100 * s.values, marker="s", color=c,
-                label=f"{_prefix(r0, heal_cols)}healed (n={_fmt_int(n)})")
-    # N:M patterns: distinct markers at 1 - N/M
-    for (pat, *_), g in nm.groupby(["pattern", *prune_cols], dropna=False):
-        r0 = g.iloc[0]
-        ax.scatter([r0["_x"]], [100 * g["pruned_acc"].mean()], marker="X", s=70, color="grey",
-                   edgecolor="black", zorder=3, label=f"{_prefix(r0, prune_cols)}{pat} pruned")
-    for (pat, *_), g in nm.groupby(["pattern", *heal_cols, "calib_size"], dropna=False):
-        r0 = g.iloc[0]
-        n = r0["calib_size"]
-        ax.scatter([r0["_x"]], [100 * g["healed_acc"].mean()], marker="*", s=160,
-                   color=color.get(int(n)) if pd.notna(n) else None, edgecolor="black", zorder=3,
-                   label=f"{_prefix(r0, heal_cols)}{pat} healed (n={_fmt_int(n)})")
-    ax.set_xlabel("sparsity (nominal; N:M at 1 - N/M)")
-    ax.set_ylabel("top-1 accuracy, evaluation split (%)")
-    ax.set_title(f"{model}: top-1 vs sparsity (best trial per cell)")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small", loc="best")
-    fig.tight_layout()
-    return fig
-
-
-def _png(fig: Figure) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
-
-
 # ----------------------------------------------------------------------------- report
-_CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2em;
-color:#222;max-width:1400px}table{border-collapse:collapse;margin:1em 0;font-size:.9em}
-th,td{border:1px solid #ccc;padding:.3em .6em;text-align:right}th{background:#f2f2f2}
-td.l,th{text-align:left}code{font-size:.9em}
+_CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:1em 1.5em;
+color:#222;max-width:1400px}h1{font-size:1.3em;margin:.2em 0}h2{font-size:1.15em}h3{font-size:1em;margin:.4em 0}
+table{border-collapse:collapse;margin:.5em 0;font-size:.9em}
+th,td{border:1px solid #ccc;padding:.2em .5em;text-align:right}th{background:#f2f2f2}
+td.l,th{text-align:left}code{font-size:.9em}p.sum{margin:.2em 0;color:#444;font-size:.85em}
 img{max-width:100%;border:1px solid #eee}figure{margin:1em 0}
 figcaption{color:#555;max-width:75em}.note{color:#555}dl{display:grid;
-grid-template-columns:max-content auto;gap:.2em 1em}dt{font-weight:bold}"""
+grid-template-columns:max-content auto;gap:.2em 1em}dt{font-weight:bold}
+#findings .models{display:grid;grid-template-columns:repeat(auto-fit,minmax(640px,1fr));gap:.2em 1.5em}
+#findings table{font-size:.78em}#findings td{text-align:left}#findings small{color:#555}
+#findings p.warn{background:#fff3e0;border-left:4px solid #ff7f0e;margin:.2em 0;padding:.15em .5em;font-size:.8em}
+#findings p.note{font-size:.8em}span.grid{font-weight:normal;color:#666;font-size:.85em}
+details{margin:1em 0}summary{font-weight:bold;cursor:pointer;font-size:1.1em}"""
 
 
 def _summary(trials: pd.DataFrame, name: str, sweep_id: str, tracking_uri: str) -> list[tuple]:
@@ -252,34 +188,93 @@ def _summary(trials: pd.DataFrame, name: str, sweep_id: str, tracking_uri: str) 
             ("Cells", str(trials["cell_id"].dropna().nunique())), ("Tracking URI", tracking_uri)]
 
 
+def _grid_sections(mb, mt, model, grid, taken, out, tracking_uri, colors):
+    """(md, html) of one model × grid: the best-per-cell table, missing cells, the figure."""
+    e = html.escape
+    md, ht = ["", f"### {model}: grid `{grid}`", ""], [f"<h3>{e(model)}: grid {e(grid)}</h3>"]
+    table = model_table(mb)
+    md.append(_md_table(table, tracking_uri))
+    ht.append(_html_table(table, tracking_uri))
+    missing = sorted(set(mt["cell_id"].dropna()) - set(mb["cell_id"]))
+    if missing:
+        counts = mt.groupby("cell_id")["run_id"].size()
+        msg = "Cells without a finished trial: " + ", ".join(
+            f"{c} ({_plural(int(counts[c]), 'run')})" for c in missing)
+        md += ["", f"_{msg}_"]
+        ht.append(f'<p class="note">{e(msg)}</p>')
+    suffix = "" if grid == "main" else f"_{grid}"
+    fname = f"fig_{_safe_name(model + suffix, taken)}.png"
+    png = save_png(model_figure(mb, model, grid, colors), out / fname)
+    alt = f"{model}: top-1 vs sparsity" + ("" if grid == "main" else f" (grid {grid})")
+    md += ["", f"![{_md_cell(alt)}]({fname})"]
+    ht.append(f'<p><img src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}" alt="{e(alt)}"></p>')
+    paired_md, paired_html = paired_sections(mb)  # healers on identical masks (analysis/paired.py)
+    md += paired_md
+    ht += paired_html
+    panels = healer_panels(mb)
+    if panels:  # several seeds: show the noise and the pairing
+        fname = f"fig_{_safe_name(model + suffix + '_healers', taken)}.png"
+        png = save_png(healers_figure(panels, f"{model} ({grid}): healers on identical masks"), out / fname)
+        md += ["", f"![{_md_cell(model)}: healers on identical masks]({fname})", "", HEALERS_HOW]
+        ht.append(f'<figure><img src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}" '
+                  f'alt="{e(model)}: healers on identical masks"><figcaption>{e(HEALERS_HOW)}</figcaption></figure>')
+    return md, ht
+
+
+def _failed_cells(mt: pd.DataFrame, mb: pd.DataFrame) -> dict[str, list[str]]:
+    grids = grid_names(mt)
+    out: dict[str, list[str]] = {}
+    for grid in set(grids):
+        missing = sorted(set(mt.loc[grids == grid, "cell_id"].dropna()) - set(mb["cell_id"]))
+        if missing:
+            out[grid] = missing
+    return out
+
+
 def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
                       experiment: str = "healsweep", title: str | None = None,
-                      settings: dict | None = None) -> dict[str, Path]:
-    """Write ``out_dir/report.html``, ``report.md``, ``bands.json`` and ``fig_<model>*.png``.
+                      settings: dict | None = None, search: dict | None = None) -> dict[str, Path]:
+    """Write ``out_dir/report.html``, ``report.md``, ``bands.json`` and ``fig_<model>*.png`` (+ layout sidecars).
 
     ``settings``: optional ``{"cts": {...CTSSettings fields}, "bands": {...BandSettings fields}}``.
+    ``search``: optional ``{grid: {"lr": [lo, hi], "epochs": [lo, hi]}}``: the search space of each grid, to flag
+    winners on its boundary (``findings.boundary``; also tagged ``search_boundary`` on the winning MLflow run).
     """
+    from .bands import BandSettings
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     trials = load_trials(tracking_uri, sweep_id, experiment)
     info = load_sweep_info(tracking_uri, sweep_id, experiment)
     name = title or info["name"] or sweep_id
-    best = best_per_cell(trials)
+    best = flag_boundary(best_per_cell(trials), search, tracking_uri)
     model_of = trials["model"].astype("object").fillna(UNKNOWN_MODEL)
     models = sorted(set(model_of))
     summary = _summary(trials, name, sweep_id, tracking_uri)
     trans = _transition_sections(best, models, info, out, tracking_uri, settings or {})
+    bst = BandSettings(**(settings or {}).get("bands", {}))
+    how = FINDINGS_HOW.format(ret=bst.retention, z=bst.z)
 
     e = html.escape
-    md = [f"# Sweep report: {name}", ""] + [f"- **{k}:** {_md_cell(v)}" for k, v in summary]
-    md += ["", "## How to read this", "", HOW_TO_READ, ""]
-    ht = [f"<h1>Sweep report: {e(name)}</h1>", "<dl>"] + \
-        [f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in summary] + \
-        ["</dl>", "<h2>How to read this</h2>", f"<p>{e(HOW_TO_READ)}</p>"]
+    fs = []
+    for model in models:
+        mb = best[best["model"].astype("object").fillna(UNKNOWN_MODEL) == model]
+        if mb.empty:
+            continue
+        mj = trans.bands_json["models"].get(model, {})
+        fs += findings(mb, model, mj.get("bands", []), mj.get("cts"), _failed_cells(trials[model_of == model], mb),
+                       trials[model_of == model])
+    line = " · ".join(f"{k}: {v}" for k, v in summary)
+    md = [f"# Sweep report: {name}", "", _md_cell(line), ""] + findings_md(fs, how)
+    md += ["## Details", "", "### How to read this", "", HOW_TO_READ, ""]
+    ht = [f"<h1>Sweep report: {e(name)}</h1>", f'<p class="sum">{e(line)}</p>', *findings_html(fs, how),
+          "<details><summary>Details: per-cell tables, figures, CTS and RR diagnostics</summary>",
+          "<h2>How to read this</h2>", f"<p>{e(HOW_TO_READ)}</p>"]
     if not models:
         md.append("_No trial runs found for this sweep._")
         ht.append('<p class="note">No trial runs found for this sweep.</p>')
     taken: set[str] = set()
+    colors = healer_colors(best["healer"].dropna())
     for model in models:
         mt = trials[model_of == model]
         mb = best[best["model"].astype("object").fillna(UNKNOWN_MODEL) == model]
@@ -290,36 +285,15 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
             md.append(f"_{msg}_")
             ht.append(f'<p class="note">{e(msg)}</p>')
             continue
-        table = model_table(mb)
-        md.append(_md_table(table, tracking_uri))
-        ht.append(_html_table(table, tracking_uri))
-        missing = sorted(set(mt["cell_id"].dropna()) - set(mb["cell_id"]))
-        if missing:
-            counts = mt.groupby("cell_id")["run_id"].size()
-            msg = "Cells without a finished trial: " + ", ".join(
-                f"{c} ({_plural(int(counts[c]), 'run')})" for c in missing)
-            md += ["", f"_{msg}_"]
-            ht.append(f'<p class="note">{e(msg)}</p>')
-        fig = model_figure(mb, model)
-        png = _png(fig)
-        fname = f"fig_{_safe_name(model, taken)}.png"
-        (out / fname).write_bytes(png)
-        md += ["", f"![{_md_cell(model)}: top-1 vs sparsity]({fname})"]
-        ht.append(f'<p><img src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}" '
-                  f'alt="{e(model)}: top-1 vs sparsity"></p>')
-        paired_md, paired_html = paired_sections(mb)  # healers on identical masks (analysis/paired.py)
-        md += paired_md
-        ht += paired_html
-        panels = healer_panels(mb)
-        if panels:  # several seeds: show the noise and the pairing
-            png = _png(healers_figure(panels, f"{model}: healers on identical masks"))
-            fname = f"fig_{_safe_name(model + '_healers', taken)}.png"
-            (out / fname).write_bytes(png)
-            md += ["", f"![{_md_cell(model)}: healers on identical masks]({fname})", "", HEALERS_HOW]
-            ht.append(f'<figure><img src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}" '
-                      f'alt="{e(model)}: healers on identical masks"><figcaption>{e(HEALERS_HOW)}</figcaption></figure>')
+        grids, tgrids = grid_names(mb), grid_names(mt)
+        for grid in sorted(set(grids), key=lambda g: (g != "main", g)):
+            gmd, ght = _grid_sections(mb[grids == grid], mt[tgrids == grid], model, grid, taken, out,
+                                      tracking_uri, colors)
+            md += gmd
+            ht += ght
         md += trans.md.get(model, [])
         ht += trans.html.get(model, [])
+    ht.append("</details>")
 
     paths = {"html": out / "report.html", "md": out / "report.md", "bands": out / "bands.json"}
     paths["bands"].write_text(json.dumps(trans.bands_json, indent=1, allow_nan=False), encoding="utf-8")
@@ -329,6 +303,38 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
             *ht, "</body></html>"]
     paths["html"].write_text("\n".join(page) + "\n", encoding="utf-8")
     return paths
+
+
+def flag_boundary(best: pd.DataFrame, search: dict | None, tracking_uri: str | None = None) -> pd.DataFrame:
+    """Add ``search_boundary`` ('' or the reason) to each winner; with ``tracking_uri``, tag every gradient
+    winner's MLflow run ``search_boundary`` = "true"/"false" (+ ``search_boundary_reason``)."""
+    if not search or best.empty:
+        return best.assign(search_boundary="")
+    grids = grid_names(best)
+    reasons = [boundary(r, search.get(g) or search.get("main")) for (_, r), g in zip(best.iterrows(), grids)]
+    best = best.assign(search_boundary=reasons)
+    if tracking_uri:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri)
+        for r in best.itertuples(index=False):
+            if _num(r.lr) and _num(r.lr) > 0:
+                client.set_tag(r.run_id, "search_boundary", "true" if r.search_boundary else "false")
+                if r.search_boundary:
+                    client.set_tag(r.run_id, "search_boundary_reason", r.search_boundary)
+    return best
+
+
+def search_bounds(spec: dict | None) -> dict | None:
+    """``{grid: {"lr", "epochs"}}`` from a sweep.json spec (``search`` and each ``grids[i].search``)."""
+    if not spec or "search" not in spec:
+        return None
+    main = spec["search"]
+    out = {"main": {"lr": list(main["lr"]), "epochs": list(main["epochs"])}}
+    for g in spec.get("grids") or []:
+        s = {**main, **(g.get("search") or {})}
+        out[str(g["name"])] = {"lr": list(s["lr"]), "epochs": list(s["epochs"])}
+    return out
 
 
 def _transition_sections(best, models, info, out, tracking_uri, settings):
@@ -353,4 +359,5 @@ def write_report(run_dir: str | Path) -> dict[str, Path]:
     uri = meta.get("tracking_uri") or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
     return write_report_from(uri, meta["sweep_id"], run_dir,
                              experiment=meta.get("experiment") or "healsweep",
-                             title=meta.get("name"), settings=meta.get("analysis"))
+                             title=meta.get("name"), settings=meta.get("analysis"),
+                             search=search_bounds(meta.get("spec")))

@@ -22,6 +22,7 @@ __all__ = [
     "load_trials",
     "best_per_cell",
     "load_sweep_info",
+    "grid_names",
     "is_nm",
     "pattern_sort_key",
     "pattern_sparsity",
@@ -170,6 +171,13 @@ def load_sweep_info(tracking_uri: str, sweep_id: str, experiment: str = "healswe
         info["name"] = run.info.run_name or run.data.tags.get("mlflow.runName")
         info["run_id"] = run.info.run_id
     return info
+
+
+def grid_names(best: pd.DataFrame) -> pd.Series:
+    """The grid of each row: the logged ``grid`` param, "main" when absent (sweeps before grids)."""
+    g = best["grid"] if "grid" in best.columns else pd.Series(index=best.index, dtype="object")
+    ok = g.notna() & ~g.astype(str).isin(("", "nan", "None"))
+    return g.astype("object").where(ok, "main").astype(str)
 
 
 def pattern_sparsity(pattern: str) -> float:

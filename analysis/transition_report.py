@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import math
 import re
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from matplotlib.figure import Figure
 
 from .bands import BandSettings, bands
 from .cts import CTSSettings
+from .layout import save_png
 from .figures import allocation_figure, bands_figure, cts_figure, rr_heatmap
 
 __all__ = ["Sections", "build_sections", "HOW_TO_READ", "json_clean"]
@@ -51,13 +51,6 @@ class Sections:
     md: dict[str, list[str]] = field(default_factory=dict)
     html: dict[str, list[str]] = field(default_factory=dict)
     bands_json: dict = field(default_factory=dict)
-
-
-def _png_b64(fig: Figure) -> tuple[bytes, str]:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    data = buf.getvalue()
-    return data, base64.b64encode(data).decode("ascii")
 
 
 def json_clean(x):
@@ -94,9 +87,8 @@ class _Writer:
         self.ht.append(f'<p class="note">{html.escape(text)}</p>')
 
     def figure(self, fig: Figure, stem: str, alt: str, how: str) -> None:
-        data, b64 = _png_b64(fig)
         name = f"fig_{_safe(self.model)}_{stem}.png"
-        (self.out / name).write_bytes(data)
+        b64 = base64.b64encode(save_png(fig, self.out / name)).decode("ascii")
         self.md += [f"![{alt}]({name})", "", f"**How to read this.** {how}", ""]
         self.ht.append(f'<figure><img src="data:image/png;base64,{b64}" alt="{html.escape(alt)}">'
                        f'<figcaption><b>How to read this.</b> {html.escape(how)}</figcaption></figure>')
@@ -109,9 +101,11 @@ def _points_table(w: _Writer, recs: list[dict], url_of) -> None:
     rows = ["<table><thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in heads) + "</tr></thead><tbody>"]
     for rec in recs:
         for p in rec["points"]:
+            one = p["n_seeds"] == 1  # one seed: the value alone, no "± 0.00"
             cells = [rec["healer"], rec["pruner"], rec["calib_size"], f"{p['sparsity']:g}",
-                     _pm(p["healed_mean"], p["healed_std"]), _pm(p["retention_mean"], p["retention_std"], 1, ".3f"),
-                     str(p["n_seeds"]), p["label"]]
+                     f"{100 * p['healed_mean']:.2f}" if one else _pm(p["healed_mean"], p["healed_std"]),
+                     f"{p['retention_mean']:.3f}" if one else _pm(p["retention_mean"], p["retention_std"], 1, ".3f"),
+                     "1 (no spread)" if one else str(p["n_seeds"]), p["label"]]
             urls = [(rid, url_of(p["experiment_id"], rid)) for rid in p["run_ids"]]
             w.md.append("| " + " | ".join(cells) + " | " + ", ".join(
                 f"[{rid[:8]}]({u})" if u else f"`{rid}`" for rid, u in urls) + " |")
@@ -129,8 +123,9 @@ def _agreement_lines(recs: list[dict]) -> list[str]:
     for r in recs:
         a, t = r["agreement"], r["transition"]
         hull = f"{100 * t['lo']:.1f}–{100 * t['hi']:.1f}%" if t else "none"
+        iou = {k: "n/a (no CTS interval)" if a[k] is None else f"{a[k]:.2f}" for k in ("core_iou", "band_iou")}
         out.append(f"{r['healer']} ({r['pruner']}, calib {r['calib_size']}): accuracy transition {hull}; "
-                   f"IoU with CTS core {a['core_iou']:.2f}, with CTS band {a['band_iou']:.2f}")
+                   f"IoU with CTS core {iou['core_iou']}, with CTS band {iou['band_iou']}")
     return out
 
 
@@ -190,8 +185,13 @@ def _cts_for(model: str, diags: dict, cts_st: CTSSettings, w: _Writer, lamp: dic
     near = min(lamp, key=lambda x: abs(x - target), default=None)
     if near is not None and abs(near - target) < 1e-9:
         cts["allocation"]["LAMP"] = lamp[near]
-    targets = [t for t in (0.9, 0.925, 0.95, 0.975) if curves.grid[0] <= t <= curves.grid[-1] + 1e-12]
+    # At the candidate grid's last value every allocation is forced to that value in every layer (and LAMP's
+    # layers are clamped to it), so J_RR there measures the grid's end, not the allocator: not reported.
+    targets = [t for t in (0.9, 0.925, 0.95, 0.975) if curves.grid[0] <= t < curves.grid[-1] - 1e-12]
     cts["j_rr"] = _jrr_section(w, curves, lamp, targets)
+    w.note(f"J_RR is not reported at or above {100 * curves.grid[-1]:g}%, the candidate grid's last value: there "
+           "every allocation is forced to the grid's end in every layer, so the numbers would rank the grid, "
+           "not the allocators.")
     return cts
 
 

@@ -16,6 +16,7 @@ from tasks.evaluate import accuracy
 from tasks.export import save_healed
 from tasks.healing.base import HealConfig, HealContext
 from tasks.healing.chain import resolve_healer
+from tasks.healing.heldout import heldout_score
 from tasks.healing.loop import GradientHealer, steps_per_epoch
 from tasks.healing.targets import recompute_batches
 from tasks.models.adapter import get_adapter
@@ -150,11 +151,14 @@ def run_trial(p: TrialParams, report: Callable[[dict], None], *, start: Mapping[
     changed_outside = sum(int(not torch.equal(v, untouched[k])) for k, v in model.state_dict().items()
                           if k in untouched and k not in allowed)
     healed_acc = accuracy(model, ev.images, ev.labels)
+    heldout = heldout_score(model, blocks, ctx.dense_model, lambda m: get_adapter(m).blocks(m),  # label-free score
+                            lm.dataset["calibration"].images, p.calib_size, adapter.default_granularity) \
+        if isinstance(healer, GradientHealer) else {}
     final = dict(last, final=True, dense_acc=dense_acc, pruned_acc=pruned_acc, healed_acc=healed_acc,
                  retention=healed_acc / dense_acc if dense_acc > 0 else 0.0, heal_seconds=heal_seconds,
                  mask_violations=mask_violations(model, masks), achieved_sparsity=achieved_sparsity(entries, masks),
                  changed_outside_scope=changed_outside, n_eval=len(ev),
-                 num_classes=lm.dataset.num_classes)  # n_eval, num_classes: binomial noise of chance (bands)
+                 num_classes=lm.dataset.num_classes, **heldout)  # n_eval, num_classes: binomial noise of chance
     final.update(model_digest=lm.digest, calib_digest=lm.dataset.split_digest("calibration", p.calib_size),
                  selection_digest=lm.dataset.split_digest("selection"), eval_digest=lm.dataset.split_digest("evaluation"))
     if p.pruner:  # structured pruners: params/flops/latency/throughput of the dense vs physically shrunk model

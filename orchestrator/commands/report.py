@@ -1,4 +1,5 @@
-"""healsweep report DIR: write DIR/report.html and DIR/report.md from MLflow alone."""
+"""healsweep report DIR [--readme FILE]: write DIR/report.html and DIR/report.md from MLflow alone; with --readme,
+rewrite FILE's generated blocks from them (analysis/readme.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,6 +14,8 @@ def add_parser(sub):
                                    "DIR (its sweep.json), from its MLflow runs alone. Exit code 2 when DIR holds no "
                                    "sweep (no sweep.json, or its MLflow database or parent run is missing).")
     p.add_argument("dir", help="run directory of a sweep (holds sweep.json)")
+    p.add_argument("--readme", metavar="FILE", help="also rewrite FILE's <!-- report:NAME --> blocks (findings, or "
+                   "a figure stem) from this report; figures are copied to docs/ beside FILE")
     p.set_defaults(func=main)
     return p
 
@@ -57,4 +60,14 @@ def main(args) -> int:
 
     paths = write_report(d)
     print(f"report: {paths['html']}\n        {paths['md']}")
+    if getattr(args, "readme", None):
+        from analysis.readme import ReadmeError, update_readme
+
+        if not Path(args.readme).is_file():
+            raise CliError(f"{args.readme}: no such file")
+        try:
+            names = update_readme(d, args.readme)
+        except ReadmeError as e:
+            raise CliError(str(e)) from None
+        print(f"readme: {args.readme} ({len(names)} block(s): {', '.join(names) or 'none'})")
     return 0

@@ -69,7 +69,7 @@ def test_retention_threshold_setting_and_missing_n_eval():
     out = {b["healer"]: b for b in bands(_best(n_eval=float("nan")), None, BandSettings(retention=0.95))}
     # without n_eval no point can be called collapse; .85/.9 = .944 < .95 now transition
     assert [p["label"] for p in out["A"]["points"]] == ["recoverable"] + ["transition"] * 4
-    assert out["A"]["agreement"]["core_iou"] == 0.0
+    assert out["A"]["agreement"]["core_iou"] is None  # no CTS: n/a, not 0
 
 
 def test_iou_padding():

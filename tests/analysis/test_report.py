@@ -165,7 +165,7 @@ def test_best_per_cell_selects_on_selection_split(store):
 
 
 def _md_rows(md: str, model: str) -> list[str]:
-    section = md.split(f"## {model}\n", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
+    section = md.split(f"### {model}: grid `main`\n", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
     return [ln for ln in section.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
 
 
@@ -183,8 +183,8 @@ def test_markdown_tables(store, tmp_path):
     assert "c5 (1 run)" in md  # cell without a finished trial is named
     assert len(_md_rows(md, "deit_tiny")) == 2
     assert "No finished trials for this model" in md.split("## vgg11", 1)[1]
-    assert "- **Trials:** 15 (12 finished, 3 failed)" in md
-    assert "- **Cells:** 8" in md
+    assert "Trials: 15 (12 finished, 3 failed)" in md
+    assert "Cells: 8" in md
     assert f"# Sweep report: {SWEEP_NAME}" in md  # name from the parent run
     for model in ("resnet18", "deit_tiny"):
         assert f"](fig_{model}.png)" in md
@@ -208,18 +208,47 @@ def test_html_self_contained_with_figures(store, tmp_path):
     assert ">3 (1 failed)</td>" in page
 
 
-def test_figure_legend(store):
+def test_figure_series_colours_markers_and_layout(store):
+    from analysis.layout import layout_of, problems
+
     best = best_per_cell(load_trials(store["uri"], SWEEP))
-    fig = model_figure(best[best["model"] == "resnet18"], "resnet18")
-    labels = fig.axes[0].get_legend_handles_labels()[1]
-    assert sorted(labels) == sorted(["dense (80.12%)", "pruned", "healed (n=64)",
-                                     "healed (n=128)", "2:4 pruned", "2:4 healed (n=64)"])
+    rb = best[best["model"] == "resnet18"]
+    fig = model_figure(rb, "resnet18", colors={"starfish": (1.0, 0.0, 0.0, 1.0)})
     ax = fig.axes[0]
-    healed64 = next(ln for ln in ax.get_lines() if ln.get_label() == "healed (n=64)")
-    assert list(healed64.get_xdata()) == [0.5, 0.8]
-    assert list(healed64.get_ydata()) == pytest.approx([64.0, 40.0])  # best-by-selection values
-    nm = next(c for c in ax.collections if c.get_label() == "2:4 healed (n=64)")
-    assert np.asarray(nm.get_offsets()).ravel().tolist() == pytest.approx([0.5, 61.0])
+    healed = {ln.get_label(): ln for ln in ax.get_lines() if not ln.get_label().startswith("_")}
+    assert set(healed) == {"starfish n=64", "starfish n=128"}  # every (healer, calib size) series present
+    assert list(healed["starfish n=64"].get_xdata()) == [0.5, 0.8]
+    assert list(healed["starfish n=64"].get_ydata()) == pytest.approx([64.0, 40.0])  # best-by-selection values
+    assert list(healed["starfish n=128"].get_ydata()) == pytest.approx([70.0])
+    # colour = healer (one colour for both calib sizes), marker = calib size (one each)
+    assert {ln.get_color() for ln in healed.values()} == {(1.0, 0.0, 0.0, 1.0)}
+    assert healed["starfish n=64"].get_marker() != healed["starfish n=128"].get_marker()
+    nm = [c for c in ax.collections if len(c.get_offsets())]
+    assert np.asarray(nm[0].get_offsets()).ravel().tolist() == pytest.approx([0.5, 61.0])  # 2:4 at 1 - N/M
+    lay = layout_of(fig)
+    assert problems(lay) == [] and lay["axes_fraction"] > 0.35
+    labels = lay["legends"][0]["labels"]
+    assert labels == ["starfish", "calib 64 images", "calib 128 images", "pruned (before healing)",
+                      "dense (80.12 %)", "N:M pattern (at 1 − N/M)"]
+    assert not lay["legends"][0]["in_axes"]
+
+
+def test_layout_problems_catch_a_squeezed_figure_with_a_clipped_legend():
+    """The broken layout of the issue: axes squeezed into the bottom of a tall canvas, a long legend inside the
+    axes running off the canvas. ``problems`` must name all three faults."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from analysis.layout import layout_of, problems
+
+    fig = Figure(figsize=(7.5, 4.8), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_axes((0.1, 0.08, 0.85, 0.2))
+    for i in range(20):
+        ax.plot([0, 1], [i, i + 1], label=f"series {i}")
+    ax.legend(loc="upper left", bbox_to_anchor=(0, 3.5))
+    text = " ".join(problems(layout_of(fig)))
+    assert "axes cover" in text and "outside the canvas" in text and "inside an axes" in text
 
 
 def test_write_report_via_sweep_json(store, tmp_path):

@@ -65,3 +65,40 @@ def test_screenshot_not_blank(report, tmp_path):
     rgb = px[..., :3]
     assert rgb.std() > 0.05  # a blank page has std ~0
     assert len(np.unique((rgb.reshape(-1, 3) * 255).astype(np.uint8), axis=0)) > 200  # figures, not just text
+
+
+FIRST_SCREEN = ("<script>window.addEventListener('load',function(){var r=[];"
+                "document.querySelectorAll('#findings table.ranges tbody tr, #findings table.best tbody tr')"
+                ".forEach(function(t){var b=t.getBoundingClientRect();r.push([t.closest('table').className,"
+                "t.innerText,b.bottom,b.right])});document.body.setAttribute('data-probe',JSON.stringify(r));});"
+                "</script>")
+
+
+def test_first_screen_names_ranges_and_best_method(report, tmp_path):
+    """In a 1400x900 window, without scrolling: every pruner x healer row of the findings (recoverable,
+    transition, collapse) and the best method at the lowest and highest sparsity are visible."""
+    probe = tmp_path / "first.html"
+    probe.write_text(report.read_text().replace("</body>", FIRST_SCREEN + "</body>"))
+    out = _chromium(tmp_path, "--window-size=1400,900", "--dump-dom", probe.as_uri())
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(re.search(r'data-probe="([^"]*)"', out.stdout).group(1).replace("&quot;", '"'))
+    ranges = [r for r in rows if r[0] == "ranges"]
+    best = [r for r in rows if r[0] == "best"]
+    # fixture: magnitude x {none, starfish}; starfish recovers to 70 %, transition 80-90 %, collapses at 95 %
+    assert [r[1].split("\t")[:6] for r in ranges] == [
+        ["magnitude", "none", "64", "50 % (lowest tested)", "70 %", "from 80 %"],
+        ["magnitude", "starfish", "64", "up to 70 %", "80–90 %", "from 95 %"]]
+    assert len(best) == 5 and best[0][1].startswith("0.5\tmagnitude × starfish 88.00 %")
+    assert all(b <= 900 and right <= 1400 for _, _, b, right in ranges + [best[0], best[-1]]), rows
+
+
+def test_every_png_passes_the_layout_check(report):
+    from analysis.layout import problems
+
+    pngs = sorted(report.parent.glob("fig_*.png"))
+    assert len(pngs) == 6
+    for png in pngs:
+        lay = json.loads((png.parent / (png.name + ".json")).read_text())
+        assert problems(lay) == [], (png.name, problems(lay))
+        shot = mpimg.imread(str(png))  # the sidecar describes this PNG
+        assert shot.shape[:2] == (round(lay["height"]), round(lay["width"]))

@@ -86,6 +86,10 @@ def test_report_without_diagnostics(tmp_path):
     tf.write_sweep_json(run_dir, sweep["uri"])
     md = write_report(run_dir)["md"].read_text()
     assert "there is no calibration transition score" in md and "Repairability bands: magnitude" in md
+    assert "IoU with CTS core n/a (no CTS interval), with CTS band n/a (no CTS interval)" in md
+    assert "IoU with CTS core 0.00" not in md
+    assert "| magnitude | starfish | 64 | up to 70 % | 80–90 % | from 95 % | grid step 5–20 pp | n=2, max std 1.4 pp " \
+           "| n/a (no CTS) |" in md  # findings row: the CTS column says n/a, not a band
 
 
 def test_json_clean():
@@ -123,4 +127,7 @@ def test_jrr_table_includes_lamp_logged_by_the_sweep(sweep, tmp_path, monkeypatc
     cost = {ly: c.r[i].tolist() for i, ly in enumerate(c.layers)}
     rr = j_rr(c.r, c.grid, c.layers, greedy_allocate(cost, c.sizes, c.grid, 0.95))
     assert row.startswith(f"| 95% | {rr:.3f} |")
+    # 97.5 % is the candidate grid's end: every allocation is forced there, so J_RR is not reported
+    assert not any(line.startswith("| 97.5% |") for line in md.splitlines())
+    assert "not reported at or above 97.5%" in md
     assert next(line for line in md.splitlines() if line.startswith("| 90% |")).endswith("| – |")  # not logged

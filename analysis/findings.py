@@ -1,0 +1,282 @@
+"""The report's first screen: per model and grid, what the sweep found.
+
+For each pruner × healer (× calibration size) the repairability bands of ``analysis.bands`` are summarised as
+three ranges (recoverable, transition, collapse) with the grid's resolution (the gap to the neighbouring grid
+point: a band edge is only known to lie between two tested sparsities) and the seed spread; next to them the
+calibration-only CTS band. At every sparsity the best healer (per pruner) and the best pruner (per healer) are
+named with the paired 95 % interval of their lead over the runner-up (``analysis.ordering.paired_ci``; healers
+pair on identical masks, pruners pair on the seed). Warnings: winners on the search boundary
+(``search_boundary``), single-seed points, cells without a finished trial. Nothing is recomputed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from .ordering import paired_ci
+from .runs import grid_names, pattern_sort_key
+
+__all__ = ["Findings", "grid_names", "ranges", "best_rows", "boundary", "findings", "fmt_range", "FIXED_HEALERS"]
+
+FIXED_HEALERS = ("crbn", "none", "corp")  # closed form / no training: no lr, no epochs
+EDGE = 0.1  # fraction of the log-lr range (or of the epochs range) that counts as "on the boundary"
+
+
+def boundary(row, bounds: dict | None) -> str:
+    """'' or a reason: the winning lr in the top/bottom ``EDGE`` of the log range, or epochs at the cap.
+    ``bounds``: {"lr": [lo, hi], "epochs": [lo, hi]} of the row's grid (None: unknown -> '')."""
+    if not bounds or pd.isna(row.get("lr")) or float(row.get("lr") or 0) <= 0:
+        return ""
+    (lo, hi), (_, ehi) = bounds["lr"], bounds["epochs"]
+    pos = (math.log(float(row["lr"])) - math.log(lo)) / (math.log(hi) - math.log(lo))
+    why = []
+    if pos >= 1 - EDGE:
+        why.append(f"lr {float(row['lr']):.2g} at the {hi:.2g} cap")
+    elif pos <= EDGE:
+        why.append(f"lr {float(row['lr']):.2g} at the {lo:.2g} floor")
+    ep = row.get("epochs")
+    if pd.notna(ep) and int(ep) >= ehi:
+        why.append(f"{int(ep)} of {ehi} epochs")
+    return "; ".join(why)
+
+
+def fmt_range(lo: float | None, hi: float | None, below: float | None, above: float | None) -> str:
+    """'80–90 %' with the grid gap to the neighbours: '(80±5)–90 %' is not readable, so the resolution is
+    given separately; here a one-sided range reads '≤ 70 %' / '≥ 95 %' at the ends of the tested grid."""
+    if lo is None:
+        return "none tested"
+    a, b = f"{100 * lo:g}", f"{100 * hi:g}"
+    if below is None and above is None:
+        return f"{a}–{b} %" if lo != hi else f"{a} %"
+    if below is None:
+        return f"up to {b} %" if lo != hi else f"{b} % (lowest tested)"
+    if above is None:
+        return f"≥ {a} %"
+    return f"{a}–{b} %" if lo != hi else f"{a} %"
+
+
+@dataclass
+class Range:
+    pruner: str
+    healer: str
+    calib_size: str
+    recoverable: str
+    transition: str
+    collapse: str
+    resolution: str
+    seeds: str
+    cts: str
+
+
+def _span(points: list[dict], label: str) -> tuple[float | None, float | None, float | None, float | None]:
+    """(lo, hi, previous grid point, next grid point) of the hull of ``label`` points."""
+    xs = [p["sparsity"] for p in points]
+    hit = [i for i, p in enumerate(points) if p["label"] == label]
+    if not hit:
+        return None, None, None, None
+    i, j = hit[0], hit[-1]
+    return xs[i], xs[j], (xs[i - 1] if i > 0 else None), (xs[j + 1] if j + 1 < len(xs) else None)
+
+
+def ranges(recs: list[dict], cts: dict | None) -> list[Range]:
+    """One row per band record: the recoverable/transition/collapse hulls, the grid step at the transition's
+    edges and the largest seed std."""
+    band = (cts or {}).get("band")
+    cts_txt = f"{100 * band['lo']:g}–{100 * band['hi']:g} %" if band else ("none" if cts else "n/a (no CTS)")
+    out = []
+    for r in recs:
+        pts = r["points"]
+        spans = {lab: _span(pts, lab) for lab in ("recoverable", "transition", "collapse")}
+        xs = [p["sparsity"] for p in pts]
+        steps = [b - a for a, b in zip(xs, xs[1:])]
+        res = f"grid step {100 * min(steps):g}–{100 * max(steps):g} pp" if steps else "one point"
+        if steps and min(steps) == max(steps):
+            res = f"grid step {100 * steps[0]:g} pp"
+        n = [p["n_seeds"] for p in pts]
+        sd = max(p["healed_std"] for p in pts)
+        nn = f"n={max(n)}" if min(n) == max(n) else f"n={min(n)}–{max(n)}"
+        seeds = "n=1 (no spread)" if max(n) == 1 else f"{nn}, max std {100 * sd:.1f} pp"
+        out.append(Range(r["pruner"], r["healer"], str(r["calib_size"]),
+                         fmt_range(*spans["recoverable"]), fmt_range(*spans["transition"]),
+                         _collapse(spans["collapse"]), res, seeds, cts_txt))
+    return out
+
+
+def _collapse(span) -> str:
+    lo = span[0]
+    return "none tested" if lo is None else f"from {100 * lo:g} %"
+
+
+def _values(g: pd.DataFrame, by: str, key: str) -> dict[str, dict[tuple, float]]:
+    """label -> {pairing key: healed acc}; healers pair on (seed, mask), pruners on the seed alone."""
+    out: dict[str, dict[tuple, float]] = {}
+    for lab, h in g.groupby(by, sort=True):
+        out[str(lab)] = {((r["seed"], r["mask_key"] if isinstance(r.get("mask_key"), str) else None)
+                          if key == "mask" else (r["seed"],)): float(r["healed_acc"])
+                         for _, r in h.drop_duplicates("seed").iterrows()}
+    return out
+
+
+def _winner(values: dict[str, dict[tuple, float]]) -> tuple[str, float, str]:
+    """(label of the best mean, its mean, 'lead over runner-up' text with the paired CI or n=1)."""
+    means = {k: sum(v.values()) / len(v) for k, v in values.items() if v}
+    order = sorted(means, key=lambda k: (-means[k], k))
+    best = order[0]
+    if len(order) == 1:
+        return best, means[best], "(the only one)"
+    ci = paired_ci(values[best], values[order[1]])
+    if ci is None:
+        return best, means[best], f"vs {order[1]}: no shared seed"
+    lead = f"+{100 * ci.mean:.2f} pp vs {order[1]}"
+    if ci.half is None:
+        return best, means[best], f"{lead} (n=1, no CI)"
+    lo, hi = 100 * (ci.mean - ci.half), 100 * (ci.mean + ci.half)
+    verdict = "" if ci.mean - ci.half > 0 else ", within noise"
+    return best, means[best], f"{lead} [95 % CI {lo:+.2f}, {hi:+.2f}], n={ci.n}{verdict}"
+
+
+def best_rows(best: pd.DataFrame) -> list[dict]:
+    """Per sparsity × calib size: the best pruner × healer, and its lead over the runner-up healer (same pruner,
+    identical masks) and runner-up pruner (same healer, paired on the seed)."""
+    df = best[best["healed_acc"].notna()].copy()
+    df["_combo"] = df["pruner"].astype(str) + " × " + df["healer"].astype(str)
+    out = []
+    for (pat, n), g in sorted(df.groupby(["pattern", "calib_size"], dropna=False),
+                              key=lambda kv: (pattern_sort_key(kv[0][0]), float(kv[0][1]) if pd.notna(kv[0][1])
+                                              else math.inf)):
+        combo, acc, _ = _winner(_values(g, "_combo", "seed"))
+        pruner, healer = combo.split(" × ", 1)
+        _, _, vs_healer = _winner(_values(g[g["pruner"] == pruner], "healer", "mask"))
+        _, _, vs_pruner = _winner(_values(g[g["healer"] == healer], "pruner", "seed"))
+        out.append(dict(pattern=str(pat), calib_size="–" if pd.isna(n) else str(int(n)), best=combo,
+                        healed=acc, vs_healer=vs_healer, vs_pruner=vs_pruner))
+    return out
+
+
+@dataclass
+class Findings:
+    model: str
+    grid: str
+    ranges: list[Range]
+    best: list[dict]
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _warnings(mb: pd.DataFrame, failed: list[str]) -> list[str]:
+    out = []
+    edge = mb[mb["search_boundary"].astype(bool)] if "search_boundary" in mb.columns else mb.iloc[:0]
+    if len(edge):
+        cells = ", ".join(f"{r.pruner}/{r.healer} {r.pattern} n={r.calib_size} seed {r.seed} ({r.search_boundary})"
+                          for r in edge.head(6).itertuples(index=False))
+        more = f" and {len(edge) - 6} more" if len(edge) > 6 else ""
+        out.append(f"{len(edge)} of {len(mb)} winning trials sit on the search boundary, so those accuracies may "
+                   f"be under-tuned: {cells}{more}.")
+    seeds = mb.groupby(["pruner", "healer", "pattern", "calib_size"], dropna=False)["seed"].nunique()
+    if len(seeds) and seeds.max() <= 1:
+        out.append("Single seed: no point has a spread or a confidence interval; differences are not tested.")
+    budget = _budget_warning(mb)
+    if budget:
+        out.append(budget)
+    if failed:
+        out.append(f"{len(failed)} cell(s) have no finished trial: {', '.join(failed[:6])}"
+                   + (" …" if len(failed) > 6 else "") + ".")
+    return out
+
+
+def _budget_warning(mb: pd.DataFrame) -> str:
+    """Epochs are passes over the calibration set: calibration sizes differ in optimizer steps per epoch."""
+    g = mb[(mb["lr"].fillna(0) > 0) & mb["calib_size"].notna() & mb["batch_size"].notna()]
+    sizes = sorted({(int(n), int(b)) for n, b in zip(g["calib_size"], g["batch_size"])})
+    if len({n for n, _ in sizes}) < 2:
+        return ""
+    steps = ", ".join(f"{n} images: {math.ceil(n / b)} steps/epoch (batch {b})" for n, b in sizes)
+    return (f"Calibration sizes get different optimisation budgets for the same epochs ({steps}): comparing "
+            "calibration sizes also compares budgets (docs/methods.md#search).")
+
+
+def findings(best: pd.DataFrame, model: str, recs: list[dict], cts: dict | None,
+             failed: dict[str, list[str]], trials: pd.DataFrame | None = None) -> list[Findings]:
+    """One ``Findings`` per grid of this model (grids are never mixed). ``trials``: the model's trials, for the
+    label-free objective's agreement (analysis/heldout_agreement.py)."""
+    from .heldout_agreement import agreement, agreement_line
+
+    grids = grid_names(best)
+    tgrids = grid_names(trials) if trials is not None else None
+    out = []
+    for grid in sorted(set(grids), key=lambda g: (g != "main", g)):
+        gb = best[grids == grid]
+        gr = [r for r in recs if (r.get("grid") or "main") == grid]
+        f = Findings(model, grid, ranges(gr, cts), best_rows(gb), _warnings(gb, failed.get(grid, [])))
+        line = agreement_line(agreement(trials[tgrids == grid])) if trials is not None else ""
+        f.notes = [line] if line else []
+        out.append(f)
+    return out
+
+
+# ----------------------------------------------------------------------------- rendering
+FINDINGS_HOW = ("Ranges are the repairability bands of the seed-mean healed accuracy (recoverable: retention ≥ "
+                "{ret:g}; collapse: within {z:g} binomial standard errors of chance; transition: between). A band "
+                "edge is only known to lie between two tested sparsities (the grid step). Best: highest mean healed "
+                "accuracy; the lead over the runner-up healer (same pruner, identical masks) and pruner (same "
+                "healer, same seed) is a paired 95 % interval, or n=1 with a single seed. CTS: the "
+                "calibration-only broad band, computed without any accuracy.")
+_RANGE_HEADS = ["pruner", "healer", "calib", "recoverable", "transition", "collapse", "resolution", "seeds",
+                "CTS band"]
+
+
+def _best_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """rows = patterns, columns = calibration sizes; cell = best combo, accuracy, leads."""
+    calibs = list(dict.fromkeys(r["calib_size"] for r in rows))
+    pats = list(dict.fromkeys(r["pattern"] for r in rows))
+    at = {(r["pattern"], r["calib_size"]): r for r in rows}
+    body = []
+    for p in pats:
+        cells = [p]
+        for n in calibs:
+            r = at.get((p, n))
+            cells.append("–" if r is None else f"{r['best']} {100 * r['healed']:.2f} %\n"
+                         f"healer {r['vs_healer']}; pruner {r['vs_pruner']}")
+        body.append(cells)
+    return ["sparsity", *(f"calib {n}" for n in calibs)], body
+
+
+def findings_md(fs: list[Findings], how: str) -> list[str]:
+    md = ["## Findings", "", how, ""]
+    for f in fs:
+        md += [f"### {f.model} — grid `{f.grid}`", ""]
+        md += [f"> **Warning:** {w}" for w in f.warnings] + ([""] if f.warnings else [])
+        md += [f"_{n}_" for n in f.notes] + ([""] if f.notes else [])
+        md += ["| " + " | ".join(_RANGE_HEADS) + " |", "|" + "---|" * len(_RANGE_HEADS)]
+        md += ["| " + " | ".join(str(getattr(r, k)) for k in Range.__dataclass_fields__) + " |" for r in f.ranges]
+        heads, body = _best_grid(f.best)
+        md += ["", "**Best pruner × healer per sparsity**", "", "| " + " | ".join(heads) + " |",
+               "|" + "---|" * len(heads)]
+        md += ["| " + " | ".join(c.replace("\n", "<br>") for c in row) + " |" for row in body]
+        md.append("")
+    return md
+
+
+def findings_html(fs: list[Findings], how: str) -> list[str]:
+    import html as _h
+    e = _h.escape
+    ht = ['<section id="findings"><h2>Findings</h2><div class="models">']
+    for f in fs:
+        ht.append(f'<div class="model"><h3>{e(f.model)} <span class="grid">grid {e(f.grid)}</span></h3>')
+        ht += [f'<p class="warn">⚠ {e(w)}</p>' for w in f.warnings]
+        ht += [f'<p class="note">{e(n)}</p>' for n in f.notes]
+        head = "".join(f"<th>{e(h)}</th>" for h in _RANGE_HEADS)
+        rows = "".join("<tr>" + "".join(
+            f'<td class="{k}">{e(str(getattr(r, k)))}</td>' for k in Range.__dataclass_fields__) + "</tr>"
+            for r in f.ranges)
+        ht.append(f'<table class="ranges"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>')
+        heads, body = _best_grid(f.best)
+        cells = "".join("<tr>" + "".join(
+            "<td>" + "<br><small>".join(e(x) for x in c.split("\n")) + ("</small>" if "\n" in c else "") + "</td>"
+            for c in row) + "</tr>" for row in body)
+        ht.append('<table class="best"><caption>Best pruner × healer per sparsity</caption><thead><tr>'
+                  + "".join(f"<th>{e(h)}</th>" for h in heads) + f"</tr></thead><tbody>{cells}</tbody></table></div>")
+    ht.append(f'</div><p class="note">{e(how)}</p></section>')
+    return ht

@@ -1,0 +1,59 @@
+"""Generated README blocks: ``<!-- report:NAME -->…<!-- /report:NAME -->`` rewritten from a sweep's report, so the
+README's tables and figures cannot go stale.
+
+NAME is ``findings`` (the report's findings section: ranges, best methods, warnings) or the stem of a figure the
+report wrote (``fig_resnet_digits``): the figure is copied into ``docs/`` next to the README and the block
+becomes its image link. Text outside the markers is never touched; a marker naming nothing the report has is an
+error (nothing is written then).
+"""
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+__all__ = ["BLOCK", "ReadmeError", "readme_blocks", "update_readme"]
+
+BLOCK = re.compile(r"(<!-- report:(?P<name>[A-Za-z0-9_.-]+) -->)(?P<body>.*?)(<!-- /report:(?P=name) -->)", re.S)
+
+
+class ReadmeError(ValueError):
+    pass
+
+
+def _findings(report_md: str) -> str:
+    m = re.search(r"^## Findings\n(.*?)(?=^## )", report_md, re.S | re.M)
+    if not m:
+        raise ReadmeError("report.md has no '## Findings' section (re-run healsweep report)")
+    return m.group(1).strip()
+
+
+def readme_blocks(run_dir: Path, names: list[str]) -> dict[str, str]:
+    """NAME -> generated markdown for every NAME asked for (figures linked as docs/<file>)."""
+    md = (run_dir / "report.md").read_text(encoding="utf-8")
+    out = {}
+    for name in names:
+        if name == "findings":
+            out[name] = _findings(md)
+        elif (run_dir / f"{name}.png").is_file():
+            out[name] = f"![{name}](docs/{name}.png)"
+        else:
+            raise ReadmeError(f"<!-- report:{name} -->: no such block (findings, or a figure of {run_dir})")
+    return out
+
+
+def update_readme(run_dir: str | Path, readme: str | Path) -> list[str]:
+    """Rewrite every marked block of ``readme`` from ``run_dir``'s report; copy the figures it links into
+    ``docs/`` beside the README. Returns the block names rewritten."""
+    run_dir, readme = Path(run_dir), Path(readme)
+    text = readme.read_text(encoding="utf-8")
+    names = [m.group("name") for m in BLOCK.finditer(text)]
+    blocks = readme_blocks(run_dir, names)
+    docs = readme.parent / "docs"
+    for name in names:
+        if name != "findings":
+            docs.mkdir(exist_ok=True)
+            shutil.copyfile(run_dir / f"{name}.png", docs / f"{name}.png")
+    new = BLOCK.sub(lambda m: f"{m.group(1)}\n{blocks[m.group('name')]}\n{m.group(4)}", text)
+    readme.write_text(new, encoding="utf-8")
+    return names

@@ -1,0 +1,100 @@
+"""analysis/findings.py: boundary flags, ranges with the grid step, best method with paired intervals, single-seed
+points without a spread, closed-form rows; all against hand-computed values."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from analysis.findings import best_rows, boundary, fmt_range, ranges
+from analysis.report import model_table, search_bounds
+
+BOUNDS = {"lr": [1e-4, 3e-3], "epochs": [1, 8]}
+
+
+def test_boundary_flags_lr_cap_floor_and_epoch_cap():
+    # log position of 2.5e-3 in [1e-4, 3e-3]: ln(25)/ln(30) = 0.946 >= 0.9 -> on the cap
+    assert boundary({"lr": 2.5e-3, "epochs": 4}, BOUNDS) == "lr 0.0025 at the 0.003 cap"
+    assert boundary({"lr": 1.2e-4, "epochs": 8}, BOUNDS) == "lr 0.00012 at the 0.0001 floor; 8 of 8 epochs"
+    assert boundary({"lr": 1e-3, "epochs": 8}, BOUNDS) == "8 of 8 epochs"
+    assert boundary({"lr": 1e-3, "epochs": 5}, BOUNDS) == ""  # 0.68 of the log range, inside
+    assert boundary({"lr": 0.0, "epochs": 0}, BOUNDS) == ""  # closed form (CR+BN): no search
+
+
+def test_search_bounds_per_grid_from_the_sweep_spec():
+    spec = {"search": {"lr": [1e-4, 3e-3], "epochs": [1, 8], "trials_per_cell": 4},
+            "grids": [{"name": "healers", "search": {"lr": [1e-3, 1.5e-2], "epochs": [3, 8]}}, {"name": "plain"}]}
+    assert search_bounds(spec) == {"main": BOUNDS, "healers": {"lr": [1e-3, 1.5e-2], "epochs": [3, 8]},
+                                   "plain": BOUNDS}
+
+
+def _rec(labels, xs, n=2, std=0.01):
+    return {"pruner": "magnitude", "healer": "starfish", "calib_size": "64",
+            "points": [{"sparsity": x, "label": lab, "n_seeds": n, "healed_std": std} for x, lab in zip(xs, labels)]}
+
+
+def test_ranges_name_the_edges_and_the_grid_step():
+    rec = _rec(["recoverable", "recoverable", "transition", "transition", "collapse"], [0.5, 0.7, 0.8, 0.9, 0.95])
+    (r,) = ranges([rec], {"band": {"lo": 0.85, "hi": 0.925}})
+    assert (r.recoverable, r.transition, r.collapse) == ("up to 70 %", "80–90 %", "from 95 %")
+    assert r.resolution == "grid step 5–20 pp" and r.seeds == "n=2, max std 1.0 pp" and r.cts == "85–92.5 %"
+    (r,) = ranges([_rec(["transition", "transition"], [0.8, 0.9], n=1, std=0.0)], None)
+    assert (r.recoverable, r.collapse, r.seeds, r.cts) == ("none tested", "none tested", "n=1 (no spread)",
+                                                          "n/a (no CTS)")
+    assert fmt_range(0.9, 0.95, 0.85, None) == "≥ 90 %"
+
+
+def test_best_rows_paired_interval_and_single_seed():
+    rows = []
+    for healer, accs in (("starfish", (0.80, 0.70, 0.75)), ("mse", (0.78, 0.69, 0.70))):
+        for seed, a in enumerate(accs):
+            rows.append(dict(pruner="magnitude", healer=healer, pattern="0.9", calib_size=64, seed=seed,
+                             mask_key=f"m{seed}", healed_acc=a))
+    rows.append(dict(pruner="magnitude", healer="starfish", pattern="0.5", calib_size=64, seed=0, mask_key="x",
+                     healed_acc=0.9))
+    rows.append(dict(pruner="magnitude", healer="mse", pattern="0.5", calib_size=64, seed=0, mask_key="x",
+                     healed_acc=0.8))
+    out = {r["pattern"]: r for r in best_rows(pd.DataFrame(rows))}
+    # d = .02 .01 .05: mean 2.67 pp, sd 2.0817, t(.975, 2) = 4.3027 -> half 5.17 pp
+    assert out["0.9"]["best"] == "magnitude × starfish" and out["0.9"]["healed"] == pytest.approx(0.75)
+    assert out["0.9"]["vs_healer"] == "+2.67 pp vs mse [95 % CI -2.50, +7.84], n=3, within noise"
+    assert out["0.5"]["vs_healer"] == "+10.00 pp vs mse (n=1, no CI)"
+    assert out["0.5"]["vs_pruner"] == "(the only one)"
+
+
+def test_closed_form_rows_show_no_lr_or_epochs():
+    best = pd.DataFrame([dict(pruner="magnitude", pattern="0.9", achieved_sparsity=0.9, calib_size=64,
+                              dense_acc=0.9, pruned_acc=0.1, healed_acc=0.5, retention=0.55, lr=0.0, epochs=0,
+                              n_trials=1, n_failed=0, healer="crbn", scope="all", granularity="example", seed=0,
+                              run_id="r1", experiment_id="1")])
+    row = model_table(best).rows[0]
+    assert row[8:10] == ["closed form", "–"]
+
+
+def test_budget_warning_names_steps_per_epoch():
+    from analysis.findings import _budget_warning
+
+    mb = pd.DataFrame(dict(lr=[1e-3, 1e-3, 0.0], calib_size=[64, 256, 100], batch_size=[32, 32, 32]))
+    assert _budget_warning(mb) == (
+        "Calibration sizes get different optimisation budgets for the same epochs (64 images: 2 steps/epoch "
+        "(batch 32), 256 images: 8 steps/epoch (batch 32)): comparing calibration sizes also compares budgets "
+        "(docs/methods.md#search).")  # the closed-form row (lr 0) has no budget
+    assert _budget_warning(mb.iloc[:1]) == ""
+
+
+def test_heldout_agreement_spearman_and_accuracy_lost():
+    from analysis.heldout_agreement import agreement, agreement_line
+
+    rows = []
+    # cell a: heldout ranks the 3 trials exactly as selection does (rho 1), same pick -> 0 pp lost
+    for i, (ho, sel, acc) in enumerate([(0.1, 0.9, 0.80), (0.2, 0.8, 0.70), (0.3, 0.7, 0.60)]):
+        rows.append(dict(cell_id="a", status="FINISHED", heldout_align=ho, selection_acc=sel, healed_acc=acc,
+                         epochs=3, optuna_trial=i))
+    # cell b: reversed (rho -1): heldout picks the trial with eval 0.50 instead of 0.75 -> 25 pp lost
+    for i, (ho, sel, acc) in enumerate([(0.3, 0.9, 0.75), (0.2, 0.8, 0.60), (0.1, 0.7, 0.50)]):
+        rows.append(dict(cell_id="b", status="FINISHED", heldout_align=ho, selection_acc=sel, healed_acc=acc,
+                         epochs=3, optuna_trial=i))
+    a = agreement(pd.DataFrame(rows))
+    assert a["cells"] == 2 and a["rho_median"] == pytest.approx(0.0) and a["rho_min"] == pytest.approx(-1.0)
+    assert a["lost_mean"] == pytest.approx(12.5) and a["lost_max"] == pytest.approx(25.0)
+    assert "loses +12.50 pp evaluation accuracy on average (worst +25.00 pp) over 2 cells" in agreement_line(a)
+    assert agreement(pd.DataFrame(rows).drop(columns="heldout_align")) is None

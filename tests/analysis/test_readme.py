@@ -1,0 +1,42 @@
+"""healsweep report DIR --readme FILE: marked README blocks are rewritten from the fixture sweep's report (the real
+console script in a subprocess); text outside the markers is kept; an unknown block exits 2 and writes nothing."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests import transition_fixture as tf
+
+CLI = [str(Path(sys.executable).parent / "healsweep")]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_readme_blocks_from_the_report(tmp_path):
+    sweep = tf.build_store(tmp_path)
+    run_dir = tmp_path / "run"
+    tf.write_sweep_json(run_dir, sweep["uri"])
+    readme = tmp_path / "repo" / "README.md"
+    readme.parent.mkdir()
+    readme.write_text("# Title\nkept\n<!-- report:findings -->\nstale 96.67\n<!-- /report:findings -->\nmiddle\n"
+                      "<!-- report:fig_resnet_digits -->old<!-- /report:fig_resnet_digits -->\nend\n")
+    out = _run("report", str(run_dir), "--readme", str(readme))
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = readme.read_text()
+    assert text.startswith("# Title\nkept\n<!-- report:findings -->\nRanges are the repairability bands")
+    assert "\n### resnet_digits — grid `main`\n" in text
+    assert "stale 96.67" not in text and "\nmiddle\n" in text and text.endswith("end\n")
+    assert "| magnitude | starfish | 64 | up to 70 % | 80–90 % | from 95 % |" in text
+    assert "<!-- report:fig_resnet_digits -->\n![fig_resnet_digits](docs/fig_resnet_digits.png)\n" in text
+    assert (readme.parent / "docs" / "fig_resnet_digits.png").read_bytes() == \
+        (run_dir / "fig_resnet_digits.png").read_bytes()
+    # a block the report does not have: one-line error, exit 2, README unchanged
+    readme.write_text(text + "<!-- report:nope --><!-- /report:nope -->\n")
+    before = readme.read_text()
+    bad = _run("report", str(run_dir), "--readme", str(readme))
+    assert bad.returncode == 2 and "report:nope" in bad.stderr and readme.read_text() == before
