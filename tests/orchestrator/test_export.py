@@ -166,3 +166,29 @@ def test_export_refuses_a_crafted_trial_id_tag(tmp_path):
     assert r.stderr.strip().splitlines() == ["healsweep: error: trial_id '../../etc': not a trial key (expected "
                                              "<cell id>-<number>, matching ^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$)"]
     assert not out.exists()
+
+
+def test_export_finds_the_run_directory_by_sweep_id_and_refuses_to_guess(tmp_path):
+    """Two run directories on one tracking URI: the run's sweep_id tag picks its directory; two copies of one
+    sweep are ambiguous (one line, exit 2) until --run-dir chooses."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'shared.db'}"
+    for name, sweep in (("a", "s1"), ("b", "s2"), ("c", "s2")):
+        (tmp_path / "runs" / name / "trials").mkdir(parents=True)
+        (tmp_path / "runs" / name / "sweep.json").write_text(json.dumps({"tracking_uri": uri, "sweep_id": sweep}))
+    client = MlflowClient(uri)
+    exp = client.create_experiment("healsweep")
+    ids = {}
+    for sweep in ("s1", "s2"):
+        run = client.create_run(exp, tags={"healsweep.role": "trial", "trial_id": "c0ffee-0", "sweep_id": sweep})
+        client.set_terminated(run.info.run_id, "FINISHED")
+        ids[sweep] = run.info.run_id
+    r = healsweep("export", ids["s1"], "--out", "x", cwd=tmp_path)  # found in runs/a: no healed weights there
+    assert r.returncode == 2 and r.stderr.strip().startswith(
+        f"healsweep: error: {(tmp_path / 'runs' / 'a' / 'trials' / 'c0ffee-0').resolve()}: no healed.safetensors")
+    r = healsweep("export", ids["s2"], "--out", "x", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"healsweep: error: run '{ids['s2']}': sweep s2 is in 2 run directories (runs/b, runs/c); choose one with "
+        f"--run-dir DIR")
+    assert not (tmp_path / "x").exists()
