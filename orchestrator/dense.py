@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from tasks.healing import dense_targets
 from tasks.models import get_adapter, load_model
-from tasks.store import TargetStore, ensure_targets
+from tasks.store import StoreError, TargetStore, ensure_targets
 
 log = logging.getLogger("healsweep.store")
 
@@ -110,7 +110,10 @@ def budget_modes(spec, models: Mapping, rows: Mapping[str, int], store_root: str
     ours = {info.targets_key for info in models.values()}
     used = sum(store.key_bytes(k) for k in store.keys() if k not in ours)
     for m, info in models.items():
-        man = store.manifest(info.targets_key)
+        try:
+            man = store.manifest(info.targets_key)
+        except StoreError:  # damaged: the dense stage quarantines and rebuilds it (counted as all new)
+            man = None
         need = max(rows[m], man["num_rows"] if man else 0) * row_bytes(m, cache_dir, spec.data_seed, spec.store.dtype)
         if (used + need) / 1e9 <= budget:
             used += need

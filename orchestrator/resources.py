@@ -1,6 +1,7 @@
 """Resource overrides from the command line: run a GPU spec on a CPU-only machine without editing it."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from orchestrator.spec import SpecError, SweepSpec
@@ -19,7 +20,9 @@ def parse_override(text: str) -> dict[str, float]:
         try:
             x = float(v)
         except ValueError:
-            raise SpecError("--resources", f"{k.strip()} must be a number, got {v!r}") from None
+            raise SpecError("--resources", f"{k.strip()} must be a number, got {v[:40]!r}") from None
+        if not math.isfinite(x) or x > 1e6:
+            raise SpecError("--resources", f"{k.strip()}={v[:40]} is not a finite number <= 1e6")
         if x < 0 or (k.strip() in ("cpu", "dense_cpu") and x == 0) or (x > 1 and x != int(x) and "gpu" in k):
             raise SpecError("--resources", f"{k.strip()}={v} is not allowed (cpu > 0; gpu a fraction < 1 or whole)")
         out[KEYS[k.strip()]] = x

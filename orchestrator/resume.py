@@ -27,11 +27,24 @@ class ResumeError(ValueError):
     pass
 
 
+_SWEEP_KEYS = {"sweep_id": str, "tracking_uri": str, "store": str, "cache": str, "spec": dict}
+
+
 def read_sweep(out_dir: Path) -> dict:
+    """DIR/sweep.json, checked: ResumeError (one line) when it is missing, unreadable or lacks a field."""
     f = out_dir / SWEEP_FILE
     if not f.is_file():
         raise ResumeError(f"{out_dir}: not a run directory (no {SWEEP_FILE}); nothing to resume")
-    return json.loads(f.read_text())
+    try:
+        info = json.loads(f.read_bytes()[: 64 << 20].decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ResumeError(f"{f}: unreadable ({type(e).__name__}: {str(e)[:100]}); not a healsweep sweep record") from None
+    if not isinstance(info, dict):
+        raise ResumeError(f"{f}: expected a JSON object, got {type(info).__name__}")
+    for k, t in _SWEEP_KEYS.items():
+        if not isinstance(info.get(k), t):
+            raise ResumeError(f"{f}: field {k!r} missing or not a {t.__name__}")
+    return info
 
 
 def write_sweep(out_dir: Path, info: dict) -> None:
@@ -62,3 +75,63 @@ def reconcile(client: MlflowClient, experiment_id: str, sweep_id: str, journal: 
             client.set_terminated(r.info.run_id, STATUS[st])
             fixed += 1
     return fixed
+
+
+# ------------------------------------------------------------------------------------ one driver per run
+LOCK_FILE = "driver.lock"
+
+
+class RunLockedError(ResumeError):
+    pass
+
+
+def lock_run_dir(out_dir: Path):
+    """Hold DIR/driver.lock for this process's lifetime (one driver per run directory); returns the open file.
+
+    An exclusive, non-blocking fcntl.flock: the kernel drops it when its holder dies, so a dead driver's lock is
+    stale by construction and simply taken over (the file is rewritten with our pid). Another live driver holding
+    it is a RunLockedError naming its pid. Calling again in the same process returns the held lock.
+    """
+    import fcntl
+    import os
+
+    key = str(Path(out_dir).resolve())
+    if key in _HELD:
+        return _HELD[key]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    f = open(out_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held until the process exits
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip()[:40] or "unknown"
+        f.close()
+        raise RunLockedError(f"{out_dir}: another healsweep driver (pid {holder}) is running this sweep; "
+                             "wait for it to end or stop it first") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    _HELD[key] = f
+    return f
+
+
+_HELD: dict[str, object] = {}
+
+
+def release_run_dir(out_dir: Path) -> None:
+    """Give up this process's lock on ``out_dir`` (the driver is done with it)."""
+    f = _HELD.pop(str(Path(out_dir).resolve()), None)
+    if f is not None:
+        f.close()
+
+
+# --------------------------------------------------------------------------------- per-session totals
+def record_dense(out_dir: Path, info: dict, session: int, images: int) -> int:
+    """Record this session's dense forward images in sweep.json (right after the dense stage, so a later kill
+    loses nothing) and return the sweep's total over every session."""
+    per = {str(k): int(v) for k, v in (info.get("dense_forward_images") or {}).items()}
+    per[str(session)] = int(images)
+    info["dense_forward_images"] = per
+    write_sweep(out_dir, info)
+    return sum(per.values())

@@ -108,7 +108,8 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
     from orchestrator.dense import DenseReport, budget_modes
     from orchestrator.diagnostics import diagnostics_stage, log_diagnostics, log_lamp_allocations
     from orchestrator.mlflow_async import AsyncMlflowWriter
-    from orchestrator.resume import JOURNAL_FILE, ResumeError, read_sweep, reconcile, told_states, write_sweep
+    from orchestrator.resume import (JOURNAL_FILE, ResumeError, lock_run_dir, read_sweep, reconcile, record_dense,
+                                     release_run_dir, told_states, write_sweep)
     from orchestrator.search import PerCellOptunaSearch
     from orchestrator.spec_sources import untrained
     from orchestrator.stages import dense_stage, mask_stage, prepare_models
@@ -117,7 +118,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
 
     t0 = time.time()
     out_dir, store_root, cache_dir = (Path(p).resolve() for p in (out_dir, store_root, cache_dir))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    lock_run_dir(out_dir)  # one driver per run directory (RunLockedError while another live driver holds it)
     journal = out_dir / JOURNAL_FILE
     resume = resume or refine_round is not None
     if resume:
@@ -159,6 +160,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         dense_rep = DenseReport()
         dense = dense_stage(spec, models, rows, paths["targets"], cache_dir, progress=progress,
                             skip=tuple(m for m, v in modes.items() if v == "recompute"), report=dense_rep)
+        dense_all = record_dense(out_dir, info, info.get("resumes", 0), sum(dense.values()))  # every session
         diag_root = store_root / "diagnostics"
         diag = diagnostics_stage(cells, models, diag_root, cache_dir, spec.data_seed,
                                  int(spec.resources.cpus_per_dense_task))
@@ -240,7 +242,8 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
 
         ts = int(time.time() * 1000)
         client.log_batch(parent, metrics=[Metric(k, float(v), ts, session) for k, v in {
-            "dense_forward_images": dense_total, "trials_finished": finished, "trials_failed": failed,
+            "dense_forward_images": dense_all, "dense_forward_images_session": dense_total,
+            "trials_finished": finished, "trials_failed": failed,
             "trials_run": logger_cb.finished + logger_cb.failed, "trials_rerun": len(searcher.rerun),
             "sweep_seconds": seconds, "tune_seconds": tune_seconds, "concurrency": concurrency,
             "diagnostics_layers_computed": diag.computed_layers, "diagnostics_seconds": diag.seconds,
@@ -259,4 +262,5 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         from analysis.report import write_report
 
         paths_out = write_report(out_dir)
+    release_run_dir(out_dir)
     return SweepResult(sweep_id, out_dir, tracking_uri, parent, finished, failed, dense_total, seconds, paths_out)

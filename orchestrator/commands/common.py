@@ -11,9 +11,12 @@ class CliError(Exception):
 
 
 def load_spec_or_exit(path: str):
-    from orchestrator.spec import SpecError, load_spec
+    """The validated spec of file ``path``, its tracking server reachable; else a one-line CliError (exit 2)."""
+    from orchestrator.spec import SpecError, check_tracking_server, load_spec
 
     try:
-        return load_spec(path)
+        spec = load_spec(path)
+        check_tracking_server(spec.mlflow.tracking_uri)
+        return spec
     except SpecError as e:
         raise CliError(str(e)) from None

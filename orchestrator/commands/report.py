@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 from orchestrator.commands.common import CliError
 
@@ -12,18 +13,51 @@ def add_parser(sub):
                                    "and sweep id) back from MLflow alone and rewrite DIR/report.html (self-contained, "
                                    "figures embedded), DIR/report.md and DIR/bands.json: best trial per cell, "
                                    "healer comparisons, repairability bands and the calibration transition score. "
-                                   "Nothing is recomputed; Ray is not started.")
+                                   "Nothing is recomputed; Ray is not started. Exit code 2 when DIR holds no sweep "
+                                   "(no sweep.json, or its MLflow database or parent run is missing).")
     p.add_argument("dir", metavar="DIR", help="run directory of a sweep (holds sweep.json), e.g. runs/tiny")
     p.set_defaults(func=main)
     return p
 
 
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///…`` tracking URI, else None."""
+    if not uri.startswith("sqlite:"):
+        return None
+    p = urlparse(uri)
+    return Path(unquote(p.netloc + p.path)) if p.netloc else Path(unquote(p.path))
+
+
+def check_sweep(d: Path) -> dict:
+    """sweep.json of ``d`` after checking that its sweep exists in MLflow, without creating anything there."""
+    from orchestrator.resume import ResumeError, read_sweep
+
+    if not (d / "sweep.json").is_file():
+        raise CliError(f"no sweep in {d} (no sweep.json)")
+    try:
+        info = read_sweep(d)
+    except ResumeError as e:
+        raise CliError(f"no sweep in {d}: {e}") from None
+    db = sqlite_path(info["tracking_uri"])
+    if db is not None and not db.is_file():  # opening it would create an empty database
+        raise CliError(f"no sweep in {d}: its MLflow database {db} is missing")
+    if not info.get("parent_run_id"):
+        raise CliError(f"no sweep in {d}: it never reached MLflow (no parent run recorded)")
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        MlflowClient(info["tracking_uri"]).get_run(info["parent_run_id"])
+    except MlflowException:
+        raise CliError(f"no sweep in {d}: parent run {info['parent_run_id']} is not in {info['tracking_uri']}") from None
+    return info
+
+
 def main(args) -> int:
+    d = Path(args.dir)
+    check_sweep(d)
     from analysis.report import write_report
 
-    d = Path(args.dir)
-    if not (d / "sweep.json").is_file():
-        raise CliError(f"{d}: not a run directory (no sweep.json)")
     paths = write_report(d)
     print(f"report: {paths['html']}\n        {paths['md']}")
     return 0

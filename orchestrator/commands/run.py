@@ -43,6 +43,12 @@ def main(args) -> int:
     from orchestrator.spec import SpecError, parse_spec
 
     store, cache = Path(args.store), Path(args.cache)
+    if args.num_cpus is not None and args.num_cpus < 1:
+        raise CliError(f"--num-cpus must be >= 1, got {args.num_cpus}")
+    for flag, value in (("--out", args.out), ("--resume", args.resume), ("--store", args.store),
+                        ("--cache", args.cache)):
+        if value and Path(value).exists() and not Path(value).is_dir():
+            raise CliError(f"{flag}: {value} is a file, not a directory")
     try:
         if args.resume:
             if args.spec or args.out:

@@ -1,29 +1,40 @@
-"""healsweep store ls | verify [KEY] | gc: inspect, check and clean the dense target store."""
+"""healsweep store ls | verify | gc [WHERE]: inspect, check and clean the dense target store (and list the masks,
+rankings and diagnostics that live beside it).
+
+WHERE (or --store) is a run directory (its store is read from targets.json / sweep.json), a store root as given
+to `healsweep run --store` (targets in WHERE/targets), or the target store itself (a path or pyarrow.fs URI).
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from orchestrator.commands.common import DEFAULT_HOME, CliError
 
-_STORE_HELP = ("store root as given to `healsweep run --store` (targets live in DIR/targets), or a pyarrow.fs "
-               "URI / path of the target store itself (e.g. the spec's store.uri) (default: %(default)s)")
+_WHERE_HELP = ("a run directory (its store is found from sweep.json), a store root as given to `healsweep run "
+               "--store` (targets in DIR/targets), or the target store itself (path or pyarrow.fs URI)")
+_SIDE = ("masks", "rankings", "diagnostics")  # beside targets/ under a store root
 
 
 def add_parser(sub):
     p = sub.add_parser("store", help="inspect, verify and clean the dense target store",
-                       description="Inspect, verify and clean the content-addressed dense target store.")
+                       description="Inspect, verify and clean the content-addressed dense target store. " + _WHERE_HELP
+                       + f"; default {DEFAULT_HOME / 'store'} (relative to the current directory).")
     cmds = p.add_subparsers(dest="store_cmd", required=True, metavar="ACTION")
 
-    ls = cmds.add_parser("ls", help="list keys: model, rows, shards, size on disk, last use",
-                         description="List every complete key: model, row count, shards, bytes on disk, last use.")
-    vf = cmds.add_parser("verify", help="full checksum pass; exit code 1 if any shard is damaged",
-                         description="Check every shard's size and sha256 against its manifest (all keys, or KEY). "
-                                     "Exit code 0: all sound; 1: damage found (the next sweep recomputes it); "
-                                     "2: usage error.")
-    vf.add_argument("key", nargs="?", help="one 32-hex-character key (default: every key)")
+    ls = cmds.add_parser("ls", help="list target keys (model, rows, shards, size, last use), masks, rankings, "
+                                    "diagnostics and quarantined files with sizes",
+                         description="List every target key (model, rows, shards, MB, last use; damaged keys "
+                                     "marked), then the masks, rankings, diagnostics and quarantined files with sizes.")
+    vf = cmds.add_parser("verify", help="full checksum pass; exit code 1 if anything is damaged",
+                         description="Check every manifest (readable, shards covering exactly its rows) and every "
+                                     "shard's size and sha256 (all keys, or KEY). Exit code 0: all sound; 1: damage "
+                                     "found (the next sweep quarantines and recomputes it); 2: usage error.")
+    vf.add_argument("where_key", nargs="*", metavar="WHERE|KEY",
+                    help="where the store is (see WHERE) and/or one 32-hex-character key (default: every key)")
     gc = cmds.add_parser("gc", help="delete keys unused for DAYS or not referenced by given runs",
                          description="Delete keys (complete or not) that were not used for --older-than DAYS, "
                                      "or that no --keep-referenced RUN_DIR refers to (its targets.json).")
@@ -32,58 +43,123 @@ def add_parser(sub):
     how.add_argument("--keep-referenced", action="append", metavar="RUN_DIR",
                      help="keep only keys referenced by these run directories (repeatable)")
     gc.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
+    for q in (ls, gc):
+        q.add_argument("where", nargs="?", metavar="WHERE", help=_WHERE_HELP)
     for q in (ls, vf, gc):
-        q.add_argument("--store", metavar="DIR", default=str(DEFAULT_HOME / "store"), help=_STORE_HELP)
+        q.add_argument("--store", metavar="DIR", help="same as WHERE")
         q.set_defaults(func=main)
     return p
 
 
-def _open(root: str):
-    from tasks.store import TargetStore
+def locate(where: str | None) -> tuple[str, Path | None]:
+    """(target store path or URI, store root holding masks/rankings/diagnostics or None) for WHERE."""
+    where = where or str(DEFAULT_HOME / "store")
+    if "://" in where:
+        return where, None
+    d = Path(where).expanduser()
+    if not d.exists():
+        raise CliError(f"store: {where} does not exist (give a run directory, a store root or --store DIR)")
+    if (d / "sweep.json").is_file() or (d / "targets.json").is_file():
+        return _from_run_dir(d)
+    if (d / "targets").is_dir() or any((d / s).is_dir() for s in _SIDE):
+        return str((d / "targets").resolve()), d.resolve()
+    return str(d.resolve()), None
 
-    if "://" not in root and not Path(root).exists():
-        raise CliError(f"--store: {root} does not exist")
-    if "://" not in root and (Path(root) / "targets").is_dir():
-        root = str(Path(root) / "targets")
-    return TargetStore(root)
+
+def _from_run_dir(d: Path) -> tuple[str, Path | None]:
+    try:
+        if (d / "targets.json").is_file():
+            targets = json.loads((d / "targets.json").read_text())["store"]
+        else:
+            info = json.loads((d / "sweep.json").read_text())
+            targets = (info["spec"].get("store") or {}).get("uri") or str(Path(info["store"]) / "targets")
+        info = json.loads((d / "sweep.json").read_text()) if (d / "sweep.json").is_file() else {}
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
+        raise CliError(f"store: {d} is not a readable run directory ({type(e).__name__}: {e})") from None
+    if not isinstance(targets, str) or not targets:
+        raise CliError(f"store: {d}: no target store recorded")
+    root = Path(info["store"]) if isinstance(info.get("store"), str) else None
+    if "://" not in targets and not Path(targets).exists():
+        raise CliError(f"store: the target store of run {d} ({targets}) does not exist")
+    return targets, root
 
 
 def main(args: argparse.Namespace) -> int:
-    from tasks.store import StoreError
+    from tasks.store import KEY_RE, StoreError, TargetStore
 
-    store = _open(args.store)
+    where, key = args.store, None
+    for a in getattr(args, "where_key", None) or []:
+        if KEY_RE.match(a) and not Path(a).exists() and key is None:
+            key = a
+        elif where is None:
+            where = a
+        else:
+            raise CliError(f"store verify: unexpected argument {a[:80]!r} (give at most WHERE and one KEY)")
+    where = where or getattr(args, "where", None)
+    targets, root = locate(where)
+    args.key = key
     try:
-        return {"ls": _ls, "verify": _verify, "gc": _gc}[args.store_cmd](store, args)
+        store = TargetStore(targets)
+        return {"ls": _ls, "verify": _verify, "gc": _gc}[args.store_cmd](store, args, root)
     except StoreError as e:
         raise CliError(str(e)) from None
 
 
-def _ls(store, args) -> int:
+def _size(p: Path) -> int:
+    if p.is_file():
+        return p.stat().st_size
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def _ls(store, args, root) -> int:
+    from tasks.store import StoreError
+
+    print(f"targets: {store.root}")
     print(f"{'key':32}  {'model':14} {'rows':>7} {'shards':>6} {'MB':>10}  last use")
-    total = 0
-    for k in store.keys():
-        m = store.manifest(k)
+    total, keys = 0, store.keys()
+    for k in keys:
         size = store.key_bytes(k)
         total += size
         used = store.last_use(k)
-        print(f"{k}  {str(m['meta'].get('model', '?')):14} {m['num_rows']:>7} {len(m['shards']):>6} "
-              f"{size / 1e6:>10.2f}  {used.isoformat(timespec='seconds') if used else 'never'}")
-    print(f"{len(store.keys())} keys, {total / 1e6:.2f} MB")
+        try:
+            m = store.manifest(k)
+            model, rows, shards = str(m["meta"].get("model", "?")), m["num_rows"], len(m["shards"])
+        except StoreError:
+            model, rows, shards = "DAMAGED", "?", "?"
+        print(f"{k}  {model:14} {rows:>7} {shards:>6} {size / 1e6:>10.2f}  "
+              f"{used.isoformat(timespec='seconds') if used else 'never'}")
+    print(f"{len(keys)} keys, {total / 1e6:.2f} MB")
+    sections = [("quarantine", Path(store.fs.path(".quarantine")))] if store.fs.local else []
+    sections += [(s, root / s) for s in _SIDE] if root is not None else []
+    for name, d in sections:
+        if not d.is_dir():
+            continue
+        entries = sorted(d.iterdir())
+        sizes = [_size(e) for e in entries]
+        print(f"\n{name}: {d}")
+        for e, b in zip(entries, sizes):
+            print(f"  {e.name + ('/' if e.is_dir() else ''):60} {b / 1e6:>10.2f} MB")
+        print(f"{len(entries)} {name} entries, {sum(sizes) / 1e6:.2f} MB")
     return 0
 
 
-def _verify(store, args) -> int:
+def _verify(store, args, root) -> int:
+    from tasks.store import StoreError
+
     keys = [args.key] if args.key else store.keys()
     damaged = 0
     for k in keys:
-        if store.manifest(k) is None:
-            raise CliError(f"key {k} has no manifest (missing or not finalized)")
-        bad = store.verify(k, full=True)
-        damaged += len(bad)
-        for s, problem in bad:
-            print(f"{k} {s['file']} (rows {s['row_start']}-{s['row_stop']}): {problem}")
+        try:
+            if store.manifest(k) is None:
+                raise CliError(f"key {k} has no manifest (missing or not finalized)")
+            bad = [(f"{s['file']} (rows {s['row_start']}-{s['row_stop']})", p) for s, p in store.verify(k)]
+        except StoreError as e:  # unreadable or inconsistent manifest: report it, go on with the next key
+            bad = [("manifest.json", str(e))]
+        damaged += bool(bad)
+        for what, problem in bad:
+            print(f"{k} {what}: {problem}")
         print(f"{k}: {'DAMAGED' if bad else 'ok'}")
-    print(f"{len(keys)} keys checked, {damaged} damaged shards")
+    print(f"{len(keys)} keys checked, {damaged} damaged")
     return 1 if damaged else 0
 
 
@@ -93,11 +169,14 @@ def _referenced(run_dirs: list[str]) -> set[str]:
         f = Path(d) / "targets.json"
         if not f.is_file():
             raise CliError(f"--keep-referenced: {d} has no targets.json (not a healsweep run directory)")
-        keys |= set(json.loads(f.read_text())["keys"].values())
+        try:
+            keys |= set(json.loads(f.read_text())["keys"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CliError(f"--keep-referenced: {f} is unreadable ({type(e).__name__})") from None
     return keys
 
 
-def _gc(store, args) -> int:
+def _gc(store, args, root) -> int:
     from tasks.store import KEY_RE
 
     candidates = [n for n in store.fs.listdir() if KEY_RE.match(n)]
@@ -105,8 +184,8 @@ def _gc(store, args) -> int:
         keep = _referenced(args.keep_referenced)
         drop = [k for k in candidates if k not in keep]
     else:
-        if args.older_than < 0:
-            raise CliError(f"--older-than must be >= 0 days, got {args.older_than:g}")
+        if not math.isfinite(args.older_than) or not 0 <= args.older_than <= 36500:
+            raise CliError(f"--older-than must be a number of days in [0, 36500], got {args.older_than:g}")
         cutoff = datetime.now(timezone.utc) - timedelta(days=args.older_than)
 
         def last(k):

@@ -18,10 +18,11 @@ def add_parser(sub):
 def main(args) -> int:
     from collections import Counter, defaultdict
 
+    spec = load_spec_or_exit(args.spec)  # a bad spec is answered before torch is imported
+
     from orchestrator.plan import expand_cells, grid_searches
     from tasks.healing import resolve_healer
 
-    spec = load_spec_or_exit(args.spec)
     searches = grid_searches(spec)
     cells = expand_cells(spec, defaultdict(str))  # scopes are not needed to count cells
     trains, trials, fixed = {}, Counter(), 0

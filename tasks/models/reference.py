@@ -10,7 +10,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
+from tasks._io import atomic_write
 from tasks.data.splits import DatasetSplits, load_dataset
 from tasks.evaluate import accuracy
 from tasks.models.base import MODELS, LoadedModel, ReferenceModel, TrainRecipe
@@ -117,11 +117,8 @@ def _train(model: nn.Module, data: DatasetSplits, recipe: TrainRecipe, seed: int
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, meta: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"meta": json.dumps(meta)})
-    os.replace(tmp, path)
+    data = {k: v.contiguous() for k, v in tensors.items()}
+    atomic_write(path, lambda tmp: save_file(data, tmp, metadata={"meta": json.dumps(meta)}))
 
 
 def weights_digest(state: dict[str, torch.Tensor]) -> str:

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from tasks._io import atomic_write
 from tasks.store import KEY_RE, StoreError
 
 
@@ -29,15 +29,8 @@ class MaskStore:
         return self.path(key).is_file()
 
     def save(self, key: str, masks: dict[str, torch.Tensor], meta: dict) -> Path:
-        final = self.path(key)
-        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file({k: v.contiguous() for k, v in masks.items()}, tmp, metadata={"meta": json.dumps(meta)})
-            os.replace(tmp, final)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-        return final
+        data = {k: v.contiguous() for k, v in masks.items()}
+        return atomic_write(self.path(key), lambda tmp: save_file(data, tmp, metadata={"meta": json.dumps(meta)}))
 
     def load(self, key: str) -> dict[str, torch.Tensor]:
         return {k: v.bool() for k, v in load_file(self.path(key)).items()}

@@ -92,6 +92,12 @@ class StoreFS:
         except FileNotFoundError:
             pass
 
+    def move(self, rel: str, dst: str) -> None:
+        if self.local:
+            os.replace(self.path(rel), self.path(dst))
+        else:
+            self.fs.move(self.path(rel), self.path(dst))
+
     def delete_dir(self, rel: str) -> None:
         if self.is_dir(rel):
             self.fs.delete_dir(self.path(rel))

@@ -31,10 +31,12 @@ def ensure_targets(store: TargetStore, key: str, num_rows: int, shard_size: int,
                    meta: dict, dtype: str, calibration_rows: list[int] | None = None) -> EnsureResult:
     """Under the key's writer lock: keep sound shards, compute only what is missing or damaged, finalize.
 
-    - complete key with >= num_rows rows: its covering shards are checked (size, and checksum unless verified
-      before); damaged ones are recomputed with their row range and the manifest rewritten.
+    - complete key with >= num_rows rows: every shard is checked (size and sha256); damaged ones are moved to
+      the quarantine and recomputed with their row range, and the manifest rewritten.
     - key with fewer rows (nested calibration sizes): rows [old, num_rows) are appended as new shards.
-    - no manifest (first build or a crashed one): shards whose sidecar and size match are kept (resume).
+    - no manifest (first build or a crashed one): shards whose sidecar, size and sha256 match are kept (resume).
+    - unreadable or inconsistent manifest (e.g. it claims rows no shard holds): quarantined, then as above.
+    Each damaged file found is an integrity event (``EnsureResult.events``).
     ``calibration_rows`` (dataset index of every row, at least num_rows long) goes into the manifest.
     """
     res = EnsureResult(key, num_rows)
@@ -43,29 +45,27 @@ def ensure_targets(store: TargetStore, key: str, num_rows: int, shard_size: int,
             for name in store.fs.listdir(key):
                 if name.startswith(".tmp-"):
                     store.fs.delete(f"{key}/{name}")
-        m = store.manifest(key)
-        keep: list[dict] = []
-        todo: Plan = []
+        m = _manifest_or_quarantine(store, key, res)
         if m is not None:
-            for s, problem in store.verify(key, full=False):
-                msg = f"store key {key}: shard {s['file']} (rows {s['row_start']}-{s['row_stop']}) {problem}; recomputing"
-                log.warning(msg)
-                res.events.append(msg)
+            todo = []
+            for s, problem in store.verify(key):
+                _event(res, f"store key {key}: shard {s['file']} (rows {s['row_start']}-{s['row_stop']}) {problem}; "
+                            "quarantined, recomputing")
+                store.quarantine(key, s["file"])
                 todo.append((s["index"], s["row_start"], s["row_stop"]))
             bad = {t[0] for t in todo}
             keep = [s for s in m["shards"] if s["index"] not in bad]
             have = m["num_rows"]
             if have >= num_rows and not todo:
                 return res
-            next_index = max(s["index"] for s in m["shards"]) + 1
             if num_rows > have:
-                todo += store.missing_shards(key, store.shard_plan(num_rows, shard_size, have, next_index))
-                appended = store.shard_plan(num_rows, shard_size, have, next_index)
-                keep += [store.shard_info(key, i) for i, a, b in appended if (i, a, b) not in todo]
+                appended = store.shard_plan(num_rows, shard_size, have, max(s["index"] for s in m["shards"]) + 1)
+                todo += (new := _missing(store, key, appended, res))
+                keep += [store.shard_info(key, i) for i, a, b in appended if (i, a, b) not in new]
             total = max(have, num_rows)
         else:
             plan = store.shard_plan(num_rows, shard_size)
-            todo = store.missing_shards(key, plan, verify=True)
+            todo = _missing(store, key, plan, res)
             keep = [store.shard_info(key, i) for i, a, b in plan if (i, a, b) not in todo]
             total = num_rows
         infos = list(run_shards(todo)) if todo else []
@@ -73,12 +73,42 @@ def ensure_targets(store: TargetStore, key: str, num_rows: int, shard_size: int,
         if len(infos) != len(todo):
             raise StoreError(f"store key {key}: {len(todo)} shards planned, {len(infos)} written")
         allinfo = keep + infos
-        shapes = allinfo[0]["block_shapes"]
         cal = None if calibration_rows is None else list(calibration_rows)[:total]
         if cal is not None and len(cal) < total:
             raise StoreError(f"calibration_rows has {len(cal)} entries, need {total}")
-        store.finalize(key, meta=meta, block_shapes=shapes, dtype=dtype, num_rows=total, shard_infos=allinfo,
-                       calibration_rows=cal)
+        store.finalize(key, meta=meta, block_shapes=allinfo[0]["block_shapes"], dtype=dtype, num_rows=total,
+                       shard_infos=allinfo, calibration_rows=cal)
         store._mark_verified(key, {i["file"]: store._stamp(key, i) for i in infos})
         res.num_rows = total
     return res
+
+
+def _event(res: EnsureResult, msg: str) -> None:
+    log.warning(msg)
+    res.events.append(msg)
+
+
+def _manifest_or_quarantine(store: TargetStore, key: str, res: EnsureResult) -> dict | None:
+    """The key's manifest; an unreadable or inconsistent one is moved to the quarantine (an event) -> None."""
+    try:
+        return store.manifest(key)
+    except StoreError as e:
+        where = store.quarantine(key, "manifest.json")
+        _event(res, f"{e}; quarantined ({where}), rebuilding the key from its sound shards")
+        return None
+
+
+def _missing(store: TargetStore, key: str, plan: Plan, res: EnsureResult) -> Plan:
+    """Planned shards to compute; a shard on disk whose sidecar records its rows but whose bytes fail the
+    check is quarantined (an event); one without a sidecar is a crashed write (recomputed, no event)."""
+    todo = store.missing_shards(key, plan, verify=True)
+    for idx, a, b in todo:
+        info = store.shard_info(key, idx)
+        if info is not None and (info.get("row_start"), info.get("row_stop")) == (a, b):
+            problem = store.check_shard(key, info, checksum=True)
+            _event(res, f"store key {key}: shard {info.get('file')} (rows {a}-{b}) {problem}; quarantined, recomputing")
+            try:
+                store.quarantine(key, str(info.get("file")))
+            except StoreError:  # a sidecar naming a foreign file: leave that file alone
+                pass
+    return todo

@@ -14,8 +14,8 @@ import torch
 
 from tasks.store._fs import StoreFS
 from tasks.store.format import (_DTYPE_NAMES, _FILE_RE, BATCH_ROWS, DTYPES, FORMAT, KEY_RE, LAST_USE, LOCK, MANIFEST,
-                                VERIFIED, StoreError, canonical_json, log, producer_versions, shard_name, sidecar_name,
-                                to_u16)
+                                QUARANTINE, VERIFIED, StoreError, canonical_json, log, producer_versions, shard_name,
+                                sidecar_name, to_u16)
 from tasks.store.reader import TargetReader
 
 
@@ -65,10 +65,17 @@ class TargetStore:
 
     # ---------------------------------------------------------------------------------------- state
     def manifest(self, key: str) -> dict | None:
-        """Parsed manifest.json, or None while the key is incomplete (not finalized)."""
+        """Parsed manifest.json, or None while the key is incomplete (not finalized). StoreError when it is
+        unreadable or inconsistent (see ``check_manifest``): such a key is damaged, not incomplete."""
         m = self._read_json(self._rel(key, MANIFEST))
-        if m is not None and (m.get("format") != FORMAT or m.get("key") != key):
-            raise StoreError(f"manifest of {key} has format {m.get('format')!r} / key {m.get('key')!r}")
+        if m is None:
+            return None
+        if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("key") != key:
+            got = (m.get("format"), m.get("key")) if isinstance(m, dict) else type(m).__name__
+            raise StoreError(f"manifest of {key} has format / key {got!r}")
+        problem = check_manifest(m)
+        if problem:
+            raise StoreError(f"manifest of {key} is inconsistent: {problem}")
         return m
 
     def keys(self) -> list[str]:
@@ -162,10 +169,8 @@ class TargetStore:
         rel = self._rel(key, str(info.get("file")))
         return {"sha256": info["sha256"], "bytes": info["bytes"], "mtime": self.fs.mtime(rel)}
 
-    def check_shard(self, key: str, info: dict, *, checksum: bool | str = False,
-                    verified: dict | None = None) -> str | None:
-        """None if the shard is sound, else why not. Size always; sha256 when ``checksum`` is True, or when it
-        is "first" and the file (same sha, size, mtime) is not yet recorded in verified.json."""
+    def check_shard(self, key: str, info: dict, *, checksum: bool = False) -> str | None:
+        """None if the shard is sound, else why not: its size always, its sha256 with ``checksum``."""
         try:
             rel = self._rel(key, str(info.get("file")))
         except StoreError as e:
@@ -173,16 +178,16 @@ class TargetStore:
         size = self.fs.size(rel)
         if size != info.get("bytes"):
             return f"missing or truncated ({size} bytes on disk, {info.get('bytes')} recorded)"
-        if checksum == "first":
-            stamp = (verified if verified is not None else self._verified(key)).get(info["file"])
-            checksum = stamp != self._stamp(key, info)
         if checksum and self.fs.sha256(rel) != info.get("sha256"):
             return "fails its sha256 check"
         return None
 
     def verify(self, key: str, num_rows: int | None = None, *, full: bool = True) -> list[tuple[dict, str]]:
-        """[(shard info, problem)] for the shards covering [0, num_rows); ``full``: checksum every shard,
-        else only those not verified before. Records the shards that pass."""
+        """[(shard info, problem)] for the shards covering [0, num_rows), each checked by size and sha256.
+
+        Integrity policy: every check hashes the bytes (no size/mtime shortcut: bit rot keeps both). verified.json
+        records the last pass of each shard and loses the entry of a shard found bad; nothing trusts it.
+        ``full`` is accepted for compatibility and ignored (always a full check)."""
         m = self.manifest(key)
         if m is None:
             raise StoreError(f"key {key} has no manifest (missing or not finalized)")
@@ -192,13 +197,30 @@ class TargetStore:
         for s in m["shards"]:
             if s["row_start"] >= n:
                 continue
-            problem = self.check_shard(key, s, checksum=True if full else "first", verified=verified)
+            problem = self.check_shard(key, s, checksum=True)
             if problem:
                 bad.append((s, problem))
             elif verified.get(s["file"]) != (st := self._stamp(key, s)):
                 good[s["file"]] = st
-        self._mark_verified(key, good)
+        cleared = {s["file"] for s, _ in bad} & set(verified)
+        if good or cleared:
+            v = {f: e for f, e in {**verified, **good}.items() if f not in cleared}
+            self.fs.write_atomic(self._rel(key, VERIFIED), canonical_json(v).encode())
         return bad
+
+    def quarantine(self, key: str, name: str) -> str | None:
+        """Move ``key``/``name`` (a damaged manifest or shard) to <root>/.quarantine/; returns where it went."""
+        rel = self._rel(key, name)
+        if self.fs.size(rel) is None:
+            return None
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+        dst = f"{QUARANTINE}/{key}-{stamp}-{name}"
+        self.fs.mkdir(QUARANTINE)
+        self.fs.move(rel, dst)
+        if name.endswith(".arrow"):  # its sidecar describes bytes that are gone
+            self.fs.delete(self._rel(key, name[:-len(".arrow")] + ".json"))
+        log.warning("store key %s: moved damaged %s to %s", key, name, self.fs.path(dst))
+        return self.fs.path(dst)
 
     # ----------------------------------------------------------------------------------------- writes
     def write_shard(self, key: str, shard_index: int, row_start: int,
@@ -257,15 +279,9 @@ class TargetStore:
         if num_rows < 1 or not block_shapes:
             raise StoreError(f"need num_rows >= 1 and at least one block (num_rows={num_rows})")
         shards = sorted((dict(s) for s in shard_infos), key=lambda s: s["row_start"])
-        pos = 0
-        for s in shards:
-            if s["row_start"] != pos or s["row_stop"] <= s["row_start"]:
-                raise StoreError(f"shard rows do not tile [0, {num_rows}): gap/overlap at row {pos} ({s})")
-            pos = s["row_stop"]
-        if pos != num_rows:
-            raise StoreError(f"shard rows do not tile [0, {num_rows}): they end at {pos}")
-        if len({s["index"] for s in shards}) != len(shards):
-            raise StoreError("duplicate shard indices")
+        problem = tiling_problem(shards, num_rows)
+        if problem:
+            raise StoreError(problem)
         if calibration_rows is not None and len(calibration_rows) != num_rows:
             raise StoreError(f"calibration_rows has {len(calibration_rows)} entries, num_rows is {num_rows}")
         shapes = {name: [int(d) for d in shape] for name, shape in block_shapes.items()}
@@ -302,11 +318,11 @@ class TargetStore:
                              f"(want {shapes}, {dtype}, {want_rows} from {info['row_start']})")
 
     # ------------------------------------------------------------------------------------------ reads
-    def open(self, key: str, num_rows: int | None = None, *, verify: bool | str = "first", touch: bool = True):
+    def open(self, key: str, num_rows: int | None = None, *, verify: bool | str = True, touch: bool = True):
         """Reader over rows [0, num_rows) (default: all); only shards covering that prefix are touched.
 
-        Every needed shard's size must match the manifest. ``verify``: "first" (default) checks the sha256 of
-        shards not verified before (and records them), True checks every needed shard, False only sizes.
+        ``verify`` (default True; "first" is an old spelling of it): every needed shard's size and sha256 are
+        checked on every open, i.e. once per reader (per trial); False checks sizes only (benchmarks).
         """
         m = self.manifest(key)
         if m is None:
@@ -316,7 +332,7 @@ class TargetStore:
             raise StoreError(f"num_rows={n} outside [1, {m['num_rows']}] for key {key}")
         needed = [s for s in m["shards"] if s["row_start"] < n]
         if verify:
-            bad = self.verify(key, n, full=verify is True)
+            bad = self.verify(key, n)
         else:
             bad = [(s, p) for s in needed if (p := self.check_shard(key, s))]
         if bad:
@@ -325,3 +341,43 @@ class TargetStore:
         if touch:
             self.touch(key)
         return TargetReader(self, key, m, needed, n)
+
+
+def tiling_problem(shards: list[dict], num_rows: int) -> str | None:
+    """Why ``shards`` (sorted by row_start) do not tile [0, num_rows) exactly, or None."""
+    pos = 0
+    for s in shards:
+        if s["row_start"] != pos or s["row_stop"] <= s["row_start"]:
+            return f"shard rows do not tile [0, {num_rows}): gap/overlap at row {pos} ({s.get('file')})"
+        pos = s["row_stop"]
+    if pos != num_rows:
+        return f"shard rows do not tile [0, {num_rows}): they end at {pos}"
+    if len({s["index"] for s in shards}) != len(shards):
+        return "duplicate shard indices"
+    return None
+
+
+def check_manifest(m: dict) -> str | None:
+    """Why a parsed manifest is not self-consistent, or None: its shards must cover exactly its rows (a manifest
+    claiming 320 rows over 256 stored is damaged), one calibration row per row, known dtype and file names."""
+    try:
+        n, shards, shapes = m["num_rows"], m["shards"], m["block_shapes"]
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            return f"num_rows {n!r} is not a positive integer"
+        if m.get("dtype") not in DTYPES:
+            return f"dtype {m.get('dtype')!r} is not one of {sorted(DTYPES)}"
+        if not isinstance(shapes, dict) or not shapes or list(m["block_names"]) != list(shapes):
+            return "block_names / block_shapes disagree"
+        for s in shards:
+            if not (isinstance(s["file"], str) and _FILE_RE.match(s["file"]) and s["file"].endswith(".arrow")
+                    and all(isinstance(s[k], int) for k in ("index", "row_start", "row_stop", "bytes"))):
+                return f"bad shard entry {canonical_json(s)[:120]}"
+        problem = tiling_problem(sorted(shards, key=lambda s: s["row_start"]), n)
+        if problem:
+            return problem
+        cal = m.get("calibration_rows")
+        if cal is not None and len(cal) != n:
+            return f"{len(cal)} calibration rows for {n} rows"
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        return f"missing or malformed field ({type(e).__name__}: {e})"
+    return None

@@ -35,6 +35,7 @@ class TargetReader:
         self._infos = sorted(shard_infos, key=lambda s: s["row_start"])
         self._starts = np.array([s["row_start"] for s in self._infos], dtype=np.int64)  # (n_shards,)
         self._random: dict[int, tuple] = {}  # shard -> (file, ipc reader, batch starts) for read_rows
+        self.rows_streamed: dict[int, int] = {}  # epoch -> rows yielded by iter_batches (complete epochs)
         self._closed = False
 
     # ------------------------------------------------------------------------------------ raw access
@@ -192,10 +193,17 @@ class TargetReader:
         gen = self._produce(batch_size, drop_last, wins, pin=cuda)
         if prefetch > 0:
             gen = _prefetched(gen, prefetch)
+        streamed = 0
         for rows, tgt in gen:
             if cuda:
                 tgt = {n: t.to(dev, non_blocking=True) for n, t in tgt.items()}
+            streamed += len(rows)
             yield rows, tgt
+        self.rows_streamed[epoch] = streamed
+        want = self.num_rows - (self.num_rows % batch_size if drop_last else 0)
+        if streamed != want:  # e.g. a manifest claiming rows its shards do not hold: never train on fewer silently
+            raise StoreError(f"key {self._key} epoch {epoch}: streamed {streamed} rows, expected {want} "
+                             f"(calibration size {self.num_rows})")
 
     def load_all(self) -> dict[str, torch.Tensor]:
         """Every row in RAM, {name: (num_rows, *shape)}. For benchmarks and small sets only."""

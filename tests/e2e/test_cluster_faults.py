@@ -151,6 +151,8 @@ def test_killed_driver_resumes_without_rerunning_or_duplicating(tmp_path, model_
     assert all(r.info.status == "FINISHED" and "healed_acc" in r.data.metrics for r in runs)
     parent = client.get_run(res.parent_run_id).data.metrics
     assert parent["trials_run"] == 4 - len(done_before)  # finished trials were not run again
+    # the 128 images of the killed session count in the sweep's total; this session computed none
+    assert parent["dense_forward_images"] == 128 and parent["dense_forward_images_session"] == 0
     for r in runs:
         if r.data.tags["trial_id"] not in done_before:
             assert r.data.metrics["dense_forward_images"] == 0

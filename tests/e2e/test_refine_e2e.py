@@ -42,8 +42,11 @@ def test_refine_continues_the_same_sweep(tmp_path):
     trials = [r for r in runs if r.data.tags["healsweep.role"] == "trial"]
     assert len(parents) == 1 and len(trials) == 4  # one sweep, one parent, 3 coarse + 1 fine trial
     assert {r.data.tags["mlflow.parentRunId"] for r in trials} == {parents[0].info.run_id}
-    hist = client.get_metric_history(parents[0].info.run_id, "dense_forward_images")
+    hist = client.get_metric_history(parents[0].info.run_id, "dense_forward_images_session")
     assert sorted((m.step, m.value) for m in hist)[1] == (1, 0.0)  # targets reused: no dense forward pass
+    total = client.get_metric_history(parents[0].info.run_id, "dense_forward_images")
+    first = sorted((m.step, m.value) for m in hist)[0][1]
+    assert sorted((m.step, m.value) for m in total) == [(0, first), (1, first)]  # total over both sessions
     assert len(set(os.listdir(store / "masks")) - masks_before) == 1  # only the new sparsity's mask
     after = json.loads((run_dir / "bands.json").read_text())["models"]["resnet_digits"]["bands"][0]
     assert [p["sparsity"] for p in after["points"]] == [0.5, 0.7, 0.9, 0.99]

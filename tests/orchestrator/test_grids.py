@@ -1,4 +1,4 @@
-"""Extra grids (`grids:` in a spec, orchestrator/grids.py): validation, cell union, per-grid search budgets."""
+"""Extra grids (`grids:` in a spec, orchestrator/spec/grids.py): validation, cell union, per-grid search budgets."""
 from __future__ import annotations
 
 import copy

@@ -43,15 +43,14 @@ def test_ce_without_labeled_train_split_is_rejected(monkeypatch):
     """digits has a labeled train split; a dataset whose train split is unlabeled is rejected, naming both sides."""
     from dataclasses import replace
 
-    import tasks.data as data
+    import orchestrator.spec.parse as parse
+    from tasks.data import load_dataset
 
-    real = data.load_dataset
-
-    def unlabeled_train(name, seed=0):
-        d = real(name, seed)
+    def unlabeled_train(name, seed=0):  # the real digits data, its train split's labels removed
+        d = load_dataset(name, seed)
         return replace(d, splits={**d.splits, "train": replace(d["train"], labels=None)})
 
-    monkeypatch.setattr(data, "load_dataset", unlabeled_train)
+    monkeypatch.setattr(parse, "dataset_layout", unlabeled_train)
     with pytest.raises(SpecError, match=r"healer 'none\+ce' with dataset 'digits': chain\[1\] \('ce'\): .*unlabeled") as e:
         parse_spec(spec_with(healers=["starfish", {"chain": ["none", "ce"]}]))
     assert e.value.path == "healers[1]"

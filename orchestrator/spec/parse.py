@@ -1,0 +1,174 @@
+"""``parse_spec``: a parsed YAML document -> a frozen, validated ``SweepSpec``, one small parser per section.
+
+Every error is a ``SpecError`` whose one-line message names the field and what is allowed. Validation runs
+before any work: no Ray, no MLflow, nothing written. Sections that need no registry (names, numbers, search,
+heal, resources, store, mlflow, bounds) are checked first, without importing torch; then the registries
+(dataset, models, methods) and the model/method compatibility checks (orchestrator/spec/compat.py).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from orchestrator.spec.checks import (MAX_EPOCHS, MAX_SEED, MAX_TRIALS_PER_CELL, SpecError, check_bool, check_choice,
+                                      check_keys, check_list, check_name, check_num, check_pair, check_str, excerpt, join)
+from orchestrator.spec.compat import check_models, check_size
+from orchestrator.spec.grids import parse_grids, view_raw
+from orchestrator.spec.methods import check_healer_data, parse_healers, parse_methods
+from orchestrator.spec.schema import HealSpec, MlflowSpec, ResourceSpec, SearchSpec, StoreSpec, SweepSpec
+from orchestrator.spec.sources import dataset_layout, from_dict_form, parse_dataset, parse_models
+
+REQUIRED = {"name", "models", "sparsities", "calib_sizes", "pruners", "healers"}
+STORE_SCHEMES = ("file", "s3", "gs", "gcs", "hdfs")  # pyarrow.fs.FileSystem.from_uri schemes
+
+
+def parse_spec(raw: Any, base_dir: str | Path | None = None) -> SweepSpec:
+    """Validate a parsed YAML document. A relative ``store.uri`` is resolved against ``base_dir`` (``load_spec``
+    passes the spec file's directory), else against the current directory, so trials see an absolute path."""
+    raw = from_dict_form(raw)
+    d = check_keys(raw, "", set(SweepSpec.__dataclass_fields__), REQUIRED)
+    name = check_name(d["name"], "name")
+    offline = check_bool(d.get("offline", False), "offline")
+    sparsities = tuple(check_num(s, f"sparsities[{i}]", float, 0.0, 1.0, hi_open=True)
+                       for i, s in enumerate(check_list(d["sparsities"], "sparsities")))
+    data_seed = check_num(d.get("data_seed", 0), "data_seed", int, 0, MAX_SEED)
+    calib = tuple(check_num(n, f"calib_sizes[{i}]", int, 1) for i, n in enumerate(check_list(d["calib_sizes"], "calib_sizes")))
+    seeds = tuple(check_num(s, f"seeds[{i}]", int, 0, MAX_SEED) for i, s in enumerate(check_list(d.get("seeds", [0]), "seeds")))
+    sections = dict(search=parse_search(d.get("search")), heal=parse_heal(d.get("heal")),
+                    resources=parse_resources(d.get("resources")), store=parse_store(d.get("store"), base_dir),
+                    mlflow=parse_mlflow(d.get("mlflow")))
+    plugins = parse_plugins(d.get("plugins"))  # before the registries: plugins register methods
+
+    from tasks.data import DATASETS
+    from tasks.models import MODELS
+
+    dataset, dataset_settings, capacity = parse_dataset(d.get("dataset", "digits"), DATASETS)
+    models, refs = parse_models(d["models"], dataset, offline, MODELS)
+    layout = dataset_layout(dataset, data_seed) if capacity is None else None
+    capacity = capacity if layout is None else len(layout["calibration"])
+    for i, n in enumerate(calib):
+        check_num(n, f"calib_sizes[{i}]", int, 1, capacity)
+    spec = SweepSpec(name, tuple(models), sparsities, calib, parse_methods(d["pruners"], "pruners", "pruner", tuple(models)),
+                     parse_healers(d["healers"], "healers", tuple(models)), dataset, data_seed, seeds,
+                     parse_scope(d.get("scope"), models), plugins=plugins, model_refs=refs,
+                     dataset_settings=dataset_settings, offline=offline, **sections)
+    if layout is not None:
+        check_healer_data(spec, layout)
+    check_models(spec)
+    if d.get("grids"):  # [] (what to_dict writes for none) = no extra grids
+        spec = replace(spec, grids=parse_grids(d["grids"], spec, lambda g, s, p: _parse_view(raw, g, s, p)))
+    check_size(spec)
+    return spec
+
+
+def _parse_view(raw: Mapping, grid: Mapping, search: Mapping, path: str) -> SweepSpec:
+    """One extra grid as a whole spec (``view_raw``), validated by ``parse_spec`` itself so that every rule
+    holds for it; error paths gain ``path`` in front."""
+    view = view_raw(raw, grid, search, path)  # its own errors carry the grid's path already
+    try:
+        return parse_spec(view)
+    except SpecError as e:
+        raise SpecError(f"{path}.{e.path}" if e.path else path, e.message) from None
+
+
+def parse_scope(v: Any, models: list[str]) -> dict[str, str]:
+    scope = v or {}
+    if not isinstance(scope, Mapping):
+        raise SpecError("scope", "must map model names to scope names")
+    for m, s in scope.items():
+        if not isinstance(m, str) or m not in models:
+            raise SpecError(join("scope", m), f"not a model of this sweep; models: {', '.join(models)}")
+        if not isinstance(s, str):
+            raise SpecError(f"scope.{m}", f"must be a scope name, got {excerpt(s)}")
+    return dict(scope)
+
+
+def parse_search(v: Any) -> SearchSpec:
+    d = {} if v is None else check_keys(v, "search", set(SearchSpec.__dataclass_fields__))
+    s = SearchSpec(**d)
+    lo_hi = check_pair(s.lr, "search.lr", float, 0.0, lo_open=True)
+    epochs = check_pair(s.epochs, "search.epochs", int, 1, hi=MAX_EPOCHS)
+    if s.objective != "selection_acc":
+        raise SpecError("search.objective", f"must be 'selection_acc', got {excerpt(s.objective)}")
+    return SearchSpec(check_num(s.trials_per_cell, "search.trials_per_cell", int, 1, MAX_TRIALS_PER_CELL), lo_hi, epochs,
+                      s.objective, check_num(s.sampler_seed, "search.sampler_seed", int, 0, MAX_SEED),
+                      None if s.startup_trials is None else
+                      check_num(s.startup_trials, "search.startup_trials", int, 1, MAX_TRIALS_PER_CELL),
+                      check_choice(s.scheduler, "search.scheduler", ("fifo", "asha")),
+                      check_num(s.asha_grace_period, "search.asha_grace_period", int, 1, epochs[1]),
+                      check_num(s.asha_reduction_factor, "search.asha_reduction_factor", int, 2, 1000))
+
+
+def parse_heal(v: Any) -> HealSpec:
+    h = HealSpec(**({} if v is None else check_keys(v, "heal", set(HealSpec.__dataclass_fields__))))
+    return HealSpec(check_num(h.batch_size, "heal.batch_size", int, 1, 1 << 20),
+                    check_num(h.weight_decay, "heal.weight_decay", float, 0.0),
+                    check_num(h.lr_min, "heal.lr_min", float, 0.0))
+
+
+def parse_resources(v: Any) -> ResourceSpec:
+    r = ResourceSpec(**({} if v is None else check_keys(v, "resources", set(ResourceSpec.__dataclass_fields__))))
+    p = "resources."
+    out = ResourceSpec(check_num(r.cpus_per_trial, p + "cpus_per_trial", float, 0.0, 1e6, lo_open=True),
+                       check_num(r.gpus_per_trial, p + "gpus_per_trial", float, 0.0, 1e6),
+                       None if r.max_concurrent is None else check_num(r.max_concurrent, p + "max_concurrent", int, 1, 1e6),
+                       check_num(r.cpus_per_dense_task, p + "cpus_per_dense_task", float, 0.0, 1e6, lo_open=True),
+                       check_num(r.gpus_per_dense_task, p + "gpus_per_dense_task", float, 0.0, 1e6),
+                       check_num(r.max_failures, p + "max_failures", int, 0, 1000), check_bool(r.reuse_actors, p + "reuse_actors"))
+    for f in ("gpus_per_trial", "gpus_per_dense_task"):
+        g = getattr(out, f)
+        if g > 1 and g != int(g):
+            raise SpecError(p + f, f"must be a fraction below 1 or a whole number, got {g!r}")
+    return out
+
+
+def parse_store(v: Any, base_dir: str | Path | None) -> StoreSpec:
+    s = StoreSpec(**({} if v is None else check_keys(v, "store", set(StoreSpec.__dataclass_fields__))))
+    check_choice(s.dtype, "store.dtype", ("float16", "bfloat16"))
+    check_choice(s.on_budget, "store.on_budget", ("refuse", "recompute"))
+    uri = None if s.uri is None else store_uri(s.uri, base_dir)
+    return StoreSpec(check_num(s.shard_size, "store.shard_size", int, 1, 1 << 20), s.dtype, uri,
+                     None if s.budget_gb is None else check_num(s.budget_gb, "store.budget_gb", float, 0.0), s.on_budget)
+
+
+def store_uri(v: Any, base_dir: str | Path | None) -> str:
+    """An absolute local path, or a URI of a scheme pyarrow.fs opens; a relative path is made absolute."""
+    uri = check_str(v, "store.uri")
+    if "://" in uri:
+        scheme = uri.split("://", 1)[0].lower()
+        if scheme not in STORE_SCHEMES:
+            shown = scheme[:20] if scheme.isalnum() else excerpt(scheme, 20)
+            raise SpecError("store.uri", f"unknown scheme {shown}://; allowed: a local path or "
+                                         f"{', '.join(s + '://' for s in STORE_SCHEMES)}")
+        return uri
+    return os.path.abspath(os.path.join(base_dir or os.getcwd(), os.path.expanduser(uri)))
+
+
+def parse_mlflow(v: Any) -> MlflowSpec:
+    m = MlflowSpec(**({} if v is None else check_keys(v, "mlflow", set(MlflowSpec.__dataclass_fields__))))
+    experiment = check_str(m.experiment, "mlflow.experiment", 256)
+    uri = m.tracking_uri
+    if uri is not None:
+        uri = check_str(uri, "mlflow.tracking_uri")
+    return MlflowSpec(uri, experiment)
+
+
+def parse_plugins(v: Any) -> tuple[str, ...]:
+    """Import the spec's plugin modules (they register methods) so validation sees their names."""
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(m, str) for m in v):
+        raise SpecError("plugins", f"must be a list of module names, got {excerpt(v)}")
+    if len(v) > 100:
+        raise SpecError("plugins", f"has {len(v)} items; at most 100 are allowed")
+    for i, m in enumerate(v):
+        if not all(part.isidentifier() for part in m.split(".")):
+            raise SpecError(f"plugins[{i}]", f"must be an absolute module name (a.b.c), got {excerpt(m)}")
+        try:
+            importlib.import_module(m)
+        except ImportError as e:
+            raise SpecError(f"plugins[{i}]", f"cannot import module {excerpt(m)}: {excerpt(str(e), 200)}") from None
+    return tuple(v)

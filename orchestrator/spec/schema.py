@@ -1,0 +1,118 @@
+"""The parsed sweep spec: frozen dataclasses, one per section (what ``parse_spec`` returns; a leaf module)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class MethodRef:
+    name: str
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    # Optional restrictions of one pruner/healer entry (the grid is otherwise a full cross product):
+    models: tuple[str, ...] | None = None  # only these models of the sweep
+    sparsities: tuple[float, ...] | None = None  # pruners: this sparsity list instead of the sweep's
+    scope: str | None = None  # pruners: this scope instead of the model's (e.g. CORP's mlp_qk on a ViT)
+
+    def applies_to(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+
+@dataclass(frozen=True)
+class SearchSpec:
+    trials_per_cell: int = 4
+    lr: tuple[float, float] = (1e-4, 3e-3)  # log-uniform bounds
+    epochs: tuple[int, int] = (1, 8)  # integer bounds, inclusive
+    objective: str = "selection_acc"
+    sampler_seed: int = 0
+    startup_trials: int | None = None  # random trials before TPE per cell; None: trials_per_cell // 2 (1..10)
+    scheduler: str = "fifo"  # fifo | asha (ASHA: Optuna searches lr only, every trial gets epochs[1] epochs)
+    asha_grace_period: int = 1  # epochs before ASHA may stop a trial
+    asha_reduction_factor: int = 2
+
+
+@dataclass(frozen=True)
+class HealSpec:
+    batch_size: int = 32
+    weight_decay: float = 0.0
+    lr_min: float = 1e-6
+
+
+@dataclass(frozen=True)
+class ResourceSpec:
+    cpus_per_trial: float = 1.0
+    gpus_per_trial: float = 0.0
+    max_concurrent: int | None = None  # None: as many as the cluster's CPUs allow
+    cpus_per_dense_task: float = 1.0
+    gpus_per_dense_task: float = 0.0
+    max_failures: int = 2  # retries of a failed trial, each from its last per-epoch checkpoint
+    reuse_actors: bool = True
+
+    def peak_request(self) -> dict[str, float]:
+        """The largest single placement the sweep asks for, as Ray resource names ({"CPU": .., "GPU": ..}): a
+        cluster whose largest node offers less can never place a trial or dense task (check before Tune starts)."""
+        return {"CPU": max(self.cpus_per_trial, self.cpus_per_dense_task),
+                "GPU": max(self.gpus_per_trial, self.gpus_per_dense_task)}
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    shard_size: int = 64
+    dtype: str = "float16"
+    uri: str | None = None  # where dense targets live: an absolute path or a URI (file, s3, gs, hdfs); None: <--store>/targets
+    budget_gb: float | None = None  # disk budget of the target store; None: unlimited
+    on_budget: str = "refuse"  # over budget: "refuse" (error before any compute) | "recompute" (in each trial)
+
+
+@dataclass(frozen=True)
+class MlflowSpec:
+    tracking_uri: str | None = None  # None: sqlite database in the run directory
+    experiment: str = "healsweep"
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    name: str
+    models: tuple[str, ...]
+    sparsities: tuple[float, ...]
+    calib_sizes: tuple[int, ...]
+    pruners: tuple[MethodRef, ...]
+    healers: tuple[MethodRef, ...]
+    dataset: str = "digits"
+    data_seed: int = 0
+    seeds: tuple[int, ...] = (0,)
+    scope: Mapping[str, str] = field(default_factory=dict)  # model -> scope; missing: the adapter's default
+    search: SearchSpec = SearchSpec()
+    heal: HealSpec = HealSpec()
+    resources: ResourceSpec = ResourceSpec()
+    store: StoreSpec = StoreSpec()
+    mlflow: MlflowSpec = MlflowSpec()
+    plugins: tuple[str, ...] = ()  # modules imported before validation and in every trial (custom methods)
+    model_refs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> tasks.sources.ModelRef dict
+    dataset_settings: Mapping[str, Any] = field(default_factory=dict)  # `dataset: {name: ..., <settings>}`
+    offline: bool = False  # no downloads: weights must be in the local cache
+    grids: tuple = ()  # extra grids run in the same sweep (GridSpec below, orchestrator/spec/grids.py)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def load_kwargs(self, model: str) -> dict:
+        """Extra ``tasks.models.load_model`` arguments for a model; {} for reference models (unchanged path)."""
+        ref = self.model_refs.get(model)
+        if not ref or ref.get("source", "reference") == "reference":
+            return {}
+        return {"source": dict(ref), "dataset": {"name": self.dataset, **self.dataset_settings}}
+
+
+@dataclass(frozen=True)
+class GridSpec:
+    """One extra grid; ``None`` fields are inherited from the top-level spec."""
+
+    name: str
+    models: tuple[str, ...] | None = None
+    sparsities: tuple[float, ...] | None = None
+    calib_sizes: tuple[int, ...] | None = None
+    pruners: tuple | None = None  # tuple[MethodRef, ...]
+    healers: tuple | None = None
+    seeds: tuple[int, ...] | None = None
+    search: Mapping[str, Any] = field(default_factory=dict)  # only SEARCH_KEYS, already validated

@@ -1,0 +1,126 @@
+"""Spec parsing for model sources and dataset settings (``models`` mapping entries, ``dataset`` mapping).
+
+``models`` entries are names (reference models, or timm names) or mappings {name, source, arch, pretrained,
+weights, path, num_classes, model_args, init_seed}; ``dataset`` is a name or {name: ..., <settings>}.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Mapping
+
+from orchestrator.spec.checks import SpecError, check_list, excerpt
+
+
+def from_dict_form(raw: Any) -> Any:
+    """A ``SweepSpec.to_dict()`` (sweep.json, refine rounds) back to spec syntax: model names -> their mapping
+    entries, dataset name + settings -> the dataset mapping. Plain YAML specs pass through unchanged."""
+    if not isinstance(raw, Mapping) or not ({"model_refs", "dataset_settings"} & set(raw)):
+        return raw
+    d = dict(raw)
+    refs, settings = d.pop("model_refs", None) or {}, d.pop("dataset_settings", None) or {}
+    for key, v in (("model_refs", refs), ("dataset_settings", settings)):
+        if not isinstance(v, Mapping) or (key == "model_refs" and not all(isinstance(r, Mapping) for r in v.values())):
+            raise SpecError(key, f"must be a mapping (as SweepSpec.to_dict writes it), got {excerpt(v)}")
+    if isinstance(d.get("models"), (list, tuple)):
+        d["models"] = [m if not isinstance(m, str) or refs.get(m, {}).get("source", "reference") == "reference"
+                       else {k: v for k, v in refs[m].items() if v is not None and k != "offline"}
+                       for m in d["models"]]
+    if settings:
+        d["dataset"] = {"name": d.get("dataset", "digits"), **settings}
+    return d
+
+
+def parse_dataset(raw: Any, datasets) -> tuple[str, dict, int | None]:
+    """-> (name, settings, largest calibration size the settings allow; None: load the dataset to know)."""
+    settings: dict = {}
+    if isinstance(raw, Mapping):
+        if "name" not in raw:
+            raise SpecError("dataset.name", "required key is missing")
+        settings = {k: v for k, v in raw.items() if k != "name"}
+        for k in settings:
+            if not isinstance(k, str):
+                raise SpecError("dataset", f"setting names must be strings, got {excerpt(k)}")
+        raw = raw["name"]
+    if not isinstance(raw, str) or raw not in datasets:
+        raise SpecError("dataset", f"unknown dataset {excerpt(raw)}; allowed: {', '.join(datasets.names())}")
+    check = getattr(datasets.get(raw), "check", None)
+    if check is None:
+        if settings:
+            raise SpecError(f"dataset.{sorted(settings)[0]}", f"dataset {raw!r} takes no settings")
+        return raw, settings, None
+    try:
+        return raw, settings, int(check(settings))
+    except (ValueError, TypeError) as e:
+        raise SpecError("dataset", str(e)) from None
+
+
+def parse_models(raw: Any, dataset: str, offline: bool, models) -> tuple[list[str], dict[str, dict]]:
+    """-> (model display names, {name: ModelRef dict}); reference models must be trained on ``dataset``."""
+    from tasks.models import ModelSourceError, parse_ref
+
+    names, refs = [], {}
+    for i, item in enumerate(check_list(raw, "models")):
+        if isinstance(item, str) and item in models:  # a reference model: no timm look-up of the name
+            item = {"name": item}
+        try:
+            ref = parse_ref(item, offline=offline)
+        except ModelSourceError as e:
+            raise SpecError(f"models[{i}]", str(e)) from None
+        except KeyError as e:  # unknown source name from the registry
+            raise SpecError(f"models[{i}].source", str(e.args[0])) from None
+        except (TypeError, ValueError) as e:  # a value of the wrong type deep in a source's own checks
+            raise SpecError(f"models[{i}]", str(e)) from None
+        if ref.name in refs:
+            raise SpecError(f"models[{i}].name", f"model {ref.name!r} is listed twice")
+        if ref.source == "reference" and models.get(ref.name).dataset != dataset:
+            raise SpecError(f"models[{i}]", f"model {ref.name!r} is trained on {models.get(ref.name).dataset!r}, "
+                                            f"not {dataset!r}")
+        if ref.source != "reference" and dataset == "digits":
+            raise SpecError(f"models[{i}]", f"model {ref.name!r} ({ref.source}) needs an image dataset, not the "
+                                            f"digits reference set; set dataset: imagenet1k, cifar100, imagefolder, ...")
+        names.append(ref.name)
+        refs[ref.name] = ref.to_dict()
+    return names, refs
+
+
+def architecture(spec, name: str):
+    """A spec model's architecture for validation: built once per process and model entry, on the meta device
+    (shapes and module types only: no weight initialisation, no memory). Callers must not modify it."""
+    import json
+
+    return _architecture(json.dumps(spec.model_refs.get(name) or {"name": name}, sort_keys=True, default=str))
+
+
+@lru_cache(maxsize=16)
+def _architecture(ref_json: str):
+    import json
+
+    from tasks.models import ModelRef, build_untrained
+
+    return build_untrained(ModelRef(**json.loads(ref_json)), device="meta")
+
+
+def untrained(spec, name: str):
+    """A spec's model architecture for validation and adapter defaults: no download, no training. External
+    models are built on the meta device (shapes only: seconds, not minutes, for DeiT3-H); reference models
+    on the CPU as before."""
+    from tasks.models import ModelRef, build_untrained
+
+    ref = ModelRef(**(spec.model_refs.get(name) or {"name": name}))
+    return build_untrained(ref, device="cpu" if ref.source == "reference" else "meta")
+
+
+def dataset_layout(name: str, seed: int):
+    """The split layout of a dataset that has no ``check`` (digits): names, sizes and which splits carry labels,
+    as a ``DatasetSplits`` whose images have no pixels. Enough for calibration capacity and healers'
+    ``check_data``; the data itself is loaded only by the sweep (scikit-learn is not imported here)."""
+    import numpy as np
+    import torch
+
+    from tasks.data import DIGITS_SPLIT_SIZES, DatasetSplits, SplitData, load_dataset
+
+    if name != "digits":  # an unknown layout: load the data to know it
+        return load_dataset(name, seed=seed)
+    splits = {s: SplitData(torch.empty((n, 0)), None if s == "calibration" else torch.zeros(n, dtype=torch.int64),
+                           np.arange(n)) for s, n in DIGITS_SPLIT_SIZES.items()}
+    return DatasetSplits("digits", 10, (1, 16, 16), splits)

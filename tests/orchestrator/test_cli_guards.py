@@ -1,0 +1,140 @@
+"""Bad input to the CLI is one line on stderr and exit code 2, never a traceback (issue 16.7-16.9, 17.2); every case
+runs the real `healsweep` console script in a subprocess. One driver per run directory (the run-dir lock)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.spec import load_spec
+
+REPO = Path(__file__).resolve().parents[2]
+EXE = Path(sys.executable).with_name("healsweep")
+
+
+def cli(*args, cwd=REPO, timeout=120):
+    env = dict(os.environ, PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0")
+    return subprocess.run([str(EXE), *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env,
+                          timeout=timeout)
+
+
+def assert_one_line_exit_2(r, *needles):
+    err = r.stderr.strip()
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and len(err.splitlines()) == 1, err
+    for n in needles:
+        assert n in err, err
+
+
+def sweep_record(d: Path, tmp_path: Path) -> Path:
+    """A run directory with a genuine sweep.json of configs/tiny.yaml (as the driver writes it)."""
+    d.mkdir(parents=True, exist_ok=True)
+    spec = load_spec(REPO / "configs" / "tiny.yaml")
+    (d / "sweep.json").write_text(json.dumps({
+        "sweep_id": "abc123", "name": "tiny", "tracking_uri": f"sqlite:///{d / 'mlflow.db'}",
+        "experiment": "healsweep", "store": str(tmp_path / "store"), "cache": str(tmp_path / "cache"),
+        "spec": spec.to_dict(), "parent_run_id": "0" * 32}, default=list))
+    return d
+
+
+@pytest.mark.parametrize("content", ["garbage", '{"sweep_id": 3}'])
+def test_resume_with_a_garbage_sweep_json(tmp_path, content):
+    (tmp_path / "sweep.json").write_text(content, encoding="latin-1")
+    assert_one_line_exit_2(cli("run", "--resume", tmp_path), "sweep.json")
+
+
+@pytest.mark.parametrize("days", ["nan", "inf"])
+def test_store_gc_older_than_non_finite(tmp_path, days):
+    (tmp_path / "targets").mkdir()
+    assert_one_line_exit_2(cli("store", "gc", f"--older-than={days}", tmp_path), "--older-than")
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--resources", "gpu=inf"], "--resources"), (["--resources", "cpu=nan"], "--resources"),
+    (["--num-cpus", "-1"], "--num-cpus"), (["--out", "FILE"], "is a file")])
+def test_run_rejects_bad_flags_before_ray(tmp_path, extra, needle):
+    (tmp_path / "FILE").write_text("x")
+    extra = [str(tmp_path / "FILE") if a == "FILE" else a for a in extra]
+    out = ["--out", tmp_path / "run"] if "--out" not in extra else []
+    assert_one_line_exit_2(cli("run", REPO / "configs" / "tiny.yaml", *out, *extra), needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_report_without_a_sweep_creates_nothing(tmp_path):
+    assert_one_line_exit_2(cli("report", tmp_path), f"no sweep in {tmp_path}")
+    d = sweep_record(tmp_path / "run", tmp_path)  # sweep.json, but its mlflow.db is gone
+    assert_one_line_exit_2(cli("report", d), "no sweep in", "mlflow.db", "missing")
+    assert sorted(p.name for p in d.iterdir()) == ["sweep.json"]  # no empty database, no report
+
+
+def test_second_driver_on_a_run_dir_is_refused_and_a_dead_drivers_lock_is_taken_over(tmp_path):
+    d = sweep_record(tmp_path / "run", tmp_path)
+    holder = subprocess.Popen(  # a live driver: holds the run directory's lock like run_sweep does
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from orchestrator.resume import "
+         "lock_run_dir; lock_run_dir(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)", str(d)],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        r = cli("run", "--resume", d)
+        assert_one_line_exit_2(r, f"another healsweep driver (pid {holder.pid}) is running this sweep")
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    from orchestrator.resume import lock_run_dir, release_run_dir
+
+    time.sleep(0.1)
+    f = lock_run_dir(d)  # stale: its holder is dead, the kernel dropped the flock
+    try:
+        assert (d / "driver.lock").read_text().strip() == str(os.getpid()) and not f.closed
+    finally:
+        release_run_dir(d)
+
+
+def test_record_dense_keeps_every_sessions_images(tmp_path):
+    from orchestrator.resume import read_sweep, record_dense
+
+    d = sweep_record(tmp_path / "run", tmp_path)
+    info = read_sweep(d)
+    assert record_dense(d, info, 0, 256) == 256  # first session, then the driver is killed
+    info = read_sweep(d)  # the resumed driver reads sweep.json again
+    assert record_dense(d, info, 1, 0) == 256 and read_sweep(d)["dense_forward_images"] == {"0": 256, "1": 0}
+    assert record_dense(d, read_sweep(d), 2, 64) == 320
+
+
+def test_store_commands_take_a_run_dir_from_any_cwd_and_list_everything(tmp_path):
+    from tasks.store import TargetStore, content_key, ensure_targets
+    from tests.store_helpers import Runner
+
+    home = tmp_path / "home"
+    st = TargetStore(home / "targets")
+    key = content_key("cli")
+    ensure_targets(st, key, 6, 4, Runner(st, key), meta={"model": "m6"}, dtype="float16")
+    (home / "masks").mkdir()
+    (home / "masks" / f"{'a' * 32}.safetensors").write_bytes(b"m" * 3000)
+    (home / "rankings" / "vit").mkdir(parents=True)
+    (home / "rankings" / "vit" / "r.safetensors").write_bytes(b"r" * 5000)
+    (home / "diagnostics").mkdir()
+    run = sweep_record(tmp_path / "run", tmp_path)
+    info = json.loads((run / "sweep.json").read_text())
+    (run / "sweep.json").write_text(json.dumps(dict(info, store=str(home))))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = cli("store", "ls", "../run", cwd=elsewhere)  # a relative run directory, from another cwd
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert any(line.startswith(key) and " m6 " in line for line in lines)
+    assert any(f"{'a' * 32}.safetensors" in line and "0.00 MB" in line for line in lines)
+    assert any(line.strip().startswith("vit/") and "0.01 MB" in line for line in lines)
+    assert "1 masks entries, 0.00 MB" in r.stdout and "1 rankings entries" in r.stdout
+    assert "0 diagnostics entries" in r.stdout
+    assert cli("store", "verify", run, cwd=elsewhere).returncode == 0
+    assert cli("store", "verify", run, key, cwd=elsewhere).stdout.startswith(f"{key}: ok")
+    assert_one_line_exit_2(cli("store", "ls", cwd=elsewhere), ".healsweep/store does not exist")
+    assert cli("store", "gc", "--older-than", "0", "--dry-run", home, cwd=elsewhere).stdout.startswith(
+        f"would delete {key}")

@@ -1,0 +1,117 @@
+"""Store integrity without shortcuts (issue 16.1-16.3): bit rot with the mtime restored, a manifest claiming rows
+no shard holds, a truncated manifest; `store verify` and ensure_targets (the sweep's dense stage) agree; the
+reader refuses to stream fewer rows than its calibration size."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tasks.store import StoreError, TargetReader, TargetStore, content_key, ensure_targets
+from tests.store_helpers import SHAPES, Runner, fake_targets
+
+K1, K2 = content_key({"integrity": 1}), content_key({"integrity": 2})
+REPO = Path(__file__).resolve().parents[2]
+
+
+def ensure(st, key, n, runner, shard_size=4):
+    return ensure_targets(st, key, n, shard_size, runner, meta={"model": "fake"}, dtype="float16",
+                          calibration_rows=list(range(n)))
+
+
+def bits_equal(a, b):
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def cli(*args, cwd=REPO):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    exe = Path(sys.executable).with_name("healsweep")
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
+
+
+def rot(path: Path, at: int) -> None:
+    """Flip one byte in the middle of a file and restore its mtime: what bit rot looks like."""
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x40
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+
+
+def test_bit_rot_with_mtime_restored_is_caught_by_open_verify_and_the_sweep(tmp_path):
+    st = TargetStore(tmp_path / "targets")
+    ensure(st, K1, 12, Runner(st, K1))
+    st.open(K1).close()  # a verified open before: verified.json records every shard
+    shard = st.key_dir(K1) / "shard-00001.arrow"
+    assert "shard-00001.arrow" in json.loads((st.key_dir(K1) / "verified.json").read_text())
+    rot(shard, shard.stat().st_size // 2)
+    with pytest.raises(StoreError, match="shard-00001.arrow .*sha256"):
+        st.open(K1)
+    r = cli("store", "verify", str(tmp_path))
+    assert r.returncode == 1 and "shard-00001.arrow (rows 4-8): fails its sha256 check" in r.stdout, r.stdout + r.stderr
+    assert "shard-00001.arrow" not in json.loads((st.key_dir(K1) / "verified.json").read_text())
+    runner = Runner(st, K1)
+    res = ensure(st, K1, 12, runner)  # the next sweep's dense stage
+    assert runner.calls == [(1, 4, 8)] and len(res.events) == 1 and "shard-00001.arrow" in res.events[0]
+    assert [p.name.endswith("-shard-00001.arrow") for p in (st.root / ".quarantine").iterdir()] == [True]
+    with st.open(K1) as rd:
+        got = rd.load_all()
+    want = fake_targets(12)
+    assert all(bits_equal(got[k], want[k]) for k in SHAPES)
+    assert cli("store", "verify", str(tmp_path)).returncode == 0
+
+
+def test_manifest_claiming_more_rows_than_stored_fails_verify_and_is_recomputed(tmp_path):
+    st = TargetStore(tmp_path)
+    ensure(st, K1, 8, Runner(st, K1))
+    mf = st.key_dir(K1) / "manifest.json"
+    m = json.loads(mf.read_text())
+    m.update(num_rows=10, calibration_rows=list(range(10)))  # claims 10 rows, its shards hold 8
+    mf.write_text(json.dumps(m))
+    with pytest.raises(StoreError, match="do not tile"):
+        st.open(K1, num_rows=10)
+    r = cli("store", "verify", "--store", str(tmp_path))
+    assert r.returncode == 1 and f"{K1}: DAMAGED" in r.stdout and "do not tile [0, 10)" in r.stdout, r.stdout
+    runner = Runner(st, K1)
+    res = ensure(st, K1, 10, runner)
+    assert runner.calls == [(2, 8, 10)] and len(res.events) == 1 and "quarantined" in res.events[0]
+    assert st.manifest(K1)["num_rows"] == 10
+    with st.open(K1, num_rows=10) as rd:
+        assert bits_equal(rd.load_all()["logits"], fake_targets(10)["logits"])
+
+
+def test_truncated_manifest_verify_reports_every_key_and_the_sweep_rebuilds(tmp_path):
+    st = TargetStore(tmp_path)
+    for k in (K1, K2):
+        ensure(st, k, 8, Runner(st, k))
+    first, second = sorted((K1, K2))
+    mf = st.key_dir(first) / "manifest.json"
+    mf.write_bytes(mf.read_bytes()[:40])
+    r = cli("store", "verify", "--store", str(tmp_path))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"{first}: DAMAGED" in r.stdout and f"{second}: ok" in r.stdout  # did not stop at the first bad key
+    assert "2 keys checked" in r.stdout
+    runner = Runner(st, first)
+    res = ensure(st, first, 8, runner)
+    assert runner.calls == [] and len(res.events) == 1 and "unreadable JSON" in res.events[0]  # shards were sound
+    assert st.manifest(first)["num_rows"] == 8 and cli("store", "verify", str(tmp_path)).returncode == 0
+
+
+def test_reader_refuses_an_epoch_shorter_than_its_calibration_size(tmp_path):
+    st = TargetStore(tmp_path)
+    ensure(st, K1, 8, Runner(st, K1))
+    with st.open(K1) as rd:
+        assert sum(len(r) for r, _ in rd.iter_batches(3, epoch=0)) == 8 and rd.rows_streamed == {0: 8}
+        assert sum(len(r) for r, _ in rd.iter_batches(3, epoch=1, drop_last=True)) == 6
+    m = st.manifest(K1)
+    short = TargetReader(st, K1, dict(m, num_rows=10), m["shards"], 10)  # shards hold 8 of the 10 rows
+    with pytest.raises(StoreError, match="streamed 8 rows, expected 10"):
+        for _ in short.iter_batches(4, shuffle=True, seed=1):
+            pass
+    assert short.rows_streamed == {0: 8}
+    np.testing.assert_array_equal(np.sort(short.epoch_order()), np.arange(8))
