@@ -81,8 +81,50 @@ def plan_refinement(run_dir: Path, step: float) -> dict:
     info = load_sweep_info(uri, meta["sweep_id"], exp)
     if info["run_id"] is None:
         raise RefineError(f"{run_dir}: parent run of sweep {meta['sweep_id']} not found in MLflow")
+    heal = trials.loc[trials["status"] == "FINISHED", "heal_seconds"].dropna() if "heal_seconds" in trials else ()
     return {"meta": meta, "interval": interval, "sparsities": sparsities, "parent_run_id": info["run_id"],
-            "round": len(meta.get("refinements", [])) + 1}
+            "round": len(meta.get("refinements", [])) + 1, "tracking_uri": uri,
+            "heal_seconds": [float(x) for x in heal]}
+
+
+def count_trials(spec) -> dict[str, int]:
+    """Grid name -> trials the spec runs: trials_per_cell per cell, 1 for a healer that does not train."""
+    from collections import Counter, defaultdict
+
+    from orchestrator.plan import expand_cells, grid_searches
+    from tasks.healing import resolve_healer
+
+    searches, trains, out = grid_searches(spec), {}, Counter()
+    for c in expand_cells(spec, defaultdict(str)):  # scopes are not needed to count cells
+        key = (c.healer, repr(sorted(c.healer_settings.items())))
+        if key not in trains:
+            trains[key] = resolve_healer(c.healer, c.healer_settings).trains
+        out[c.grid] += searches[c.grid].trials_per_cell if trains[key] else 1
+    return dict(out)
+
+
+def trial_wall(plan: dict) -> tuple[float | None, str]:
+    """Measured wall seconds per trial of this sweep -> (seconds, how it was measured). Tune wall over trials
+    run, summed over the sweep's sessions (it includes the concurrency and per-trial overhead of this
+    machine); without it, the mean heal_seconds of the finished trials (one at a time, no overhead)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(plan["tracking_uri"])
+    hist = {k: {m.step: m.value for m in client.get_metric_history(plan["parent_run_id"], k)}
+            for k in ("tune_seconds", "trials_run")}
+    steps = [s for s, n in hist["trials_run"].items() if n > 0 and s in hist["tune_seconds"]]
+    if steps:
+        wall, n = sum(hist["tune_seconds"][s] for s in steps), sum(hist["trials_run"][s] for s in steps)
+        return wall / n, f"the sweep's Tune wall per trial, {wall:.0f} s / {n:.0f} trials"
+    if plan["heal_seconds"]:
+        h = plan["heal_seconds"]
+        return sum(h) / len(h), f"mean heal_seconds of {len(h)} finished trials, one at a time"
+    return None, "no finished trial to measure"
+
+
+def duration(seconds: float) -> str:
+    """42 s, 7 min, 1.5 h."""
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
 def refine_spec(spec, sparsities: list[float]):
@@ -97,19 +139,34 @@ def refine_spec(spec, sparsities: list[float]):
     return replace(spec, sparsities=tuple(sparsities), pruners=pruners, grids=())  # the main grid only
 
 
+MAX_TRIALS = 200  # default budget of one refinement round (healsweep refine --max-trials)
+
+
 def run_refinement(run_dir: Path, step: float = 0.005, *, address: str | None = None, progress: bool = True,
-                   num_cpus: int | None = None, dry_run: bool = False) -> dict:
-    """Plan, run the fine grid into the same sweep, record it in sweep.json and rewrite the report."""
+                   num_cpus: int | None = None, dry_run: bool = False, max_trials: int = MAX_TRIALS) -> dict:
+    """Plan, run the fine grid into the same sweep, record it in sweep.json and rewrite the report. Plans of
+    more than ``max_trials`` trials are refused (RefineError) unless ``dry_run``; the plan carries ``trials``,
+    ``seconds_per_trial`` and ``estimate`` (how the time was measured) either way."""
     from orchestrator.spec import SpecError, parse_spec
 
+    if max_trials < 1:
+        raise RefineError(f"--max-trials must be >= 1, got {max_trials}")
     plan = plan_refinement(run_dir, step)
     meta = plan["meta"]
     try:
         spec = refine_spec(parse_spec(meta["spec"]), plan["sparsities"])
     except SpecError as e:
         raise RefineError(f"sweep.json spec: {e}") from None
+    plan["trials"] = sum(count_trials(spec).values())
+    plan["seconds_per_trial"], plan["estimate"] = trial_wall(plan)
     if dry_run:
         return plan
+    if plan["trials"] > max_trials:
+        per = plan["trials"] / len(plan["sparsities"])
+        about = f", about {duration(plan['trials'] * plan['seconds_per_trial'])}" if plan["seconds_per_trial"] else ""
+        ns = len(plan["sparsities"])
+        raise RefineError(f"{plan['trials']} new trials ({ns} sparsit{'y' if ns == 1 else 'ies'} x {per:g}{about}) "
+                          f"exceed --max-trials {max_trials}; raise it, or use a coarser --step (see --dry-run)")
     from analysis.report import write_report
     from orchestrator.resume import JOURNAL_FILE, told_states
     from orchestrator.sweep import run_sweep

@@ -3,16 +3,21 @@
 ``save_healed`` (called by ``run_trial``) keeps only what healing changed, the scoped parameters, in
 ``<run dir>/trials/<trial_key>/healed.safetensors`` next to ``trial.json`` (the trial's parameters and final
 results). ``export_trial`` rebuilds the dense model from its source, puts the healed parameters in, checks the
-mask, and writes ``model.safetensors`` (the full state dict: loadable by ``timm.create_model(...,
-pretrained=False)`` + ``load_state_dict``), ``mask.safetensors``, ``model_card.json`` and ``model_card.md``.
+mask, and writes ``model.safetensors`` (the full state dict), ``mask.safetensors``, ``model_card.json`` and
+``model_card.md``. The card's code uses timm / torchvision / scikit-learn only (never this project): it rebuilds
+the architecture, preprocesses the evaluation images as the trial did, and reproduces the logged accuracy.
+Every exported file is world-readable (0644): an export is meant to be shared.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import re
 import tempfile
+import textwrap
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -26,14 +31,30 @@ from tasks.pruning.masks import MaskStore
 
 HEALED = "healed.safetensors"
 TRIAL_JSON = "trial.json"
+FILE_MODE = 0o644
+# A trial key is "<cell id>-<optuna trial number>": one path component, never "." or "..", no separators.
+TRIAL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def trial_dir(run_dir: Path, trial_key: str) -> Path:
+    """``run_dir/trials/<trial_key>``; ValueError when the key (e.g. an MLflow tag) is not a plain trial key."""
+    if not isinstance(trial_key, str) or not TRIAL_KEY_RE.match(trial_key) or ".." in trial_key:
+        raise ValueError(f"trial_id {str(trial_key)[:80]!r}: not a trial key (expected <cell id>-<number>, "
+                         f"matching {TRIAL_KEY_RE.pattern})")
+    root = (Path(run_dir) / "trials").resolve()
+    d = (root / trial_key).resolve()
+    if d.parent != root:  # e.g. a symlink planted under trials/
+        raise ValueError(f"trial_id {trial_key!r}: resolves outside {root}")
+    return d
 
 
 def _atomic(path: Path, write) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # created 0600
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)
@@ -58,35 +79,76 @@ def save_healed(trial_dir: Path, model: nn.Module, entries, params: Mapping[str,
     return trial_dir / HEALED
 
 
+def _source(params: Mapping[str, Any]) -> dict | None:
+    src = dict(params.get("load_kw") or {}).get("source")
+    return src if src and src.get("source", "reference") != "reference" else None
+
+
 def dense_model(params: Mapping[str, Any]) -> nn.Module:
     """The trial's dense model from its source (no dataset is loaded for timm/torchvision/checkpoint models)."""
-    src = dict(params.get("load_kw") or {}).get("source")
-    if src and src.get("source", "reference") != "reference":
+    src = _source(params)
+    if src:
         ref = ModelRef(**src)
         return MODEL_SOURCES.get(ref.source).load(ref)
-
     return load_model(params["model"], params["cache_dir"], data_seed=params.get("data_seed", 0), progress=False).model
 
 
+def _function_code(fn: Callable, name: str) -> str:
+    """The source of a self-contained function (imports inside it), renamed to ``name``."""
+    code = textwrap.dedent(inspect.getsource(fn))
+    return re.sub(rf"^def {re.escape(fn.__name__)}\(", f"def {name}(", code, count=1, flags=re.M)
+
+
 def reload_recipe(params: Mapping[str, Any]) -> dict:
-    """How to rebuild the architecture for the exported weights (timm / torchvision / reference class)."""
-    src = dict(params.get("load_kw") or {}).get("source")
-    if src and src.get("source") != "reference":
+    """How to rebuild the architecture for the exported weights: library, arch, kwargs and plain code."""
+    src = _source(params)
+    if src:
         arch = src.get("arch") or src["name"]
         lib, _, arch = arch.rpartition(":") if src["source"] == "checkpoint" else (src["source"], "", arch)
+        lib = lib or "timm"
         kw = dict(src.get("model_args") or {})
         if src.get("num_classes") is not None:
             kw["num_classes"] = src["num_classes"]
-        return {"library": lib or "timm", "arch": arch, "kwargs": kw, "pretrained": False}
+        code = (f"import timm\nmodel = timm.create_model({arch!r}, pretrained=False, **{kw!r})" if lib == "timm" else
+                f"import torchvision\nmodel = torchvision.models.get_model({arch!r}, weights=None, **{kw!r})")
+        return {"library": lib, "arch": arch, "kwargs": kw, "pretrained": False, "code": code}
+    s = MODELS.get(params["model"])  # a reference model: its builder is plain timm code; the card carries it
+    code = f"import torch.nn as nn\n\n\n{_function_code(s.build, 'build')}\n\nmodel = build({dict(s.arch)!r})"
+    return {"library": "timm", "arch": params["model"], "kwargs": dict(s.arch), "code": code}
 
-    s = MODELS.get(params["model"])
-    return {"library": "healsweep-reference", "arch": params["model"], "kwargs": dict(s.arch),
-            "builder": f"{s.build.__module__}.{s.build.__name__}"}
+
+def preprocessing(params: Mapping[str, Any], model: nn.Module) -> dict:
+    """The evaluation images as the trial saw them: for the digits, scikit-learn's images, the transform and the
+    evaluation split's indices; for real models, the model's timm data config or torchvision weights' transforms."""
+    src = _source(params)
+    if src is None:
+        from tasks.data.digits import DIGITS_TRANSFORM, digits_preprocess, load_digits
+
+        data = load_digits(params.get("data_seed", 0))
+        code = ("import numpy as np\nimport torch\nimport torch.nn.functional as F\nfrom sklearn.datasets import "
+                f"load_digits\n\n\n{_function_code(digits_preprocess, 'preprocess')}\n\n"
+                "digits = load_digits()  # scikit-learn's bundled 8x8 scans, grey levels 0..16\n"
+                "idx = np.array(EVAL_INDICES)  # the evaluation split: indices into load_digits()\n"
+                "images, labels = preprocess(digits.images[idx]), torch.from_numpy(digits.target[idx])")
+        return {"transform": DIGITS_TRANSFORM, "code": code,
+                "evaluation_indices": [int(i) for i in data["evaluation"].indices]}
+    ref = ModelRef(**src)
+    _, tid = MODEL_SOURCES.get(ref.source).transform(ref, model)
+    kind, _, arg = tid.partition(":")
+    if kind == "timm":
+        cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(arg).items()}  # timm's own types
+        code = (f"from timm.data import create_transform\ntransform = create_transform(**{cfg!r}, "
+                f"is_training=False)  # the model's timm data config; apply to RGB PIL images")
+    elif kind == "torchvision":
+        code = (f"from torchvision.models import get_weight\ntransform = get_weight({arg!r}).transforms()"
+                "  # apply to RGB PIL images")
+    else:
+        code = f"# preprocessing {tid!r}: see the sweep's dataset settings"
+    return {"transform": tid, "code": code, "evaluation_indices": None}
 
 
-def export_trial(trial_dir: Path, out: Path, run_info: Mapping[str, Any] | None = None) -> dict[str, Path]:
-    """Rebuild the healed model of a finished trial and write it, its mask and a model card to ``out``."""
-    trial_dir, out = Path(trial_dir), Path(out)
+def load_trial(trial_dir: Path) -> tuple[nn.Module, dict, dict, dict]:
+    """-> (healed model, masks, trial params, final results) of a finished trial; checks the mask invariant."""
     if not (trial_dir / HEALED).is_file():
         raise FileNotFoundError(f"{trial_dir}: no {HEALED} (the trial did not finish, or ran before healed "
                                 f"weights were saved)")
@@ -102,12 +164,19 @@ def export_trial(trial_dir: Path, out: Path, run_info: Mapping[str, Any] | None 
     bad = mask_violations(model, masks)
     if bad:
         raise ValueError(f"{trial_dir}: {bad} masked weights are nonzero in the healed weights")
+    return model, masks, params, final
 
+
+def export_trial(trial_dir: Path, out: Path, run_info: Mapping[str, Any] | None = None) -> dict[str, Path]:
+    """Rebuild the healed model of a finished trial and write it, its mask and a model card to ``out``."""
+    trial_dir, out = Path(trial_dir), Path(out)
+    model, masks, params, final = load_trial(trial_dir)
     entries = get_adapter(model).scope(model, params["scope"])
     info = dict(run_info or {})
+    prep = preprocessing(params, model)
     card = {
-        "format": "healsweep-model-card/1",
-        "model": params["model"], "source": dict(params.get("load_kw") or {}).get("source") or {"source": "reference"},
+        "format": "healsweep-model-card/2",
+        "model": params["model"], "source": _source(params) or {"source": "reference"},
         "model_digest": final.get("model_digest"), "reload": reload_recipe(params),
         "pruner": info.get("pruner"), "pruner_settings": info.get("pruner_settings"), "scope": params["scope"],
         "sparsity": float(info["sparsity"]) if info.get("sparsity") is not None else None,
@@ -116,7 +185,12 @@ def export_trial(trial_dir: Path, out: Path, run_info: Mapping[str, Any] | None 
         "epochs": params["epochs"], "batch_size": params["batch_size"], "calib_size": params["calib_size"],
         "calib_digest": final.get("calib_digest"), "eval_digest": final.get("eval_digest"),
         "dataset": dict(params.get("load_kw") or {}).get("dataset") or {"name": "digits"},
+        "data_seed": params.get("data_seed", 0),
+        "preprocessing": {"transform": prep["transform"], "code": prep["code"]},
+        "evaluation": {"split": "evaluation", "digest": final.get("eval_digest"),
+                       "indices": prep["evaluation_indices"]},
         "accuracy": {k: final.get(k) for k in ("dense_acc", "pruned_acc", "healed_acc", "retention")},
+        "metrics": dict(info.get("metrics") or {}),
         "mlflow_run_id": info.get("run_id"), "trial_key": params.get("trial_key"),
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -129,10 +203,38 @@ def export_trial(trial_dir: Path, out: Path, run_info: Mapping[str, Any] | None 
     return paths
 
 
+def _merge(*codes: str) -> str:
+    """Python snippets -> one program: their leading import lines first (deduplicated), then their bodies."""
+    imports, bodies = [], []
+    for code in codes:
+        lines = code.strip("\n").splitlines()
+        n = next((i for i, ln in enumerate(lines) if not ln.startswith(("import ", "from ")) and ln.strip()),
+                 len(lines))
+        imports += [ln for ln in lines[:n] if ln.strip()]
+        bodies.append("\n".join(lines[n:]).strip("\n"))
+    head = sorted(set(imports), key=lambda ln: (ln.startswith("from "), ln))
+    return "\n".join(head) + "\n\n\n" + "\n\n".join(b for b in bodies if b) + "\n"
+
+
+def card_code(card: Mapping[str, Any]) -> str:
+    """Python that rebuilds the healed model from model.safetensors and, for the digits, reproduces the logged
+    evaluation accuracy (run it in the export directory; it imports no healsweep module)."""
+    load = ("from safetensors.torch import load_file\n"
+            'model.load_state_dict(load_file("model.safetensors"))\nmodel.eval()')
+    if card["evaluation"]["indices"] is None:  # real datasets: the transform only
+        return _merge(card["reload"]["code"], load, card["preprocessing"]["code"])
+    prep = card["preprocessing"]["code"].replace(
+        "EVAL_INDICES", 'json.load(open("model_card.json"))["evaluation"]["indices"]')
+    evaluate = ("import json\nimport torch\nwith torch.no_grad():  # batches of 256, as the trial evaluated\n"
+                "    pred = torch.cat([model(images[i:i + 256]).argmax(1) for i in range(0, len(images), 256)])\n"
+                "accuracy = (pred == labels).float().mean().item()\n"
+                f"print(f\"healed top-1 {{accuracy:.4f}} (logged: {card['accuracy']['healed_acc']:.4f})\")")
+    return _merge(card["reload"]["code"], load, prep, evaluate)
+
+
 def card_markdown(card: Mapping[str, Any]) -> str:
     acc = card["accuracy"]
     pct = lambda v: "n/a" if v is None else f"{100 * float(v):.2f}%"  # noqa: E731
-    r = card["reload"]
     lines = [
         f"# {card['model']}: pruned with {card['pruner']}, healed with {card['healer']}", "",
         f"- source: `{json.dumps(card['source'], default=str)}` (weights digest `{card['model_digest']}`)",
@@ -141,19 +243,15 @@ def card_markdown(card: Mapping[str, Any]) -> str:
         f"- healer: {card['healer']} {card['healer_settings'] or ''}, lr {card['lr']:.3g}, {card['epochs']} epochs, "
         f"batch {card['batch_size']}",
         f"- calibration: {card['calib_size']} images, digest `{card['calib_digest']}`; evaluation digest "
-        f"`{card['eval_digest']}`; dataset `{json.dumps(card['dataset'], default=str)}`",
+        f"`{card['eval_digest']}`; dataset `{json.dumps(card['dataset'], default=str)}` (split seed {card['data_seed']})",
+        f"- preprocessing: `{card['preprocessing']['transform']}`",
         f"- accuracy (evaluation split): dense {pct(acc['dense_acc'])}, pruned {pct(acc['pruned_acc'])}, healed "
         f"{pct(acc['healed_acc'])}, retention {pct(acc['retention'])}",
-        f"- MLflow run `{card['mlflow_run_id']}`, trial `{card['trial_key']}`", "",
-        "## Load", "", "```python",
-        "from safetensors.torch import load_file",
     ]
-    if r["library"] == "timm":
-        lines += ["import timm", f"model = timm.create_model({r['arch']!r}, pretrained=False, **{r['kwargs']!r})"]
-    elif r["library"] == "torchvision":
-        lines += ["import torchvision", f"model = torchvision.models.get_model({r['arch']!r}, weights=None, **{r['kwargs']!r})"]
-    else:
-        lines += [f"from {r['builder'].rsplit('.', 1)[0]} import {r['builder'].rsplit('.', 1)[1]}",
-                  f"model = {r['builder'].rsplit('.', 1)[1]}({r['kwargs']!r})"]
-    lines += ['model.load_state_dict(load_file("model.safetensors"))', "```", ""]
+    if card["metrics"]:
+        lines.append("- logged metrics: " + ", ".join(f"{k} {v:.6g}" for k, v in sorted(card["metrics"].items())))
+    lines += [f"- MLflow run `{card['mlflow_run_id']}`, trial `{card['trial_key']}`", "",
+              "## Load" + (" and evaluate" if card["evaluation"]["indices"] is not None else ""), "",
+              "Plain timm/torchvision code (no healsweep import); run it in this directory.", "",
+              "```python", card_code(card).rstrip("\n"), "```", ""]
     return "\n".join(lines)

@@ -1,7 +1,14 @@
-"""healsweep export RUN_ID --out DIR: the healed model of one trial (safetensors), its mask and a model card."""
+"""healsweep export RUN_ID --out DIR: the healed model of one trial (safetensors), its mask and a model card.
+
+The run directory is found from the run id: every ``sweep.json`` under ``--runs`` (default ``runs/``, where
+``healsweep run`` writes) names its tracking URI and sweep id; the run is looked up in each distinct tracking
+URI and the run directory whose sweep id matches the run's ``sweep_id`` tag is used. ``--run-dir`` skips the
+search (a run directory outside ``runs/``, or two copies of one sweep).
+"""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from orchestrator.commands.common import CliError
@@ -9,50 +16,94 @@ from orchestrator.commands.common import CliError
 
 def add_parser(sub):
     p = sub.add_parser("export", help="write a trial's healed model, mask and model card",
-                       description="Export the healed model of the trial whose MLflow run id is RUN_ID: "
-                                   "DIR/model.safetensors (full state dict), DIR/mask.safetensors, "
-                                   "DIR/model_card.json and DIR/model_card.md.")
+                       description="Export the healed model of the trial whose MLflow run id is RUN_ID (the "
+                                   "report's 'MLflow run' column): DIR/model.safetensors (full state dict), "
+                                   "DIR/mask.safetensors, DIR/model_card.json and DIR/model_card.md (plain "
+                                   "timm code that rebuilds the model, the preprocessing, the logged metrics). "
+                                   "The run directory is found under --runs unless --run-dir is given.")
     p.add_argument("run_id", metavar="RUN_ID", help="MLflow run id of a finished trial (a child run)")
     p.add_argument("--out", metavar="DIR", required=True, help="output directory")
-    p.add_argument("--run-dir", metavar="DIR", help="the sweep's run directory (holds sweep.json and trials/)")
+    p.add_argument("--run-dir", metavar="DIR", help="the sweep's run directory (holds sweep.json and trials/); "
+                                                    "default: found under --runs")
+    p.add_argument("--runs", metavar="DIR", default="runs",
+                   help="where to look for run directories (DIR/*/sweep.json) when --run-dir is not given "
+                        "(default: %(default)s)")
     p.add_argument("--tracking-uri", metavar="URI", help="MLflow tracking URI (default: the run directory's)")
     p.set_defaults(func=main)
     return p
 
 
-def resolve(run_dir: str | None, tracking_uri: str | None) -> tuple[Path, str]:
-    """-> (run directory, tracking URI) from whichever of the two was given."""
+def _sweep_json(d: Path) -> dict:
+    try:
+        meta = json.loads((d / "sweep.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CliError(f"{d}: unreadable sweep.json ({type(e).__name__})") from None
+    if not isinstance(meta, dict):
+        raise CliError(f"{d}: sweep.json is not an object")
+    return meta
+
+
+def _get_run(uri: str, run_id: str):
+    """The MLflow run, or None when ``uri`` does not hold it (a sqlite file that does not exist is not created)."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+        return None
+    try:
+        return MlflowClient(uri).get_run(run_id)
+    except MlflowException:
+        return None
+
+
+def _candidates(runs: Path) -> list[tuple[Path, dict]]:
+    dirs = ([runs] if (runs / "sweep.json").is_file() else []) + sorted(p.parent for p in runs.glob("*/sweep.json"))
+    return [(d, _sweep_json(d)) for d in dirs]
+
+
+def find_run(run_id: str, run_dir: str | None, runs: str, tracking_uri: str | None):
+    """-> (run directory, tracking URI, MLflow run)."""
     if run_dir:
         d = Path(run_dir)
         if not (d / "sweep.json").is_file():
             raise CliError(f"--run-dir {d}: not a run directory (no sweep.json)")
-        return d, tracking_uri or json.loads((d / "sweep.json").read_text())["tracking_uri"]
-    if tracking_uri and tracking_uri.startswith("sqlite:///"):
-        d = Path(tracking_uri[len("sqlite:///"):]).parent
-        if (d / "sweep.json").is_file():
-            return d, tracking_uri
-    raise CliError("give --run-dir DIR (the sweep's run directory); --tracking-uri alone works only for the "
-                   "sqlite database inside a run directory")
+        uri = tracking_uri or _sweep_json(d).get("tracking_uri") or f"sqlite:///{(d / 'mlflow.db').resolve()}"
+        run = _get_run(uri, run_id)
+        if run is None:
+            raise CliError(f"run {run_id!r} not found in {uri}")
+        return d, uri, run
+    cands = _candidates(Path(runs))
+    uris = [tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")] if (tracking_uri or
+                                                                       os.environ.get("MLFLOW_TRACKING_URI")) else []
+    uris += [m["tracking_uri"] for _, m in cands if isinstance(m.get("tracking_uri"), str)]
+    for uri in dict.fromkeys(uris):  # each distinct tracking URI once, in order
+        run = _get_run(uri, run_id)
+        if run is None:
+            continue
+        sweep = run.data.tags.get("sweep_id")
+        match = [d for d, m in cands if m.get("sweep_id") == sweep]
+        if len(match) > 1:
+            raise CliError(f"run {run_id!r}: sweep {sweep} is in {len(match)} run directories "
+                           f"({', '.join(map(str, match))}); choose one with --run-dir DIR")
+        if match:
+            return match[0], uri, run
+        raise CliError(f"run {run_id!r} (sweep {sweep}) is in {uri}, but no run directory under {runs}/ holds "
+                       f"that sweep; give --run-dir DIR")
+    raise CliError(f"run {run_id!r} not found in the {len(cands)} run director{'y' if len(cands) == 1 else 'ies'} "
+                   f"under {runs}/; give --run-dir DIR (or --runs DIR)")
 
 
 def main(args) -> int:
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
+    from tasks.export import export_trial, trial_dir
 
-    from tasks.export import export_trial
-
-    run_dir, uri = resolve(args.run_dir, args.tracking_uri)
-    try:
-        run = MlflowClient(uri).get_run(args.run_id)
-    except MlflowException:
-        raise CliError(f"run {args.run_id!r} not found in {uri}") from None
+    run_dir, uri, run = find_run(args.run_id, args.run_dir, args.runs, args.tracking_uri)
     if run.data.tags.get("healsweep.role") != "trial":
         raise CliError(f"run {args.run_id!r} is not a trial run (tag healsweep.role != 'trial')")
     if run.info.status != "FINISHED":
         raise CliError(f"run {args.run_id!r} did not finish (status {run.info.status})")
-    info = {**run.data.params, "run_id": args.run_id}
+    info = {**run.data.params, "run_id": args.run_id, "metrics": dict(run.data.metrics)}
     try:
-        paths = export_trial(run_dir / "trials" / run.data.tags["trial_id"], Path(args.out), info)
+        paths = export_trial(trial_dir(run_dir, run.data.tags.get("trial_id", "")), Path(args.out), info)
     except (FileNotFoundError, ValueError) as e:
         raise CliError(str(e)) from None
     for k, p in paths.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.commands.common import CliError
+from orchestrator.refine import MAX_TRIALS  # a light module: its heavy imports are inside functions
 
 
 def add_parser(sub):
@@ -11,31 +12,46 @@ def add_parser(sub):
                        description="Read DIR/sweep.json and the sweep's MLflow runs, find the sparsity range "
                                    "where healed accuracy is in transition, run the fine grid inside it as a "
                                    "continuation of the same sweep (cached targets, masks and diagnostics are "
-                                   "reused) and rewrite DIR/report.html, report.md and bands.json.")
+                                   "reused) and rewrite DIR/report.html, report.md and bands.json. Prints the number "
+                                   "of new trials and a time estimate from this sweep's measured trial times; "
+                                   "refuses more than --max-trials trials.")
     p.add_argument("dir", help="run directory of a finished sweep (holds sweep.json)")
     p.add_argument("--step", type=float, default=0.005, help="fine sparsity step (default: %(default)s)")
     p.add_argument("--address", help="Ray cluster address; default: a local Ray")
     p.add_argument("--num-cpus", type=int, help="CPUs for the local Ray instance (default: all)")
-    p.add_argument("--dry-run", action="store_true", help="print the fine grid and stop")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the fine grid, its number of trials and a time estimate from this sweep's measured "
+                        "trial times, and stop")
+    p.add_argument("--max-trials", type=int, default=MAX_TRIALS, metavar="N",
+                   help="refuse a refinement of more than N trials (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=main)
     return p
 
 
+def _listing(xs: list[float], head: int = 4) -> str:
+    shown = [f"{s:g}" for s in xs] if len(xs) <= 2 * head + 1 else \
+        [*(f"{s:g}" for s in xs[:head]), "...", *(f"{s:g}" for s in xs[-head:])]
+    return ", ".join(shown)
+
+
 def main(args) -> int:
-    from orchestrator.refine import RefineError, run_refinement
+    from orchestrator.refine import RefineError, duration, run_refinement
     from orchestrator.resume import ResumeError
 
     try:
         plan = run_refinement(Path(args.dir), args.step, address=args.address, progress=not args.quiet,
-                              num_cpus=args.num_cpus, dry_run=args.dry_run)
+                              num_cpus=args.num_cpus, dry_run=args.dry_run, max_trials=args.max_trials)
     except (RefineError, ResumeError) as e:  # ResumeError: e.g. another live driver holds the run directory
         raise CliError(str(e)) from None
     lo, hi = plan["interval"]
-    n = len(plan["sparsities"])
-    print(f"transition band {lo:g}–{hi:g}: {n} new sparsit{'y' if n == 1 else 'ies'} "
-          f"({', '.join(f'{s:g}' for s in plan['sparsities'])})")
+    n, t, per = len(plan["sparsities"]), plan["trials"], plan["seconds_per_trial"]
+    print(f"transition band {lo:g}–{hi:g}: {n} new sparsit{'y' if n == 1 else 'ies'} ({_listing(plan['sparsities'])})")
+    est = f"about {duration(t * per)} ({per:.1f} s per trial: {plan['estimate']})" if per else plan["estimate"]
+    print(f"{t} new trial{'' if t == 1 else 's'}, {est}")
     if args.dry_run:
+        if t > args.max_trials:
+            print(f"above --max-trials {args.max_trials}: a run would be refused; raise it or use a coarser --step")
         return 0
     res = plan["result"]
     print(f"refine round {plan['round']}: {res.trials_finished} trials finished, {res.trials_failed} failed, "

@@ -10,10 +10,13 @@ from orchestrator.commands.common import CliError
 
 def add_parser(sub):
     p = sub.add_parser("report", help="write DIR/report.html and DIR/report.md from MLflow",
-                       description="Write DIR/report.html and DIR/report.md for the sweep recorded in run directory "
-                                   "DIR (its sweep.json), from its MLflow runs alone. Exit code 2 when DIR holds no "
-                                   "sweep (no sweep.json, or its MLflow database or parent run is missing).")
-    p.add_argument("dir", help="run directory of a sweep (holds sweep.json)")
+                       description="Read the sweep recorded in DIR (its sweep.json names the MLflow tracking URI "
+                                   "and sweep id) back from MLflow alone and rewrite DIR/report.html (self-contained, "
+                                   "figures embedded), DIR/report.md and DIR/bands.json: best trial per cell, "
+                                   "healer comparisons, repairability bands and the calibration transition score. "
+                                   "Nothing is recomputed; Ray is not started. Exit code 2 when DIR holds no sweep "
+                                   "(no sweep.json, or its MLflow database or parent run is missing).")
+    p.add_argument("dir", metavar="DIR", help="run directory of a sweep (holds sweep.json), e.g. runs/tiny")
     p.add_argument("--readme", metavar="FILE", help="also rewrite FILE's <!-- report:NAME --> blocks (findings, or "
                    "a figure stem) from this report; figures are copied to docs/ beside FILE")
     p.set_defaults(func=main)

@@ -5,8 +5,12 @@ from orchestrator.commands.common import load_spec_or_exit
 
 
 def add_parser(sub):
-    p = sub.add_parser("validate", help="validate a sweep spec and print its grid size")
-    p.add_argument("spec")
+    p = sub.add_parser("validate", help="validate a sweep spec and print its grid size",
+                       description="Check SPEC against the registries (models, datasets, pruners, healers, scopes) "
+                                   "and the bounds of every field, then print its number of cells and trials (per "
+                                   "grid when it has extra grids). Nothing is trained, computed or logged; Ray and "
+                                   "MLflow are not started. A bad spec is one line naming the field, exit code 2.")
+    p.add_argument("spec", metavar="SPEC", help="sweep spec (YAML), e.g. configs/tiny.yaml")
     p.set_defaults(func=main)
     return p
 

@@ -14,6 +14,7 @@ from tasks.models import get_adapter, load_model, parse_ref
 from tasks.pruning import MaskStore, make_masks
 from tasks.store import TargetStore
 from tasks.trial import TrialParams, run_trial
+from tests.orchestrator.run_cli import healsweep
 from tests.models.test_sources import N_CLASSES, SIZES, TINY, _images, _tiny_checkpoint
 
 
@@ -58,7 +59,6 @@ def test_export_reloads_through_timm_with_identical_logits(trial, tmp_path):
     import timm
     from mlflow import MlflowClient
 
-    from orchestrator.cli import main
     from tasks.evaluate import accuracy, logits
 
     root, lm, final = trial
@@ -73,10 +73,18 @@ def test_export_reloads_through_timm_with_identical_logits(trial, tmp_path):
     client.set_terminated(run.info.run_id, "FINISHED")
 
     out = tmp_path / "export"
-    assert main(["export", run.info.run_id, "--out", str(out), "--tracking-uri", uri]) == 0
+    r = healsweep("export", run.info.run_id, "--out", out, "--tracking-uri", uri, "--run-dir", run_dir)
+    assert r.returncode == 0, r.stderr
     card = json.loads((out / "model_card.json").read_text())
-    assert card["reload"] == {"library": "timm", "arch": "deit_tiny_patch16_224", "pretrained": False,
-                              "kwargs": {**TINY, "num_classes": N_CLASSES}}
+    kwargs = {**TINY, "num_classes": N_CLASSES}
+    assert card["reload"] == {"library": "timm", "arch": "deit_tiny_patch16_224", "pretrained": False, "kwargs": kwargs,
+                              "code": f"import timm\nmodel = timm.create_model('deit_tiny_patch16_224', "
+                                      f"pretrained=False, **{card['reload']['kwargs']!r})"}
+    cfg = timm.data.resolve_data_config({}, model=lm.model)  # the trial's preprocessing: the model's data config
+    assert card["preprocessing"]["transform"] == "timm:" + json.dumps(cfg, sort_keys=True, default=list)
+    scope: dict = {}
+    exec(card["preprocessing"]["code"], scope)  # the card's code builds the trial's transform
+    assert repr(scope["transform"]) == repr(timm.data.create_transform(**cfg, is_training=False))
     assert card["pruner"] == "magnitude" and card["healer"] == "starfish" and card["sparsity"] == 0.5
     assert card["calib_digest"] == final["calib_digest"] and card["accuracy"]["healed_acc"] == final["healed_acc"]
     assert "timm.create_model('deit_tiny_patch16_224'" in (out / "model_card.md").read_text()
@@ -95,7 +103,8 @@ def test_export_reloads_through_timm_with_identical_logits(trial, tmp_path):
     assert mask and all(torch.all(sd[k][v == 0] == 0) for k, v in mask.items())
     assert not torch.equal(sd["blocks.0.mlp.fc1.weight"], lm.model.state_dict()["blocks.0.mlp.fc1.weight"])
 
-    assert main(["export", "0" * 32, "--out", str(out), "--run-dir", str(run_dir)]) == 2
+    r = healsweep("export", "0" * 32, "--out", out, "--run-dir", run_dir)
+    assert r.returncode == 2 and r.stderr.strip() == f"healsweep: error: run '{'0' * 32}' not found in {uri}"
 
 
 def test_final_result_digests_become_mlflow_params(tmp_path):
@@ -121,3 +130,65 @@ def test_final_result_digests_become_mlflow_params(tmp_path):
     assert {k: r.data.params[k] for k in ("calib_digest", "eval_digest", "selection_digest", "model_digest")} == {
         "calib_digest": "ab12", "eval_digest": "cd34", "selection_digest": "ef56", "model_digest": "0f0f"}
     assert r.data.metrics["healed_acc"] == 0.5 and "calib_digest" not in r.data.metrics
+
+
+def test_trial_dir_accepts_trial_keys_only(tmp_path):
+    from tasks.export import trial_dir
+
+    (tmp_path / "trials").mkdir()
+    (tmp_path / "trials" / "evil").symlink_to(tmp_path.parent)  # planted under trials/, points outside
+    assert trial_dir(tmp_path, "0a1b2c3d4e5f-3") == (tmp_path / "trials" / "0a1b2c3d4e5f-3").resolve()
+    for bad in ("../../etc", "..", ".", "/etc", "a/../../b", "a/b", "", "-x", "x" * 200, "a\nb", None):
+        with pytest.raises(ValueError, match="not a trial key"):
+            trial_dir(tmp_path, bad)
+    with pytest.raises(ValueError, match="resolves outside"):
+        trial_dir(tmp_path, "evil")
+
+
+def test_export_refuses_a_crafted_trial_id_tag(tmp_path):
+    """The MLflow tag trial_id becomes a path under trials/: a tag that escapes is one line, exit 2, nothing
+    written (the directory it points at looks like a trial)."""
+    from mlflow import MlflowClient
+
+    run_dir = tmp_path / "a" / "run"
+    (run_dir / "trials").mkdir(parents=True)
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "healed.safetensors").write_bytes(b"")
+    uri = f"sqlite:///{run_dir / 'mlflow.db'}"
+    (run_dir / "sweep.json").write_text(json.dumps({"tracking_uri": uri, "sweep_id": "s1"}))
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("healsweep"),
+                            tags={"healsweep.role": "trial", "trial_id": "../../etc", "sweep_id": "s1"})
+    client.set_terminated(run.info.run_id, "FINISHED")
+    out = tmp_path / "out"
+    r = healsweep("export", run.info.run_id, "--out", out, "--runs", tmp_path / "a")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == ["healsweep: error: trial_id '../../etc': not a trial key (expected "
+                                             "<cell id>-<number>, matching ^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$)"]
+    assert not out.exists()
+
+
+def test_export_finds_the_run_directory_by_sweep_id_and_refuses_to_guess(tmp_path):
+    """Two run directories on one tracking URI: the run's sweep_id tag picks its directory; two copies of one
+    sweep are ambiguous (one line, exit 2) until --run-dir chooses."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'shared.db'}"
+    for name, sweep in (("a", "s1"), ("b", "s2"), ("c", "s2")):
+        (tmp_path / "runs" / name / "trials").mkdir(parents=True)
+        (tmp_path / "runs" / name / "sweep.json").write_text(json.dumps({"tracking_uri": uri, "sweep_id": sweep}))
+    client = MlflowClient(uri)
+    exp = client.create_experiment("healsweep")
+    ids = {}
+    for sweep in ("s1", "s2"):
+        run = client.create_run(exp, tags={"healsweep.role": "trial", "trial_id": "c0ffee-0", "sweep_id": sweep})
+        client.set_terminated(run.info.run_id, "FINISHED")
+        ids[sweep] = run.info.run_id
+    r = healsweep("export", ids["s1"], "--out", "x", cwd=tmp_path)  # found in runs/a: no healed weights there
+    assert r.returncode == 2 and r.stderr.strip().startswith(
+        f"healsweep: error: {(tmp_path / 'runs' / 'a' / 'trials' / 'c0ffee-0').resolve()}: no healed.safetensors")
+    r = healsweep("export", ids["s2"], "--out", "x", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"healsweep: error: run '{ids['s2']}': sweep s2 is in 2 run directories (runs/b, runs/c); choose one with "
+        f"--run-dir DIR")
+    assert not (tmp_path / "x").exists()

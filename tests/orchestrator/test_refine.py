@@ -5,11 +5,12 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
-from orchestrator.cli import main as cli_main
 from orchestrator.refine import RefineError, fine_grid, plan_refinement, refine_interval, refine_spec
-from orchestrator.spec import load_spec
+from orchestrator.spec import load_spec, parse_spec
 from tests import transition_fixture as tf
+from tests.orchestrator.run_cli import healsweep
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,21 +61,60 @@ def test_extra_grid_records_do_not_widen_the_refinement(tmp_path):
     assert plan_refinement(run_dir, 0.025)["interval"] == (0.7, 0.95)  # starfish's band alone
 
 
-def test_plan_and_cli_dry_run(tmp_path, capsys):
+def _tiny_sweep(tmp_path):
     sweep = tf.build_store(tmp_path)
     run_dir = tmp_path / "run"
     tf.write_sweep_json(run_dir, sweep["uri"])
     meta = json.loads((run_dir / "sweep.json").read_text())
     meta["spec"] = load_spec(REPO / "configs" / "tiny.yaml").to_dict()
     (run_dir / "sweep.json").write_text(json.dumps(meta, default=list))
+    return sweep, run_dir
+
+
+def test_plan_counts_trials_and_estimates_time_from_measured_trials(tmp_path):
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    from orchestrator.refine import count_trials, trial_wall
+
+    sweep, run_dir = _tiny_sweep(tmp_path)
     plan = plan_refinement(run_dir, 0.025)
     # starfish: transition .8-.9 -> (.7, .95); none: transition at .7 -> (.5, .8): union (.5, .95)
     assert plan["interval"] == (0.5, 0.95)
     assert plan["sparsities"] == [0.525, 0.55, 0.575, 0.6, 0.625, 0.65, 0.675, 0.725, 0.75, 0.775, 0.825, 0.85,
                                   0.875, 0.925]
     assert plan["parent_run_id"] == sweep["parent"] and plan["round"] == 1
-    assert cli_main(["refine", str(run_dir), "--step", "0.1", "--dry-run"]) == 0
-    # 0.6 only: 0.7, 0.8, 0.9 already ran
-    assert "transition band 0.5–0.95: 1 new sparsity (0.6)" in capsys.readouterr().out
-    assert cli_main(["refine", str(tmp_path / "nope")]) == 2
-    assert "not a run directory" in capsys.readouterr().err
+    # no Tune timing on the parent: the mean heal_seconds of the 20 finished trials (2 healers x 5 sparsities x 2
+    # seeds, 1.0 s each)
+    assert trial_wall(plan) == (1.0, "mean heal_seconds of 20 finished trials, one at a time")
+    # tiny.yaml: 1 model x 14 sparsities x 2 calibration sizes x 1 healer x 2 trials per cell
+    assert count_trials(refine_spec(load_spec(REPO / "configs" / "tiny.yaml"), plan["sparsities"])) == {"main": 56}
+    crbn = parse_spec({**yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text()), "models": ["resnet_digits"],
+                       "healers": ["starfish", "crbn"]})
+    assert count_trials(crbn) == {"main": 2 * 2 * (2 + 1)}  # a closed-form healer runs one trial per cell
+    client = MlflowClient(sweep["uri"])  # Tune wall of three sessions; the last ran no trial
+    client.log_batch(sweep["parent"], metrics=[Metric(k, v, 0, step) for step, (t, n) in enumerate(
+        [(60.0, 10), (30.0, 5), (5.0, 0)]) for k, v in (("tune_seconds", t), ("trials_run", n))])
+    assert trial_wall(plan) == (6.0, "the sweep's Tune wall per trial, 90 s / 15 trials")
+
+
+def test_cli_dry_run_prints_trials_and_estimate_and_max_trials_refuses(tmp_path):
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    sweep, run_dir = _tiny_sweep(tmp_path)
+    MlflowClient(sweep["uri"]).log_batch(sweep["parent"], metrics=[Metric("tune_seconds", 90.0, 0, 0),
+                                                                   Metric("trials_run", 15, 0, 0)])
+    r = healsweep("refine", run_dir, "--step", "0.1", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    # 0.6 only (0.7, 0.8, 0.9 already ran): 2 calibration sizes x 2 trials per cell, 6 s each
+    assert r.stdout.splitlines() == ["transition band 0.5–0.95: 1 new sparsity (0.6)",
+                                     "4 new trials, about 24 s (6.0 s per trial: the sweep's Tune wall per trial, "
+                                     "90 s / 15 trials)"]
+    r = healsweep("refine", run_dir, "--step", "0.1", "--max-trials", "3")  # refused before Ray starts
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "healsweep: error: 4 new trials (1 sparsity x 4, about 24 s) exceed --max-trials 3; raise it, or use a "
+        "coarser --step (see --dry-run)"]
+    assert json.loads((run_dir / "sweep.json").read_text()).get("refinements") is None  # nothing ran
+    r = healsweep("refine", tmp_path / "nope")
+    assert r.returncode == 2 and "not a run directory" in r.stderr

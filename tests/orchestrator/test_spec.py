@@ -30,7 +30,7 @@ def spec_with(**changes):
 
 
 def _unavailable(raw: dict) -> list[str]:
-    """What a GPU config needs that this checkout lacks: methods from unmerged branches, user checkpoints."""
+    """What a shipped config needs that this checkout lacks: unregistered methods, the user's checkpoint files."""
     from tasks.healing import HEALERS
     from tasks.pruning import PRUNERS
 

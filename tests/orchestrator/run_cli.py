@@ -1,0 +1,32 @@
+"""Run the real ``healsweep`` console script (the one installed next to this interpreter) in a subprocess,
+with this checkout first on PYTHONPATH, as a user would."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HEALSWEEP = Path(sys.executable).with_name("healsweep")
+
+
+def env(**extra: str) -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [e.get("PYTHONPATH")])])
+    e.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    e.update(extra)
+    return e
+
+
+def healsweep(*args: str, cwd: Path | str | None = None, timeout: float = 600, **extra_env: str):
+    """-> CompletedProcess (text stdout/stderr) of ``healsweep ARGS``."""
+    return subprocess.run([str(HEALSWEEP), *map(str, args)], cwd=cwd, env=env(**extra_env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def shell(command: str, cwd: Path | str, timeout: float = 600, **extra_env: str):
+    """Run one README command line through bash, with the venv's scripts first on PATH."""
+    e = env(**extra_env)
+    e["PATH"] = os.pathsep.join([str(HEALSWEEP.parent), e.get("PATH", "")])
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
