@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import sys
+from pathlib import Path
 
 # Environment variables a sweep's workers need from the driver: object-store credentials and endpoint
 # (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL, ...), Google
@@ -78,6 +79,17 @@ def probe(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> None:
                            "port (GCS, default 6379) open from here?") from None
 
 
+def check_address(address: str | None) -> None:
+    """Fail fast (before any model or store work) on a refused, malformed or unreachable --address."""
+    if not address:
+        return
+    hp = parse_address(address)
+    if hp is None and address.strip() == "auto" and os.environ.get("RAY_ADDRESS", "").startswith("ray://"):
+        parse_address(os.environ["RAY_ADDRESS"])  # RAY_ADDRESS=ray://... would make Ray pick the client
+    if hp is not None:
+        probe(*hp)
+
+
 def _explain(e: BaseException, address: str) -> str:
     chain, x = [], e
     while x is not None and len(chain) < 10:
@@ -108,11 +120,7 @@ def connect(address: str | None, num_cpus: int | None = None, *, announce=None) 
     if not address:
         ray.init(address="local", num_cpus=num_cpus, **kw)
         return True
-    hp = parse_address(address)
-    if hp is None and address.strip() == "auto" and os.environ.get("RAY_ADDRESS", "").startswith("ray://"):
-        parse_address(os.environ["RAY_ADDRESS"])  # RAY_ADDRESS=ray://... would make Ray pick the client
-    if hp is not None:
-        probe(*hp)
+    check_address(address)
     env = worker_env()
     try:
         ray.init(address=address.strip(), runtime_env={"env_vars": env} if env else None, **kw)
@@ -192,3 +200,43 @@ def check_store_uri(uri: str | None) -> None:
     if info.type == pafs.FileType.NotFound:
         raise ClusterError(f"store.uri {uri}: bucket {bucket!r} does not exist at that endpoint (create it first, "
                            "or check the bucket name and endpoint_override)")
+
+
+# ------------------------------------------------------------------------------------------ self-contained run dir
+def local_tracking_uri(out_dir) -> str:
+    """The default tracking store of a run directory: SQLite inside it."""
+    return f"sqlite:///{Path(out_dir).resolve() / 'mlflow.db'}"
+
+
+def keep_artifacts_inside(tracking_uri: str, out_dir, experiment: str) -> None:
+    """With the run directory's own SQLite store, create the experiment with its artifact root in
+    ``out_dir/artifacts`` (MLflow's default is ``$PWD/mlruns``), so the run directory holds everything of a run."""
+    if tracking_uri != local_tracking_uri(out_dir):
+        return
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    if client.get_experiment_by_name(experiment) is None:
+        client.create_experiment(experiment, artifact_location=(Path(out_dir).resolve() / "artifacts").as_uri())
+
+
+def relocate(run_dir) -> bool:
+    """A run directory copied or moved elsewhere: point its sweep.json and its SQLite store (experiment artifact
+    locations, run artifact URIs) at the new place. True when something was rewritten."""
+    import sqlite3
+
+    run_dir = Path(run_dir).resolve()
+    meta_p, db = run_dir / "sweep.json", run_dir / "mlflow.db"
+    if not meta_p.exists() or not db.exists():
+        return False
+    meta = json.loads(meta_p.read_text(encoding="utf-8"))
+    uri = str(meta.get("tracking_uri") or "")
+    if not uri.startswith("sqlite:///") or not uri.endswith("/mlflow.db") or uri == local_tracking_uri(run_dir):
+        return False
+    old = uri[len("sqlite:///"):-len("/mlflow.db")]
+    with sqlite3.connect(db) as con:
+        for table, col in (("experiments", "artifact_location"), ("runs", "artifact_uri")):
+            con.execute(f"UPDATE {table} SET {col} = replace({col}, ?, ?)", (old + "/", str(run_dir) + "/"))
+    meta["tracking_uri"] = local_tracking_uri(run_dir)
+    meta_p.write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    return True

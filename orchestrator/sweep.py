@@ -116,11 +116,14 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
     from tasks.models import get_adapter, load_model
 
     t0 = time.time()
+    _cluster.check_address(address)  # [cluster] one line, before any work: ray://, unreachable address
+    _cluster.check_store_uri(spec.store.uri)  # [cluster] one line for an unreachable endpoint / missing bucket
     out_dir, store_root, cache_dir = (Path(p).resolve() for p in (out_dir, store_root, cache_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     journal = out_dir / JOURNAL_FILE
     resume = resume or refine_round is not None
     if resume:
+        _cluster.relocate(out_dir)  # [cluster] a copied/moved run directory: its own SQLite store and artifacts
         info = read_sweep(out_dir)
         sweep_id, tracking_uri = info["sweep_id"], info["tracking_uri"]
         info["resumes"] = info.get("resumes", 0) + 1
@@ -135,13 +138,13 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
                 "experiment": spec.mlflow.experiment, "store": str(store_root), "cache": str(cache_dir),
                 "spec": spec.to_dict()}
     write_sweep(out_dir, info)
+    _cluster.keep_artifacts_inside(tracking_uri, out_dir, spec.mlflow.experiment)  # [cluster] not $PWD/mlruns
     paths = {"targets": spec.store.uri or str(store_root / "targets"), "masks": str(store_root / "masks"),
              "cache": str(cache_dir), "out": str(out_dir)}
 
     models = prepare_models(spec, cache_dir, progress=progress)
     cells = expand_cells(spec, {m: i.scope for m, i in models.items()})
     rows = {m: max(c.calib_size for c in cells if c.model == m) for m in models}
-    _cluster.check_store_uri(spec.store.uri)  # [cluster] one line for an unreachable endpoint / missing bucket
     modes = budget_modes(spec, models, rows, paths["targets"], cache_dir)  # refuses before any dense compute
     (out_dir / "targets.json").write_text(json.dumps(  # for `healsweep store gc --keep-referenced`
         {"store": paths["targets"], "keys": {m: i.targets_key for m, i in models.items()}, "modes": modes}, indent=1))

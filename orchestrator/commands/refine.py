@@ -23,12 +23,13 @@ def add_parser(sub):
 
 
 def main(args) -> int:
+    from orchestrator.cluster import ClusterError  # [cluster]
     from orchestrator.refine import RefineError, run_refinement
 
     try:
         plan = run_refinement(Path(args.dir), args.step, address=args.address, progress=not args.quiet,
                               num_cpus=args.num_cpus, dry_run=args.dry_run)
-    except RefineError as e:
+    except (RefineError, ClusterError) as e:
         raise CliError(str(e)) from None
     lo, hi = plan["interval"]
     n = len(plan["sparsities"])

@@ -19,6 +19,9 @@ def main(args) -> int:
     d = Path(args.dir)
     if not (d / "sweep.json").is_file():
         raise CliError(f"{d}: not a run directory (no sweep.json)")
+    from orchestrator.cluster import relocate  # [cluster] a copied run directory reads its own store
+
+    relocate(d)
     paths = write_report(d)
     print(f"report: {paths['html']}\n        {paths['md']}")
     return 0
