@@ -240,3 +240,20 @@ def relocate(run_dir) -> bool:
     meta["tracking_uri"] = local_tracking_uri(run_dir)
     meta_p.write_text(json.dumps(meta, indent=1), encoding="utf-8")
     return True
+
+
+# ------------------------------------------------------------------------------------------ one storage URI
+def is_remote(uri: str | None) -> bool:
+    return bool(uri) and "://" in uri and not uri.startswith("file://")
+
+
+def store_subdir(uri: str, name: str) -> str:
+    """'s3://b/store?endpoint_override=h:9000' + 'masks' -> 's3://b/store/masks?endpoint_override=h:9000'."""
+    base, q, query = uri.partition("?")
+    return f"{base.rstrip('/')}/{name}" + (f"?{query}" if q else "")
+
+
+def mask_root(store_uri: str | None, local_default: str) -> str:
+    """Masks follow a remote store URI (``<store.uri>/masks``), so workers without a shared file system read
+    them; otherwise the local store root's masks/ directory."""
+    return store_subdir(store_uri, "masks") if is_remote(store_uri) else local_default

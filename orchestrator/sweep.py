@@ -139,7 +139,8 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
                 "spec": spec.to_dict()}
     write_sweep(out_dir, info)
     _cluster.keep_artifacts_inside(tracking_uri, out_dir, spec.mlflow.experiment)  # [cluster] not $PWD/mlruns
-    paths = {"targets": spec.store.uri or str(store_root / "targets"), "masks": str(store_root / "masks"),
+    paths = {"targets": spec.store.uri or str(store_root / "targets"),
+             "masks": _cluster.mask_root(spec.store.uri, str(store_root / "masks")),  # [cluster] remote store
              "cache": str(cache_dir), "out": str(out_dir)}
 
     models = prepare_models(spec, cache_dir, progress=progress)
@@ -162,7 +163,8 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         diag_root = store_root / "diagnostics"
         diag = diagnostics_stage(cells, models, diag_root, cache_dir, spec.data_seed,
                                  int(spec.resources.cpus_per_dense_task))
-        mask_keys = mask_stage(cells, models, Path(paths["masks"]), cache_dir, spec.data_seed,
+        mask_keys = mask_stage(cells, models, paths["masks"], cache_dir,  # [cluster] str: may be a URI
+                               spec.data_seed,
                                diagnostics=diag.tables(diag_root),
                                load_kw={m: spec.load_kwargs(m) for m in models})
 

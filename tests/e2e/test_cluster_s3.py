@@ -45,4 +45,28 @@ def test_s3_store_on_a_two_node_cluster_with_credentials_only_in_the_driver(tmp_
     fs, path = pafs.FileSystem.from_uri(uri)  # written on the endpoint (the test process has the credentials)
     names = [i.base_name for i in fs.get_file_info(pafs.FileSelector(path, recursive=True))]
     assert sum(n.startswith("shard-") and n.endswith(".arrow") for n in names) == 4, names  # 64 rows / 16
+    # masks follow the store URI (<store>/masks), none on the driver's local store root
+    masks = fs.get_file_info(pafs.FileSelector(f"{path}/masks"))
+    assert [i.extension for i in masks] == ["safetensors"] and not (tmp_path / "store" / "masks").exists()
     assert "2 trials finished, 0 failed, dense forward images 0" in run("b").stdout
+    again = fs.get_file_info(pafs.FileSelector(f"{path}/masks"))
+    assert [(i.path, i.mtime) for i in again] == [(i.path, i.mtime) for i in masks]  # 0 masks recomputed
+
+
+def test_mask_store_on_s3_round_trip(aws_env):
+    import torch
+
+    from orchestrator.cluster import store_subdir
+    from tasks.pruning import MaskStore
+    from tasks.store import StoreError
+
+    uri = store_subdir(f"s3://{aws_env['bucket']}/rt?endpoint_override={aws_env['host']}&scheme=http", "masks")
+    ms, key = MaskStore(uri), "a" * 32
+    m = {"blocks.0.w": torch.tensor([[True, False], [False, True]])}
+    assert not ms.has(key)
+    ms.save(key, m, {"k": 1})
+    assert ms.has(key) and torch.equal(MaskStore(uri).load(key)["blocks.0.w"], m["blocks.0.w"])
+    with pytest.raises(StoreError):
+        ms.load("b" * 32)
+    with pytest.raises(StoreError):
+        ms.has("../x")
