@@ -86,8 +86,24 @@ def check_address(address: str | None) -> None:
     hp = parse_address(address)
     if hp is None and address.strip() == "auto" and os.environ.get("RAY_ADDRESS", "").startswith("ray://"):
         parse_address(os.environ["RAY_ADDRESS"])  # RAY_ADDRESS=ray://... would make Ray pick the client
+    if hp is None and address.strip() == "auto":
+        hp = _auto_address()
     if hp is not None:
         probe(*hp)
+
+
+def _auto_address() -> tuple[str, int]:
+    """The GCS address ``--address auto`` resolves to (RAY_ADDRESS, else the cluster `ray start` recorded)."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        addr = canonicalize_bootstrap_address("auto")
+    except Exception as e:  # ConnectionError: no running Ray found
+        raise ClusterError(_explain(e, "auto")) from None
+    if not addr:
+        raise ClusterError(_explain(ConnectionError("Could not find any running Ray instance"), "auto"))
+    host, _, port = addr.rpartition(":")
+    return host, int(port)
 
 
 def _explain(e: BaseException, address: str) -> str:
