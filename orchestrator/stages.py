@@ -61,7 +61,8 @@ def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: Pa
         adapter = get_adapter(lm.model)
         entries = adapter.scope(lm.model, c.scope)
         diag = {"rr": diagnostics[c.cell_id]} if diagnostics and c.cell_id in diagnostics else {}
-        diag["ranking_dir"] = str(Path(mask_root).parent / "rankings")  # cached elastic rankings (snapvit)
+        diag["ranking_dir"] = (str(Path(cache_dir) / "rankings") if "://" in str(mask_root)  # [cluster] local
+                               else str(Path(mask_root).parent / "rankings"))  # cached elastic rankings (snapvit)
         ctx = PruneContext(lm.model, adapter, entries, calib_images=lm.dataset["calibration"].images[: c.calib_size],
                            diagnostics=diag)
         m = make_masks(lm.model, entries, c.pruner, c.sparsity, seed=c.seed, settings=c.pruner_settings, ctx=ctx)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
 import uuid
@@ -105,6 +104,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
     from mlflow import MlflowClient
     from ray import tune
 
+    from orchestrator import cluster as _cluster  # [cluster] address checks, workers' env, scale-out policy
     from orchestrator.dense import DenseReport, budget_modes
     from orchestrator.diagnostics import diagnostics_stage, log_diagnostics, log_lamp_allocations
     from orchestrator.mlflow_async import AsyncMlflowWriter
@@ -117,11 +117,14 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
     from tasks.models import get_adapter, load_model
 
     t0 = time.time()
+    _cluster.check_address(address)  # [cluster] one line, before any work: ray://, unreachable address
+    _cluster.check_store_uri(spec.store.uri)  # [cluster] one line for an unreachable endpoint / missing bucket
     out_dir, store_root, cache_dir = (Path(p).resolve() for p in (out_dir, store_root, cache_dir))
     lock_run_dir(out_dir)  # one driver per run directory (RunLockedError while another live driver holds it)
     journal = out_dir / JOURNAL_FILE
     resume = resume or refine_round is not None
     if resume:
+        _cluster.relocate(out_dir)  # [cluster] a copied/moved run directory: its own SQLite store and artifacts
         info = read_sweep(out_dir)
         sweep_id, tracking_uri = info["sweep_id"], info["tracking_uri"]
         info["resumes"] = info.get("resumes", 0) + 1
@@ -136,7 +139,9 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
                 "experiment": spec.mlflow.experiment, "store": str(store_root), "cache": str(cache_dir),
                 "spec": spec.to_dict()}
     write_sweep(out_dir, info)
-    paths = {"targets": spec.store.uri or str(store_root / "targets"), "masks": str(store_root / "masks"),
+    _cluster.keep_artifacts_inside(tracking_uri, out_dir, spec.mlflow.experiment)  # [cluster] not $PWD/mlruns
+    paths = {"targets": spec.store.uri or str(store_root / "targets"),
+             "masks": _cluster.mask_root(spec.store.uri, str(store_root / "masks")),  # [cluster] remote store
              "cache": str(cache_dir), "out": str(out_dir)}
 
     models = prepare_models(spec, cache_dir, progress=progress)
@@ -150,11 +155,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
     # num_to_keep=1 forces an experiment-state snapshot after each trial checkpoint; Tune then warns on every
     # one (1649 three-line warnings in the default sweep). The snapshots are cheap here (overhead ratio 1.06).
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        # No address: always a fresh local instance ("local"), never whatever Ray happens to run on the machine.
-        ray.init(address=address or "local", include_dashboard=False, num_cpus=None if address else num_cpus,
-                 logging_level=logging.WARNING, log_to_driver=False, configure_logging=True)
+    started_ray = _cluster.connect(address, None if address else num_cpus)
     writer = None
     try:
         dense_rep = DenseReport()
@@ -164,7 +165,8 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         diag_root = store_root / "diagnostics"
         diag = diagnostics_stage(cells, models, diag_root, cache_dir, spec.data_seed,
                                  int(spec.resources.cpus_per_dense_task))
-        mask_keys = mask_stage(cells, models, Path(paths["masks"]), cache_dir, spec.data_seed,
+        mask_keys = mask_stage(cells, models, paths["masks"], cache_dir,  # [cluster] str: may be a URI
+                               spec.data_seed,
                                diagnostics=diag.tables(diag_root),
                                load_kw={m: spec.load_kwargs(m) for m in models})
 
@@ -204,7 +206,9 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         device = "cuda" if spec.resources.gpus_per_trial > 0 else "cpu"
         configs = [_trial_config(c, spec, paths, models[c.model].targets_key, mask_keys[c.cell_id], gran[c.model],
                                  threads, device, modes[c.model]) for c in cells]
-        concurrency = _concurrency(spec, ray.cluster_resources())
+        concurrency = _concurrency(spec, ray.cluster_resources())  # at start; logged
+        os.environ["TUNE_MAX_PENDING_TRIALS_PG"] = str(  # [cluster] queue trials for nodes that join later
+            _cluster.pending_trials(spec.resources, ray.cluster_resources()))
         writer = AsyncMlflowWriter(client)
         searcher = PerCellOptunaSearch(configs, spec.search.trials_per_cell, spec.search.lr, spec.search.epochs,
                                        spec.search.sampler_seed, journal, asha=spec.search.scheduler == "asha",
@@ -217,7 +221,8 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         tuner = tune.Tuner(
             tune.with_resources(tune_trainable, resources),
             tune_config=tune.TuneConfig(search_alg=searcher, scheduler=_scheduler(spec), num_samples=searcher.total,
-                                        max_concurrent_trials=concurrency, reuse_actors=spec.resources.reuse_actors,
+                                        max_concurrent_trials=_cluster.tune_concurrency(spec.resources, {}),  # [cluster]
+                                        reuse_actors=spec.resources.reuse_actors,
                                         trial_name_creator=_trial_name, trial_dirname_creator=_trial_name),
             run_config=tune.RunConfig(name=f"{spec.name}-{sweep_id}-s{session}", storage_path=str(out_dir / "tune"),
                                       callbacks=[logger_cb, prog.callback], verbose=0,

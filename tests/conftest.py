@@ -119,3 +119,7 @@ def tiny_model():
 @pytest.fixture
 def heal_case():
     return make_heal_case
+
+
+# Real components for tests/e2e/test_cluster_*.py (Ray multi-node, moto S3, PostgreSQL + MLflow server)
+from tests.cluster_fixtures import aws_env, mlflow_server, moto_s3, postgres_url, ray_cluster  # noqa: E402,F401

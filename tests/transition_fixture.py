@@ -68,4 +68,5 @@ def build_store(root, model: str = "resnet_digits", diagnostics: bool = True) ->
 def write_sweep_json(run_dir, uri: str) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "sweep.json").write_text(json.dumps(
-        {"sweep_id": SWEEP, "name": "trans", "tracking_uri": uri, "experiment": "healsweep", "spec": {}}))
+        {"sweep_id": SWEEP, "name": "trans", "tracking_uri": uri, "experiment": "healsweep", "spec": {},
+         "store": str(run_dir / "store"), "cache": str(run_dir / "models")}))

@@ -36,13 +36,14 @@ def _listing(xs: list[float], head: int = 4) -> str:
 
 
 def main(args) -> int:
+    from orchestrator.cluster import ClusterError
     from orchestrator.refine import RefineError, duration, run_refinement
     from orchestrator.resume import ResumeError
 
     try:
         plan = run_refinement(Path(args.dir), args.step, address=args.address, progress=not args.quiet,
                               num_cpus=args.num_cpus, dry_run=args.dry_run, max_trials=args.max_trials)
-    except (RefineError, ResumeError) as e:  # ResumeError: e.g. another live driver holds the run directory
+    except (RefineError, ResumeError, ClusterError) as e:  # ResumeError: e.g. another live driver holds the run dir
         raise CliError(str(e)) from None
     lo, hi = plan["interval"]
     n, t, per = len(plan["sparsities"]), plan["trials"], plan["seconds_per_trial"]

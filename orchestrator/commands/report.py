@@ -58,6 +58,13 @@ def check_sweep(d: Path) -> dict:
 
 def main(args) -> int:
     d = Path(args.dir)
+    if (d / "sweep.json").is_file():
+        from orchestrator.cluster import relocate
+
+        try:
+            relocate(d)  # a copied or moved run directory reads its own MLflow store and artifacts
+        except (ValueError, OSError):
+            pass  # an unreadable sweep.json: check_sweep says so in one line
     check_sweep(d)
     from analysis.report import write_report
 

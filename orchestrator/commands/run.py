@@ -20,7 +20,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="target/mask store root, shared across sweeps (default: %(default)s)")
     p.add_argument("--cache", metavar="DIR", default=str(DEFAULT_HOME / "models"),
                    help="reference model cache (default: %(default)s)")
-    p.add_argument("--address", help="Ray cluster address ('auto', 'ray://host:10001'); default: a local Ray")
+    p.add_argument("--address", help="Ray cluster address: HOST:PORT of the head's GCS, or 'auto' (the cluster this "
+                                    "machine belongs to; printed); default: a fresh local Ray. ray:// is refused")
     p.add_argument("--num-cpus", type=int, help="CPUs for the local Ray instance (default: all)")
     p.add_argument("--cpu-only", action="store_true", help="ignore the spec's GPU requests: run every task on CPU")
     p.add_argument("--resources", metavar="K=V,...",
@@ -63,7 +64,11 @@ def main(args) -> int:
             spec = load_spec_or_exit(args.spec)
             out = Path(args.out or Path("runs") / spec.name)
         spec = override_resources(spec, args.resources, args.cpu_only)
-    except (SpecError, ResumeError) as e:
+        from orchestrator.cluster import ClusterError, check_address, check_store_uri  # [cluster] fail fast
+
+        check_address(args.address)
+        check_store_uri(spec.store.uri)
+    except (SpecError, ResumeError, ClusterError) as e:
         raise CliError(str(e)) from None
     from orchestrator.dense import StoreBudgetError
     from orchestrator.sweep import run_sweep
@@ -71,7 +76,7 @@ def main(args) -> int:
     try:
         res = run_sweep(spec, out, store, cache, address=args.address, progress=not args.quiet,
                         report=not args.no_report, num_cpus=args.num_cpus, resume=bool(args.resume))
-    except (ResumeError, StoreBudgetError) as e:
+    except (ResumeError, StoreBudgetError, ClusterError) as e:
         raise CliError(str(e)) from None
     print(f"sweep {res.sweep_id}: {res.trials_finished} trials finished, {res.trials_failed} failed, "
           f"dense forward images {res.dense_forward_images}, {res.seconds:.0f} s")

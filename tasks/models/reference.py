@@ -132,6 +132,9 @@ def weights_digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
+REQUIRE_CACHED_ENV = "HEALSWEEP_REQUIRE_CACHED_MODELS"  # set for cluster workers by orchestrator/cluster.py
+
+
 def load_reference(name: str, cache_dir: str | os.PathLike, *, data_seed: int = 0, train_seed: int = 0,
                    progress: bool = True) -> LoadedModel:
     """A registered reference model with its dataset splits, trained and cached on first use
@@ -148,6 +151,9 @@ def load_reference(name: str, cache_dir: str | os.PathLike, *, data_seed: int = 
         with open(path, "rb") as f:  # safetensors header: 8-byte length + JSON
             header_len = int.from_bytes(f.read(8), "little")
             meta = json.loads(json.loads(f.read(header_len))["__metadata__"]["meta"])
+    elif os.environ.get(REQUIRE_CACHED_ENV) == "1":  # a cluster worker: the driver trained it; never retrain here
+        raise FileNotFoundError(f"reference model {name} is not in the model cache {path} on this node: the cache "
+                                "(--cache) must be on a file system every node mounts")
     else:
         import time
 

@@ -6,31 +6,55 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save, save_file
 
 from tasks._io import atomic_write
 from tasks.store import KEY_RE, StoreError
 
 
 class MaskStore:
-    def __init__(self, root: str | os.PathLike) -> None:
-        self.root = Path(root).resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
+    """Masks as ``<root>/<key>.safetensors``; ``root`` is a local directory or a pyarrow.fs URI (``s3://...``),
+    so a node without a shared file system reads the masks the driver wrote."""
 
-    def path(self, key: str) -> Path:
+    def __init__(self, root: str | os.PathLike) -> None:
+        s = os.fspath(root)
+        self.fs = None
+        if "://" in s and not s.startswith("file://"):
+            from tasks.store._fs import StoreFS
+
+            self.fs, self.root = StoreFS(s), s
+        else:
+            self.root = Path(s[len("file://"):] if s.startswith("file://") else s).resolve()
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    def _name(self, key: str) -> str:
         if not isinstance(key, str) or not KEY_RE.match(key):
             raise StoreError(f"invalid mask key {key!r}")
-        p = (self.root / f"{key}.safetensors").resolve()
-        if p.parent != self.root:
+        return f"{key}.safetensors"
+
+    def path(self, key: str) -> Path:
+        p = (Path(self.root) / self._name(key)).resolve()
+        if self.fs is None and p.parent != self.root:
             raise StoreError(f"mask key {key!r} escapes the store root")
         return p
 
     def has(self, key: str) -> bool:
+        if self.fs is not None:
+            return self.fs.size(self._name(key)) is not None
         return self.path(key).is_file()
 
-    def save(self, key: str, masks: dict[str, torch.Tensor], meta: dict) -> Path:
+    def save(self, key: str, masks: dict[str, torch.Tensor], meta: dict) -> Path | str:
         data = {k: v.contiguous() for k, v in masks.items()}
-        return atomic_write(self.path(key), lambda tmp: save_file(data, tmp, metadata={"meta": json.dumps(meta)}))
+        info = {"meta": json.dumps(meta)}
+        if self.fs is not None:
+            self.fs.write_atomic(self._name(key), save(data, metadata=info))
+            return self.fs.path(self._name(key))
+        return atomic_write(self.path(key), lambda tmp: save_file(data, tmp, metadata=info))
 
     def load(self, key: str) -> dict[str, torch.Tensor]:
+        if self.fs is not None:
+            raw = self.fs.read_bytes(self._name(key))
+            if raw is None:
+                raise StoreError(f"mask {key} not found in {self.root}")
+            return {k: v.bool() for k, v in load(raw).items()}
         return {k: v.bool() for k, v in load_file(self.path(key)).items()}

@@ -1,0 +1,278 @@
+"""Connecting the driver to Ray and sizing Tune for a cluster that may grow.
+
+* :func:`connect` checks ``--address`` before ``ray.init`` (a short TCP probe: an unreachable GCS otherwise makes
+  Ray retry for minutes), refuses Ray Client (``ray://``) in one line, turns connection and token-auth failures
+  into one line (:class:`ClusterError`, exit 2 in the CLI), reports which cluster ``--address auto`` joined, and
+  hands the driver's environment the sweep needs (:data:`ENV_PREFIXES`) to every worker through the job's
+  ``runtime_env``: on a real cluster workers are started by their node's raylet, not by the driver.
+* :func:`tune_concurrency` is the concurrency policy: no cap unless ``resources.max_concurrent`` is set, so trials
+  queue and a node that joins later (or an autoscaler that sees the demand) receives them.
+* :func:`check_store_uri` probes a remote store URI once so an unreachable endpoint or a missing bucket is one
+  line, not an AWS traceback from a worker.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+# Environment variables a sweep's workers need from the driver: object-store credentials and endpoint
+# (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL, ...), Google
+# Cloud and Azure credentials for gs:// / abfs:// stores, MLflow (MLFLOW_TRACKING_URI, MLFLOW_TRACKING_TOKEN, ...),
+# Hugging Face (HF_TOKEN, HF_HOME, HF_HUB_OFFLINE, HF_DATASETS_OFFLINE, HF_ENDPOINT) and healsweep's own settings.
+ENV_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_", "MLFLOW_", "HF_", "HUGGINGFACE_", "HEALSWEEP_")
+ENV_NAMES = ("TORCH_HOME", "XDG_CACHE_HOME", "TRANSFORMERS_OFFLINE")
+PROBE_TIMEOUT_S = 3.0
+
+
+class ClusterError(Exception):
+    """The driver cannot use the Ray cluster or the store it was given (one line, exit 2 in the CLI)."""
+
+
+# ------------------------------------------------------------------------------------------ environment
+def worker_env(environ: dict | None = None) -> dict[str, str]:
+    """The driver's variables that every worker gets (names in ENV_PREFIXES / ENV_NAMES), minus those the Ray
+    job's own runtime_env already sets (``ray job submit --runtime-env-json``): Ray refuses a conflicting key."""
+    environ = os.environ if environ is None else environ
+    out = {k: str(v) for k, v in environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
+    return {k: v for k, v in out.items() if k not in _job_env_vars(environ)}
+
+
+def _job_env_vars(environ) -> set[str]:
+    raw = environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not raw:
+        return set()
+    try:
+        return set(((json.loads(raw).get("runtime_env") or {}).get("env_vars") or {}))
+    except (ValueError, AttributeError):
+        return set()
+
+
+# ------------------------------------------------------------------------------------------ address checks
+def parse_address(address: str) -> tuple[str, int] | None:
+    """'host:port' -> (host, port); None for 'auto' / 'local'; ClusterError for ray:// and malformed addresses."""
+    a = address.strip()
+    if a in ("auto", "local"):
+        return None
+    if a.startswith("ray://"):
+        raise ClusterError(
+            f"--address {a}: Ray Client (ray://) is not supported: Ray deprecates it and a Tune driver over it "
+            "loses its MLflow writer; run healsweep on the head node instead (ray exec --tmux / ray job submit) "
+            "with --address auto, or give the GCS address HOST:6379")
+    host, sep, port = a.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ClusterError(f"--address {a!r}: expected HOST:PORT of the Ray head's GCS (e.g. 10.0.0.5:6379), "
+                           "'auto' or nothing")
+    return host.strip("[]"), int(port)
+
+
+def probe(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """ClusterError in at most ``timeout`` seconds when nothing listens at host:port."""
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__).lower()
+        raise ClusterError(f"cannot reach the Ray cluster at {host}:{port} ({why}): is the head node up and the "
+                           "port (GCS, default 6379) open from here?") from None
+
+
+def check_address(address: str | None) -> None:
+    """Fail fast (before any model or store work) on a refused, malformed or unreachable --address."""
+    if not address:
+        return
+    hp = parse_address(address)
+    if hp is None and address.strip() == "auto" and os.environ.get("RAY_ADDRESS", "").startswith("ray://"):
+        parse_address(os.environ["RAY_ADDRESS"])  # RAY_ADDRESS=ray://... would make Ray pick the client
+    if hp is None and address.strip() == "auto":
+        hp = _auto_address()
+    if hp is not None:
+        probe(*hp)
+
+
+def _auto_address() -> tuple[str, int]:
+    """The GCS address ``--address auto`` resolves to (RAY_ADDRESS, else the cluster `ray start` recorded)."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        addr = canonicalize_bootstrap_address("auto")
+    except Exception as e:  # ConnectionError: no running Ray found
+        raise ClusterError(_explain(e, "auto")) from None
+    if not addr:
+        raise ClusterError(_explain(ConnectionError("Could not find any running Ray instance"), "auto"))
+    host, _, port = addr.rpartition(":")
+    return host, int(port)
+
+
+def _explain(e: BaseException, address: str) -> str:
+    chain, x = [], e
+    while x is not None and len(chain) < 10:
+        chain.append(f"{type(x).__name__}: {x}")
+        x = x.__cause__ or x.__context__
+    text = " | ".join(chain)
+    if "InvalidAuthToken" in text or "AuthenticationError" in text or "UNAUTHENTICATED" in text:
+        return (f"Ray at {address} refused this driver's authentication token: set RAY_AUTH_MODE=token and the "
+                "cluster's RAY_AUTH_TOKEN (or ~/.ray/auth_token), or RAY_AUTH_MODE=disabled if the cluster has "
+                "token auth off")
+    if "Could not find any running Ray instance" in text:
+        return ("--address auto: no running Ray cluster found on this machine (set RAY_ADDRESS or give HOST:PORT, "
+                "or omit --address for a local Ray)")
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"cannot connect to the Ray cluster at {address}: {first}"
+
+
+# ------------------------------------------------------------------------------------------ connect
+def connect(address: str | None, num_cpus: int | None = None, *, announce=None) -> bool:
+    """``ray.init`` for a sweep unless Ray is already initialised (then the caller's setup is kept). Returns True
+    when this call started Ray (the caller shuts it down). No address: a fresh local instance, never whatever
+    Ray happens to run on the machine."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kw = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False, configure_logging=True)
+    if not address:
+        ray.init(address="local", num_cpus=num_cpus, **kw)
+        return True
+    check_address(address)
+    # workers never retrain a reference model missing from their node's cache (the driver trained it)
+    env = worker_env()
+    if "HEALSWEEP_REQUIRE_CACHED_MODELS" not in _job_env_vars(os.environ):
+        env["HEALSWEEP_REQUIRE_CACHED_MODELS"] = "1"
+    try:
+        ray.init(address=address.strip(), runtime_env={"env_vars": env}, **kw)
+    except Exception as e:  # ConnectionError, RuntimeError (GCS / auth), ValueError (job env conflict)
+        raise ClusterError(_explain(e, address)) from None
+    (announce or _announce)(describe())
+    return True
+
+
+def describe() -> str:
+    """'Ray cluster 10.0.0.5:6379 (session_..., 3 nodes, 10 CPUs, 2 GPUs)' of the connected cluster."""
+    import ray
+
+    node = getattr(ray._private.worker.global_worker, "node", None)
+    gcs, sess = getattr(node, "gcs_address", "?"), getattr(node, "session_name", "?")
+    res = ray.cluster_resources()
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    return (f"Ray cluster {gcs} ({sess}, {nodes} node{'s' * (nodes != 1)}, {res.get('CPU', 0):g} CPUs, "
+            f"{res.get('GPU', 0):g} GPUs)")
+
+
+def _announce(text: str) -> None:
+    print(f"healsweep: joined {text}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------ concurrency
+def present_concurrency(resources, cluster: dict) -> int:
+    """Trials the resources present now can run side by side (logged as the parent's ``concurrency``)."""
+    if resources.max_concurrent:
+        return resources.max_concurrent
+    n = int(cluster.get("CPU", 1) // resources.cpus_per_trial)
+    if resources.gpus_per_trial > 0:
+        n = min(n, int(cluster.get("GPU", 0) // resources.gpus_per_trial))
+    return max(1, n)
+
+
+def tune_concurrency(resources, cluster: dict) -> int | None:
+    """Tune's ``max_concurrent_trials``: only the user's cap (``resources.max_concurrent``). Without one, Tune
+    queues trials for resources that are not there yet, so nodes that join later run them and an autoscaler sees
+    the demand. With a custom searcher Tune keeps only 1 trial PENDING; :func:`pending_trials` raises that."""
+    return resources.max_concurrent or None
+
+
+def pending_trials(resources, cluster: dict) -> int:
+    """Trials Tune keeps PENDING (``TUNE_MAX_PENDING_TRIALS_PG``; the user's value wins): as many as run now,
+    so an autoscaler sees demand for about one more cluster's worth of trials and scales up."""
+    user = os.environ.get("TUNE_MAX_PENDING_TRIALS_PG")
+    if user and user.isdigit():
+        return int(user)
+    return present_concurrency(resources, cluster)
+
+
+# ------------------------------------------------------------------------------------------ store URI
+def check_store_uri(uri: str | None) -> None:
+    """One probe of a remote store URI (s3://, gs://, ...): ClusterError for an unreachable endpoint, refused
+    credentials or a bucket that does not exist. Local paths and None pass."""
+    if not uri or "://" not in uri or uri.startswith("file://"):
+        return
+    import pyarrow.fs as pafs
+
+    try:
+        fs, path = pafs.FileSystem.from_uri(uri)
+    except Exception as e:  # ArrowInvalid: unknown query keys, bad scheme
+        raise ClusterError(f"store.uri {uri}: {str(e).splitlines()[0]}") from None
+    bucket = path.split("/", 1)[0]
+    try:
+        info = fs.get_file_info(bucket)
+    except OSError as e:
+        msg = str(e)
+        if "NETWORK_CONNECTION" in msg or "Could not connect" in msg or "curlCode" in msg:
+            why = "cannot reach the endpoint (check endpoint_override / AWS_ENDPOINT_URL and the network)"
+        elif "ACCESS_DENIED" in msg or "SIGNATURE" in msg or "INVALID_ACCESS_KEY" in msg or "403" in msg:
+            why = "the endpoint refused the credentials (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
+        else:
+            why = msg.strip().splitlines()[0]
+        raise ClusterError(f"store.uri {uri}: {why}") from None
+    if info.type == pafs.FileType.NotFound:
+        raise ClusterError(f"store.uri {uri}: bucket {bucket!r} does not exist at that endpoint (create it first, "
+                           "or check the bucket name and endpoint_override)")
+
+
+# ------------------------------------------------------------------------------------------ self-contained run dir
+def local_tracking_uri(out_dir) -> str:
+    """The default tracking store of a run directory: SQLite inside it."""
+    return f"sqlite:///{Path(out_dir).resolve() / 'mlflow.db'}"
+
+
+def keep_artifacts_inside(tracking_uri: str, out_dir, experiment: str) -> None:
+    """With the run directory's own SQLite store, create the experiment with its artifact root in
+    ``out_dir/artifacts`` (MLflow's default is ``$PWD/mlruns``), so the run directory holds everything of a run."""
+    if tracking_uri != local_tracking_uri(out_dir):
+        return
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    if client.get_experiment_by_name(experiment) is None:
+        client.create_experiment(experiment, artifact_location=(Path(out_dir).resolve() / "artifacts").as_uri())
+
+
+def relocate(run_dir) -> bool:
+    """A run directory copied or moved elsewhere: point its sweep.json and its SQLite store (experiment artifact
+    locations, run artifact URIs) at the new place. True when something was rewritten."""
+    import sqlite3
+
+    run_dir = Path(run_dir).resolve()
+    meta_p, db = run_dir / "sweep.json", run_dir / "mlflow.db"
+    if not meta_p.exists() or not db.exists():
+        return False
+    meta = json.loads(meta_p.read_text(encoding="utf-8"))
+    uri = str(meta.get("tracking_uri") or "")
+    if not uri.startswith("sqlite:///") or not uri.endswith("/mlflow.db") or uri == local_tracking_uri(run_dir):
+        return False
+    old = uri[len("sqlite:///"):-len("/mlflow.db")]
+    with sqlite3.connect(db) as con:
+        for table, col in (("experiments", "artifact_location"), ("runs", "artifact_uri")):
+            con.execute(f"UPDATE {table} SET {col} = replace({col}, ?, ?)", (old + "/", str(run_dir) + "/"))
+    meta["tracking_uri"] = local_tracking_uri(run_dir)
+    meta_p.write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    return True
+
+
+# ------------------------------------------------------------------------------------------ one storage URI
+def is_remote(uri: str | None) -> bool:
+    return bool(uri) and "://" in uri and not uri.startswith("file://")
+
+
+def store_subdir(uri: str, name: str) -> str:
+    """'s3://b/store?endpoint_override=h:9000' + 'masks' -> 's3://b/store/masks?endpoint_override=h:9000'."""
+    base, q, query = uri.partition("?")
+    return f"{base.rstrip('/')}/{name}" + (f"?{query}" if q else "")
+
+
+def mask_root(store_uri: str | None, local_default: str) -> str:
+    """Masks follow a remote store URI (``<store.uri>/masks``), so workers without a shared file system read
+    them; otherwise the local store root's masks/ directory."""
+    return store_subdir(store_uri, "masks") if is_remote(store_uri) else local_default

@@ -1,0 +1,71 @@
+"""orchestrator/cluster.py without Ray: which variables workers get, address parsing, the concurrency policy."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from orchestrator.cluster import (ClusterError, mask_root, parse_address, pending_trials, present_concurrency,
+                                  probe, store_subdir, tune_concurrency, worker_env)
+from orchestrator.spec import parse_spec
+
+
+def test_worker_env_takes_the_sweeps_variables_and_leaves_the_jobs_own_to_the_job():
+    env = {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "MLFLOW_TRACKING_URI": "http://m:5000",
+           "HF_TOKEN": "t", "HOME": "/root", "PATH": "/bin", "TORCH_HOME": "/c", "AWSX": "no",
+           "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"runtime_env": {"env_vars": {"HF_TOKEN": "job"}}})}
+    assert worker_env(env) == {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
+                               "MLFLOW_TRACKING_URI": "http://m:5000", "TORCH_HOME": "/c"}
+
+
+@pytest.mark.parametrize("addr", ["ray://10.0.0.5:10001", "10.0.0.5", "10.0.0.5:x", ":6379"])
+def test_refused_addresses(addr):
+    with pytest.raises(ClusterError):
+        parse_address(addr)
+
+
+def test_parsed_addresses():
+    assert parse_address("10.0.0.5:6379") == ("10.0.0.5", 6379)
+    assert parse_address("[::1]:6379") == ("::1", 6379)
+    assert parse_address("auto") is None
+
+
+def test_probe_fails_fast_on_a_closed_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: refused
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError, match=f"127.0.0.1:{port} \\(connection refused\\)"):
+            probe("127.0.0.1", port)
+    assert time.monotonic() - t0 < 3.5
+
+
+def test_tune_is_capped_only_by_the_user(monkeypatch):
+    monkeypatch.delenv("TUNE_MAX_PENDING_TRIALS_PG", raising=False)
+    raw = {"name": "x", "models": ["vit_digits"], "sparsities": [0.5], "calib_sizes": [64], "pruners": ["magnitude"],
+           "healers": ["starfish"], "resources": {"cpus_per_trial": 2}}
+    r = parse_spec(raw).resources
+    assert tune_concurrency(r, {"CPU": 1}) is None  # queue beyond what is there now
+    assert present_concurrency(r, {"CPU": 9}) == 4 and pending_trials(r, {"CPU": 9}) == 4
+    monkeypatch.setenv("TUNE_MAX_PENDING_TRIALS_PG", "50")
+    assert pending_trials(r, {"CPU": 9}) == 50
+    capped = parse_spec({**raw, "resources": {"cpus_per_trial": 2, "max_concurrent": 3}}).resources
+    assert tune_concurrency(capped, {"CPU": 100}) == 3
+
+
+def test_masks_follow_a_remote_store_uri():
+    uri = "s3://b/st?endpoint_override=h:9000&scheme=http"
+    assert store_subdir(uri, "masks") == "s3://b/st/masks?endpoint_override=h:9000&scheme=http"
+    assert mask_root(uri, "/l/masks") == "s3://b/st/masks?endpoint_override=h:9000&scheme=http"
+    assert mask_root(None, "/l/masks") == "/l/masks" and mask_root("/data/t", "/l/masks") == "/l/masks"
+
+
+def test_a_cluster_worker_never_retrains_a_reference_model_missing_from_its_cache(tmp_path, monkeypatch):
+    from tasks.models.reference import REQUIRE_CACHED_ENV, load_reference
+
+    monkeypatch.setenv(REQUIRE_CACHED_ENV, "1")  # what connect() puts in the workers' runtime_env
+    with pytest.raises(FileNotFoundError, match="vit_digits is not in the model cache"):
+        load_reference("vit_digits", tmp_path / "empty", progress=False)
+    assert not list(tmp_path.rglob("*.safetensors"))
