@@ -49,6 +49,7 @@ class MlflowTrialLogger(Callback):
         self.keys: dict[str, str] = {}  # tune trial id -> trial key
         self.finished = self.failed = 0
         self.callback_seconds = 0.0  # driver time spent in these callbacks (enqueueing)
+        self.trial_seconds = 0.0  # Σ trial_seconds of the final results (compute inside the trials)
 
     def _timed(fn):  # noqa: N805 - decorator inside the class body
         def wrapper(self, *a, **kw):
@@ -103,6 +104,7 @@ class MlflowTrialLogger(Callback):
         ts, step = int(time.time() * 1000), int(result.get("epoch", 0))
         metrics = [Metric(k, float(result[k]), ts, step) for k in EPOCH_METRICS if k in result]
         if result.get("final"):  # every numeric value the trial returned is a final metric
+            self.trial_seconds += float(result.get("trial_seconds", 0.0))
             extra = dict(result, dense_forward_images=self.dense_images.get(trial.config["model"], 0))
             skip = set(EPOCH_METRICS) | TUNE_KEYS
             metrics += [Metric(k, float(v), ts, step) for k, v in extra.items()
