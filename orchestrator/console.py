@@ -37,15 +37,18 @@ def quiet_libraries(verbose: bool) -> None:
     env.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
     # num_to_keep=1 forces an experiment-state snapshot after each trial checkpoint; Tune warns on every one.
     env.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
+    loggers = ("mlflow", "alembic", "ray._private.authentication.authentication_token_setup", "ray.tune",
+               "ray.train", "ray.air")
     if verbose:
+        for name in loggers:
+            logging.getLogger(name).setLevel(logging.NOTSET)
         return
     env.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     env.setdefault("TUNE_WARN_THRESHOLD_S", "1000000")
     env.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     env.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     env.setdefault("PYTHONWARNINGS", "ignore")
-    for name in ("mlflow", "alembic", "ray._private.authentication.authentication_token_setup", "ray.tune",
-                 "ray.train", "ray.air"):
+    for name in loggers:
         logging.getLogger(name).setLevel(logging.ERROR)
     import warnings
 
