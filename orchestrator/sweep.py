@@ -59,6 +59,8 @@ class _Sweep:
     dense_rep: Any = None
     diag: Any = None
     mask_keys: dict = field(default_factory=dict)
+    mlflow_ready: Any = None  # joins the thread that opens the tracking store (open_sweep)
+    warm: list = field(default_factory=list)  # refs of the worker warm-up tasks (start_ray)
     client: Any = None
     parent: str = ""
     tune: dict = field(default_factory=dict)
@@ -136,7 +138,59 @@ def open_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path
     write_sweep(out_dir, info)
     paths = {"targets": spec.store.uri or str(store_root / "targets"), "masks": str(store_root / "masks"),
              "cache": str(cache_dir), "out": str(out_dir)}
-    return _Sweep(spec, out_dir, store_root, cache_dir, info, paths, resume, refine_round, clock)
+    s = _Sweep(spec, out_dir, store_root, cache_dir, info, paths, resume, refine_round, clock)
+    s.mlflow_ready = _background(_open_tracking, info["tracking_uri"], spec.mlflow.experiment)
+    return s
+
+
+def _background(fn, *args):
+    """Run ``fn(*args)`` in a thread while the next stages run; the returned callable joins it and returns
+    its result (re-raising its error)."""
+    import threading
+
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread by join()
+            box["error"] = e
+
+    th = threading.Thread(target=target, name="healsweep-prepare", daemon=True)
+    th.start()
+
+    def join():
+        th.join()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+    return join
+
+
+def _open_tracking(uri: str, experiment: str):
+    """The MLflow client with its experiment ready (a new SQLite store creates its tables: seconds), opened
+    while the models, dense and mask stages run."""
+    from mlflow import MlflowClient
+
+    from orchestrator.tracking import experiment_id
+
+    client = MlflowClient(uri)
+    experiment_id(client, experiment)
+    return client
+
+
+def _warm_workers(n: int, cpus: float) -> list:
+    """``n`` Ray tasks that import the trial code (torch, timm, tasks.*) in pooled worker processes while the
+    driver runs its stages; Tune's trial actors then start in warm processes. -> refs to wait on."""
+    import ray
+
+    @ray.remote
+    def warm() -> bool:
+        import orchestrator.trainable  # noqa: F401
+
+        return True
+
+    return [warm.options(num_cpus=cpus).remote() for _ in range(n)]
 
 
 def models_stage(s: _Sweep, progress: bool) -> None:
@@ -195,14 +249,12 @@ def dense_and_masks(s: _Sweep, progress: bool) -> None:
 
 def parent_run(s: _Sweep) -> None:
     """The sweep's MLflow parent run: created once, reopened on resume/refine; diagnostics logged to it."""
-    from mlflow import MlflowClient
-
     from orchestrator.diagnostics import log_diagnostics
     from orchestrator.resume import reconcile, write_sweep
     from orchestrator.tracking import experiment_id, start_parent
 
     spec, info = s.spec, s.info
-    s.client = client = MlflowClient(info["tracking_uri"])
+    s.client = client = s.mlflow_ready()
     spec_json = json.dumps(spec.to_dict(), indent=1, default=list)
     if info.get("parent_run_id") is None:
         info["parent_run_id"] = start_parent(client, spec.mlflow.experiment, info["sweep_id"], spec.name, {
@@ -338,6 +390,9 @@ def tune_stage(s: _Sweep, progress: bool) -> None:
         prog = _Progress(per_cell, progress)
         name = f"{spec.name}-{s.info['sweep_id']}-s{s.session}"
         tuner = _tuner(s, name, searcher, [logger_cb, prog.callback])
+    if s.warm:
+        with clock.stage("tune_start"):
+            ray.get(s.warm)  # warm processes are idle before Tune asks for actors
     t0, t["freed"] = time.perf_counter(), 0
     if searcher.total:
         tuner.fit()
@@ -394,6 +449,10 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         models_stage(s, progress)
     with clock.stage("ray", f"ray: {'attaching to ' + address if address else 'starting a local instance'}"):
         started_ray = start_ray(address, num_cpus, verbose)
+        if spec.resources.gpus_per_trial == 0:
+            import ray
+
+            s.warm = _warm_workers(_concurrency(spec, ray.cluster_resources()), spec.resources.cpus_per_trial)
     try:
         dense_and_masks(s, progress)
         with clock.stage("parent"):
