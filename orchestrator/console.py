@@ -61,6 +61,7 @@ class StageClock:
     def __init__(self, enabled: bool = True, stream=None) -> None:
         self.enabled, self.stream = enabled, stream or sys.stderr
         self.seconds: dict[str, float] = {}
+        self.trial_compute: float | None = None  # Σ trial compute, shown next to the trials' wall time
 
     def say(self, text: str) -> None:
         if self.enabled:
@@ -84,8 +85,8 @@ class StageClock:
 
     def summary(self) -> str:
         order = [s for s in STAGES if s in self.seconds] + [s for s in self.seconds if s not in STAGES]
-        parts = [f"{s} {self.seconds[s]:.1f}" for s in order if s != "trial_compute_sum"]
-        if "trial_compute_sum" in self.seconds:
-            parts = [p + f" (sum of trial compute {self.seconds['trial_compute_sum']:.1f})" if p.startswith("trials ")
-                     else p for p in parts]
+        parts = [f"{s} {self.seconds[s]:.1f}" for s in order]
+        if self.trial_compute is not None:
+            parts = [p + f" (sum of trial compute {self.trial_compute:.1f})" if p.startswith("trials ") else p
+                     for p in parts]
         return "stage times (s): " + ", ".join(parts)

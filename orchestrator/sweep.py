@@ -416,7 +416,7 @@ def summary_stage(s: _Sweep, t_start: float) -> tuple[int, int, float]:
     failed = sum(st.name == "FAIL" for st in states)
     seconds = time.time() - t_start
     compute = logger_cb.trial_seconds
-    s.clock.seconds["trial_compute_sum"] = compute  # Σ trial compute (in the trials), vs trials' wall time
+    s.clock.trial_compute = compute  # Σ trial compute (in the trials), printed next to the trials' wall time
     ts = int(time.time() * 1000)
     values = {
         "dense_forward_images": sum(s.dense.values()), "trials_finished": finished, "trials_failed": failed,
