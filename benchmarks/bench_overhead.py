@@ -134,8 +134,11 @@ def main() -> None:
         for k in (16, 1):
             res[k]["healsweep"].append(run_healsweep(a, specs[k], root / f"hs{k}-{i}"))
             res[k]["authors"].append(run_authors(a, configs[k]))
-            print(f"repeat {i + 1}/{a.repeats}, {k} trial(s): healsweep {res[k]['healsweep'][-1]['wall']:.1f} s, "
-                  f"authors {res[k]['authors'][-1]:.1f} s  ({uptime()})", flush=True)
+            h = res[k]["healsweep"][-1]
+            print(f"repeat {i + 1}/{a.repeats}, {k} trial(s): healsweep {h['wall']:.1f} s (Σ compute "
+                  f"{h['compute']:.1f}, overhead {h['overhead']:.1f}; " + ", ".join(
+                      f"{n} {v:.1f}" for n, v in h["stages"].items()) +
+                  f"), authors {res[k]['authors'][-1]:.1f} s  ({uptime()})", flush=True)
     report(a, res)
     print(f"end: {uptime()}")
 
