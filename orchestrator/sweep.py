@@ -17,14 +17,6 @@ from orchestrator.plan import Cell, expand_cells, grid_searches
 from orchestrator.spec import SweepSpec
 
 
-def __getattr__(name: str):  # tune_trainable stays importable from here without importing torch/Ray eagerly
-    if name == "tune_trainable":
-        from orchestrator.trainable import tune_trainable
-
-        return tune_trainable
-    raise AttributeError(name)
-
-
 @dataclass
 class SweepResult:
     sweep_id: str
