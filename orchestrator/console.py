@@ -90,3 +90,38 @@ class StageClock:
             parts = [p + f" (sum of trial compute {self.trial_compute:.1f})" if p.startswith("trials ") else p
                      for p in parts]
         return "stage times (s): " + ", ".join(parts)
+
+
+class TrialProgress:
+    """Tune callback: one bar over every trial; its postfix is the last finished trial's cell, with that cell's
+    finished/total trials and best selection accuracy (per cell, never a max over the sweep)."""
+
+    def __init__(self, per_cell: dict[str, int], enabled: bool) -> None:
+        from ray.tune import Callback
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sum(per_cell.values()), desc="trials", unit="trial", disable=not enabled)
+        done: dict[str, int] = {}
+        best: dict[str, float] = {}
+
+        def finish(trial, ok: bool) -> None:
+            cell = trial.config.get("cell_id", "?")
+            done[cell] = done.get(cell, 0) + 1
+            sel = (trial.last_result or {}).get("selection_acc") if ok else None
+            if sel is not None:
+                best[cell] = max(best.get(cell, float("-inf")), float(sel))
+            bar.update(1)
+            shown = f"{best[cell]:.3f}" if cell in best else "-"
+            c = trial.config
+            where = f"{c.get('model', '')} {c.get('pruner', '')} sparsity {c.get('sparsity', '?')} " \
+                    f"calib {c.get('calib_size', '?')} {c.get('healer', '')}"
+            bar.set_postfix_str(f"{where}: {done[cell]}/{per_cell.get(cell, '?')} trials, best selection_acc {shown}")
+
+        class Cb(Callback):
+            def on_trial_complete(self, iteration, trials, trial, **info):
+                finish(trial, True)
+
+            def on_trial_error(self, iteration, trials, trial, **info):
+                finish(trial, False)
+
+        self.callback, self.bar = Cb(), bar

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.console import StageClock, quiet_libraries
+from orchestrator.console import StageClock, TrialProgress, quiet_libraries
 from orchestrator.plan import Cell, expand_cells, grid_searches
 from orchestrator.spec import SweepSpec
 
@@ -111,6 +111,7 @@ def open_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path
                refine_round: int | None, clock: StageClock) -> _Sweep:
     """A new sweep (fresh sweep id, tracking URI) or the one recorded in ``out_dir`` (resume / refine)."""
     from orchestrator.resume import JOURNAL_FILE, ResumeError, read_sweep, write_sweep
+    from orchestrator.stages import background, open_tracking
 
     out_dir, store_root, cache_dir = (Path(p).resolve() for p in (out_dir, store_root, cache_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -131,58 +132,8 @@ def open_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path
     paths = {"targets": spec.store.uri or str(store_root / "targets"), "masks": str(store_root / "masks"),
              "cache": str(cache_dir), "out": str(out_dir)}
     s = _Sweep(spec, out_dir, store_root, cache_dir, info, paths, resume, refine_round, clock)
-    s.mlflow_ready = _background(_open_tracking, info["tracking_uri"], spec.mlflow.experiment)
+    s.mlflow_ready = background(open_tracking, info["tracking_uri"], spec.mlflow.experiment)
     return s
-
-
-def _background(fn, *args):
-    """Run ``fn(*args)`` in a thread while the next stages run; the returned callable joins it and returns
-    its result (re-raising its error)."""
-    import threading
-
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread by join()
-            box["error"] = e
-
-    th = threading.Thread(target=target, name="healsweep-prepare", daemon=True)
-    th.start()
-
-    def join():
-        th.join()
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
-    return join
-
-
-def _open_tracking(uri: str, experiment: str):
-    """The MLflow client with its experiment ready (a new SQLite store creates its tables: seconds), opened
-    while the models, dense and mask stages run."""
-    from mlflow import MlflowClient
-
-    from orchestrator.tracking import experiment_id
-
-    client = MlflowClient(uri)
-    experiment_id(client, experiment)
-    return client
-
-
-def _warm_workers(n: int, cpus: float) -> list:
-    """``n`` Ray tasks that import the trial code (torch, timm, tasks.*) in pooled worker processes while the
-    driver runs its stages; Tune's trial actors then start in warm processes. -> refs to wait on."""
-    import ray
-
-    @ray.remote
-    def warm() -> bool:
-        import orchestrator.trainable  # noqa: F401
-
-        return True
-
-    return [warm.options(num_cpus=cpus).remote() for _ in range(n)]
 
 
 def models_stage(s: _Sweep, progress: bool) -> None:
@@ -282,41 +233,6 @@ def _log_lamp(s: _Sweep, diag_root: Path) -> None:
     log_lamp_allocations(s.client, s.parent, diag_root, s.diag, weights_of, CTSSettings().targets)
 
 
-class _Progress:
-    """Tune callback: one bar over every trial; its postfix is the last finished trial's cell, with that cell's
-    finished/total trials and best selection accuracy (per cell, never a max over the sweep)."""
-
-    def __init__(self, per_cell: dict[str, int], enabled: bool) -> None:
-        from ray.tune import Callback
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=sum(per_cell.values()), desc="trials", unit="trial", disable=not enabled)
-        done: dict[str, int] = {}
-        best: dict[str, float] = {}
-
-        def finish(trial, ok: bool) -> None:
-            cell = trial.config.get("cell_id", "?")
-            done[cell] = done.get(cell, 0) + 1
-            sel = (trial.last_result or {}).get("selection_acc") if ok else None
-            if sel is not None:
-                best[cell] = max(best.get(cell, float("-inf")), float(sel))
-            bar.update(1)
-            shown = f"{best[cell]:.3f}" if cell in best else "-"
-            c = trial.config
-            where = f"{c.get('model', '')} {c.get('pruner', '')} sparsity {c.get('sparsity', '?')} " \
-                    f"calib {c.get('calib_size', '?')} {c.get('healer', '')}"
-            bar.set_postfix_str(f"{where}: {done[cell]}/{per_cell.get(cell, '?')} trials, best selection_acc {shown}")
-
-        class Cb(Callback):
-            def on_trial_complete(self, iteration, trials, trial, **info):
-                finish(trial, True)
-
-            def on_trial_error(self, iteration, trials, trial, **info):
-                finish(trial, False)
-
-        self.callback, self.bar = Cb(), bar
-
-
 def _scheduler(spec: SweepSpec):
     if spec.search.scheduler != "asha":
         return None
@@ -379,7 +295,7 @@ def tune_stage(s: _Sweep, progress: bool) -> None:
             grids[c.grid or "main"] = grids.get(c.grid or "main", 0) + per_cell.get(c.cell_id, 0)
         clock.say("[trials] " + ", ".join(f"grid {g}: {n} trials" for g, n in grids.items())
                   + f" over {len(per_cell)} cells, {t['concurrency']} at a time")
-        prog = _Progress(per_cell, progress)
+        prog = TrialProgress(per_cell, progress)
         name = f"{spec.name}-{s.info['sweep_id']}-s{s.session}"
         tuner = _tuner(s, name, searcher, [logger_cb, prog.callback])
     if s.warm:
@@ -444,7 +360,9 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         if spec.resources.gpus_per_trial == 0:
             import ray
 
-            s.warm = _warm_workers(_concurrency(spec, ray.cluster_resources()), spec.resources.cpus_per_trial)
+            from orchestrator.stages import warm_workers
+
+            s.warm = warm_workers(_concurrency(spec, ray.cluster_resources()), spec.resources.cpus_per_trial)
     try:
         dense_and_masks(s, progress)
         with clock.stage("parent"):
