@@ -47,7 +47,7 @@ def tune_trainable(config: dict) -> None:
         with ckpt.as_directory() as d:
             start = torch.load(Path(d) / STATE_FILE, map_location="cpu", weights_only=True)
     last = {"epoch": int(start["last"]["epoch"]) if start else 0,
-            "selection_acc": float(start["last"]["selection_acc"]) if start else 0.0}
+            "selection_acc": float(start["last"].get("selection_acc", 0.0)) if start else 0.0}
 
     def report(metrics: dict) -> None:
         last.update({k: metrics[k] for k in last if k in metrics})
