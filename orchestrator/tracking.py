@@ -100,6 +100,9 @@ class MlflowTrialLogger(Callback):
         if result.get("diverged"):
             reason = str(result.get("failure_reason", "diverged"))[:5000]
             self.writer.submit(lambda: self.client.set_tag(self.runs[key], "failure_reason", reason))
+            if "node_id" in result:
+                node = str(result["node_id"])
+                self.writer.submit(lambda: self.client.set_tag(self.runs[key], "node_id", node))
             return
         ts, step = int(time.time() * 1000), int(result.get("epoch", 0))
         metrics = [Metric(k, float(result[k]), ts, step) for k in EPOCH_METRICS if k in result]

@@ -72,4 +72,5 @@ def tune_trainable(config: dict) -> None:
         run_trial(params, report, start=start, checkpoint=checkpoint)
     except HealingDiverged as e:
         # selection_acc/epoch repeat the last reported values: Tune requires the metric in every result.
-        tune.report({**last, "final": True, "diverged": True, "failure_reason": f"HealingDiverged: {e}"})
+        tune.report({**last, "final": True, "diverged": True, "failure_reason": f"HealingDiverged: {e}",
+                     "node_id": node})
