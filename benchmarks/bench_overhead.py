@@ -32,7 +32,7 @@ SPARSITIES = (0.8, 0.85, 0.9, 0.95)
 LR_RANGE = (3e-4, 3e-3)
 AUTHORS_LRS = (3e-4, 6e-4, 1.2e-3, 2.4e-3)  # 4 fixed rates over healsweep's search range (cost is lr-independent)
 STAGES = ("imports", "spec", "models", "ray", "dense", "diagnostics", "masks", "parent", "tune_start", "trials",
-          "mlflow_flush", "report")
+          "mlflow_flush", "ray_shutdown", "report")
 
 
 def spec_yaml(sparsities, trials: int, epochs: int, calib: int) -> str:

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 # Stage names, in the order a sweep runs them (docs: README "Where a sweep's time goes").
 STAGES = ("imports", "spec", "models", "ray", "dense", "diagnostics", "masks", "parent", "tune_start", "trials",
-          "mlflow_flush", "report")
+          "mlflow_flush", "ray_shutdown", "report")
 
 
 def process_age() -> float:

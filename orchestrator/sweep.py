@@ -375,7 +375,8 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         if started_ray:
             import ray
 
-            ray.shutdown()
+            with clock.stage("ray_shutdown"):
+                ray.shutdown()
     paths_out = None
     if report:
         from analysis.report import write_report
@@ -393,4 +394,4 @@ def _report_metric(clock: StageClock, step: int) -> list:
 
     ts = int(time.time() * 1000)
     return [Metric(k, float(v), ts, step) for k, v in clock.metrics().items()
-            if k in ("stage_report_seconds", "stage_imports_seconds", "stage_spec_seconds")]
+            if k in ("stage_report_seconds", "stage_ray_shutdown_seconds")]
