@@ -357,7 +357,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         models_stage(s, progress)
     with clock.stage("ray", f"ray: {'attaching to ' + address if address else 'starting a local instance'}"):
         started_ray = start_ray(address, num_cpus, verbose)
-        if spec.resources.gpus_per_trial == 0:
+        if started_ray and not address and spec.resources.gpus_per_trial == 0:  # our local instance only
             import ray
 
             from orchestrator.stages import warm_workers

@@ -34,7 +34,9 @@ def test_driver_and_actor_dense_paths_write_identical_shards(tmp_path):
             assert done == {"vit_digits": 128} and rep.shards == {"vit_digits": 2}
             key_dir = tmp_path / name / models["vit_digits"].targets_key
             out[name] = {p.name: p.read_bytes() for p in sorted(key_dir.glob("shard-*"))}
-        assert len(out["driver"]) == 2 and out["driver"] == out["actors"]
+        assert sorted(out["driver"]) == ["shard-00000.arrow", "shard-00000.json", "shard-00001.arrow",
+                                         "shard-00001.json"]
+        assert out["driver"] == out["actors"]  # same bytes, same checksums
         # a second pass finds both shards: nothing computed, whichever path
         assert dense_stage(spec, models, rows, tmp_path / "driver", cache, progress=False) == {"vit_digits": 0}
     finally:
