@@ -47,6 +47,7 @@ class MlflowTrialLogger(Callback):
         self.dense_images = dict(dense_images)  # model -> dense forward images computed by this sweep
         self.runs: dict[str, str] = {}  # trial key -> mlflow run id (filled by the writer thread)
         self.keys: dict[str, str] = {}  # tune trial id -> trial key
+        self.nodes: dict[str, set[str]] = {}  # trial key -> node ids its results came from
         self.finished = self.failed = 0
         self.callback_seconds = 0.0  # driver time spent in these callbacks (enqueueing)
         self.trial_seconds = 0.0  # Σ trial_seconds of the final results (compute inside the trials)
@@ -97,6 +98,11 @@ class MlflowTrialLogger(Callback):
         key = self.keys.get(trial.trial_id)
         if key is None:
             return
+        if "node_id" in result:  # every node any attempt of this trial ran on (tag ``nodes`` at the end)
+            self.nodes.setdefault(key, set()).add(str(result["node_id"]))
+        if result.get("final") and self.nodes.get(key):
+            nodes = ",".join(sorted(self.nodes[key]))
+            self.writer.submit(lambda: self.client.set_tag(self.runs[key], "nodes", nodes))
         if result.get("diverged"):
             reason = str(result.get("failure_reason", "diverged"))[:5000]
             self.writer.submit(lambda: self.client.set_tag(self.runs[key], "failure_reason", reason))

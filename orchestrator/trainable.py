@@ -63,7 +63,7 @@ def tune_trainable(config: dict) -> None:
         last.update({k: metrics[k] for k in last if k in metrics})
         with tempfile.TemporaryDirectory(prefix="healsweep-ckpt-") as d:
             torch.save(state, Path(d) / STATE_FILE)
-            tune.report({**metrics, "resumed_from_epoch": last_start},
+            tune.report({**metrics, "resumed_from_epoch": last_start, "node_id": node},
                         checkpoint=tune.Checkpoint.from_directory(d))
 
     last_start = last["epoch"]

@@ -76,7 +76,9 @@ def test_two_node_cluster_sweep_completes_on_cpu_from_a_gpu_spec(fault_sweep):
     assert all(r.data.params["device"] == "cpu" for r in runs.values())
     # 3 trials, 2 at a time, 1 CPU per trial on two 1-CPU nodes: the first two run side by side, one per node
     nodes = {r.data.tags.get("node_id") for r in runs.values()}
-    assert None not in nodes and len(nodes) == 2
+    assert None not in nodes
+    # every node any attempt ran on (a retried trial may finish on the other node than it started on)
+    assert len({n for r in runs.values() for n in r.data.tags["nodes"].split(",")}) == 2
     parent = client.get_run(res.parent_run_id)
     assert parent.data.metrics["concurrency"] == 2  # both nodes' CPUs
 

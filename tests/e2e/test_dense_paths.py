@@ -24,7 +24,7 @@ def test_driver_and_actor_dense_paths_write_identical_shards(tmp_path):
     rows = {"vit_digits": 128}  # two shards of 64
     n_params = sum(p.numel() for p in load_model("vit_digits", cache, progress=False).model.parameters())
     assert 128 * n_params <= LOCAL_MAX_IMAGE_PARAMS  # the default picks the driver for this size
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         out = {}
         for name, in_driver in (("driver", True), ("actors", False)):
