@@ -124,7 +124,7 @@ def _explain(e: BaseException, address: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------ connect
-def connect(address: str | None, num_cpus: int | None = None, *, announce=None) -> bool:
+def connect(address: str | None, num_cpus: int | None = None, *, announce=None, verbose: bool = False) -> bool:
     """``ray.init`` for a sweep unless Ray is already initialised (then the caller's setup is kept). Returns True
     when this call started Ray (the caller shuts it down). No address: a fresh local instance, never whatever
     Ray happens to run on the machine."""
@@ -132,7 +132,8 @@ def connect(address: str | None, num_cpus: int | None = None, *, announce=None) 
 
     if ray.is_initialized():
         return False
-    kw = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False, configure_logging=True)
+    kw = dict(include_dashboard=False, logging_level=logging.WARNING if verbose else logging.ERROR,
+              log_to_driver=verbose, configure_logging=True)
     if not address:
         ray.init(address="local", num_cpus=num_cpus, **kw)
         return True
@@ -166,6 +167,22 @@ def _announce(text: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ concurrency
+def check_fits(request: dict[str, float], nodes: list[dict], autoscaling: bool) -> None:
+    """ClusterError when no alive node can ever place the sweep's largest request (a trial or a dense task):
+    Tune would otherwise wait forever with an "insufficient resources" warning every minute. On a cluster that
+    may grow (``autoscaling``) a larger node can still join, so only a fixed cluster (a local instance) is refused."""
+    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
+    if autoscaling or not alive:
+        return
+    for name, want in request.items():
+        best = max(r.get(name, 0.0) for r in alive)
+        if want > best:
+            key = "cpus" if name == "CPU" else "gpus"
+            raise ClusterError(f"resources: a trial or dense task asks for {want:g} {name} but the largest node has "
+                               f"{best:g}; lower resources.{key}_per_trial / {key}_per_dense_task (or --resources) "
+                               f"or give Ray more (--num-cpus)")
+
+
 def present_concurrency(resources, cluster: dict) -> int:
     """Trials the resources present now can run side by side (logged as the parent's ``concurrency``)."""
     if resources.max_concurrent:

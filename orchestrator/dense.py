@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Mapping
 
@@ -17,6 +18,9 @@ from tasks.models import get_adapter, load_model
 from tasks.store import StoreError, TargetStore, ensure_targets
 
 log = logging.getLogger("healsweep.store")
+# Dense work up to this many (images x model parameters) runs in the driver: starting actors (a process and a
+# model load each, seconds) costs more than the forward passes themselves (128 images of vit_digits: 0.03 s).
+LOCAL_MAX_IMAGE_PARAMS = 5e9
 
 
 @ray.remote
@@ -44,32 +48,22 @@ class DenseReport:
 
 def dense_stage(spec, models: Mapping, rows: Mapping[str, int], store_root: str | Path, cache_dir: Path,
                 progress: bool = True, *, max_workers: int | None = None, skip: tuple[str, ...] = (),
-                report: DenseReport | None = None) -> dict[str, int]:
+                report: DenseReport | None = None, in_driver: bool | None = None) -> dict[str, int]:
     """Make every model's key (except ``skip``) hold at least ``rows[model]`` rows; compute only what is
-    missing or damaged. Returns {model: dense forward images computed now}; ``report`` gets the details."""
+    missing or damaged. Returns {model: dense forward images computed now}; ``report`` gets the details.
+    ``in_driver``: compute in this process (True) or on a pool of Ray actors (False); default: in this process
+    when the work is small (``LOCAL_MAX_IMAGE_PARAMS``) and no GPU is asked for dense tasks."""
     store = TargetStore(store_root)
     rep = report if report is not None else DenseReport()
-    per_task = spec.resources.cpus_per_dense_task
     cpus = int(ray.cluster_resources().get("CPU", 1)) if ray.is_initialized() else 1
     for m, info in models.items():
         rep.computed[m] = rep.shards[m] = 0
         if m in skip:
             continue
 
-        def run_shards(plan, m=m, info=info):
-            n = max(1, min(len(plan), max_workers or max(1, int(cpus // per_task))))
-            actors = [DenseWorker.options(num_cpus=per_task, num_gpus=spec.resources.gpus_per_dense_task).remote(
-                m, str(cache_dir), spec.data_seed, max(1, int(per_task)), spec.load_kwargs(m)) for _ in range(n)]
-            pool = ray.util.ActorPool(actors)
-            with tqdm(total=sum(b - a for _, a, b in plan), desc=f"dense targets {m} ({n} workers)", unit="img",
-                      disable=not progress) as bar:
-                for shard in pool.map_unordered(
-                        lambda a, job: a.shard.remote(str(store_root), info.targets_key, *job, spec.store.dtype), plan):
-                    bar.update(shard["row_stop"] - shard["row_start"])
-                    yield shard
-            for a in actors:
-                ray.kill(a)
-
+        run_shards = partial(_run_shards, in_driver=in_driver, n_rows=rows[m], spec=spec, model=m,
+                             key=info.targets_key, store_root=str(store_root), cache_dir=cache_dir, cpus=cpus,
+                             max_workers=max_workers, progress=progress)
         res = ensure_targets(store, info.targets_key, rows[m], spec.store.shard_size, run_shards,
                              meta={"model": m, "model_digest": info.digest, "calibration": info.calib_digest,
                                    "shard_size": spec.store.shard_size, "blocks": list(info.blocks)},
@@ -77,6 +71,56 @@ def dense_stage(spec, models: Mapping, rows: Mapping[str, int], store_root: str 
         rep.computed[m], rep.shards[m] = res.computed_rows, len(res.computed_shards)
         rep.events += res.events
     return dict(rep.computed)
+
+
+def _run_shards(plan, *, in_driver: bool | None, n_rows: int, **kw):
+    """Called by ensure_targets only when shards are missing: small work in this process, else actors."""
+    local = in_driver
+    if local is None:
+        spec = kw["spec"]
+        lm = load_model(kw["model"], kw["cache_dir"], data_seed=spec.data_seed, progress=False,
+                        **spec.load_kwargs(kw["model"]))
+        size = n_rows * sum(p.numel() for p in lm.model.parameters())
+        local = spec.resources.gpus_per_dense_task == 0 and size <= LOCAL_MAX_IMAGE_PARAMS
+    yield from (_local_shards if local else _actor_shards)(plan, **kw)
+
+
+def _local_shards(plan, *, spec, model, key, store_root, cache_dir, cpus, max_workers, progress):
+    """The shards of ``plan`` computed one after another in this process (same code as DenseWorker.shard)."""
+    lm = load_model(model, cache_dir, data_seed=spec.data_seed, progress=False, **spec.load_kwargs(model))
+    blocks, images, store = get_adapter(lm.model).blocks(lm.model), lm.dataset["calibration"].images, \
+        TargetStore(store_root)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(spec.resources.cpus_per_dense_task)))  # as a DenseWorker: same numbers
+    try:
+        with tqdm(total=sum(b - a for _, a, b in plan), desc=f"dense targets {model} (in-process)", unit="img",
+                  disable=not progress, leave=False) as bar:
+            for index, start, stop in plan:
+                targets = dense_targets(lm.model, blocks, images[start:stop], dtype=getattr(torch, spec.store.dtype))
+                shard = store.write_shard(key, index, start, targets)
+                bar.update(stop - start)
+                yield shard
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _actor_shards(plan, *, spec, model, key, store_root, cache_dir, cpus, max_workers, progress):
+    """The shards of ``plan`` on a pool of DenseWorker actors (model loaded once per actor)."""
+    per_task = spec.resources.cpus_per_dense_task
+    n = max(1, min(len(plan), max_workers or max(1, int(cpus // per_task))))
+    actors = [DenseWorker.options(num_cpus=per_task, num_gpus=spec.resources.gpus_per_dense_task).remote(
+        model, str(cache_dir), spec.data_seed, max(1, int(per_task)), spec.load_kwargs(model)) for _ in range(n)]
+    pool = ray.util.ActorPool(actors)
+    try:
+        with tqdm(total=sum(b - a for _, a, b in plan), desc=f"dense targets {model} ({n} workers)", unit="img",
+                  disable=not progress, leave=False) as bar:
+            for shard in pool.map_unordered(
+                    lambda a, job: a.shard.remote(store_root, key, *job, spec.store.dtype), plan):
+                bar.update(shard["row_stop"] - shard["row_start"])
+                yield shard
+    finally:
+        for a in actors:
+            ray.kill(a)
 
 
 def _calibration_rows(model: str, cache_dir: Path, data_seed: int) -> list[int]:

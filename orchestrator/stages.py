@@ -68,3 +68,53 @@ def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: Pa
         m = make_masks(lm.model, entries, c.pruner, c.sparsity, seed=c.seed, settings=c.pruner_settings, ctx=ctx)
         masks.save(key, m, ident)
     return out
+
+
+def background(fn, *args):
+    """Run ``fn(*args)`` in a thread while the next stages run; the returned callable joins it and returns
+    its result (re-raising its error)."""
+    import threading
+
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread by join()
+            box["error"] = e
+
+    th = threading.Thread(target=target, name="healsweep-prepare", daemon=True)
+    th.start()
+
+    def join():
+        th.join()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+    return join
+
+
+def open_tracking(uri: str, experiment: str):
+    """The MLflow client with its experiment ready (a new SQLite store creates its tables: seconds), opened
+    while the models, dense and mask stages run."""
+    from mlflow import MlflowClient
+
+    from orchestrator.tracking import experiment_id
+
+    client = MlflowClient(uri)
+    experiment_id(client, experiment)
+    return client
+
+
+def warm_workers(n: int, cpus: float) -> list:
+    """``n`` Ray tasks that import the trial code (torch, timm, tasks.*) in pooled worker processes while the
+    driver runs its stages; Tune's trial actors then start in warm processes. -> refs to wait on."""
+    import ray
+
+    @ray.remote
+    def warm() -> bool:
+        import orchestrator.trainable  # noqa: F401
+
+        return True
+
+    return [warm.options(num_cpus=cpus).remote() for _ in range(n)]

@@ -1,18 +1,19 @@
-"""Run a sweep: models -> dense targets (Ray tasks) -> masks -> trials (Ray Tune + per-cell Optuna) -> MLflow -> report."""
+"""Run a sweep: models -> dense targets -> diagnostics -> masks -> parent run -> trials (Ray Tune + per-cell
+Optuna) -> MLflow -> report. ``run_sweep`` is the sequence of named stages below, each timed (``StageClock``):
+the times go to the parent run as ``stage_<name>_seconds`` and are printed at the end."""
 from __future__ import annotations
 
 import json
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
-from tqdm.auto import tqdm
-
+from orchestrator.console import StageClock, TrialProgress, quiet_libraries
 from orchestrator.plan import Cell, expand_cells, grid_searches
 from orchestrator.spec import SweepSpec
-from orchestrator.trainable import tune_trainable  # noqa: F401 - re-exported
 
 
 @dataclass
@@ -26,29 +27,49 @@ class SweepResult:
     dense_forward_images: int
     seconds: float
     report: dict | None
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Sweep:
+    """What the stages hand each other."""
+    spec: SweepSpec
+    out_dir: Path
+    store_root: Path
+    cache_dir: Path
+    info: dict
+    paths: dict
+    resume: bool
+    refine_round: int | None
+    clock: StageClock
+    models: dict = field(default_factory=dict)
+    cells: list[Cell] = field(default_factory=list)
+    rows: dict = field(default_factory=dict)
+    modes: dict = field(default_factory=dict)
+    dense: dict = field(default_factory=dict)
+    dense_rep: Any = None
+    diag: Any = None
+    mask_keys: dict = field(default_factory=dict)
+    mlflow_ready: Any = None  # joins the thread that opens the tracking store (open_sweep)
+    warm: list = field(default_factory=list)  # refs of the worker warm-up tasks (start_ray)
+    client: Any = None
+    parent: str = ""
+    tune: dict = field(default_factory=dict)
+    dense_total: int = 0  # dense forward images over every session of the sweep (resume/refine included)
+
+    @property
+    def journal(self) -> Path:
+        from orchestrator.resume import JOURNAL_FILE
+
+        return self.out_dir / JOURNAL_FILE
+
+    @property
+    def session(self) -> int:
+        return self.info.get("resumes", 0)
 
 
 def _trial_name(trial) -> str:
     return f"{trial.config.get('trial_key', 'trial')}-{trial.trial_id}"
-
-
-class _Progress:
-    def __init__(self, total: int, enabled: bool) -> None:
-        from ray.tune import Callback
-
-        bar = tqdm(total=total, desc="trials", unit="trial", disable=not enabled)
-        best = {"n": 0, "sel": float("-inf")}
-
-        class Cb(Callback):
-            def on_trial_complete(self, iteration, trials, trial, **info):
-                bar.update(1)
-                best["sel"] = max(best["sel"], trial.last_result.get("selection_acc", float("-inf")))
-                bar.set_postfix(best_selection_acc=f"{best['sel']:.3f}")
-
-            def on_trial_error(self, iteration, trials, trial, **info):
-                bar.update(1)
-
-        self.callback, self.bar = Cb(), bar
 
 
 def _trial_config(c: Cell, spec: SweepSpec, paths: dict, targets_key: str, mask_key: str, default_gran: str,
@@ -58,7 +79,9 @@ def _trial_config(c: Cell, spec: SweepSpec, paths: dict, targets_key: str, mask_
             "store_root": paths["targets"], "mask_root": paths["masks"], "cache_dir": paths["cache"],
             "data_seed": spec.data_seed, "batch_size": spec.heal.batch_size, "weight_decay": spec.heal.weight_decay,
             "lr_min": spec.heal.lr_min, "threads": threads, "device": device,
-            "load_kw": spec.load_kwargs(c.model), "out_dir": paths.get("out", "")}
+            "load_kw": spec.load_kwargs(c.model), "out_dir": paths.get("out", ""),
+            # per-epoch selection accuracy only where a scheduler stops trials on it (ASHA); the final one always
+            "epoch_selection": spec.search.scheduler == "asha"}
 
 
 def _concurrency(spec: SweepSpec, cluster: dict) -> int:
@@ -68,16 +91,6 @@ def _concurrency(spec: SweepSpec, cluster: dict) -> int:
     if spec.resources.gpus_per_trial > 0:
         n = min(n, int(cluster.get("GPU", 0) // spec.resources.gpus_per_trial))
     return max(1, n)
-
-
-def _scheduler(spec: SweepSpec):
-    if spec.search.scheduler != "asha":
-        return None
-    from ray.tune.schedulers import ASHAScheduler
-
-    return ASHAScheduler(time_attr="epoch", metric=spec.search.objective, mode="max", max_t=spec.search.epochs[1],
-                         grace_period=spec.search.asha_grace_period,
-                         reduction_factor=spec.search.asha_reduction_factor)
 
 
 def drop_epoch_checkpoints(experiment_dir: Path) -> int:
@@ -93,179 +106,310 @@ def drop_epoch_checkpoints(experiment_dir: Path) -> int:
     return freed
 
 
-def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path, *, address: str | None = None,
-              progress: bool = True, report: bool = True, num_cpus: int | None = None,
-              resume: bool = False, refine_round: int | None = None) -> SweepResult:
-    """Run a sweep into ``out_dir``; with ``resume``, continue the sweep recorded there (see orchestrator/resume.py):
-    its sweep id, MLflow parent run and Optuna journal are reused, told trials are not run again. With
-    ``refine_round`` (healsweep refine), ``spec`` is a refinement grid run as a continuation of that sweep: same
-    sweep id, parent run, journal and stores; the refined spec is logged as ``refine_<round>/spec.json``."""
-    import ray
-    from mlflow import MlflowClient
-    from ray import tune
+# ------------------------------------------------------------------------------------------------ stages
+def open_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path, resume: bool,
+               refine_round: int | None, clock: StageClock) -> _Sweep:
+    """A new sweep (fresh sweep id, tracking URI) or the one recorded in ``out_dir`` (resume / refine)."""
+    from orchestrator import cluster
+    from orchestrator.resume import JOURNAL_FILE, ResumeError, lock_run_dir, read_sweep, write_sweep
+    from orchestrator.stages import background, open_tracking
 
-    from orchestrator import cluster as _cluster  # [cluster] address checks, workers' env, scale-out policy
-    from orchestrator.dense import DenseReport, budget_modes
-    from orchestrator.diagnostics import diagnostics_stage, log_diagnostics, log_lamp_allocations
-    from orchestrator.mlflow_async import AsyncMlflowWriter
-    from orchestrator.resume import (JOURNAL_FILE, ResumeError, lock_run_dir, read_sweep, reconcile, record_dense,
-                                     release_run_dir, told_states, write_sweep)
-    from orchestrator.search import PerCellOptunaSearch
-    from orchestrator.spec_sources import untrained
-    from orchestrator.stages import dense_stage, mask_stage, prepare_models
-    from orchestrator.tracking import MlflowTrialLogger, experiment_id, start_parent
-    from tasks.models import get_adapter, load_model
-
-    t0 = time.time()
-    _cluster.check_address(address)  # [cluster] one line, before any work: ray://, unreachable address
-    _cluster.check_store_uri(spec.store.uri)  # [cluster] one line for an unreachable endpoint / missing bucket
     out_dir, store_root, cache_dir = (Path(p).resolve() for p in (out_dir, store_root, cache_dir))
     lock_run_dir(out_dir)  # one driver per run directory (RunLockedError while another live driver holds it)
-    journal = out_dir / JOURNAL_FILE
     resume = resume or refine_round is not None
     if resume:
-        _cluster.relocate(out_dir)  # [cluster] a copied/moved run directory: its own SQLite store and artifacts
+        cluster.relocate(out_dir)  # a copied/moved run directory: its own SQLite store and artifacts
         info = read_sweep(out_dir)
-        sweep_id, tracking_uri = info["sweep_id"], info["tracking_uri"]
         info["resumes"] = info.get("resumes", 0) + 1
     else:
-        if journal.exists():
+        if (out_dir / JOURNAL_FILE).exists():
             raise ResumeError(f"{out_dir} already holds a sweep: continue it with --resume {out_dir} or choose "
                               "another --out")
         tracking_uri = (spec.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
                         or f"sqlite:///{out_dir / 'mlflow.db'}")
-        sweep_id = uuid.uuid4().hex[:12]
-        info = {"sweep_id": sweep_id, "name": spec.name, "tracking_uri": tracking_uri,
+        info = {"sweep_id": uuid.uuid4().hex[:12], "name": spec.name, "tracking_uri": tracking_uri,
                 "experiment": spec.mlflow.experiment, "store": str(store_root), "cache": str(cache_dir),
                 "spec": spec.to_dict()}
     write_sweep(out_dir, info)
-    _cluster.keep_artifacts_inside(tracking_uri, out_dir, spec.mlflow.experiment)  # [cluster] not $PWD/mlruns
+    cluster.keep_artifacts_inside(info["tracking_uri"], out_dir, spec.mlflow.experiment)  # not $PWD/mlruns
     paths = {"targets": spec.store.uri or str(store_root / "targets"),
-             "masks": _cluster.mask_root(spec.store.uri, str(store_root / "masks")),  # [cluster] remote store
+             "masks": cluster.mask_root(spec.store.uri, str(store_root / "masks")),  # follows a remote store
              "cache": str(cache_dir), "out": str(out_dir)}
+    s = _Sweep(spec, out_dir, store_root, cache_dir, info, paths, resume, refine_round, clock)
+    s.mlflow_ready = background(open_tracking, info["tracking_uri"], spec.mlflow.experiment)
+    return s
 
-    models = prepare_models(spec, cache_dir, progress=progress)
-    cells = expand_cells(spec, {m: i.scope for m, i in models.items()})
-    rows = {m: max(c.calib_size for c in cells if c.model == m) for m in models}
-    modes = budget_modes(spec, models, rows, paths["targets"], cache_dir)  # refuses before any dense compute
-    (out_dir / "targets.json").write_text(json.dumps(  # for `healsweep store gc --keep-referenced`
-        {"store": paths["targets"], "keys": {m: i.targets_key for m, i in models.items()}, "modes": modes}, indent=1))
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # num_to_keep=1 forces an experiment-state snapshot after each trial checkpoint; Tune then warns on every
-    # one (1649 three-line warnings in the default sweep). The snapshots are cheap here (overhead ratio 1.06).
-    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
-    started_ray = _cluster.connect(address, None if address else num_cpus)
-    writer = None
-    try:
-        dense_rep = DenseReport()
-        dense = dense_stage(spec, models, rows, paths["targets"], cache_dir, progress=progress,
-                            skip=tuple(m for m, v in modes.items() if v == "recompute"), report=dense_rep)
-        dense_all = record_dense(out_dir, info, info.get("resumes", 0), sum(dense.values()))  # every session
-        diag_root = store_root / "diagnostics"
-        diag = diagnostics_stage(cells, models, diag_root, cache_dir, spec.data_seed,
-                                 int(spec.resources.cpus_per_dense_task))
-        mask_keys = mask_stage(cells, models, paths["masks"], cache_dir,  # [cluster] str: may be a URI
-                               spec.data_seed,
-                               diagnostics=diag.tables(diag_root),
-                               load_kw={m: spec.load_kwargs(m) for m in models})
+def models_stage(s: _Sweep, progress: bool) -> None:
+    """Reference models (trained on first use), the cells, rows per model and the store budget's modes."""
+    from orchestrator.dense import budget_modes
+    from orchestrator.stages import prepare_models
 
-        client = MlflowClient(tracking_uri)
-        parent = info.get("parent_run_id")
-        if parent is None:
-            parent = start_parent(client, spec.mlflow.experiment, sweep_id, spec.name, {
-                "spec_name": spec.name, "cells": len(cells), "trials_per_cell": spec.search.trials_per_cell,
-                "models": ",".join(spec.models), "objective": spec.search.objective, "store": str(store_root),
-                "scheduler": spec.search.scheduler, "grids": ",".join(["main", *(g.name for g in spec.grids)])})
-            client.log_text(parent, json.dumps(spec.to_dict(), indent=1, default=list), "spec.json")
-            info["parent_run_id"] = parent
-            write_sweep(out_dir, info)
-        else:
-            client.update_run(parent, status="RUNNING")
-            client.set_tag(parent, "resumes", str(info["resumes"]))
-            if refine_round is not None:
-                client.log_text(parent, json.dumps(spec.to_dict(), indent=1, default=list),
-                                f"refine_{refine_round}/spec.json")
-            reconcile(client, experiment_id(client, spec.mlflow.experiment), sweep_id, journal)
-        session = info.get("resumes", 0)
-        log_diagnostics(client, parent, diag_root, diag)
-        if diag.models:  # LAMP allocations need weights: computed here, read back by the report's CTS section
-            from analysis.cts import CTSSettings
+    s.models = prepare_models(s.spec, s.cache_dir, progress=progress)
+    s.cells = expand_cells(s.spec, {m: i.scope for m, i in s.models.items()})
+    s.rows = {m: max(c.calib_size for c in s.cells if c.model == m) for m in s.models}
+    s.modes = budget_modes(s.spec, s.models, s.rows, s.paths["targets"], s.cache_dir)  # refuses before compute
+    (s.out_dir / "targets.json").write_text(json.dumps(  # for `healsweep store gc --keep-referenced`
+        {"store": s.paths["targets"], "keys": {m: i.targets_key for m, i in s.models.items()}, "modes": s.modes},
+        indent=1))
 
-            def weights_of(m):
-                lm = load_model(m, cache_dir, data_seed=spec.data_seed, progress=False, **spec.load_kwargs(m))
-                return {k: v.detach() for k, v in lm.model.named_parameters()}
 
-            log_lamp_allocations(client, parent, diag_root, diag, weights_of, CTSSettings().targets)
-        if dense_rep.events:  # damaged shards found and recomputed
-            client.log_text(parent, "\n".join(dense_rep.events) + "\n", f"store_events_{session}.txt")
-        gran = {}
-        for m in models:
-            gran[m] = get_adapter(untrained(spec, m)).default_granularity
-        threads = max(1, int(spec.resources.cpus_per_trial))
-        device = "cuda" if spec.resources.gpus_per_trial > 0 else "cpu"
-        configs = [_trial_config(c, spec, paths, models[c.model].targets_key, mask_keys[c.cell_id], gran[c.model],
-                                 threads, device, modes[c.model]) for c in cells]
-        concurrency = _concurrency(spec, ray.cluster_resources())  # at start; logged
-        os.environ["TUNE_MAX_PENDING_TRIALS_PG"] = str(  # [cluster] queue trials for nodes that join later
-            _cluster.pending_trials(spec.resources, ray.cluster_resources()))
-        writer = AsyncMlflowWriter(client)
-        searcher = PerCellOptunaSearch(configs, spec.search.trials_per_cell, spec.search.lr, spec.search.epochs,
-                                       spec.search.sampler_seed, journal, asha=spec.search.scheduler == "asha",
-                                       startup_trials=spec.search.startup_trials, defer=writer.submit,
-                                       grids=grid_searches(spec))
-        logger_cb = MlflowTrialLogger(writer, spec.mlflow.experiment, sweep_id, parent, dense, replace=resume)
-        prog = _Progress(searcher.total, progress)
-        resources = {"cpu": spec.resources.cpus_per_trial, "gpu": spec.resources.gpus_per_trial}
-        session = info.get("resumes", 0)
-        tuner = tune.Tuner(
-            tune.with_resources(tune_trainable, resources),
-            tune_config=tune.TuneConfig(search_alg=searcher, scheduler=_scheduler(spec), num_samples=searcher.total,
-                                        max_concurrent_trials=_cluster.tune_concurrency(spec.resources, {}),  # [cluster]
-                                        reuse_actors=spec.resources.reuse_actors,
-                                        trial_name_creator=_trial_name, trial_dirname_creator=_trial_name),
-            run_config=tune.RunConfig(name=f"{spec.name}-{sweep_id}-s{session}", storage_path=str(out_dir / "tune"),
-                                      callbacks=[logger_cb, prog.callback], verbose=0,
-                                      failure_config=tune.FailureConfig(max_failures=spec.resources.max_failures),
-                                      checkpoint_config=tune.CheckpointConfig(num_to_keep=1)),
-        )
-        t_tune, freed = time.time(), 0
-        if searcher.total:
-            tuner.fit()
-            freed = drop_epoch_checkpoints(out_dir / "tune" / f"{spec.name}-{sweep_id}-s{session}")
-        tune_seconds = time.time() - t_tune
-        prog.bar.close()
-        t_flush = time.perf_counter()
+def start_ray(address: str | None, num_cpus: int | None, verbose: bool) -> bool:
+    """Attach to ``address`` (the driver's environment passed to workers; which cluster is printed) or start a
+    fresh local Ray (never whatever happens to run on the machine). True when this call started Ray."""
+    from orchestrator import cluster
+
+    return cluster.connect(address, None if address else num_cpus, verbose=verbose)
+
+
+def dense_and_masks(s: _Sweep, progress: bool) -> None:
+    """Dense targets (only what the store lacks), RR diagnostics (cached), masks (content-addressed)."""
+    from orchestrator.dense import DenseReport
+    from orchestrator.diagnostics import diagnostics_stage
+    from orchestrator.stages import dense_stage, mask_stage
+
+    spec, clock = s.spec, s.clock
+    need = ", ".join(f"{m} {n} images" for m, n in s.rows.items())
+    with clock.stage("dense", f"dense targets: {need} (computing only what the store lacks)"):
+        s.dense_rep = DenseReport()
+        s.dense = dense_stage(spec, s.models, s.rows, s.paths["targets"], s.cache_dir, progress=progress,
+                              skip=tuple(m for m, v in s.modes.items() if v == "recompute"), report=s.dense_rep)
+    computed = sum(s.dense.values())
+    from orchestrator.resume import record_dense
+
+    s.dense_total = record_dense(s.out_dir, s.info, s.session, computed)  # every session's images, kept in sweep.json
+    clock.say(f"[dense] {computed} images computed, {sum(s.rows.values()) - computed} read from the store"
+              if computed <= sum(s.rows.values()) else f"[dense] {computed} images computed")
+    diag_root = s.store_root / "diagnostics"
+    with clock.stage("diagnostics"):
+        s.diag = diagnostics_stage(s.cells, s.models, diag_root, s.cache_dir, spec.data_seed,
+                                   int(spec.resources.cpus_per_dense_task))
+    if s.diag.keys:
+        clock.say(f"[diagnostics] RR tables for {len(s.diag.models)} model(s), {s.diag.computed_layers} layers "
+                  "computed")
+    with clock.stage("masks", f"masks: {len(s.cells)} cells ({', '.join(sorted({c.pruner for c in s.cells}))})"):
+        s.mask_keys = mask_stage(s.cells, s.models, s.paths["masks"], s.cache_dir, spec.data_seed,  # may be a URI
+                                 diagnostics=s.diag.tables(diag_root),
+                                 load_kw={m: spec.load_kwargs(m) for m in s.models})
+
+
+def parent_run(s: _Sweep) -> None:
+    """The sweep's MLflow parent run: created once, reopened on resume/refine; diagnostics logged to it."""
+    from orchestrator.diagnostics import log_diagnostics
+    from orchestrator.resume import reconcile, write_sweep
+    from orchestrator.tracking import experiment_id, start_parent
+
+    spec, info = s.spec, s.info
+    s.client = client = s.mlflow_ready()
+    spec_json = json.dumps(spec.to_dict(), indent=1, default=list)
+    if info.get("parent_run_id") is None:
+        info["parent_run_id"] = start_parent(client, spec.mlflow.experiment, info["sweep_id"], spec.name, {
+            "spec_name": spec.name, "cells": len(s.cells), "trials_per_cell": spec.search.trials_per_cell,
+            "models": ",".join(spec.models), "objective": spec.search.objective, "store": str(s.store_root),
+            "scheduler": spec.search.scheduler, "grids": ",".join(["main", *(g.name for g in spec.grids)])})
+        client.log_text(info["parent_run_id"], spec_json, "spec.json")
+        write_sweep(s.out_dir, info)
+    else:
+        client.update_run(info["parent_run_id"], status="RUNNING")
+        client.set_tag(info["parent_run_id"], "resumes", str(info["resumes"]))
+        if s.refine_round is not None:
+            client.log_text(info["parent_run_id"], spec_json, f"refine_{s.refine_round}/spec.json")
+        reconcile(client, experiment_id(client, spec.mlflow.experiment), info["sweep_id"], s.journal)
+    s.parent = info["parent_run_id"]
+    diag_root = s.store_root / "diagnostics"
+    log_diagnostics(client, s.parent, diag_root, s.diag)
+    if s.diag.models:  # LAMP allocations need weights: computed here, read back by the report's CTS section
+        _log_lamp(s, diag_root)
+    if s.dense_rep.events:  # damaged shards found and recomputed
+        client.log_text(s.parent, "\n".join(s.dense_rep.events) + "\n", f"store_events_{s.session}.txt")
+
+
+def _log_lamp(s: _Sweep, diag_root: Path) -> None:
+    from analysis.cts import CTSSettings
+    from orchestrator.diagnostics import log_lamp_allocations
+    from tasks.models import load_model
+
+    def weights_of(m):
+        lm = load_model(m, s.cache_dir, data_seed=s.spec.data_seed, progress=False, **s.spec.load_kwargs(m))
+        return {k: v.detach() for k, v in lm.model.named_parameters()}
+
+    log_lamp_allocations(s.client, s.parent, diag_root, s.diag, weights_of, CTSSettings().targets)
+
+
+def _scheduler(spec: SweepSpec):
+    if spec.search.scheduler != "asha":
+        return None
+    from ray.tune.schedulers import ASHAScheduler
+
+    return ASHAScheduler(time_attr="epoch", metric=spec.search.objective, mode="max", max_t=spec.search.epochs[1],
+                         grace_period=spec.search.asha_grace_period,
+                         reduction_factor=spec.search.asha_reduction_factor)
+
+
+def _tuner(s: _Sweep, name: str, searcher, callbacks: list):
+    from ray import tune
+
+    from orchestrator.trainable import tune_trainable
+
+    spec = s.spec
+    return tune.Tuner(
+        tune.with_resources(tune_trainable, {"cpu": spec.resources.cpus_per_trial,
+                                             "gpu": spec.resources.gpus_per_trial}),
+        tune_config=tune.TuneConfig(search_alg=searcher, scheduler=_scheduler(spec), num_samples=searcher.total,
+                                    max_concurrent_trials=s.tune["max_concurrent"],
+                                    reuse_actors=spec.resources.reuse_actors,
+                                    trial_name_creator=_trial_name, trial_dirname_creator=_trial_name),
+        run_config=tune.RunConfig(name=name, storage_path=str(s.out_dir / "tune"),
+                                  callbacks=callbacks, verbose=0,
+                                  failure_config=tune.FailureConfig(max_failures=spec.resources.max_failures),
+                                  checkpoint_config=tune.CheckpointConfig(num_to_keep=1)),
+    )
+
+
+def tune_stage(s: _Sweep, progress: bool) -> None:
+    """Every trial on Ray Tune (per-cell Optuna search, MLflow through the asynchronous single writer)."""
+    import ray
+
+    from orchestrator.mlflow_async import AsyncMlflowWriter
+    from orchestrator.search import PerCellOptunaSearch
+    from orchestrator.spec_sources import untrained
+    from orchestrator.tracking import MlflowTrialLogger
+    from tasks.models import get_adapter
+
+    spec, clock, t = s.spec, s.clock, s.tune
+    with clock.stage("tune_start"):
+        gran = {m: get_adapter(untrained(spec, m)).default_granularity for m in s.models}
+        threads, device = max(1, int(spec.resources.cpus_per_trial)), "cuda" if spec.resources.gpus_per_trial else "cpu"
+        configs = [_trial_config(c, spec, s.paths, s.models[c.model].targets_key, s.mask_keys[c.cell_id],
+                                 gran[c.model], threads, device, s.modes[c.model]) for c in s.cells]
+        t["concurrency"] = _concurrency(spec, ray.cluster_resources())  # at start; logged
+        from orchestrator import cluster
+
+        os.environ["TUNE_MAX_PENDING_TRIALS_PG"] = str(  # queue trials for nodes that join later (autoscaling)
+            cluster.pending_trials(spec.resources, ray.cluster_resources()))
+        t["max_concurrent"] = cluster.tune_concurrency(spec.resources, {})
+        t["writer"] = writer = AsyncMlflowWriter(s.client)
+        t["searcher"] = searcher = PerCellOptunaSearch(
+            configs, spec.search.trials_per_cell, spec.search.lr, spec.search.epochs, spec.search.sampler_seed,
+            s.journal, asha=spec.search.scheduler == "asha", startup_trials=spec.search.startup_trials,
+            defer=writer.submit, grids=grid_searches(spec))
+        t["logger"] = logger_cb = MlflowTrialLogger(writer, spec.mlflow.experiment, s.info["sweep_id"], s.parent,
+                                                    s.dense, replace=s.resume)
+        per_cell: dict[str, int] = {}
+        for cid, _ in searcher._queue:
+            per_cell[cid] = per_cell.get(cid, 0) + 1
+        grids: dict[str, int] = {}
+        for c in s.cells:
+            grids[c.grid or "main"] = grids.get(c.grid or "main", 0) + per_cell.get(c.cell_id, 0)
+        clock.say("[trials] " + ", ".join(f"grid {g}: {n} trials" for g, n in grids.items())
+                  + f" over {len(per_cell)} cells, {t['concurrency']} at a time")
+        prog = TrialProgress(per_cell, progress)
+        name = f"{spec.name}-{s.info['sweep_id']}-s{s.session}"
+        tuner = _tuner(s, name, searcher, [logger_cb, prog.callback])
+    if s.warm:
+        with clock.stage("tune_start"):
+            ray.get(s.warm)  # warm processes are idle before Tune asks for actors
+    t0, t["freed"] = time.perf_counter(), 0
+    if searcher.total:
+        tuner.fit()
+        t["freed"] = drop_epoch_checkpoints(s.out_dir / "tune" / name)
+    t["seconds"] = time.perf_counter() - t0
+    clock.add("trials", t["seconds"])
+    prog.bar.close()
+    with clock.stage("mlflow_flush"):
         writer.close()  # every queued MLflow write and Optuna tell is done after this
-        flush_seconds = time.perf_counter() - t_flush
-        states = told_states(journal).values()
-        finished = sum(s.name in ("COMPLETE", "PRUNED") for s in states)
-        failed = sum(s.name == "FAIL" for s in states)
-        dense_total = sum(dense.values())
-        seconds = time.time() - t0
-        from mlflow.entities import Metric
 
-        ts = int(time.time() * 1000)
-        client.log_batch(parent, metrics=[Metric(k, float(v), ts, session) for k, v in {
-            "dense_forward_images": dense_all, "dense_forward_images_session": dense_total,
-            "trials_finished": finished, "trials_failed": failed,
-            "trials_run": logger_cb.finished + logger_cb.failed, "trials_rerun": len(searcher.rerun),
-            "sweep_seconds": seconds, "tune_seconds": tune_seconds, "concurrency": concurrency,
-            "diagnostics_layers_computed": diag.computed_layers, "diagnostics_seconds": diag.seconds,
-            "dense_shards_computed": sum(dense_rep.shards.values()), "store_integrity_events": len(dense_rep.events),
-            "mlflow_callback_seconds": logger_cb.callback_seconds, "mlflow_writer_seconds": writer.write_seconds,
-            "mlflow_flush_seconds": flush_seconds, "mlflow_write_errors": writer.errors,
-            "tune_checkpoint_bytes_freed": freed}.items()])
-        client.set_terminated(parent, "FINISHED")
+
+def summary_stage(s: _Sweep, t_start: float) -> tuple[int, int, float]:
+    """Counts from the journal; the parent run's metrics (stage times included); the parent run FINISHED."""
+    from mlflow.entities import Metric
+
+    from orchestrator.resume import told_states
+
+    t, logger_cb, writer, diag = s.tune, s.tune["logger"], s.tune["writer"], s.diag
+    states = told_states(s.journal).values()
+    finished = sum(st.name in ("COMPLETE", "PRUNED") for st in states)
+    failed = sum(st.name == "FAIL" for st in states)
+    seconds = time.time() - t_start
+    compute = logger_cb.trial_seconds
+    s.clock.trial_compute = compute  # Σ trial compute (in the trials), printed next to the trials' wall time
+    ts = int(time.time() * 1000)
+    values = {
+        "dense_forward_images": s.dense_total, "dense_forward_images_session": sum(s.dense.values()),
+        "trials_finished": finished, "trials_failed": failed,
+        "trials_run": logger_cb.finished + logger_cb.failed, "trials_rerun": len(t["searcher"].rerun),
+        "sweep_seconds": seconds, "tune_seconds": t["seconds"], "concurrency": t["concurrency"],
+        "diagnostics_layers_computed": diag.computed_layers, "diagnostics_seconds": diag.seconds,
+        "dense_shards_computed": sum(s.dense_rep.shards.values()), "store_integrity_events": len(s.dense_rep.events),
+        "mlflow_callback_seconds": logger_cb.callback_seconds, "mlflow_writer_seconds": writer.write_seconds,
+        "mlflow_flush_seconds": s.clock.seconds.get("mlflow_flush", 0.0), "mlflow_write_errors": writer.errors,
+        "tune_checkpoint_bytes_freed": t["freed"], "trial_compute_seconds": compute, **s.clock.metrics()}
+    s.client.log_batch(s.parent, metrics=[Metric(k, float(v), ts, s.session) for k, v in values.items()])
+    s.client.set_terminated(s.parent, "FINISHED")
+    return finished, failed, seconds
+
+
+def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path, *, address: str | None = None,
+              progress: bool = True, report: bool = True, num_cpus: int | None = None,
+              resume: bool = False, refine_round: int | None = None, verbose: bool = False,
+              clock: StageClock | None = None) -> SweepResult:
+    """Run a sweep into ``out_dir``; with ``resume``, continue the sweep recorded there (see orchestrator/resume.py):
+    its sweep id, MLflow parent run and Optuna journal are reused, told trials are not run again. With
+    ``refine_round`` (healsweep refine), ``spec`` is a refinement grid run as a continuation of that sweep: same
+    sweep id, parent run, journal and stores; the refined spec is logged as ``refine_<round>/spec.json``.
+    ``clock``: the CLI's, already holding the imports/spec stages; stage lines print unless ``progress`` is off."""
+    from orchestrator import cluster
+    from orchestrator.resume import release_run_dir
+
+    quiet_libraries(verbose)
+    t0 = time.time()
+    cluster.check_address(address)  # one line, before any work: ray://, unreachable address
+    cluster.check_store_uri(spec.store.uri)  # one line for an unreachable endpoint / missing bucket
+    clock = clock or StageClock(enabled=progress)
+    s = open_sweep(spec, out_dir, store_root, cache_dir, resume, refine_round, clock)
+    with clock.stage("models", f"models: {', '.join(spec.models)} (loaded from the cache, trained on first use)"):
+        models_stage(s, progress)
+    with clock.stage("ray", f"ray: {'attaching to ' + address if address else 'starting a local instance'}"):
+        started_ray = start_ray(address, num_cpus, verbose)
+        if started_ray and not address and spec.resources.gpus_per_trial == 0:  # our local instance only
+            from orchestrator.stages import warm_workers
+
+            import ray
+
+            s.warm = warm_workers(_concurrency(spec, ray.cluster_resources()), spec.resources.cpus_per_trial)
+    try:
+        import ray
+
+        cluster.check_fits(spec.resources.peak_request(), ray.nodes(), autoscaling=bool(address))  # else Tune waits
+        dense_and_masks(s, progress)
+        with clock.stage("parent"):
+            parent_run(s)
+        tune_stage(s, progress)
+        finished, failed, seconds = summary_stage(s, t0)
     finally:
-        if writer is not None:
-            writer.close()
+        if s.tune.get("writer") is not None:
+            s.tune["writer"].close()
         if started_ray:
-            ray.shutdown()
+            import ray
+
+            with clock.stage("ray_shutdown"):
+                ray.shutdown()
     paths_out = None
     if report:
         from analysis.report import write_report
 
-        paths_out = write_report(out_dir)
-    release_run_dir(out_dir)
-    return SweepResult(sweep_id, out_dir, tracking_uri, parent, finished, failed, dense_total, seconds, paths_out)
+        with clock.stage("report", "report: writing report.html and report.md"):
+            paths_out = write_report(out_dir)
+    s.client.log_batch(s.parent, metrics=_report_metric(clock, s.session))
+    clock.say(clock.summary())
+    release_run_dir(s.out_dir)
+    return SweepResult(s.info["sweep_id"], s.out_dir, s.info["tracking_uri"], s.parent, finished, failed,
+                       sum(s.dense.values()), seconds, paths_out, dict(clock.seconds))
+
+
+def _report_metric(clock: StageClock, step: int) -> list:
+    from mlflow.entities import Metric
+
+    ts = int(time.time() * 1000)
+    return [Metric(k, float(v), ts, step) for k, v in clock.metrics().items()
+            if k in ("stage_report_seconds", "stage_ray_shutdown_seconds")]

@@ -47,8 +47,10 @@ class MlflowTrialLogger(Callback):
         self.dense_images = dict(dense_images)  # model -> dense forward images computed by this sweep
         self.runs: dict[str, str] = {}  # trial key -> mlflow run id (filled by the writer thread)
         self.keys: dict[str, str] = {}  # tune trial id -> trial key
+        self.nodes: dict[str, set[str]] = {}  # trial key -> node ids its results came from
         self.finished = self.failed = 0
         self.callback_seconds = 0.0  # driver time spent in these callbacks (enqueueing)
+        self.trial_seconds = 0.0  # Σ trial_seconds of the final results (compute inside the trials)
 
     def _timed(fn):  # noqa: N805 - decorator inside the class body
         def wrapper(self, *a, **kw):
@@ -97,6 +99,11 @@ class MlflowTrialLogger(Callback):
         key = self.keys.get(trial.trial_id)
         if key is None:
             return
+        if "node_id" in result:  # every node any attempt of this trial ran on (tag ``nodes`` at the end)
+            self.nodes.setdefault(key, set()).add(str(result["node_id"]))
+        if result.get("final") and self.nodes.get(key):
+            nodes = ",".join(sorted(self.nodes[key]))
+            self.writer.submit(lambda: self.client.set_tag(self.runs[key], "nodes", nodes))
         if result.get("diverged"):
             reason = str(result.get("failure_reason", "diverged"))[:5000]
             self.writer.submit(lambda: self.client.set_tag(self.runs[key], "failure_reason", reason))
@@ -107,6 +114,7 @@ class MlflowTrialLogger(Callback):
         ts, step = int(time.time() * 1000), int(result.get("epoch", 0))
         metrics = [Metric(k, float(result[k]), ts, step) for k in EPOCH_METRICS if k in result]
         if result.get("final"):  # every numeric value the trial returned is a final metric
+            self.trial_seconds += float(result.get("trial_seconds", 0.0))
             extra = dict(result, dense_forward_images=self.dense_images.get(trial.config["model"], 0))
             skip = set(EPOCH_METRICS) | TUNE_KEYS
             metrics += [Metric(k, float(v), ts, step) for k, v in extra.items()

@@ -1,6 +1,11 @@
 """The Ray Tune function trainable around ``tasks.trial.run_trial``: per-epoch checkpoints, restart from
 the last checkpoint after a failure (Tune ``FailureConfig.max_failures``), and diverged trials ended cleanly.
 
+Checkpoints are written only as often as retries need: at most one per ``HEALSWEEP_CHECKPOINT_INTERVAL_S``
+seconds of the trial (default 10; 0: after every epoch), so a retry repeats at most that much healing and a
+short trial writes none (each one costs a ``torch.save``, Tune's copy into the run directory and an
+experiment-state snapshot). The epochs in between are plain reports.
+
 A checkpoint is one ``state.pt`` (``torch.save``; read back with ``weights_only=True``) holding the healed
 prunable weights, the healer loop state (optimizer, cosine schedule, epoch, losses) and that epoch's metrics.
 A trial whose loss or weights become NaN/Inf (``HealingDiverged``) is deterministic: retrying it would diverge
@@ -10,7 +15,9 @@ again, so it is not raised to Tune (which would retry it) but reported as a last
 from __future__ import annotations
 
 import importlib
+import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -19,6 +26,11 @@ from tasks.healing import HealingDiverged
 from tasks.trial import TrialParams, run_trial
 
 STATE_FILE = "state.pt"
+DEFAULT_CHECKPOINT_INTERVAL_S = 10.0
+
+
+def checkpoint_interval() -> float:
+    return float(os.environ.get("HEALSWEEP_CHECKPOINT_INTERVAL_S", DEFAULT_CHECKPOINT_INTERVAL_S))
 
 
 def tune_trainable(config: dict) -> None:
@@ -35,17 +47,23 @@ def tune_trainable(config: dict) -> None:
         with ckpt.as_directory() as d:
             start = torch.load(Path(d) / STATE_FILE, map_location="cpu", weights_only=True)
     last = {"epoch": int(start["last"]["epoch"]) if start else 0,
-            "selection_acc": float(start["last"]["selection_acc"]) if start else 0.0}
+            "selection_acc": float(start["last"].get("selection_acc", 0.0)) if start else 0.0}
 
     def report(metrics: dict) -> None:
         last.update({k: metrics[k] for k in last if k in metrics})
         tune.report({**metrics, "resumed_from_epoch": last_start, "node_id": node})
 
+    interval, since = checkpoint_interval(), [time.monotonic()]
+
     def checkpoint(metrics: dict, state: dict) -> None:
+        if time.monotonic() - since[0] < interval:  # not due yet: a plain report
+            report(metrics)
+            return
+        since[0] = time.monotonic()
         last.update({k: metrics[k] for k in last if k in metrics})
         with tempfile.TemporaryDirectory(prefix="healsweep-ckpt-") as d:
             torch.save(state, Path(d) / STATE_FILE)
-            tune.report({**metrics, "resumed_from_epoch": last_start},
+            tune.report({**metrics, "resumed_from_epoch": last_start, "node_id": node},
                         checkpoint=tune.Checkpoint.from_directory(d))
 
     last_start = last["epoch"]

@@ -52,6 +52,7 @@ class TrialParams:
     target_mode: str = "store"  # "store": stream from the target store | "recompute": dense pass per batch
     target_dtype: str = "float16"  # dtype of recomputed targets (the store's dtype)
     load_kw: Mapping[str, Any] = field(default_factory=dict)  # model source + dataset (tasks.models.load_model)
+    epoch_selection: bool = True  # selection accuracy after every epoch (False: after the last one only)
     out_dir: str = ""  # run directory: the healed weights go to <out_dir>/trials/<trial_key>/ ("" = not saved)
     trial_key: str = ""
 
@@ -60,16 +61,25 @@ def _outside_scope_digest(model: torch.nn.Module, scoped: set[str]) -> dict[str,
     return {k: v.detach().clone() for k, v in model.state_dict().items() if k not in scoped}
 
 
-def run_trial(p: TrialParams, report: Callable[[dict], None], *, start: Mapping[str, Any] | None = None,
-              checkpoint: Callable[[dict, dict], None] | None = None) -> dict:
-    """Run one trial; ``report`` receives one dict per epoch, the last one carrying the final metrics.
+@dataclass
+class _Setup:
+    """What ``setup_trial`` prepares for ``heal_trial`` and ``final_metrics``."""
+    lm: Any
+    model: torch.nn.Module
+    adapter: Any
+    entries: list
+    masks: dict
+    healer: Any
+    untouched: dict[str, torch.Tensor]
+    ctx: HealContext
+    dense_acc: float
+    pruned_acc: float
+    reader: Any = None
 
-    Fault tolerance: with ``checkpoint``, every non-final epoch of a resumable (gradient) healer calls
-    ``checkpoint(metrics, state)`` instead of ``report(metrics)``; ``state`` holds the healed prunable weights,
-    the healer's loop state (optimizer, schedule, epoch) and the epoch's metrics. Passing such a state back as
-    ``start`` continues the trial after that epoch with the same result as an uninterrupted run.
-    """
-    t_start = time.perf_counter()
+
+def setup_trial(p: TrialParams) -> _Setup:
+    """Model, mask applied, dense/pruned accuracy, the healer and its context (targets streamed from the store
+    or recomputed per batch)."""
     torch.set_num_threads(max(1, p.threads))
     torch.manual_seed(p.seed)
     lm = load_model(p.model, p.cache_dir, data_seed=p.data_seed, progress=False, **p.load_kw)
@@ -77,14 +87,13 @@ def run_trial(p: TrialParams, report: Callable[[dict], None], *, start: Mapping[
     adapter = get_adapter(model)
     entries = adapter.scope(model, p.scope)
     masks = MaskStore(p.mask_root).load(p.mask_key)
-    ev, sel = lm.dataset["evaluation"], lm.dataset["selection"]
+    ev = lm.dataset["evaluation"]
     dense_acc = accuracy(model, ev.images, ev.labels)
     apply_masks(model, masks)
     pruned_acc = accuracy(model, ev.images, ev.labels)
     healer = resolve_healer(p.healer, p.healer_settings)  # a chain too; may_change: state it may touch
-    untouched = _outside_scope_digest(model, {e.param for e in entries} | healer.may_change(model, entries, p.healer_settings))
-
-    blocks = adapter.blocks(model)
+    untouched = _outside_scope_digest(model, {e.param for e in entries} | healer.may_change(model, entries,
+                                                                                          p.healer_settings))
     images = lm.dataset["calibration"].images[: p.calib_size]
     reader = None
     if p.target_mode == "recompute":
@@ -100,7 +109,7 @@ def run_trial(p: TrialParams, report: Callable[[dict], None], *, start: Mapping[
         def batches(epoch):
             return reader.iter_batches(p.batch_size, shuffle=True, seed=p.seed, epoch=epoch, device=p.device)
     ctx = HealContext(
-        model=model, blocks=blocks, entries=entries, masks=masks,
+        model=model, blocks=adapter.blocks(model), entries=entries, masks=masks,
         images=images,
         batches=batches,
         steps_per_epoch=steps_per_epoch(p.calib_size, p.batch_size),
@@ -110,6 +119,15 @@ def run_trial(p: TrialParams, report: Callable[[dict], None], *, start: Mapping[
         # Supervised baselines get a budget-matched labeled set: the first calib_size items of the train split.
         labeled=(lm.dataset["train"].images[: p.calib_size], lm.dataset["train"].labels[: p.calib_size]),
     )
+    return _Setup(lm, model, adapter, entries, masks, healer, untouched, ctx, dense_acc, pruned_acc, reader)
+
+
+def heal_trial(p: TrialParams, st: _Setup, report: Callable[[dict], None], start: Mapping[str, Any] | None,
+               checkpoint: Callable[[dict, dict], None] | None) -> tuple[dict, float]:
+    """Heal; per non-final epoch ``report`` (or ``checkpoint``) gets epoch, align_loss and, with
+    ``p.epoch_selection``, selection_acc. -> (last epoch's metrics with the final selection_acc, heal seconds)."""
+    model, entries, healer, ctx = st.model, st.entries, st.healer, st.ctx
+    sel = st.lm.dataset["selection"]
     if not isinstance(healer, GradientHealer):  # chains and closed-form healers restart from scratch on retry
         checkpoint = start = None
     if start is not None:  # healed weights of the checkpointed epoch; masked entries are 0 in them too
@@ -120,7 +138,7 @@ def run_trial(p: TrialParams, report: Callable[[dict], None], *, start: Mapping[
         ctx.resume = start["loop"]
     loop_state: dict = {}
     if checkpoint is not None:
-        ctx.checkpoint = lambda epoch, st: loop_state.update(st)
+        ctx.checkpoint = lambda epoch, s: loop_state.update(s)
     cfg = HealConfig(lr=p.lr, epochs=p.epochs, batch_size=p.batch_size, weight_decay=p.weight_decay,
                      lr_min=p.lr_min, seed=p.seed, settings=dict(p.healer_settings))
     n_epochs = healer.epochs(cfg)  # 0 for closed-form / no-op healers: only the final report below
@@ -128,7 +146,9 @@ def run_trial(p: TrialParams, report: Callable[[dict], None], *, start: Mapping[
 
     def on_epoch(epoch: int, m: dict[str, float]) -> None:
         last.clear()
-        last.update(epoch=epoch, align_loss=m["align_loss"], selection_acc=accuracy(model, sel.images, sel.labels))
+        last.update(epoch=epoch, align_loss=m["align_loss"])
+        if epoch >= n_epochs or p.epoch_selection:  # the final epoch's selection accuracy is always measured
+            last["selection_acc"] = accuracy(model, sel.images, sel.labels)
         if epoch >= n_epochs:
             return
         if checkpoint is not None and loop_state.get("epoch") == epoch:
@@ -142,19 +162,27 @@ def run_trial(p: TrialParams, report: Callable[[dict], None], *, start: Mapping[
     try:
         healer.heal(ctx, cfg, on_epoch)
     finally:
-        if reader is not None:
-            reader.close()
-    heal_seconds = time.perf_counter() - t0
-    if not last:  # a healer without epochs: the search objective is still measured, after healing
-        last.update(epoch=0, selection_acc=accuracy(model, sel.images, sel.labels))
-    allowed = healer.may_change(model, entries, p.healer_settings)  # e.g. a bias CORP folds into: not a violation
-    changed_outside = sum(int(not torch.equal(v, untouched[k])) for k, v in model.state_dict().items()
-                          if k in untouched and k not in allowed)
+        if st.reader is not None:
+            st.reader.close()
+    if "selection_acc" not in last:  # a healer without epochs: the search objective is still measured, after healing
+        last.update(epoch=last.get("epoch", 0), selection_acc=accuracy(model, sel.images, sel.labels))
+    return last, time.perf_counter() - t0
+
+
+def final_metrics(p: TrialParams, st: _Setup, last: dict, heal_seconds: float) -> dict:
+    """Evaluation accuracy, invariants (mask violations, sparsity, nothing changed outside scope), data and
+    weights identity, structured-pruner efficiency; saves the healed weights when the trial has a run dir."""
+    model, entries, masks, lm = st.model, st.entries, st.masks, st.lm
+    ev = lm.dataset["evaluation"]
+    allowed = st.healer.may_change(model, entries, p.healer_settings)  # e.g. a bias CORP folds into: not a violation
+    changed_outside = sum(int(not torch.equal(v, st.untouched[k])) for k, v in model.state_dict().items()
+                          if k in st.untouched and k not in allowed)
     healed_acc = accuracy(model, ev.images, ev.labels)
-    heldout = heldout_score(model, blocks, ctx.dense_model, lambda m: get_adapter(m).blocks(m),  # label-free score
-                            lm.dataset["calibration"].images, p.calib_size, adapter.default_granularity) \
-        if isinstance(healer, GradientHealer) else {}
-    final = dict(last, final=True, dense_acc=dense_acc, pruned_acc=pruned_acc, healed_acc=healed_acc,
+    heldout = heldout_score(model, st.ctx.blocks, st.ctx.dense_model, lambda m: get_adapter(m).blocks(m),
+                            lm.dataset["calibration"].images, p.calib_size, st.adapter.default_granularity) \
+        if isinstance(st.healer, GradientHealer) else {}  # the label-free score (docs/methods.md#search)
+    dense_acc = st.dense_acc
+    final = dict(last, final=True, dense_acc=dense_acc, pruned_acc=st.pruned_acc, healed_acc=healed_acc,
                  retention=healed_acc / dense_acc if dense_acc > 0 else 0.0, heal_seconds=heal_seconds,
                  mask_violations=mask_violations(model, masks), achieved_sparsity=achieved_sparsity(entries, masks),
                  changed_outside_scope=changed_outside, n_eval=len(ev),
@@ -165,6 +193,22 @@ def run_trial(p: TrialParams, report: Callable[[dict], None], *, start: Mapping[
         final.update(PRUNERS.get(p.pruner).structured_metrics(model, masks, ev.images[: p.efficiency_batch].to(p.device)))
     if p.out_dir and p.trial_key:
         save_healed(Path(p.out_dir) / "trials" / p.trial_key, model, entries, asdict(p), final)
+    return final
+
+
+def run_trial(p: TrialParams, report: Callable[[dict], None], *, start: Mapping[str, Any] | None = None,
+              checkpoint: Callable[[dict, dict], None] | None = None) -> dict:
+    """Run one trial; ``report`` receives one dict per epoch, the last one carrying the final metrics.
+
+    Fault tolerance: with ``checkpoint``, every non-final epoch of a resumable (gradient) healer calls
+    ``checkpoint(metrics, state)`` instead of ``report(metrics)``; ``state`` holds the healed prunable weights,
+    the healer's loop state (optimizer, schedule, epoch) and the epoch's metrics. Passing such a state back as
+    ``start`` continues the trial after that epoch with the same result as an uninterrupted run.
+    """
+    t_start = time.perf_counter()
+    st = setup_trial(p)
+    last, heal_seconds = heal_trial(p, st, report, start, checkpoint)
+    final = final_metrics(p, st, last, heal_seconds)
     final["trial_seconds"] = time.perf_counter() - t_start
     report(final)
     return final

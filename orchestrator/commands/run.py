@@ -27,7 +27,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--resources", metavar="K=V,...",
                    help="override the spec's resources, keys cpu, gpu (per trial), dense_cpu, dense_gpu; e.g. cpu=1,gpu=0")
     p.add_argument("--no-report", action="store_true", help="skip writing the report at the end")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--quiet", action="store_true", help="no progress bars and no stage lines")
+    p.add_argument("--verbose", action="store_true",
+                   help="also show Ray, Tune and MLflow output (warnings, experiment tables, artifact bars)")
     p.add_argument("--offline", action="store_true",
                    help="no downloads (sets HF_HUB_OFFLINE=1): pretrained weights and datasets must be cached")
     p.set_defaults(func=main)
@@ -39,6 +41,14 @@ def main(args) -> int:
         import os
 
         os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"  # inherited by Ray workers
+    import time
+
+    from orchestrator.console import StageClock, process_age, quiet_libraries
+
+    quiet_libraries(args.verbose)  # before Ray/Tune/MLflow are imported
+    clock = StageClock(enabled=not args.quiet)
+    clock.add("imports", process_age())
+    t_spec = time.perf_counter()
     from orchestrator.resources import override_resources
     from orchestrator.resume import ResumeError, read_sweep
     from orchestrator.spec import SpecError, parse_spec
@@ -70,12 +80,14 @@ def main(args) -> int:
         check_store_uri(spec.store.uri)
     except (SpecError, ResumeError, ClusterError) as e:
         raise CliError(str(e)) from None
+    clock.add("spec", time.perf_counter() - t_spec)
     from orchestrator.dense import StoreBudgetError
     from orchestrator.sweep import run_sweep
 
     try:
         res = run_sweep(spec, out, store, cache, address=args.address, progress=not args.quiet,
-                        report=not args.no_report, num_cpus=args.num_cpus, resume=bool(args.resume))
+                        report=not args.no_report, num_cpus=args.num_cpus, resume=bool(args.resume),
+                        verbose=args.verbose, clock=clock)
     except (ResumeError, StoreBudgetError, ClusterError) as e:
         raise CliError(str(e)) from None
     print(f"sweep {res.sweep_id}: {res.trials_finished} trials finished, {res.trials_failed} failed, "

@@ -10,7 +10,7 @@ from mlflow import MlflowClient
 
 from orchestrator.spec import load_spec
 from orchestrator.sweep import run_sweep
-from orchestrator.tracking import EPOCH_METRICS, FINAL_METRICS, TRIAL_PARAMS
+from orchestrator.tracking import FINAL_METRICS, TRIAL_PARAMS
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
@@ -32,7 +32,9 @@ def two_sweeps(tmp_path_factory, model_cache):
     handler.emit = lambda rec: TUNE_WARNINGS.append(rec.getMessage())
     tune_log.addHandler(handler)
     try:
-        first = run_sweep(spec, root / "run1", root / "store", model_cache, progress=False, num_cpus=2)
+        # verbose: Tune's own warnings reach the handler above (the quiet default silences them)
+        first = run_sweep(spec, root / "run1", root / "store", model_cache, progress=False, num_cpus=2,
+                          verbose=True)
         second = run_sweep(spec, root / "run2", root / "store", model_cache, progress=False, num_cpus=2)
     finally:
         tune_log.removeHandler(handler)
@@ -44,6 +46,21 @@ def test_no_snapshot_warning_per_checkpoint(two_sweeps):
     # sweep, 1649 for the default one, before run_sweep turned the warning off).
     assert two_sweeps[1].trials_finished == 8
     assert not [m for m in TUNE_WARNINGS if "snapshotting has been triggered" in m]
+
+
+def test_parent_run_holds_every_stage_time(two_sweeps):
+    from orchestrator.console import STAGES
+
+    for res in two_sweeps[1:]:
+        m = MlflowClient(res.tracking_uri).get_run(res.parent_run_id).data.metrics
+        expected = set(STAGES) - {"imports", "spec"}  # those two are the CLI's (tests/e2e/test_cli_output.py)
+        assert {f"stage_{s}_seconds" for s in expected} <= set(m), sorted(m)
+        assert all(m[f"stage_{s}_seconds"] >= 0 for s in expected)
+        # Σ trial compute cannot exceed what `concurrency` trials running side by side fit in the trials' wall time
+        assert 0 < m["trial_compute_seconds"] <= m["concurrency"] * m["stage_trials_seconds"] + 1
+        assert m["stage_trials_seconds"] <= m["sweep_seconds"]
+    # the second sweep finds every dense target in the store: its dense stage computes nothing
+    assert two_sweeps[2].dense_forward_images == 0
 
 
 def child_runs(res):
@@ -71,9 +88,10 @@ def test_every_trial_is_a_child_run_with_its_params_and_metrics(two_sweeps):
         assert spec.search.lr[0] <= float(p["lr"]) <= spec.search.lr[1]
         epochs = int(p["epochs"])
         assert spec.search.epochs[0] <= epochs <= spec.search.epochs[1]
-        for name in EPOCH_METRICS:  # one value per epoch
-            hist = client.get_metric_history(r.info.run_id, name)
-            assert sorted(h.step for h in hist) == list(range(1, epochs + 1))
+        hist = client.get_metric_history(r.info.run_id, "align_loss")  # one value per epoch
+        assert sorted(h.step for h in hist) == list(range(1, epochs + 1))
+        # selection accuracy after the last epoch only: no scheduler (FIFO) reads it per epoch
+        assert [h.step for h in client.get_metric_history(r.info.run_id, "selection_acc")] == [epochs]
         assert m["mask_violations"] == 0
         assert m["achieved_sparsity"] == pytest.approx(float(p["sparsity"]), abs=1e-3)
         assert m["retention"] == pytest.approx(m["healed_acc"] / m["dense_acc"])

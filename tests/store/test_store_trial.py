@@ -83,3 +83,19 @@ def test_recompute_mode_streams_the_same_targets(setup):
     rec, _ = trial(params, target_mode="recompute", store_root="/nonexistent")  # never touches the store
     assert rec["mask_violations"] == 0 and rec["changed_outside_scope"] == 0 and np.isfinite(rec["align_loss"])
     assert rec["pruned_acc"] == trial(params)[0]["pruned_acc"]
+
+
+def test_selection_accuracy_only_after_the_last_epoch_changes_no_result(setup):
+    """epoch_selection=False (FIFO sweeps) skips the per-epoch selection evaluation: the final metrics,
+    selection_acc included (it picks each cell's winner), are exactly those of the per-epoch run."""
+    st, run_shards, params, lm, _ = setup
+    build(st, run_shards)
+    every, every_epochs = trial(params, epochs=3)
+    last, last_epochs = trial(params, epochs=3, epoch_selection=False)
+    assert last == every
+    assert [("selection_acc" in e) for e in every_epochs] == [True] * 3  # epochs 1, 2 and the final report
+    assert [("selection_acc" in e) for e in last_epochs] == [False, False, True]
+    assert [e["align_loss"] for e in last_epochs[:2]] == [e["align_loss"] for e in every_epochs[:2]]
+    sel = lm.dataset["selection"]
+    assert 0 < last["selection_acc"] <= 1 and last["selection_acc"] * len(sel) == pytest.approx(
+        round(last["selection_acc"] * len(sel)))

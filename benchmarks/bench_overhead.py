@@ -1,0 +1,165 @@
+"""A sweep's fixed overhead per stage, and healsweep against the authors' way of running the same trials.
+
+The issue's 16-trial sweep: vit_digits, magnitude, sparsities 0.8/0.85/0.9/0.95 x 4 learning rates, 128
+calibration images, 6 STARFISH epochs, batch 32; and a single configuration (sparsity 0.9, one lr), each run
+
+- healsweep: ``healsweep run`` (the real console script, a fresh run directory, a warm store and model cache),
+  stage times read back from the parent run (``stage_<name>_seconds``); overhead = wall - Σ trial compute /
+  concurrency;
+- the authors' way: one process per trial, two at a time, each loading the model, pruning it and computing
+  its own dense targets in RAM before healing -- written here from the project's own tasks/ code (the same
+  pruner, targets, STARFISH loop and evaluation), not from the authors' scripts.
+
+Runs are interleaved (healsweep 16, authors 16, healsweep 1, authors 1, repeated ``--repeats`` times) and the
+median is printed. ``uptime`` is printed before and after: on a shared machine only side-by-side ratios count.
+
+    python benchmarks/bench_overhead.py --repeats 5 --cache .healsweep/models --store .healsweep/store
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+SPARSITIES = (0.8, 0.85, 0.9, 0.95)
+LR_RANGE = (3e-4, 3e-3)
+AUTHORS_LRS = (3e-4, 6e-4, 1.2e-3, 2.4e-3)  # 4 fixed rates over healsweep's search range (cost is lr-independent)
+STAGES = ("imports", "spec", "models", "ray", "dense", "diagnostics", "masks", "parent", "tune_start", "trials",
+          "mlflow_flush", "ray_shutdown", "report")
+
+
+def spec_yaml(sparsities, trials: int, epochs: int, calib: int) -> str:
+    return (f"name: bench_overhead\nmodels: [vit_digits]\nsparsities: {list(sparsities)}\ncalib_sizes: [{calib}]\n"
+            f"pruners: [magnitude]\nhealers: [starfish]\nsearch:\n  trials_per_cell: {trials}\n"
+            f"  lr: [{LR_RANGE[0]}, {LR_RANGE[1]}]\n  epochs: [{epochs}, {epochs}]\n")
+
+
+# ------------------------------------------------------------------------------------ the authors' way
+def authors_trial(model: str, cache: str, sparsity: float, lr: float, epochs: int, calib: int, batch: int) -> dict:
+    """One trial as its own process: load, prune, dense targets in RAM, heal, evaluate (1 thread)."""
+    import torch
+
+    from tasks.evaluate import accuracy
+    from tasks.healing import HEALERS, HealConfig, HealContext, dense_targets, in_memory_batches, steps_per_epoch
+    from tasks.models import get_adapter, load_model
+    from tasks.pruning import apply_masks, make_masks
+
+    t0 = time.perf_counter()
+    torch.set_num_threads(1)
+    lm = load_model(model, cache, progress=False)
+    adapter = get_adapter(lm.model)
+    images = lm.dataset["calibration"].images[:calib]
+    targets = dense_targets(lm.model, adapter.blocks(lm.model), images)  # this trial's own dense pass
+    entries = adapter.scope(lm.model, adapter.default_scope)
+    masks = make_masks(lm.model, entries, "magnitude", sparsity, seed=0)
+    apply_masks(lm.model, masks)
+    ctx = HealContext(lm.model, adapter.blocks(lm.model), entries, masks, images,
+                      in_memory_batches(targets, batch, 0), steps_per_epoch(calib, batch), adapter.default_granularity)
+    t_heal = time.perf_counter()
+    HEALERS.get("starfish").heal(ctx, HealConfig(lr=lr, epochs=epochs, batch_size=batch))
+    heal = time.perf_counter() - t_heal
+    sel, ev = lm.dataset["selection"], lm.dataset["evaluation"]
+    return {"selection_acc": accuracy(lm.model, sel.images, sel.labels),
+            "healed_acc": accuracy(lm.model, ev.images, ev.labels), "heal_seconds": heal,
+            "seconds_in_process": time.perf_counter() - t0}
+
+
+def run_authors(a, configs: list[tuple[float, float]]) -> float:
+    """Wall seconds of the configs, one process each, ``a.parallel`` at a time."""
+    def one(cfg):
+        cmd = [sys.executable, __file__, "--authors-trial", json.dumps(
+            {"model": "vit_digits", "cache": a.cache, "sparsity": cfg[0], "lr": cfg[1], "epochs": a.epochs,
+             "calib": a.calib, "batch": a.batch})]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(a.parallel) as pool:
+        list(pool.map(one, configs))
+    return time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------------ healsweep
+def run_healsweep(a, spec_file: Path, out: Path) -> dict:
+    exe = Path(sys.executable).with_name("healsweep")
+    t0 = time.perf_counter()
+    subprocess.run([str(exe), "run", str(spec_file), "--out", str(out), "--store", a.store, "--cache", a.cache,
+                    "--num-cpus", str(a.parallel), "--quiet"], check=True, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    from mlflow import MlflowClient
+
+    info = json.loads((out / "sweep.json").read_text())
+    m = MlflowClient(info["tracking_uri"]).get_run(info["parent_run_id"]).data.metrics
+    stages = {s: m.get(f"stage_{s}_seconds", 0.0) for s in STAGES}
+    compute, conc = m["trial_compute_seconds"], m["concurrency"]
+    stages["exit"] = wall - sum(stages.values())  # interpreter start before `imports` is counted + shutdown
+    return {"wall": wall, "compute": compute, "concurrency": conc, "overhead": wall - compute / conc,
+            "stages": stages}
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved runs of each variant (median)")
+    ap.add_argument("--cache", default=".healsweep/models")
+    ap.add_argument("--store", default=".healsweep/store", help="warm target/mask store")
+    ap.add_argument("--parallel", type=int, default=2, help="CPUs for Ray / authors' processes at a time")
+    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--calib", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--authors-trial", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.authors_trial:
+        print(json.dumps(authors_trial(**json.loads(a.authors_trial))))
+        return
+    a.cache, a.store = str(Path(a.cache).resolve()), str(Path(a.store).resolve())
+    root = Path(tempfile.mkdtemp(prefix="healsweep-overhead-"))
+    specs = {16: root / "sweep16.yaml", 1: root / "single.yaml"}
+    specs[16].write_text(spec_yaml(SPARSITIES, 4, a.epochs, a.calib))
+    specs[1].write_text(spec_yaml((0.9,), 1, a.epochs, a.calib))
+    configs = {16: [(s, lr) for s in SPARSITIES for lr in AUTHORS_LRS], 1: [(0.9, AUTHORS_LRS[2])]}
+    print(f"start: {uptime()}", flush=True)
+    run_healsweep(a, specs[16], root / "warmup")  # warm store (targets, masks) and model cache; not measured
+    res: dict = {k: {"healsweep": [], "authors": []} for k in (16, 1)}
+    for i in range(a.repeats):
+        for k in (16, 1):
+            res[k]["healsweep"].append(run_healsweep(a, specs[k], root / f"hs{k}-{i}"))
+            res[k]["authors"].append(run_authors(a, configs[k]))
+            h = res[k]["healsweep"][-1]
+            print(f"repeat {i + 1}/{a.repeats}, {k} trial(s): healsweep {h['wall']:.1f} s (Σ compute "
+                  f"{h['compute']:.1f}, overhead {h['overhead']:.1f}; " + ", ".join(
+                      f"{n} {v:.1f}" for n, v in h["stages"].items()) +
+                  f"), authors {res[k]['authors'][-1]:.1f} s  ({uptime()})", flush=True)
+    report(a, res)
+    print(f"end: {uptime()}")
+
+
+def report(a, res: dict) -> None:
+    med = statistics.median
+    print(f"\nmedian of {a.repeats} interleaved runs, {a.parallel} at a time, warm store and model cache")
+    for k, r in res.items():
+        hs, au = r["healsweep"], r["authors"]
+        wall, auth = med(x["wall"] for x in hs), med(au)
+        print(f"{k:>2} trial(s): healsweep {wall:.1f} s (Σ trial compute {med(x['compute'] for x in hs):.1f} s, "
+              f"overhead {med(x['overhead'] for x in hs):.1f} s) | authors' way {auth:.1f} s | "
+              f"authors/healsweep {auth / wall:.2f}x")
+    hs = res[16]["healsweep"]
+    names = [*STAGES, "exit"]
+    print("16-trial sweep, median seconds per stage: " + ", ".join(
+        f"{s} {med(x['stages'][s] for x in hs):.2f}" for s in names))
+    print(json.dumps({str(k): {"healsweep_wall": [x["wall"] for x in r["healsweep"]], "authors_wall": r["authors"],
+                               "overhead": [x["overhead"] for x in r["healsweep"]]} for k, r in res.items()}))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    main()
