@@ -29,15 +29,16 @@ def boundary(row, bounds: dict | None) -> str:
     ``bounds``: {"lr": [lo, hi], "epochs": [lo, hi]} of the row's grid (None: unknown -> '')."""
     if not bounds or pd.isna(row.get("lr")) or float(row.get("lr") or 0) <= 0:
         return ""
-    (lo, hi), (_, ehi) = bounds["lr"], bounds["epochs"]
-    pos = (math.log(float(row["lr"])) - math.log(lo)) / (math.log(hi) - math.log(lo))
+    (lo, hi), (elo, ehi) = bounds["lr"], bounds["epochs"]
     why = []
-    if pos >= 1 - EDGE:
-        why.append(f"lr {float(row['lr']):.2g} at the {hi:.2g} cap")
-    elif pos <= EDGE:
-        why.append(f"lr {float(row['lr']):.2g} at the {lo:.2g} floor")
+    if hi > lo:  # a fixed lr (lo == hi) was not searched: no boundary to sit on
+        pos = (math.log(float(row["lr"])) - math.log(lo)) / (math.log(hi) - math.log(lo))
+        if pos >= 1 - EDGE:
+            why.append(f"lr {float(row['lr']):.2g} at the {hi:.2g} cap")
+        elif pos <= EDGE:
+            why.append(f"lr {float(row['lr']):.2g} at the {lo:.2g} floor")
     ep = row.get("epochs")
-    if pd.notna(ep) and int(ep) >= ehi:
+    if ehi > elo and pd.notna(ep) and int(ep) >= ehi:
         why.append(f"{int(ep)} of {ehi} epochs")
     return "; ".join(why)
 

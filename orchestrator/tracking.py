@@ -12,7 +12,7 @@ from orchestrator.mlflow_async import AsyncMlflowWriter
 
 TRIAL_PARAMS = ("model", "pruner", "scope", "sparsity", "calib_size", "healer", "granularity", "seed", "lr",
                 "epochs", "batch_size", "target_mode", "grid")
-EPOCH_METRICS = ("align_loss", "selection_acc")
+EPOCH_METRICS = ("align_loss", "selection_acc", "rows_streamed")
 FINAL_METRICS = ("dense_acc", "pruned_acc", "healed_acc", "retention", "heal_seconds", "dense_forward_images",
                  "mask_violations", "achieved_sparsity")
 # Bookkeeping keys Ray Tune adds to every result; not metrics of the trial.

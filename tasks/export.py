@@ -69,10 +69,12 @@ def _save_text(path: Path, text: str) -> None:
     _atomic(path, lambda tmp: Path(tmp).write_text(text))
 
 
-def save_healed(trial_dir: Path, model: nn.Module, entries, params: Mapping[str, Any], final: Mapping[str, Any]) -> Path:
-    """Write the healed scoped parameters and trial.json; returns the weights path."""
+def save_healed(trial_dir: Path, model: nn.Module, entries, params: Mapping[str, Any], final: Mapping[str, Any],
+                extra: set[str] | frozenset = frozenset()) -> Path:
+    """Write the healed scoped parameters, plus ``extra`` state the healer changed outside them (its ``may_change``:
+    BatchNorm running statistics, folded biases), and trial.json; returns the weights path."""
     sd = model.state_dict()
-    names = sorted({e.param for e in entries})
+    names = sorted({e.param for e in entries} | {n for n in extra if n in sd})
     _save_tensors(trial_dir / HEALED, {n: sd[n] for n in names}, {"format": "healsweep-healed/1"})
     _save_text(trial_dir / TRIAL_JSON, json.dumps({"params": dict(params), "final": dict(final)}, indent=1,
                                                   default=str, sort_keys=True))

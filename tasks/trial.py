@@ -147,6 +147,8 @@ def heal_trial(p: TrialParams, st: _Setup, report: Callable[[dict], None], start
     def on_epoch(epoch: int, m: dict[str, float]) -> None:
         last.clear()
         last.update(epoch=epoch, align_loss=m["align_loss"])
+        if st.reader is not None:  # rows the epoch streamed from the store (the reader refuses a short epoch)
+            last["rows_streamed"] = st.reader.rows_streamed.get(epoch - 1, 0)
         if epoch >= n_epochs or p.epoch_selection:  # the final epoch's selection accuracy is always measured
             last["selection_acc"] = accuracy(model, sel.images, sel.labels)
         if epoch >= n_epochs:
@@ -192,7 +194,7 @@ def final_metrics(p: TrialParams, st: _Setup, last: dict, heal_seconds: float) -
     if p.pruner:  # structured pruners: params/flops/latency/throughput of the dense vs physically shrunk model
         final.update(PRUNERS.get(p.pruner).structured_metrics(model, masks, ev.images[: p.efficiency_batch].to(p.device)))
     if p.out_dir and p.trial_key:
-        save_healed(Path(p.out_dir) / "trials" / p.trial_key, model, entries, asdict(p), final)
+        save_healed(Path(p.out_dir) / "trials" / p.trial_key, model, entries, asdict(p), final, extra=allowed)
     return final
 
 

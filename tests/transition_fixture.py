@@ -66,7 +66,11 @@ def build_store(root, model: str = "resnet_digits", diagnostics: bool = True) ->
 
 
 def write_sweep_json(run_dir, uri: str) -> None:
+    """The run directory's sweep.json, as a real sweep writes it (the parent run found by its sweep tag)."""
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("healsweep")
+    parent = client.search_runs([exp.experiment_id], f"tags.sweep_id = '{SWEEP}' and tags.`healsweep.role` = 'sweep'")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "sweep.json").write_text(json.dumps(
         {"sweep_id": SWEEP, "name": "trans", "tracking_uri": uri, "experiment": "healsweep", "spec": {},
-         "store": str(run_dir / "store"), "cache": str(run_dir / "models")}))
+         "parent_run_id": parent[0].info.run_id, "store": str(run_dir / "store"), "cache": str(run_dir / "models")}))

@@ -60,6 +60,8 @@ def main(args) -> int:
                         ("--cache", args.cache)):
         if value and Path(value).exists() and not Path(value).is_dir():
             raise CliError(f"{flag}: {value} is a file, not a directory")
+    from orchestrator.cluster import ClusterError, check_address, check_store_uri  # light: no ray import
+
     try:
         if args.resume:
             if args.spec or args.out:
@@ -74,9 +76,7 @@ def main(args) -> int:
             spec = load_spec_or_exit(args.spec)
             out = Path(args.out or Path("runs") / spec.name)
         spec = override_resources(spec, args.resources, args.cpu_only)
-        from orchestrator.cluster import ClusterError, check_address, check_store_uri  # [cluster] fail fast
-
-        check_address(args.address)
+        check_address(args.address)  # fail fast: before models, store or Ray
         check_store_uri(spec.store.uri)
     except (SpecError, ResumeError, ClusterError) as e:
         raise CliError(str(e)) from None

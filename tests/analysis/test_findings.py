@@ -18,6 +18,7 @@ def test_boundary_flags_lr_cap_floor_and_epoch_cap():
     assert boundary({"lr": 1e-3, "epochs": 8}, BOUNDS) == "8 of 8 epochs"
     assert boundary({"lr": 1e-3, "epochs": 5}, BOUNDS) == ""  # 0.68 of the log range, inside
     assert boundary({"lr": 0.0, "epochs": 0}, BOUNDS) == ""  # closed form (CR+BN): no search
+    assert boundary({"lr": 3e-3, "epochs": 4}, {"lr": [3e-3, 3e-3], "epochs": [4, 4]}) == ""  # fixed: not searched
 
 
 def test_search_bounds_per_grid_from_the_sweep_spec():

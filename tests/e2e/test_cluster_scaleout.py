@@ -44,7 +44,7 @@ def test_a_node_joining_after_tune_started_runs_trials_in_parallel(ray_cluster, 
     from orchestrator.sweep import run_sweep
 
     out = tmp_path / "run"
-    bg = Background(lambda: run_sweep(_spec("grow", 6, 8), out, tmp_path / "store", CACHE,
+    bg = Background(lambda: run_sweep(_spec("grow", 6, 30), out, tmp_path / "store", CACHE,
                                       address=ray_cluster.address, progress=False, report=False))
     t0 = time.monotonic()
     while not (out / "tune").exists() and bg.is_alive() and time.monotonic() - t0 < 120:

@@ -145,5 +145,5 @@ def test_report_is_written_from_mlflow(two_sweeps):
     md = (first.out_dir / "report.md").read_text()
     assert html.count('<img src="data:image/png;base64,') >= 1  # accuracy vs sparsity (+ bands when computable)
     assert "## vit_digits" in md
-    rows = [line for line in md.splitlines() if line.startswith("| magnitude |")]
+    rows = [line for line in md.split("## Details", 1)[1].splitlines() if line.startswith("| magnitude |")]
     assert len(rows) == 4  # one row per cell

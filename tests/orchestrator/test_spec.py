@@ -37,8 +37,10 @@ def _unavailable(raw: dict) -> list[str]:
     out = []
     for key, reg in (("pruners", PRUNERS), ("healers", HEALERS)):
         for m in raw[key]:
-            name = m if isinstance(m, str) else m["name"]
-            out += [f"{key[:-1]} {name!r}"] if name not in reg else []
+            parts = m["chain"] if isinstance(m, dict) and "chain" in m else [m]  # a chain names several healers
+            for part in parts:
+                name = part if isinstance(part, str) else part["name"]
+                out += [f"{key[:-1]} {name!r}"] if name not in reg else []
     for m in raw["models"]:
         if isinstance(m, dict) and m.get("source") == "checkpoint" and not (REPO / m["path"]).is_file():
             out.append(f"checkpoint {m['path']}")
@@ -134,7 +136,7 @@ def test_cli_validate_counts_cells(capsys):
 
 def test_cli_report_on_non_run_dir(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
-    assert "not a run directory" in capsys.readouterr().err
+    assert "no sweep in" in capsys.readouterr().err
 
 
 def test_method_entries_can_be_restricted_to_models_sparsities_and_scope(capsys, tmp_path):
