@@ -1,6 +1,8 @@
 """End to end: healers as a grid dimension on identical masks (none, a chain, starfish), 2 seeds, paired report."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from orchestrator.spec import parse_spec
@@ -22,7 +24,11 @@ SPEC = {"name": "healers-e2e", "models": ["vit_digits"], "sparsities": [0.9], "c
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, model_cache):  # noqa: F811
     root = tmp_path_factory.mktemp("e2e_healers")
-    return run_sweep(parse_spec(SPEC), root / "run", root / "store", model_cache, progress=False, num_cpus=2)
+    os.environ["HEALSWEEP_CHECKPOINT_INTERVAL_S"] = "0"  # a checkpoint every epoch, so the clean-up has work to do
+    try:
+        return run_sweep(parse_spec(SPEC), root / "run", root / "store", model_cache, progress=False, num_cpus=2)
+    finally:
+        os.environ.pop("HEALSWEEP_CHECKPOINT_INTERVAL_S", None)
 
 
 def test_healers_share_masks_and_pair_in_the_report(sweep):
