@@ -73,7 +73,7 @@ def random_shift(x: torch.Tensor, max_shift: int, gen: torch.Generator) -> torch
 
 
 def train_classifier(model: nn.Module, data: DatasetSplits, recipe: TrainRecipe, seed: int,
-                     progress: bool = True) -> None:
+                     progress: bool = True, name: str = "dense model") -> None:
     """Supervised training on the ``train`` split only (AdamW, cosine schedule).
 
     Runs with exactly TRAIN_THREADS torch threads: CPU kernels partition their reductions by thread count, so
@@ -83,7 +83,7 @@ def train_classifier(model: nn.Module, data: DatasetSplits, recipe: TrainRecipe,
     threads = torch.get_num_threads()
     torch.set_num_threads(TRAIN_THREADS)
     try:
-        _train(model, data, recipe, seed, progress, tqdm)
+        _train(model, data, recipe, seed, progress, tqdm, name)
     finally:
         torch.set_num_threads(threads)
 
@@ -91,7 +91,8 @@ def train_classifier(model: nn.Module, data: DatasetSplits, recipe: TrainRecipe,
 TRAIN_THREADS = 2
 
 
-def _train(model: nn.Module, data: DatasetSplits, recipe: TrainRecipe, seed: int, progress: bool, tqdm) -> None:
+def _train(model: nn.Module, data: DatasetSplits, recipe: TrainRecipe, seed: int, progress: bool, tqdm,
+           name: str) -> None:
     gen = torch.Generator().manual_seed(seed)
     train = data["train"]
     n = len(train)
@@ -101,7 +102,8 @@ def _train(model: nn.Module, data: DatasetSplits, recipe: TrainRecipe, seed: int
                                                 pct_start=0.1)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)
     model.train()
-    bar = tqdm(range(recipe.epochs), desc="train dense", unit="epoch", disable=not progress, leave=False)
+    bar = tqdm(range(recipe.epochs), desc=f"training {name} (first use, then cached)", unit="epoch",
+               disable=not progress, leave=False)
     for _ in bar:
         perm = torch.randperm(n, generator=gen)
         for i in range(0, n, recipe.batch_size):
@@ -158,7 +160,7 @@ def load_reference(name: str, cache_dir: str | os.PathLike, *, data_seed: int = 
         import time
 
         t0 = time.perf_counter()
-        train_classifier(model, data, src.recipe, seed=train_seed, progress=progress)
+        train_classifier(model, data, src.recipe, seed=train_seed, progress=progress, name=name)
         ev = data["evaluation"]
         meta = {"model": name, "key": key, "train_seconds": round(time.perf_counter() - t0, 2),
                 "dense_eval_acc": accuracy(model, ev.images, ev.labels)}
