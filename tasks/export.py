@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import re
-import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -23,6 +21,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
+from tasks._io import atomic_write
 from tasks.models.adapter import get_adapter
 from tasks.models.base import MODEL_SOURCES, MODELS, ModelRef
 from tasks.models.load import load_model
@@ -31,7 +30,6 @@ from tasks.pruning.masks import MaskStore
 
 HEALED = "healed.safetensors"
 TRIAL_JSON = "trial.json"
-FILE_MODE = 0o644
 # A trial key is "<cell id>-<optuna trial number>": one path component, never "." or "..", no separators.
 TRIAL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -48,25 +46,13 @@ def trial_dir(run_dir: Path, trial_key: str) -> Path:
     return d
 
 
-def _atomic(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # created 0600
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, FILE_MODE)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
 def _save_tensors(path: Path, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str] | None = None) -> None:
     data = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    _atomic(path, lambda tmp: save_file(data, tmp, metadata=dict(meta or {})))
+    atomic_write(path, lambda tmp: save_file(data, tmp, metadata=dict(meta or {})))  # 0644: shared artefacts
 
 
 def _save_text(path: Path, text: str) -> None:
-    _atomic(path, lambda tmp: Path(tmp).write_text(text))
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
 def save_healed(trial_dir: Path, model: nn.Module, entries, params: Mapping[str, Any], final: Mapping[str, Any],
