@@ -16,7 +16,8 @@ import torch
 import tasks.healing.corp_math as corp_math
 from tasks.healing.base import HEALERS, HealConfig, HealContext, Healer, HealResult
 from tasks.models.adapter import get_adapter
-from tasks.pruning.corp import _bias_name, scope_parts, unit_stats, vit_blocks
+from tasks.models.params import bias_name
+from tasks.pruning.corp import scope_parts, unit_stats, vit_blocks
 
 
 @HEALERS.register("corp")
@@ -63,9 +64,9 @@ class CorpHealer(Healer):
         for blk in vit_blocks(model, get_adapter(model)):
             mlp, qk = scope_parts(entries, blk)
             if mlp:
-                out.add(_bias_name(blk.fc2))  # b~ = b + W_P c
+                out.add(bias_name(blk.fc2))  # b~ = b + W_P c
             if qk:
-                out.add(_bias_name(blk.qkv))  # q/k biases of kept dims are rotated with their weights
+                out.add(bias_name(blk.qkv))  # q/k biases of kept dims are rotated with their weights
         return out & names
 
     @torch.no_grad()
@@ -94,18 +95,18 @@ class CorpHealer(Healer):
         lam = _mlp_lambda(cov, keep.cpu(), st.count, s)
         b, c = corp_math.affine_predictor(st.mean, cov, keep.cpu(), lam)
         w2 = dp[blk.fc2].detach().cpu()  # dense fc2 (D, H): W_P is the part the pruned model lost
-        b2 = dp[_bias_name(blk.fc2)].detach().cpu() if _bias_name(blk.fc2) in dp else torch.zeros(w2.shape[0])
+        b2 = dp[bias_name(blk.fc2)].detach().cpu() if bias_name(blk.fc2) in dp else torch.zeros(w2.shape[0])
         ws, bias = corp_math.fold_mlp(w2, b2, keep.cpu(), b, c)
         tgt = mp[blk.fc2]
         tgt[:, keep.to(tgt.device)] = ws.to(tgt.device, tgt.dtype)
-        if _bias_name(blk.fc2) in mp:
-            mp[_bias_name(blk.fc2)].copy_(bias.to(tgt.device, tgt.dtype))
+        if bias_name(blk.fc2) in mp:
+            mp[bias_name(blk.fc2)].copy_(bias.to(tgt.device, tgt.dtype))
 
     @staticmethod
     def _fold_qk(blk, st, keep, mp, s, q_mean) -> None:
         d, h, dh = blk.dim, blk.num_heads, blk.head_dim
         w = mp[blk.qkv]  # (3D, D)
-        bias = mp.get(_bias_name(blk.qkv))  # (3D,)
+        bias = mp.get(bias_name(blk.qkv))  # (3D,)
         keep = keep.cpu().view(h, dh)
         for i in range(h):
             lam = _qk_lambda(st.gram_q[i], q_mean[i], keep[i], st.tokens, s)  # mean-Gram units (None: relative)
@@ -132,7 +133,7 @@ def _mlp_lambda(cov: torch.Tensor, keep: torch.Tensor, n: int, s) -> float:
 def _q_means(blk, x_mean: torch.Tensor, dp) -> torch.Tensor:
     """E[q] per head (H, dh) from the mean attention input x_mean (D,): W_q E[x] + b_q."""
     w = dp[blk.qkv].detach().double().cpu()[: blk.dim]  # (D, D) q rows
-    b = dp.get(_bias_name(blk.qkv))
+    b = dp.get(bias_name(blk.qkv))
     mu = w @ x_mean.double().cpu() + (b.detach().double().cpu()[: blk.dim] if b is not None else 0.0)
     return mu.view(blk.num_heads, blk.head_dim)
 

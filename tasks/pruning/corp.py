@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tasks.models.params import bias_name, module_of
 from tasks.models.adapter import ModelAdapter, ScopeEntry, get_adapter
 from tasks.pruning.allocation_math import n_pruned
 from tasks.pruning.base import PRUNERS, Pruner, _keep_all_but_smallest
@@ -27,14 +28,6 @@ from tasks.stats import HeadQK, Moments, Several, Tap, collect
 
 CORP_SCOPES = ("mlp", "qk", "qk_mlp", "mlp_qk")
 RANKS = ("activation", "magnitude")
-
-
-def _bias_name(weight_name: str) -> str:
-    return weight_name[: -len("weight")] + "bias"  # "mlp.fc1.weight" -> "mlp.fc1.bias"; "in_proj_weight" too
-
-
-def _module(model: nn.Module, param: str) -> nn.Module:
-    return model.get_submodule(param.rsplit(".", 1)[0])
 
 
 @dataclass(frozen=True)
@@ -56,11 +49,11 @@ class VitBlock:
         """Hidden activations = input of fc2; q/k = the fused projection of the attention input."""
         out = {}
         if mlp:
-            out[f"{self.name}/hidden"] = Tap(_module(model, self.fc2), "input")
+            out[f"{self.name}/hidden"] = Tap(module_of(model, self.fc2), "input")
         if qk:
             params = dict(model.named_parameters())
-            w, b = params[self.qkv], params.get(_bias_name(self.qkv))
-            out[f"{self.name}/qkv"] = Tap(_module(model, self.qkv), "input", fn=lambda x, w=w, b=b: F.linear(x, w, b))
+            w, b = params[self.qkv], params.get(bias_name(self.qkv))
+            out[f"{self.name}/qkv"] = Tap(module_of(model, self.qkv), "input", fn=lambda x, w=w, b=b: F.linear(x, w, b))
         return out
 
 
@@ -91,7 +84,7 @@ def unit_stats(model: nn.Module, blocks: list[VitBlock], entries: list[ScopeEntr
             taps[k] = t
             routes[k] = Moments(full=full) if k.endswith("/hidden") else HeadQK(blk.num_heads, blk.head_dim)
         if qk and full:  # mean of the attention input: the Q means (W_q E[x] + b_q) that centre CORP's Q-side λ
-            taps[f"{blk.name}/qkv_in"] = Tap(_module(model, blk.qkv), "input")
+            taps[f"{blk.name}/qkv_in"] = Tap(module_of(model, blk.qkv), "input")
             routes[f"{blk.name}/qkv_in"] = Moments(full=False)
     return collect(model, images, taps, Several(routes)).result()
 
@@ -104,7 +97,7 @@ def check_vit(model: nn.Module, adapter: ModelAdapter, scope: str, who: str) -> 
     if scope not in CORP_SCOPES:
         raise ValueError(f"{who} supports scopes {', '.join(CORP_SCOPES)}, not {scope!r}")
     for blk in vit_blocks(model, adapter):
-        attn = _module(model, blk.qkv)
+        attn = module_of(model, blk.qkv)
         if not isinstance(getattr(attn, "q_norm", nn.Identity()), nn.Identity):
             raise ValueError(f"{who}: {blk.name} normalizes q/k per head (qk_norm), so a Q/K dim cannot be removed")
         if blk.dim % blk.num_heads or getattr(attn, "head_dim", blk.head_dim) != blk.head_dim:
@@ -169,8 +162,8 @@ class CorpPruner(Pruner):
                 keep = _keep_all_but_smallest(score, n_pruned(score.numel(), sparsity))  # (H,)
                 out[blk.fc1] = keep[:, None].expand_as(w1).clone()
                 out[blk.fc2] = keep[None, :].expand_as(w2).clone()
-                if _bias_name(blk.fc1) in params:
-                    out[_bias_name(blk.fc1)] = keep.clone()
+                if bias_name(blk.fc1) in params:
+                    out[bias_name(blk.fc1)] = keep.clone()
             if qk:
                 d, h, dh = blk.dim, blk.num_heads, blk.head_dim
                 wqk = weights[blk.qkv].detach().double()  # (2D, D) region: q rows then k rows
@@ -178,7 +171,7 @@ class CorpPruner(Pruner):
                          else (wqk[:d].norm(dim=1) ** 2 * wqk[d:].norm(dim=1) ** 2).view(h, dh))  # (H, dh)
                 keep = head_keep(score, sparsity).flatten()  # (D,)
                 out[blk.qkv] = torch.cat([keep, keep])[:, None].expand_as(wqk).clone()
-                bname = _bias_name(blk.qkv)
+                bname = bias_name(blk.qkv)
                 if bname in params:
                     out[bname] = torch.cat([keep, keep, torch.ones(d, dtype=torch.bool)])
         return out

@@ -28,15 +28,11 @@ from typing import Iterable, Mapping
 import torch
 import torch.nn as nn
 
+from tasks.models.params import module_of
 from tasks.models.adapter import ScopeEntry
 
 EPS = 1e-8
 TAU_RULES = ("median", "mean")
-
-
-def module_of(model: nn.Module, param: str) -> nn.Module:
-    """The module owning a parameter name such as ``layer1.0.conv1.weight``."""
-    return model.get_submodule(param.rsplit(".", 1)[0])
 
 
 def to_channels(y: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from tasks.models.adapter import ScopeEntry
 from tasks.pruning.allocation_math import n_pruned
-from tasks.pruning.repair import EPS, _Moments, crbn_scales, module_of, tau_of, to_channels
+from tasks.models.params import module_of
+from tasks.pruning.repair import EPS, _Moments, crbn_scales, tau_of, to_channels
 
 COLUMNS = ("model", "layer", "n_weights", "shape", "sparsity", "D_raw", "D_repair", "R")
 DIAG_DEFAULTS = {"diag_images": 128, "tau": "median", "at": "conv"}

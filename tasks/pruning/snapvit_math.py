@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tasks.models.params import bias_name
 from tasks.models.adapter import ModelAdapter, ScopeEntry
 from tasks.pruning.snapvit_authors import authors_ranking
 from tasks.pruning.xnes import xnes
@@ -81,10 +82,6 @@ class Layout:
         return [[g.block, g.kind, g.n, g.unit_params] for g in self.groups]
 
 
-def _bias_name(weight_name: str) -> str:
-    return weight_name[: -len("weight")] + "bias"
-
-
 def _num_heads(block: nn.Module) -> int:
     for mod in block.modules():
         if isinstance(getattr(mod, "num_heads", None), int):
@@ -113,12 +110,12 @@ def vit_layout(model: nn.Module, adapter: ModelAdapter, entries: list[ScopeEntry
         if "qkv" in has:
             h = _num_heads(block)
             hd = params[name["qkv"]].shape[0] // 3 // h
-            b = _bias_name(name["qkv"])
+            b = bias_name(name["qkv"])
             groups.append(Group(bname, "head", h, 4 * hd * dim, hd, (("qkv", name["qkv"]), ("proj", name["proj"])),
                                 (("qkv", b),) if b in params else ()))
         if "fc1" in has:
             hidden = params[name["fc1"]].shape[0]
-            b = _bias_name(name["fc1"])
+            b = bias_name(name["fc1"])
             groups.append(Group(bname, "neuron", hidden, 2 * dim, 0, (("fc1", name["fc1"]), ("fc2", name["fc2"])),
                                 (("fc1", b),) if b in params else ()))
     return Layout(tuple(groups))
