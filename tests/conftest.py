@@ -123,3 +123,18 @@ def heal_case():
 
 # Real components for tests/e2e/test_cluster_*.py (Ray multi-node, moto S3, PostgreSQL + MLflow server)
 from tests.cluster_fixtures import aws_env, mlflow_server, moto_s3, postgres_url, ray_cluster  # noqa: E402,F401
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _check_cache(tmp_path_factory):
+    """Compatibility verdicts (orchestrator/spec/verdicts.py) cached in a per-session directory, not the checkout's
+    .healsweep/checks: every test session checks each spec in full once."""
+    import os
+
+    old = os.environ.get("HEALSWEEP_CHECK_CACHE")
+    os.environ["HEALSWEEP_CHECK_CACHE"] = str(tmp_path_factory.mktemp("checks"))
+    yield
+    if old is None:
+        os.environ.pop("HEALSWEEP_CHECK_CACHE", None)
+    else:
+        os.environ["HEALSWEEP_CHECK_CACHE"] = old

@@ -4,25 +4,32 @@ from __future__ import annotations
 
 from orchestrator.spec.checks import SpecError, max_trials
 from orchestrator.spec.sources import architecture
+from orchestrator.spec.verdicts import cached_check
 
 
 def check_models(spec) -> None:
     """Scopes must exist for each model's family; every pruner entry must serve the model at its scope and
-    sparsities; every healer must serve each (model, pruner) cell it is part of."""
+    sparsities; every healer must serve each (model, pruner) cell it is part of. A verdict already reached
+    for the same entries and code is reused without building the model (orchestrator/spec/verdicts.py)."""
+    for m in spec.models:
+        cached_check(spec, m, lambda m=m: check_model(spec, m))
+
+
+def check_model(spec, m: str) -> None:
+    """The compatibility checks of one model of ``spec``, on its untrained architecture."""
     from tasks.models import get_adapter
 
-    for m in spec.models:
-        model = architecture(spec, m)
-        adapter = get_adapter(model)
-        model_scope = spec.scope.get(m, adapter.default_scope)
-        try:
-            adapter.scope(model, model_scope)
-        except ValueError as e:
-            raise SpecError(f"scope.{m}", str(e)) from None
-        for i, p in enumerate(spec.pruners):
-            if p.applies_to(m):
-                _check_pruner(spec, i, p, m, model, adapter, p.scope or model_scope)
-                _check_healers(spec, p, m, model, adapter)
+    model = architecture(spec, m)
+    adapter = get_adapter(model)
+    model_scope = spec.scope.get(m, adapter.default_scope)
+    try:
+        adapter.scope(model, model_scope)
+    except ValueError as e:
+        raise SpecError(f"scope.{m}", str(e)) from None
+    for i, p in enumerate(spec.pruners):
+        if p.applies_to(m):
+            _check_pruner(spec, i, p, m, model, adapter, p.scope or model_scope)
+            _check_healers(spec, p, m, model, adapter)
 
 
 def _check_pruner(spec, i: int, p, m: str, model, adapter, scope: str) -> None:
