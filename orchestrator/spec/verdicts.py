@@ -53,12 +53,18 @@ def code_digest() -> str:
 
 
 def model_entries(spec, m: str) -> dict:
-    """Everything of ``spec`` the checks of model ``m`` read (entries keep their spec position)."""
+    """Everything of ``spec`` the checks of model ``m`` read (entries keep their spec position). Sparsities
+    are read only by pruners with a ``check_sparsity`` (e.g. RR's candidate grid), so editing the sparsity
+    ladder of a spec without such a pruner keeps its verdicts."""
+    from tasks.pruning import PRUNERS
+
+    def sparsities(p):
+        return list(p.sparsities or spec.sparsities) if hasattr(PRUNERS.get(p.name), "check_sparsity") else None
+
     return {
         "model": spec.model_refs.get(m) or {"name": m},
         "scope": spec.scope.get(m),
-        "sparsities": list(spec.sparsities),
-        "pruners": [[i, p.name, p.settings, p.scope, list(p.sparsities or ())]
+        "pruners": [[i, p.name, p.settings, p.scope, sparsities(p)]
                     for i, p in enumerate(spec.pruners) if p.applies_to(m)],
         "healers": [[j, h.name, h.settings] for j, h in enumerate(spec.healers) if h.applies_to(m)],
     }

@@ -73,6 +73,15 @@ def test_key_moves_with_every_entry_the_checks_read(monkeypatch, tmp_path):
     keys = {verdicts.verdict_key(verdicts.model_entries(s, "vit_digits")) for s in (other, swapped, scoped)}
     assert base not in keys and len(keys) == 3
     assert verdicts.verdict_key(verdicts.model_entries(_spec(), "vit_digits")) == base  # and only with them
+    ladder = parse_spec(dict(TINY, healers=["starfish", "crbn"], sparsities=[0.5, 0.9]))
+    assert verdicts.verdict_key(verdicts.model_entries(ladder, "vit_digits")) == base  # magnitude reads no sparsity
+
+
+def test_sparsities_count_for_pruners_that_check_them():
+    rr = dict(TINY, models=["resnet_digits"], pruners=["rr"], healers=["crbn"])
+    a, b = parse_spec(dict(rr, sparsities=[0.9])), parse_spec(dict(rr, sparsities=[0.95]))
+    ka, kb = (verdicts.verdict_key(verdicts.model_entries(s, "resnet_digits")) for s in (a, b))
+    assert ka != kb  # RR's candidate grid is checked against each sparsity
 
 
 def test_code_digest_covers_every_checking_source(monkeypatch, tmp_path):
