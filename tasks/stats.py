@@ -82,6 +82,11 @@ class MomentStats:
         return self.second.diagonal() if self.second.dim() == 2 else self.second
 
     @property
+    def var(self) -> torch.Tensor:
+        """Population (1/count) variance per feature, E[x_j^2] - mu_j^2 clamped at 0, (F,)."""
+        return (self.energy - self.mean * self.mean).clamp_min(0.0)
+
+    @property
     def cov(self) -> torch.Tensor:
         """Centered (biased, 1/count) covariance E[x x^T] - mu mu^T, (F, F)."""
         if self.second.dim() != 2:

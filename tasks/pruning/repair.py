@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from tasks.models.params import module_of
+from tasks.stats import Moments
 from tasks.models.adapter import ScopeEntry
 
 EPS = 1e-8
@@ -58,23 +59,9 @@ def tau_of(var_pruned: torch.Tensor, rule: str = "median") -> float:
     return float(v.median() if rule == "median" else v.mean())  # torch median: lower middle for even C
 
 
-class _Moments:
-    """Streaming per-channel Σx, Σx², count in float64."""
-
-    def __init__(self) -> None:
-        self.s = self.ss = None
-        self.n = 0
-
-    def add(self, y: torch.Tensor) -> None:
-        x = to_channels(y.detach()).double()  # (N, C, L)
-        s, ss = x.sum((0, 2)), (x * x).sum((0, 2))  # (C,)
-        self.s = s if self.s is None else self.s + s
-        self.ss = ss if self.ss is None else self.ss + ss
-        self.n += x.shape[0] * x.shape[2]
-
-    def var(self) -> torch.Tensor:
-        mean = self.s / self.n
-        return (self.ss / self.n - mean * mean).clamp_min(0.0)
+def channel_moments(name: str, y: torch.Tensor, acc: Moments) -> None:
+    """Add a layer output's channels to ``acc``: conv (N, C, H, W), tokens (N, T, C) or (N, C) -> rows of C."""
+    acc.update(name, to_channels(y.detach()).transpose(1, 2))  # (N, L, C)
 
 
 @torch.no_grad()
@@ -82,8 +69,9 @@ def channel_variances(model: nn.Module, params: Iterable[str], images: torch.Ten
                       ) -> dict[str, torch.Tensor]:
     """{param: (C,) float64 population variance of its module's output channels} over ``images``."""
     params = list(params)
-    acc = {p: _Moments() for p in params}
-    hooks = [module_of(model, p).register_forward_hook(lambda _m, _i, out, p=p: acc[p].add(out)) for p in params]
+    acc = Moments(full=False)  # float64 sums per channel
+    hooks = [module_of(model, p).register_forward_hook(lambda _m, _i, out, p=p: channel_moments(p, out, acc))
+             for p in params]
     was = model.training
     model.eval()
     dev = next(model.parameters()).device
@@ -94,7 +82,8 @@ def channel_variances(model: nn.Module, params: Iterable[str], images: torch.Ten
         for h in hooks:
             h.remove()
         model.train(was)
-    return {p: a.var() for p, a in acc.items()}
+    stats = acc.result()
+    return {p: stats[p].var for p in params}
 
 
 def unrepairable_reason(model: nn.Module, param: str) -> str | None:

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from tasks.models.adapter import ScopeEntry
 from tasks.pruning.allocation_math import n_pruned
 from tasks.models.params import module_of
-from tasks.pruning.repair import EPS, _Moments, crbn_scales, tau_of, to_channels
+from tasks.pruning.repair import EPS, channel_moments, crbn_scales, tau_of, to_channels
+from tasks.stats import Moments
 
 COLUMNS = ("model", "layer", "n_weights", "shape", "sparsity", "D_raw", "D_repair", "R")
 DIAG_DEFAULTS = {"diag_images": 128, "tau": "median", "at": "conv"}
@@ -138,9 +139,9 @@ def layer_diagnostics(model: nn.Module, entry: ScopeEntry, images: torch.Tensor,
 
 
 def _var(y: torch.Tensor) -> torch.Tensor:
-    m = _Moments()
-    m.add(y)
-    return m.var()
+    acc = Moments(full=False)
+    channel_moments("y", y, acc)
+    return acc.result()["y"].var  # (C,)
 
 
 def _channel_view(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
