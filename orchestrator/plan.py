@@ -73,7 +73,7 @@ def grid(spec: SweepSpec, scopes: Mapping[str, str]):
 def expand_cells(spec: SweepSpec, scopes: Mapping[str, str]) -> list[Cell]:
     """All cells of the sweep in a stable order: the main grid's, then each extra grid's (``spec.grids``) that
     are not already listed; ``scopes`` maps model -> resolved scope name."""
-    from orchestrator.grids import views
+    from orchestrator.spec.grids import views
 
     cells, seen = [], set()
     for name, view in views(spec):
@@ -88,7 +88,7 @@ def expand_cells(spec: SweepSpec, scopes: Mapping[str, str]) -> list[Cell]:
 
 def grid_searches(spec: SweepSpec) -> dict:
     """Grid name -> its SearchSpec (the top-level search with that grid's overrides)."""
-    from orchestrator.grids import views
+    from orchestrator.spec.grids import views
 
     return {name: view.search for name, view in views(spec)}
 

@@ -272,7 +272,7 @@ def tune_stage(s: _Sweep, progress: bool) -> None:
 
     from orchestrator.mlflow_async import AsyncMlflowWriter
     from orchestrator.search import PerCellOptunaSearch
-    from orchestrator.spec_sources import untrained
+    from orchestrator.spec.sources import untrained
     from orchestrator.tracking import MlflowTrialLogger
     from tasks.models import get_adapter
 
