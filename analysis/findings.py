@@ -165,6 +165,44 @@ class Findings:
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def flags(self) -> list[str]:
+        """One short label per warning, for the first screen (the full text follows the tables)."""
+        return [flag_of(w) for w in self.warnings]
+
+
+def flag_of(warning: str) -> str:
+    """'23 of 68 winning trials sit on the search boundary, so …: cells' -> '23 of 68 winning trials sit on the
+    search boundary'; other warnings: their first sentence (up to ':' or '.', outside parentheses)."""
+    depth = 0
+    for i, ch in enumerate(warning):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0 and (ch in ":." and (i + 1 == len(warning) or warning[i + 1] == " ")):
+            return _unbracket(warning[:i].split(", so ")[0])
+    return _unbracket(warning)
+
+
+def _unbracket(text: str) -> str:
+    """``text`` without its parenthesised parts: 'budgets (64 images: 2 steps) differ' -> 'budgets differ'."""
+    out, depth = [], 0
+    for ch in text:
+        depth += ch == "("
+        if depth == 0:
+            out.append(ch)
+        depth -= ch == ")" and depth > 0
+    return " ".join("".join(out).split())
+
+
+def headline(rows: list[dict]) -> str:
+    """The best pruner × healer at each sparsity over calibration sizes: '0.5: magnitude × crbn 97.2 % · …'."""
+    top: dict[str, dict] = {}
+    for r in rows:  # best_rows is ordered by sparsity, then calibration size
+        if r["pattern"] not in top or r["healed"] > top[r["pattern"]]["healed"]:
+            top[r["pattern"]] = r
+    calibs = len({r["calib_size"] for r in rows}) > 1
+    return " · ".join(f"{p}: {r['best']} {100 * r['healed']:.1f} %" + (f" (calib {r['calib_size']})" if calibs else "")
+                      for p, r in top.items())
+
 
 def _warnings(mb: pd.DataFrame, failed: list[str]) -> list[str]:
     out = []
@@ -182,7 +220,7 @@ def _warnings(mb: pd.DataFrame, failed: list[str]) -> list[str]:
     if budget:
         out.append(budget)
     if failed:
-        out.append(f"{len(failed)} cell(s) have no finished trial: {', '.join(failed[:6])}"
+        out.append(f"Cells without a finished trial ({len(failed)}): {', '.join(failed[:6])}"
                    + (" …" if len(failed) > 6 else "") + ".")
     return out
 
@@ -226,6 +264,13 @@ FINDINGS_HOW = ("Ranges are the repairability bands of the seed-mean healed accu
                 "calibration-only broad band, computed without any accuracy.")
 _RANGE_HEADS = ["pruner", "healer", "calib", "recoverable", "transition", "collapse", "resolution", "seeds",
                 "CTS band"]
+_FOLDABLE = ("resolution", "seeds", "cts")  # columns shown once in the caption when every row has the same value
+
+
+def _folded(ranges: list[Range]) -> dict[str, str]:
+    """{field: value} of the foldable columns that are the same on every row (shown once, not per row)."""
+    return {k: getattr(ranges[0], k) for k in _FOLDABLE
+            if len(ranges) > 1 and len({getattr(r, k) for r in ranges}) == 1}
 
 
 def _best_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -261,23 +306,34 @@ def findings_md(fs: list[Findings], how: str) -> list[str]:
 
 
 def findings_html(fs: list[Findings], how: str) -> list[str]:
+    """Per model: the best method at each sparsity and short warning flags, then the ranges table (columns equal
+    on every row shown once in its caption), the best-per-sparsity table and the warnings in full."""
     import html as _h
     e = _h.escape
+    heads = dict(zip(Range.__dataclass_fields__, _RANGE_HEADS))
     ht = ['<section id="findings"><h2>Findings</h2><div class="models">']
     for f in fs:
         ht.append(f'<div class="model"><h3>{e(f.model)} <span class="grid">grid {e(f.grid)}</span></h3>')
-        ht += [f'<p class="warn">⚠ {e(w)}</p>' for w in f.warnings]
-        ht += [f'<p class="note">{e(n)}</p>' for n in f.notes]
-        head = "".join(f"<th>{e(h)}</th>" for h in _RANGE_HEADS)
-        rows = "".join("<tr>" + "".join(
-            f'<td class="{k}">{e(str(getattr(r, k)))}</td>' for k in Range.__dataclass_fields__) + "</tr>"
-            for r in f.ranges)
-        ht.append(f'<table class="ranges"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>')
-        heads, body = _best_grid(f.best)
+        if f.best:
+            ht.append(f'<p class="headline"><b>Best:</b> {e(headline(f.best))}</p>')
+        if f.flags:
+            ht.append('<p class="flags">⚠ ' + " · ".join(e(x) for x in f.flags) + " (details below)</p>")
+        fold = _folded(f.ranges)
+        cols = [k for k in Range.__dataclass_fields__ if k not in fold]
+        cap = "; ".join(f"{heads[k]}: {v}" for k, v in fold.items())
+        rows = "".join("<tr>" + "".join(f'<td class="{k}">{e(str(getattr(r, k)))}</td>' for k in cols) + "</tr>"
+                       for r in f.ranges)
+        ht.append('<table class="ranges">' + (f"<caption>every row: {e(cap)}</caption>" if cap else "")
+                  + "<thead><tr>" + "".join(f"<th>{e(heads[k])}</th>" for k in cols)
+                  + f"</tr></thead><tbody>{rows}</tbody></table>")
+        bh, body = _best_grid(f.best)
         cells = "".join("<tr>" + "".join(
             "<td>" + "<br><small>".join(e(x) for x in c.split("\n")) + ("</small>" if "\n" in c else "") + "</td>"
             for c in row) + "</tr>" for row in body)
         ht.append('<table class="best"><caption>Best pruner × healer per sparsity</caption><thead><tr>'
-                  + "".join(f"<th>{e(h)}</th>" for h in heads) + f"</tr></thead><tbody>{cells}</tbody></table></div>")
+                  + "".join(f"<th>{e(h)}</th>" for h in bh) + f"</tr></thead><tbody>{cells}</tbody></table>")
+        ht += [f'<p class="warn">⚠ {e(w)}</p>' for w in f.warnings]
+        ht += [f'<p class="note">{e(n)}</p>' for n in f.notes]
+        ht.append("</div>")
     ht.append(f'</div><p class="note">{e(how)}</p></section>')
     return ht

@@ -99,3 +99,25 @@ def test_heldout_agreement_spearman_and_accuracy_lost():
     assert a["lost_mean"] == pytest.approx(12.5) and a["lost_max"] == pytest.approx(25.0)
     assert "loses +12.50 pp evaluation accuracy on average (worst +25.00 pp) over 2 cells" in agreement_line(a)
     assert agreement(pd.DataFrame(rows).drop(columns="heldout_align")) is None
+
+
+def test_first_screen_summaries_headline_flags_and_folded_columns():
+    from analysis.findings import Range, _folded, flag_of, headline
+
+    rows = [dict(pattern="0.5", calib_size="64", best="magnitude × crbn", healed=0.972),
+            dict(pattern="0.5", calib_size="256", best="magnitude × starfish", healed=0.9717),
+            dict(pattern="0.9", calib_size="64", best="magnitude × starfish", healed=0.6167),
+            dict(pattern="0.9", calib_size="256", best="global × starfish", healed=0.9389)]
+    assert headline(rows) == ("0.5: magnitude × crbn 97.2 % (calib 64) · "
+                              "0.9: global × starfish 93.9 % (calib 256)")
+    assert headline(rows[2:3]) == "0.9: magnitude × starfish 61.7 %"  # one calibration size: not named
+    assert flag_of("23 of 68 winning trials sit on the search boundary, so those accuracies may be under-tuned: "
+                   "global/starfish 0.9 n=64 seed 0 (8 of 8 epochs).") == "23 of 68 winning trials sit on the search boundary"
+    assert flag_of("Calibration sizes get different optimisation budgets for the same epochs (64 images: 2 "
+                   "steps/epoch (batch 32)): comparing ...") == "Calibration sizes get different optimisation budgets for the same epochs"
+    assert flag_of("Single seed: no point has a spread.") == "Single seed"
+    r = [Range("erk", "crbn", "64", "90 %", "≥ 95 %", "none tested", "grid step 5 pp", "n=1 (no spread)", "95–97 %"),
+         Range("rr", "crbn", "64", "none tested", "90–95 %", "none tested", "grid step 5 pp", "n=3, max std 1.0 pp",
+               "95–97 %")]
+    assert _folded(r) == {"resolution": "grid step 5 pp", "cts": "95–97 %"}  # seeds differ: stays a column
+    assert _folded(r[:1]) == {}  # one row: nothing to fold

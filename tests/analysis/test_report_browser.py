@@ -68,8 +68,9 @@ def test_screenshot_not_blank(report, tmp_path):
 
 
 FIRST_SCREEN = ("<script>window.addEventListener('load',function(){var r=[];"
-                "document.querySelectorAll('#findings table.ranges tbody tr, #findings table.best tbody tr')"
-                ".forEach(function(t){var b=t.getBoundingClientRect();r.push([t.closest('table').className,"
+                "document.querySelectorAll('#findings table.ranges tbody tr, #findings table.best tbody tr, "
+                "#findings p.headline').forEach(function(t){var b=t.getBoundingClientRect();"
+                "r.push([t.closest('table')?t.closest('table').className:t.className,"
                 "t.innerText,b.bottom,b.right])});document.body.setAttribute('data-probe',JSON.stringify(r));});"
                 "</script>")
 
@@ -90,6 +91,9 @@ def test_first_screen_names_ranges_and_best_method(report, tmp_path):
         ["magnitude", "starfish", "64", "up to 70 %", "80–90 %", "from 95 %"]]
     assert len(best) == 5 and best[0][1].startswith("0.5\tmagnitude × starfish 88.00 %")
     assert all(b <= 900 and right <= 1400 for _, _, b, right in ranges + [best[0], best[-1]]), rows
+    (head,) = [r for r in rows if r[0] == "headline"]  # the best method at every sparsity, above the tables
+    assert head[1].startswith("Best: 0.5: magnitude × starfish 88.0 %") and head[2] <= 900
+    assert head[2] <= min(b for _, _, b, _ in ranges)
 
 
 def test_every_png_passes_the_layout_check(report):
