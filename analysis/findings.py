@@ -293,6 +293,7 @@ def findings_md(fs: list[Findings], how: str) -> list[str]:
     md = ["## Findings", "", how, ""]
     for f in fs:
         md += [f"### {f.model} — grid `{f.grid}`", ""]
+        md += [f"**Best:** {headline(f.best)}", ""] if f.best else []
         md += [f"> **Warning:** {w}" for w in f.warnings] + ([""] if f.warnings else [])
         md += [f"_{n}_" for n in f.notes] + ([""] if f.notes else [])
         md += ["| " + " | ".join(_RANGE_HEADS) + " |", "|" + "---|" * len(_RANGE_HEADS)]
