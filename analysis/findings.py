@@ -18,29 +18,38 @@ import pandas as pd
 from .ordering import paired_ci
 from .runs import grid_names, pattern_sort_key
 
-__all__ = ["Findings", "grid_names", "ranges", "best_rows", "boundary", "findings", "fmt_range", "FIXED_HEALERS"]
+__all__ = ["Findings", "grid_names", "ranges", "best_rows", "boundary", "edges", "findings", "fmt_range", "FIXED_HEALERS"]
 
 FIXED_HEALERS = ("crbn", "none", "corp")  # closed form / no training: no lr, no epochs
 EDGE = 0.1  # fraction of the log-lr range (or of the epochs range) that counts as "on the boundary"
 
 
 def boundary(row, bounds: dict | None) -> str:
-    """'' or a reason: the winning lr in the top/bottom ``EDGE`` of the log range, or epochs at the cap.
-    ``bounds``: {"lr": [lo, hi], "epochs": [lo, hi]} of the row's grid (None: unknown -> '')."""
+    """'' or a reason: the winning lr in the top/bottom ``EDGE`` of the log range, or its epochs (a steps-based
+    search: steps) at the range's maximum. ``bounds``: {"lr": [lo, hi], "epochs" or "steps": [lo, hi]} of the
+    row's grid (None: unknown -> '')."""
+    return "; ".join(edges(row, bounds).values())
+
+
+def edges(row, bounds: dict | None) -> dict[str, str]:
+    """The search-space edges the winner ``row`` sits on: {"lr_cap" | "lr_floor" | "length_cap": reason}
+    (``boundary`` joins the reasons; orchestrator/widen.py searches past these edges)."""
     if not bounds or pd.isna(row.get("lr")) or float(row.get("lr") or 0) <= 0:
-        return ""
-    (lo, hi), (elo, ehi) = bounds["lr"], bounds["epochs"]
-    why = []
+        return {}
+    lo, hi = bounds["lr"]
+    why = {}
     if hi > lo:  # a fixed lr (lo == hi) was not searched: no boundary to sit on
         pos = (math.log(float(row["lr"])) - math.log(lo)) / (math.log(hi) - math.log(lo))
         if pos >= 1 - EDGE:
-            why.append(f"lr {float(row['lr']):.2g} at the {hi:.2g} cap")
+            why["lr_cap"] = f"lr {float(row['lr']):.2g} at the {hi:.2g} cap"
         elif pos <= EDGE:
-            why.append(f"lr {float(row['lr']):.2g} at the {lo:.2g} floor")
-    ep = row.get("epochs")
-    if ehi > elo and pd.notna(ep) and int(ep) >= ehi:
-        why.append(f"{int(ep)} of {ehi} epochs")
-    return "; ".join(why)
+            why["lr_floor"] = f"lr {float(row['lr']):.2g} at the {lo:.2g} floor"
+    key = "steps" if bounds.get("steps") else "epochs"
+    elo, ehi = bounds.get(key) or (0, 0)
+    n = row.get(key)
+    if ehi > elo and n is not None and pd.notna(n) and int(n) >= ehi:
+        why["length_cap"] = f"{int(n)} of {ehi} {key}"
+    return why
 
 
 def fmt_range(lo: float | None, hi: float | None, below: float | None, above: float | None) -> str:
@@ -226,8 +235,11 @@ def _warnings(mb: pd.DataFrame, failed: list[str]) -> list[str]:
 
 
 def _budget_warning(mb: pd.DataFrame) -> str:
-    """Epochs are passes over the calibration set: calibration sizes differ in optimizer steps per epoch."""
+    """Epochs are passes over the calibration set: calibration sizes differ in optimizer steps per epoch (a
+    steps-based search, ``steps`` logged, gives every calibration size the same budget: no warning)."""
     g = mb[(mb["lr"].fillna(0) > 0) & mb["calib_size"].notna() & mb["batch_size"].notna()]
+    if "steps" in g.columns:
+        g = g[g["steps"].isna()]
     sizes = sorted({(int(n), int(b)) for n, b in zip(g["calib_size"], g["batch_size"])})
     if len({n for n, _ in sizes}) < 2:
         return ""
@@ -237,9 +249,11 @@ def _budget_warning(mb: pd.DataFrame) -> str:
 
 
 def findings(best: pd.DataFrame, model: str, recs: list[dict], cts: dict | None,
-             failed: dict[str, list[str]], trials: pd.DataFrame | None = None) -> list[Findings]:
+             failed: dict[str, list[str]], trials: pd.DataFrame | None = None,
+             objective: str = "selection_acc", widened: dict | None = None) -> list[Findings]:
     """One ``Findings`` per grid of this model (grids are never mixed). ``trials``: the model's trials, for the
-    label-free objective's agreement (analysis/heldout_agreement.py)."""
+    label-free objective's agreement (analysis/heldout_agreement.py). ``objective``: what picked each cell's
+    winner (the sweep's search objective). ``widened``: cell id -> widening note (orchestrator/widen.py)."""
     from .heldout_agreement import agreement, agreement_line
 
     grids = grid_names(best)
@@ -250,9 +264,27 @@ def findings(best: pd.DataFrame, model: str, recs: list[dict], cts: dict | None,
         gr = [r for r in recs if (r.get("grid") or "main") == grid]
         f = Findings(model, grid, ranges(gr, cts), best_rows(gb), _warnings(gb, failed.get(grid, [])))
         line = agreement_line(agreement(trials[tgrids == grid])) if trials is not None else ""
-        f.notes = [line] if line else []
+        f.notes = [OBJECTIVE_NOTE] if objective == "heldout_align" else []
+        f.notes += [line] if line else []
+        f.notes += _widened_note(gb, widened or {})
         out.append(f)
     return out
+
+
+def _widened_note(gb: pd.DataFrame, widened: dict) -> list[str]:
+    wide = gb[gb["cell_id"].isin(list(widened))]
+    if wide.empty:
+        return []
+    cells = "; ".join(f"{r.pruner}/{r.healer} {r.pattern} n={r.calib_size} seed {r.seed} ({widened[r.cell_id]})"
+                      for r in wide.head(6).itertuples(index=False))
+    more = f" and {len(wide) - 6} more" if len(wide) > 6 else ""
+    return [f"Widened search: {len(wide)} cell(s) whose winner sat on the search boundary were searched past it "
+            f"(search.widen): {cells}{more}."]
+
+
+OBJECTIVE_NOTE = ("Winners were picked label-free: each cell's trial with the lowest heldout_align (the alignment loss "
+                  "on calibration images no trial trained on; search.objective heldout_align), not by selection "
+                  "accuracy.")
 
 
 # ----------------------------------------------------------------------------- rendering

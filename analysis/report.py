@@ -1,7 +1,8 @@
 """Sweep report (HTML + Markdown + PNG figures) built only from what MLflow holds.
 
 Nothing is recomputed: accuracies, retention and achieved sparsity are the logged metrics of the
-best trial of each cell (chosen by selection-split accuracy, see ``runs.best_per_cell``).
+best trial of each cell (chosen by the sweep's search objective: selection-split accuracy, or the label-free
+heldout_align; see ``runs.best_per_cell``).
 Figures use ``matplotlib.figure.Figure`` with an Agg canvas, so importing this module changes no
 global matplotlib state.
 """
@@ -25,7 +26,7 @@ from .paired import healer_panels, paired_sections
 from .runs import best_per_cell, grid_names, load_sweep_info, load_trials, pattern_sort_key
 
 __all__ = ["write_report", "write_report_from", "model_table", "model_figure", "run_url", "flag_boundary",
-           "search_bounds"]
+           "search_bounds", "widened_cells"]
 
 HOW_TO_READ = (
     "Each grid cell (model x pattern x calibration size x pruner x healer) ran several trials with "
@@ -236,12 +237,16 @@ def _failed_cells(mt: pd.DataFrame, mb: pd.DataFrame) -> dict[str, list[str]]:
 
 def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
                       experiment: str = "healsweep", title: str | None = None,
-                      settings: dict | None = None, search: dict | None = None) -> dict[str, Path]:
+                      settings: dict | None = None, search: dict | None = None,
+                      widened: dict | None = None) -> dict[str, Path]:
     """Write ``out_dir/report.html``, ``report.md``, ``bands.json`` and ``fig_<model>*.png`` (+ layout sidecars).
 
     ``settings``: optional ``{"cts": {...CTSSettings fields}, "bands": {...BandSettings fields}}``.
     ``search``: optional ``{grid: {"lr": [lo, hi], "epochs": [lo, hi]}}``: the search space of each grid, to flag
     winners on its boundary (``findings.boundary``; also tagged ``search_boundary`` on the winning MLflow run).
+    ``widened``: cell id -> the search box of its last widening round (orchestrator/widen.py; ``widened_cells``
+    reads them from sweep.json): those cells' boundary is that box, and the findings name them.
+    Each cell's winner is picked by the sweep's search objective (the parent run's ``objective`` param).
     """
     from .bands import BandSettings
 
@@ -250,7 +255,8 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
     trials = load_trials(tracking_uri, sweep_id, experiment)
     info = load_sweep_info(tracking_uri, sweep_id, experiment)
     name = title or info["name"] or sweep_id
-    best = flag_boundary(best_per_cell(trials), search, tracking_uri)
+    objective = info.get("objective") or "selection_acc"
+    best = flag_boundary(best_per_cell(trials, objective), search, tracking_uri, widened)
     model_of = trials["model"].astype("object").fillna(UNKNOWN_MODEL)
     models = sorted(set(model_of))
     summary = _summary(trials, name, sweep_id, tracking_uri)
@@ -266,7 +272,7 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
             continue
         mj = trans.bands_json["models"].get(model, {})
         fs += findings(mb, model, mj.get("bands", []), mj.get("cts"), _failed_cells(trials[model_of == model], mb),
-                       trials[model_of == model])
+                       trials[model_of == model], objective, {c: _box(b) for c, b in (widened or {}).items()})
     line = " · ".join(f"{k}: {v}" for k, v in summary)
     md = [f"# Sweep report: {name}", "", _md_cell(line), ""] + findings_md(fs, how)
     md += ["## Details", "", "### How to read this", "", HOW_TO_READ, ""]
@@ -308,13 +314,16 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
     return paths
 
 
-def flag_boundary(best: pd.DataFrame, search: dict | None, tracking_uri: str | None = None) -> pd.DataFrame:
+def flag_boundary(best: pd.DataFrame, search: dict | None, tracking_uri: str | None = None,
+                  widened: dict | None = None) -> pd.DataFrame:
     """Add ``search_boundary`` ('' or the reason) to each winner; with ``tracking_uri``, tag every gradient
-    winner's MLflow run ``search_boundary`` = "true"/"false" (+ ``search_boundary_reason``)."""
+    winner's MLflow run ``search_boundary`` = "true"/"false" (+ ``search_boundary_reason``). ``widened``: cell
+    id -> its widened search box, which replaces its grid's."""
     if not search or best.empty:
         return best.assign(search_boundary="")
-    grids = grid_names(best)
-    reasons = [boundary(r, search.get(g) or search.get("main")) for (_, r), g in zip(best.iterrows(), grids)]
+    grids, widened = grid_names(best), widened or {}
+    reasons = [boundary(r, widened.get(r["cell_id"]) or search.get(g) or search.get("main"))
+               for (_, r), g in zip(best.iterrows(), grids)]
     best = best.assign(search_boundary=reasons)
     if tracking_uri:
         from mlflow.tracking import MlflowClient
@@ -328,15 +337,41 @@ def flag_boundary(best: pd.DataFrame, search: dict | None, tracking_uri: str | N
     return best
 
 
+def _bounds(s: dict) -> dict:
+    key = "steps" if s.get("steps") else "epochs"
+    return {"lr": list(s["lr"]), key: list(s[key])}
+
+
+def _box(b: dict) -> str:
+    """'round 1: lr 1e-04–1.2e-02, epochs 1–32'"""
+    key = "steps" if b.get("steps") else "epochs"
+    return (f"round {b.get('round', 1)}: lr {b['lr'][0]:.2g}–{b['lr'][1]:.2g}, "
+            f"{key} {b[key][0]}–{b[key][1]}")
+
+
 def search_bounds(spec: dict | None) -> dict | None:
-    """``{grid: {"lr", "epochs"}}`` from a sweep.json spec (``search`` and each ``grids[i].search``)."""
+    """``{grid: {"lr", "epochs" or "steps"}}`` from a sweep.json spec (``search`` and each ``grids[i].search``)."""
     if not spec or "search" not in spec:
         return None
     main = spec["search"]
-    out = {"main": {"lr": list(main["lr"]), "epochs": list(main["epochs"])}}
+    out = {"main": _bounds(main)}
     for g in spec.get("grids") or []:
-        s = {**main, **(g.get("search") or {})}
-        out[str(g["name"])] = {"lr": list(s["lr"]), "epochs": list(s["epochs"])}
+        over = {k: v for k, v in (g.get("search") or {}).items() if v is not None}
+        if "steps" in over or "epochs" in over:  # a grid's own length replaces the top level's
+            main = {k: v for k, v in spec["search"].items() if k not in ("steps", "epochs")}
+        else:
+            main = spec["search"]
+        out[str(g["name"])] = _bounds({**main, **over})
+    return out
+
+
+def widened_cells(meta: dict) -> dict:
+    """cell id -> {"round", "lr", "epochs"/"steps"}: the last widening round of each cell (sweep.json
+    ``widenings``, written by orchestrator/widen.py)."""
+    out = {}
+    for w in meta.get("widenings") or []:
+        for cid, box in (w.get("cells") or {}).items():
+            out[cid] = {"round": w.get("round"), **box}
     return out
 
 
@@ -363,4 +398,4 @@ def write_report(run_dir: str | Path) -> dict[str, Path]:
     return write_report_from(uri, meta["sweep_id"], run_dir,
                              experiment=meta.get("experiment") or "healsweep",
                              title=meta.get("name"), settings=meta.get("analysis"),
-                             search=search_bounds(meta.get("spec")))
+                             search=search_bounds(meta.get("spec")), widened=widened_cells(meta))

@@ -38,7 +38,9 @@ STR_COLUMNS = (
 _TAG_COLUMNS = ("cell_id", "trial_id", "store_key", "pattern", "failure_reason", "mask_key")
 _STR_PARAMS = ("model", "pruner", "scope", "healer", "granularity", "grid")
 FLOAT_PARAM_COLUMNS = ("sparsity", "lr")
-INT_COLUMNS = ("calib_size", "epochs", "batch_size", "seed", "optuna_trial")  # nullable Int64
+INT_COLUMNS = ("calib_size", "epochs", "batch_size", "seed", "optuna_trial", "steps")  # nullable Int64
+# The search objectives and their direction (orchestrator/spec/checks.py OBJECTIVES; docs/methods.md#search).
+OBJECTIVE_MODES = {"selection_acc": "max", "heldout_align": "min"}
 METRIC_COLUMNS = (
     "dense_acc", "pruned_acc", "healed_acc", "retention", "heal_seconds",
     "dense_forward_images", "mask_violations", "achieved_sparsity", "selection_acc", "align_loss",
@@ -131,23 +133,28 @@ def load_trials(tracking_uri: str, sweep_id: str, experiment: str = "healsweep")
                           ignore_index=True)
 
 
-def best_per_cell(trials: pd.DataFrame) -> pd.DataFrame:
-    """Best FINISHED trial of every cell, chosen by ``selection_acc`` (never ``healed_acc``).
+def best_per_cell(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.DataFrame:
+    """Best FINISHED trial of every cell, chosen by the sweep's search ``objective`` (never ``healed_acc``):
+    the highest ``selection_acc``, or the lowest ``heldout_align`` (label-free, docs/methods.md#search).
 
-    Ties on selection_acc go to the fewer ``epochs`` (the cheaper trial), then the lower ``optuna_trial``
+    Ties on the objective go to the fewer ``epochs`` (the cheaper trial), then the lower ``optuna_trial``
     number (the one found first), then ``run_id``: deterministic, so the same trials always give the same pick
-    (wall-clock ``heal_seconds`` would not). Runs without selection_acc rank last. Adds ``n_trials`` (all runs of
+    (wall-clock ``heal_seconds`` would not). Runs without the objective rank last. Adds ``n_trials`` (all runs of
     the cell, any status) and ``n_failed`` (status FAILED or KILLED).
     Cells without a finished run are absent.
     """
+    if objective not in OBJECTIVE_MODES:
+        raise ValueError(f"objective must be one of {', '.join(OBJECTIVE_MODES)}, got {objective!r}")
+    if objective not in trials.columns:
+        trials = trials.assign(**{objective: float("nan")})
     counts = trials.dropna(subset=["cell_id"]).groupby("cell_id", sort=True).agg(
         n_trials=("run_id", "size"),
         n_failed=("status", lambda s: int(s.isin(FAILED_STATUSES).sum())),
     )
     done = trials[(trials["status"] == "FINISHED") & trials["cell_id"].notna()]
     ranked = done.sort_values(
-        ["cell_id", "selection_acc", "epochs", "optuna_trial", "run_id"],
-        ascending=[True, False, True, True, True], na_position="last",
+        ["cell_id", objective, "epochs", "optuna_trial", "run_id"],
+        ascending=[True, OBJECTIVE_MODES[objective] == "min", True, True, True], na_position="last",
     )
     best = ranked.drop_duplicates("cell_id", keep="first")
     best = best.merge(counts, left_on="cell_id", right_index=True, how="left")
@@ -157,10 +164,11 @@ def best_per_cell(trials: pd.DataFrame) -> pd.DataFrame:
 
 
 def load_sweep_info(tracking_uri: str, sweep_id: str, experiment: str = "healsweep") -> dict:
-    """``{"name", "run_id", "experiment_id"}`` of the sweep's parent run (values None if absent)."""
+    """``{"name", "run_id", "experiment_id", "objective"}`` of the sweep's parent run (values None if absent;
+    ``objective``: the parent run's ``objective`` param, "selection_acc" when absent)."""
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
-    info = {"name": None, "run_id": None,
+    info = {"name": None, "run_id": None, "objective": "selection_acc",
             "experiment_id": exp.experiment_id if exp is not None else None}
     if exp is None:
         return info
@@ -170,6 +178,7 @@ def load_sweep_info(tracking_uri: str, sweep_id: str, experiment: str = "healswe
         run = parents[0]
         info["name"] = run.info.run_name or run.data.tags.get("mlflow.runName")
         info["run_id"] = run.info.run_id
+        info["objective"] = run.data.params.get("objective", "selection_acc")
     return info
 
 

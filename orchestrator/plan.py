@@ -72,7 +72,7 @@ def grid(spec: SweepSpec, scopes: Mapping[str, str]):
 
 def expand_cells(spec: SweepSpec, scopes: Mapping[str, str]) -> list[Cell]:
     """All cells of the sweep in a stable order: the main grid's, then each extra grid's (``spec.grids``) that
-    are not already listed; ``scopes`` maps model -> resolved scope name."""
+    are not already listed (only ``spec.cells`` when given); ``scopes`` maps model -> resolved scope name."""
     from orchestrator.spec.grids import views
 
     cells, seen = [], set()
@@ -80,7 +80,7 @@ def expand_cells(spec: SweepSpec, scopes: Mapping[str, str]) -> list[Cell]:
         for fields in grid(view, scopes):
             ident = Cell(*fields).identity()
             cid = content_key(ident)[:12]
-            if cid not in seen:
+            if cid not in seen and (not spec.cells or cid in spec.cells):
                 seen.add(cid)
                 cells.append(Cell(**ident, cell_id=cid, grid=name))
     return cells

@@ -18,12 +18,20 @@ ends without its final result (stopped early) is told PRUNED: Optuna's TPE then 
 trials by the step it reached and its last intermediate value, so the evidence is used without treating a
 2-epoch score as a full-length one. Errors and diverged trials are told FAIL (ignored by TPE).
 
+Training length: the space searches ``epochs`` (passes over the calibration set) or, with ``search.steps``,
+optimizer ``steps`` (docs/methods.md#search): a trial then gets ``steps`` and the epochs they need,
+ceil(steps / ceil(calib_size / batch_size)), and stops after exactly ``steps`` steps.
+
+Objective: ``selection_acc`` (maximised) or ``heldout_align`` (minimised; measured once, after healing, so it
+is never an intermediate value and the spec refuses it with ASHA).
+
 Cells whose healer does not train (``Healer.trains`` False: ``none``, closed-form healers) have nothing to search:
 they run exactly one trial with lr = 0 and epochs = 0 (``fixed_cell``; the journal still numbers that trial).
 """
 from __future__ import annotations
 
 import hashlib
+import math
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -47,6 +55,19 @@ def cell_sampler_seed(sampler_seed: int, cell_id: str, number: int = 0) -> int:
     return int(hashlib.sha256(f"{sampler_seed}:{cell_id}:{number}".encode()).hexdigest()[:8], 16)
 
 
+def search_kwargs(search) -> dict:
+    """Keyword arguments of ``PerCellOptunaSearch`` that follow the spec's ``search`` section (objective,
+    its direction, a steps-based space)."""
+    from orchestrator.spec.checks import OBJECTIVES
+
+    return {"metric": search.objective, "mode": OBJECTIVES[search.objective], "steps": search.steps}
+
+
+def resolve_epochs(steps: int, calib_size: int, batch_size: int) -> int:
+    """Epochs a trial of ``steps`` optimizer steps needs: ceil(steps / ceil(calib_size / batch_size))."""
+    return math.ceil(steps / math.ceil(calib_size / batch_size))
+
+
 def open_journal(journal: Path) -> optuna.storages.JournalStorage:
     return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
 
@@ -56,16 +77,18 @@ class PerCellOptunaSearch(Searcher):
                  epochs: tuple[int, int], sampler_seed: int, journal: Path, *, asha: bool = False,
                  startup_trials: int | None = None, metric: str = "selection_acc", mode: str = "max",
                  defer: Callable[[Callable[[], None]], None] | None = None,
-                 grids: Mapping[str, Any] | None = None) -> None:
-        """``grids``: grid name -> search settings (``trials_per_cell``, ``lr``, ``epochs``, ``startup_trials``
-        attributes) for cells whose ``grid`` is listed; every other cell uses the arguments above."""
+                 grids: Mapping[str, Any] | None = None, steps: tuple[int, int] | None = None) -> None:
+        """``grids``: grid name -> search settings (``trials_per_cell``, ``lr``, ``epochs``/``steps``,
+        ``startup_trials`` attributes) for cells whose ``grid`` is listed; every other cell uses the arguments
+        above (``steps`` given: the space searches optimizer steps instead of ``epochs``)."""
         super().__init__(metric=metric, mode=mode)
         self._cells = {c["cell_id"]: dict(c) for c in cells}
         self._asha = asha
         self._asha_epochs = {"epochs": epochs[1]} if asha else {}
         self._no_search = {cid for cid, c in self._cells.items() if fixed_cell(c)}
-        default = (trials_per_cell, tuple(lr), tuple(epochs), startup_trials)
-        grids = {k: (g.trials_per_cell, tuple(g.lr), tuple(g.epochs), g.startup_trials)
+        default = (trials_per_cell, tuple(lr), ("steps", tuple(steps)) if steps else ("epochs", tuple(epochs)),
+                   startup_trials)
+        grids = {k: (g.trials_per_cell, tuple(g.lr), (g.length[0], tuple(g.length[1])), g.startup_trials)
                  for k, g in (grids or {}).items()}
         self._budget = {cid: grids.get(c.get("grid"), default) for cid, c in self._cells.items()}
         self._sampler_seed = sampler_seed
@@ -87,11 +110,11 @@ class PerCellOptunaSearch(Searcher):
         self._queue = [row[i] for i in range(max(map(len, todo), default=0)) for row in todo if i < len(row)]
 
     def space(self, cell_id: str) -> dict:
-        """The cell's Optuna search space: lr (log scale), and epochs unless ASHA decides the length."""
-        _, lr, epochs, _ = self._budget[cell_id]
+        """The cell's Optuna search space: lr (log scale), and epochs or steps unless ASHA decides the length."""
+        _, lr, (length, (lo, hi)), _ = self._budget[cell_id]
         out = {"lr": FloatDistribution(lr[0], lr[1], log=True)}
         if not self._asha:
-            out["epochs"] = IntDistribution(epochs[0], epochs[1])
+            out[length] = IntDistribution(lo, hi)
         return out
 
     @property
@@ -121,11 +144,14 @@ class PerCellOptunaSearch(Searcher):
         if number is None:
             study.sampler = self._sampler(cell_id, len(study.get_trials(deepcopy=False)))
             number = study.ask(self.space(cell_id)).number
-        params = study.trials[number].params
+        params = dict(study.trials[number].params)
+        cell = self._cells[cell_id]
         if cell_id in self._no_search:
             params = {"lr": 0.0, "epochs": 0}
+        elif "steps" in params:  # whole epochs to cover them; the trial stops after exactly `steps` steps
+            params["epochs"] = resolve_epochs(params["steps"], cell["calib_size"], cell.get("batch_size", 32))
         self._live[trial_id] = (cell_id, number)
-        return {**self._cells[cell_id], **self._asha_epochs, **params, "optuna_trial": number,
+        return {**cell, **self._asha_epochs, **params, "optuna_trial": number,
                 "trial_key": f"{cell_id}-{number}"}
 
     def _report(self, trial_id: str, result: Mapping[str, Any] | None) -> None:

@@ -271,7 +271,7 @@ def tune_stage(s: _Sweep, progress: bool) -> None:
     import ray
 
     from orchestrator.mlflow_async import AsyncMlflowWriter
-    from orchestrator.search import PerCellOptunaSearch
+    from orchestrator.search import PerCellOptunaSearch, search_kwargs
     from orchestrator.spec.sources import untrained
     from orchestrator.tracking import MlflowTrialLogger
     from tasks.models import get_adapter
@@ -292,7 +292,7 @@ def tune_stage(s: _Sweep, progress: bool) -> None:
         t["searcher"] = searcher = PerCellOptunaSearch(
             configs, spec.search.trials_per_cell, spec.search.lr, spec.search.epochs, spec.search.sampler_seed,
             s.journal, asha=spec.search.scheduler == "asha", startup_trials=spec.search.startup_trials,
-            defer=writer.submit, grids=grid_searches(spec))
+            defer=writer.submit, grids=grid_searches(spec), **search_kwargs(spec.search))
         t["logger"] = logger_cb = MlflowTrialLogger(writer, spec.mlflow.experiment, s.info["sweep_id"], s.parent,
                                                     s.dense, replace=s.resume)
         per_cell: dict[str, int] = {}

@@ -83,6 +83,8 @@ class MlflowTrialLogger(Callback):
         params += [Param("pruner_settings", str(dict(c["pruner_settings"]))),  # resolved (plan.grid)
                    Param("healer_settings", str(dict(c["healer_settings"]))),
                    Param("optuna_trial", str(c["optuna_trial"])), Param("device", str(c.get("device", "cpu")))]
+        if "steps" in c:  # a steps-based search (docs/methods.md#search): the budget; `epochs` is what it needed
+            params.append(Param("steps", str(c["steps"])))
 
         def create():
             if self.replace:

@@ -52,6 +52,7 @@ class TrialParams:
     target_mode: str = "store"  # "store": stream from the target store | "recompute": dense pass per batch
     target_dtype: str = "float16"  # dtype of recomputed targets (the store's dtype)
     load_kw: Mapping[str, Any] = field(default_factory=dict)  # model source + dataset (tasks.models.load_model)
+    steps: int = 0  # > 0: exactly this many optimizer steps (``epochs`` = the epochs they need); 0: whole epochs
     epoch_selection: bool = True  # selection accuracy after every epoch (False: after the last one only)
     out_dir: str = ""  # run directory: the healed weights go to <out_dir>/trials/<trial_key>/ ("" = not saved)
     trial_key: str = ""
@@ -140,15 +141,16 @@ def heal_trial(p: TrialParams, st: _Setup, report: Callable[[dict], None], start
     if checkpoint is not None:
         ctx.checkpoint = lambda epoch, s: loop_state.update(s)
     cfg = HealConfig(lr=p.lr, epochs=p.epochs, batch_size=p.batch_size, weight_decay=p.weight_decay,
-                     lr_min=p.lr_min, seed=p.seed, settings=dict(p.healer_settings))
+                     lr_min=p.lr_min, seed=p.seed, settings=dict(p.healer_settings), steps=p.steps)
     n_epochs = healer.epochs(cfg)  # 0 for closed-form / no-op healers: only the final report below
     last: dict = dict(start["last"]) if start is not None else {}
 
     def on_epoch(epoch: int, m: dict[str, float]) -> None:
         last.clear()
         last.update(epoch=epoch, align_loss=m["align_loss"])
-        if st.reader is not None:  # rows the epoch streamed from the store (the reader refuses a short epoch)
-            last["rows_streamed"] = st.reader.rows_streamed.get(epoch - 1, 0)
+        if st.reader is not None and epoch - 1 in st.reader.rows_streamed:  # rows the epoch streamed from the store
+            last["rows_streamed"] = st.reader.rows_streamed[epoch - 1]  # (the reader refuses a short epoch; a
+            # steps budget that ends mid-epoch stops reading early: that epoch has no count)
         if epoch >= n_epochs or p.epoch_selection:  # the final epoch's selection accuracy is always measured
             last["selection_acc"] = accuracy(model, sel.images, sel.labels)
         if epoch >= n_epochs:
@@ -162,10 +164,11 @@ def heal_trial(p: TrialParams, st: _Setup, report: Callable[[dict], None], start
 
     t0 = time.perf_counter()
     try:
-        healer.heal(ctx, cfg, on_epoch)
+        res = healer.heal(ctx, cfg, on_epoch)
     finally:
         if st.reader is not None:
             st.reader.close()
+    last["optimizer_steps"] = res.steps
     if "selection_acc" not in last:  # a healer without epochs: the search objective is still measured, after healing
         last.update(epoch=last.get("epoch", 0), selection_acc=accuracy(model, sel.images, sel.labels))
     return last, time.perf_counter() - t0
@@ -180,9 +183,9 @@ def final_metrics(p: TrialParams, st: _Setup, last: dict, heal_seconds: float) -
     changed_outside = sum(int(not torch.equal(v, st.untouched[k])) for k, v in model.state_dict().items()
                           if k in st.untouched and k not in allowed)
     healed_acc = accuracy(model, ev.images, ev.labels)
+    # the label-free score (docs/methods.md#search), for every healer: it may be the search objective
     heldout = heldout_score(model, st.ctx.blocks, st.ctx.dense_model, lambda m: get_adapter(m).blocks(m),
-                            lm.dataset["calibration"].images, p.calib_size, st.adapter.default_granularity) \
-        if isinstance(st.healer, GradientHealer) else {}  # the label-free score (docs/methods.md#search)
+                            lm.dataset["calibration"].images, p.calib_size, st.adapter.default_granularity)
     dense_acc = st.dense_acc
     final = dict(last, final=True, dense_acc=dense_acc, pruned_acc=st.pruned_acc, healed_acc=healed_acc,
                  retention=healed_acc / dense_acc if dense_acc > 0 else 0.0, heal_seconds=heal_seconds,

@@ -24,6 +24,13 @@ def add_parser(sub):
                         "trial times, and stop")
     p.add_argument("--max-trials", type=int, default=MAX_TRIALS, metavar="N",
                    help="refuse a refinement of more than N trials (default: %(default)s)")
+    p.add_argument("--widen", action="store_true",
+                   help="instead of a fine sparsity grid: search past the search-space boundary for the cells whose "
+                        "winner sits on it (orchestrator/widen.py; what search.widen does after a run)")
+    p.add_argument("--widen-factor", type=float, default=4.0, metavar="F",
+                   help="with --widen: move each hit edge of the search box by this factor (default: %(default)s)")
+    p.add_argument("--widen-rounds", type=int, default=1, metavar="N",
+                   help="with --widen: at most N rounds (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=main)
     return p
@@ -40,6 +47,8 @@ def main(args) -> int:
     from orchestrator.refine import RefineError, duration, run_refinement
     from orchestrator.resume import ResumeError
 
+    if args.widen:
+        return _widen(args)
     try:
         plan = run_refinement(Path(args.dir), args.step, address=args.address, progress=not args.quiet,
                               num_cpus=args.num_cpus, dry_run=args.dry_run, max_trials=args.max_trials)
@@ -59,3 +68,27 @@ def main(args) -> int:
           f"dense forward images {res.dense_forward_images}")
     print(f"report: {plan['report']['html']}")
     return 0 if res.trials_failed == 0 else 1
+
+
+def _widen(args) -> int:
+    from orchestrator.cluster import ClusterError
+    from orchestrator.refine import RefineError
+    from orchestrator.resume import ResumeError
+    from orchestrator.widen import run_widening
+
+    if args.widen_rounds < 1:
+        raise CliError(f"--widen-rounds must be >= 1, got {args.widen_rounds}")
+    try:
+        done = run_widening(Path(args.dir), args.widen_rounds, args.widen_factor, address=args.address,
+                            progress=not args.quiet, num_cpus=args.num_cpus)
+    except (RefineError, ResumeError, ClusterError) as e:
+        raise CliError(str(e)) from None
+    if not done:
+        print("no winner sits on the search boundary: nothing to widen")
+        return 0
+    for d in done:
+        res = d["result"]
+        print(f"widen round {d['round']}: {len(d['cells'])} cells, {res.trials_finished} trials finished, "
+              f"{res.trials_failed} failed")
+    print(f"report: {done[-1]['report']['html']}")
+    return 0 if all(d["result"].trials_failed == 0 for d in done) else 1

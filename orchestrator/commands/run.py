@@ -82,13 +82,21 @@ def main(args) -> int:
         raise CliError(str(e)) from None
     clock.add("spec", time.perf_counter() - t_spec)
     from orchestrator.dense import StoreBudgetError
+    from orchestrator.refine import RefineError
     from orchestrator.sweep import run_sweep
 
     try:
+        widen = spec.search.widen  # extra rounds past the search boundary (orchestrator/widen.py)
         res = run_sweep(spec, out, store, cache, address=args.address, progress=not args.quiet,
-                        report=not args.no_report, num_cpus=args.num_cpus, resume=bool(args.resume),
+                        report=not args.no_report and not widen, num_cpus=args.num_cpus, resume=bool(args.resume),
                         verbose=args.verbose, clock=clock)
-    except (ResumeError, StoreBudgetError, ClusterError) as e:
+        if widen:
+            from orchestrator.widen import run_widening
+
+            rounds = run_widening(out, widen["rounds"], widen["factor"], address=args.address,
+                                  progress=not args.quiet, num_cpus=args.num_cpus, report=not args.no_report)
+            res = _widened(res, rounds, out, not args.no_report)
+    except (ResumeError, StoreBudgetError, ClusterError, RefineError) as e:
         raise CliError(str(e)) from None
     print(f"sweep {res.sweep_id}: {res.trials_finished} trials finished, {res.trials_failed} failed, "
           f"dense forward images {res.dense_forward_images}, {res.seconds:.0f} s")
@@ -96,3 +104,20 @@ def main(args) -> int:
     if res.report:
         print(f"report: {res.report['html']}\n        {res.report['md']}")
     return 0 if res.trials_failed == 0 else 1
+
+
+def _widened(res, rounds: list[dict], out: Path, report: bool):
+    """The sweep's result with the widening rounds' trials added (and the report they rewrote)."""
+    from dataclasses import replace
+
+    for d in rounds:
+        print(f"widen round {d['round']}: {len(d['cells'])} cells on the search boundary searched past it")
+    if not rounds:
+        if report:
+            from analysis.report import write_report
+
+            return replace(res, report=write_report(out))
+        return res
+    last = rounds[-1]["result"]
+    return replace(res, trials_finished=last.trials_finished, trials_failed=last.trials_failed,
+                   report=rounds[-1].get("report"))

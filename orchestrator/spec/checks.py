@@ -14,6 +14,11 @@ from typing import Any, Mapping
 MAX_LIST = 1_000  # items of any list (sparsities, calib_sizes, seeds, pruners, healers, models, grids)
 MAX_TRIALS_PER_CELL = 10_000
 MAX_EPOCHS = 10_000
+MAX_STEPS = 10_000_000
+# Search objectives and their direction (docs/methods.md#search); analysis/runs.py OBJECTIVE_MODES mirrors it
+# (analysis may not import orchestrator).
+OBJECTIVES = {"selection_acc": "max", "heldout_align": "min"}
+MAX_WIDEN_ROUNDS = 10
 MAX_TRIALS = 100_000  # trials of the whole sweep (all grids); the environment's HEALSWEEP_MAX_TRIALS overrides it
 MAX_SEED = 2**32 - 1  # numpy / torch seeds are unsigned 32-bit
 MAX_NAME = 64  # sweep, grid and experiment names become directory names and MLflow names

@@ -31,7 +31,8 @@ from orchestrator.spec.schema import GridSpec
 
 MAIN = "main"  # the `grid` name of the top-level grid's cells
 GRID_KEYS = ("models", "sparsities", "calib_sizes", "pruners", "healers", "seeds")
-SEARCH_KEYS = ("trials_per_cell", "lr", "epochs", "startup_trials")  # one scheduler per sweep: no scheduler keys
+SEARCH_KEYS = ("trials_per_cell", "lr", "epochs", "steps", "startup_trials")  # one scheduler per sweep: no scheduler keys
+LENGTH_KEYS = ("epochs", "steps")  # a grid that sets one of them replaces the top level's choice
 
 
 def views(spec) -> Iterator[tuple[str, Any]]:
@@ -72,8 +73,10 @@ def parse_grids(raw: Any, spec, parse_view) -> tuple[GridSpec, ...]:
                 raise SpecError(f"{p}.models[{j}]", f"{excerpt(m)} is not a model of this sweep (a grid's models are "
                                                     f"defined at the top level); models: {', '.join(spec.models)}")
         view = parse_view({k: d[k] for k in GRID_KEYS if k in d}, search, p)
-        out.append(GridSpec(name, *(getattr(view, k) if k in d else None for k in GRID_KEYS),
-                            {k: getattr(view.search, k) for k in search}))
+        over = {k: getattr(view.search, k) for k in search}
+        if any(k in search for k in LENGTH_KEYS):  # steps replace epochs (or back): the other one is unset
+            over.update({k: getattr(view.search, k) for k in LENGTH_KEYS})
+        out.append(GridSpec(name, *(getattr(view, k) if k in d else None for k in GRID_KEYS), over))
     return tuple(out)
 
 
@@ -85,7 +88,10 @@ def view_raw(raw: Mapping, grid: Mapping, search: Mapping, path: str) -> dict:
     from tasks.models import MODELS, parse_ref
 
     view = {k: v for k, v in raw.items() if k != "grids"}
-    view.update(grid, search={**(raw.get("search") or {}), **search})
+    top = dict(raw.get("search") or {})
+    if any(k in search for k in LENGTH_KEYS):
+        top = {k: v for k, v in top.items() if k not in LENGTH_KEYS}
+    view.update(grid, search={**top, **search})
     if "models" not in grid:
         return view
     names = list(grid["models"])

@@ -13,8 +13,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from orchestrator.spec.checks import (MAX_EPOCHS, MAX_SEED, MAX_TRIALS_PER_CELL, SpecError, check_bool, check_choice,
-                                      check_keys, check_list, check_name, check_num, check_pair, check_str, excerpt, join)
+from orchestrator.spec.checks import (MAX_EPOCHS, MAX_SEED, MAX_STEPS, MAX_TRIALS_PER_CELL, MAX_WIDEN_ROUNDS, OBJECTIVES,
+                                      SpecError, check_bool, check_choice, check_keys, check_list, check_name, check_num,
+                                      check_pair, check_str, excerpt, join)
 from orchestrator.spec.compat import check_models, check_size
 from orchestrator.spec.grids import parse_grids, view_raw
 from orchestrator.spec.methods import check_healer_data, parse_healers, parse_methods
@@ -55,9 +56,12 @@ def parse_spec(raw: Any, base_dir: str | Path | None = None) -> SweepSpec:
                      parse_healers(d["healers"], "healers", tuple(models)), dataset, data_seed, seeds,
                      parse_scope(d.get("scope"), models), plugins=plugins, model_refs=refs,
                      dataset_settings=dataset_settings, offline=offline, **sections)
+    check_heldout(spec, capacity)
     if layout is not None:
         check_healer_data(spec, layout)
     check_models(spec)
+    if d.get("cells"):
+        spec = replace(spec, cells=parse_cells(d["cells"]))
     if d.get("grids"):  # [] (what to_dict writes for none) = no extra grids
         spec = replace(spec, grids=parse_grids(d["grids"], spec, lambda g, s, p: _parse_view(raw, g, s, p)))
     check_size(spec)
@@ -88,18 +92,60 @@ def parse_scope(v: Any, models: list[str]) -> dict[str, str]:
 
 def parse_search(v: Any) -> SearchSpec:
     d = {} if v is None else check_keys(v, "search", set(SearchSpec.__dataclass_fields__))
+    d = {k: x for k, x in d.items() if x is not None or k not in ("epochs", "steps")}  # to_dict writes None
+    if "steps" in d and "epochs" in d:
+        raise SpecError("search.steps", "give either search.steps (optimizer steps) or search.epochs, not both")
     s = SearchSpec(**d)
     lo_hi = check_pair(s.lr, "search.lr", float, 0.0, lo_open=True)
-    epochs = check_pair(s.epochs, "search.epochs", int, 1, hi=MAX_EPOCHS)
-    if s.objective != "selection_acc":
-        raise SpecError("search.objective", f"must be 'selection_acc', got {excerpt(s.objective)}")
+    steps = None if s.steps is None else check_pair(s.steps, "search.steps", int, 1, hi=MAX_STEPS)
+    epochs = None if steps is not None else check_pair(s.epochs, "search.epochs", int, 1, hi=MAX_EPOCHS)
+    objective = check_choice(s.objective, "search.objective", tuple(OBJECTIVES))
+    scheduler = check_choice(s.scheduler, "search.scheduler", ("fifo", "asha"))
+    if scheduler == "asha" and objective != "selection_acc":
+        raise SpecError("search.objective", f"{objective} is measured once, after healing; scheduler 'asha' needs "
+                                            "a per-epoch objective: use scheduler 'fifo' or objective 'selection_acc'")
+    if scheduler == "asha" and steps is not None:
+        raise SpecError("search.steps", "scheduler 'asha' stops trials at epoch boundaries; use search.epochs with "
+                                        "'asha', or scheduler 'fifo' with search.steps")
     return SearchSpec(check_num(s.trials_per_cell, "search.trials_per_cell", int, 1, MAX_TRIALS_PER_CELL), lo_hi, epochs,
-                      s.objective, check_num(s.sampler_seed, "search.sampler_seed", int, 0, MAX_SEED),
+                      objective, check_num(s.sampler_seed, "search.sampler_seed", int, 0, MAX_SEED),
                       None if s.startup_trials is None else
                       check_num(s.startup_trials, "search.startup_trials", int, 1, MAX_TRIALS_PER_CELL),
-                      check_choice(s.scheduler, "search.scheduler", ("fifo", "asha")),
-                      check_num(s.asha_grace_period, "search.asha_grace_period", int, 1, epochs[1]),
-                      check_num(s.asha_reduction_factor, "search.asha_reduction_factor", int, 2, 1000))
+                      scheduler, check_num(s.asha_grace_period, "search.asha_grace_period", int, 1,
+                                           epochs[1] if epochs else MAX_EPOCHS),
+                      check_num(s.asha_reduction_factor, "search.asha_reduction_factor", int, 2, 1000),
+                      steps, parse_widen(s.widen))
+
+
+def parse_cells(v: Any) -> tuple[str, ...]:
+    """``cells``: restrict the sweep to these cell ids (12 hex digits; what a widening round runs)."""
+    out = tuple(check_list(list(v) if isinstance(v, tuple) else v, "cells"))
+    for i, c in enumerate(out):
+        if not (isinstance(c, str) and len(c) == 12 and all(ch in "0123456789abcdef" for ch in c)):
+            raise SpecError(f"cells[{i}]", f"must be a cell id (12 hex digits), got {excerpt(c)}")
+    return out
+
+
+def parse_widen(v: Any) -> dict | None:
+    """``search.widen: {rounds: 1, factor: 4}`` (orchestrator/widen.py); None or absent: no widening."""
+    if v is None:
+        return None
+    d = check_keys(v, "search.widen", {"rounds", "factor"})
+    return {"rounds": check_num(d.get("rounds", 1), "search.widen.rounds", int, 1, MAX_WIDEN_ROUNDS),
+            "factor": check_num(d.get("factor", 4.0), "search.widen.factor", float, 1.0, 1e6, lo_open=True)}
+
+
+def check_heldout(spec: SweepSpec, capacity: int) -> None:
+    """objective heldout_align needs calibration images no trial trains on (tasks/healing/heldout.py)."""
+    if spec.search.objective != "heldout_align":
+        return
+    from tasks.healing.heldout import HELDOUT, heldout_slice
+
+    for i, n in enumerate(spec.calib_sizes):
+        if heldout_slice(capacity, n) is None:
+            raise SpecError(f"calib_sizes[{i}]", f"{n} leaves no held-out calibration images for objective "
+                                                 f"heldout_align (the last {HELDOUT} of {capacity}): use at most "
+                                                 f"{capacity - HELDOUT}, or objective selection_acc")
 
 
 def parse_heal(v: Any) -> HealSpec:

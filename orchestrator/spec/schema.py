@@ -22,13 +22,21 @@ class MethodRef:
 class SearchSpec:
     trials_per_cell: int = 4
     lr: tuple[float, float] = (1e-4, 3e-3)  # log-uniform bounds
-    epochs: tuple[int, int] = (1, 8)  # integer bounds, inclusive
-    objective: str = "selection_acc"
+    epochs: tuple[int, int] | None = (1, 8)  # integer bounds, inclusive; None when ``steps`` is searched instead
+    objective: str = "selection_acc"  # selection_acc (max, labeled) | heldout_align (min, label-free)
     sampler_seed: int = 0
     startup_trials: int | None = None  # random trials before TPE per cell; None: trials_per_cell // 2 (1..10)
     scheduler: str = "fifo"  # fifo | asha (ASHA: Optuna searches lr only, every trial gets epochs[1] epochs)
     asha_grace_period: int = 1  # epochs before ASHA may stop a trial
     asha_reduction_factor: int = 2
+    # optimizer steps per trial, integer bounds (docs/methods.md#search): the budget does not depend on calib_size
+    steps: tuple[int, int] | None = None
+    widen: Mapping[str, Any] | None = None  # {rounds, factor}: extra rounds past the boundary (orchestrator/widen.py)
+
+    @property
+    def length(self) -> tuple[str, tuple[int, int]]:
+        """("steps", bounds) or ("epochs", bounds): the searched training length."""
+        return ("steps", self.steps) if self.steps is not None else ("epochs", self.epochs)
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,7 @@ class SweepSpec:
     dataset_settings: Mapping[str, Any] = field(default_factory=dict)  # `dataset: {name: ..., <settings>}`
     offline: bool = False  # no downloads: weights must be in the local cache
     grids: tuple = ()  # extra grids run in the same sweep (GridSpec below, orchestrator/spec/grids.py)
+    cells: tuple[str, ...] = ()  # only these cell ids (a widening round, orchestrator/widen.py); (): every cell
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -27,6 +27,7 @@ class HealConfig:
     lr_min: float = 1e-6
     seed: int = 0
     settings: Mapping[str, Any] = field(default_factory=dict)  # healer-specific (e.g. granularity)
+    steps: int = 0  # > 0: stop after exactly this many optimizer steps (within ``epochs``); 0: whole epochs
 
 
 @dataclass

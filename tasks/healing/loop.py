@@ -1,9 +1,10 @@
 """Healers (docs/methods.md#starfish), registered by name, and the one gradient training loop they share.
 
 A gradient healer is an objective plus the shared loop: AdamW over the prunable tensors only, a per-step
-cosine schedule from lr to lr_min, gradients of masked and out-of-region entries zeroed, and after every
-step every entry a healer may not change is restored (masked entries stay exactly 0; the rest of the model is
-frozen with requires_grad=False).
+cosine schedule from lr to lr_min over every step of the trial (``epochs`` × steps per epoch, or exactly
+``HealConfig.steps`` when given: the loop then stops mid-epoch after that many steps, docs/methods.md#search),
+gradients of masked and out-of-region entries zeroed, and after every step every entry a healer may not change
+is restored (masked entries stay exactly 0; the rest of the model is frozen with requires_grad=False).
 
 Settings every gradient healer shares (docs/methods.md#starfish):
 - ``bn: train | frozen`` (default ``train``, the authors' ``pruned_model.train()``): the pruned model runs in
@@ -113,7 +114,7 @@ class GradientHealer(Healer):
         for n in names:
             params[n].requires_grad_(True)
         opt = torch.optim.AdamW([params[n] for n in names], lr=cfg.lr, weight_decay=cfg.weight_decay)
-        total = max(cfg.epochs * self.steps_per_epoch(ctx, cfg), 1)
+        total = schedule_steps(cfg, self.steps_per_epoch(ctx, cfg))
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total, eta_min=cfg.lr_min)
         torch.manual_seed(cfg.seed)
         model.train(common["bn"] == "train")  # the authors heal in train mode: BN batch statistics (docs/methods.md#starfish)
@@ -131,6 +132,8 @@ class GradientHealer(Healer):
                 for epoch in range(start, cfg.epochs):
                     run, n = 0.0, 0
                     for x, tgt in self.stream(ctx, cfg, epoch):
+                        if cfg.steps and steps >= cfg.steps:  # a steps budget ends mid-epoch
+                            break
                         saved = {k: v.clone() for k, v in bn_bufs.items()}  # a NaN batch must not poison them
                         logits = model(x.to(dev, non_blocking=True))
                         loss = self.objective(cap, logits, tgt, block_names, settings)
@@ -189,6 +192,17 @@ def _load_buffers(model: torch.nn.Module, buffers: Mapping[str, torch.Tensor]) -
     with torch.no_grad():
         for k, v in buffers.items():
             sd[k].copy_(v.to(sd[k].device))
+
+
+def schedule_steps(cfg: HealConfig, per_epoch: int) -> int:
+    """Optimizer steps of the whole trial (the cosine schedule's T_max): ``cfg.steps`` when given (``cfg.epochs``
+    must cover them), else epochs × steps per epoch."""
+    if cfg.steps:
+        if cfg.steps > cfg.epochs * per_epoch:
+            raise ValueError(f"steps={cfg.steps} need {math.ceil(cfg.steps / per_epoch)} epochs of {per_epoch} steps, "
+                             f"got epochs={cfg.epochs}")
+        return cfg.steps
+    return max(cfg.epochs * per_epoch, 1)
 
 
 def steps_per_epoch(n_rows: int, batch_size: int) -> int:
