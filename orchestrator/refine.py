@@ -63,7 +63,8 @@ def plan_refinement(run_dir: Path, step: float) -> dict:
     uri = meta.get("tracking_uri") or f"sqlite:///{(Path(run_dir) / 'mlflow.db').resolve()}"
     exp = meta.get("experiment") or "healsweep"
     trials = load_trials(uri, meta["sweep_id"], exp)
-    best = best_per_cell(trials)
+    info = load_sweep_info(uri, meta["sweep_id"], exp)
+    best = best_per_cell(trials, info["objective"])  # winners picked by the sweep's search objective
     if "grid" in best:  # extra grids (e.g. a healer comparison) do not shape the main grid's refinement
         best = best[best["grid"].isna() | (best["grid"] == "main")]
     if best.empty:
@@ -78,7 +79,6 @@ def plan_refinement(run_dir: Path, step: float) -> dict:
     if not sparsities:
         raise RefineError(f"{run_dir}: transition band {interval[0]:g}–{interval[1]:g} already has every "
                           f"sparsity at step {step:g}")
-    info = load_sweep_info(uri, meta["sweep_id"], exp)
     if info["run_id"] is None:
         raise RefineError(f"{run_dir}: parent run of sweep {meta['sweep_id']} not found in MLflow")
     heal = trials.loc[trials["status"] == "FINISHED", "heal_seconds"].dropna() if "heal_seconds" in trials else ()

@@ -1,0 +1,114 @@
+"""search.objective, search.steps, search.widen and the cells filter: accepted, refused in one line naming the
+field, and what the searcher makes of them (docs/methods.md#search)."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.spec import SpecError, parse_spec
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+
+
+def spec(search=None, **top):
+    d = copy.deepcopy(BASE)
+    if search is not None:
+        d["search"] = search
+    d.update(top)
+    return d
+
+
+def refused(d) -> str:
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    return str(e.value)
+
+
+def test_heldout_align_objective_accepted_and_refused_where_it_cannot_be_measured():
+    s = parse_spec(spec({"objective": "heldout_align", "lr": [1e-3, 3e-3], "epochs": [1, 2]}))
+    assert s.search.objective == "heldout_align"
+    assert refused(spec({"objective": "eval_acc"})) == \
+        "search.objective: must be selection_acc or heldout_align, got 'eval_acc'"
+    assert refused(spec({"objective": "heldout_align", "scheduler": "asha"})).startswith(
+        "search.objective: heldout_align is measured once, after healing; scheduler 'asha'")
+    # digits: 320 calibration images, the last 64 held out -> a calibration size above 256 leaves none
+    msg = refused(spec({"objective": "heldout_align"}, calib_sizes=[64, 300]))
+    assert msg.startswith("calib_sizes[1]: 300 leaves no held-out calibration images") and "\n" not in msg
+    assert parse_spec(spec({}, calib_sizes=[300])).calib_sizes == (300,)  # selection_acc needs no held-out slice
+    grid = {"name": "big", "calib_sizes": [320]}
+    assert refused(spec({"objective": "heldout_align"}, grids=[grid])).startswith("grids[0].calib_sizes[0]: 320")
+
+
+def test_steps_replace_epochs_and_are_validated():
+    s = parse_spec(spec({"steps": [4, 32]}))
+    assert s.search.steps == (4, 32) and s.search.epochs is None and s.search.length == ("steps", (4, 32))
+    assert parse_spec(spec({})).search.length == ("epochs", (1, 8))  # epochs as before
+    assert refused(spec({"steps": [4, 32], "epochs": [1, 8]})) == \
+        "search.steps: give either search.steps (optimizer steps) or search.epochs, not both"
+    assert refused(spec({"steps": [0, 4]})) == "search.steps[0]: must be >= 1, got 0"
+    assert refused(spec({"steps": [8, 4]})) == "search.steps[1]: must be >= 8, got 4"
+    assert refused(spec({"steps": [4, 8], "scheduler": "asha"})).startswith("search.steps: scheduler 'asha' stops")
+    again = parse_spec(json.loads(json.dumps(s.to_dict(), default=list)))  # what sweep.json holds
+    assert again.search == s.search
+
+
+def test_a_grid_may_switch_between_steps_and_epochs():
+    grids = [{"name": "g", "calib_sizes": [64], "search": {"steps": [2, 6]}}]
+    s = parse_spec(spec({"epochs": [1, 3]}, grids=grids))
+    from orchestrator.plan import grid_searches
+
+    searches = grid_searches(s)
+    assert searches["main"].length == ("epochs", (1, 3)) and searches["g"].length == ("steps", (2, 6))
+    s2 = parse_spec(spec({"steps": [2, 6]}, grids=[{"name": "g", "search": {"epochs": [1, 3]}}]))
+    assert grid_searches(s2)["g"].length == ("epochs", (1, 3))
+    again = parse_spec(json.loads(json.dumps(s.to_dict(), default=list)))
+    assert grid_searches(again)["g"].length == ("steps", (2, 6))
+
+
+def test_widen_and_cells():
+    assert parse_spec(spec({"widen": {"rounds": 2, "factor": 3}})).search.widen == {"rounds": 2, "factor": 3.0}
+    assert parse_spec(spec({"widen": {}})).search.widen == {"rounds": 1, "factor": 4.0}
+    assert refused(spec({"widen": {"rounds": 0}})) == "search.widen.rounds: must be >= 1, got 0"
+    assert refused(spec({"widen": {"factor": 1}})) == "search.widen.factor: must be > 1.0, got 1"
+    assert refused(spec({"widen": {"factr": 2}})).startswith("search.widen.factr: unknown key")
+    assert refused(spec({}, cells=["xyz"])) == "cells[0]: must be a cell id (12 hex digits), got 'xyz'"
+    from orchestrator.plan import expand_cells
+
+    full = parse_spec(spec({}))
+    every = expand_cells(full, {"vit_digits": "mlp"})
+    assert len(every) == 4
+    only = parse_spec(spec({}, cells=[every[2].cell_id]))
+    assert [c.cell_id for c in expand_cells(only, {"vit_digits": "mlp"})] == [every[2].cell_id]
+
+
+def _searcher(tmp_path, search, cells):
+    from orchestrator.search import PerCellOptunaSearch, search_kwargs
+
+    s = parse_spec(spec(search))
+    return PerCellOptunaSearch(cells, s.search.trials_per_cell, s.search.lr, s.search.epochs or (1, 1),
+                               s.search.sampler_seed, tmp_path / "j.journal", **search_kwargs(s.search))
+
+
+def test_searcher_minimises_heldout_align_and_searches_steps(tmp_path):
+    cells = [{"cell_id": "a" * 12, "healer": "starfish", "healer_settings": {}, "calib_size": 64, "batch_size": 32},
+             {"cell_id": "b" * 12, "healer": "starfish", "healer_settings": {}, "calib_size": 256, "batch_size": 32},
+             {"cell_id": "c" * 12, "healer": "none", "healer_settings": {}, "calib_size": 64, "batch_size": 32}]
+    se = _searcher(tmp_path, {"objective": "heldout_align", "steps": [3, 40], "trials_per_cell": 2}, cells)
+    assert se.metric == "heldout_align" and se.mode == "min" and se.total == 5  # `none`: one trial
+    assert se.study("a" * 12).direction.name == "MINIMIZE"
+    configs = [se.suggest(str(i)) for i in range(5)]
+    for c in configs:
+        if c["healer"] == "none":
+            assert (c["lr"], c["epochs"]) == (0.0, 0) and "steps" not in c
+            continue
+        assert 3 <= c["steps"] <= 40 and c["epochs"] == math.ceil(c["steps"] / math.ceil(c["calib_size"] / 32))
+    a = next(c for c in configs if c["cell_id"] == "a" * 12)
+    se.on_trial_complete("0", {"heldout_align": 0.25, "epoch": a["epochs"], "final": True})
+    (t,) = [t for t in se.study("a" * 12).trials if t.value is not None]
+    assert t.value == 0.25 and se.study("a" * 12).best_value == 0.25
