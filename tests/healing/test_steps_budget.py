@@ -3,7 +3,6 @@ optimizer steps whatever the calibration size, stopping mid-epoch, with the cosi
 import math
 
 import pytest
-import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from tasks.healing import HEALERS, HealConfig
