@@ -18,8 +18,8 @@ ends without its final result (stopped early) is told PRUNED: Optuna's TPE then 
 trials by the step it reached and its last intermediate value, so the evidence is used without treating a
 2-epoch score as a full-length one. Errors and diverged trials are told FAIL (ignored by TPE).
 
-Training length: the space searches ``epochs`` (passes over the calibration set) or, with ``search.steps``,
-optimizer ``steps`` (docs/methods.md#search): a trial then gets ``steps`` and the epochs they need,
+Training length: the space searches ``epochs`` (passes over the calibration set, uniform) or, with
+``search.steps``, optimizer ``steps`` (log-uniform integers, docs/methods.md#search): a trial then gets ``steps`` and the epochs they need,
 ceil(steps / ceil(calib_size / batch_size)), and stops after exactly ``steps`` steps.
 
 Objective: ``selection_acc`` (maximised) or ``heldout_align`` (minimised; measured once, after healing, so it
@@ -114,7 +114,7 @@ class PerCellOptunaSearch(Searcher):
         _, lr, (length, (lo, hi)), _ = self._budget[cell_id]
         out = {"lr": FloatDistribution(lr[0], lr[1], log=True)}
         if not self._asha:
-            out[length] = IntDistribution(lo, hi)
+            out[length] = IntDistribution(lo, hi, log=length == "steps")  # a budget: log scale, like lr
         return out
 
     @property
