@@ -114,8 +114,10 @@ def model_table(best: pd.DataFrame) -> Table:
     """Formatted rows (last column = run id) for one model's best-per-cell frame."""
     best = _sorted_rows(best)
     extra = [c for c in ("scope", "granularity", "seed") if _varying(best, c)]
+    steps = "steps" in best.columns and bool(best["steps"].notna().any())  # a steps-based search
     headers = ["pruner", "pattern", "sparsity", "calib size", "dense (%)", "pruned (%)",
-               "healed (%)", "retention", "best lr", "epochs", "trials", "healer", *extra,
+               "healed (%)", "retention", "best lr", *(["steps"] if steps else []), "epochs", "trials", "healer",
+               *extra,
                "MLflow run"]
     rows = []
     for r in best.itertuples(index=False):
@@ -124,7 +126,9 @@ def model_table(best: pd.DataFrame) -> Table:
             str(r.pruner), str(r.pattern), _fmt(r.achieved_sparsity, ".3f"), _fmt_int(r.calib_size),
             _fmt(r.dense_acc, ".2f", 100), _fmt(r.pruned_acc, ".2f", 100),
             _fmt(r.healed_acc, ".2f", 100), _fmt(r.retention, ".3f"),
-            "closed form" if fixed else _fmt(r.lr, ".2e"), "–" if fixed else _fmt_int(r.epochs),
+            "closed form" if fixed else _fmt(r.lr, ".2e"),
+            *([_fmt_int(r.steps) if not fixed and pd.notna(r.steps) else "–"] if steps else []),
+            "–" if fixed else _fmt_int(r.epochs),
             _fmt_trials(int(r.n_trials), int(r.n_failed)), str(r.healer),
             *(str(getattr(r, c)) for c in extra), str(r.run_id),
         ])

@@ -137,8 +137,8 @@ def best_per_cell(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.
     """Best FINISHED trial of every cell, chosen by the sweep's search ``objective`` (never ``healed_acc``):
     the highest ``selection_acc``, or the lowest ``heldout_align`` (label-free, docs/methods.md#search).
 
-    Ties on the objective go to the fewer ``epochs`` (the cheaper trial), then the lower ``optuna_trial``
-    number (the one found first), then ``run_id``: deterministic, so the same trials always give the same pick
+    Ties on the objective go to the fewer ``steps`` (a steps-based search), then ``epochs`` (the cheaper trial),
+    then the lower ``optuna_trial`` number (the one found first), then ``run_id``: deterministic, so the same trials always give the same pick
     (wall-clock ``heal_seconds`` would not). Runs without the objective rank last. Adds ``n_trials`` (all runs of
     the cell, any status) and ``n_failed`` (status FAILED or KILLED).
     Cells without a finished run are absent.
@@ -152,9 +152,10 @@ def best_per_cell(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.
         n_failed=("status", lambda s: int(s.isin(FAILED_STATUSES).sum())),
     )
     done = trials[(trials["status"] == "FINISHED") & trials["cell_id"].notna()]
+    cost = ["steps", "epochs"] if "steps" in done.columns else ["epochs"]  # the cheaper trial first
     ranked = done.sort_values(
-        ["cell_id", objective, "epochs", "optuna_trial", "run_id"],
-        ascending=[True, OBJECTIVE_MODES[objective] == "min", True, True, True], na_position="last",
+        ["cell_id", objective, *cost, "optuna_trial", "run_id"],
+        ascending=[True, OBJECTIVE_MODES[objective] == "min", *[True] * len(cost), True, True], na_position="last",
     )
     best = ranked.drop_duplicates("cell_id", keep="first")
     best = best.merge(counts, left_on="cell_id", right_index=True, how="left")
