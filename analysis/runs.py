@@ -138,9 +138,9 @@ def best_per_cell(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.
     the highest ``selection_acc``, or the lowest ``heldout_align`` (label-free, docs/methods.md#search).
 
     Ties on the objective go to the fewer ``steps`` (a steps-based search), then ``epochs`` (the cheaper trial),
-    then the lower ``optuna_trial`` number (the one found first), then ``run_id``: deterministic, so the same trials always give the same pick
-    (wall-clock ``heal_seconds`` would not). Runs without the objective rank last. Adds ``n_trials`` (all runs of
-    the cell, any status) and ``n_failed`` (status FAILED or KILLED).
+    then the lower ``optuna_trial`` number (the one found first), then ``run_id``: deterministic, so the same
+    trials always give the same pick (wall-clock ``heal_seconds`` would not). Runs without the objective rank
+    last. Adds ``n_trials`` (all runs of the cell, any status) and ``n_failed`` (status FAILED or KILLED).
     Cells without a finished run are absent.
     """
     if objective not in OBJECTIVE_MODES:
