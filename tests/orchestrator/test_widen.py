@@ -1,0 +1,56 @@
+"""orchestrator/widen.py planning on real MLflow runs: which cells sit on the boundary, the shifted box, the
+restricted spec that continues their studies; the CLI's one-line refusals."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from orchestrator.refine import RefineError
+from orchestrator.spec import load_spec
+from orchestrator.widen import plan_widening, widen_spec
+from tests import transition_fixture as tf
+from tests.orchestrator.run_cli import healsweep
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _sweep(tmp_path, lr=(1e-3, 3e-3)):
+    sweep = tf.build_store(tmp_path)  # every trial: lr 1e-3, 2 epochs, calib 64
+    run_dir = tmp_path / "run"
+    tf.write_sweep_json(run_dir, sweep["uri"])
+    meta = json.loads((run_dir / "sweep.json").read_text())
+    spec = load_spec(REPO / "configs" / "tiny.yaml").to_dict()
+    spec["search"]["lr"] = list(lr)
+    meta["spec"] = spec
+    (run_dir / "sweep.json").write_text(json.dumps(meta, default=list))
+    return sweep, run_dir
+
+
+def test_plan_shifts_the_box_below_the_floor_every_winner_sits_on(tmp_path):
+    sweep, run_dir = _sweep(tmp_path)  # lr 1e-3 is the floor of [1e-3, 3e-3]; 2 of epochs 3-5 is no cap
+    plan = plan_widening(run_dir, 4.0)
+    assert set(plan["cells"]) == set(sweep["ids"]) and set(plan["cells"].values()) == {"main"}
+    assert plan["boxes"] == {"main": {"lr": [pytest.approx(2.5e-4), pytest.approx(7.5e-4)], "epochs": [3, 5]}}
+    assert plan["round"] == 1 and plan["parent_run_id"] == sweep["parent"]
+    spec = widen_spec(load_spec(REPO / "configs" / "tiny.yaml"), plan, {c: 2 for c in plan["cells"]})
+    assert spec.cells == tuple(plan["cells"]) and spec.search.lr == (pytest.approx(2.5e-4), pytest.approx(7.5e-4))
+    assert spec.search.trials_per_cell == 2 + 2  # each study brought to 2 more trials
+
+
+def test_plan_is_empty_when_no_winner_is_on_the_boundary(tmp_path):
+    _, run_dir = _sweep(tmp_path, lr=(1e-4, 1e-2))  # 1e-3: the middle of the log range
+    assert plan_widening(run_dir, 4.0)["cells"] == {}
+    with pytest.raises(RefineError, match="widen factor must be > 1"):
+        plan_widening(run_dir, 1.0)
+
+
+def test_refine_widen_cli_refusals(tmp_path):
+    r = healsweep("refine", tmp_path / "nope", "--widen")
+    assert r.returncode == 2 and r.stderr.strip().endswith("not a run directory (no sweep.json)")
+    _, run_dir = _sweep(tmp_path, lr=(1e-4, 1e-2))
+    r = healsweep("refine", run_dir, "--widen")
+    assert r.returncode == 0 and "no winner sits on the search boundary: nothing to widen" in r.stdout
+    r = healsweep("refine", run_dir, "--widen", "--widen-rounds", "0")
+    assert r.returncode == 2 and "--widen-rounds must be >= 1" in r.stderr
