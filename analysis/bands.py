@@ -2,7 +2,7 @@
 agreement with the CTS core/band.
 
 Per model × pruner × healer (× calibration size, scope, granularity when they vary), the best trial
-of every cell is taken (``runs.best_per_cell``, chosen on the selection split), then averaged over
+of every cell is taken (``runs.best_per_cell``, chosen by the sweep's objective), then averaged over
 seeds at each nominal sparsity (N:M patterns are left out: they are not on the sparsity axis).
 Each sparsity point is classified on the seed means:
 

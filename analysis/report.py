@@ -30,8 +30,10 @@ __all__ = ["write_report", "write_report_from", "model_table", "model_figure", "
 
 HOW_TO_READ = (
     "Each grid cell (model x pattern x calibration size x pruner x healer) ran several trials with "
-    "different learning rates and epoch counts. The best trial per cell is chosen by its accuracy on "
-    "the selection split (ties: fewer epochs, then the lower Optuna trial number), never by evaluation accuracy. Dense, pruned "
+    "different learning rates and epoch (or optimizer step) counts. The best trial per cell is chosen by the "
+    "sweep's search objective: its accuracy on the selection split, or with objective heldout_align the lowest "
+    "alignment loss on held-out calibration images (no labels); ties: fewer steps/epochs, then the lower Optuna "
+    "trial number. Never by evaluation accuracy. Dense, pruned "
     "and healed are top-1 accuracies (%) on the evaluation split: dense = unpruned model, pruned = "
     "after masking and before healing, healed = after healing. Retention = healed / dense. Sparsity "
     "is the achieved fraction of prunable weights that are zero. Trials counts every run of the "

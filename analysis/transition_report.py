@@ -42,7 +42,7 @@ HOW_TO_READ = {
              "dimension, so no error bars). Positive: RR prunes the layer harder than ERK; negative: RR "
              "protects it. LAMP is not shown: it needs the weights, which the analysis never loads.",
     "table": "Seed statistics per point: healed accuracy and retention as mean ± sample std over seeds (each "
-             "seed's best trial by selection accuracy). Run links open each seed's MLflow run.",
+             "seed's best trial by the sweep's search objective). Run links open each seed's MLflow run.",
 }
 
 

@@ -118,9 +118,11 @@ def study_sizes(journal: Path, cells) -> dict[str, int]:
 
 
 def run_widening(run_dir: Path, rounds: int = 1, factor: float = 4.0, *, address: str | None = None,
-                 progress: bool = True, num_cpus: int | None = None, report: bool = True) -> list[dict]:
+                 progress: bool = True, num_cpus: int | None = None, report: bool = True,
+                 total: bool = False) -> list[dict]:
     """Up to ``rounds`` widening rounds (fewer when no winner is left on the boundary); rewrites the report.
-    -> one record per round run (what sweep.json ``widenings`` holds, plus the sweep result)."""
+    ``total``: ``rounds`` counts the rounds the sweep already ran (``search.widen`` of a resumed sweep: no round
+    twice). -> one record per round run (what sweep.json ``widenings`` holds, plus the sweep result)."""
     from mlflow import MlflowClient
 
     from orchestrator.resume import JOURNAL_FILE
@@ -128,6 +130,9 @@ def run_widening(run_dir: Path, rounds: int = 1, factor: float = 4.0, *, address
     from orchestrator.sweep import run_sweep
 
     run_dir, done = Path(run_dir), []
+    if total:
+        meta = json.loads((run_dir / "sweep.json").read_text(encoding="utf-8"))
+        rounds -= len(meta.get("widenings") or [])
     for _ in range(rounds):
         plan = plan_widening(run_dir, factor)
         if not plan["cells"]:

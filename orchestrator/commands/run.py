@@ -94,7 +94,8 @@ def main(args) -> int:
             from orchestrator.widen import run_widening
 
             rounds = run_widening(out, widen["rounds"], widen["factor"], address=args.address,
-                                  progress=not args.quiet, num_cpus=args.num_cpus, report=not args.no_report)
+                                  progress=not args.quiet, num_cpus=args.num_cpus, report=not args.no_report,
+                                  total=True)
             res = _widened(res, rounds, out, not args.no_report)
     except (ResumeError, StoreBudgetError, ClusterError, RefineError) as e:
         raise CliError(str(e)) from None
