@@ -41,15 +41,16 @@ def _loaded(model: str, cache_dir: str, data_seed: int, load_kw: dict, device: s
 
 @ray.remote
 def dense_shard(store_root: str, key: str, index: int, start: int, stop: int, dtype: str, model: str,
-                cache_dir: str, data_seed: int, threads: int, load_kw: dict) -> dict:
+                cache_dir: str, data_seed: int, threads: int, load_kw: dict) -> tuple[dict, str]:
     """One Ray task: calibration rows [start, stop) of ``model`` written as one shard. Tasks (not a fixed actor
     pool) so queued shards go to whatever node has room, including nodes that join mid-stage; the model is loaded
-    once per worker process (``_loaded``)."""
+    once per worker process (``_loaded``). -> (shard info, Ray node id)."""
     torch.set_num_threads(max(1, threads))
     device = "cuda" if ray.get_gpu_ids() else "cpu"  # a GPU only when the task was given one
     net, images, blocks = _loaded(model, cache_dir, data_seed, load_kw or {}, device)
     targets = dense_targets(net, blocks, images[start:stop].to(device), dtype=getattr(torch, dtype))
-    return TargetStore(store_root).write_shard(key, index, start, {k: v.cpu() for k, v in targets.items()})
+    info = TargetStore(store_root).write_shard(key, index, start, {k: v.cpu() for k, v in targets.items()})
+    return info, ray.get_runtime_context().get_node_id()
 
 
 @dataclass
@@ -57,6 +58,7 @@ class DenseReport:
     computed: dict[str, int] = field(default_factory=dict)  # model -> rows computed now
     shards: dict[str, int] = field(default_factory=dict)  # model -> shards computed now
     events: list[str] = field(default_factory=list)  # integrity events (damaged shards recomputed)
+    nodes: dict[str, int] = field(default_factory=dict)  # Ray node id -> shards its tasks computed now
 
 
 def dense_stage(spec, models: Mapping, rows: Mapping[str, int], store_root: str | Path, cache_dir: Path,
@@ -76,7 +78,7 @@ def dense_stage(spec, models: Mapping, rows: Mapping[str, int], store_root: str 
 
         run_shards = partial(_run_shards, in_driver=in_driver, n_rows=rows[m], spec=spec, model=m,
                              key=info.targets_key, store_root=str(store_root), cache_dir=cache_dir, cpus=cpus,
-                             max_workers=max_workers, progress=progress)
+                             max_workers=max_workers, progress=progress, nodes=rep.nodes)
         res = ensure_targets(store, info.targets_key, rows[m], spec.store.shard_size, run_shards,
                              meta={"model": m, "model_digest": info.digest, "calibration": info.calib_digest,
                                    "shard_size": spec.store.shard_size, "blocks": list(info.blocks)},
@@ -98,7 +100,7 @@ def _run_shards(plan, *, in_driver: bool | None, n_rows: int, **kw):
     yield from (_local_shards if local else _task_shards)(plan, **kw)
 
 
-def _local_shards(plan, *, spec, model, key, store_root, cache_dir, cpus, max_workers, progress):
+def _local_shards(plan, *, spec, model, key, store_root, cache_dir, cpus, max_workers, progress, nodes):
     """The shards of ``plan`` computed one after another in this process (same code as ``dense_shard``)."""
     lm = load_model(model, cache_dir, data_seed=spec.data_seed, progress=False, **spec.load_kwargs(model))
     blocks, images, store = get_adapter(lm.model).blocks(lm.model), lm.dataset["calibration"].images, \
@@ -117,7 +119,7 @@ def _local_shards(plan, *, spec, model, key, store_root, cache_dir, cpus, max_wo
         torch.set_num_threads(threads)
 
 
-def _task_shards(plan, *, spec, model, key, store_root, cache_dir, cpus, max_workers, progress):
+def _task_shards(plan, *, spec, model, key, store_root, cache_dir, cpus, max_workers, progress, nodes):
     """The shards of ``plan`` as Ray tasks (``dense_shard``): every shard is queued at once (at most
     ``max_workers`` in flight when given), so the stage uses every node present while it runs and an autoscaler
     sees the demand; results come back in completion order."""
@@ -133,7 +135,8 @@ def _task_shards(plan, *, spec, model, key, store_root, cache_dir, cpus, max_wor
                 index, start, stop = todo.pop(0)
                 running.append(task.remote(store_root, key, index, start, stop, *args))
             ready, running = ray.wait(running, num_returns=1)
-            shard = ray.get(ready[0])
+            shard, node = ray.get(ready[0])
+            nodes[node] = nodes.get(node, 0) + 1
             bar.update(shard["row_stop"] - shard["row_start"])
             yield shard
 

@@ -157,6 +157,42 @@ def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: st
     return MaskResult(keys, [r for part in done for r in part], "tasks")
 
 
+def store_paths(uri: str | None, store_root: Path, cache_dir: Path) -> dict[str, str]:
+    """Where every stage reads and writes. With a remote ``store.uri`` (s3://, gs://, ...) everything a worker
+    touches is under it: targets at the URI, ``masks/``, ``diagnostics/``, ``rankings/`` and the model cache
+    ``models/`` beside them; this process keeps a local mirror of the model checkpoints in ``cache_dir``.
+    Otherwise the local store root and model cache directory (a file system every node mounts)."""
+    from orchestrator import cluster
+    from tasks.models.reference import set_local_mirror
+
+    if cluster.is_remote(uri):
+        set_local_mirror(cache_dir)
+        sub = {n: cluster.store_subdir(uri, n) for n in ("masks", "diagnostics", "rankings", "models")}
+        return {"targets": uri, "masks": sub["masks"], "diagnostics": sub["diagnostics"],
+                "rankings": sub["rankings"], "cache": sub["models"]}
+    set_local_mirror(None)
+    return {"targets": uri or str(store_root / "targets"), "masks": str(store_root / "masks"),
+            "diagnostics": str(store_root / "diagnostics"), "rankings": str(store_root / "rankings"),
+            "cache": str(cache_dir)}
+
+
+def mask_gpus(res) -> float:
+    """GPUs per mask / diagnostics task: the dense tasks' request, else the trials' (a GPU spec computes its masks
+    on a GPU)."""
+    return res.gpus_per_dense_task or res.gpus_per_trial
+
+
+def masks_in_driver(on_cluster: bool, res) -> tuple[bool, str]:
+    """The mask stage's placement, a named decision (logged as the parent run's ``mask_placement`` tag): on a
+    cluster (--address) or when a GPU is asked, Ray tasks on the workers; on a local Ray without GPUs, in this
+    process (same machine, same code path, no task start-up: issue #18's overhead)."""
+    if on_cluster:
+        return False, "as Ray tasks on the cluster's workers (--address)"
+    if mask_gpus(res) > 0:
+        return False, "as Ray tasks (a GPU is asked for)"
+    return True, "in the driver (local Ray, CPU only: a task would only add start-up time)"
+
+
 def background(fn, *args):
     """Run ``fn(*args)`` in a thread while the next stages run; the returned callable joins it and returns
     its result (re-raising its error)."""

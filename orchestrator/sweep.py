@@ -133,30 +133,13 @@ def open_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path
                 "spec": spec.to_dict()}
     write_sweep(out_dir, info)
     cluster.keep_artifacts_inside(info["tracking_uri"], out_dir, spec.mlflow.experiment)  # not $PWD/mlruns
+    from orchestrator.stages import store_paths
+
     paths = store_paths(spec.store.uri, store_root, cache_dir)
     paths["out"] = str(out_dir)
     s = _Sweep(spec, out_dir, store_root, cache_dir, info, paths, resume, refine_round, clock)
     s.mlflow_ready = background(open_tracking, info["tracking_uri"], spec.mlflow.experiment)
     return s
-
-
-def store_paths(uri: str | None, store_root: Path, cache_dir: Path) -> dict[str, str]:
-    """Where every stage reads and writes. With a remote ``store.uri`` (s3://, gs://, ...) everything a worker
-    touches is under it: targets at the URI, ``masks/``, ``diagnostics/``, ``rankings/`` and the model cache
-    ``models/`` beside them; this process keeps a local mirror of the model checkpoints in ``cache_dir``.
-    Otherwise the local store root and model cache directory (a file system every node mounts)."""
-    from orchestrator import cluster
-    from tasks.models.reference import set_local_mirror
-
-    if cluster.is_remote(uri):
-        set_local_mirror(cache_dir)
-        sub = {n: cluster.store_subdir(uri, n) for n in ("masks", "diagnostics", "rankings", "models")}
-        return {"targets": uri, "masks": sub["masks"], "diagnostics": sub["diagnostics"],
-                "rankings": sub["rankings"], "cache": sub["models"]}
-    set_local_mirror(None)
-    return {"targets": uri or str(store_root / "targets"), "masks": str(store_root / "masks"),
-            "diagnostics": str(store_root / "diagnostics"), "rankings": str(store_root / "rankings"),
-            "cache": str(cache_dir)}
 
 
 def models_stage(s: _Sweep, progress: bool) -> None:
@@ -186,7 +169,7 @@ def dense_and_masks(s: _Sweep, progress: bool) -> None:
     """Dense targets (only what the store lacks), RR diagnostics (cached), masks (content-addressed)."""
     from orchestrator.dense import DenseReport
     from orchestrator.diagnostics import diagnostics_stage
-    from orchestrator.stages import dense_stage, mask_stage
+    from orchestrator.stages import dense_stage, mask_gpus, mask_stage, masks_in_driver
 
     spec, clock = s.spec, s.clock
     need = ", ".join(f"{m} {n} images" for m, n in s.rows.items())
@@ -220,23 +203,6 @@ def dense_and_masks(s: _Sweep, progress: bool) -> None:
                   + (f" on node(s) {', '.join(n[:12] for n in nodes)}" if not in_driver else ""))
 
 
-def mask_gpus(res) -> float:
-    """GPUs per mask / diagnostics task: the dense tasks' request, else the trials' (a GPU spec computes its masks
-    on a GPU)."""
-    return res.gpus_per_dense_task or res.gpus_per_trial
-
-
-def masks_in_driver(on_cluster: bool, res) -> tuple[bool, str]:
-    """The mask stage's placement, a named decision (logged as the parent run's ``mask_placement`` tag): on a
-    cluster (--address) or when a GPU is asked, Ray tasks on the workers; on a local Ray without GPUs, in this
-    process (same machine, same code path, no task start-up: issue #18's overhead)."""
-    if on_cluster:
-        return False, "as Ray tasks on the cluster's workers (--address)"
-    if mask_gpus(res) > 0:
-        return False, "as Ray tasks (a GPU is asked for)"
-    return True, "in the driver (local Ray, CPU only: a task would only add start-up time)"
-
-
 def parent_run(s: _Sweep) -> None:
     """The sweep's MLflow parent run: created once, reopened on resume/refine; diagnostics logged to it."""
     from orchestrator.diagnostics import log_diagnostics
@@ -268,6 +234,9 @@ def parent_run(s: _Sweep) -> None:
     log_diagnostics(client, s.parent, diag_root, s.diag)
     if s.diag.models:  # LAMP allocations need weights: computed here, read back by the report's CTS section
         _log_lamp(s, diag_root)
+    if s.dense_rep.nodes:  # where this session's dense shards were computed (Ray node id: shards)
+        client.set_tag(s.parent, f"dense_nodes_{s.session}",
+                       ",".join(f"{n}:{k}" for n, k in sorted(s.dense_rep.nodes.items())))
     if s.dense_rep.events:  # damaged shards found and recomputed
         client.log_text(s.parent, "\n".join(s.dense_rep.events) + "\n", f"store_events_{s.session}.txt")
 
