@@ -153,3 +153,40 @@ def test_mask_store_on_s3_round_trip(aws_env):
         ms.load("b" * 32)
     with pytest.raises(StoreError):
         ms.has("../x")
+
+
+def test_snapvit_rankings_on_s3_are_reused(tmp_path, aws_env, monkeypatch):
+    """The mask stage with a remote store: the SnapViT ranking is written to <store.uri>/rankings and read back
+    from there (not recomputed) when the masks must be made again on a node with an empty process cache."""
+    import pyarrow.fs as pafs
+
+    import tasks.pruning.snapvit as snapvit_pruner
+    import tasks.pruning.snapvit_math as snapvit
+    from orchestrator.cluster import store_subdir
+    from orchestrator.plan import expand_cells
+    from orchestrator.stages import mask_stage, prepare_models, store_paths
+
+    uri = f"s3://{aws_env['bucket']}/rank?endpoint_override={aws_env['host']}&scheme=http"
+    calls = []
+    real = snapvit.compute_ranking
+    monkeypatch.setattr(snapvit, "compute_ranking", lambda *a, **k: calls.append(1) or real(*a, **k))
+    spec = parse_spec({"name": "r", "models": ["vit_digits"], "sparsities": [0.25, 0.5], "calib_sizes": [32],
+                       "pruners": [{"name": "snapvit", "settings": {"iterations": 2, "fitness_images": 16}}],
+                       "healers": ["starfish"], "store": {"uri": uri}})
+    paths = store_paths(uri, tmp_path / "store", CACHE)
+    try:
+        models = prepare_models(spec, paths["cache"], progress=False)
+        cells = expand_cells(spec, {m: i.scope for m, i in models.items()})
+
+        def masks(root):
+            return mask_stage(cells, models, root, paths["cache"], spec.data_seed, ranking_dir=paths["rankings"])
+
+        first = masks(paths["masks"])
+        snapvit_pruner.clear_memory_cache()  # another process: only the bucket remembers the ranking
+        second = masks(store_subdir(uri, "masks-again"))
+    finally:
+        store_paths(None, tmp_path / "store", CACHE)  # back to a local model cache for later tests
+    assert len(first.computed) == len(second.computed) == 2 and calls == [1]
+    fs, path = pafs.FileSystem.from_uri(paths["rankings"])
+    assert [i.extension for i in fs.get_file_info(pafs.FileSelector(path))] == ["safetensors"]
+    assert dict(first) == dict(second)  # same keys: the same masks from the stored ranking
