@@ -190,3 +190,33 @@ def test_snapvit_rankings_on_s3_are_reused(tmp_path, aws_env, monkeypatch):
     fs, path = pafs.FileSystem.from_uri(paths["rankings"])
     assert [i.extension for i in fs.get_file_info(pafs.FileSelector(path))] == ["safetensors"]
     assert dict(first) == dict(second)  # same keys: the same masks from the stored ranking
+
+
+def test_cold_model_cache_is_trained_once_by_a_task_on_the_worker(tmp_path, aws_env, cpu0_head_cluster):
+    """An empty bucket and an empty driver --cache on a cluster: one Ray task on the worker trains the reference
+    model (bit-identical to the one trained elsewhere with the same seed) and uploads it to <store.uri>/models;
+    the driver trains nothing; asked again, nobody trains."""
+    import pyarrow.fs as pafs
+
+    from orchestrator import cluster
+    from orchestrator.stages import prepare_models, store_paths
+    from tasks.models import load_model
+
+    worker = add_node(cpu0_head_cluster, num_cpus=1, env_vars={"HEALSWEEP_MODEL_MIRROR": str(tmp_path / "w")})
+    uri = f"s3://{aws_env['bucket']}/cold?endpoint_override={aws_env['host']}&scheme=http"
+    spec = parse_spec({"name": "c", "models": ["resnet_digits"], "sparsities": [0.5], "calib_sizes": [64],
+                       "pruners": ["magnitude"], "healers": ["starfish"], "store": {"uri": uri}})
+    paths = store_paths(uri, tmp_path / "store", tmp_path / "driver-cache")
+    try:
+        cluster.connect(cpu0_head_cluster.address, announce=lambda _: None)  # workers get the credentials
+        first = prepare_models(spec, paths["cache"], progress=False, on_workers=True)["resnet_digits"]
+        second = prepare_models(spec, paths["cache"], progress=False, on_workers=True)["resnet_digits"]
+    finally:
+        store_paths(None, tmp_path / "store", CACHE)
+    assert (first.trained, second.trained) == (True, False)
+    assert first.digest == load_model("resnet_digits", CACHE, progress=False).digest  # same seed, same weights
+    fs, path = pafs.FileSystem.from_uri(paths["cache"])
+    (ckpt,) = [i.base_name for i in fs.get_file_info(pafs.FileSelector(path))]
+    assert [p.name for p in (tmp_path / "w").iterdir()] == [ckpt]  # trained on the worker, its copy kept there
+    assert not (tmp_path / "driver-cache").exists() or not any((tmp_path / "driver-cache").iterdir())
+    assert worker.node_id  # the only node with CPUs: the task can only have run there
