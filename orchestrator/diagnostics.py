@@ -115,7 +115,8 @@ def _write(root: str | Path, key: str, rows: list[dict], ident: Mapping[str, Any
 def diagnostics_stage(cells: list[Cell], models: Mapping[str, Any], root: str | Path, cache_dir: str | Path,
                       data_seed: int, threads: int = 1, gpus: float = 0.0) -> DiagnosticsResult:
     """Make sure every diagnostics table the cells need exists under ``root`` (a directory or a store URI);
-    compute only missing ones, one Ray task per layer (``gpus`` per task when the spec asks for GPUs)."""
+    compute only missing ones, one Ray task per layer (``gpus`` per task: placement only, the layer statistics
+    are computed on the CPU)."""
     import time
 
     from tasks.models import MODELS, get_adapter

@@ -187,7 +187,7 @@ def dense_and_masks(s: _Sweep, progress: bool) -> None:
     diag_root, res = s.paths["diagnostics"], spec.resources
     with clock.stage("diagnostics"):
         s.diag = diagnostics_stage(s.cells, s.models, diag_root, s.paths["cache"], spec.data_seed,
-                                   int(res.cpus_per_dense_task), gpus=mask_gpus(res))
+                                   int(res.cpus_per_dense_task))  # CPU: tasks.pruning.rr builds CPU tensors
     if s.diag.keys:
         clock.say(f"[diagnostics] RR tables for {len(s.diag.models)} model(s), {s.diag.computed_layers} layers "
                   "computed")
