@@ -25,6 +25,7 @@ from pathlib import Path
 # Hugging Face (HF_TOKEN, HF_HOME, HF_HUB_OFFLINE, HF_DATASETS_OFFLINE, HF_ENDPOINT) and healsweep's own settings.
 ENV_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_", "MLFLOW_", "HF_", "HUGGINGFACE_", "HEALSWEEP_")
 ENV_NAMES = ("TORCH_HOME", "XDG_CACHE_HOME", "TRANSFORMERS_OFFLINE")
+NODE_LOCAL = ("HEALSWEEP_MODEL_MIRROR",)  # a node's own local paths: never the driver's
 PROBE_TIMEOUT_S = 3.0
 
 
@@ -37,7 +38,8 @@ def worker_env(environ: dict | None = None) -> dict[str, str]:
     """The driver's variables that every worker gets (names in ENV_PREFIXES / ENV_NAMES), minus those the Ray
     job's own runtime_env already sets (``ray job submit --runtime-env-json``): Ray refuses a conflicting key."""
     environ = os.environ if environ is None else environ
-    out = {k: str(v) for k, v in environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_NAMES}
+    out = {k: str(v) for k, v in environ.items()
+           if (k.startswith(ENV_PREFIXES) or k in ENV_NAMES) and k not in NODE_LOCAL}
     return {k: v for k, v in out.items() if k not in _job_env_vars(environ)}
 
 

@@ -1,8 +1,10 @@
-"""The sharded dense stage: a pool of Ray actors (model loaded once per worker) computes missing target shards
-in parallel; ``tasks.store.ensure_targets`` decides which (verify, repair, resume, append) under a key lock.
+"""The sharded dense stage: Ray tasks, one per missing target shard (model loaded once per worker process),
+compute them in parallel on every node present (nodes that join mid-stage included);
+``tasks.store.ensure_targets`` decides which (verify, repair, resume, append) under a key lock.
 Also the store's disk budget policy (refuse | recompute)."""
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from functools import partial
@@ -18,25 +20,37 @@ from tasks.models import get_adapter, load_model
 from tasks.store import StoreError, TargetStore, ensure_targets
 
 log = logging.getLogger("healsweep.store")
-# Dense work up to this many (images x model parameters) runs in the driver: starting actors (a process and a
+# Dense work up to this many (images x model parameters) runs in the driver: starting tasks (a process and a
 # model load each, seconds) costs more than the forward passes themselves (128 images of vit_digits: 0.03 s).
 LOCAL_MAX_IMAGE_PARAMS = 5e9
 
 
+_LOADED: dict = {}  # per worker process: the last model a dense task loaded (Ray reuses worker processes)
+
+
+def _loaded(model: str, cache_dir: str, data_seed: int, load_kw: dict, device: str):
+    """(model, calibration images, blocks) of ``model``, loaded once per process (one model kept)."""
+    k = (model, cache_dir, data_seed, json.dumps(load_kw, sort_keys=True, default=str), device)
+    if k not in _LOADED:
+        _LOADED.clear()
+        lm = load_model(model, cache_dir, data_seed=data_seed, progress=False, **load_kw)
+        lm.model.to(device)
+        _LOADED[k] = (lm.model, lm.dataset["calibration"].images, get_adapter(lm.model).blocks(lm.model))
+    return _LOADED[k]
+
+
 @ray.remote
-class DenseWorker:
-    """Holds one model; each call computes calibration rows [start, stop) and writes them as one shard."""
-
-    def __init__(self, model: str, cache_dir: str, data_seed: int, threads: int, load_kw: dict | None = None) -> None:
-        torch.set_num_threads(max(1, threads))
-        lm = load_model(model, cache_dir, data_seed=data_seed, progress=False, **(load_kw or {}))
-        lm.model.to("cuda" if ray.get_gpu_ids() else "cpu")  # a GPU only when the task was given one
-        self.model, self.images = lm.model, lm.dataset["calibration"].images
-        self.blocks = get_adapter(lm.model).blocks(lm.model)
-
-    def shard(self, store_root: str, key: str, index: int, start: int, stop: int, dtype: str) -> dict:
-        targets = dense_targets(self.model, self.blocks, self.images[start:stop], dtype=getattr(torch, dtype))
-        return TargetStore(store_root).write_shard(key, index, start, targets)
+def dense_shard(store_root: str, key: str, index: int, start: int, stop: int, dtype: str, model: str,
+                cache_dir: str, data_seed: int, threads: int, load_kw: dict) -> tuple[dict, str]:
+    """One Ray task: calibration rows [start, stop) of ``model`` written as one shard. Tasks (not a fixed actor
+    pool) so queued shards go to whatever node has room, including nodes that join mid-stage; the model is loaded
+    once per worker process (``_loaded``). -> (shard info, Ray node id)."""
+    torch.set_num_threads(max(1, threads))
+    device = "cuda" if ray.get_gpu_ids() else "cpu"  # a GPU only when the task was given one
+    net, images, blocks = _loaded(model, cache_dir, data_seed, load_kw or {}, device)
+    targets = dense_targets(net, blocks, images[start:stop].to(device), dtype=getattr(torch, dtype))
+    info = TargetStore(store_root).write_shard(key, index, start, {k: v.cpu() for k, v in targets.items()})
+    return info, ray.get_runtime_context().get_node_id()
 
 
 @dataclass
@@ -44,6 +58,7 @@ class DenseReport:
     computed: dict[str, int] = field(default_factory=dict)  # model -> rows computed now
     shards: dict[str, int] = field(default_factory=dict)  # model -> shards computed now
     events: list[str] = field(default_factory=list)  # integrity events (damaged shards recomputed)
+    nodes: dict[str, int] = field(default_factory=dict)  # Ray node id -> shards its tasks computed now
 
 
 def dense_stage(spec, models: Mapping, rows: Mapping[str, int], store_root: str | Path, cache_dir: Path,
@@ -51,7 +66,7 @@ def dense_stage(spec, models: Mapping, rows: Mapping[str, int], store_root: str 
                 report: DenseReport | None = None, in_driver: bool | None = None) -> dict[str, int]:
     """Make every model's key (except ``skip``) hold at least ``rows[model]`` rows; compute only what is
     missing or damaged. Returns {model: dense forward images computed now}; ``report`` gets the details.
-    ``in_driver``: compute in this process (True) or on a pool of Ray actors (False); default: in this process
+    ``in_driver``: compute in this process (True) or as Ray tasks (False); default: in this process
     when the work is small (``LOCAL_MAX_IMAGE_PARAMS``) and no GPU is asked for dense tasks."""
     store = TargetStore(store_root)
     rep = report if report is not None else DenseReport()
@@ -63,7 +78,7 @@ def dense_stage(spec, models: Mapping, rows: Mapping[str, int], store_root: str 
 
         run_shards = partial(_run_shards, in_driver=in_driver, n_rows=rows[m], spec=spec, model=m,
                              key=info.targets_key, store_root=str(store_root), cache_dir=cache_dir, cpus=cpus,
-                             max_workers=max_workers, progress=progress)
+                             max_workers=max_workers, progress=progress, nodes=rep.nodes)
         res = ensure_targets(store, info.targets_key, rows[m], spec.store.shard_size, run_shards,
                              meta={"model": m, "model_digest": info.digest, "calibration": info.calib_digest,
                                    "shard_size": spec.store.shard_size, "blocks": list(info.blocks)},
@@ -74,7 +89,7 @@ def dense_stage(spec, models: Mapping, rows: Mapping[str, int], store_root: str 
 
 
 def _run_shards(plan, *, in_driver: bool | None, n_rows: int, **kw):
-    """Called by ensure_targets only when shards are missing: small work in this process, else actors."""
+    """Called by ensure_targets only when shards are missing: small work in this process, else Ray tasks."""
     local = in_driver
     if local is None:
         spec = kw["spec"]
@@ -82,16 +97,16 @@ def _run_shards(plan, *, in_driver: bool | None, n_rows: int, **kw):
                         **spec.load_kwargs(kw["model"]))
         size = n_rows * sum(p.numel() for p in lm.model.parameters())
         local = spec.resources.gpus_per_dense_task == 0 and size <= LOCAL_MAX_IMAGE_PARAMS
-    yield from (_local_shards if local else _actor_shards)(plan, **kw)
+    yield from (_local_shards if local else _task_shards)(plan, **kw)
 
 
-def _local_shards(plan, *, spec, model, key, store_root, cache_dir, cpus, max_workers, progress):
-    """The shards of ``plan`` computed one after another in this process (same code as DenseWorker.shard)."""
+def _local_shards(plan, *, spec, model, key, store_root, cache_dir, cpus, max_workers, progress, nodes):
+    """The shards of ``plan`` computed one after another in this process (same code as ``dense_shard``)."""
     lm = load_model(model, cache_dir, data_seed=spec.data_seed, progress=False, **spec.load_kwargs(model))
     blocks, images, store = get_adapter(lm.model).blocks(lm.model), lm.dataset["calibration"].images, \
         TargetStore(store_root)
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, int(spec.resources.cpus_per_dense_task)))  # as a DenseWorker: same numbers
+    torch.set_num_threads(max(1, int(spec.resources.cpus_per_dense_task)))  # as a dense task: same numbers
     try:
         with tqdm(total=sum(b - a for _, a, b in plan), desc=f"dense targets {model} (in-process)", unit="img",
                   disable=not progress, leave=False) as bar:
@@ -104,23 +119,26 @@ def _local_shards(plan, *, spec, model, key, store_root, cache_dir, cpus, max_wo
         torch.set_num_threads(threads)
 
 
-def _actor_shards(plan, *, spec, model, key, store_root, cache_dir, cpus, max_workers, progress):
-    """The shards of ``plan`` on a pool of DenseWorker actors (model loaded once per actor)."""
-    per_task = spec.resources.cpus_per_dense_task
-    n = max(1, min(len(plan), max_workers or max(1, int(cpus // per_task))))
-    actors = [DenseWorker.options(num_cpus=per_task, num_gpus=spec.resources.gpus_per_dense_task).remote(
-        model, str(cache_dir), spec.data_seed, max(1, int(per_task)), spec.load_kwargs(model)) for _ in range(n)]
-    pool = ray.util.ActorPool(actors)
-    try:
-        with tqdm(total=sum(b - a for _, a, b in plan), desc=f"dense targets {model} ({n} workers)", unit="img",
-                  disable=not progress, leave=False) as bar:
-            for shard in pool.map_unordered(
-                    lambda a, job: a.shard.remote(store_root, key, *job, spec.store.dtype), plan):
-                bar.update(shard["row_stop"] - shard["row_start"])
-                yield shard
-    finally:
-        for a in actors:
-            ray.kill(a)
+def _task_shards(plan, *, spec, model, key, store_root, cache_dir, cpus, max_workers, progress, nodes):
+    """The shards of ``plan`` as Ray tasks (``dense_shard``): every shard is queued at once (at most
+    ``max_workers`` in flight when given), so the stage uses every node present while it runs and an autoscaler
+    sees the demand; results come back in completion order."""
+    per_task, gpus = spec.resources.cpus_per_dense_task, spec.resources.gpus_per_dense_task
+    task = dense_shard.options(num_cpus=per_task, num_gpus=gpus)
+    args = (spec.store.dtype, model, str(cache_dir), spec.data_seed, max(1, int(per_task)), spec.load_kwargs(model))
+    todo, running = list(plan), []
+    limit = max_workers or len(todo)
+    with tqdm(total=sum(b - a for _, a, b in plan), desc=f"dense targets {model} (Ray tasks)", unit="img",
+              disable=not progress, leave=False) as bar:
+        while todo or running:
+            while todo and len(running) < limit:
+                index, start, stop = todo.pop(0)
+                running.append(task.remote(store_root, key, index, start, stop, *args))
+            ready, running = ray.wait(running, num_returns=1)
+            shard, node = ray.get(ready[0])
+            nodes[node] = nodes.get(node, 0) + 1
+            bar.update(shard["row_stop"] - shard["row_start"])
+            yield shard
 
 
 def _calibration_rows(model: str, cache_dir: Path, data_seed: int) -> list[int]:

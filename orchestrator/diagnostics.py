@@ -4,13 +4,14 @@ layer, content-addressed Parquet.
 A diagnostics table is computed only for cells whose pruner needs one (pruners with ``diagnostic_settings``:
 raw_shift, repair_residual, rr), once per distinct identity (model digest, calibration digest, scope, grid,
 images, τ rule), and reused by every later sweep on the same store:
-``<store root>/diagnostics/<key>.parquet`` with columns ``tasks.rr.COLUMNS``. The sweep logs each table as an
+``<store root>/diagnostics/<key>.parquet`` (``<store.uri>/diagnostics/`` when the store is remote, so every node
+reads them without a shared file system) with columns ``tasks.rr.COLUMNS``; the Parquet metadata holds the
+identity and the Ray node ids that computed it (``healsweep.nodes``). The sweep logs each table as an
 artifact of its parent run (``diagnostics/<model>.parquet``) with the tag ``diagnostics_key.<model>``.
 """
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,20 +37,42 @@ class DiagnosticsResult:
     computed_layers: int = 0  # layer tasks run by this call (0 when everything was cached)
     seconds: float = 0.0
 
-    def tables(self, root: Path) -> dict[str, dict[str, list]]:
+    def tables(self, root: str | Path) -> dict[str, dict[str, list]]:
         """{cell_id: columnar table} for PruneContext.diagnostics."""
         cache: dict[str, dict] = {}
         return {cid: cache.setdefault(k, load_table(root, k)) for cid, k in self.keys.items()}
 
 
-def table_path(root: Path, key: str) -> Path:
+def table_name(key: str) -> str:
     if not KEY_RE.match(key):
         raise StoreError(f"invalid diagnostics key {key!r}")
-    return Path(root) / f"{key}.parquet"
+    return f"{key}.parquet"
 
 
-def load_table(root: Path, key: str) -> dict[str, list]:
-    return pq.read_table(table_path(root, key)).to_pydict()
+def table_path(root: Path, key: str) -> Path:
+    """A table's path under a local root."""
+    return Path(root) / table_name(key)
+
+
+def _fs(root: str | Path):
+    from tasks.store._fs import StoreFS
+
+    return StoreFS(root)
+
+
+def has_table(root: str | Path, key: str) -> bool:
+    return _fs(root).size(table_name(key)) is not None
+
+
+def read_table(root: str | Path, key: str) -> pa.Table:
+    raw = _fs(root).read_bytes(table_name(key))
+    if raw is None:
+        raise StoreError(f"diagnostics table {key} not found in {root}")
+    return pq.read_table(pa.BufferReader(raw))
+
+
+def load_table(root: str | Path, key: str) -> dict[str, list]:
+    return read_table(root, key).to_pydict()
 
 
 def diagnostics_identity(cell: Cell, model_digest: str, calib_digest: str) -> dict[str, Any] | None:
@@ -66,7 +89,8 @@ def diagnostics_identity(cell: Cell, model_digest: str, calib_digest: str) -> di
 @ray.remote
 def diagnostics_layer(model: str, cache_dir: str, data_seed: int, scope: str, index: int, grid: list[float],
                       n_images: int, tau: str, threads: int, at: str = "conv") -> list[dict]:
-    """One Ray task: every candidate sparsity of one prunable layer (layer input captured once)."""
+    """One Ray task: every candidate sparsity of one prunable layer (layer input captured once). Each row carries
+    the Ray node id that computed it (``node_id``, dropped before writing; recorded in the table's metadata)."""
     from tasks.models import get_adapter, load_model
     from tasks.pruning.rr import layer_diagnostics
 
@@ -75,22 +99,24 @@ def diagnostics_layer(model: str, cache_dir: str, data_seed: int, scope: str, in
     entry = get_adapter(lm.model).scope(lm.model, scope)[index]
     images = lm.dataset["calibration"].images[:n_images]
     rows = layer_diagnostics(lm.model, entry, images, grid, tau=tau, at=at)
-    return [dict(r, model=model) for r in rows]
+    node = ray.get_runtime_context().get_node_id()
+    return [dict(r, model=model, node_id=node) for r in rows]
 
 
-def _write(root: Path, key: str, rows: list[dict], ident: Mapping[str, Any]) -> None:
-    root.mkdir(parents=True, exist_ok=True)
+def _write(root: str | Path, key: str, rows: list[dict], ident: Mapping[str, Any]) -> None:
+    nodes = sorted({r.pop("node_id", None) or "" for r in rows} - {""})
     table = pa.Table.from_pylist(rows, schema=SCHEMA).replace_schema_metadata(
-        {"healsweep.identity": json.dumps(ident, sort_keys=True)})
-    fd, tmp = tempfile.mkstemp(dir=root, suffix=".tmp")
-    os.close(fd)
-    pq.write_table(table, tmp)
-    os.replace(tmp, table_path(root, key))  # atomic: a table is complete or absent
+        {"healsweep.identity": json.dumps(ident, sort_keys=True), "healsweep.nodes": json.dumps(nodes)})
+    buf = pa.BufferOutputStream()
+    pq.write_table(table, buf)
+    _fs(root).write_atomic(table_name(key), buf.getvalue())  # atomic: a table is complete or absent
 
 
-def diagnostics_stage(cells: list[Cell], models: Mapping[str, Any], root: Path, cache_dir: Path, data_seed: int,
-                      threads: int = 1) -> DiagnosticsResult:
-    """Make sure every diagnostics table the cells need exists under ``root``; compute only missing ones."""
+def diagnostics_stage(cells: list[Cell], models: Mapping[str, Any], root: str | Path, cache_dir: str | Path,
+                      data_seed: int, threads: int = 1, gpus: float = 0.0) -> DiagnosticsResult:
+    """Make sure every diagnostics table the cells need exists under ``root`` (a directory or a store URI);
+    compute only missing ones, one Ray task per layer (``gpus`` per task: placement only, the layer statistics
+    are computed on the CPU)."""
     import time
 
     from tasks.models import MODELS, get_adapter
@@ -109,13 +135,13 @@ def diagnostics_stage(cells: list[Cell], models: Mapping[str, Any], root: Path, 
             res.models.setdefault(c.model, []).append(key)
     jobs: dict[Any, str] = {}
     for key, (c, ident) in idents.items():
-        if table_path(root, key).exists():
+        if has_table(root, key):
             continue
         src = MODELS.get(c.model)
         skeleton = src.build(src.arch)  # only the layer list: no weights needed in the driver
         n_layers = len(get_adapter(skeleton).scope(skeleton, c.scope))
         for i in range(n_layers):
-            ref = diagnostics_layer.options(num_cpus=threads).remote(
+            ref = diagnostics_layer.options(num_cpus=threads, num_gpus=gpus).remote(
                 c.model, str(cache_dir), data_seed, c.scope, i, ident["grid"], ident["diag_images"], ident["tau"],
                 threads, ident["at"])
             jobs[ref] = key
@@ -139,7 +165,7 @@ def log_diagnostics(client, parent_run_id: str, root: Path, res: DiagnosticsResu
             with tempfile.TemporaryDirectory() as d:
                 name = f"{model}.parquet" if i == 0 else f"{model}-{key[:8]}.parquet"
                 dst = Path(d) / name
-                dst.write_bytes(table_path(root, key).read_bytes())
+                dst.write_bytes(_fs(root).read_bytes(table_name(key)))
                 client.log_artifact(parent_run_id, str(dst), "diagnostics")
 
 

@@ -23,51 +23,174 @@ class ModelInfo:
     blocks: tuple[str, ...]
     targets_key: str
     calib_digest: str
+    trained: bool = False  # this call trained it (cold model cache)
 
 
-def prepare_models(spec: SweepSpec, cache_dir: Path, progress: bool = True) -> dict[str, ModelInfo]:
-    """Load (training on first use) every model of the sweep in the driver; derive its target-store key."""
-    out = {}
-    for name in spec.models:
-        lm = load_model(name, cache_dir, data_seed=spec.data_seed, progress=progress, **spec.load_kwargs(name))
-        adapter = get_adapter(lm.model)
-        blocks = [b for b, _ in adapter.blocks(lm.model)] + [LOGITS]
-        calib_digest = lm.dataset.split_digest("calibration")
-        key = content_key(targets_identity(name, lm.digest, lm.dataset.digest, calib_digest, blocks, spec.store.dtype))
-        out[name] = ModelInfo(name, lm.digest, float(lm.info["dense_eval_acc"]),
-                              spec.scope.get(name, adapter.default_scope), tuple(blocks), key, calib_digest)
+def model_info(spec: SweepSpec, name: str, cache: str, progress: bool = False, train: bool | None = None
+               ) -> ModelInfo:
+    """Load (training on first use when ``train`` allows) one model of the sweep; derive its target-store key."""
+    lm = load_model(name, cache, data_seed=spec.data_seed, progress=progress, train=train, **spec.load_kwargs(name))
+    adapter = get_adapter(lm.model)
+    blocks = [b for b, _ in adapter.blocks(lm.model)] + [LOGITS]
+    calib_digest = lm.dataset.split_digest("calibration")
+    key = content_key(targets_identity(name, lm.digest, lm.dataset.digest, calib_digest, blocks, spec.store.dtype))
+    return ModelInfo(name, lm.digest, float(lm.info["dense_eval_acc"]), spec.scope.get(name, adapter.default_scope),
+                     tuple(blocks), key, calib_digest, bool(lm.info.get("trained_now")))
+
+
+def prepare_models(spec: SweepSpec, cache: str | Path, progress: bool = True, on_workers: bool = False
+                   ) -> dict[str, ModelInfo]:
+    """Every model of the sweep. ``on_workers`` (a cluster given by --address): one Ray task per model on a
+    worker, which trains a reference model missing from the cache (``<store.uri>/models`` when the store is
+    remote) once and uploads it; otherwise in this process (local Ray: same machine, no task start-up)."""
+    from tasks.models.reference import publish_checkpoint
+
+    for n in spec.models:  # a remote cache gets the checkpoints this driver's --cache already holds
+        if not spec.load_kwargs(n):
+            publish_checkpoint(n, str(cache), data_seed=spec.data_seed)
+    if not on_workers:
+        return {n: model_info(spec, n, str(cache), progress) for n in spec.models}
+    import ray
+
+    task = ray.remote(_model_info_task).options(num_cpus=spec.resources.cpus_per_dense_task,
+                                                num_gpus=spec.resources.gpus_per_dense_task)
+    refs = [task.remote(spec, n, str(cache)) for n in spec.models]
+    return dict(zip(spec.models, ray.get(refs)))
+
+
+def _model_info_task(spec: SweepSpec, name: str, cache: str) -> ModelInfo:
+    return model_info(spec, name, cache, progress=False, train=True)  # the one place a cluster trains a model
+
+
+@dataclass(frozen=True)
+class MaskJob:
+    """One mask to compute: the cell's pruning settings, its content key and identity, its RR table if any."""
+    key: str
+    ident: dict
+    scope: str
+    pruner: str
+    sparsity: float
+    seed: int
+    settings: dict
+    calib_size: int
+    rr: dict | None = None
+
+
+def compute_masks(model: str, cache: str, data_seed: int, load_kw: dict, jobs: list[MaskJob], mask_root: str,
+                  ranking_dir: str, node: str = "driver", device: str = "cpu") -> list[dict]:
+    """Load ``model`` once, compute every job's masks and write them to the mask store (a directory or a URI),
+    each with its provenance (node id, seconds). The same code in the driver and in a mask task."""
+    import time
+
+
+    masks = MaskStore(mask_root)
+    lm = load_model(model, cache, data_seed=data_seed, progress=False, **load_kw)
+    net = lm.model.to(device)
+    adapter = get_adapter(net)
+    out = []
+    for j in jobs:
+        t0 = time.perf_counter()
+        entries = adapter.scope(net, j.scope)
+        diag = {"rr": j.rr} if j.rr is not None else {}
+        diag["ranking_dir"] = ranking_dir  # cached elastic rankings (snapvit)
+        ctx = PruneContext(net, adapter, entries, calib_images=lm.dataset["calibration"].images[: j.calib_size]
+                           .to(device), diagnostics=diag)
+        m = make_masks(net, entries, j.pruner, j.sparsity, seed=j.seed, settings=j.settings, ctx=ctx)
+        prov = {"node_id": node, "device": device, "seconds": round(time.perf_counter() - t0, 3)}
+        masks.save(j.key, {k: v.cpu() for k, v in m.items()}, {**j.ident, "provenance": prov})
+        out.append({"key": j.key, **prov})
     return out
 
 
-def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: Path, cache_dir: Path,
+def _mask_task(*args) -> list[dict]:
+    import ray
+    import torch
+
+    device = "cuda" if ray.get_gpu_ids() else "cpu"  # a GPU only when the task was given one
+    torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
+    return compute_masks(*args, node=ray.get_runtime_context().get_node_id(), device=device)
+
+
+class MaskResult(dict):
+    """{cell_id: mask key}, with ``computed`` (one dict per mask computed now: key, node_id, device, seconds)
+    and ``placement`` ("driver" | "tasks" | "cached")."""
+
+    def __init__(self, keys: dict[str, str], computed: list[dict], placement: str) -> None:
+        super().__init__(keys)
+        self.computed, self.placement = computed, placement
+
+
+def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: str | Path, cache: str | Path,
                data_seed: int, diagnostics: Mapping[str, Mapping] | None = None,
-               load_kw: Mapping[str, dict] | None = None) -> dict[str, str]:
-    """Compute each distinct mask once (content-addressed); return {cell_id: mask_key}.
-    ``diagnostics``: {cell_id: RR diagnostics table} from orchestrator.diagnostics, for the pruners that read one;
-    ``load_kw``: {model: load_model kwargs} for non-reference model sources."""
+               load_kw: Mapping[str, dict] | None = None, *, ranking_dir: str | Path | None = None,
+               in_driver: bool = True, resources: tuple[float, float] = (1, 0)) -> MaskResult:
+    """Compute each distinct missing mask once (content-addressed). ``in_driver``: in this process, else one Ray
+    task per (model, pruner) with ``resources`` (cpus, gpus) per task; the masks are written to ``mask_root``
+    (``<store.uri>/masks`` when remote) by whoever computes them, and the driver only checks they exist.
+    ``diagnostics``: {cell_id: RR table}; ``load_kw``: {model: load_model kwargs}; ``ranking_dir``: where SnapViT
+    rankings are cached (default: next to ``mask_root``)."""
     masks = MaskStore(mask_root)
-    out: dict[str, str] = {}
-    loaded = {}
+    rank = str(ranking_dir or Path(str(mask_root)).parent / "rankings")
+    keys: dict[str, str] = {}
+    groups: dict[tuple[str, str], dict[str, MaskJob]] = {}
     for c in cells:
         ident = c.mask_identity(models[c.model].digest, models[c.model].calib_digest)
-        key = content_key(ident)
-        out[c.cell_id] = key
+        keys[c.cell_id] = key = content_key(ident)
         if masks.has(key):
             continue
-        if c.model not in loaded:
-            loaded[c.model] = load_model(c.model, cache_dir, data_seed=data_seed, progress=False,
-                                         **(load_kw or {}).get(c.model, {}))
-        lm = loaded[c.model]
-        adapter = get_adapter(lm.model)
-        entries = adapter.scope(lm.model, c.scope)
-        diag = {"rr": diagnostics[c.cell_id]} if diagnostics and c.cell_id in diagnostics else {}
-        diag["ranking_dir"] = (str(Path(cache_dir) / "rankings") if "://" in str(mask_root)  # [cluster] local
-                               else str(Path(mask_root).parent / "rankings"))  # cached elastic rankings (snapvit)
-        ctx = PruneContext(lm.model, adapter, entries, calib_images=lm.dataset["calibration"].images[: c.calib_size],
-                           diagnostics=diag)
-        m = make_masks(lm.model, entries, c.pruner, c.sparsity, seed=c.seed, settings=c.pruner_settings, ctx=ctx)
-        masks.save(key, m, ident)
-    return out
+        rr = diagnostics.get(c.cell_id) if diagnostics else None
+        groups.setdefault((c.model, c.pruner), {})[key] = MaskJob(
+            key, ident, c.scope, c.pruner, c.sparsity, c.seed, dict(c.pruner_settings), c.calib_size, rr)
+    args = [(m, str(cache), data_seed, dict((load_kw or {}).get(m, {})), list(jobs.values()), str(mask_root), rank)
+            for (m, _), jobs in groups.items()]
+    if not args:
+        return MaskResult(keys, [], "cached")
+    if in_driver:
+        return MaskResult(keys, [r for a in args for r in compute_masks(*a)], "driver")
+    import ray
+
+    task = ray.remote(_mask_task).options(num_cpus=resources[0], num_gpus=resources[1])
+    done = ray.get([task.remote(*a) for a in args])
+    missing = [k for part in done for k in (r["key"] for r in part) if not masks.has(k)]
+    if missing:
+        raise RuntimeError(f"mask tasks reported {len(missing)} mask(s) the store at {mask_root} does not hold")
+    return MaskResult(keys, [r for part in done for r in part], "tasks")
+
+
+def store_paths(uri: str | None, store_root: Path, cache_dir: Path) -> dict[str, str]:
+    """Where every stage reads and writes. With a remote ``store.uri`` (s3://, gs://, ...) everything a worker
+    touches is under it: targets at the URI, ``masks/``, ``diagnostics/``, ``rankings/`` and the model cache
+    ``models/`` beside them; this process keeps a local mirror of the model checkpoints in ``cache_dir``.
+    Otherwise the local store root and model cache directory (a file system every node mounts)."""
+    from orchestrator import cluster
+    from tasks.models.reference import set_local_mirror
+
+    if cluster.is_remote(uri):
+        set_local_mirror(cache_dir)
+        sub = {n: cluster.store_subdir(uri, n) for n in ("masks", "diagnostics", "rankings", "models")}
+        return {"targets": uri, "masks": sub["masks"], "diagnostics": sub["diagnostics"],
+                "rankings": sub["rankings"], "cache": sub["models"]}
+    set_local_mirror(None)
+    return {"targets": uri or str(store_root / "targets"), "masks": str(store_root / "masks"),
+            "diagnostics": str(store_root / "diagnostics"), "rankings": str(store_root / "rankings"),
+            "cache": str(cache_dir)}
+
+
+def mask_gpus(res) -> float:
+    """GPUs per mask / diagnostics task: the dense tasks' request, else the trials' (a GPU spec computes its masks
+    on a GPU)."""
+    return res.gpus_per_dense_task or res.gpus_per_trial
+
+
+def masks_in_driver(on_cluster: bool, res) -> tuple[bool, str]:
+    """The mask stage's placement, a named decision (logged as the parent run's ``mask_placement`` tag): on a
+    cluster (--address) or when a GPU is asked, Ray tasks on the workers; on a local Ray without GPUs, in this
+    process (same machine, same code path, no task start-up: issue #18's overhead)."""
+    if on_cluster:
+        return False, "as Ray tasks on the cluster's workers (--address)"
+    if mask_gpus(res) > 0:
+        return False, "as Ray tasks (a GPU is asked for)"
+    return True, "in the driver (local Ray, CPU only: a task would only add start-up time)"
 
 
 def background(fn, *args):

@@ -49,7 +49,8 @@ class _Sweep:
     dense: dict = field(default_factory=dict)
     dense_rep: Any = None
     diag: Any = None
-    mask_keys: dict = field(default_factory=dict)
+    mask_keys: dict = field(default_factory=dict)  # orchestrator.stages.MaskResult: {cell_id: key} + provenance
+    on_cluster: bool = False  # --address given: model, mask and dense work goes to Ray tasks on the workers
     mlflow_ready: Any = None  # joins the thread that opens the tracking store (open_sweep)
     warm: list = field(default_factory=list)  # refs of the worker warm-up tasks (start_ray)
     client: Any = None
@@ -132,23 +133,25 @@ def open_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path
                 "spec": spec.to_dict()}
     write_sweep(out_dir, info)
     cluster.keep_artifacts_inside(info["tracking_uri"], out_dir, spec.mlflow.experiment)  # not $PWD/mlruns
-    paths = {"targets": spec.store.uri or str(store_root / "targets"),
-             "masks": cluster.mask_root(spec.store.uri, str(store_root / "masks")),  # follows a remote store
-             "cache": str(cache_dir), "out": str(out_dir)}
+    from orchestrator.stages import store_paths
+
+    paths = store_paths(spec.store.uri, store_root, cache_dir)
+    paths["out"] = str(out_dir)
     s = _Sweep(spec, out_dir, store_root, cache_dir, info, paths, resume, refine_round, clock)
     s.mlflow_ready = background(open_tracking, info["tracking_uri"], spec.mlflow.experiment)
     return s
 
 
 def models_stage(s: _Sweep, progress: bool) -> None:
-    """Reference models (trained on first use), the cells, rows per model and the store budget's modes."""
+    """Reference models (trained on first use: by one Ray task on a cluster), the cells, rows per model and the
+    store budget's modes."""
     from orchestrator.dense import budget_modes
     from orchestrator.stages import prepare_models
 
-    s.models = prepare_models(s.spec, s.cache_dir, progress=progress)
+    s.models = prepare_models(s.spec, s.paths["cache"], progress=progress, on_workers=s.on_cluster)
     s.cells = expand_cells(s.spec, {m: i.scope for m, i in s.models.items()})
     s.rows = {m: max(c.calib_size for c in s.cells if c.model == m) for m in s.models}
-    s.modes = budget_modes(s.spec, s.models, s.rows, s.paths["targets"], s.cache_dir)  # refuses before compute
+    s.modes = budget_modes(s.spec, s.models, s.rows, s.paths["targets"], s.paths["cache"])  # refuses before compute
     (s.out_dir / "targets.json").write_text(json.dumps(  # for `healsweep store gc --keep-referenced`
         {"store": s.paths["targets"], "keys": {m: i.targets_key for m, i in s.models.items()}, "modes": s.modes},
         indent=1))
@@ -166,31 +169,38 @@ def dense_and_masks(s: _Sweep, progress: bool) -> None:
     """Dense targets (only what the store lacks), RR diagnostics (cached), masks (content-addressed)."""
     from orchestrator.dense import DenseReport
     from orchestrator.diagnostics import diagnostics_stage
-    from orchestrator.stages import dense_stage, mask_stage
+    from orchestrator.stages import dense_stage, mask_gpus, mask_stage, masks_in_driver
 
     spec, clock = s.spec, s.clock
     need = ", ".join(f"{m} {n} images" for m, n in s.rows.items())
     with clock.stage("dense", f"dense targets: {need} (computing only what the store lacks)"):
         s.dense_rep = DenseReport()
-        s.dense = dense_stage(spec, s.models, s.rows, s.paths["targets"], s.cache_dir, progress=progress,
-                              skip=tuple(m for m, v in s.modes.items() if v == "recompute"), report=s.dense_rep)
+        s.dense = dense_stage(spec, s.models, s.rows, s.paths["targets"], s.paths["cache"], progress=progress,
+                              skip=tuple(m for m, v in s.modes.items() if v == "recompute"), report=s.dense_rep,
+                              in_driver=False if s.on_cluster else None)  # on a cluster: tasks on the workers
     computed = sum(s.dense.values())
     from orchestrator.resume import record_dense
 
     s.dense_total = record_dense(s.out_dir, s.info, s.session, computed)  # every session's images, kept in sweep.json
     clock.say(f"[dense] {computed} images computed, {sum(s.rows.values()) - computed} read from the store"
               if computed <= sum(s.rows.values()) else f"[dense] {computed} images computed")
-    diag_root = s.store_root / "diagnostics"
+    diag_root, res = s.paths["diagnostics"], spec.resources
     with clock.stage("diagnostics"):
-        s.diag = diagnostics_stage(s.cells, s.models, diag_root, s.cache_dir, spec.data_seed,
-                                   int(spec.resources.cpus_per_dense_task))
+        s.diag = diagnostics_stage(s.cells, s.models, diag_root, s.paths["cache"], spec.data_seed,
+                                   int(res.cpus_per_dense_task))  # CPU: tasks.pruning.rr builds CPU tensors
     if s.diag.keys:
         clock.say(f"[diagnostics] RR tables for {len(s.diag.models)} model(s), {s.diag.computed_layers} layers "
                   "computed")
+    in_driver, why = masks_in_driver(s.on_cluster, res)
     with clock.stage("masks", f"masks: {len(s.cells)} cells ({', '.join(sorted({c.pruner for c in s.cells}))})"):
-        s.mask_keys = mask_stage(s.cells, s.models, s.paths["masks"], s.cache_dir, spec.data_seed,  # may be a URI
+        s.mask_keys = mask_stage(s.cells, s.models, s.paths["masks"], s.paths["cache"], spec.data_seed,
                                  diagnostics=s.diag.tables(diag_root),
-                                 load_kw={m: spec.load_kwargs(m) for m in s.models})
+                                 load_kw={m: spec.load_kwargs(m) for m in s.models}, ranking_dir=s.paths["rankings"],
+                                 in_driver=in_driver, resources=(res.cpus_per_dense_task, mask_gpus(res)))
+    if s.mask_keys.computed:
+        nodes = sorted({r["node_id"] for r in s.mask_keys.computed})
+        clock.say(f"[masks] {len(s.mask_keys.computed)} computed {why}"
+                  + (f" on node(s) {', '.join(n[:12] for n in nodes)}" if not in_driver else ""))
 
 
 def parent_run(s: _Sweep) -> None:
@@ -216,21 +226,28 @@ def parent_run(s: _Sweep) -> None:
             client.log_text(info["parent_run_id"], spec_json, f"refine_{s.refine_round}/spec.json")
         reconcile(client, experiment_id(client, spec.mlflow.experiment), info["sweep_id"], s.journal)
     s.parent = info["parent_run_id"]
-    diag_root = s.store_root / "diagnostics"
+    diag_root = s.paths["diagnostics"]
+    if s.mask_keys.computed:  # where this session's masks were computed (node ids; "driver" in-process)
+        client.set_tag(s.parent, f"mask_placement_{s.session}", s.mask_keys.placement)
+        client.set_tag(s.parent, f"mask_nodes_{s.session}",
+                       ",".join(sorted({r["node_id"] for r in s.mask_keys.computed})))
     log_diagnostics(client, s.parent, diag_root, s.diag)
     if s.diag.models:  # LAMP allocations need weights: computed here, read back by the report's CTS section
         _log_lamp(s, diag_root)
+    if s.dense_rep.nodes:  # where this session's dense shards were computed (Ray node id: shards)
+        client.set_tag(s.parent, f"dense_nodes_{s.session}",
+                       ",".join(f"{n}:{k}" for n, k in sorted(s.dense_rep.nodes.items())))
     if s.dense_rep.events:  # damaged shards found and recomputed
         client.log_text(s.parent, "\n".join(s.dense_rep.events) + "\n", f"store_events_{s.session}.txt")
 
 
-def _log_lamp(s: _Sweep, diag_root: Path) -> None:
+def _log_lamp(s: _Sweep, diag_root: str) -> None:
     from analysis.cts import CTSSettings
     from orchestrator.diagnostics import log_lamp_allocations
     from tasks.models import load_model
 
     def weights_of(m):
-        lm = load_model(m, s.cache_dir, data_seed=s.spec.data_seed, progress=False, **s.spec.load_kwargs(m))
+        lm = load_model(m, s.paths["cache"], data_seed=s.spec.data_seed, progress=False, **s.spec.load_kwargs(m))
         return {k: v.detach() for k, v in lm.model.named_parameters()}
 
     log_lamp_allocations(s.client, s.parent, diag_root, s.diag, weights_of, CTSSettings().targets)
@@ -339,6 +356,7 @@ def summary_stage(s: _Sweep, t_start: float) -> tuple[int, int, float]:
         "trials_finished": finished, "trials_failed": failed,
         "trials_run": logger_cb.finished + logger_cb.failed, "trials_rerun": len(t["searcher"].rerun),
         "sweep_seconds": seconds, "tune_seconds": t["seconds"], "concurrency": t["concurrency"],
+        "models_trained": sum(i.trained for i in s.models.values()), "masks_computed": len(s.mask_keys.computed),
         "diagnostics_layers_computed": diag.computed_layers, "diagnostics_seconds": diag.seconds,
         "dense_shards_computed": sum(s.dense_rep.shards.values()), "store_integrity_events": len(s.dense_rep.events),
         "mlflow_callback_seconds": logger_cb.callback_seconds, "mlflow_writer_seconds": writer.write_seconds,
@@ -367,8 +385,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
     cluster.check_store_uri(spec.store.uri)  # one line for an unreachable endpoint / missing bucket
     clock = clock or StageClock(enabled=progress)
     s = open_sweep(spec, out_dir, store_root, cache_dir, resume, refine_round, clock)
-    with clock.stage("models", f"models: {', '.join(spec.models)} (loaded from the cache, trained on first use)"):
-        models_stage(s, progress)
+    s.on_cluster = bool(address)
     with clock.stage("ray", f"ray: {'attaching to ' + address if address else 'starting a local instance'}"):
         started_ray = start_ray(address, num_cpus, verbose)
         if started_ray and not address and spec.resources.gpus_per_trial == 0:  # our local instance only
@@ -381,6 +398,9 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
         import ray
 
         cluster.check_fits(spec.resources.peak_request(), ray.nodes(), autoscaling=bool(address))  # else Tune waits
+        with clock.stage("models", f"models: {', '.join(spec.models)} (loaded from the cache, trained on first use"
+                         + (" by a Ray task)" if address else ")")):
+            models_stage(s, progress)
         dense_and_masks(s, progress)
         with clock.stage("parent"):
             parent_run(s)

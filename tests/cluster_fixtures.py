@@ -40,20 +40,25 @@ def start_scrubbed(fn, *a, **kw):
         os.environ.update(saved)
 
 
-@pytest.fixture
-def ray_cluster(monkeypatch):
-    """A 1-CPU head (cluster_utils), driver not connected. Add nodes with add_node() from the MAIN thread."""
+def make_cluster(monkeypatch, head_cpus: int):
+    """A cluster_utils cluster with a ``head_cpus``-CPU head; yields it and shuts it down."""
     import ray
     from ray.cluster_utils import Cluster
 
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     monkeypatch.delenv("TUNE_MAX_PENDING_TRIALS_PG", raising=False)
-    cluster = start_scrubbed(Cluster, initialize_head=True, head_node_args={"num_cpus": 1, **NODE_ARGS})
+    cluster = start_scrubbed(Cluster, initialize_head=True, head_node_args={"num_cpus": head_cpus, **NODE_ARGS})
     try:
         yield cluster
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+@pytest.fixture
+def ray_cluster(monkeypatch):
+    """A 1-CPU head (cluster_utils), driver not connected. Add nodes with add_node() from the MAIN thread."""
+    yield from make_cluster(monkeypatch, 1)
 
 
 def add_node(cluster, **node_args):

@@ -135,27 +135,110 @@ def weights_digest(state: dict[str, torch.Tensor]) -> str:
 
 
 REQUIRE_CACHED_ENV = "HEALSWEEP_REQUIRE_CACHED_MODELS"  # set for cluster workers by orchestrator/cluster.py
+MIRROR_ENV = "HEALSWEEP_MODEL_MIRROR"  # a node's local copy of a remote model cache (never passed to workers)
+_MIRROR: list[Path] = []  # set by the driver (set_local_mirror): its --cache directory
+
+
+def set_local_mirror(path: str | os.PathLike | None) -> None:
+    """This process's local directory for checkpoints of a remote model cache (the driver's --cache)."""
+    _MIRROR[:] = [Path(path)] if path else []
+
+
+def is_remote_cache(cache: str | os.PathLike) -> bool:
+    s = os.fspath(cache)
+    return "://" in s and not s.startswith("file://")
+
+
+def local_mirror() -> Path:
+    """Where this node keeps checkpoints of a remote model cache: set_local_mirror's, else $HEALSWEEP_MODEL_MIRROR,
+    else <tmp>/healsweep-models-<uid>."""
+    if _MIRROR:
+        return _MIRROR[0]
+    env = os.environ.get(MIRROR_ENV)
+    import tempfile
+
+    return Path(env) if env else Path(tempfile.gettempdir()) / f"healsweep-models-{os.getuid()}"
+
+
+def _checkpoint(cache_dir: str | os.PathLike, fname: str) -> tuple[Path, object | None]:
+    """(local path, remote StoreFS or None). A remote cache (``<store.uri>/models``) is read through a local
+    mirror: a checkpoint missing locally is downloaded once; one trained here is uploaded."""
+    s = os.fspath(cache_dir)
+    if not is_remote_cache(s):
+        return Path(s[len("file://"):] if s.startswith("file://") else s) / fname, None
+    from tasks.store._fs import StoreFS
+
+    remote = StoreFS(s)
+    local = local_mirror() / fname
+    if not local.exists():
+        raw = remote.read_bytes(fname)
+        if raw is not None:
+            atomic_write(local, lambda tmp: Path(tmp).write_bytes(raw))
+    return local, remote
+
+
+def has_checkpoint(name: str, cache_dir: str | os.PathLike, *, data_seed: int = 0, train_seed: int = 0) -> bool:
+    """Whether the model cache (local directory or remote URI) holds ``name``'s checkpoint; nothing downloaded."""
+    fname = _checkpoint_name(name, data_seed, train_seed)
+    s = os.fspath(cache_dir)
+    if not is_remote_cache(s):
+        return _checkpoint(s, fname)[0].exists()
+    from tasks.store._fs import StoreFS
+
+    return StoreFS(s).size(fname) is not None
+
+
+def publish_checkpoint(name: str, cache_uri: str, *, data_seed: int = 0, train_seed: int = 0) -> bool:
+    """Seed a remote model cache from this node's local mirror: upload ``name``'s checkpoint when the mirror has it
+    and the remote lacks it (the driver's --cache already holds a trained model: no worker retrains it).
+    -> True when uploaded."""
+    if not is_remote_cache(cache_uri):
+        return False
+    from tasks.store._fs import StoreFS
+
+    fname, remote = _checkpoint_name(name, data_seed, train_seed), StoreFS(cache_uri)
+    local = local_mirror() / fname
+    if remote.size(fname) is not None or not local.is_file():
+        return False
+    remote.write_atomic(fname, local.read_bytes())
+    return True
+
+
+def _model_key(name: str, dataset_digest: str, train_seed: int) -> str:
+    src = MODELS.get(name)
+    return content_key({"model": name, "arch": src.arch, "recipe": asdict(src.recipe), "dataset": dataset_digest,
+                        "seed": train_seed})
+
+
+def _checkpoint_name(name: str, data_seed: int, train_seed: int) -> str:
+    data = load_dataset(MODELS.get(name).dataset, seed=data_seed)
+    return f"{name}-{_model_key(name, data.digest, train_seed)}.safetensors"
 
 
 def load_reference(name: str, cache_dir: str | os.PathLike, *, data_seed: int = 0, train_seed: int = 0,
-                   progress: bool = True) -> LoadedModel:
+                   progress: bool = True, train: bool | None = None) -> LoadedModel:
     """A registered reference model with its dataset splits, trained and cached on first use
-    (content-addressed by architecture, recipe, dataset digest and seed)."""
+    (content-addressed by architecture, recipe, dataset digest and seed). ``cache_dir``: a local directory or
+    a remote URI (``s3://.../models``: read through :func:`local_mirror`, a model trained here is uploaded).
+    ``train``: whether a missing checkpoint may be trained here (default: unless $HEALSWEEP_REQUIRE_CACHED_MODELS
+    is 1, as on cluster workers, where one Ray task trains it for everyone)."""
     src = MODELS.get(name)
     data = load_dataset(src.dataset, seed=data_seed)
-    key = content_key({"model": name, "arch": src.arch, "recipe": asdict(src.recipe),
-                       "dataset": data.digest, "seed": train_seed})
-    path = Path(cache_dir) / f"{name}-{key}.safetensors"
+    key = _model_key(name, data.digest, train_seed)
+    path, remote = _checkpoint(cache_dir, f"{name}-{key}.safetensors")
     torch.manual_seed(train_seed)
     model = src.build(src.arch)
+    if train is None:
+        train = os.environ.get(REQUIRE_CACHED_ENV) != "1"
     if path.exists():
         model.load_state_dict(load_file(path))
         with open(path, "rb") as f:  # safetensors header: 8-byte length + JSON
             header_len = int.from_bytes(f.read(8), "little")
             meta = json.loads(json.loads(f.read(header_len))["__metadata__"]["meta"])
-    elif os.environ.get(REQUIRE_CACHED_ENV) == "1":  # a cluster worker: the driver trained it; never retrain here
-        raise FileNotFoundError(f"reference model {name} is not in the model cache {path} on this node: the cache "
-                                "(--cache) must be on a file system every node mounts")
+    elif not train:  # a cluster worker: one task trained it into the shared cache; never retrain here
+        where = cache_dir if remote is not None else path
+        raise FileNotFoundError(f"reference model {name} is not in the model cache {where} on this node: the cache "
+                                "(--cache) must be on a file system every node mounts, or give store.uri")
     else:
         import time
 
@@ -165,5 +248,8 @@ def load_reference(name: str, cache_dir: str | os.PathLike, *, data_seed: int = 
         meta = {"model": name, "key": key, "train_seconds": round(time.perf_counter() - t0, 2),
                 "dense_eval_acc": accuracy(model, ev.images, ev.labels)}
         _atomic_save(model.state_dict(), path, meta)
+        if remote is not None:
+            remote.write_atomic(path.name, path.read_bytes())
+        meta = {**meta, "trained_now": True}  # not in the file: tells the caller this call trained it
     model.eval()
     return LoadedModel(name, model, weights_digest(model.state_dict()), data, meta)

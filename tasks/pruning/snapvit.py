@@ -3,8 +3,8 @@ every sparsity is a threshold (prefix) of it, so the masks of a grid are nested 
 
 Cache: content-addressed by sha256 of the model's state_dict bytes, the calibration images' bytes, the unit
 layout, the resolved settings and the seed. Kept in process memory (a few entries) and, when the prune context
-carries ``diagnostics["ranking_dir"]`` (the sweep's mask stage sets <store>/rankings), on disk as
-<ranking_dir>/<key>.safetensors (tensors + JSON metadata; never pickle).
+carries ``diagnostics["ranking_dir"]`` (the sweep's mask stage sets <store>/rankings, or <store.uri>/rankings when
+the store is remote), as <ranking_dir>/<key>.safetensors (tensors + JSON metadata; never pickle).
 """
 from __future__ import annotations
 
@@ -58,7 +58,22 @@ def _path(root: str | os.PathLike, key: str) -> Path:
     return p
 
 
-def save_ranking(root: str | os.PathLike, key: str, r: snapvit.Ranking) -> Path:
+def _remote(root: str | os.PathLike):
+    """A StoreFS for a remote ranking root (``<store.uri>/rankings``: s3://, gs://, ...), else None."""
+    s = os.fspath(root)
+    if "://" not in s or s.startswith("file://"):
+        return None
+    from tasks.store._fs import StoreFS
+
+    return StoreFS(s)
+
+
+def save_ranking(root: str | os.PathLike, key: str, r: snapvit.Ranking) -> Path | str:
+    fs = _remote(root)
+    if fs is not None:  # written locally, then moved onto the store (atomic there too)
+        with tempfile.TemporaryDirectory() as d:
+            fs.write_atomic(_path(d, key).name, save_ranking(d, key, r).read_bytes())
+        return fs.path(_path(".", key).name)
     final = _path(root, key)
     final.parent.mkdir(parents=True, exist_ok=True)
     meta = {"format": RANKING_FORMAT, "fitness": r.fitness, "history": r.history, "layout": r.layout}
@@ -75,6 +90,14 @@ def save_ranking(root: str | os.PathLike, key: str, r: snapvit.Ranking) -> Path:
 
 
 def load_ranking(root: str | os.PathLike, key: str) -> snapvit.Ranking | None:
+    fs = _remote(root)
+    if fs is not None:
+        raw = fs.read_bytes(_path(".", key).name)
+        if raw is None:
+            return None
+        with tempfile.TemporaryDirectory() as d:
+            Path(d, f"{key}.safetensors").write_bytes(raw)
+            return load_ranking(d, key)
     p = _path(root, key)
     if not p.is_file():
         return None

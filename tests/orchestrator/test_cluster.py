@@ -15,6 +15,8 @@ from orchestrator.spec import parse_spec
 def test_worker_env_takes_the_sweeps_variables_and_leaves_the_jobs_own_to_the_job():
     env = {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "MLFLOW_TRACKING_URI": "http://m:5000",
            "HF_TOKEN": "t", "HOME": "/root", "PATH": "/bin", "TORCH_HOME": "/c", "AWSX": "no",
+           "HEALSWEEP_MODEL_MIRROR": "/driver/cache",  # a node-local path: never the workers'
+
            "RAY_JOB_CONFIG_JSON_ENV_VAR": json.dumps({"runtime_env": {"env_vars": {"HF_TOKEN": "job"}}})}
     assert worker_env(env) == {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
                                "MLFLOW_TRACKING_URI": "http://m:5000", "TORCH_HOME": "/c"}
