@@ -43,7 +43,7 @@ INT_COLUMNS = ("calib_size", "epochs", "batch_size", "seed", "optuna_trial", "st
 OBJECTIVE_MODES = {"selection_acc": "max", "heldout_align": "min"}
 METRIC_COLUMNS = (
     "dense_acc", "pruned_acc", "healed_acc", "retention", "heal_seconds",
-    "dense_forward_images", "mask_violations", "achieved_sparsity", "selection_acc", "align_loss",
+    "dense_forward_images", "mask_violations", "achieved_sparsity", "selection_acc", "train_loss",
 )
 FAILED_STATUSES = ("FAILED", "KILLED")
 

@@ -40,7 +40,7 @@ def _loaded(model: str, cache_dir: str, data_seed: int, load_kw: dict, device: s
 
 
 @ray.remote
-def dense_shard(store_root: str, key: str, index: int, start: int, stop: int, dtype: str, model: str,
+def dense_shard(store_uri: str, key: str, index: int, start: int, stop: int, dtype: str, model: str,
                 cache_dir: str, data_seed: int, threads: int, load_kw: dict) -> tuple[dict, str]:
     """One Ray task: calibration rows [start, stop) of ``model`` written as one shard. Tasks (not a fixed actor
     pool) so queued shards go to whatever node has room, including nodes that join mid-stage; the model is loaded
@@ -49,7 +49,7 @@ def dense_shard(store_root: str, key: str, index: int, start: int, stop: int, dt
     device = "cuda" if ray.get_gpu_ids() else "cpu"  # a GPU only when the task was given one
     net, images, blocks = _loaded(model, cache_dir, data_seed, load_kw or {}, device)
     targets = dense_targets(net, blocks, images[start:stop].to(device), dtype=getattr(torch, dtype))
-    info = TargetStore(store_root).write_shard(key, index, start, {k: v.cpu() for k, v in targets.items()})
+    info = TargetStore(store_uri).write_shard(key, index, start, {k: v.cpu() for k, v in targets.items()})
     return info, ray.get_runtime_context().get_node_id()
 
 
@@ -61,14 +61,14 @@ class DenseReport:
     nodes: dict[str, int] = field(default_factory=dict)  # Ray node id -> shards its tasks computed now
 
 
-def dense_stage(spec, models: Mapping, rows: Mapping[str, int], store_root: str | Path, cache_dir: Path,
+def dense_stage(spec, models: Mapping, rows: Mapping[str, int], store_uri: str | Path, cache_dir: Path,
                 progress: bool = True, *, max_workers: int | None = None, skip: tuple[str, ...] = (),
                 report: DenseReport | None = None, in_driver: bool | None = None) -> dict[str, int]:
     """Make every model's key (except ``skip``) hold at least ``rows[model]`` rows; compute only what is
     missing or damaged. Returns {model: dense forward images computed now}; ``report`` gets the details.
     ``in_driver``: compute in this process (True) or as Ray tasks (False); default: in this process
     when the work is small (``LOCAL_MAX_IMAGE_PARAMS``) and no GPU is asked for dense tasks."""
-    store = TargetStore(store_root)
+    store = TargetStore(store_uri)
     rep = report if report is not None else DenseReport()
     cpus = int(ray.cluster_resources().get("CPU", 1)) if ray.is_initialized() else 1
     for m, info in models.items():
@@ -77,9 +77,9 @@ def dense_stage(spec, models: Mapping, rows: Mapping[str, int], store_root: str 
             continue
 
         run_shards = partial(_run_shards, in_driver=in_driver, n_rows=rows[m], spec=spec, model=m,
-                             key=info.targets_key, store_root=str(store_root), cache_dir=cache_dir, cpus=cpus,
+                             key=info.store_key, store_uri=str(store_uri), cache_dir=cache_dir, cpus=cpus,
                              max_workers=max_workers, progress=progress, nodes=rep.nodes)
-        res = ensure_targets(store, info.targets_key, rows[m], spec.store.shard_size, run_shards,
+        res = ensure_targets(store, info.store_key, rows[m], spec.store.shard_size, run_shards,
                              meta={"model": m, "model_digest": info.digest, "calibration": info.calib_digest,
                                    "shard_size": spec.store.shard_size, "blocks": list(info.blocks)},
                              dtype=spec.store.dtype, calibration_rows=_calibration_rows(m, cache_dir, spec.data_seed))
@@ -100,11 +100,11 @@ def _run_shards(plan, *, in_driver: bool | None, n_rows: int, **kw):
     yield from (_local_shards if local else _task_shards)(plan, **kw)
 
 
-def _local_shards(plan, *, spec, model, key, store_root, cache_dir, cpus, max_workers, progress, nodes):
+def _local_shards(plan, *, spec, model, key, store_uri, cache_dir, cpus, max_workers, progress, nodes):
     """The shards of ``plan`` computed one after another in this process (same code as ``dense_shard``)."""
     lm = load_model(model, cache_dir, data_seed=spec.data_seed, progress=False, **spec.load_kwargs(model))
     blocks, images, store = get_adapter(lm.model).blocks(lm.model), lm.dataset["calibration"].images, \
-        TargetStore(store_root)
+        TargetStore(store_uri)
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, int(spec.resources.cpus_per_dense_task)))  # as a dense task: same numbers
     try:
@@ -119,7 +119,7 @@ def _local_shards(plan, *, spec, model, key, store_root, cache_dir, cpus, max_wo
         torch.set_num_threads(threads)
 
 
-def _task_shards(plan, *, spec, model, key, store_root, cache_dir, cpus, max_workers, progress, nodes):
+def _task_shards(plan, *, spec, model, key, store_uri, cache_dir, cpus, max_workers, progress, nodes):
     """The shards of ``plan`` as Ray tasks (``dense_shard``): every shard is queued at once (at most
     ``max_workers`` in flight when given), so the stage uses every node present while it runs and an autoscaler
     sees the demand; results come back in completion order."""
@@ -133,7 +133,7 @@ def _task_shards(plan, *, spec, model, key, store_root, cache_dir, cpus, max_wor
         while todo or running:
             while todo and len(running) < limit:
                 index, start, stop = todo.pop(0)
-                running.append(task.remote(store_root, key, index, start, stop, *args))
+                running.append(task.remote(store_uri, key, index, start, stop, *args))
             ready, running = ray.wait(running, num_returns=1)
             shard, node = ray.get(ready[0])
             nodes[node] = nodes.get(node, 0) + 1
@@ -160,7 +160,7 @@ def row_bytes(model: str, cache_dir: Path, data_seed: int, dtype: str) -> int:
     return sum(v[0].numel() * v.element_size() for v in t.values())
 
 
-def budget_modes(spec, models: Mapping, rows: Mapping[str, int], store_root: str | Path, cache_dir: Path
+def budget_modes(spec, models: Mapping, rows: Mapping[str, int], store_uri: str | Path, cache_dir: Path
                  ) -> dict[str, str]:
     """{model: "store" | "recompute"} under ``spec.store.budget_gb``; StoreBudgetError (one line) when over
     budget and ``on_budget`` is refuse. Keys already holding enough rows cost nothing new."""
@@ -168,12 +168,12 @@ def budget_modes(spec, models: Mapping, rows: Mapping[str, int], store_root: str
     budget = spec.store.budget_gb
     if budget is None:
         return modes
-    store = TargetStore(store_root)
-    ours = {info.targets_key for info in models.values()}
+    store = TargetStore(store_uri)
+    ours = {info.store_key for info in models.values()}
     used = sum(store.key_bytes(k) for k in store.keys() if k not in ours)
     for m, info in models.items():
         try:
-            man = store.manifest(info.targets_key)
+            man = store.manifest(info.store_key)
         except StoreError:  # damaged: the dense stage quarantines and rebuilds it (counted as all new)
             man = None
         need = max(rows[m], man["num_rows"] if man else 0) * row_bytes(m, cache_dir, spec.data_seed, spec.store.dtype)

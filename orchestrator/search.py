@@ -152,7 +152,7 @@ class PerCellOptunaSearch(Searcher):
             params["epochs"] = resolve_epochs(params["steps"], cell["calib_size"], cell.get("batch_size", 32))
         self._live[trial_id] = (cell_id, number)
         return {**cell, **self._asha_epochs, **params, "optuna_trial": number,
-                "trial_key": f"{cell_id}-{number}"}
+                "trial_id": f"{cell_id}-{number}"}
 
     def _report(self, trial_id: str, result: Mapping[str, Any] | None) -> None:
         if trial_id in self._live and result and self.metric in result and "epoch" in result \

@@ -21,7 +21,7 @@ class ModelInfo:
     dense_acc: float
     scope: str
     blocks: tuple[str, ...]
-    targets_key: str
+    store_key: str
     calib_digest: str
     trained: bool = False  # this call trained it (cold model cache)
 
@@ -157,7 +157,7 @@ def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: st
     return MaskResult(keys, [r for part in done for r in part], "tasks")
 
 
-def store_paths(uri: str | None, store_root: Path, cache_dir: Path) -> dict[str, str]:
+def store_paths(uri: str | None, store_dir: Path, cache_dir: Path) -> dict[str, str]:
     """Where every stage reads and writes. With a remote ``store.uri`` (s3://, gs://, ...) everything a worker
     touches is under it: targets at the URI, ``masks/``, ``diagnostics/``, ``rankings/`` and the model cache
     ``models/`` beside them; this process keeps a local mirror of the model checkpoints in ``cache_dir``.
@@ -171,8 +171,8 @@ def store_paths(uri: str | None, store_root: Path, cache_dir: Path) -> dict[str,
         return {"targets": uri, "masks": sub["masks"], "diagnostics": sub["diagnostics"],
                 "rankings": sub["rankings"], "cache": sub["models"]}
     set_local_mirror(None)
-    return {"targets": uri or str(store_root / "targets"), "masks": str(store_root / "masks"),
-            "diagnostics": str(store_root / "diagnostics"), "rankings": str(store_root / "rankings"),
+    return {"targets": uri or str(store_dir / "targets"), "masks": str(store_dir / "masks"),
+            "diagnostics": str(store_dir / "diagnostics"), "rankings": str(store_dir / "rankings"),
             "cache": str(cache_dir)}
 
 

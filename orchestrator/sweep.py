@@ -35,7 +35,7 @@ class _Sweep:
     """What the stages hand each other."""
     spec: SweepSpec
     out_dir: Path
-    store_root: Path
+    store_dir: Path
     cache_dir: Path
     info: dict
     paths: dict
@@ -70,14 +70,14 @@ class _Sweep:
 
 
 def _trial_name(trial) -> str:
-    return f"{trial.config.get('trial_key', 'trial')}-{trial.trial_id}"
+    return f"{trial.config.get('trial_id', 'trial')}-{trial.trial_id}"
 
 
-def _trial_config(c: Cell, spec: SweepSpec, paths: dict, targets_key: str, mask_key: str, default_gran: str,
+def _trial_config(c: Cell, spec: SweepSpec, paths: dict, store_key: str, mask_key: str, default_gran: str,
                   threads: int, device: str, target_mode: str = "store") -> dict:
-    return {**asdict(c), "plugins": list(spec.plugins), "targets_key": targets_key, "mask_key": mask_key,
+    return {**asdict(c), "plugins": list(spec.plugins), "store_key": store_key, "mask_key": mask_key,
             "default_granularity": default_gran, "target_mode": target_mode, "target_dtype": spec.store.dtype,
-            "store_root": paths["targets"], "mask_root": paths["masks"], "cache_dir": paths["cache"],
+            "store_uri": paths["targets"], "mask_root": paths["masks"], "cache_dir": paths["cache"],
             "data_seed": spec.data_seed, "batch_size": spec.heal.batch_size, "weight_decay": spec.heal.weight_decay,
             "lr_min": spec.heal.lr_min, "threads": threads, "device": device,
             "load_kw": spec.load_kwargs(c.model), "out_dir": paths.get("out", ""),
@@ -108,14 +108,14 @@ def drop_epoch_checkpoints(experiment_dir: Path) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ stages
-def open_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path, resume: bool,
+def open_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, resume: bool,
                refine_round: int | None, clock: StageClock) -> _Sweep:
     """A new sweep (fresh sweep id, tracking URI) or the one recorded in ``out_dir`` (resume / refine)."""
     from orchestrator import cluster
     from orchestrator.resume import JOURNAL_FILE, ResumeError, lock_run_dir, read_sweep, write_sweep
     from orchestrator.stages import background, open_tracking
 
-    out_dir, store_root, cache_dir = (Path(p).resolve() for p in (out_dir, store_root, cache_dir))
+    out_dir, store_dir, cache_dir = (Path(p).resolve() for p in (out_dir, store_dir, cache_dir))
     lock_run_dir(out_dir)  # one driver per run directory (RunLockedError while another live driver holds it)
     resume = resume or refine_round is not None
     if resume:
@@ -129,15 +129,15 @@ def open_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path
         tracking_uri = (spec.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
                         or f"sqlite:///{out_dir / 'mlflow.db'}")
         info = {"sweep_id": uuid.uuid4().hex[:12], "name": spec.name, "tracking_uri": tracking_uri,
-                "experiment": spec.mlflow.experiment, "store": str(store_root), "cache": str(cache_dir),
+                "experiment": spec.mlflow.experiment, "store": str(store_dir), "cache": str(cache_dir),
                 "spec": spec.to_dict()}
     write_sweep(out_dir, info)
     cluster.keep_artifacts_inside(info["tracking_uri"], out_dir, spec.mlflow.experiment)  # not $PWD/mlruns
     from orchestrator.stages import store_paths
 
-    paths = store_paths(spec.store.uri, store_root, cache_dir)
+    paths = store_paths(spec.store.uri, store_dir, cache_dir)
     paths["out"] = str(out_dir)
-    s = _Sweep(spec, out_dir, store_root, cache_dir, info, paths, resume, refine_round, clock)
+    s = _Sweep(spec, out_dir, store_dir, cache_dir, info, paths, resume, refine_round, clock)
     s.mlflow_ready = background(open_tracking, info["tracking_uri"], spec.mlflow.experiment)
     return s
 
@@ -153,7 +153,7 @@ def models_stage(s: _Sweep, progress: bool) -> None:
     s.rows = {m: max(c.calib_size for c in s.cells if c.model == m) for m in s.models}
     s.modes = budget_modes(s.spec, s.models, s.rows, s.paths["targets"], s.paths["cache"])  # refuses before compute
     (s.out_dir / "targets.json").write_text(json.dumps(  # for `healsweep store gc --keep-referenced`
-        {"store": s.paths["targets"], "keys": {m: i.targets_key for m, i in s.models.items()}, "modes": s.modes},
+        {"store": s.paths["targets"], "keys": {m: i.store_key for m, i in s.models.items()}, "modes": s.modes},
         indent=1))
 
 
@@ -215,7 +215,7 @@ def parent_run(s: _Sweep) -> None:
     if info.get("parent_run_id") is None:
         info["parent_run_id"] = start_parent(client, spec.mlflow.experiment, info["sweep_id"], spec.name, {
             "spec_name": spec.name, "cells": len(s.cells), "trials_per_cell": spec.search.trials_per_cell,
-            "models": ",".join(spec.models), "objective": spec.search.objective, "store": str(s.store_root),
+            "models": ",".join(spec.models), "objective": spec.search.objective, "store": str(s.store_dir),
             "scheduler": spec.search.scheduler, "grids": ",".join(["main", *(g.name for g in spec.grids)])})
         client.log_text(info["parent_run_id"], spec_json, "spec.json")
         write_sweep(s.out_dir, info)
@@ -297,7 +297,7 @@ def tune_stage(s: _Sweep, progress: bool) -> None:
     with clock.stage("tune_start"):
         gran = {m: get_adapter(untrained(spec, m)).default_granularity for m in s.models}
         threads, device = max(1, int(spec.resources.cpus_per_trial)), "cuda" if spec.resources.gpus_per_trial else "cpu"
-        configs = [_trial_config(c, spec, s.paths, s.models[c.model].targets_key, s.mask_keys[c.cell_id],
+        configs = [_trial_config(c, spec, s.paths, s.models[c.model].store_key, s.mask_keys[c.cell_id],
                                  gran[c.model], threads, device, s.modes[c.model]) for c in s.cells]
         t["concurrency"] = _concurrency(spec, ray.cluster_resources())  # at start; logged
         from orchestrator import cluster
@@ -367,7 +367,7 @@ def summary_stage(s: _Sweep, t_start: float) -> tuple[int, int, float]:
     return finished, failed, seconds
 
 
-def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path, *, address: str | None = None,
+def run_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, *, address: str | None = None,
               progress: bool = True, report: bool = True, num_cpus: int | None = None,
               resume: bool = False, refine_round: int | None = None, verbose: bool = False,
               clock: StageClock | None = None) -> SweepResult:
@@ -384,7 +384,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_root: Path, cache_dir: Path,
     cluster.check_address(address)  # one line, before any work: ray://, unreachable address
     cluster.check_store_uri(spec.store.uri)  # one line for an unreachable endpoint / missing bucket
     clock = clock or StageClock(enabled=progress)
-    s = open_sweep(spec, out_dir, store_root, cache_dir, resume, refine_round, clock)
+    s = open_sweep(spec, out_dir, store_dir, cache_dir, resume, refine_round, clock)
     s.on_cluster = bool(address)
     with clock.stage("ray", f"ray: {'attaching to ' + address if address else 'starting a local instance'}"):
         started_ray = start_ray(address, num_cpus, verbose)

@@ -12,7 +12,7 @@ from orchestrator.mlflow_async import AsyncMlflowWriter
 
 TRIAL_PARAMS = ("model", "pruner", "scope", "sparsity", "calib_size", "healer", "granularity", "seed", "lr",
                 "epochs", "batch_size", "target_mode", "grid")
-EPOCH_METRICS = ("align_loss", "selection_acc", "rows_streamed")
+EPOCH_METRICS = ("train_loss", "selection_acc", "rows_streamed")
 FINAL_METRICS = ("dense_acc", "pruned_acc", "healed_acc", "retention", "heal_seconds", "dense_forward_images",
                  "mask_violations", "achieved_sparsity")
 # Bookkeeping keys Ray Tune adds to every result; not metrics of the trial.
@@ -67,12 +67,12 @@ class MlflowTrialLogger(Callback):
     @_timed
     def on_trial_start(self, iteration, trials, trial, **info):
         c = trial.config
-        key = c["trial_key"]
+        key = c["trial_id"]
         if trial.trial_id in self.keys:  # restarted after a failure: same child run
             return
         self.keys[trial.trial_id] = key
         tags = {"mlflow.parentRunId": self.parent, "sweep_id": self.sweep_id, "cell_id": c["cell_id"],
-                "trial_id": key, "store_key": c["targets_key"], "mask_key": c["mask_key"],
+                "trial_id": key, "store_key": c["store_key"], "mask_key": c["mask_key"],
                 "target_mode": c.get("target_mode", "store"),
                 "pattern": c["pattern"], "healsweep.role": "trial", "tune_trial_id": trial.trial_id}
         granularity = c["healer_settings"].get("granularity", "auto")

@@ -1,7 +1,7 @@
 """Healed weights of a trial and their export: the healed model (safetensors), its mask, a model card.
 
 ``save_healed`` (called by ``run_trial``) keeps only what healing changed, the scoped parameters, in
-``<run dir>/trials/<trial_key>/healed.safetensors`` next to ``trial.json`` (the trial's parameters and final
+``<run dir>/trials/<trial_id>/healed.safetensors`` next to ``trial.json`` (the trial's parameters and final
 results). ``export_trial`` rebuilds the dense model from its source, puts the healed parameters in, checks the
 mask, and writes ``model.safetensors`` (the full state dict), ``mask.safetensors``, ``model_card.json`` and
 ``model_card.md``. The card's code uses timm / torchvision / scikit-learn only (never this project): it rebuilds
@@ -34,15 +34,15 @@ TRIAL_JSON = "trial.json"
 TRIAL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
-def trial_dir(run_dir: Path, trial_key: str) -> Path:
-    """``run_dir/trials/<trial_key>``; ValueError when the key (e.g. an MLflow tag) is not a plain trial key."""
-    if not isinstance(trial_key, str) or not TRIAL_KEY_RE.match(trial_key) or ".." in trial_key:
-        raise ValueError(f"trial_id {str(trial_key)[:80]!r}: not a trial key (expected <cell id>-<number>, "
+def trial_dir(run_dir: Path, trial_id: str) -> Path:
+    """``run_dir/trials/<trial_id>``; ValueError when the key (e.g. an MLflow tag) is not a plain trial key."""
+    if not isinstance(trial_id, str) or not TRIAL_KEY_RE.match(trial_id) or ".." in trial_id:
+        raise ValueError(f"trial_id {str(trial_id)[:80]!r}: not a trial key (expected <cell id>-<number>, "
                          f"matching {TRIAL_KEY_RE.pattern})")
     root = (Path(run_dir) / "trials").resolve()
-    d = (root / trial_key).resolve()
+    d = (root / trial_id).resolve()
     if d.parent != root:  # e.g. a symlink planted under trials/
-        raise ValueError(f"trial_id {trial_key!r}: resolves outside {root}")
+        raise ValueError(f"trial_id {trial_id!r}: resolves outside {root}")
     return d
 
 
@@ -179,7 +179,8 @@ def export_trial(trial_dir: Path, out: Path, run_info: Mapping[str, Any] | None 
                        "indices": prep["evaluation_indices"]},
         "accuracy": {k: final.get(k) for k in ("dense_acc", "pruned_acc", "healed_acc", "retention")},
         "metrics": dict(info.get("metrics") or {}),
-        "mlflow_run_id": info.get("run_id"), "trial_key": params.get("trial_key"),
+        "mlflow_run_id": info.get("run_id"),
+        "trial_id": params.get("trial_id", params.get("trial_key")),  # trial_key: trial.json of runs before the rename
     }
     out.mkdir(parents=True, exist_ok=True)
     paths = {"model": out / "model.safetensors", "mask": out / "mask.safetensors", "card_json": out / "model_card.json",
@@ -238,7 +239,7 @@ def card_markdown(card: Mapping[str, Any]) -> str:
     ]
     if card["metrics"]:
         lines.append("- logged metrics: " + ", ".join(f"{k} {v:.6g}" for k, v in sorted(card["metrics"].items())))
-    lines += [f"- MLflow run `{card['mlflow_run_id']}`, trial `{card['trial_key']}`", "",
+    lines += [f"- MLflow run `{card['mlflow_run_id']}`, trial `{card['trial_id']}`", "",
               "## Load" + (" and evaluate" if card["evaluation"]["indices"] is not None else ""), "",
               "Plain timm/torchvision code (no healsweep import); run it in this directory.", "",
               "```python", card_code(card).rstrip("\n"), "```", ""]

@@ -1,7 +1,7 @@
 """One healing trial, end to end, as plain compute (no Ray, no MLflow): the orchestrator wraps it.
 
 load model -> apply the cell's mask -> pruned accuracy -> heal streaming targets from the store, reporting
-align_loss and selection accuracy per epoch -> evaluation accuracy, invariant checks, final metrics.
+train_loss and selection accuracy per epoch -> evaluation accuracy, invariant checks, final metrics.
 """
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ class TrialParams:
     lr: float
     epochs: int
     seed: int
-    targets_key: str
+    store_key: str
     mask_key: str
-    store_root: str  # target store root
+    store_uri: str  # the target store (store.uri, or <--store DIR>/targets)
     mask_root: str
     cache_dir: str  # model cache
     data_seed: int = 0
@@ -54,8 +54,8 @@ class TrialParams:
     load_kw: Mapping[str, Any] = field(default_factory=dict)  # model source + dataset (tasks.models.load_model)
     steps: int = 0  # > 0: exactly this many optimizer steps (``epochs`` = the epochs they need); 0: whole epochs
     epoch_selection: bool = True  # selection accuracy after every epoch (False: after the last one only)
-    out_dir: str = ""  # run directory: the healed weights go to <out_dir>/trials/<trial_key>/ ("" = not saved)
-    trial_key: str = ""
+    out_dir: str = ""  # run directory: the healed weights go to <out_dir>/trials/<trial_id>/ ("" = not saved)
+    trial_id: str = ""
 
 
 def _outside_scope_digest(model: torch.nn.Module, scoped: set[str]) -> dict[str, torch.Tensor]:
@@ -105,7 +105,7 @@ def setup_trial(p: TrialParams) -> _Setup:
             return recompute_batches(dense, dense_blocks, images, p.batch_size, p.seed, epoch,
                                      getattr(torch, p.target_dtype))
     else:
-        reader = TargetStore(p.store_root).open(p.targets_key, num_rows=p.calib_size)
+        reader = TargetStore(p.store_uri).open(p.store_key, num_rows=p.calib_size)
 
         def batches(epoch):
             return reader.iter_batches(p.batch_size, shuffle=True, seed=p.seed, epoch=epoch, device=p.device)
@@ -125,7 +125,7 @@ def setup_trial(p: TrialParams) -> _Setup:
 
 def heal_trial(p: TrialParams, st: _Setup, report: Callable[[dict], None], start: Mapping[str, Any] | None,
                checkpoint: Callable[[dict, dict], None] | None) -> tuple[dict, float]:
-    """Heal; per non-final epoch ``report`` (or ``checkpoint``) gets epoch, align_loss and, with
+    """Heal; per non-final epoch ``report`` (or ``checkpoint``) gets epoch, train_loss and, with
     ``p.epoch_selection``, selection_acc. -> (last epoch's metrics with the final selection_acc, heal seconds)."""
     model, entries, healer, ctx = st.model, st.entries, st.healer, st.ctx
     sel = st.lm.dataset["selection"]
@@ -147,7 +147,7 @@ def heal_trial(p: TrialParams, st: _Setup, report: Callable[[dict], None], start
 
     def on_epoch(epoch: int, m: dict[str, float]) -> None:
         last.clear()
-        last.update(epoch=epoch, align_loss=m["align_loss"])
+        last.update(epoch=epoch, train_loss=m["train_loss"])
         if st.reader is not None and epoch - 1 in st.reader.rows_streamed:  # rows the epoch streamed from the store
             last["rows_streamed"] = st.reader.rows_streamed[epoch - 1]  # (the reader refuses a short epoch; a
             # steps budget that ends mid-epoch stops reading early: that epoch has no count)
@@ -196,8 +196,8 @@ def final_metrics(p: TrialParams, st: _Setup, last: dict, heal_seconds: float) -
                  selection_digest=lm.dataset.split_digest("selection"), eval_digest=lm.dataset.split_digest("evaluation"))
     if p.pruner:  # structured pruners: params/flops/latency/throughput of the dense vs physically shrunk model
         final.update(PRUNERS.get(p.pruner).structured_metrics(model, masks, ev.images[: p.efficiency_batch].to(p.device)))
-    if p.out_dir and p.trial_key:
-        save_healed(Path(p.out_dir) / "trials" / p.trial_key, model, entries, asdict(p), final, extra=allowed)
+    if p.out_dir and p.trial_id:
+        save_healed(Path(p.out_dir) / "trials" / p.trial_id, model, entries, asdict(p), final, extra=allowed)
     return final
 
 

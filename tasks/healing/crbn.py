@@ -1,8 +1,7 @@
 """Healer ``crbn``: the CR+BN repair operator (tasks/repair.py) as a closed-form healer (no gradients).
 
-It reports one "epoch": ``align_loss`` is the STARFISH cosine alignment loss of the repaired model's block
-outputs against the dense targets (one pass over the calibration targets), so it is comparable to the gradient
-healers' losses. lr/epochs of the search are ignored.
+It reports no epochs (no ``train_loss``); like every healer its trial logs ``heldout_align``, the STARFISH cosine
+alignment loss on held-out calibration images, comparable across healers. lr/epochs of the search are ignored.
 
 BN recalibration settings (docs/methods.md#relative-repairability-crbn-rr; defaults = the paper):
 ``bn_momentum`` (null: the module's own, 0.1; a float in (0, 1]; "cumulative"), ``bn_reset`` (false: start from

@@ -13,7 +13,8 @@ Settings every gradient healer shares (docs/methods.md#starfish):
   in ``may_change``. ``frozen``: eval mode, no buffer changes (the project's earlier behaviour).
 - ``qk_train: qkv | qk`` (default ``qkv``, the authors): for row-range (``qk``) entries, every unmasked entry of
   the whole fused tensor trains (V rows included; never the bias). ``qk``: only the Q/K rows.
-The per-epoch report key ``align_loss`` is the healer's own training objective (cosine, MSE, KL, CE, ...).
+The per-epoch report key ``train_loss`` is the healer's own training objective (cosine alignment for STARFISH,
+MSE, KL, CE, ...; MLflow metric ``train_loss``); the label-free ``heldout_align`` is measured by the trial.
 Healers other than STARFISH and chains of healers: tasks/healers.py.
 """
 from __future__ import annotations
@@ -172,7 +173,7 @@ class GradientHealer(Healer):
                                                    "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                                                    "buffers": _bn_buffers(model)})
                     if on_epoch is not None:
-                        on_epoch(epoch + 1, {"align_loss": losses[-1]})
+                        on_epoch(epoch + 1, {"train_loss": losses[-1]})
         finally:
             model.eval()
             for name in names:

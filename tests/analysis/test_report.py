@@ -46,7 +46,7 @@ def _trial(client, exp_id, parent_id, sweep, cell, trial, model, pattern, calib,
     metrics = []
     if status == "FINISHED":
         for ep in range(1, epochs + 1):  # per-epoch curves; the last selection_acc is the final one
-            metrics.append(Metric("align_loss", 0.5 / ep, ts + ep, ep))
+            metrics.append(Metric("train_loss", 0.5 / ep, ts + ep, ep))
             metrics.append(Metric("selection_acc", sel - 0.01 * (epochs - ep), ts + ep, ep))
         final = dict(dense_acc=dense, pruned_acc=pruned, healed_acc=healed,
                      retention=retention if retention is not None else healed / dense,

@@ -90,7 +90,7 @@ def test_failed_trial_is_retried_from_its_checkpoint(fault_sweep):
     assert len(logs) == 1 and logs[0].read_text().split() == ["0", "1"]  # attempt 2 started after epoch 1
     assert r.info.status == "FINISHED" and r.data.tags["retries"] == "1"
     assert r.data.metrics["resumed_from_epoch"] == 1
-    hist = client.get_metric_history(r.info.run_id, "align_loss")
+    hist = client.get_metric_history(r.info.run_id, "train_loss")
     assert sorted(h.step for h in hist) == [1, 2, 3]  # epoch 1 from attempt 1, epochs 2-3 from attempt 2
     # selection accuracy: measured after the last epoch only (no scheduler reads it per epoch)
     assert [h.step for h in client.get_metric_history(r.info.run_id, "selection_acc")] == [3]

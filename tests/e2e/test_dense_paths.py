@@ -32,7 +32,7 @@ def test_driver_and_actor_dense_paths_write_identical_shards(tmp_path):
             done = dense_stage(spec, models, rows, tmp_path / name, cache, progress=False, report=rep,
                                in_driver=in_driver)
             assert done == {"vit_digits": 128} and rep.shards == {"vit_digits": 2}
-            key_dir = tmp_path / name / models["vit_digits"].targets_key
+            key_dir = tmp_path / name / models["vit_digits"].store_key
             out[name] = {p.name: p.read_bytes() for p in sorted(key_dir.glob("shard-*"))}
         assert sorted(out["driver"]) == ["shard-00000.arrow", "shard-00000.json", "shard-00001.arrow",
                                          "shard-00001.json"]

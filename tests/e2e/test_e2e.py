@@ -88,7 +88,7 @@ def test_every_trial_is_a_child_run_with_its_params_and_metrics(two_sweeps):
         assert spec.search.lr[0] <= float(p["lr"]) <= spec.search.lr[1]
         epochs = int(p["epochs"])
         assert spec.search.epochs[0] <= epochs <= spec.search.epochs[1]
-        hist = client.get_metric_history(r.info.run_id, "align_loss")  # one value per epoch
+        hist = client.get_metric_history(r.info.run_id, "train_loss")  # one value per epoch
         assert sorted(h.step for h in hist) == list(range(1, epochs + 1))
         # selection accuracy after the last epoch only: no scheduler (FIFO) reads it per epoch
         assert [h.step for h in client.get_metric_history(r.info.run_id, "selection_acc")] == [epochs]
@@ -135,7 +135,7 @@ def test_same_spec_and_seed_give_the_same_masks_and_numbers(two_sweeps):
     assert len(shared) >= 4  # every cell's first (seeded random) Optuna suggestion is identical
     for k in shared:
         assert a[k].data.tags["mask_key"] == b[k].data.tags["mask_key"]
-        for m in ("pruned_acc", "healed_acc", "selection_acc", "align_loss"):
+        for m in ("pruned_acc", "healed_acc", "selection_acc", "train_loss"):
             assert a[k].data.metrics[m] == b[k].data.metrics[m], m
 
 

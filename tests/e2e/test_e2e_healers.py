@@ -47,12 +47,12 @@ def test_healers_share_masks_and_pair_in_the_report(sweep):
         # none: no epochs, nothing searched, the pruned model as is
         assert (none.data.params["epochs"], float(none.data.params["lr"])) == ("0", 0.0)
         assert none.data.metrics["healed_acc"] == none.data.metrics["pruned_acc"]
-        assert "selection_acc" in none.data.metrics and "align_loss" not in none.data.metrics
+        assert "selection_acc" in none.data.metrics and "train_loss" not in none.data.metrics
         assert client.get_metric_history(none.info.run_id, "selection_acc")[0].step == 0
         # none then starfish = starfish, bit for bit (same mask, seed, lr, epochs and batches)
-        for m in ("healed_acc", "selection_acc", "align_loss"):
+        for m in ("healed_acc", "selection_acc", "train_loss"):
             assert chain.data.metrics[m] == sf.data.metrics[m], m
-        assert len(client.get_metric_history(chain.info.run_id, "align_loss")) == 4
+        assert len(client.get_metric_history(chain.info.run_id, "train_loss")) == 4
         assert sf.data.metrics["healed_acc"] > none.data.metrics["healed_acc"] + 0.05
     md = (sweep.out_dir / "report.md").read_text()
     section = md.split("### Healers on identical masks", 1)[1].split("\n### ", 1)[0]  # that table only
@@ -72,7 +72,7 @@ def test_extra_grid_runs_with_its_own_budget_and_checkpoints_are_dropped(sweep):
         p = r.data.params
         assert (p["calib_size"], p["healer"], p["seed"], p["epochs"]) == ("128", "starfish", "0", "1")
         assert 1e-3 <= float(p["lr"]) <= 3e-3
-        assert len(client.get_metric_history(r.info.run_id, "align_loss")) == 1
+        assert len(client.get_metric_history(r.info.run_id, "train_loss")) == 1
     assert len({float(r.data.params["lr"]) for r in wide}) == 2  # the search drew two learning rates
     # the mask of the wide cell is the main grid's seed-0 mask (masks do not depend on calibration size here)
     main0 = [r for r in runs if r.data.params["grid"] == "main" and r.data.params["seed"] == "0"]

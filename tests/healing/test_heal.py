@@ -25,7 +25,7 @@ def test_heal_keeps_invariants_and_reduces_loss(heal_case, kind, scope):
     # tiny random-init ResNet: train-mode BN (the default) recovers slowly; the 20 % drop is checked frozen
     settings = FROZEN if kind == "resnet" else {}
     res = STARFISH.heal(case.ctx, HealConfig(lr=1e-2, epochs=4, batch_size=8, settings=settings),
-                        on_epoch=lambda e, m: seen.append((e, m["align_loss"])))
+                        on_epoch=lambda e, m: seen.append((e, m["train_loss"])))
     assert res.steps == 4 * 4 and len(res.epoch_losses) == 4  # 32 rows / batch 8
     assert seen == list(zip([1, 2, 3, 4], res.epoch_losses))
     assert res.epoch_losses[-1] < 0.8 * res.epoch_losses[0], res.epoch_losses

@@ -162,7 +162,7 @@ def test_chain_runs_in_order_with_continuing_epochs_and_part_settings(heal_case)
     ref += HEALERS.get("starfish").heal(a.ctx, HealConfig(**CFG, settings={"granularity": "example"})).epoch_losses
     chain, settings = _chain("mse", "starfish", settings={"starfish": {"granularity": "example"}})
     seen = []
-    res = chain.heal(b.ctx, HealConfig(**CFG, settings=settings), on_epoch=lambda e, m: seen.append((e, m["align_loss"])))
+    res = chain.heal(b.ctx, HealConfig(**CFG, settings=settings), on_epoch=lambda e, m: seen.append((e, m["train_loss"])))
     assert res.epoch_losses == ref and res.steps == 2 * 3 * 4
     assert seen == list(zip(range(1, 7), ref)) and chain.epochs(cfg) == 6
     assert all(torch.equal(v, b.model.state_dict()[k]) for k, v in a.model.state_dict().items())

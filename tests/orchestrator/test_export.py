@@ -38,9 +38,9 @@ def trial(tmp_path_factory):
     entries = adapter.scope(lm.model, "qk_mlp")
     MaskStore(root / "masks").save("b" * 32, make_masks(lm.model, entries, "magnitude", 0.5, seed=0), {})
     p = TrialParams(model="tiny", scope="qk_mlp", healer="starfish", calib_size=n, lr=2e-3, epochs=2, seed=0,
-                    targets_key="a" * 32, mask_key="b" * 32, store_root=str(root / "targets"),
+                    store_key="a" * 32, mask_key="b" * 32, store_uri=str(root / "targets"),
                     mask_root=str(root / "masks"), cache_dir=str(root / "cache"), batch_size=4, load_kw=load_kw,
-                    out_dir=str(root / "run"), trial_key="cell-0")
+                    out_dir=str(root / "run"), trial_id="cell-0")
     final = run_trial(p, lambda r: None)
     return root, lm, final
 

@@ -67,7 +67,7 @@ def test_healers_without_training_get_one_trial_and_no_search(tmp_path):
     got = [s.suggest(f"t{i}") for i in range(7)]
     assert s.suggest("t7") == PerCellOptunaSearch.FINISHED
     assert [g["cell_id"] for g in got] == ["a", "b", "c", "b", "c", "b", "c"]
-    assert (got[0]["lr"], got[0]["epochs"], got[0]["trial_key"]) == (0.0, 0, "a-0")
+    assert (got[0]["lr"], got[0]["epochs"], got[0]["trial_id"]) == (0.0, 0, "a-0")
     assert all(1e-4 <= g["lr"] <= 1e-2 and 1 <= g["epochs"] <= 5 for g in got[1:])
     s.on_trial_complete("t0", {"selection_acc": 0.5, "final": True})  # the journal numbers the one fixed trial,
     s.on_trial_complete("t1", {"selection_acc": 0.5, "final": True})  # so a resumed sweep never reruns it

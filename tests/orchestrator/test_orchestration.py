@@ -66,7 +66,7 @@ def test_search_round_major_and_restart_reruns_untold_trials_with_same_params(tm
     j = tmp_path / "optuna.journal"
     s = PerCellOptunaSearch(CELLS, 2, (1e-4, 1e-2), (1, 5), 0, j)
     cfgs = [s.suggest(f"t{i}") for i in range(3)]
-    assert [c["trial_key"] for c in cfgs] == ["cellA-0", "cellB-0", "cellA-1"]
+    assert [c["trial_id"] for c in cfgs] == ["cellA-0", "cellB-0", "cellA-1"]
     assert all(c["x"] == (1 if c["cell_id"] == "cellA" else 2) and 1 <= c["epochs"] <= 5 for c in cfgs)
     s.on_trial_complete("t0", {"selection_acc": 0.7, "final": True, "epoch": 3})
     s.on_trial_complete("t1", {"selection_acc": 0.5, "epoch": 1}, error=True)
@@ -74,16 +74,16 @@ def test_search_round_major_and_restart_reruns_untold_trials_with_same_params(tm
     r = PerCellOptunaSearch(CELLS, 2, (1e-4, 1e-2), (1, 5), 0, j)
     assert r.total == 2 and r.rerun == ["cellA-1"] and r.already_done == 2
     again = [r.suggest("u0"), r.suggest("u1")]
-    assert again[0]["trial_key"] == "cellA-1" and again[0]["lr"] == cfgs[2]["lr"]
+    assert again[0]["trial_id"] == "cellA-1" and again[0]["lr"] == cfgs[2]["lr"]
     assert again[0]["epochs"] == cfgs[2]["epochs"]
-    assert again[1]["trial_key"] == "cellB-1" and r.suggest("u2") is PerCellOptunaSearch.FINISHED
+    assert again[1]["trial_id"] == "cellB-1" and r.suggest("u2") is PerCellOptunaSearch.FINISHED
     states = told_states(j)
     assert states == {"cellA-0": TrialState.COMPLETE, "cellB-0": TrialState.FAIL, "cellA-1": TrialState.RUNNING,
                       "cellB-1": TrialState.RUNNING}
     # a fresh journal with the same seed asks the same first parameters, whatever the order of cells
     other = PerCellOptunaSearch(CELLS[::-1], 2, (1e-4, 1e-2), (1, 5), 0, tmp_path / "other.journal")
     first_b = other.suggest("v0")
-    assert first_b["trial_key"] == "cellB-0" and first_b["lr"] == cfgs[1]["lr"]
+    assert first_b["trial_id"] == "cellB-0" and first_b["lr"] == cfgs[1]["lr"]
 
 
 def test_search_with_asha_searches_lr_only_and_tells_early_stopped_trials_pruned(tmp_path):

@@ -16,15 +16,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def store_root(tmp_path):
+def store_dir(tmp_path):
     st = TargetStore(tmp_path / "home" / "targets")
     for k, n in ((K1, 10), (K2, 6)):
         ensure_targets(st, k, n, 4, Runner(st, k), meta={"model": f"m{n}"}, dtype="float16")
     return tmp_path / "home", st
 
 
-def test_ls_lists_keys_rows_models(store_root, capsys):
-    home, st = store_root
+def test_ls_lists_keys_rows_models(store_dir, capsys):
+    home, st = store_dir
     st.open(K1).close()  # records last use
     assert main(["store", "ls", "--store", str(home)]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -35,8 +35,8 @@ def test_ls_lists_keys_rows_models(store_root, capsys):
     assert out[-1].startswith("2 keys")
 
 
-def test_verify_exit_codes(store_root, capsys):
-    home, st = store_root
+def test_verify_exit_codes(store_dir, capsys):
+    home, st = store_dir
     assert main(["store", "verify", "--store", str(home)]) == 0
     p = st.key_dir(K2) / "shard-00000.arrow"
     data = p.read_bytes()
@@ -51,8 +51,8 @@ def test_verify_exit_codes(store_root, capsys):
     assert main(["store", "ls", "--store", str(home / "nope")]) == 2
 
 
-def test_gc_older_than_and_keep_referenced(store_root, tmp_path, capsys):
-    home, st = store_root
+def test_gc_older_than_and_keep_referenced(store_dir, tmp_path, capsys):
+    home, st = store_dir
     st.open(K1).close()
     old = time.time() - 10 * 86400
     (st.key_dir(K2) / "last_use").write_text("2000-01-01T00:00:00+00:00")
@@ -92,7 +92,7 @@ def test_budget_refuse_and_recompute(tmp_path):
 
     cache = Path(os.environ.get("HEALSWEEP_TEST_CACHE", REPO / ".healsweep" / "models"))
     rb = row_bytes("vit_digits", cache, 0, "float16")
-    models = {"vit_digits": SimpleNamespace(targets_key=content_key("vit"))}
+    models = {"vit_digits": SimpleNamespace(store_key=content_key("vit"))}
 
     def spec(budget, mode):
         return SimpleNamespace(data_seed=0, store=SimpleNamespace(budget_gb=budget, on_budget=mode, dtype="float16"))

@@ -34,7 +34,7 @@ def setup(tmp_path_factory):
         for i, a, b in plan:
             yield st.write_shard(KEY, i, a, dense_targets(lm.model, blocks, images[a:b]))
     params = TrialParams(model=MODEL, scope=adapter.default_scope, healer="starfish", calib_size=CALIB, lr=1e-3,
-                         epochs=2, seed=3, targets_key=KEY, mask_key="0" * 32, store_root=str(root / "targets"),
+                         epochs=2, seed=3, store_key=KEY, mask_key="0" * 32, store_uri=str(root / "targets"),
                          mask_root=str(root / "masks"), cache_dir=str(cache), batch_size=16,
                          healer_settings={"granularity": "auto"})
     return st, run_shards, params, lm, blocks
@@ -56,7 +56,7 @@ def test_damaged_shards_recomputed_and_trial_equals_clean_run(setup):
     st, run_shards, params, _, _ = setup
     assert build(st, run_shards).computed_rows == CALIB
     clean, clean_epochs = trial(params)
-    assert clean["mask_violations"] == 0 and np.isfinite(clean["align_loss"])
+    assert clean["mask_violations"] == 0 and np.isfinite(clean["train_loss"])
     path = st.key_dir(KEY) / "shard-00001.arrow"
     good = path.read_bytes()
     for damaged in (good[:-100], good[:500] + bytes([good[500] ^ 0x40]) + good[501:]):
@@ -65,7 +65,7 @@ def test_damaged_shards_recomputed_and_trial_equals_clean_run(setup):
         assert res.computed_shards == [(1, 16, 32)] and len(res.events) == 1
         assert path.read_bytes() == good  # dense forward is deterministic here: the same bytes again
         again, epochs = trial(params)
-        assert again == clean and [e["align_loss"] for e in epochs] == [e["align_loss"] for e in clean_epochs]
+        assert again == clean and [e["train_loss"] for e in epochs] == [e["train_loss"] for e in clean_epochs]
 
 
 def test_recompute_mode_streams_the_same_targets(setup):
@@ -80,8 +80,8 @@ def test_recompute_mode_streams_the_same_targets(setup):
                 torch.testing.assert_close(tgt[k], ref[k], rtol=2e-3, atol=2e-3)
             seen.append(rows)
     assert sorted(np.concatenate(seen).tolist()) == list(range(CALIB))
-    rec, _ = trial(params, target_mode="recompute", store_root="/nonexistent")  # never touches the store
-    assert rec["mask_violations"] == 0 and rec["changed_outside_scope"] == 0 and np.isfinite(rec["align_loss"])
+    rec, _ = trial(params, target_mode="recompute", store_uri="/nonexistent")  # never touches the store
+    assert rec["mask_violations"] == 0 and rec["changed_outside_scope"] == 0 and np.isfinite(rec["train_loss"])
     assert rec["pruned_acc"] == trial(params)[0]["pruned_acc"]
 
 
@@ -95,7 +95,7 @@ def test_selection_accuracy_only_after_the_last_epoch_changes_no_result(setup):
     assert last == every
     assert [("selection_acc" in e) for e in every_epochs] == [True] * 3  # epochs 1, 2 and the final report
     assert [("selection_acc" in e) for e in last_epochs] == [False, False, True]
-    assert [e["align_loss"] for e in last_epochs[:2]] == [e["align_loss"] for e in every_epochs[:2]]
+    assert [e["train_loss"] for e in last_epochs[:2]] == [e["train_loss"] for e in every_epochs[:2]]
     sel = lm.dataset["selection"]
     assert 0 < last["selection_acc"] <= 1 and last["selection_acc"] * len(sel) == pytest.approx(
         round(last["selection_acc"] * len(sel)))
