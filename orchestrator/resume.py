@@ -17,6 +17,7 @@ from mlflow import MlflowClient
 from optuna.trial import TrialState
 
 from orchestrator.search import open_journal
+from tasks._io import atomic_write_text
 
 SWEEP_FILE = "sweep.json"
 JOURNAL_FILE = "optuna.journal"
@@ -48,9 +49,7 @@ def read_sweep(out_dir: Path) -> dict:
 
 
 def write_sweep(out_dir: Path, info: dict) -> None:
-    tmp = out_dir / (SWEEP_FILE + ".tmp")
-    tmp.write_text(json.dumps(info, indent=1, default=list))
-    tmp.replace(out_dir / SWEEP_FILE)
+    atomic_write_text(out_dir / SWEEP_FILE, json.dumps(info, indent=1, default=list))
 
 
 def told_states(journal: Path) -> dict[str, TrialState]:

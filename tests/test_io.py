@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -26,3 +27,30 @@ def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
     with pytest.raises(OSError, match="disk full"):
         atomic_write(p, half)
     assert p.read_text() == "old" and [x.name for x in tmp_path.iterdir()] == ["a.txt"]
+
+
+def test_every_local_writer_goes_through_atomic_write(tmp_path, monkeypatch):
+    """The store's local writes, sweep.json, SnapViT rankings and verdicts use tasks/_io.atomic_write: its temporary
+    names are recognisable (.tmp-<random>-<name>), so a killed writer's leftovers are found and removed."""
+    import pyarrow as pa
+
+    import tasks._io as io
+    from orchestrator.resume import write_sweep
+    from tasks.store._fs import StoreFS
+
+    seen = []
+    real = io.atomic_write
+
+    def spy(path, write, mode=io.FILE_MODE, fsync=False):
+        seen.append((Path(path).name, fsync))
+        return real(path, write, mode, fsync)
+
+    monkeypatch.setattr(io, "atomic_write", spy)
+    fs = StoreFS(str(tmp_path / "store"))
+    fs.mkdir("k")
+    fs.write_atomic("k/shard.arrow", pa.py_buffer(b"abc"))
+    write_sweep(tmp_path, {"sweep_id": "x"})
+    assert seen == [("shard.arrow", True), ("sweep.json", False)]  # the store fsyncs, sweep.json does not
+    assert (tmp_path / "store/k/shard.arrow").read_bytes() == b"abc"
+    assert oct((tmp_path / "store/k/shard.arrow").stat().st_mode & 0o777) == "0o644"
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(io.TMP_PREFIX)]

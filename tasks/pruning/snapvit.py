@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import tasks.pruning.snapvit_math as snapvit
+from tasks._io import atomic_write
 from tasks.models.adapter import ModelAdapter, get_adapter
 from tasks.pruning.base import PRUNERS, PruneContext, Pruner
 from tasks.pruning.snapvit_authors import keep_from_scores
@@ -77,16 +78,9 @@ def save_ranking(root: str | os.PathLike, key: str, r: snapvit.Ranking) -> Path 
     final = _path(root, key)
     final.parent.mkdir(parents=True, exist_ok=True)
     meta = {"format": RANKING_FORMAT, "fitness": r.fitness, "history": r.history, "layout": r.layout}
-    fd, tmp = tempfile.mkstemp(dir=final.parent, suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file({"order": r.order.contiguous(), "scores": r.scores.contiguous(),
-                   "sensitivity": r.sensitivity.contiguous(), "weights": r.weights.contiguous()}, tmp,
-                  metadata={"meta": json.dumps(meta)})
-        os.replace(tmp, final)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return final
+    tensors = {"order": r.order.contiguous(), "scores": r.scores.contiguous(),
+               "sensitivity": r.sensitivity.contiguous(), "weights": r.weights.contiguous()}
+    return atomic_write(final, lambda tmp: save_file(tensors, tmp, metadata={"meta": json.dumps(meta)}))
 
 
 def load_ranking(root: str | os.PathLike, key: str) -> snapvit.Ranking | None:

@@ -13,6 +13,8 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from tasks._io import TMP_PREFIX, atomic_write_bytes
+
 log = logging.getLogger("healsweep.store")
 _CHUNK = 8 << 20
 
@@ -69,19 +71,15 @@ class StoreFS:
 
     def write_atomic(self, rel: str, data: bytes | pa.Buffer) -> None:
         """Write to a temporary name in the same directory, flush (fsync locally), then move into place."""
+        if self.local:  # the project's one temp-file-then-rename helper, with fsync for the store
+            atomic_write_bytes(self.path(rel), data, fsync=True)
+            return
         d, name = rel.rsplit("/", 1) if "/" in rel else ("", rel)
-        tmp = f"{d}/.tmp-{uuid.uuid4().hex}-{name}" if d else f".tmp-{uuid.uuid4().hex}-{name}"
+        tmp = f"{d}/{TMP_PREFIX}{uuid.uuid4().hex}-{name}" if d else f"{TMP_PREFIX}{uuid.uuid4().hex}-{name}"
         try:
-            if self.local:
-                with open(self.path(tmp), "wb") as f:
-                    f.write(memoryview(data))
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(self.path(tmp), self.path(rel))
-            else:
-                with self.fs.open_output_stream(self.path(tmp)) as f:
-                    f.write(data)
-                self.fs.move(self.path(tmp), self.path(rel))
+            with self.fs.open_output_stream(self.path(tmp)) as f:
+                f.write(data)
+            self.fs.move(self.path(tmp), self.path(rel))
         finally:
             self.delete(tmp)
 

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from tasks._io import TMP_PREFIX
 from tasks.store.core import TargetStore
 from tasks.store.format import StoreError
 
@@ -43,7 +44,7 @@ def ensure_targets(store: TargetStore, key: str, num_rows: int, shard_size: int,
     with store.lock(key):
         if store.fs.local:  # leftovers of writers killed mid-write (only we write this key while locked)
             for name in store.fs.listdir(key):
-                if name.startswith(".tmp-"):
+                if name.startswith(TMP_PREFIX):
                     store.fs.delete(f"{key}/{name}")
         m = _manifest_or_quarantine(store, key, res)
         if m is not None:
