@@ -3,14 +3,18 @@
 Every grid cell owns an Optuna study (its own TPE state: cells never share history), stored in a
 JournalStorage file under the run directory. One Ray Tune ``Searcher`` routes: ``suggest`` asks the next
 cell's study and returns the full trial config; ``on_trial_complete`` tells that study the selection
-objective. Cells are visited round-major (trial 0 of every cell, then trial 1, ...), so free workers always
-have work (no per-cell idle tail) and every study sees completed trials before its later asks.
+objective. Cells are visited round-major (trial 0 of every cell, then trial 1, ...), so free workers have
+work from other cells while a cell's earlier trials run.
 
 Determinism and resume: the sampler is re-seeded before every ask from (sampler seed, cell, trial number),
-so a trial's suggestion depends only on its number and the study history, not on the order of asks across
-cells or on a restart. On construction over an existing journal, trials already told (COMPLETE, PRUNED,
-FAIL) are never run again; trials asked but never told (the driver died while they ran) are run again with
-the same parameters and the same trial number; only the remaining count is asked anew.
+and a cell's trial past TPE's random start-up is asked only once every earlier trial of that cell has been told
+(``_ready``; until then the next ready cell's trial goes, or ``suggest`` returns None and Tune asks again). So a
+trial's suggestion depends only on its number and the study history, never on which trial finished first, the
+order of asks across cells or a restart: the same spec and seed give the same trials (not under ASHA, whose
+stops depend on timing by design: there a cell's trials are asked without waiting).
+On construction over an existing journal, trials already told (COMPLETE, PRUNED, FAIL) are never run again;
+trials asked but never told (the driver died while they ran) are run again with the same parameters and the
+same trial number; only the remaining count is asked anew.
 
 Early stopping (ASHA): the search space is lr only and every trial runs ``epochs_max`` epochs unless the
 scheduler stops it. Per-epoch objective values are recorded as Optuna intermediate values, and a trial that
@@ -96,6 +100,10 @@ class PerCellOptunaSearch(Searcher):
         self._studies: dict[str, optuna.Study] = {}
         self._live: dict[str, tuple[str, int]] = {}  # tune trial id -> (cell id, optuna trial number)
         self._defer = defer or (lambda fn: fn())  # the driver runs tells after that trial's MLflow writes
+        # per cell: trials handed out (written by the driver's thread) and tells written (by the thread that runs
+        # the deferred tells); a cell is busy while they differ. One writer per counter: no lock (Tune pickles us).
+        self._asked: dict[str, int] = {}
+        self._told: dict[str, int] = {}
         self.rerun: list[str] = []  # trial keys asked before a restart and run again now
         self.already_done = 0
         # Work list, round-major: (cell id, trial number or None for a new ask).
@@ -128,10 +136,32 @@ class PerCellOptunaSearch(Searcher):
                 direction="maximize" if self.mode == "max" else "minimize", load_if_exists=True)
         return self._studies[cell_id]
 
-    def _sampler(self, cell_id: str, number: int) -> optuna.samplers.BaseSampler:
+    def _startup(self, cell_id: str) -> int:
         trials, _, _, startup = self._budget[cell_id]
+        return startup or max(1, min(10, trials // 2))
+
+    def _sampler(self, cell_id: str, number: int) -> optuna.samplers.BaseSampler:
         return optuna.samplers.TPESampler(seed=cell_sampler_seed(self._sampler_seed, cell_id, number),
-                                          n_startup_trials=startup or max(1, min(10, trials // 2)))
+                                          n_startup_trials=self._startup(cell_id))
+
+    def _ready(self, cell_id: str, number: int | None) -> bool:
+        """Reproducible asks: a cell's trial past its random start-up waits until every earlier trial of the cell
+        has been told, so TPE sees the same history whatever the order trials finish in (other cells' trials
+        fill the workers meanwhile). Re-asks of trials from before a restart keep their parameters: ready."""
+        if number is not None or cell_id in self._no_search or self._asha:
+            return True  # ASHA's stops depend on timing anyway; it needs a cell's trials to run side by side
+        if len(self.study(cell_id).get_trials(deepcopy=False)) < self._startup(cell_id):
+            return True  # seeded random start-up: independent of the history
+        return self._asked.get(cell_id, 0) == self._told.get(cell_id, 0)
+
+    def _tell(self, cell_id: str, fn: Callable[[], None]) -> None:
+        """Run a tell (deferred by the driver) and only then release the cell's next TPE ask."""
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                self._told[cell_id] = self._told.get(cell_id, 0) + 1
+        self._defer(run)
 
     def set_search_properties(self, metric, mode, config, **spec) -> bool:
         return True  # the space is ours; metric/mode were fixed at construction
@@ -139,7 +169,11 @@ class PerCellOptunaSearch(Searcher):
     def suggest(self, trial_id: str) -> dict | None:
         if not self._queue:
             return Searcher.FINISHED
-        cell_id, number = self._queue.pop(0)
+        at = next((i for i, (c, n) in enumerate(self._queue) if self._ready(c, n)), None)
+        if at is None:
+            return None  # every remaining trial waits for its cell's earlier trials: Tune asks again
+        cell_id, number = self._queue.pop(at)
+        self._asked[cell_id] = self._asked.get(cell_id, 0) + 1
         study = self.study(cell_id)
         if number is None:
             study.sampler = self._sampler(cell_id, len(study.get_trials(deepcopy=False)))
@@ -172,12 +206,12 @@ class PerCellOptunaSearch(Searcher):
         cell_id, number = self._live.pop(trial_id)
         study = self.study(cell_id)
         if error or not result or self.metric not in result or result.get("diverged"):
-            self._defer(lambda: study.tell(number, state=TrialState.FAIL))
+            self._tell(cell_id, lambda: study.tell(number, state=TrialState.FAIL))
         elif not result.get("final"):
-            self._defer(lambda: study.tell(number, state=TrialState.PRUNED))
+            self._tell(cell_id, lambda: study.tell(number, state=TrialState.PRUNED))
         else:
             value = float(result[self.metric])
-            self._defer(lambda: study.tell(number, value))
+            self._tell(cell_id, lambda: study.tell(number, value))
 
     # Tune checkpoints searchers; study state already lives in the journal file.
     def save(self, checkpoint_path: str) -> None:

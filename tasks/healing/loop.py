@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -104,28 +105,14 @@ class GradientHealer(Healer):
         model = ctx.model
         settings = self.resolve(ctx, cfg.settings)
         common = loop_settings(cfg.settings)
-        params = dict(model.named_parameters())
-        names = sorted({e.param for e in ctx.entries})
-        trainable = trainable_masks(model, ctx.entries, ctx.masks, common["qk_train"])
-        for p in model.parameters():
-            p.requires_grad_(False)
-        dev = params[names[0]].device
-        keep = {n: trainable[n].to(dev) for n in names}
-        frozen = {n: params[n].detach().clone() for n in names}  # pruned values: masked entries are 0
-        for n in names:
-            params[n].requires_grad_(True)
-        opt = torch.optim.AdamW([params[n] for n in names], lr=cfg.lr, weight_decay=cfg.weight_decay)
-        total = schedule_steps(cfg, self.steps_per_epoch(ctx, cfg))
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total, eta_min=cfg.lr_min)
+        r = _prepare(ctx, cfg, common, self.steps_per_epoch(ctx, cfg))
         torch.manual_seed(cfg.seed)
         model.train(common["bn"] == "train")  # the authors heal in train mode: BN batch statistics (docs/methods.md#starfish)
-        sd = model.state_dict()
-        bn_bufs = {k: sd[k] for k in bn_state_names(model)} if common["bn"] == "train" else {}
         block_names = [b for b, _ in ctx.blocks] if self.uses_blocks else []
         losses, steps, t0, start = [], 0, time.perf_counter(), 0
         if ctx.resume is not None:
-            opt.load_state_dict(ctx.resume["optimizer"])
-            sched.load_state_dict(ctx.resume["scheduler"])
+            r.opt.load_state_dict(ctx.resume["optimizer"])
+            r.sched.load_state_dict(ctx.resume["scheduler"])
             start, steps, losses = int(ctx.resume["epoch"]), int(ctx.resume["steps"]), list(ctx.resume["losses"])
             _load_buffers(model, ctx.resume.get("buffers", {}))
         try:
@@ -135,51 +122,94 @@ class GradientHealer(Healer):
                     for x, tgt in self.stream(ctx, cfg, epoch):
                         if cfg.steps and steps >= cfg.steps:  # a steps budget ends mid-epoch
                             break
-                        saved = {k: v.clone() for k, v in bn_bufs.items()}  # a NaN batch must not poison them
-                        logits = model(x.to(dev, non_blocking=True))
-                        loss = self.objective(cap, logits, tgt, block_names, settings)
                         where = f"epoch {epoch + 1}, step {steps + 1} (lr={cfg.lr:g})"
-                        if not torch.isfinite(loss):
-                            _load_buffers(model, saved)
-                            raise HealingDiverged(f"healer {self.name!r}: loss became {loss.item()} at {where}")
-                        opt.zero_grad(set_to_none=True)
-                        loss.backward()
-                        with torch.no_grad():
-                            for name in names:
-                                g = params[name].grad
-                                if g is None:  # e.g. a classifier after the last target block: untouched
-                                    continue
-                                g.mul_(keep[name])
-                                if not torch.isfinite(g).all():
-                                    _load_buffers(model, saved)
-                                    raise HealingDiverged(f"healer {self.name!r}: non-finite gradient for {name} at {where}")
-                            before = {name: params[name].detach().clone() for name in names}
-                        opt.step()
-                        sched.step()
-                        with torch.no_grad():
-                            for name in names:
-                                params[name].copy_(torch.where(keep[name], params[name], frozen[name]))
-                            if not all(torch.isfinite(params[name]).all() for name in names):
-                                for name in names:  # never leave NaN/Inf weights behind
-                                    params[name].copy_(before[name])
-                                _load_buffers(model, saved)
-                                raise HealingDiverged(f"healer {self.name!r}: weights became non-finite at {where}")
-                        run += float(loss.detach()) * len(x)
+                        loss = self._step(r, model, lambda lg: self.objective(cap, lg, tgt, block_names, settings),
+                                          x, where)
+                        run += loss * len(x)
                         n += len(x)
                         steps += 1
                     losses.append(run / max(n, 1))
                     if ctx.checkpoint is not None:
                         ctx.checkpoint(epoch + 1, {"epoch": epoch + 1, "steps": steps, "losses": list(losses),
-                                                   "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                                                   "optimizer": r.opt.state_dict(), "scheduler": r.sched.state_dict(),
                                                    "buffers": _bn_buffers(model)})
                     if on_epoch is not None:
                         on_epoch(epoch + 1, {"train_loss": losses[-1]})
         finally:
             model.eval()
-            for name in names:
-                params[name].requires_grad_(False)
-                params[name].grad = None
+            for name in r.names:
+                r.params[name].requires_grad_(False)
+                r.params[name].grad = None
         return HealResult(losses, time.perf_counter() - t0, steps)
+
+    def _step(self, r: _Run, model: torch.nn.Module, objective: Callable[[torch.Tensor], torch.Tensor],
+              x: torch.Tensor, where: str) -> float:
+        """One masked AdamW step on batch ``x``; HealingDiverged (weights and BN buffers as before the step) when the
+        loss, a gradient or an updated weight is not finite. -> the batch loss."""
+        params, names = r.params, r.names
+        saved = {k: v.clone() for k, v in r.bn_bufs.items()}  # a NaN batch must not poison them
+        loss = objective(model(x.to(r.dev, non_blocking=True)))
+        if not torch.isfinite(loss):
+            _load_buffers(model, saved)
+            raise HealingDiverged(f"healer {self.name!r}: loss became {loss.item()} at {where}")
+        r.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        with torch.no_grad():
+            for name in names:
+                g = params[name].grad
+                if g is None:  # e.g. a classifier after the last target block: untouched
+                    continue
+                g.mul_(r.keep[name])
+                if not torch.isfinite(g).all():
+                    _load_buffers(model, saved)
+                    raise HealingDiverged(f"healer {self.name!r}: non-finite gradient for {name} at {where}")
+            before = {name: params[name].detach().clone() for name in names}
+        r.opt.step()
+        r.sched.step()
+        with torch.no_grad():
+            for name in names:
+                params[name].copy_(torch.where(r.keep[name], params[name], r.frozen[name]))
+            if not all(torch.isfinite(params[name]).all() for name in names):
+                for name in names:  # never leave NaN/Inf weights behind
+                    params[name].copy_(before[name])
+                _load_buffers(model, saved)
+                raise HealingDiverged(f"healer {self.name!r}: weights became non-finite at {where}")
+        return float(loss.detach())
+
+
+@dataclass
+class _Run:
+    """What one healing run trains: the scope's parameters, their trainable masks and pruned values, the
+    optimizer and schedule, and the BN buffers a diverged step restores."""
+    params: dict[str, torch.nn.Parameter]
+    names: list[str]
+    keep: dict[str, torch.Tensor]  # (same shape as the parameter) bool: entries that may change
+    frozen: dict[str, torch.Tensor]  # pruned values: masked entries are 0
+    opt: torch.optim.Optimizer
+    sched: Any
+    bn_bufs: dict[str, torch.Tensor]
+    dev: torch.device
+
+
+def _prepare(ctx: HealContext, cfg: HealConfig, common: dict, steps_per_epoch: int) -> _Run:
+    """Freeze everything but the scope's parameters; AdamW over them with a cosine schedule over the run's steps."""
+    model = ctx.model
+    params = dict(model.named_parameters())
+    names = sorted({e.param for e in ctx.entries})
+    trainable = trainable_masks(model, ctx.entries, ctx.masks, common["qk_train"])
+    for p in model.parameters():
+        p.requires_grad_(False)
+    dev = params[names[0]].device
+    keep = {n: trainable[n].to(dev) for n in names}
+    frozen = {n: params[n].detach().clone() for n in names}
+    for n in names:
+        params[n].requires_grad_(True)
+    opt = torch.optim.AdamW([params[n] for n in names], lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=schedule_steps(cfg, steps_per_epoch),
+                                                       eta_min=cfg.lr_min)
+    sd = model.state_dict()
+    bn_bufs = {k: sd[k] for k in bn_state_names(model)} if common["bn"] == "train" else {}
+    return _Run(params, names, keep, frozen, opt, sched, bn_bufs, dev)
 
 
 def _bn_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:

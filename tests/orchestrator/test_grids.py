@@ -60,7 +60,10 @@ def test_search_gives_each_grid_its_budget_and_space(tmp_path):
                             tmp_path / "j", grids=grid_searches(spec))
     # main 4 cells x 2 trials + healers: 4 training cells x 3 trials + 2 `none` cells x 1 trial
     assert s.total == 8 + 12 + 2
-    cfgs = [s.suggest(f"t{i}") for i in range(s.total)]
+    cfgs = []
+    for i in range(s.total):  # told at once: a cell's TPE asks wait for its earlier trials
+        cfgs.append(s.suggest(f"t{i}"))
+        s.on_trial_complete(f"t{i}", {"selection_acc": 0.5, "final": True, "epoch": cfgs[-1]["epochs"]})
     assert s.suggest("extra") is PerCellOptunaSearch.FINISHED
     by_grid = {g: [c for c in cfgs if c["grid"] == g] for g in ("main", "healers")}
     assert all(1e-3 <= c["lr"] <= 3e-3 and 3 <= c["epochs"] <= 5 for c in by_grid["main"])

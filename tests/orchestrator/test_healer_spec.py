@@ -64,13 +64,15 @@ def test_healers_without_training_get_one_trial_and_no_search(tmp_path):
               "healer_settings": {"chain": [{"name": "none"}, {"name": "starfish"}]}}]
     s = PerCellOptunaSearch(cells, 3, (1e-4, 1e-2), (1, 5), 0, tmp_path / "j")
     assert s.total == 1 + 3 + 3
-    got = [s.suggest(f"t{i}") for i in range(7)]
-    assert s.suggest("t7") == PerCellOptunaSearch.FINISHED
+    got = []
+    for i in range(7):  # each trial told before the next ask (a cell's TPE asks wait for its earlier tells)
+        got.append(s.suggest(f"t{i}"))
+        if i < 6:
+            s.on_trial_complete(f"t{i}", {"selection_acc": 0.5, "final": True})  # the journal numbers the one
+    assert s.suggest("t7") == PerCellOptunaSearch.FINISHED                    # fixed trial: never rerun
     assert [g["cell_id"] for g in got] == ["a", "b", "c", "b", "c", "b", "c"]
     assert (got[0]["lr"], got[0]["epochs"], got[0]["trial_id"]) == (0.0, 0, "a-0")
     assert all(1e-4 <= g["lr"] <= 1e-2 and 1 <= g["epochs"] <= 5 for g in got[1:])
-    s.on_trial_complete("t0", {"selection_acc": 0.5, "final": True})  # the journal numbers the one fixed trial,
-    s.on_trial_complete("t1", {"selection_acc": 0.5, "final": True})  # so a resumed sweep never reruns it
     assert len(s.study("a").trials) == 1 and len(s.study("b").trials) == 3
     resumed = PerCellOptunaSearch(cells, 3, (1e-4, 1e-2), (1, 5), 0, tmp_path / "j")
-    assert resumed.already_done == 2 and "a-0" not in [f"{c}-{n}" for c, n in resumed._queue if n is not None]
+    assert resumed.already_done == 6 and [f"{c}-{n}" for c, n in resumed._queue] == ["c-2"]  # asked, not told

@@ -65,10 +65,12 @@ CELLS = [{"cell_id": "cellA", "x": 1}, {"cell_id": "cellB", "x": 2}]
 def test_search_round_major_and_restart_reruns_untold_trials_with_same_params(tmp_path):
     j = tmp_path / "optuna.journal"
     s = PerCellOptunaSearch(CELLS, 2, (1e-4, 1e-2), (1, 5), 0, j)
-    cfgs = [s.suggest(f"t{i}") for i in range(3)]
+    cfgs = [s.suggest(f"t{i}") for i in range(2)]
+    assert s.suggest("t2") is None  # cellA-1 is TPE's (past the 1 start-up trial): it waits for cellA-0's tell
+    s.on_trial_complete("t0", {"selection_acc": 0.7, "final": True, "epoch": 3})
+    cfgs.append(s.suggest("t2"))
     assert [c["trial_id"] for c in cfgs] == ["cellA-0", "cellB-0", "cellA-1"]
     assert all(c["x"] == (1 if c["cell_id"] == "cellA" else 2) and 1 <= c["epochs"] <= 5 for c in cfgs)
-    s.on_trial_complete("t0", {"selection_acc": 0.7, "final": True, "epoch": 3})
     s.on_trial_complete("t1", {"selection_acc": 0.5, "epoch": 1}, error=True)
     # driver dies here: cellA-1 asked, never told; cellB-1 never asked
     r = PerCellOptunaSearch(CELLS, 2, (1e-4, 1e-2), (1, 5), 0, j)
@@ -84,6 +86,40 @@ def test_search_round_major_and_restart_reruns_untold_trials_with_same_params(tm
     other = PerCellOptunaSearch(CELLS[::-1], 2, (1e-4, 1e-2), (1, 5), 0, tmp_path / "other.journal")
     first_b = other.suggest("v0")
     assert first_b["trial_id"] == "cellB-0" and first_b["lr"] == cfgs[1]["lr"]
+
+
+def test_suggestions_do_not_depend_on_which_trial_finishes_first(tmp_path):
+    """Two searches, same seed: in one every trial finishes at once, in the other the cells' trials finish in
+    reverse order with other cells' asks in between. The parameters of every trial are the same."""
+    cells = [{"cell_id": f"c{i}"} for i in range(3)]
+    score = {("c0", 0): 0.2, ("c0", 1): 0.9, ("c1", 0): 0.5, ("c1", 1): 0.1, ("c2", 0): 0.7, ("c2", 1): 0.3}
+
+    def done(s, tid, cfg):
+        s.on_trial_complete(tid, {"selection_acc": score[(cfg["cell_id"], cfg["optuna_trial"])], "final": True,
+                                  "epoch": cfg["epochs"]})
+
+    eager = PerCellOptunaSearch(cells, 4, (1e-4, 1e-2), (1, 8), 7, tmp_path / "a")
+    got_a, i = {}, 0
+    while (cfg := eager.suggest(f"a{i}")) is not PerCellOptunaSearch.FINISHED:
+        got_a[cfg["trial_id"]] = (cfg["lr"], cfg["epochs"])
+        done(eager, f"a{i}", {**cfg, "optuna_trial": cfg["optuna_trial"] % 2})
+        i += 1
+    lazy = PerCellOptunaSearch(cells, 4, (1e-4, 1e-2), (1, 8), 7, tmp_path / "b")
+    got_b, live, i = {}, [], 0
+    while True:
+        cfg = lazy.suggest(f"b{i}")
+        if cfg is PerCellOptunaSearch.FINISHED:
+            break
+        if cfg is None:  # nothing ready: finish the most recent live trial first (reverse order)
+            tid, c = live.pop()
+            done(lazy, tid, {**c, "optuna_trial": c["optuna_trial"] % 2})
+            continue
+        got_b[cfg["trial_id"]] = (cfg["lr"], cfg["epochs"])
+        live.append((f"b{i}", cfg))
+        i += 1
+    for tid, c in reversed(live):
+        done(lazy, tid, {**c, "optuna_trial": c["optuna_trial"] % 2})
+    assert len(got_a) == 12 and got_a == got_b
 
 
 def test_search_with_asha_searches_lr_only_and_tells_early_stopped_trials_pruned(tmp_path):

@@ -102,13 +102,16 @@ def test_searcher_minimises_heldout_align_and_searches_steps(tmp_path):
     se = _searcher(tmp_path, {"objective": "heldout_align", "steps": [3, 40], "trials_per_cell": 2}, cells)
     assert se.metric == "heldout_align" and se.mode == "min" and se.total == 5  # `none`: one trial
     assert se.study("a" * 12).direction.name == "MINIMIZE"
-    configs = [se.suggest(str(i)) for i in range(5)]
+    configs = [se.suggest(str(i)) for i in range(3)]  # trial 0 of every cell; trial 1s wait for their cell's tell
+    assert se.suggest("x") is None
+    for i, c in enumerate(configs[:2]):
+        se.on_trial_complete(str(i), {"heldout_align": 0.25 + i, "epoch": c["epochs"], "final": True})
+    configs += [se.suggest(str(i)) for i in (3, 4)]
     for c in configs:
         if c["healer"] == "none":
             assert (c["lr"], c["epochs"]) == (0.0, 0) and "steps" not in c
             continue
         assert 3 <= c["steps"] <= 40 and c["epochs"] == math.ceil(c["steps"] / math.ceil(c["calib_size"] / 32))
-    a = next(c for c in configs if c["cell_id"] == "a" * 12)
-    se.on_trial_complete("0", {"heldout_align": 0.25, "epoch": a["epochs"], "final": True})
+    assert configs[0]["cell_id"] == "a" * 12
     (t,) = [t for t in se.study("a" * 12).trials if t.value is not None]
     assert t.value == 0.25 and se.study("a" * 12).best_value == 0.25
