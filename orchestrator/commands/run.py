@@ -49,6 +49,19 @@ def main(args) -> int:
     clock = StageClock(enabled=not args.quiet)
     clock.add("imports", process_age())
     t_spec = time.perf_counter()
+    spec, out, store, cache = _resolve(args)
+    clock.add("spec", time.perf_counter() - t_spec)
+    res = _run(args, spec, out, store, cache, clock)
+    print(f"sweep {res.sweep_id}: {res.trials_finished} trials finished, {res.trials_failed} failed, "
+          f"dense forward images {res.dense_forward_images}, {res.seconds:.0f} s")
+    print(f"mlflow: {res.tracking_uri}")
+    if res.report:
+        print(f"report: {res.report['html']}\n        {res.report['md']}")
+    return 0 if res.trials_failed == 0 else 1
+
+
+def _resolve(args) -> tuple:
+    """(spec, run dir, store dir, model cache) from the arguments or a resumed run dir; CliError when bad."""
     from orchestrator.resources import override_resources
     from orchestrator.resume import ResumeError, read_sweep
     from orchestrator.spec import SpecError, parse_spec
@@ -80,13 +93,19 @@ def main(args) -> int:
         check_store_uri(spec.store.uri)
     except (SpecError, ResumeError, ClusterError) as e:
         raise CliError(str(e)) from None
-    clock.add("spec", time.perf_counter() - t_spec)
+    return spec, out, store, cache
+
+
+def _run(args, spec, out: Path, store: Path, cache: Path, clock):
+    """The sweep, then its widening rounds when the spec asks for them (orchestrator/widen.py)."""
+    from orchestrator.cluster import ClusterError
     from orchestrator.dense import StoreBudgetError
     from orchestrator.refine import RefineError
+    from orchestrator.resume import ResumeError
     from orchestrator.sweep import run_sweep
 
     try:
-        widen = spec.search.widen  # extra rounds past the search boundary (orchestrator/widen.py)
+        widen = spec.search.widen  # extra rounds past the search boundary
         res = run_sweep(spec, out, store, cache, address=args.address, progress=not args.quiet,
                         report=not args.no_report and not widen, num_cpus=args.num_cpus, resume=bool(args.resume),
                         verbose=args.verbose, clock=clock)
@@ -99,12 +118,7 @@ def main(args) -> int:
             res = _widened(res, rounds, out, not args.no_report)
     except (ResumeError, StoreBudgetError, ClusterError, RefineError) as e:
         raise CliError(str(e)) from None
-    print(f"sweep {res.sweep_id}: {res.trials_finished} trials finished, {res.trials_failed} failed, "
-          f"dense forward images {res.dense_forward_images}, {res.seconds:.0f} s")
-    print(f"mlflow: {res.tracking_uri}")
-    if res.report:
-        print(f"report: {res.report['html']}\n        {res.report['md']}")
-    return 0 if res.trials_failed == 0 else 1
+    return res
 
 
 def _widened(res, rounds: list[dict], out: Path, report: bool):
