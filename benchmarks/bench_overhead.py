@@ -12,6 +12,11 @@ calibration images, 6 STARFISH epochs, batch 32; and a single configuration (spa
 
 Runs are interleaved (healsweep 16, authors 16, healsweep 1, authors 1, repeated ``--repeats`` times) and the
 median is printed. ``uptime`` is printed before and after: on a shared machine only side-by-side ratios count.
+``--baseline DIR`` also runs healsweep from another checkout (``PYTHONPATH=DIR``, e.g. the main branch) in the
+same interleaving, for a before/after ratio measured under the same load.
+
+Stage times overlap where the sweep overlaps them (the report is written while Ray shuts down), so ``exit``
+(wall - Σ stages: interpreter start before ``imports`` and process exit) can come out slightly low.
 
     python benchmarks/bench_overhead.py --repeats 5 --cache .healsweep/models --store .healsweep/store
 """
@@ -86,11 +91,13 @@ def run_authors(a, configs: list[tuple[float, float]]) -> float:
 
 
 # ------------------------------------------------------------------------------------------ healsweep
-def run_healsweep(a, spec_file: Path, out: Path) -> dict:
+def run_healsweep(a, spec_file: Path, out: Path, tree: str | None = None) -> dict:
+    """One ``healsweep run`` (the console script) with ``PYTHONPATH=tree`` (default: this checkout)."""
     exe = Path(sys.executable).with_name("healsweep")
+    env = dict(os.environ, PYTHONPATH=tree or str(Path(__file__).resolve().parents[1]))
     t0 = time.perf_counter()
     subprocess.run([str(exe), "run", str(spec_file), "--out", str(out), "--store", a.store, "--cache", a.cache,
-                    "--num-cpus", str(a.parallel), "--quiet"], check=True, capture_output=True, text=True)
+                    "--num-cpus", str(a.parallel), "--quiet"], check=True, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     from mlflow import MlflowClient
 
@@ -116,6 +123,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--calib", type=int, default=128)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--baseline", metavar="DIR", help="also run healsweep from checkout DIR (before/after ratio)")
+    ap.add_argument("--sizes", default="16,1", help="which runs: 16 (the sweep), 1 (single configuration)")
     ap.add_argument("--authors-trial", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.authors_trial:
@@ -129,16 +138,21 @@ def main() -> None:
     configs = {16: [(s, lr) for s in SPARSITIES for lr in AUTHORS_LRS], 1: [(0.9, AUTHORS_LRS[2])]}
     print(f"start: {uptime()}", flush=True)
     run_healsweep(a, specs[16], root / "warmup")  # warm store (targets, masks) and model cache; not measured
-    res: dict = {k: {"healsweep": [], "authors": []} for k in (16, 1)}
+    sizes = [int(x) for x in a.sizes.split(",")]
+    res: dict = {k: {"healsweep": [], "authors": [], "baseline": []} for k in sizes}
     for i in range(a.repeats):
-        for k in (16, 1):
+        for k in sizes:
             res[k]["healsweep"].append(run_healsweep(a, specs[k], root / f"hs{k}-{i}"))
             res[k]["authors"].append(run_authors(a, configs[k]))
+            if a.baseline:
+                res[k]["baseline"].append(run_healsweep(a, specs[k], root / f"base{k}-{i}", a.baseline))
             h = res[k]["healsweep"][-1]
             print(f"repeat {i + 1}/{a.repeats}, {k} trial(s): healsweep {h['wall']:.1f} s (Σ compute "
                   f"{h['compute']:.1f}, overhead {h['overhead']:.1f}; " + ", ".join(
                       f"{n} {v:.1f}" for n, v in h["stages"].items()) +
-                  f"), authors {res[k]['authors'][-1]:.1f} s  ({uptime()})", flush=True)
+                  f"), authors {res[k]['authors'][-1]:.1f} s"
+                  + (f", baseline {res[k]['baseline'][-1]['wall']:.1f} s" if a.baseline else "")
+                  + f"  ({uptime()})", flush=True)
     report(a, res)
     print(f"end: {uptime()}")
 
@@ -152,11 +166,18 @@ def report(a, res: dict) -> None:
         print(f"{k:>2} trial(s): healsweep {wall:.1f} s (Σ trial compute {med(x['compute'] for x in hs):.1f} s, "
               f"overhead {med(x['overhead'] for x in hs):.1f} s) | authors' way {auth:.1f} s | "
               f"authors/healsweep {auth / wall:.2f}x")
-    hs = res[16]["healsweep"]
+        if r["baseline"]:
+            base = med(x["wall"] for x in r["baseline"])
+            print(f"{k:>2} trial(s): baseline {a.baseline} {base:.1f} s (overhead "
+                  f"{med(x['overhead'] for x in r['baseline']):.1f} s) | baseline/healsweep {base / wall:.2f}x")
     names = [*STAGES, "exit"]
-    print("16-trial sweep, median seconds per stage: " + ", ".join(
-        f"{s} {med(x['stages'][s] for x in hs):.2f}" for s in names))
+    for k, r in res.items():
+        for variant in ("healsweep", "baseline"):
+            if r[variant]:
+                print(f"{k:>2} trial(s) {variant}, median seconds per stage: " + ", ".join(
+                    f"{s} {med(x['stages'][s] for x in r[variant]):.2f}" for s in names))
     print(json.dumps({str(k): {"healsweep_wall": [x["wall"] for x in r["healsweep"]], "authors_wall": r["authors"],
+                               "baseline_wall": [x["wall"] for x in r["baseline"]],
                                "overhead": [x["overhead"] for x in r["healsweep"]]} for k, r in res.items()}))
 
 

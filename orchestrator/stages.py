@@ -228,16 +228,3 @@ def open_tracking(uri: str, experiment: str):
     experiment_id(client, experiment)
     return client
 
-
-def warm_workers(n: int, cpus: float) -> list:
-    """``n`` Ray tasks that import the trial code (torch, timm, tasks.*) in pooled worker processes while the
-    driver runs its stages; Tune's trial actors then start in warm processes. -> refs to wait on."""
-    import ray
-
-    @ray.remote
-    def warm() -> bool:
-        import orchestrator.trainable  # noqa: F401
-
-        return True
-
-    return [warm.options(num_cpus=cpus).remote() for _ in range(n)]

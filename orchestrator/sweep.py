@@ -52,7 +52,6 @@ class _Sweep:
     mask_keys: dict = field(default_factory=dict)  # orchestrator.stages.MaskResult: {cell_id: key} + provenance
     on_cluster: bool = False  # --address given: model, mask and dense work goes to Ray tasks on the workers
     mlflow_ready: Any = None  # joins the thread that opens the tracking store (open_sweep)
-    warm: list = field(default_factory=list)  # refs of the worker warm-up tasks (start_ray)
     client: Any = None
     parent: str = ""
     tune: dict = field(default_factory=dict)
@@ -323,9 +322,6 @@ def tune_stage(s: _Sweep, progress: bool) -> None:
         prog = TrialProgress(per_cell, progress)
         name = f"{spec.name}-{s.info['sweep_id']}-s{s.session}"
         tuner = _tuner(s, name, searcher, [logger_cb, prog.callback])
-    if s.warm:
-        with clock.stage("tune_start"):
-            ray.get(s.warm)  # warm processes are idle before Tune asks for actors
     t0, t["freed"] = time.perf_counter(), 0
     if searcher.total:
         tuner.fit()
@@ -388,12 +384,6 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, 
     s.on_cluster = bool(address)
     with clock.stage("ray", f"ray: {'attaching to ' + address if address else 'starting a local instance'}"):
         started_ray = start_ray(address, num_cpus, verbose)
-        if started_ray and not address and spec.resources.gpus_per_trial == 0:  # our local instance only
-            from orchestrator.stages import warm_workers
-
-            import ray
-
-            s.warm = warm_workers(_concurrency(spec, ray.cluster_resources()), spec.resources.cpus_per_trial)
     try:
         import ray
 
@@ -406,6 +396,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, 
             parent_run(s)
         tune_stage(s, progress)
         finished, failed, seconds = summary_stage(s, t0)
+        report_done = _start_report(out_dir, clock) if report else None  # written while Ray shuts down
     finally:
         if s.tune.get("writer") is not None:
             s.tune["writer"].close()
@@ -413,18 +404,25 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, 
             import ray
 
             with clock.stage("ray_shutdown"):
-                ray.shutdown()
-    paths_out = None
-    if report:
-        from analysis.report import write_report
-
-        with clock.stage("report", "report: writing report.html and report.md"):
-            paths_out = write_report(out_dir)
+                ray.shutdown()  # ~1 s of waiting for Ray's processes to exit
+    paths_out = report_done() if report_done else None
     s.client.log_batch(s.parent, metrics=_report_metric(clock, s.session))
     clock.say(clock.summary())
     release_run_dir(s.out_dir)
     return SweepResult(s.info["sweep_id"], s.out_dir, s.info["tracking_uri"], s.parent, finished, failed,
                        sum(s.dense.values()), seconds, paths_out, dict(clock.seconds))
+
+
+def _start_report(out_dir: Path, clock: StageClock):
+    """write_report in a thread (figures use matplotlib's Agg canvas, no pyplot); -> a callable that joins it
+    and returns the report's paths (re-raising its error). Everything it reads is in MLflow already."""
+    from analysis.report import write_report
+    from orchestrator.stages import background
+
+    def write():
+        with clock.stage("report", "report: writing report.html and report.md"):
+            return write_report(out_dir)
+    return background(write)
 
 
 def _report_metric(clock: StageClock, step: int) -> list:
