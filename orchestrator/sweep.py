@@ -112,7 +112,7 @@ def open_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path,
     """A new sweep (fresh sweep id, tracking URI) or the one recorded in ``out_dir`` (resume / refine)."""
     from orchestrator import cluster
     from orchestrator.resume import JOURNAL_FILE, ResumeError, lock_run_dir, read_sweep, write_sweep
-    from orchestrator.stages import background, open_tracking
+    from orchestrator.stages import background
 
     out_dir, store_dir, cache_dir = (Path(p).resolve() for p in (out_dir, store_dir, cache_dir))
     lock_run_dir(out_dir)  # one driver per run directory (RunLockedError while another live driver holds it)
@@ -131,14 +131,23 @@ def open_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path,
                 "experiment": spec.mlflow.experiment, "store": str(store_dir), "cache": str(cache_dir),
                 "spec": spec.to_dict()}
     write_sweep(out_dir, info)
-    cluster.keep_artifacts_inside(info["tracking_uri"], out_dir, spec.mlflow.experiment)  # not $PWD/mlruns
     from orchestrator.stages import store_paths
 
     paths = store_paths(spec.store.uri, store_dir, cache_dir)
     paths["out"] = str(out_dir)
     s = _Sweep(spec, out_dir, store_dir, cache_dir, info, paths, resume, refine_round, clock)
-    s.mlflow_ready = background(open_tracking, info["tracking_uri"], spec.mlflow.experiment)
+    s.mlflow_ready = background(_tracking_inside, info["tracking_uri"], out_dir, spec.mlflow.experiment)
     return s
+
+
+def _tracking_inside(uri: str, out_dir: Path, experiment: str):
+    """The experiment created with its artifacts in the run directory (not $PWD/mlruns; a new SQLite store
+    creates its tables: ~1.5 s), then the client: both in the background while the models load."""
+    from orchestrator import cluster
+    from orchestrator.stages import open_tracking
+
+    cluster.keep_artifacts_inside(uri, out_dir, experiment)
+    return open_tracking(uri, experiment)
 
 
 def models_stage(s: _Sweep, progress: bool) -> None:
