@@ -99,3 +99,22 @@ def test_split_digest_depends_only_on_the_prefix():
     assert ds([4, 1, 7]).split_digest("calibration") == a.split_digest("calibration", 3)
     c = DatasetSplits("toy", 2, (1, 2, 2), a.splits, digest="abd")  # dataset digest is part of it
     assert c.split_digest("calibration", 3) != a.split_digest("calibration", 3)
+
+
+def test_digits_read_from_the_bundled_file_equal_scikit_learns_loader():
+    """tasks/data/digits.py parses scikit-learn's digits.csv.gz without importing sklearn: same values, same
+    dtypes as sklearn.datasets.load_digits (images (1797, 8, 8) float64, labels int)."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits as sk
+
+    from tasks.data.digits import digits_arrays
+
+    raw, target = digits_arrays()
+    b = sk()
+    assert raw.shape == (1797, 8, 8) and raw.dtype == b.images.dtype and np.array_equal(raw, b.images)
+    assert target.dtype == b.target.dtype and np.array_equal(target, b.target)
+    probe = "import sys; from tasks.data.digits import digits_arrays; digits_arrays(); print('sklearn' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr[-1000:]
