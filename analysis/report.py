@@ -20,13 +20,13 @@ from pathlib import Path
 import pandas as pd
 from .accuracy_figure import healer_colors, model_figure
 from .figures import healers_figure
-from .findings import FINDINGS_HOW, boundary, findings, findings_html, findings_md
+from .findings import FINDINGS_HOW, findings, findings_html, findings_md
 from .layout import save_png
 from .paired import healer_panels, paired_sections
 from .runs import best_per_cell, grid_names, load_sweep_info, load_trials, pattern_sort_key
+from .search_space import _box, flag_boundary, search_bounds, widened_cells
 
-__all__ = ["write_report", "write_report_from", "model_table", "model_figure", "run_url", "flag_boundary",
-           "search_bounds", "widened_cells"]
+__all__ = ["write_report", "write_report_from", "model_table", "model_figure", "run_url"]
 
 HOW_TO_READ = (
     "Each grid cell (model x pattern x calibration size x pruner x healer) ran several trials with "
@@ -291,94 +291,44 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
     taken: set[str] = set()
     colors = healer_colors(best["healer"].dropna())
     for model in models:
-        mt = trials[model_of == model]
-        mb = best[best["model"].astype("object").fillna(UNKNOWN_MODEL) == model]
-        md += ["", f"## {model}", ""]
-        ht.append(f"<h2>{e(model)}</h2>")
-        if mb.empty:
-            msg = f"No finished trials for this model ({_plural(len(mt), 'run')}, none FINISHED)."
-            md.append(f"_{msg}_")
-            ht.append(f'<p class="note">{e(msg)}</p>')
-            continue
-        grids, tgrids = grid_names(mb), grid_names(mt)
-        for grid in sorted(set(grids), key=lambda g: (g != "main", g)):
-            gmd, ght = _grid_sections(mb[grids == grid], mt[tgrids == grid], model, grid, taken, out,
-                                      tracking_uri, colors)
-            md += gmd
-            ht += ght
-        md += trans.md.get(model, [])
-        ht += trans.html.get(model, [])
+        mmd, mht = _model_details(model, trials[model_of == model],
+                                  best[best["model"].astype("object").fillna(UNKNOWN_MODEL) == model],
+                                  taken, out, tracking_uri, colors)
+        md += mmd + trans.md.get(model, [])
+        ht += mht + trans.html.get(model, [])
     ht.append("</details>")
+    return _write_pages(out, name, md, ht, trans.bands_json)
+
+
+def _model_details(model: str, mt: pd.DataFrame, mb: pd.DataFrame, taken: set[str], out: Path,
+                   tracking_uri: str, colors: dict) -> tuple[list[str], list[str]]:
+    """The collapsed details of one model: its per-grid tables and figures (markdown lines, html parts)."""
+    e = html.escape
+    md, ht = ["", f"## {model}", ""], [f"<h2>{e(model)}</h2>"]
+    if mb.empty:
+        msg = f"No finished trials for this model ({_plural(len(mt), 'run')}, none FINISHED)."
+        return md + [f"_{msg}_"], ht + [f'<p class="note">{e(msg)}</p>']
+    grids, tgrids = grid_names(mb), grid_names(mt)
+    for grid in sorted(set(grids), key=lambda g: (g != "main", g)):
+        gmd, ght = _grid_sections(mb[grids == grid], mt[tgrids == grid], model, grid, taken, out,
+                                  tracking_uri, colors)
+        md += gmd
+        ht += ght
+    return md, ht
+
+
+def _write_pages(out: Path, name: str, md: list[str], ht: list[str], bands_json: dict) -> dict[str, Path]:
+    """report.md, report.html (self-contained) and bands.json, each written atomically."""
+    from tasks._io import atomic_write_text
 
     paths = {"html": out / "report.html", "md": out / "report.md", "bands": out / "bands.json"}
-    paths["bands"].write_text(json.dumps(trans.bands_json, indent=1, allow_nan=False), encoding="utf-8")
-    paths["md"].write_text("\n".join(md) + "\n", encoding="utf-8")
+    atomic_write_text(paths["bands"], json.dumps(bands_json, indent=1, allow_nan=False))
+    atomic_write_text(paths["md"], "\n".join(md) + "\n")
     page = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-            f"<title>Sweep report: {e(name)}</title>", f"<style>{_CSS}</style></head><body>",
+            f"<title>Sweep report: {html.escape(name)}</title>", f"<style>{_CSS}</style></head><body>",
             *ht, "</body></html>"]
-    paths["html"].write_text("\n".join(page) + "\n", encoding="utf-8")
+    atomic_write_text(paths["html"], "\n".join(page) + "\n")
     return paths
-
-
-def flag_boundary(best: pd.DataFrame, search: dict | None, tracking_uri: str | None = None,
-                  widened: dict | None = None) -> pd.DataFrame:
-    """Add ``search_boundary`` ('' or the reason) to each winner; with ``tracking_uri``, tag every gradient
-    winner's MLflow run ``search_boundary`` = "true"/"false" (+ ``search_boundary_reason``). ``widened``: cell
-    id -> its widened search box, which replaces its grid's."""
-    if not search or best.empty:
-        return best.assign(search_boundary="")
-    grids, widened = grid_names(best), widened or {}
-    reasons = [boundary(r, widened.get(r["cell_id"]) or search.get(g) or search.get("main"))
-               for (_, r), g in zip(best.iterrows(), grids)]
-    best = best.assign(search_boundary=reasons)
-    if tracking_uri:
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(tracking_uri)
-        for r in best.itertuples(index=False):
-            if _num(r.lr) and _num(r.lr) > 0:
-                client.set_tag(r.run_id, "search_boundary", "true" if r.search_boundary else "false")
-                if r.search_boundary:
-                    client.set_tag(r.run_id, "search_boundary_reason", r.search_boundary)
-    return best
-
-
-def _bounds(s: dict) -> dict:
-    key = "steps" if s.get("steps") else "epochs"
-    return {"lr": list(s["lr"]), key: list(s[key])}
-
-
-def _box(b: dict) -> str:
-    """'round 1: lr 1e-04–1.2e-02, epochs 1–32'"""
-    key = "steps" if b.get("steps") else "epochs"
-    return (f"round {b.get('round', 1)}: lr {b['lr'][0]:.2g}–{b['lr'][1]:.2g}, "
-            f"{key} {b[key][0]}–{b[key][1]}")
-
-
-def search_bounds(spec: dict | None) -> dict | None:
-    """``{grid: {"lr", "epochs" or "steps"}}`` from a sweep.json spec (``search`` and each ``grids[i].search``)."""
-    if not spec or "search" not in spec:
-        return None
-    main = spec["search"]
-    out = {"main": _bounds(main)}
-    for g in spec.get("grids") or []:
-        over = {k: v for k, v in (g.get("search") or {}).items() if v is not None}
-        if "steps" in over or "epochs" in over:  # a grid's own length replaces the top level's
-            main = {k: v for k, v in spec["search"].items() if k not in ("steps", "epochs")}
-        else:
-            main = spec["search"]
-        out[str(g["name"])] = _bounds({**main, **over})
-    return out
-
-
-def widened_cells(meta: dict) -> dict:
-    """cell id -> {"round", "lr", "epochs"/"steps"}: the last widening round of each cell (sweep.json
-    ``widenings``, written by orchestrator/widen.py)."""
-    out = {}
-    for w in meta.get("widenings") or []:
-        for cid, box in (w.get("cells") or {}).items():
-            out[cid] = {"round": w.get("round"), **box}
-    return out
 
 
 def _transition_sections(best, models, info, out, tracking_uri, settings):

@@ -50,7 +50,7 @@ def plan_widening(run_dir: Path, factor: float) -> dict:
     """{"meta", "round", "cells": {cell id: grid}, "boxes": {grid: widened box}, "parent_run_id",
     "tracking_uri"}; ``cells`` is empty when no winner sits on the boundary."""
     from analysis.findings import edges
-    from analysis.report import search_bounds, widened_cells
+    from analysis.search_space import search_bounds, widened_cells
     from analysis.runs import best_per_cell, grid_names, load_sweep_info, load_trials
     from orchestrator.spec.checks import MAX_EPOCHS, MAX_STEPS
 

@@ -41,4 +41,4 @@ def atomic_write_bytes(path: str | os.PathLike, data, fsync: bool = False) -> Pa
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    return atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))

@@ -6,7 +6,8 @@ import pandas as pd
 import pytest
 
 from analysis.findings import best_rows, boundary, fmt_range, ranges
-from analysis.report import model_table, search_bounds
+from analysis.report import model_table
+from analysis.search_space import search_bounds
 
 BOUNDS = {"lr": [1e-4, 3e-3], "epochs": [1, 8]}
 

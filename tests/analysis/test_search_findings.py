@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from analysis.findings import _budget_warning, boundary, edges, findings
-from analysis.report import search_bounds, widened_cells
+from analysis.search_space import search_bounds, widened_cells
 from analysis.runs import best_per_cell
 from orchestrator.widen import union_box, widened_box
 

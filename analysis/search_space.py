@@ -1,0 +1,71 @@
+"""The search space a sweep searched, as the report reads it back: each grid's bounds (from sweep.json's spec),
+the boxes of widening rounds (sweep.json ``widenings``, written by orchestrator/widen.py), and the
+``search_boundary`` flag on winners whose lr or training length sits on the edge of that space
+(``analysis.findings.boundary``)."""
+from __future__ import annotations
+
+import pandas as pd
+
+from .findings import boundary
+from .runs import grid_names
+
+
+def flag_boundary(best: pd.DataFrame, search: dict | None, tracking_uri: str | None = None,
+                  widened: dict | None = None) -> pd.DataFrame:
+    """Add ``search_boundary`` ('' or the reason) to each winner; with ``tracking_uri``, tag every gradient
+    winner's MLflow run ``search_boundary`` = "true"/"false" (+ ``search_boundary_reason``). ``widened``: cell
+    id -> its widened search box, which replaces its grid's."""
+    if not search or best.empty:
+        return best.assign(search_boundary="")
+    grids, widened = grid_names(best), widened or {}
+    reasons = [boundary(r, widened.get(r["cell_id"]) or search.get(g) or search.get("main"))
+               for (_, r), g in zip(best.iterrows(), grids)]
+    best = best.assign(search_boundary=reasons)
+    if tracking_uri:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri)
+        for r in best.itertuples(index=False):
+            if pd.to_numeric(r.lr, errors="coerce") > 0:  # a gradient winner (NaN: compares False)
+                client.set_tag(r.run_id, "search_boundary", "true" if r.search_boundary else "false")
+                if r.search_boundary:
+                    client.set_tag(r.run_id, "search_boundary_reason", r.search_boundary)
+    return best
+
+
+def _bounds(s: dict) -> dict:
+    key = "steps" if s.get("steps") else "epochs"
+    return {"lr": list(s["lr"]), key: list(s[key])}
+
+
+def _box(b: dict) -> str:
+    """'round 1: lr 1e-04–1.2e-02, epochs 1–32'"""
+    key = "steps" if b.get("steps") else "epochs"
+    return (f"round {b.get('round', 1)}: lr {b['lr'][0]:.2g}–{b['lr'][1]:.2g}, "
+            f"{key} {b[key][0]}–{b[key][1]}")
+
+
+def search_bounds(spec: dict | None) -> dict | None:
+    """``{grid: {"lr", "epochs" or "steps"}}`` from a sweep.json spec (``search`` and each ``grids[i].search``)."""
+    if not spec or "search" not in spec:
+        return None
+    main = spec["search"]
+    out = {"main": _bounds(main)}
+    for g in spec.get("grids") or []:
+        over = {k: v for k, v in (g.get("search") or {}).items() if v is not None}
+        if "steps" in over or "epochs" in over:  # a grid's own length replaces the top level's
+            main = {k: v for k, v in spec["search"].items() if k not in ("steps", "epochs")}
+        else:
+            main = spec["search"]
+        out[str(g["name"])] = _bounds({**main, **over})
+    return out
+
+
+def widened_cells(meta: dict) -> dict:
+    """cell id -> {"round", "lr", "epochs"/"steps"}: the last widening round of each cell (sweep.json
+    ``widenings``, written by orchestrator/widen.py)."""
+    out = {}
+    for w in meta.get("widenings") or []:
+        for cid, box in (w.get("cells") or {}).items():
+            out[cid] = {"round": w.get("round"), **box}
+    return out
