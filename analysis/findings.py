@@ -100,10 +100,10 @@ def ranges(recs: list[dict], cts: dict | None) -> list[Range]:
         pts = r["points"]
         spans = {lab: _span(pts, lab) for lab in ("recoverable", "transition", "collapse")}
         xs = [p["sparsity"] for p in pts]
-        steps = [b - a for a, b in zip(xs, xs[1:])]
-        res = f"grid step {100 * min(steps):g}–{100 * max(steps):g} pp" if steps else "one point"
+        steps = [round(100 * (b - a), 6) for a, b in zip(xs, xs[1:])]  # pp; 0.9 - 0.85 is not 0.95 - 0.9 in floats
+        res = f"grid step {min(steps):g}–{max(steps):g} pp" if steps else "one point"
         if steps and min(steps) == max(steps):
-            res = f"grid step {100 * steps[0]:g} pp"
+            res = f"grid step {steps[0]:g} pp"
         n = [p["n_seeds"] for p in pts]
         sd = max(p["healed_std"] for p in pts)
         nn = f"n={max(n)}" if min(n) == max(n) else f"n={min(n)}–{max(n)}"

@@ -21,7 +21,7 @@ from tasks.pruning.corp import scope_parts, unit_stats, vit_blocks
 
 
 @HEALERS.register("corp")
-class CorpHealer(Healer):
+class CORPHealer(Healer):
     """Closed-form CORP compensation (no gradients) from dense calibration statistics.
 
     Settings (docs/methods.md#corp): ``lambda`` ('authors' default: the authors' code, λ = max(lambda_floor,

@@ -48,7 +48,7 @@ class StarfishHealer(GradientHealer):
 
 
 @HEALERS.register("mse")
-class MseHealer(GradientHealer):
+class MSEHealer(GradientHealer):
     """MSE between every block output and the dense model's (the STARFISH paper, Table 1 ablation)."""
 
 
@@ -57,7 +57,7 @@ class MseHealer(GradientHealer):
 
 
 @HEALERS.register("kl")
-class KlHealer(GradientHealer):
+class KLHealer(GradientHealer):
     """Logit distillation: KL(dense || pruned), T = 1, batchmean. Reads only the cached dense logits."""
 
     uses_blocks = False
@@ -67,7 +67,7 @@ class KlHealer(GradientHealer):
 
 
 @HEALERS.register("ce")
-class CeHealer(GradientHealer):
+class CEHealer(GradientHealer):
     """Cross-entropy fine-tuning on ``ctx.labeled`` (see the module docstring for which items)."""
 
     uses_blocks = False
@@ -104,7 +104,7 @@ class CeHealer(GradientHealer):
 
 
 @HEALERS.register("starfish_kl")
-class StarfishKlHealer(StarfishHealer):
+class StarfishKLHealer(StarfishHealer):
     """w_align * STARFISH cosine + w_kl * KL(dense || pruned logits); 0.5 / 0.5 by default (docs/methods.md#starfish)."""
 
     settings_schema = {**StarfishHealer.settings_schema, "w_align": float, "w_kl": float}

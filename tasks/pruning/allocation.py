@@ -77,7 +77,7 @@ class ERKPruner(AllocationPruner):
 
 
 @PRUNERS.register("lamp")
-class LampPruner(AllocationPruner):
+class LAMPPruner(AllocationPruner):
 
     def sparsities(self, weights, target, ctx, settings):
         return lamp_sparsities(weights, target)

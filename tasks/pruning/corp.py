@@ -111,7 +111,7 @@ def head_keep(scores: torch.Tensor, sparsity: float) -> torch.Tensor:
 
 
 @PRUNERS.register("corp")
-class CorpPruner(Pruner):
+class CORPPruner(Pruner):
     """Structured CORP masks: rank by activation energy (calibration images) or weight magnitude."""
 
     settings_schema = {"rank": str}

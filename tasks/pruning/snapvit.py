@@ -130,7 +130,7 @@ def clear_memory_cache() -> None:
 
 
 @PRUNERS.register("snapvit")
-class SnapVitPruner(Pruner):
+class SnapViTPruner(Pruner):
     """Structured: whole MLP neurons and attention heads, one elastic ranking (docs/methods.md#snapvit).
 
     Sparsity = fraction of the scope's prunable weights removed (parameter count; whole units, so the achieved

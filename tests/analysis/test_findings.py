@@ -122,3 +122,9 @@ def test_first_screen_summaries_headline_flags_and_folded_columns():
                "95–97 %")]
     assert _folded(r) == {"resolution": "grid step 5 pp", "cts": "95–97 %"}  # seeds differ: stays a column
     assert _folded(r[:1]) == {}  # one row: nothing to fold
+
+
+def test_uniform_grid_step_is_one_number_despite_float_differences():
+    pts = [dict(sparsity=x, label="transition", n_seeds=3, healed_std=0.01) for x in (0.85, 0.9, 0.95)]
+    (r,) = ranges([{"pruner": "magnitude", "healer": "mse", "calib_size": 128, "points": pts}], None)
+    assert r.resolution == "grid step 5 pp"  # 0.9-0.85 and 0.95-0.9 differ in the 17th digit

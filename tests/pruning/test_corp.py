@@ -15,7 +15,7 @@ import torch.nn as nn
 from tasks.healing import HEALERS, HealConfig, HealContext, corp_math, dense_targets, in_memory_batches, steps_per_epoch
 from tasks.models import get_adapter
 from tasks.pruning import PRUNERS, PruneContext, achieved_sparsity, apply_masks, make_masks, mask_violations, n_pruned
-from tasks.pruning.corp import CorpPruner, vit_blocks
+from tasks.pruning.corp import CORPPruner, vit_blocks
 from tasks.pruning.shrink import n_params, shrink_vit
 from tasks.stats import HeadQK, Moments, Several, Tap, collect
 from tests.conftest import calib_images
@@ -333,7 +333,7 @@ def test_efficiency_metrics_on_digits(digits_vit):
     assert m["dense_params"] - m["shrunk_params"] == 6 * (128 * 129 + 64 * 65)
     assert m["shrunk_flops"] < 0.7 * m["dense_flops"]
     assert m["speedup"] == pytest.approx(m["shrunk_throughput"] / m["dense_throughput"])
-    assert CorpPruner.__mro__[1].structured_metrics(CORP_P, model, masks, None) == {}  # base default: none
+    assert CORPPruner.__mro__[1].structured_metrics(CORP_P, model, masks, None) == {}  # base default: none
 
 
 def _masks_digits(lm, model, s):
