@@ -106,6 +106,9 @@ def test_diagnostics_and_model_cache_on_s3(tmp_path, aws_env, monkeypatch):
     from orchestrator.stages import prepare_models
     from tasks.models.reference import REQUIRE_CACHED_ENV, load_reference, set_local_mirror
 
+    from tasks.models import load_model
+
+    load_model("resnet_digits", CACHE, progress=False)  # the driver's --cache has it (a fresh clone trains it here)
     uri = f"s3://{aws_env['bucket']}/diag?endpoint_override={aws_env['host']}&scheme=http"
     models_uri, diag_uri = store_subdir(uri, "models"), store_subdir(uri, "diagnostics")
     monkeypatch.setenv(REQUIRE_CACHED_ENV, "1")
