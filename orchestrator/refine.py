@@ -51,10 +51,10 @@ def fine_grid(lo: float, hi: float, step: float, existing) -> list[float]:
     return [x for x in pts if lo < x < hi and x < 1.0 and x not in have]
 
 
-def plan_refinement(run_dir: Path, step: float) -> dict:
-    """Read sweep.json + MLflow; return {"meta", "interval", "sparsities", "parent_run_id", "round"}."""
-    from analysis.bands import BandSettings, bands
-    from analysis.runs import best_per_cell, load_sweep_info, load_trials
+def read_run(run_dir: Path) -> tuple[dict, str, dict, object]:
+    """(sweep.json, tracking URI, parent-run info, every trial's row) of a finished sweep; RefineError (one line)
+    without sweep.json or without the sweep's parent run in MLflow. Shared by refinement and widening."""
+    from analysis.runs import load_sweep_info, load_trials
 
     sj = Path(run_dir) / "sweep.json"
     if not sj.is_file():
@@ -62,8 +62,18 @@ def plan_refinement(run_dir: Path, step: float) -> dict:
     meta = json.loads(sj.read_text(encoding="utf-8"))
     uri = meta.get("tracking_uri") or f"sqlite:///{(Path(run_dir) / 'mlflow.db').resolve()}"
     exp = meta.get("experiment") or "healsweep"
-    trials = load_trials(uri, meta["sweep_id"], exp)
     info = load_sweep_info(uri, meta["sweep_id"], exp)
+    if info["run_id"] is None:
+        raise RefineError(f"{run_dir}: parent run of sweep {meta['sweep_id']} not found in MLflow")
+    return meta, uri, info, load_trials(uri, meta["sweep_id"], exp)
+
+
+def plan_refinement(run_dir: Path, step: float) -> dict:
+    """Read sweep.json + MLflow; return {"meta", "interval", "sparsities", "parent_run_id", "round"}."""
+    from analysis.bands import BandSettings, bands
+    from analysis.runs import best_per_cell
+
+    meta, uri, info, trials = read_run(run_dir)
     best = best_per_cell(trials, info["objective"])  # winners picked by the sweep's search objective
     if "grid" in best:  # extra grids (e.g. a healer comparison) do not shape the main grid's refinement
         best = best[best["grid"].isna() | (best["grid"] == "main")]

@@ -23,7 +23,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from orchestrator.refine import RefineError
+from orchestrator.refine import RefineError, read_run
 
 
 def widened_box(bounds: dict, hit: set[str], factor: float, max_length: int) -> dict:
@@ -51,21 +51,13 @@ def plan_widening(run_dir: Path, factor: float) -> dict:
     "tracking_uri"}; ``cells`` is empty when no winner sits on the boundary."""
     from analysis.findings import edges
     from analysis.search_space import search_bounds, widened_cells
-    from analysis.runs import best_per_cell, grid_names, load_sweep_info, load_trials
+    from analysis.runs import best_per_cell, grid_names
     from orchestrator.spec.checks import MAX_EPOCHS, MAX_STEPS
 
     if not factor > 1:
         raise RefineError(f"widen factor must be > 1, got {factor}")
-    sj = Path(run_dir) / "sweep.json"
-    if not sj.is_file():
-        raise RefineError(f"{run_dir}: not a run directory (no sweep.json)")
-    meta = json.loads(sj.read_text(encoding="utf-8"))
-    uri = meta.get("tracking_uri") or f"sqlite:///{(Path(run_dir) / 'mlflow.db').resolve()}"
-    exp = meta.get("experiment") or "healsweep"
-    info = load_sweep_info(uri, meta["sweep_id"], exp)
-    if info["run_id"] is None:
-        raise RefineError(f"{run_dir}: parent run of sweep {meta['sweep_id']} not found in MLflow")
-    best = best_per_cell(load_trials(uri, meta["sweep_id"], exp), info["objective"])
+    meta, uri, info, trials = read_run(run_dir)
+    best = best_per_cell(trials, info["objective"])
     search, before = search_bounds(meta["spec"]), widened_cells(meta)
     cells, hits, current = {}, {}, {}
     for (_, row), grid in zip(best.iterrows(), grid_names(best)):
