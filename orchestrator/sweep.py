@@ -7,12 +7,13 @@ import json
 import os
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from orchestrator.console import StageClock, TrialProgress, quiet_libraries
 from orchestrator.plan import Cell, expand_cells, grid_searches
+from orchestrator.tune_setup import drop_epoch_checkpoints, make_tuner, trial_config
 from orchestrator.spec import SweepSpec
 
 
@@ -68,45 +69,6 @@ class _Sweep:
         return self.info.get("resumes", 0)
 
 
-def _trial_name(trial) -> str:
-    return f"{trial.config.get('trial_id', 'trial')}-{trial.trial_id}"
-
-
-def _trial_config(c: Cell, spec: SweepSpec, paths: dict, store_key: str, mask_key: str, default_gran: str,
-                  threads: int, device: str, target_mode: str = "store") -> dict:
-    return {**asdict(c), "plugins": list(spec.plugins), "store_key": store_key, "mask_key": mask_key,
-            "default_granularity": default_gran, "target_mode": target_mode, "target_dtype": spec.store.dtype,
-            "store_uri": paths["targets"], "mask_root": paths["masks"], "cache_dir": paths["cache"],
-            "data_seed": spec.data_seed, "batch_size": spec.heal.batch_size, "weight_decay": spec.heal.weight_decay,
-            "lr_min": spec.heal.lr_min, "threads": threads, "device": device,
-            "load_kw": spec.load_kwargs(c.model), "out_dir": paths.get("out", ""),
-            # per-epoch selection accuracy only where a scheduler stops trials on it (ASHA); the final one always
-            "epoch_selection": spec.search.scheduler == "asha"}
-
-
-def _concurrency(spec: SweepSpec, cluster: dict) -> int:
-    if spec.resources.max_concurrent:
-        return spec.resources.max_concurrent
-    n = int(cluster.get("CPU", 1) // spec.resources.cpus_per_trial)
-    if spec.resources.gpus_per_trial > 0:
-        n = min(n, int(cluster.get("GPU", 0) // spec.resources.gpus_per_trial))
-    return max(1, n)
-
-
-def drop_epoch_checkpoints(experiment_dir: Path) -> int:
-    """Delete Tune's per-epoch checkpoints of a finished ``fit`` (they only serve retries inside that fit; a
-    resumed sweep reruns unfinished trials from scratch, and healed weights live in ``trials/``). -> bytes freed."""
-    import shutil
-
-    freed = 0
-    for ckpt in Path(experiment_dir).glob("*/checkpoint_*"):
-        if ckpt.is_dir() and not ckpt.is_symlink():
-            freed += sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
-            shutil.rmtree(ckpt, ignore_errors=True)
-    return freed
-
-
-# ------------------------------------------------------------------------------------------------ stages
 def open_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, resume: bool,
                refine_round: int | None, clock: StageClock) -> _Sweep:
     """A new sweep (fresh sweep id, tracking URI) or the one recorded in ``out_dir`` (resume / refine)."""
@@ -261,36 +223,6 @@ def _log_lamp(s: _Sweep, diag_root: str) -> None:
     log_lamp_allocations(s.client, s.parent, diag_root, s.diag, weights_of, CTSSettings().targets)
 
 
-def _scheduler(spec: SweepSpec):
-    if spec.search.scheduler != "asha":
-        return None
-    from ray.tune.schedulers import ASHAScheduler
-
-    return ASHAScheduler(time_attr="epoch", metric=spec.search.objective, mode="max", max_t=spec.search.epochs[1],
-                         grace_period=spec.search.asha_grace_period,
-                         reduction_factor=spec.search.asha_reduction_factor)
-
-
-def _tuner(s: _Sweep, name: str, searcher, callbacks: list):
-    from ray import tune
-
-    from orchestrator.trainable import tune_trainable
-
-    spec = s.spec
-    return tune.Tuner(
-        tune.with_resources(tune_trainable, {"cpu": spec.resources.cpus_per_trial,
-                                             "gpu": spec.resources.gpus_per_trial}),
-        tune_config=tune.TuneConfig(search_alg=searcher, scheduler=_scheduler(spec), num_samples=searcher.total,
-                                    max_concurrent_trials=s.tune["max_concurrent"],
-                                    reuse_actors=spec.resources.reuse_actors,
-                                    trial_name_creator=_trial_name, trial_dirname_creator=_trial_name),
-        run_config=tune.RunConfig(name=name, storage_path=str(s.out_dir / "tune"),
-                                  callbacks=callbacks, verbose=0,
-                                  failure_config=tune.FailureConfig(max_failures=spec.resources.max_failures),
-                                  checkpoint_config=tune.CheckpointConfig(num_to_keep=1)),
-    )
-
-
 def tune_stage(s: _Sweep, progress: bool) -> None:
     """Every trial on Ray Tune (per-cell Optuna search, MLflow through the asynchronous single writer)."""
     import ray
@@ -305,10 +237,11 @@ def tune_stage(s: _Sweep, progress: bool) -> None:
     with clock.stage("tune_start"):
         gran = {m: get_adapter(untrained(spec, m)).default_granularity for m in s.models}
         threads, device = max(1, int(spec.resources.cpus_per_trial)), "cuda" if spec.resources.gpus_per_trial else "cpu"
-        configs = [_trial_config(c, spec, s.paths, s.models[c.model].store_key, s.mask_keys[c.cell_id],
+        configs = [trial_config(c, spec, s.paths, s.models[c.model].store_key, s.mask_keys[c.cell_id],
                                  gran[c.model], threads, device, s.modes[c.model]) for c in s.cells]
-        t["concurrency"] = _concurrency(spec, ray.cluster_resources())  # at start; logged
         from orchestrator import cluster
+
+        t["concurrency"] = cluster.present_concurrency(spec.resources, ray.cluster_resources())  # at start; logged
 
         os.environ["TUNE_MAX_PENDING_TRIALS_PG"] = str(  # queue trials for nodes that join later (autoscaling)
             cluster.pending_trials(spec.resources, ray.cluster_resources()))
@@ -330,7 +263,7 @@ def tune_stage(s: _Sweep, progress: bool) -> None:
                   + f" over {len(per_cell)} cells, {t['concurrency']} at a time")
         prog = TrialProgress(per_cell, progress)
         name = f"{spec.name}-{s.info['sweep_id']}-s{s.session}"
-        tuner = _tuner(s, name, searcher, [logger_cb, prog.callback])
+        tuner = make_tuner(s.spec, s.out_dir, name, searcher, s.tune["max_concurrent"], [logger_cb, prog.callback])
     t0, t["freed"] = time.perf_counter(), 0
     if searcher.total:
         tuner.fit()

@@ -194,13 +194,15 @@ def test_resource_override_turns_a_gpu_spec_into_a_cpu_run():
 
 
 def test_asha_scheduler_from_the_spec_stops_on_epochs_of_selection_acc():
-    from orchestrator.sweep import _concurrency, _scheduler
+    from orchestrator.cluster import present_concurrency
+    from orchestrator.tune_setup import scheduler
 
-    assert _scheduler(parse_spec(_gpu_spec())) is None  # fifo by default
+    assert scheduler(parse_spec(_gpu_spec())) is None  # fifo by default
     spec = parse_spec(_gpu_spec(scheduler="asha", epochs=[2, 8], asha_grace_period=2, asha_reduction_factor=3))
-    asha = _scheduler(spec)
+    asha = scheduler(spec)
     assert (asha._time_attr, asha.metric, asha._mode, asha._max_t) == ("epoch", "selection_acc", "max", 8)
     assert [m for m, _ in asha._brackets[0]._rungs] == [6, 2]  # rungs: grace period 2, then x3
     # fractional GPUs pack trials: 0.25 GPU per trial on 2 GPUs -> 8, unless CPUs run out first
-    assert _concurrency(spec, {"CPU": 16, "GPU": 2}) == 8 and _concurrency(spec, {"CPU": 5, "GPU": 2}) == 5
-    assert _concurrency(override_resources(spec, cpu_only=True), {"CPU": 3}) == 3
+    assert present_concurrency(spec.resources, {"CPU": 16, "GPU": 2}) == 8
+    assert present_concurrency(spec.resources, {"CPU": 5, "GPU": 2}) == 5
+    assert present_concurrency(override_resources(spec, cpu_only=True).resources, {"CPU": 3}) == 3
