@@ -10,8 +10,12 @@ calibration images, 6 STARFISH epochs, batch 32; and a single configuration (spa
   its own dense targets in RAM before healing -- written here from the project's own tasks/ code (the same
   pruner, targets, STARFISH loop and evaluation), not from the authors' scripts.
 
-Runs are interleaved (healsweep 16, authors 16, healsweep 1, authors 1, repeated ``--repeats`` times) and the
-median is printed. ``uptime`` is printed before and after: on a shared machine only side-by-side ratios count.
+- Ray Tune's floor: a fresh local Ray, the same number of no-op trials on reused actors that import what a trial
+  actor imports before its first trial, shutdown. Floor + Σ trial compute / concurrency bounds what any Ray Tune
+  sweep can reach on the machine, so authors / (floor + compute) is the largest ratio within reach.
+
+Runs are interleaved (healsweep 16, authors 16, floor 16, healsweep 1, authors 1, floor 1, repeated ``--repeats``
+times) and the median is printed. ``uptime`` is printed before and after: on a shared machine only side-by-side ratios count.
 ``--baseline DIR`` also runs healsweep from another checkout (``PYTHONPATH=DIR``, e.g. the main branch) in the
 same interleaving, for a before/after ratio measured under the same load.
 
@@ -90,6 +94,36 @@ def run_authors(a, configs: list[tuple[float, float]]) -> float:
     return time.perf_counter() - t0
 
 
+# ------------------------------------------------------------------------------------------ Tune's floor
+def tune_floor(trials: int, parallel: int) -> None:
+    """Ray Tune itself, nothing computed: a fresh local Ray, ``trials`` trials on ``parallel`` reused actors
+    (as a sweep runs them) whose trainable imports what a healsweep trial actor imports before its first trial
+    (Ray Tune, orchestrator.trainable: torch and tasks/) and reports once, then shutdown. No healsweep run with
+    Ray Tune can take less; its trials' compute comes on top."""
+    import ray
+    from ray import tune
+
+    def trainable(config):
+        import orchestrator.trainable  # noqa: F401
+
+        tune.report({"done": 1})
+
+    ray.init(address="local", num_cpus=parallel, include_dashboard=False, log_to_driver=False)
+    tune.Tuner(tune.with_resources(trainable, {"cpu": 1}),
+               tune_config=tune.TuneConfig(num_samples=trials, max_concurrent_trials=parallel, reuse_actors=True),
+               run_config=tune.RunConfig(storage_path=tempfile.mkdtemp(prefix="tune-floor-"), verbose=0)).fit()
+    ray.shutdown()
+
+
+def run_floor(a, trials: int) -> float:
+    """Wall seconds of ``tune_floor`` in its own process (like ``healsweep run``: interpreter start to exit)."""
+    t0 = time.perf_counter()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    subprocess.run([sys.executable, __file__, "--tune-floor", str(trials), "--parallel", str(a.parallel)],
+                   check=True, capture_output=True, text=True, env=env)
+    return time.perf_counter() - t0
+
+
 # ------------------------------------------------------------------------------------------ healsweep
 def run_healsweep(a, spec_file: Path, out: Path, tree: str | None = None) -> dict:
     """One ``healsweep run`` (the console script) with ``PYTHONPATH=tree`` (default: this checkout)."""
@@ -126,7 +160,11 @@ def main() -> None:
     ap.add_argument("--baseline", metavar="DIR", help="also run healsweep from checkout DIR (before/after ratio)")
     ap.add_argument("--sizes", default="16,1", help="which runs: 16 (the sweep), 1 (single configuration)")
     ap.add_argument("--authors-trial", help=argparse.SUPPRESS)
+    ap.add_argument("--tune-floor", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.tune_floor:
+        tune_floor(a.tune_floor, a.parallel)
+        return
     if a.authors_trial:
         print(json.dumps(authors_trial(**json.loads(a.authors_trial))))
         return
@@ -139,18 +177,19 @@ def main() -> None:
     print(f"start: {uptime()}", flush=True)
     run_healsweep(a, specs[16], root / "warmup")  # warm store (targets, masks) and model cache; not measured
     sizes = [int(x) for x in a.sizes.split(",")]
-    res: dict = {k: {"healsweep": [], "authors": [], "baseline": []} for k in sizes}
+    res: dict = {k: {"healsweep": [], "authors": [], "baseline": [], "floor": []} for k in sizes}
     for i in range(a.repeats):
         for k in sizes:
             res[k]["healsweep"].append(run_healsweep(a, specs[k], root / f"hs{k}-{i}"))
             res[k]["authors"].append(run_authors(a, configs[k]))
+            res[k]["floor"].append(run_floor(a, k))
             if a.baseline:
                 res[k]["baseline"].append(run_healsweep(a, specs[k], root / f"base{k}-{i}", a.baseline))
             h = res[k]["healsweep"][-1]
             print(f"repeat {i + 1}/{a.repeats}, {k} trial(s): healsweep {h['wall']:.1f} s (Σ compute "
                   f"{h['compute']:.1f}, overhead {h['overhead']:.1f}; " + ", ".join(
                       f"{n} {v:.1f}" for n, v in h["stages"].items()) +
-                  f"), authors {res[k]['authors'][-1]:.1f} s"
+                  f"), authors {res[k]['authors'][-1]:.1f} s, Tune floor {res[k]['floor'][-1]:.1f} s"
                   + (f", baseline {res[k]['baseline'][-1]['wall']:.1f} s" if a.baseline else "")
                   + f"  ({uptime()})", flush=True)
     report(a, res)
@@ -166,6 +205,10 @@ def report(a, res: dict) -> None:
         print(f"{k:>2} trial(s): healsweep {wall:.1f} s (Σ trial compute {med(x['compute'] for x in hs):.1f} s, "
               f"overhead {med(x['overhead'] for x in hs):.1f} s) | authors' way {auth:.1f} s | "
               f"authors/healsweep {auth / wall:.2f}x")
+        floor, compute = med(r["floor"]), med(x["compute"] / x["concurrency"] for x in hs)
+        print(f"{k:>2} trial(s): Ray Tune floor {floor:.1f} s (start, {k} no-op trial(s) importing what a trial "
+              f"imports, shutdown); floor + Σ trial compute / concurrency = {floor + compute:.1f} s: "
+              f"authors/that = {auth / (floor + compute):.2f}x, the most a Ray Tune sweep could reach here")
         if r["baseline"]:
             base = med(x["wall"] for x in r["baseline"])
             print(f"{k:>2} trial(s): baseline {a.baseline} {base:.1f} s (overhead "
@@ -177,7 +220,7 @@ def report(a, res: dict) -> None:
                 print(f"{k:>2} trial(s) {variant}, median seconds per stage: " + ", ".join(
                     f"{s} {med(x['stages'][s] for x in r[variant]):.2f}" for s in names))
     print(json.dumps({str(k): {"healsweep_wall": [x["wall"] for x in r["healsweep"]], "authors_wall": r["authors"],
-                               "baseline_wall": [x["wall"] for x in r["baseline"]],
+                               "baseline_wall": [x["wall"] for x in r["baseline"]], "tune_floor": r["floor"],
                                "overhead": [x["overhead"] for x in r["healsweep"]]} for k, r in res.items()}))
 
 

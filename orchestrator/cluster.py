@@ -253,6 +253,9 @@ def keep_artifacts_inside(tracking_uri: str, out_dir, experiment: str) -> None:
         return
     from mlflow import MlflowClient
 
+    from orchestrator.mlflow_template import seed_sqlite_store
+
+    seed_sqlite_store(Path(out_dir) / "mlflow.db")  # a copy, not ~1.5 CPU-s of table creation and migrations
     client = MlflowClient(tracking_uri)
     if client.get_experiment_by_name(experiment) is None:
         client.create_experiment(experiment, artifact_location=(Path(out_dir).resolve() / "artifacts").as_uri())

@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from mlflow import MlflowClient
-from optuna.trial import TrialState
-
-from orchestrator.search import open_journal
 from tasks._io import atomic_write_text
+
+if TYPE_CHECKING:  # imported where used: `healsweep run` checks a run directory before Ray starts
+    from mlflow import MlflowClient
+    from optuna.trial import TrialState
 
 SWEEP_FILE = "sweep.json"
 JOURNAL_FILE = "optuna.journal"
-STATUS = {TrialState.COMPLETE: "FINISHED", TrialState.FAIL: "FAILED", TrialState.PRUNED: "KILLED"}
+STATUS = {"COMPLETE": "FINISHED", "FAIL": "FAILED", "PRUNED": "KILLED"}  # Optuna TrialState name -> MLflow
 
 
 class ResumeError(ValueError):
@@ -54,6 +55,8 @@ def write_sweep(out_dir: Path, info: dict) -> None:
 
 def told_states(journal: Path) -> dict[str, TrialState]:
     """{trial key: state} for every trial in the journal ("<cell_id>-<number>")."""
+    from orchestrator.search import open_journal
+
     storage = open_journal(journal)
     out = {}
     for s in storage.get_all_studies():
@@ -70,8 +73,8 @@ def reconcile(client: MlflowClient, experiment_id: str, sweep_id: str, journal: 
                                                  "tags.`healsweep.role` = 'trial' and attributes.status = 'RUNNING'",
                                 max_results=50000):
         st = states.get(r.data.tags.get("trial_id", ""))
-        if st in STATUS:
-            client.set_terminated(r.info.run_id, STATUS[st])
+        if st is not None and st.name in STATUS:
+            client.set_terminated(r.info.run_id, STATUS[st.name])
             fixed += 1
     return fixed
 
@@ -82,6 +85,31 @@ LOCK_FILE = "driver.lock"
 
 class RunLockedError(ResumeError):
     pass
+
+
+def existing_sweep(out_dir: Path) -> ResumeError:
+    return ResumeError(f"{out_dir} already holds a sweep: continue it with --resume {out_dir} or choose another --out")
+
+
+def probe_run_dir(out_dir: Path, resume: bool) -> None:
+    """``open_sweep``'s refusals, made early (before Ray starts) without creating or keeping anything: a new sweep
+    over a directory that holds one (ResumeError), a directory another live driver holds (RunLockedError).
+    ``lock_run_dir`` still decides when the sweep opens."""
+    import fcntl
+
+    if not resume and (out_dir / JOURNAL_FILE).exists():
+        raise existing_sweep(out_dir)
+    if (out_dir / LOCK_FILE).is_file():
+        with open(out_dir / LOCK_FILE) as f:  # a probe: the flock is dropped when the file closes
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise _locked(out_dir, f.read().strip()[:40] or "unknown") from None
+
+
+def _locked(out_dir: Path, holder: str) -> RunLockedError:
+    return RunLockedError(f"{out_dir}: another healsweep driver (pid {holder}) is running this sweep; "
+                          "wait for it to end or stop it first")
 
 
 def lock_run_dir(out_dir: Path):
@@ -105,8 +133,7 @@ def lock_run_dir(out_dir: Path):
         f.seek(0)
         holder = f.read().strip()[:40] or "unknown"
         f.close()
-        raise RunLockedError(f"{out_dir}: another healsweep driver (pid {holder}) is running this sweep; "
-                             "wait for it to end or stop it first") from None
+        raise _locked(out_dir, holder) from None
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")

@@ -193,30 +193,6 @@ def masks_in_driver(on_cluster: bool, res) -> tuple[bool, str]:
     return True, "in the driver (local Ray, CPU only: a task would only add start-up time)"
 
 
-def background(fn, *args):
-    """Run ``fn(*args)`` in a thread while the next stages run; the returned callable joins it and returns
-    its result (re-raising its error)."""
-    import threading
-
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread by join()
-            box["error"] = e
-
-    th = threading.Thread(target=target, name="healsweep-prepare", daemon=True)
-    th.start()
-
-    def join():
-        th.join()
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
-    return join
-
-
 def open_tracking(uri: str, experiment: str):
     """The MLflow client with its experiment ready (a new SQLite store creates its tables: seconds), opened
     while the models, dense and mask stages run."""

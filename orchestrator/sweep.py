@@ -50,6 +50,7 @@ class _Sweep:
     dense: dict = field(default_factory=dict)
     dense_rep: Any = None
     diag: Any = None
+    preloaded: dict | None = None  # {model: ModelInfo} prepared by the caller (run_sweep(models=...))
     mask_keys: dict = field(default_factory=dict)  # orchestrator.stages.MaskResult: {cell_id: key} + provenance
     on_cluster: bool = False  # --address given: model, mask and dense work goes to Ray tasks on the workers
     mlflow_ready: Any = None  # joins the thread that opens the tracking store (open_sweep)
@@ -73,8 +74,8 @@ def open_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path,
                refine_round: int | None, clock: StageClock) -> _Sweep:
     """A new sweep (fresh sweep id, tracking URI) or the one recorded in ``out_dir`` (resume / refine)."""
     from orchestrator import cluster
-    from orchestrator.resume import JOURNAL_FILE, ResumeError, lock_run_dir, read_sweep, write_sweep
-    from orchestrator.stages import background
+    from orchestrator.resume import JOURNAL_FILE, existing_sweep, lock_run_dir, read_sweep, write_sweep
+    from orchestrator.background import background
 
     out_dir, store_dir, cache_dir = (Path(p).resolve() for p in (out_dir, store_dir, cache_dir))
     lock_run_dir(out_dir)  # one driver per run directory (RunLockedError while another live driver holds it)
@@ -85,8 +86,7 @@ def open_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path,
         info["resumes"] = info.get("resumes", 0) + 1
     else:
         if (out_dir / JOURNAL_FILE).exists():
-            raise ResumeError(f"{out_dir} already holds a sweep: continue it with --resume {out_dir} or choose "
-                              "another --out")
+            raise existing_sweep(out_dir)
         tracking_uri = (spec.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
                         or f"sqlite:///{out_dir / 'mlflow.db'}")
         info = {"sweep_id": uuid.uuid4().hex[:12], "name": spec.name, "tracking_uri": tracking_uri,
@@ -118,13 +118,25 @@ def models_stage(s: _Sweep, progress: bool) -> None:
     from orchestrator.dense import budget_modes
     from orchestrator.stages import prepare_models
 
-    s.models = prepare_models(s.spec, s.paths["cache"], progress=progress, on_workers=s.on_cluster)
+    s.models = s.preloaded or prepare_models(s.spec, s.paths["cache"], progress=progress, on_workers=s.on_cluster)
     s.cells = expand_cells(s.spec, {m: i.scope for m, i in s.models.items()})
     s.rows = {m: max(c.calib_size for c in s.cells if c.model == m) for m in s.models}
     s.modes = budget_modes(s.spec, s.models, s.rows, s.paths["targets"], s.paths["cache"])  # refuses before compute
     (s.out_dir / "targets.json").write_text(json.dumps(  # for `healsweep store gc --keep-referenced`
         {"store": s.paths["targets"], "keys": {m: i.store_key for m, i in s.models.items()}, "modes": s.modes},
         indent=1))
+
+
+def _timed_models(s: _Sweep, progress: bool) -> None:
+    """The models stage, timed. On a local instance it runs in a thread while Ray starts (both mostly wait on
+    other processes or on imports; measured -1.5 to -2.3 s of wall on 2 cores), on a cluster after it (a Ray task
+    per model). Models the caller already prepared (``run_sweep(models=...)``) are not timed again."""
+    if s.preloaded:
+        models_stage(s, progress)
+        return
+    with s.clock.stage("models", f"models: {', '.join(s.spec.models)} (loaded from the cache, trained on first "
+                       "use" + (" by a Ray task)" if s.on_cluster else ")")):
+        models_stage(s, progress)
 
 
 def start_ray(address: str | None, num_cpus: int | None, verbose: bool) -> bool:
@@ -308,14 +320,18 @@ def summary_stage(s: _Sweep, t_start: float) -> tuple[int, int, float]:
 def run_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, *, address: str | None = None,
               progress: bool = True, report: bool = True, num_cpus: int | None = None,
               resume: bool = False, refine_round: int | None = None, verbose: bool = False,
-              clock: StageClock | None = None) -> SweepResult:
+              clock: StageClock | None = None, owns_ray: bool = False, models: dict | None = None) -> SweepResult:
     """Run a sweep into ``out_dir``; with ``resume``, continue the sweep recorded there (see orchestrator/resume.py):
     its sweep id, MLflow parent run and Optuna journal are reused, told trials are not run again. With
     ``refine_round`` (healsweep refine), ``spec`` is a refinement grid run as a continuation of that sweep: same
     sweep id, parent run, journal and stores; the refined spec is logged as ``refine_<round>/spec.json``.
-    ``clock``: the CLI's, already holding the imports/spec stages; stage lines print unless ``progress`` is off."""
+    ``clock``: the CLI's, already holding the imports/spec stages; stage lines print unless ``progress`` is off.
+    ``owns_ray``: the caller started Ray for this sweep (``healsweep run`` starts it while the spec is checked):
+    shut it down at the end like a Ray this call started. ``models``: ``stages.prepare_models``'s result when the
+    caller loaded them already (``healsweep run``, while Ray starts)."""
     from orchestrator import cluster
     from orchestrator.resume import release_run_dir
+    from orchestrator.background import background
 
     quiet_libraries(verbose)
     t0 = time.time()
@@ -323,16 +339,18 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, 
     cluster.check_store_uri(spec.store.uri)  # one line for an unreachable endpoint / missing bucket
     clock = clock or StageClock(enabled=progress)
     s = open_sweep(spec, out_dir, store_dir, cache_dir, resume, refine_round, clock)
-    s.on_cluster = bool(address)
+    s.on_cluster, s.preloaded = bool(address), models
+    models_ready = None if address else background(_timed_models, s, progress)  # local: while Ray starts
     with clock.stage("ray", f"ray: {'attaching to ' + address if address else 'starting a local instance'}"):
-        started_ray = start_ray(address, num_cpus, verbose)
+        started_ray = start_ray(address, num_cpus, verbose) or owns_ray
     try:
         import ray
 
         cluster.check_fits(spec.resources.peak_request(), ray.nodes(), autoscaling=bool(address))  # else Tune waits
-        with clock.stage("models", f"models: {', '.join(spec.models)} (loaded from the cache, trained on first use"
-                         + (" by a Ray task)" if address else ")")):
-            models_stage(s, progress)
+        if models_ready is not None:
+            models_ready()
+        else:
+            _timed_models(s, progress)
         dense_and_masks(s, progress)
         with clock.stage("parent"):
             parent_run(s)
@@ -359,7 +377,7 @@ def _start_report(out_dir: Path, clock: StageClock):
     """write_report in a thread (figures use matplotlib's Agg canvas, no pyplot); -> a callable that joins it
     and returns the report's paths (re-raising its error). Everything it reads is in MLflow already."""
     from analysis.report import write_report
-    from orchestrator.stages import background
+    from orchestrator.background import background
 
     def write():
         with clock.stage("report", "report: writing report.html and report.md"):

@@ -126,15 +126,18 @@ from tests.cluster_fixtures import aws_env, mlflow_server, moto_s3, postgres_url
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _check_cache(tmp_path_factory):
-    """Compatibility verdicts (orchestrator/spec/verdicts.py) cached in a per-session directory, not the checkout's
-    .healsweep/checks: every test session checks each spec in full once."""
+def _session_caches(tmp_path_factory):
+    """Per-session directories instead of the checkout's .healsweep/: compatibility verdicts
+    (orchestrator/spec/verdicts.py; every test session checks each spec in full once) and MLflow store templates
+    (orchestrator/mlflow_template.py; made from the installed MLflow)."""
     import os
 
-    old = os.environ.get("HEALSWEEP_CHECK_CACHE")
-    os.environ["HEALSWEEP_CHECK_CACHE"] = str(tmp_path_factory.mktemp("checks"))
+    dirs = {"HEALSWEEP_CHECK_CACHE": "checks", "HEALSWEEP_MLFLOW_TEMPLATES": "mlflow-templates"}
+    old = {k: os.environ.get(k) for k in dirs}
+    os.environ.update({k: str(tmp_path_factory.mktemp(d)) for k, d in dirs.items()})
     yield
-    if old is None:
-        os.environ.pop("HEALSWEEP_CHECK_CACHE", None)
-    else:
-        os.environ["HEALSWEEP_CHECK_CACHE"] = old
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

@@ -91,8 +91,8 @@ def read_yaml(text: str):
         raise SpecError("spec", f"nested deeper than {MAX_DEPTH} levels") from None
 
 
-def load_spec(path: str | Path) -> SweepSpec:
-    """Read, check and parse a spec file; relative ``store.uri`` paths are relative to the file's directory."""
+def read_spec_text(path: str | Path) -> str:
+    """A spec file's text: it exists, is at most MAX_BYTES, UTF-8 and text (SpecError otherwise)."""
     p = Path(path)
     if not p.is_file():
         raise SpecError("spec", f"file not found: {excerpt(str(p), 200)}")
@@ -105,4 +105,9 @@ def load_spec(path: str | Path) -> SweepSpec:
         raise SpecError("spec", f"{p.name} is not UTF-8 text (byte {e.start})") from None
     if "\x00" in text:
         raise SpecError("spec", f"{p.name} is not a text file (it contains NUL bytes)")
-    return parse_spec(read_yaml(text), base_dir=p.resolve().parent)
+    return text
+
+
+def load_spec(path: str | Path) -> SweepSpec:
+    """Read, check and parse a spec file; relative ``store.uri`` paths are relative to the file's directory."""
+    return parse_spec(read_yaml(read_spec_text(path)), base_dir=Path(path).resolve().parent)

@@ -26,9 +26,10 @@ REQUIRED = {"name", "models", "sparsities", "calib_sizes", "pruners", "healers"}
 STORE_SCHEMES = ("file", "s3", "gs", "gcs", "hdfs")  # pyarrow.fs.FileSystem.from_uri schemes
 
 
-def parse_spec(raw: Any, base_dir: str | Path | None = None) -> SweepSpec:
-    """Validate a parsed YAML document. A relative ``store.uri`` is resolved against ``base_dir`` (``load_spec``
-    passes the spec file's directory), else against the current directory, so trials see an absolute path."""
+def check_plain(raw: Any, base_dir: str | Path | None = None) -> tuple:
+    """The checks that need no registry, plugin or torch import (keys, names, numbers, the search, heal,
+    resources, store and mlflow sections): ``healsweep run`` makes them before Ray starts.
+    -> (top-level mapping, name, offline, sparsities, data_seed, calib_sizes, seeds, sections)."""
     raw = from_dict_form(raw)
     d = check_keys(raw, "", set(SweepSpec.__dataclass_fields__), REQUIRED)
     name = check_name(d["name"], "name")
@@ -41,6 +42,13 @@ def parse_spec(raw: Any, base_dir: str | Path | None = None) -> SweepSpec:
     sections = dict(search=parse_search(d.get("search")), heal=parse_heal(d.get("heal")),
                     resources=parse_resources(d.get("resources")), store=parse_store(d.get("store"), base_dir),
                     mlflow=parse_mlflow(d.get("mlflow")))
+    return d, name, offline, sparsities, data_seed, calib, seeds, sections
+
+
+def parse_spec(raw: Any, base_dir: str | Path | None = None) -> SweepSpec:
+    """Validate a parsed YAML document. A relative ``store.uri`` is resolved against ``base_dir`` (``load_spec``
+    passes the spec file's directory), else against the current directory, so trials see an absolute path."""
+    d, name, offline, sparsities, data_seed, calib, seeds, sections = check_plain(raw, base_dir)
     plugins = parse_plugins(d.get("plugins"))  # before the registries: plugins register methods
 
     from tasks.data import DATASETS

@@ -36,3 +36,25 @@ def test_tiny_run_prints_stages_and_no_warning_lines(tmp_path):
     assert any(re.search(r"vit_digits magnitude sparsity 0\.9 calib 128 starfish: [12]/2 trials", ln) for ln in lines)
     assert "best_selection_acc" not in out
     assert "8 trials finished, 0 failed" in proc.stdout
+
+
+def _raylets() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "ray/core/src/ray/raylet/raylet"], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def test_spec_refused_while_ray_starts_is_one_line_and_ray_is_shut_down(tmp_path):
+    """`healsweep run` starts Ray while the spec's registry checks run (orchestrator/commands/run.py): a spec that
+    passes the plain checks but names an unknown pruner is still one error line, exit 2, no run directory, and
+    the Ray it started is gone when the command returns."""
+    spec = (REPO / "configs" / "tiny.yaml").read_text().replace("pruners: [magnitude]", "pruners: [magnitud]")
+    (tmp_path / "typo.yaml").write_text(spec)
+    exe = Path(sys.executable).with_name("healsweep")
+    before = _raylets()
+    proc = subprocess.run([str(exe), "run", "typo.yaml", "--out", str(tmp_path / "run"), "--quiet",
+                           "--num-cpus", "1"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1 and "magnitud" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()
+    assert _raylets() <= before  # this command's raylet exited with it

@@ -99,3 +99,30 @@ def test_selection_accuracy_only_after_the_last_epoch_changes_no_result(setup):
     sel = lm.dataset["selection"]
     assert 0 < last["selection_acc"] <= 1 and last["selection_acc"] * len(sel) == pytest.approx(
         round(last["selection_acc"] * len(sel)))
+
+
+def test_dense_and_pruned_accuracy_measured_once_per_process_and_per_mask(setup):
+    """A Tune actor runs many trials: the dense accuracy is measured once per model and the pruned accuracy once
+    per mask (tasks/trial.py _remembered), and both equal a fresh measurement; another mask is measured anew."""
+    import tasks.trial as trial_mod
+    from tasks.evaluate import accuracy
+    from tasks.pruning import apply_masks
+
+    st, run_shards, params, lm, _ = setup
+    build(st, run_shards)
+    root = Path(params.mask_root)
+    model = load_model(MODEL, params.cache_dir, progress=False).model
+    sparse = make_masks(model, get_adapter(model).scope(model, params.scope), "magnitude", 0.9, seed=0)
+    MaskStore(root).save("1" * 32, sparse, {"test": True})
+    trial_mod._ACCURACIES.clear()
+    first, _ = trial(params)
+    assert len(trial_mod._ACCURACIES) == 2  # dense, pruned at 0.5
+    again, _ = trial(params, seed=4)
+    assert len(trial_mod._ACCURACIES) == 2 and again["pruned_acc"] == first["pruned_acc"]
+    other, _ = trial(params, mask_key="1" * 32)
+    assert len(trial_mod._ACCURACIES) == 3 and other["dense_acc"] == first["dense_acc"]
+    ev = lm.dataset["evaluation"]
+    fresh = load_model(MODEL, params.cache_dir, progress=False).model
+    assert first["dense_acc"] == accuracy(fresh, ev.images, ev.labels)
+    apply_masks(fresh, sparse)
+    assert other["pruned_acc"] == accuracy(fresh, ev.images, ev.labels) < first["pruned_acc"]
