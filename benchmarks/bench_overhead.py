@@ -98,8 +98,12 @@ def run_authors(a, configs: list[tuple[float, float]]) -> float:
 def tune_floor(trials: int, parallel: int) -> None:
     """Ray Tune itself, nothing computed: a fresh local Ray, ``trials`` trials on ``parallel`` reused actors
     (as a sweep runs them) whose trainable imports what a healsweep trial actor imports before its first trial
-    (Ray Tune, orchestrator.trainable: torch and tasks/) and reports once, then shutdown. No healsweep run with
-    Ray Tune can take less; its trials' compute comes on top."""
+    (Ray Tune, orchestrator.trainable: torch and tasks/) and reports once, then shutdown; the Tune settings
+    healsweep uses (orchestrator.console.quiet_libraries: no auto loggers, ...). No healsweep run with Ray Tune
+    can take less; its trials' compute comes on top."""
+    from orchestrator.console import quiet_libraries
+
+    quiet_libraries(False)
     import ray
     from ray import tune
 

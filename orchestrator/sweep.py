@@ -341,8 +341,11 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, 
     s = open_sweep(spec, out_dir, store_dir, cache_dir, resume, refine_round, clock)
     s.on_cluster, s.preloaded = bool(address), models
     models_ready = None if address else background(_timed_models, s, progress)  # local: while Ray starts
-    with clock.stage("ray", f"ray: {'attaching to ' + address if address else 'starting a local instance'}"):
-        started_ray = start_ray(address, num_cpus, verbose) or owns_ray
+    if owns_ray:  # started by the caller (healsweep run: while the spec was checked)
+        started_ray = True
+    else:
+        with clock.stage("ray", f"ray: {'attaching to ' + address if address else 'starting a local instance'}"):
+            started_ray = start_ray(address, num_cpus, verbose)
     try:
         import ray
 
