@@ -69,7 +69,7 @@ def ray_stage(model: str, cache: str, images: int) -> dict:
 
     from orchestrator.diagnostics import diagnostics_stage
     from orchestrator.plan import Cell
-    from orchestrator.stages import ModelInfo
+    from orchestrator.model_facts import ModelInfo
 
     lm = load_model(model, cache, progress=False)
     info = ModelInfo(model, lm.digest, 0.0, "conv", (), "0" * 32, lm.dataset.split_digest("calibration"))

@@ -142,9 +142,16 @@ def _task_shards(plan, *, spec, model, key, store_uri, cache_dir, cpus, max_work
 
 
 def _calibration_rows(model: str, cache_dir: Path, data_seed: int) -> list[int]:
-    """Dataset index of each calibration item (row i of the store = calibration item i)."""
-    lm = load_model(model, cache_dir, data_seed=data_seed, progress=False)
-    return [int(i) for i in lm.dataset["calibration"].indices]
+    """Dataset index of each calibration item (row i of the store = calibration item i). A reference model's
+    dataset is loaded without the model (no timm import on a warm sweep): the same splits load_model gives it."""
+    from tasks.data import load_dataset
+    from tasks.models import MODELS
+
+    if model in MODELS:
+        data = load_dataset(MODELS.get(model).dataset, seed=data_seed)
+    else:
+        data = load_model(model, cache_dir, data_seed=data_seed, progress=False).dataset
+    return [int(i) for i in data["calibration"].indices]
 
 
 # ---------------------------------------------------------------------------------------------- budget

@@ -6,24 +6,13 @@ from pathlib import Path
 from typing import Mapping
 
 from orchestrator.dense import dense_stage  # noqa: F401  (re-exported: the sharded dense stage)
+from orchestrator.model_facts import ModelInfo
 from orchestrator.plan import Cell, targets_identity
 from orchestrator.spec import SweepSpec
 from tasks.healing import LOGITS
 from tasks.models import get_adapter, load_model
 from tasks.pruning import MaskStore, PruneContext, make_masks
 from tasks.store import content_key
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    digest: str
-    dense_acc: float
-    scope: str
-    blocks: tuple[str, ...]
-    store_key: str
-    calib_digest: str
-    trained: bool = False  # this call trained it (cold model cache)
 
 
 def model_info(spec: SweepSpec, name: str, cache: str, progress: bool = False, train: bool | None = None
@@ -35,7 +24,7 @@ def model_info(spec: SweepSpec, name: str, cache: str, progress: bool = False, t
     calib_digest = lm.dataset.split_digest("calibration")
     key = content_key(targets_identity(name, lm.digest, lm.dataset.digest, calib_digest, blocks, spec.store.dtype))
     return ModelInfo(name, lm.digest, float(lm.info["dense_eval_acc"]), spec.scope.get(name, adapter.default_scope),
-                     tuple(blocks), key, calib_digest, bool(lm.info.get("trained_now")))
+                     tuple(blocks), key, calib_digest, bool(lm.info.get("trained_now")), adapter.default_granularity)
 
 
 def prepare_models(spec: SweepSpec, cache: str | Path, progress: bool = True, on_workers: bool = False
@@ -48,8 +37,11 @@ def prepare_models(spec: SweepSpec, cache: str | Path, progress: bool = True, on
     for n in spec.models:  # a remote cache gets the checkpoints this driver's --cache already holds
         if not spec.load_kwargs(n):
             publish_checkpoint(n, str(cache), data_seed=spec.data_seed)
-    if not on_workers:
-        return {n: model_info(spec, n, str(cache), progress) for n in spec.models}
+    if not on_workers:  # facts of a cached checkpoint come from orchestrator/model_facts.py: no model built
+        from orchestrator.model_facts import cached_model_info
+
+        return {n: cached_model_info(spec, n, str(cache), lambda n=n: model_info(spec, n, str(cache), progress))
+                for n in spec.models}
     import ray
 
     task = ray.remote(_model_info_task).options(num_cpus=spec.resources.cpus_per_dense_task,

@@ -241,13 +241,11 @@ def tune_stage(s: _Sweep, progress: bool) -> None:
 
     from orchestrator.mlflow_async import AsyncMlflowWriter
     from orchestrator.search import PerCellOptunaSearch, search_kwargs
-    from orchestrator.spec.sources import untrained
     from orchestrator.tracking import MlflowTrialLogger
-    from tasks.models import get_adapter
 
     spec, clock, t = s.spec, s.clock, s.tune
     with clock.stage("tune_start"):
-        gran = {m: get_adapter(untrained(spec, m)).default_granularity for m in s.models}
+        gran = {m: s.models[m].default_granularity for m in s.models}
         threads, device = max(1, int(spec.resources.cpus_per_trial)), "cuda" if spec.resources.gpus_per_trial else "cpu"
         configs = [trial_config(c, spec, s.paths, s.models[c.model].store_key, s.mask_keys[c.cell_id],
                                  gran[c.model], threads, device, s.modes[c.model]) for c in s.cells]

@@ -85,7 +85,7 @@ def _read(path: Path) -> dict | None:
     return v if ok else None
 
 
-def _write(path: Path, verdict: dict) -> None:
+def write_entry(path: Path, verdict: dict) -> None:
     from tasks._io import atomic_write
 
     try:
@@ -111,7 +111,7 @@ def cached_check(spec, m: str, check: Callable[[], None]) -> bool:
     try:
         check()
     except SpecError as e:
-        _write(path, {"ok": False, "path": e.path, "message": e.message})
+        write_entry(path, {"ok": False, "path": e.path, "message": e.message})
         raise
-    _write(path, {"ok": True})
+    write_entry(path, {"ok": True})
     return False

@@ -215,6 +215,12 @@ def _checkpoint_name(name: str, data_seed: int, train_seed: int) -> str:
     return f"{name}-{_model_key(name, data.digest, train_seed)}.safetensors"
 
 
+def reference_checkpoint(name: str, cache_dir: str | os.PathLike, *, data_seed: int = 0, train_seed: int = 0
+                         ) -> Path:
+    """Where a reference model's checkpoint lives in a local model cache (it may not exist yet); no model built."""
+    return _checkpoint(cache_dir, _checkpoint_name(name, data_seed, train_seed))[0]
+
+
 def load_reference(name: str, cache_dir: str | os.PathLike, *, data_seed: int = 0, train_seed: int = 0,
                    progress: bool = True, train: bool | None = None) -> LoadedModel:
     """A registered reference model with its dataset splits, trained and cached on first use

@@ -1,0 +1,91 @@
+"""A reference model's facts (stages.ModelInfo) cached by checkpoint and settings (orchestrator/model_facts.py): a
+hit equals a fresh load field for field and builds no model (timm never imported), a checkpoint rewritten or a
+different store dtype misses, and the cache can be switched off."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = Path(os.environ.get("HEALSWEEP_TEST_CACHE", REPO / ".healsweep" / "models")).resolve()
+pytestmark = pytest.mark.timeout(300)
+
+PROBE = """
+import json, sys
+from dataclasses import asdict
+from orchestrator.spec import parse_spec
+from orchestrator.stages import dense_stage, prepare_models
+spec = parse_spec(json.loads(sys.argv[1]))
+info = prepare_models(spec, sys.argv[2], progress=False)
+dense = None
+if len(sys.argv) > 3:  # the dense stage too, into the target store sys.argv[3], in this process
+    dense = dense_stage(spec, info, {m: 64 for m in info}, sys.argv[3], sys.argv[2], progress=False, in_driver=True)
+print(json.dumps({"info": {m: asdict(i) for m, i in info.items()}, "timm": "timm" in sys.modules, "dense": dense}))
+"""
+
+
+def _spec(dtype: str = "float16") -> dict:
+    return {"name": "facts", "models": ["vit_digits"], "sparsities": [0.5], "calib_sizes": [64],
+            "pruners": ["magnitude"], "healers": ["starfish"], "store": {"dtype": dtype}}
+
+
+def _prepare(checks: Path, spec: dict, cache: Path = CACHE, store: Path | None = None) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), HEALSWEEP_CHECK_CACHE=str(checks))
+    r = subprocess.run([sys.executable, "-c", PROBE, json.dumps(spec), str(cache), *([str(store)] if store else [])],
+                       capture_output=True, text=True, env=env, cwd=REPO, timeout=280)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def cache() -> Path:
+    from tasks.models import load_model
+
+    load_model("vit_digits", CACHE, progress=False)  # trained here on a fresh clone, so the cache holds it
+    return CACHE
+
+
+def test_hit_equals_a_fresh_load_and_builds_no_model(tmp_path, cache):
+    cold = _prepare(tmp_path / "checks", _spec())
+    assert cold["timm"] and len(list((tmp_path / "checks").glob("model-*.json"))) == 1
+    warm = _prepare(tmp_path / "checks", _spec())
+    assert not warm["timm"]
+    fresh = cold["info"]["vit_digits"]
+    assert warm["info"]["vit_digits"] == {**fresh, "trained": False}
+    assert fresh["default_granularity"] == "token" and fresh["store_key"] and fresh["blocks"][-1] == "logits"
+    off = _prepare(Path("off"), _spec())  # HEALSWEEP_CHECK_CACHE=off: always loaded
+    assert off["timm"] and off["info"] == cold["info"]
+
+
+def test_other_dtype_or_rewritten_checkpoint_misses(tmp_path, cache):
+    local = tmp_path / "models"
+    local.mkdir()
+    ckpt = next(cache.glob("vit_digits-*.safetensors"))
+    (local / ckpt.name).write_bytes(ckpt.read_bytes())
+    first = _prepare(tmp_path / "checks", _spec(), local)
+    other = _prepare(tmp_path / "checks", _spec("bfloat16"), local)  # the store key names the dtype
+    assert other["timm"] and other["info"]["vit_digits"]["store_key"] != first["info"]["vit_digits"]["store_key"]
+    os.utime(local / ckpt.name, ns=(1, 1))  # the same path rewritten (another mtime): loaded again
+    again = _prepare(tmp_path / "checks", _spec(), local)
+    assert again["timm"] and again["info"] == first["info"]
+    assert len(list((tmp_path / "checks").glob("model-*.json"))) == 3
+
+
+def test_warm_models_and_dense_stages_build_no_model(tmp_path, cache):
+    """With the facts cached and the targets in the store, the driver's models and dense stages never build the
+    model (the dense stage reads the calibration order from the dataset alone); the first run computed them."""
+    cold = _prepare(tmp_path / "checks", _spec(), store=tmp_path / "targets")
+    assert cold["timm"] and cold["dense"] == {"vit_digits": 64}
+    warm = _prepare(tmp_path / "checks", _spec(), store=tmp_path / "targets")
+    assert not warm["timm"] and warm["dense"] == {"vit_digits": 0}
+
+
+def test_calibration_rows_without_the_model_are_load_models(cache):
+    from orchestrator.dense import _calibration_rows
+    from tasks.models import load_model
+
+    lm = load_model("vit_digits", cache, progress=False)  # data seed 0: the cached checkpoint
+    assert _calibration_rows("vit_digits", cache, 0) == [int(i) for i in lm.dataset["calibration"].indices]
