@@ -50,13 +50,11 @@ def cached_model_info(spec, name: str, cache: str, compute: Callable[[], ModelIn
     if root is None or spec.plugins or spec.load_kwargs(name) or is_remote(cache):
         return compute()
     ckpt = reference_checkpoint(name, cache, data_seed=spec.data_seed)
-    path = root / f"model-{_key(spec, name, ckpt)}.json" if ckpt.is_file() else None
-    if path is not None:
-        hit = _read(path)
-        if hit is not None:
-            return hit
+    hit = _read(root / f"model-{_key(spec, name, ckpt)}.json") if ckpt.is_file() else None
+    if hit is not None:
+        return hit
     info = compute()
-    if ckpt.is_file():  # trained just now, or read: its facts are those of the file as it is now
+    if ckpt.is_file():  # read, or trained just now (a new file: a new key)
         write_entry(root / f"model-{_key(spec, name, ckpt)}.json", {**asdict(info), "trained": False})
     return info
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Mapping
 
 from orchestrator.dense import dense_stage  # noqa: F401  (re-exported: the sharded dense stage)
-from orchestrator.model_facts import ModelInfo
+from orchestrator.model_facts import ModelInfo, cached_model_info
 from orchestrator.plan import Cell, targets_identity
 from orchestrator.spec import SweepSpec
 from tasks.healing import LOGITS
@@ -38,8 +38,6 @@ def prepare_models(spec: SweepSpec, cache: str | Path, progress: bool = True, on
         if not spec.load_kwargs(n):
             publish_checkpoint(n, str(cache), data_seed=spec.data_seed)
     if not on_workers:  # facts of a cached checkpoint come from orchestrator/model_facts.py: no model built
-        from orchestrator.model_facts import cached_model_info
-
         return {n: cached_model_info(spec, n, str(cache), lambda n=n: model_info(spec, n, str(cache), progress))
                 for n in spec.models}
     import ray

@@ -127,6 +127,12 @@ def models_stage(s: _Sweep, progress: bool) -> None:
         indent=1))
 
 
+def models_line(spec: SweepSpec, on_cluster: bool) -> str:
+    """The models stage's status line."""
+    return (f"models: {', '.join(spec.models)} (loaded from the cache, trained on first use"
+            + (" by a Ray task)" if on_cluster else ")"))
+
+
 def _timed_models(s: _Sweep, progress: bool) -> None:
     """The models stage, timed. On a local instance it runs in a thread while Ray starts (both mostly wait on
     other processes or on imports; measured -1.5 to -2.3 s of wall on 2 cores), on a cluster after it (a Ray task
@@ -134,8 +140,7 @@ def _timed_models(s: _Sweep, progress: bool) -> None:
     if s.preloaded:
         models_stage(s, progress)
         return
-    with s.clock.stage("models", f"models: {', '.join(s.spec.models)} (loaded from the cache, trained on first "
-                       "use" + (" by a Ray task)" if s.on_cluster else ")")):
+    with s.clock.stage("models", models_line(s.spec, s.on_cluster)):
         models_stage(s, progress)
 
 

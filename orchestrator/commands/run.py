@@ -99,8 +99,9 @@ def _resolve_while_ray_starts(args, clock) -> tuple:
 def _models(spec, store: Path, cache: Path, clock, progress: bool) -> dict:
     """The models stage of a sweep on a local instance (orchestrator/sweep.py takes them as ``models``)."""
     from orchestrator.stages import prepare_models, store_paths
+    from orchestrator.sweep import models_line
 
-    with clock.stage("models", f"models: {', '.join(spec.models)} (loaded from the cache, trained on first use)"):
+    with clock.stage("models", models_line(spec, on_cluster=False)):
         return prepare_models(spec, store_paths(spec.store.uri, store.resolve(), cache.resolve())["cache"],
                               progress=progress)
 
@@ -126,8 +127,8 @@ def _shutdown_ray(started: bool) -> None:
 
 def _precheck(args) -> None:
     """The checks that need neither the spec's registries nor Ray: flags, paths, --resources, the spec file's
-    registry-free checks (spec.parse.check_plain; or the --resume record), and the run directory neither holding another sweep nor held by a
-    live driver: CliError (one line) before Ray starts."""
+    registry-free checks (spec.parse.check_plain; or the --resume record), and the run directory neither holding
+    another sweep nor held by a live driver: CliError (one line) before Ray starts."""
     from orchestrator.resources import parse_override
     from orchestrator.resume import ResumeError, probe_run_dir, read_sweep
     from orchestrator.spec import SpecError
@@ -161,18 +162,14 @@ def _resolve(args) -> tuple:
     """(spec, run dir, store dir, model cache) from the arguments or a resumed run dir; CliError when bad."""
     from orchestrator.cluster import ClusterError, check_store_uri  # light: no ray import
     from orchestrator.resources import override_resources
+    from orchestrator.resume import ResumeError, read_sweep
     from orchestrator.spec import SpecError, parse_spec
 
     store, cache = Path(args.store), Path(args.cache)
     try:
         if args.resume:
-            from orchestrator.resume import ResumeError, read_sweep
-
             out = Path(args.resume)
-            try:
-                info = read_sweep(out)
-            except ResumeError as e:
-                raise CliError(str(e)) from None
+            info = read_sweep(out)
             spec = parse_spec(info["spec"])
             store, cache = Path(info["store"]), Path(info["cache"])
         else:
@@ -180,7 +177,7 @@ def _resolve(args) -> tuple:
             out = Path(args.out or Path("runs") / spec.name)
         spec = override_resources(spec, args.resources, args.cpu_only)
         check_store_uri(spec.store.uri)
-    except (SpecError, ClusterError) as e:
+    except (SpecError, ResumeError, ClusterError) as e:
         raise CliError(str(e)) from None
     return spec, out, store, cache
 
