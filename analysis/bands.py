@@ -58,13 +58,33 @@ def classify(healed_acc: float, retention: float, limit: float, st: BandSettings
     return "recoverable" if retention >= st.retention else "transition"
 
 
+def class_resolved(healed: float, dense: float, limit: float, noise: float, st: BandSettings) -> bool:
+    """The band class is resolved when the quoted accuracy is more than ``reported.Z`` noise units from both
+    class edges it could cross: the retention edge (``st.retention`` × dense) and the chance limit."""
+    from .reported import Z
+
+    if noise is None or math.isnan(noise):
+        return False
+    edges = [st.retention * dense] + ([] if math.isnan(limit) else [limit])
+    return all(abs(healed - e) > Z * noise for e in edges)
+
+
+def _point_noise(r) -> float:
+    """The measured noise of a point's seed mean; without re-evaluations (``noise`` unknown), the seeds' own
+    standard error when there are several seeds, else NaN (nothing resolved on one unrepeated draw)."""
+    if not math.isnan(r.noise):
+        return float(r.noise)
+    return float(r.healed_std) / math.sqrt(r.n_seeds) if r.n_seeds > 1 else math.nan
+
+
 def seed_means(best: pd.DataFrame) -> pd.DataFrame:
     """Mean/std over seeds per group × sparsity; keeps the run ids of the seeds (';'-joined)."""
     df = best[~best["pattern"].map(is_nm)].copy()
     df["grid"] = grid_names(df)  # grids are never averaged together
-    for c in ("n_eval", "num_classes"):
+    for c in ("n_eval", "num_classes", "noise"):
         if c not in df.columns:
             df[c] = np.nan
+    df["_noise2"] = df["noise"].astype(float) ** 2  # the mean's noise: sqrt(Σ noise²) / n (analysis/reported.py)
     keys = [*GROUP_COLS, "sparsity"]
     df[list(GROUP_COLS)] = df[list(GROUP_COLS)].astype("object").fillna("")
     g = df.groupby(keys, dropna=False, sort=True)
@@ -72,8 +92,10 @@ def seed_means(best: pd.DataFrame) -> pd.DataFrame:
                 retention_mean=("retention", "mean"), retention_std=("retention", "std"),
                 pruned_mean=("pruned_acc", "mean"), dense_mean=("dense_acc", "mean"),
                 n_seeds=("run_id", "size"), n_eval=("n_eval", "min"), num_classes=("num_classes", "max"),
+                noise2=("_noise2", lambda v: v.sum() if v.notna().all() else np.nan),
                 run_ids=("run_id", lambda s: ";".join(map(str, s))),
                 experiment_id=("experiment_id", "first")).reset_index()
+    out["noise"] = np.sqrt(out.pop("noise2")) / out["n_seeds"]
     out["healed_std"] = out["healed_std"].fillna(0.0)
     out["retention_std"] = out["retention_std"].fillna(0.0)
     return out
@@ -139,6 +161,9 @@ def bands(best: pd.DataFrame, cts: dict[str, dict] | None = None,
                            "healed_mean": float(r.healed_mean), "healed_std": float(r.healed_std),
                            "retention_mean": float(r.retention_mean),
                            "retention_std": float(r.retention_std), "n_seeds": int(r.n_seeds),
+                           "noise": None if math.isnan(r.noise) else float(r.noise),
+                           "resolved": class_resolved(float(r.healed_mean), float(r.dense_mean), lim,
+                                                      _point_noise(r), st),
                            "chance_limit": None if math.isnan(lim) else lim,
                            "run_ids": r.run_ids.split(";"), "experiment_id": str(r.experiment_id)})
         trans = [p["sparsity"] for p in points if p["label"] == "transition"]

@@ -77,6 +77,7 @@ class Range:
     collapse: str
     resolution: str
     seeds: str
+    unresolved: str  # sparsities whose band class is within noise of an edge (analysis/reported.py)
     cts: str
 
 
@@ -108,9 +109,11 @@ def ranges(recs: list[dict], cts: dict | None) -> list[Range]:
         sd = max(p["healed_std"] for p in pts)
         nn = f"n={max(n)}" if min(n) == max(n) else f"n={min(n)}–{max(n)}"
         seeds = "n=1 (no spread)" if max(n) == 1 else f"{nn}, max std {100 * sd:.1f} pp"
+        loose = [f"{100 * p['sparsity']:g} %" for p in pts if not p.get("resolved", False)]
+        unresolved = "none" if not loose else ", ".join(loose)
         out.append(Range(r["pruner"], r["healer"], str(r["calib_size"]),
                          fmt_range(*spans["recoverable"]), fmt_range(*spans["transition"]),
-                         _collapse(spans["collapse"]), res, seeds, cts_txt))
+                         _collapse(spans["collapse"]), res, seeds, unresolved, cts_txt))
     return out
 
 
@@ -119,32 +122,47 @@ def _collapse(span) -> str:
     return "none tested" if lo is None else f"from {100 * lo:g} %"
 
 
-def _values(g: pd.DataFrame, by: str, key: str) -> dict[str, dict[tuple, float]]:
-    """label -> {pairing key: healed acc}; healers pair on (seed, mask), pruners on the seed alone."""
+def _values(g: pd.DataFrame, by: str, key: str) -> tuple[dict[str, dict[tuple, float]], dict[str, float]]:
+    """(label -> {pairing key: quoted healed acc}, label -> noise of its mean over those keys); healers pair on
+    (seed, mask), pruners on the seed alone."""
     out: dict[str, dict[tuple, float]] = {}
+    noise: dict[str, float] = {}
     for lab, h in g.groupby(by, sort=True):
+        h = h.drop_duplicates("seed")
         out[str(lab)] = {((r["seed"], r["mask_key"] if isinstance(r.get("mask_key"), str) else None)
-                          if key == "mask" else (r["seed"],)): float(r["healed_acc"])
-                         for _, r in h.drop_duplicates("seed").iterrows()}
-    return out
+                          if key == "mask" else (r["seed"],)): float(r["healed_acc"]) for _, r in h.iterrows()}
+        nz = h["noise"].astype(float) if "noise" in h.columns else pd.Series(math.nan, index=h.index)
+        noise[str(lab)] = math.sqrt(float((nz ** 2).sum())) / len(h) if nz.notna().all() else math.nan
+    return out, noise
 
 
-def _winner(values: dict[str, dict[tuple, float]]) -> tuple[str, float, str]:
-    """(label of the best mean, its mean, 'lead over runner-up' text with the paired CI or n=1)."""
+def _winner(vn: tuple[dict[str, dict[tuple, float]], dict[str, float]]) -> tuple[str, float, str]:
+    """(label of the best mean, its mean, 'lead over runner-up' text): the lead is *resolved* only when it
+    exceeds the measured noise (analysis/reported.py: search + seed noise) and, with several seeds, its paired
+    95 % CI excludes 0; otherwise it says "not resolved"."""
+    from .reported import Z, resolved
+
+    values, noise = vn
     means = {k: sum(v.values()) / len(v) for k, v in values.items() if v}
     order = sorted(means, key=lambda k: (-means[k], k))
     best = order[0]
     if len(order) == 1:
         return best, means[best], "(the only one)"
-    ci = paired_ci(values[best], values[order[1]])
+    second = order[1]
+    band = Z * math.hypot(noise.get(best, math.nan), noise.get(second, math.nan))
+    measured = not math.isnan(band)  # no re-evaluations (reevaluate: 0, older sweeps): the seeds' CI alone
+    ok = resolved(means[best], noise[best], means[second], noise[second]) if measured else None
+    within = f"noise ±{100 * band:.2f} pp" if measured else "noise not measured"
+    ci = paired_ci(values[best], values[second])
     if ci is None:
-        return best, means[best], f"vs {order[1]}: no shared seed"
-    lead = f"+{100 * ci.mean:.2f} pp vs {order[1]}"
+        return best, means[best], f"vs {second}: no shared seed"
+    lead = f"+{100 * ci.mean:.2f} pp vs {second}"
     if ci.half is None:
-        return best, means[best], f"{lead} (n=1, no CI)"
+        return best, means[best], f"{lead} ({'resolved' if ok else 'not resolved'}: {within})"
     lo, hi = 100 * (ci.mean - ci.half), 100 * (ci.mean + ci.half)
-    verdict = "" if ci.mean - ci.half > 0 else ", within noise"
-    return best, means[best], f"{lead} [95 % CI {lo:+.2f}, {hi:+.2f}], n={ci.n}{verdict}"
+    ok = ci.mean - ci.half > 0 and ok is not False
+    return best, means[best], (f"{lead} [95 % CI {lo:+.2f}, {hi:+.2f}], n={ci.n} "
+                               f"({'resolved' if ok else 'not resolved'}: {within})")
 
 
 def best_rows(best: pd.DataFrame) -> list[dict]:
@@ -156,12 +174,13 @@ def best_rows(best: pd.DataFrame) -> list[dict]:
     for (pat, n), g in sorted(df.groupby(["pattern", "calib_size"], dropna=False),
                               key=lambda kv: (pattern_sort_key(kv[0][0]), float(kv[0][1]) if pd.notna(kv[0][1])
                                               else math.inf)):
-        combo, acc, _ = _winner(_values(g, "_combo", "seed"))
+        combo, acc, lead = _winner(_values(g, "_combo", "seed"))
         pruner, healer = combo.split(" × ", 1)
         _, _, vs_healer = _winner(_values(g[g["pruner"] == pruner], "healer", "mask"))
         _, _, vs_pruner = _winner(_values(g[g["healer"] == healer], "pruner", "seed"))
         out.append(dict(pattern=str(pat), calib_size="–" if pd.isna(n) else str(int(n)), best=combo,
-                        healed=acc, vs_healer=vs_healer, vs_pruner=vs_pruner))
+                        healed=acc, vs_healer=vs_healer, vs_pruner=vs_pruner,
+                        resolved="not resolved" not in lead and "no shared seed" not in lead))
     return out
 
 
@@ -210,7 +229,7 @@ def headline(rows: list[dict]) -> str:
             top[r["pattern"]] = r
     calibs = len({r["calib_size"] for r in rows}) > 1
     return " · ".join(f"{p}: {r['best']} {100 * r['healed']:.1f} %" + (f" (calib {r['calib_size']})" if calibs else "")
-                      for p, r in top.items())
+                      + ("" if r.get("resolved", True) else " (lead not resolved)") for p, r in top.items())
 
 
 def _warnings(mb: pd.DataFrame, failed: list[str]) -> list[str]:
@@ -267,7 +286,24 @@ def findings(best: pd.DataFrame, model: str, recs: list[dict], cts: dict | None,
         f.notes = [OBJECTIVE_NOTE] if objective == "heldout_align" else []
         f.notes += [line] if line else []
         f.notes += _widened_note(gb, widened or {})
+        same = identical_mask_lines(gb)
+        f.notes += [ln for ok, ln in same if ok]
+        f.warnings += [ln for ok, ln in same if not ok]
         out.append(f)
+    return out
+
+
+def identical_mask_lines(gb: pd.DataFrame) -> list[tuple[bool, str]]:
+    """(agree, line) per group of cells whose pruners produced the same mask: the same question asked twice
+    must get the same answer within noise (analysis/reported.identical_masks)."""
+    from .reported import identical_masks
+
+    out = []
+    for g in identical_masks(gb):
+        vals = " vs ".join(f"{c['pruner']} {100 * c['healed_acc']:.1f} %" for c in g["cells"])
+        verdict = "agree within noise" if g["agree"] else "DISAGREE beyond noise"
+        out.append((g["agree"], f"Identical masks ({g['healer']}, {g['cells'][0]['pattern']}, calib {g['calib_size']}, "
+                                f"seed {g['seed']}): {vals}: {verdict} (gap {100 * g['gap']:.2f} pp)."))
     return out
 
 
@@ -288,15 +324,17 @@ OBJECTIVE_NOTE = ("Winners were picked label-free: each cell's trial with the lo
 
 
 # ----------------------------------------------------------------------------- rendering
-FINDINGS_HOW = ("Ranges are the repairability bands of the seed-mean healed accuracy (recoverable: retention ≥ "
+FINDINGS_HOW = ("Ranges are the repairability bands of the seed-mean quoted healed accuracy (each cell's winner "
+                "re-healed on fresh seeds: docs/methods.md#search-design) (recoverable: retention ≥ "
                 "{ret:g}; collapse: within {z:g} binomial standard errors of chance; transition: between). A band "
                 "edge is only known to lie between two tested sparsities (the grid step). Best: highest mean healed "
                 "accuracy; the lead over the runner-up healer (same pruner, identical masks) and pruner (same "
-                "healer, same seed) is a paired 95 % interval, or n=1 with a single seed. CTS: the "
+                "healer, same seed) is a paired 95 % interval, or n=1 with a single seed; a lead is resolved only when it "
+                "exceeds 2 noise units (search + seed noise, docs/methods.md#reading-the-noise). CTS: the "
                 "calibration-only broad band, computed without any accuracy.")
 _RANGE_HEADS = ["pruner", "healer", "calib", "recoverable", "transition", "collapse", "resolution", "seeds",
-                "CTS band"]
-_FOLDABLE = ("resolution", "seeds", "cts")  # columns shown once in the caption when every row has the same value
+                "class not resolved at", "CTS band"]
+_FOLDABLE = ("resolution", "seeds", "unresolved", "cts")  # columns shown once in the caption when every row has the same value
 
 
 def _folded(ranges: list[Range]) -> dict[str, str]:

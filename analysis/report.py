@@ -23,7 +23,8 @@ from .figures import healers_figure
 from .findings import FINDINGS_HOW, findings, findings_html, findings_md
 from .layout import save_png
 from .paired import healer_panels, paired_sections
-from .runs import best_per_cell, grid_names, load_sweep_info, load_trials, pattern_sort_key
+from .reported import reported
+from .runs import grid_names, load_sweep_info, load_trials, pattern_sort_key
 from .search_space import _box, flag_boundary, search_bounds, widened_cells
 
 __all__ = ["write_report", "write_report_from", "model_table", "model_figure", "run_url"]
@@ -262,7 +263,7 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
     info = load_sweep_info(tracking_uri, sweep_id, experiment)
     name = title or info["name"] or sweep_id
     objective = info.get("objective") or "selection_acc"
-    best = flag_boundary(best_per_cell(trials, objective), search, tracking_uri, widened)
+    best = flag_boundary(reported(trials, objective), search, tracking_uri, widened)  # re-evaluated numbers
     model_of = trials["model"].astype("object").fillna(UNKNOWN_MODEL)
     models = sorted(set(model_of))
     summary = _summary(trials, name, sweep_id, tracking_uri)

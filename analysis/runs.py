@@ -33,12 +33,12 @@ ROLE_TAG = "healsweep.role"
 # Identity columns (tags, run info and string params).
 STR_COLUMNS = (
     "run_id", "experiment_id", "status", "cell_id", "trial_id", "store_key", "pattern",
-    "model", "pruner", "scope", "healer", "granularity", "failure_reason", "mask_key", "grid",
+    "model", "pruner", "scope", "healer", "granularity", "failure_reason", "mask_key", "grid", "stage",
 )
-_TAG_COLUMNS = ("cell_id", "trial_id", "store_key", "pattern", "failure_reason", "mask_key")
+_TAG_COLUMNS = ("cell_id", "trial_id", "store_key", "pattern", "failure_reason", "mask_key", "stage")
 _STR_PARAMS = ("model", "pruner", "scope", "healer", "granularity", "grid")
 FLOAT_PARAM_COLUMNS = ("sparsity", "lr")
-INT_COLUMNS = ("calib_size", "epochs", "batch_size", "seed", "optuna_trial", "steps")  # nullable Int64
+INT_COLUMNS = ("calib_size", "epochs", "batch_size", "seed", "optuna_trial", "steps", "heal_seed")  # nullable Int64
 # The search objectives and their direction (orchestrator/spec/checks.py OBJECTIVES; docs/methods.md#search).
 OBJECTIVE_MODES = {"selection_acc": "max", "heldout_align": "min"}
 METRIC_COLUMNS = (
@@ -140,13 +140,16 @@ def best_per_cell(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.
     Ties on the objective go to the fewer ``steps`` (a steps-based search), then ``epochs`` (the cheaper trial),
     then the lower ``optuna_trial`` number (the one found first), then ``run_id``: deterministic, so the same
     trials always give the same pick (wall-clock ``heal_seconds`` would not). Runs without the objective rank
-    last. Adds ``n_trials`` (all runs of the cell, any status) and ``n_failed`` (status FAILED or KILLED).
+    last. Adds ``n_trials`` (all search runs of the cell, any status) and ``n_failed`` (status FAILED or KILLED).
+    Re-evaluations (tag ``stage`` = reevaluate) are ignored: ``analysis.reported`` quotes them.
     Cells without a finished run are absent.
     """
     if objective not in OBJECTIVE_MODES:
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVE_MODES)}, got {objective!r}")
     if objective not in trials.columns:
         trials = trials.assign(**{objective: float("nan")})
+    if "stage" in trials.columns:  # re-evaluations of a winner are not candidates (analysis/reported.py)
+        trials = trials[trials["stage"].astype("object").fillna("search").astype(str) != "reevaluate"]
     counts = trials.dropna(subset=["cell_id"]).groupby("cell_id", sort=True).agg(
         n_trials=("run_id", "size"),
         n_failed=("status", lambda s: int(s.isin(FAILED_STATUSES).sum())),

@@ -54,14 +54,16 @@ def write_sweep(out_dir: Path, info: dict) -> None:
 
 
 def told_states(journal: Path) -> dict[str, TrialState]:
-    """{trial key: state} for every trial in the journal ("<cell_id>-<number>")."""
-    from orchestrator.search import open_journal
+    """{trial id: state} for every trial in the journal: "<cell_id>-<number>" (search), "<cell_id>-r<number>"
+    (re-evaluations of the cell's winner)."""
+    from orchestrator.search import Ask, journal_cells, open_journal
 
     storage = open_journal(journal)
     out = {}
-    for s in storage.get_all_studies():
-        for t in storage.get_all_trials(s._study_id, deepcopy=False):
-            out[f"{s.study_name}-{t.number}"] = t.state
+    for cid, studies in journal_cells(storage).items():
+        for stage, sid in studies.items():
+            for t in storage.get_all_trials(sid, deepcopy=False):
+                out[Ask(cid, t.number, {}, stage).trial_id] = t.state
     return out
 
 

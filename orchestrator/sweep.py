@@ -203,7 +203,9 @@ def parent_run(s: _Sweep) -> None:
         info["parent_run_id"] = start_parent(client, spec.mlflow.experiment, info["sweep_id"], spec.name, {
             "spec_name": spec.name, "cells": len(s.cells), "trials_per_cell": spec.search.trials_per_cell,
             "models": ",".join(spec.models), "objective": spec.search.objective, "store": str(s.store_dir),
-            "scheduler": spec.search.scheduler, "grids": ",".join(["main", *(g.name for g in spec.grids)])})
+            "scheduler": spec.search.scheduler, "grids": ",".join(["main", *(g.name for g in spec.grids)]),
+            "search_design": spec.search.design, "reevaluate": spec.search.reevaluate,
+            "sampler_seed": spec.search.sampler_seed})
         client.log_text(info["parent_run_id"], spec_json, "spec.json")
         write_sweep(s.out_dir, info)
     else:
@@ -268,9 +270,7 @@ def tune_stage(s: _Sweep, progress: bool) -> None:
             defer=writer.submit, grids=grid_searches(spec), **search_kwargs(spec.search))
         t["logger"] = logger_cb = MlflowTrialLogger(writer, spec.mlflow.experiment, s.info["sweep_id"], s.parent,
                                                     s.dense, replace=s.resume)
-        per_cell: dict[str, int] = {}
-        for cid, _ in searcher._queue:
-            per_cell[cid] = per_cell.get(cid, 0) + 1
+        per_cell = searcher.per_cell()
         grids: dict[str, int] = {}
         for c in s.cells:
             grids[c.grid or "main"] = grids.get(c.grid or "main", 0) + per_cell.get(c.cell_id, 0)
@@ -316,6 +316,7 @@ def summary_stage(s: _Sweep, t_start: float) -> tuple[int, int, float]:
         "mlflow_flush_seconds": s.clock.seconds.get("mlflow_flush", 0.0), "mlflow_write_errors": writer.errors,
         "tune_checkpoint_bytes_freed": t["freed"], "trial_compute_seconds": compute, **s.clock.metrics()}
     s.client.log_batch(s.parent, metrics=[Metric(k, float(v), ts, s.session) for k, v in values.items()])
+    s.client.log_text(s.parent, json.dumps(t["searcher"].design.noise(), indent=1), "search_noise.json")
     s.client.set_terminated(s.parent, "FINISHED")
     return finished, failed, seconds
 

@@ -74,7 +74,8 @@ class MlflowTrialLogger(Callback):
         tags = {"mlflow.parentRunId": self.parent, "sweep_id": self.sweep_id, "cell_id": c["cell_id"],
                 "trial_id": key, "store_key": c["store_key"], "mask_key": c["mask_key"],
                 "target_mode": c.get("target_mode", "store"),
-                "pattern": c["pattern"], "healsweep.role": "trial", "tune_trial_id": trial.trial_id}
+                "pattern": c["pattern"], "healsweep.role": "trial", "tune_trial_id": trial.trial_id,
+                "stage": c.get("stage", "search")}  # search | reevaluate (the winner on a fresh healing seed)
         granularity = c["healer_settings"].get("granularity", "auto")
         if granularity == "auto":
             granularity = c["default_granularity"]
@@ -83,6 +84,8 @@ class MlflowTrialLogger(Callback):
         params += [Param("pruner_settings", str(dict(c["pruner_settings"]))),  # resolved (plan.grid)
                    Param("healer_settings", str(dict(c["healer_settings"]))),
                    Param("optuna_trial", str(c["optuna_trial"])), Param("device", str(c.get("device", "cpu")))]
+        if c.get("heal_seed") is not None:  # a re-evaluation: the healing seed (``seed`` stays the cell's: its mask)
+            params.append(Param("heal_seed", str(c["heal_seed"])))
         if "steps" in c:  # a steps-based search (docs/methods.md#search): the budget; `epochs` is what it needed
             params.append(Param("steps", str(c["steps"])))
 

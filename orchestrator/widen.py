@@ -102,11 +102,11 @@ def widen_spec(spec, plan: dict, existing: dict[str, int]):
 
 def study_sizes(journal: Path, cells) -> dict[str, int]:
     """cell id -> trials of its Optuna study (every state) in the sweep's journal."""
-    from orchestrator.search import open_journal
+    from orchestrator.search import SEARCH, journal_cells, open_journal
 
     storage = open_journal(journal)
-    names = {s.study_name: s._study_id for s in storage.get_all_studies()}
-    return {c: len(storage.get_all_trials(names[c], deepcopy=False)) if c in names else 0 for c in cells}
+    ids = {c: st[SEARCH] for c, st in journal_cells(storage).items() if SEARCH in st}
+    return {c: len(storage.get_all_trials(ids[c], deepcopy=False)) if c in ids else 0 for c in cells}
 
 
 def run_widening(run_dir: Path, rounds: int = 1, factor: float = 4.0, *, address: str | None = None,

@@ -56,6 +56,12 @@ class TrialParams:
     epoch_selection: bool = True  # selection accuracy after every epoch (False: after the last one only)
     out_dir: str = ""  # run directory: the healed weights go to <out_dir>/trials/<trial_id>/ ("" = not saved)
     trial_id: str = ""
+    heal_seed: int | None = None  # re-evaluations: this healing seed (batch order, init) instead of ``seed``
+
+    @property
+    def healing_seed(self) -> int:
+        """The seed of everything random in healing; ``seed`` alone still names the cell (and its mask)."""
+        return self.seed if self.heal_seed is None else self.heal_seed
 
 
 def _outside_scope_digest(model: torch.nn.Module, scoped: set[str]) -> dict[str, torch.Tensor]:
@@ -97,7 +103,7 @@ def setup_trial(p: TrialParams) -> _Setup:
     """Model, mask applied, dense/pruned accuracy, the healer and its context (targets streamed from the store
     or recomputed per batch)."""
     torch.set_num_threads(max(1, p.threads))
-    torch.manual_seed(p.seed)
+    torch.manual_seed(p.healing_seed)
     lm = load_model(p.model, p.cache_dir, data_seed=p.data_seed, progress=False, **p.load_kw)
     model = lm.model.to(p.device)
     adapter = get_adapter(model)
@@ -119,13 +125,13 @@ def setup_trial(p: TrialParams) -> _Setup:
         dense_blocks = get_adapter(dense).blocks(dense)
 
         def batches(epoch):
-            return recompute_batches(dense, dense_blocks, images, p.batch_size, p.seed, epoch,
+            return recompute_batches(dense, dense_blocks, images, p.batch_size, p.healing_seed, epoch,
                                      getattr(torch, p.target_dtype))
     else:
         reader = TargetStore(p.store_uri).open(p.store_key, num_rows=p.calib_size)
 
         def batches(epoch):
-            return reader.iter_batches(p.batch_size, shuffle=True, seed=p.seed, epoch=epoch, device=p.device)
+            return reader.iter_batches(p.batch_size, shuffle=True, seed=p.healing_seed, epoch=epoch, device=p.device)
     ctx = HealContext(
         model=model, blocks=adapter.blocks(model), entries=entries, masks=masks,
         images=images,
@@ -158,7 +164,7 @@ def heal_trial(p: TrialParams, st: _Setup, report: Callable[[dict], None], start
     if checkpoint is not None:
         ctx.checkpoint = lambda epoch, s: loop_state.update(s)
     cfg = HealConfig(lr=p.lr, epochs=p.epochs, batch_size=p.batch_size, weight_decay=p.weight_decay,
-                     lr_min=p.lr_min, seed=p.seed, settings=dict(p.healer_settings), steps=p.steps)
+                     lr_min=p.lr_min, seed=p.healing_seed, settings=dict(p.healer_settings), steps=p.steps)
     n_epochs = healer.epochs(cfg)  # 0 for closed-form / no-op healers: only the final report below
     last: dict = dict(start["last"]) if start is not None else {}
 

@@ -19,6 +19,10 @@ MAX_STEPS = 10_000_000
 # (analysis may not import orchestrator).
 OBJECTIVES = {"selection_acc": "max", "heldout_align": "min"}
 MAX_WIDEN_ROUNDS = 10
+# Search designs (orchestrator/search registers them; the spec is checked without importing it) and their bounds.
+DESIGNS = ("shared", "tpe", "grid")
+MAX_REEVALUATE = 8  # fresh healing seeds per winner
+MAX_LATTICE = 64  # points on one lattice axis
 MAX_TRIALS = 100_000  # trials of the whole sweep (all grids); the environment's HEALSWEEP_MAX_TRIALS overrides it
 MAX_SEED = 2**32 - 1  # numpy / torch seeds are unsigned 32-bit
 MAX_NAME = 64  # sweep, grid and experiment names become directory names and MLflow names

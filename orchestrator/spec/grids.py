@@ -31,7 +31,8 @@ from orchestrator.spec.schema import GridSpec
 
 MAIN = "main"  # the `grid` name of the top-level grid's cells
 GRID_KEYS = ("models", "sparsities", "calib_sizes", "pruners", "healers", "seeds")
-SEARCH_KEYS = ("trials_per_cell", "lr", "epochs", "steps", "startup_trials")  # one scheduler per sweep: no scheduler keys
+# one scheduler and one search design per sweep: no scheduler or design keys per grid
+SEARCH_KEYS = ("trials_per_cell", "lr", "epochs", "steps", "startup_trials", "reevaluate", "explore", "lattice")
 LENGTH_KEYS = ("epochs", "steps")  # a grid that sets one of them replaces the top level's choice
 
 

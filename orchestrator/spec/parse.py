@@ -13,7 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from orchestrator.spec.checks import (MAX_EPOCHS, MAX_SEED, MAX_STEPS, MAX_TRIALS_PER_CELL, MAX_WIDEN_ROUNDS, OBJECTIVES,
+from orchestrator.spec.checks import (DESIGNS, MAX_EPOCHS, MAX_LATTICE, MAX_REEVALUATE, MAX_SEED, MAX_STEPS,
+                                      MAX_TRIALS_PER_CELL, MAX_WIDEN_ROUNDS, OBJECTIVES,
                                       SpecError, check_bool, check_choice, check_keys, check_list, check_name, check_num,
                                       check_pair, check_str, excerpt, join)
 from orchestrator.spec.compat import check_models, check_size
@@ -122,7 +123,30 @@ def parse_search(v: Any) -> SearchSpec:
                       scheduler, check_num(s.asha_grace_period, "search.asha_grace_period", int, 1,
                                            epochs[1] if epochs else MAX_EPOCHS),
                       check_num(s.asha_reduction_factor, "search.asha_reduction_factor", int, 2, 1000),
-                      steps, parse_widen(s.widen))
+                      steps, parse_widen(s.widen), *parse_design(s, scheduler))
+
+
+def parse_design(s: SearchSpec, scheduler: str) -> tuple[str, int, int, tuple[int, int]]:
+    """``search.design``, ``reevaluate``, ``explore`` and ``lattice``, checked against each other."""
+    default = "tpe" if scheduler == "asha" else "shared"
+    design = default if s.design is None else check_choice(s.design, "search.design", DESIGNS)
+    reevaluate = check_num(s.reevaluate, "search.reevaluate", int, 0, MAX_REEVALUATE)
+    if not (isinstance(s.lattice, (list, tuple)) and len(s.lattice) == 2):
+        raise SpecError("search.lattice", f"must be [lr points, length points], got {excerpt(s.lattice)}")
+    lattice = tuple(check_num(v, f"search.lattice[{i}]", int, 1, MAX_LATTICE) for i, v in enumerate(s.lattice))
+    trials = check_num(s.trials_per_cell, "search.trials_per_cell", int, 1, MAX_TRIALS_PER_CELL)
+    explore = min(2, trials) if s.explore is None else check_num(s.explore, "search.explore", int, 1, MAX_TRIALS_PER_CELL)
+    if scheduler == "asha" and design != "tpe":
+        raise SpecError("search.design", f"scheduler 'asha' stops trials by timing; it works with design 'tpe' only, "
+                                         f"got {design!r}")
+    if design == "shared" and trials > lattice[0] * lattice[1]:
+        raise SpecError("search.trials_per_cell", f"design 'shared' tries each of the {lattice[0] * lattice[1]} "
+                                                  f"lattice points at most once per cell; got {trials} trials "
+                                                  "(raise search.lattice or lower the trials)")
+    if design == "shared" and explore > trials:
+        raise SpecError("search.explore", f"first-wave points ({explore}) cannot exceed search.trials_per_cell "
+                                          f"({trials})")
+    return design, reevaluate, explore, lattice
 
 
 def parse_cells(v: Any) -> tuple[str, ...]:

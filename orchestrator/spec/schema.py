@@ -32,6 +32,11 @@ class SearchSpec:
     # optimizer steps per trial, integer bounds (docs/methods.md#search): the budget does not depend on calib_size
     steps: tuple[int, int] | None = None
     widen: Mapping[str, Any] | None = None  # {rounds, factor}: extra rounds past the boundary (orchestrator/widen.py)
+    # The search design (orchestrator/search, docs/methods.md#search-design): shared | tpe | grid
+    design: str | None = None  # None: shared (tpe under scheduler asha)
+    reevaluate: int = 2  # fresh healing seeds the winner of every searched cell is healed again on (0: none)
+    explore: int | None = None  # shared: first-wave (space-filling) points per cell (None: min(2, trials)); the rest family-ranked
+    lattice: tuple[int, int] = (9, 5)  # shared/grid: log-spaced points on the lr and length axes
 
     @property
     def length(self) -> tuple[str, tuple[int, int]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from analysis.findings import best_rows, boundary, fmt_range, ranges
+from analysis.findings import best_rows, boundary, fmt_range, headline, ranges
 from analysis.report import model_table
 from analysis.search_space import search_bounds
 
@@ -58,9 +58,24 @@ def test_best_rows_paired_interval_and_single_seed():
     out = {r["pattern"]: r for r in best_rows(pd.DataFrame(rows))}
     # d = .02 .01 .05: mean 2.67 pp, sd 2.0817, t(.975, 2) = 4.3027 -> half 5.17 pp
     assert out["0.9"]["best"] == "magnitude × starfish" and out["0.9"]["healed"] == pytest.approx(0.75)
-    assert out["0.9"]["vs_healer"] == "+2.67 pp vs mse [95 % CI -2.50, +7.84], n=3, within noise"
-    assert out["0.5"]["vs_healer"] == "+10.00 pp vs mse (n=1, no CI)"
+    assert out["0.9"]["vs_healer"] == ("+2.67 pp vs mse [95 % CI -2.50, +7.84], n=3 "
+                                       "(not resolved: noise not measured)")
+    assert out["0.5"]["vs_healer"] == "+10.00 pp vs mse (not resolved: noise not measured)"
     assert out["0.5"]["vs_pruner"] == "(the only one)"
+    assert not out["0.5"]["resolved"] and not out["0.9"]["resolved"]
+
+
+def test_a_lead_is_resolved_only_beyond_the_measured_noise():
+    """Single seed, re-evaluated cells: a 10 pp lead with noise 3 and 2 pp per cell: 2 * hypot(3, 2) = 7.21 pp
+    < 10 pp: resolved; the same lead with noise 4 and 4 pp: 2 * 5.66 = 11.31 pp > 10 pp: not resolved."""
+    def rows(na, nb):
+        return pd.DataFrame([dict(pruner="magnitude", healer=h, pattern="0.9", calib_size=64, seed=0, mask_key="x",
+                                  healed_acc=a, noise=n) for h, a, n in (("starfish", 0.9, na), ("mse", 0.8, nb))])
+    (r,) = best_rows(rows(0.03, 0.02))
+    assert r["vs_healer"] == "+10.00 pp vs mse (resolved: noise ±7.21 pp)" and r["resolved"]
+    (r,) = best_rows(rows(0.04, 0.04))
+    assert r["vs_healer"] == "+10.00 pp vs mse (not resolved: noise ±11.31 pp)" and not r["resolved"]
+    assert headline([r]) == "0.9: magnitude × starfish 90.0 % (lead not resolved)"
 
 
 def test_closed_form_rows_show_no_lr_or_epochs():
@@ -117,10 +132,11 @@ def test_first_screen_summaries_headline_flags_and_folded_columns():
     assert flag_of("Calibration sizes get different optimisation budgets for the same epochs (64 images: 2 "
                    "steps/epoch (batch 32)): comparing ...") == "Calibration sizes get different optimisation budgets for the same epochs"
     assert flag_of("Single seed: no point has a spread.") == "Single seed"
-    r = [Range("erk", "crbn", "64", "90 %", "≥ 95 %", "none tested", "grid step 5 pp", "n=1 (no spread)", "95–97 %"),
+    r = [Range("erk", "crbn", "64", "90 %", "≥ 95 %", "none tested", "grid step 5 pp", "n=1 (no spread)", "none",
+               "95–97 %"),
          Range("rr", "crbn", "64", "none tested", "90–95 %", "none tested", "grid step 5 pp", "n=3, max std 1.0 pp",
-               "95–97 %")]
-    assert _folded(r) == {"resolution": "grid step 5 pp", "cts": "95–97 %"}  # seeds differ: stays a column
+               "none", "95–97 %")]
+    assert _folded(r) == {"resolution": "grid step 5 pp", "unresolved": "none", "cts": "95–97 %"}  # seeds differ: stays a column
     assert _folded(r[:1]) == {}  # one row: nothing to fold
 
 

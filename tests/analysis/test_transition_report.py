@@ -89,7 +89,7 @@ def test_report_without_diagnostics(tmp_path):
     assert "IoU with CTS core n/a (no CTS interval), with CTS band n/a (no CTS interval)" in md
     assert "IoU with CTS core 0.00" not in md
     assert "| magnitude | starfish | 64 | up to 70 % | 80–90 % | from 95 % | grid step 5–20 pp | n=2, max std 1.4 pp " \
-           "| n/a (no CTS) |" in md  # findings row: the CTS column says n/a, not a band
+           "| 95 % | n/a (no CTS) |" in md  # CTS column: n/a, not a band; 95 %: its class is within the seeds' noise
 
 
 def test_json_clean():

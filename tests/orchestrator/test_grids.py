@@ -58,8 +58,9 @@ def test_search_gives_each_grid_its_budget_and_space(tmp_path):
     cells = [{**c.identity(), "cell_id": c.cell_id, "grid": c.grid} for c in expand_cells(spec, SCOPES)]
     s = PerCellOptunaSearch(cells, spec.search.trials_per_cell, spec.search.lr, spec.search.epochs, 0,
                             tmp_path / "j", grids=grid_searches(spec))
-    # main 4 cells x 2 trials + healers: 4 training cells x 3 trials + 2 `none` cells x 1 trial
-    assert s.total == 8 + 12 + 2
+    # main 4 cells x 2 trials + healers: 4 training cells x 3 trials + 2 `none` cells x 1 trial; every training
+    # cell's winner is then re-evaluated on 2 fresh healing seeds (search.reevaluate), `none` cells are not
+    assert s.total == 8 + 12 + 2 + 2 * (4 + 4)
     cfgs = []
     for i in range(s.total):  # told at once: a cell's TPE asks wait for its earlier trials
         cfgs.append(s.suggest(f"t{i}"))
@@ -67,7 +68,9 @@ def test_search_gives_each_grid_its_budget_and_space(tmp_path):
     assert s.suggest("extra") is PerCellOptunaSearch.FINISHED
     by_grid = {g: [c for c in cfgs if c["grid"] == g] for g in ("main", "healers")}
     assert all(1e-3 <= c["lr"] <= 3e-3 and 3 <= c["epochs"] <= 5 for c in by_grid["main"])
-    trained = [c for c in by_grid["healers"] if c["healer"] != "none"]
+    again = [c for c in cfgs if c["stage"] == "reevaluate"]
+    assert len(again) == 16 and all(c["heal_seed"] in (1000 + c["seed"], 2000 + c["seed"]) for c in again)
+    trained = [c for c in by_grid["healers"] if c["healer"] != "none" and c["stage"] == "search"]
     assert len(trained) == 12 and all(5e-3 <= c["lr"] <= 1e-2 and c["epochs"] in (6, 7) for c in trained)
     assert all((c["lr"], c["epochs"]) == (0.0, 0) for c in by_grid["healers"] if c["healer"] == "none")
     spaces = {c["grid"]: s.study(c["cell_id"]).trials[0].distributions["lr"] for c in trained[:1] + by_grid["main"][:1]}

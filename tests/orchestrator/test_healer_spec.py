@@ -75,4 +75,4 @@ def test_healers_without_training_get_one_trial_and_no_search(tmp_path):
     assert all(1e-4 <= g["lr"] <= 1e-2 and 1 <= g["epochs"] <= 5 for g in got[1:])
     assert len(s.study("a").trials) == 1 and len(s.study("b").trials) == 3
     resumed = PerCellOptunaSearch(cells, 3, (1e-4, 1e-2), (1, 5), 0, tmp_path / "j")
-    assert resumed.already_done == 6 and [f"{c}-{n}" for c, n in resumed._queue] == ["c-2"]  # asked, not told
+    assert resumed.already_done == 6 and [f"{q.cell_id}-{q.number}" for q in resumed.design.queue] == ["c-2"]  # asked, not told

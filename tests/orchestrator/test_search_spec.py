@@ -99,7 +99,8 @@ def test_searcher_minimises_heldout_align_and_searches_steps(tmp_path):
     cells = [{"cell_id": "a" * 12, "healer": "starfish", "healer_settings": {}, "calib_size": 64, "batch_size": 32},
              {"cell_id": "b" * 12, "healer": "starfish", "healer_settings": {}, "calib_size": 256, "batch_size": 32},
              {"cell_id": "c" * 12, "healer": "none", "healer_settings": {}, "calib_size": 64, "batch_size": 32}]
-    se = _searcher(tmp_path, {"objective": "heldout_align", "steps": [3, 40], "trials_per_cell": 2}, cells)
+    se = _searcher(tmp_path, {"objective": "heldout_align", "steps": [3, 40], "trials_per_cell": 2, "design": "tpe",
+                              "reevaluate": 0}, cells)
     assert se.metric == "heldout_align" and se.mode == "min" and se.total == 5  # `none`: one trial
     assert se.study("a" * 12).direction.name == "MINIMIZE"
     configs = [se.suggest(str(i)) for i in range(3)]  # trial 0 of every cell; trial 1s wait for their cell's tell

@@ -1,0 +1,121 @@
+"""The number the report quotes for each cell, its spread, and whether a claim about it is resolved.
+
+A cell's winner is its best search trial on the selection split (``runs.best_per_cell``). Its configuration is
+then healed again on fresh healing seeds (``stage`` = reevaluate, search.reevaluate): the report quotes the
+mean evaluation accuracy of those re-evaluations, never the winner's own draw (the maximum of noisy draws is
+biased upwards: the winner's curse). Without re-evaluations (older sweeps, ``reevaluate: 0``, closed-form
+healers) the winner's own accuracy is quoted, with n = 1.
+
+Noise of a quoted number (docs/methods.md#reading-the-noise), per cell i of a family F (grid × model × healer):
+
+    seed_sd_i   = sqrt(((n_i - 1) s_i^2 + K pooled_F^2) / (n_i - 1 + K))   the re-evaluations' std, shrunk
+                  (K = 2) towards the family's pooled std: two seeds alone say little about a spread
+    search_sd_F = median over F of |winner's own accuracy - re-evaluation mean|: how far one draw of the
+                  search lands from what its configuration gives on other seeds
+    noise_i     = sqrt(seed_sd_i^2 / n_i + search_sd_F^2)
+
+A difference between two quoted numbers is *resolved* when it exceeds Z = 2 noise units of the difference
+(``resolved``); a band class is resolved when the quoted number is that far from the class's threshold.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from .runs import best_per_cell, grid_names, load_sweep_info, load_trials
+
+__all__ = ["cell_results", "reported", "resolved", "identical_masks", "Z", "SHRINK"]
+
+Z = 2.0  # noise units a difference must exceed to count as resolved
+SHRINK = 2.0  # pseudo-degrees of freedom of the family's pooled seed std
+FAMILY = ["grid", "model", "healer"]
+
+
+def _stage(trials: pd.DataFrame) -> pd.Series:
+    if "stage" not in trials.columns:
+        return pd.Series("search", index=trials.index)
+    return trials["stage"].astype("object").fillna("search").astype(str)
+
+
+def reported(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.DataFrame:
+    """One row per cell with a finished search trial: ``best_per_cell`` of the search trials, then
+
+    - ``healed_acc``: the re-evaluations' mean (the winner's own accuracy when there are none),
+    - ``healed_acc_search``: the winner's own accuracy, ``healed_acc_sd``: the re-evaluations' std,
+    - ``n_reevaluated``: finished re-evaluations, ``retention``: ``healed_acc / dense_acc``,
+    - ``seed_sd``, ``search_sd``, ``noise``: the noise model of the module docstring (accuracy units)."""
+    best = best_per_cell(trials, objective)  # search trials only
+    again = trials[(_stage(trials) == "reevaluate") & (trials["status"] == "FINISHED")]
+    stats = again.groupby("cell_id")["healed_acc"].agg(["mean", "std", "size"]) if len(again) else None
+    best = best.copy()
+    best["healed_acc_search"] = best["healed_acc"]
+    m = best["cell_id"].map(stats["mean"]) if stats is not None else pd.Series(np.nan, index=best.index)
+    best["n_reevaluated"] = (best["cell_id"].map(stats["size"]).fillna(0).astype(int) if stats is not None else 0)
+    best["healed_acc_sd"] = best["cell_id"].map(stats["std"]) if stats is not None else np.nan
+    best["healed_acc"] = m.where(m.notna(), best["healed_acc_search"])
+    dense = best["dense_acc"].astype(float)
+    best["retention"] = np.where(dense > 0, best["healed_acc"] / dense.where(dense > 0, 1.0), 0.0)
+    return _noise(best)
+
+
+def _noise(best: pd.DataFrame) -> pd.DataFrame:
+    best["grid"] = grid_names(best)
+    n = best["n_reevaluated"].astype(float)
+    s2 = best["healed_acc_sd"].astype(float) ** 2
+    fam = best[FAMILY].astype(str).agg("|".join, axis=1)
+    dof = (n - 1).clip(lower=0)
+    pooled = {}
+    for f, g in best.groupby(fam):
+        d = dof[g.index]
+        pooled[f] = float((d * s2[g.index].fillna(0)).sum() / d.sum()) if d.sum() > 0 else float("nan")
+    p2 = fam.map(pooled)
+    seed_var = (dof * s2.fillna(0) + SHRINK * p2) / (dof + SHRINK)
+    best["seed_sd"] = np.sqrt(seed_var)
+    gap = (best["healed_acc_search"] - best["healed_acc"]).abs().where(n > 0)
+    search = gap.groupby(fam).transform("median")
+    best["search_sd"] = search
+    var = seed_var.fillna(0) / n.clip(lower=1) + search.fillna(0) ** 2
+    best["noise"] = np.sqrt(var).where(n > 0)  # no re-evaluation: unknown (never "resolved" by default)
+    return best
+
+
+def resolved(a: float, noise_a: float, b: float, noise_b: float, z: float = Z) -> bool:
+    """True when ``a - b`` exceeds ``z`` noise units of the difference; unknown noise (NaN): not resolved."""
+    if any(x is None or (isinstance(x, float) and math.isnan(x)) for x in (a, noise_a, b, noise_b)):
+        return False
+    return abs(a - b) > z * math.hypot(noise_a, noise_b)
+
+
+def identical_masks(best: pd.DataFrame) -> list[dict]:
+    """Cells of one grid, model, calibration size, healer and seed whose pruners produced the same mask (same
+    ``mask_key``): the same question asked twice, so their quoted numbers must agree within noise.
+    -> one record per group: the cells (pruner, quoted accuracy, noise), the largest gap and whether it is
+    within noise (``agree``)."""
+    if "mask_key" not in best.columns:
+        return []
+    keys = ["grid", "model", "calib_size", "healer", "seed", "mask_key"]
+    df = best.assign(grid=grid_names(best)).dropna(subset=["mask_key"])
+    out = []
+    for key, g in df.groupby(keys, dropna=False, sort=True):
+        if g["pruner"].nunique() < 2:
+            continue
+        rows = [{"pruner": str(r.pruner), "pattern": str(r.pattern), "healed_acc": float(r.healed_acc),
+                 "noise": float(r.noise) if pd.notna(r.noise) else None} for r in g.itertuples(index=False)]
+        vals = [r["healed_acc"] for r in rows]
+        hi, lo = max(rows, key=lambda r: r["healed_acc"]), min(rows, key=lambda r: r["healed_acc"])
+        agree = not resolved(hi["healed_acc"], hi["noise"] if hi["noise"] is not None else math.nan,
+                             lo["healed_acc"], lo["noise"] if lo["noise"] is not None else math.nan)
+        out.append({**dict(zip(keys, (str(k) for k in key))), "cells": rows, "gap": max(vals) - min(vals),
+                    "agree": agree})
+    return out
+
+
+def cell_results(tracking_uri: str, sweep_id: str, experiment: str = "healsweep") -> pd.DataFrame:
+    """Per cell, exactly the number the report quotes (``healed_acc``), its spread and noise, read back from
+    MLflow: what users and benchmarks compare runs with (benchmarks/bench_retest.py). Cells are picked by the
+    sweep's own search objective (the parent run's ``objective`` param)."""
+    trials = load_trials(tracking_uri, sweep_id, experiment)
+    objective = load_sweep_info(tracking_uri, sweep_id, experiment).get("objective") or "selection_acc"
+    return reported(trials, objective)

@@ -1,0 +1,114 @@
+"""The search space as a lattice, and the family surface the ``shared`` design pools its evidence on.
+
+Pure functions (numpy and scipy's QMC only): no Optuna, no Ray. A point of the space is a pair of lattice
+indices (i_lr, i_len) into log-spaced axes; a design proposes indices, the searcher turns them into values.
+
+Why a lattice (docs/methods.md#search-design): two runs that differ only in their sampler seed should land on
+*the same* configuration when the landscape has one good region, so that their re-evaluations (same healing
+seeds) give the same number. Continuous draws never coincide, and a 5 % change of lr moves a healing run as
+much as another seed does; a log lattice with steps of ~1.8x in lr is finer than anything the healing noise
+resolves on these budgets, and makes "the same optimum" a well-defined event.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+
+def log_axis(lo: float, hi: float, k: int, integer: bool = False) -> list[float]:
+    """``k`` log-spaced values from ``lo`` to ``hi`` (both included); integers rounded and de-duplicated."""
+    if k < 1:
+        raise ValueError(f"an axis needs at least one point, got {k}")
+    if k == 1 or lo == hi:
+        vals = [math.sqrt(lo * hi)]
+    else:
+        vals = [lo * (hi / lo) ** (i / (k - 1)) for i in range(k)]  # (k,)
+    if integer:
+        out: list[float] = []
+        for v in vals:
+            r = int(round(v))
+            if not out or r != out[-1]:
+                out.append(r)
+        return out
+    return [float(f"{v:.6g}") for v in vals]  # printable, and the same float on every machine
+
+
+def sobol_points(n: int, sizes: tuple[int, int], seed: int) -> list[tuple[int, int]]:
+    """``n`` lattice points (i, j), i < sizes[0], j < sizes[1], from a scrambled Sobol sequence (``seed``):
+    a space-filling first wave. The sequence is drawn in powers of two (its balance properties) and cut to n."""
+    from scipy.stats import qmc
+
+    m = max(1, math.ceil(math.log2(max(n, 1))))
+    u = qmc.Sobol(d=2, scramble=True, seed=seed).random_base2(m)[:n]  # (n, 2) in [0, 1)
+    idx = np.floor(u * np.asarray(sizes)).astype(int)  # (n, 2)
+    return [(int(a), int(b)) for a, b in np.minimum(idx, np.asarray(sizes) - 1)]
+
+
+def distinct(points: Sequence[tuple[int, int]], sizes: tuple[int, int],
+             taken: Sequence[tuple[int, int]] = ()) -> list[tuple[int, int]]:
+    """``points`` with repeats (of each other or of ``taken``) moved to the nearest free lattice point
+    (lattice distance, then index order: deterministic)."""
+    used = set(taken)
+    out = []
+    grid = [(i, j) for i in range(sizes[0]) for j in range(sizes[1])]
+    for p in points:
+        if p in used:
+            free = [q for q in grid if q not in used]
+            if not free:
+                raise ValueError(f"no free lattice point left for {p} (lattice {sizes[0]}x{sizes[1]})")
+            p = min(free, key=lambda q: ((q[0] - p[0]) ** 2 + (q[1] - p[1]) ** 2, q))
+        used.add(p)
+        out.append(p)
+    return out
+
+
+def centred(values: Sequence[float], groups: Sequence[str]) -> np.ndarray:
+    """Each value minus the mean of its group (cell): what is left is the effect of the configuration, the cell's
+    own level (how hard its sparsity is) removed. (n,) -> (n,). A group of one gives 0 (no within-cell evidence)."""
+    v = np.asarray(values, dtype=float)  # (n,)
+    g = np.asarray(groups)
+    out = np.zeros_like(v)
+    for name in dict.fromkeys(groups):
+        sel = g == name
+        out[sel] = v[sel] - v[sel].mean()
+    return out
+
+
+def features(points: np.ndarray, sizes: tuple[int, int]) -> np.ndarray:
+    """Quadratic features of lattice points on the unit square: u, v, u², v², uv (an axis of one point adds
+    none). (n, 2) indices -> (n, k), k <= 5."""
+    p = np.asarray(points, dtype=float).reshape(-1, 2)  # (n, 2)
+    cols = []
+    uv = [p[:, d] / (sizes[d] - 1) for d in range(2) if sizes[d] > 1]  # each (n,)
+    cols += uv + [x ** 2 for x in uv]
+    if len(uv) == 2:
+        cols.append(uv[0] * uv[1])
+    return np.stack(cols, axis=1) if cols else np.zeros((len(p), 0))  # (n, k)
+
+
+def surface(points: Sequence[tuple[int, int]], values: Sequence[float], groups: Sequence[str],
+            sizes: tuple[int, int], ridge: float = 1e-3) -> np.ndarray:
+    """The family surface: a quadratic in (log lr, log length) fitted to every cell's results at once, each cell
+    with its own level (fixed effects: features and values are centred within the cell, so only differences
+    between configurations *inside* a cell inform the shape). Ridge ``ridge`` x n keeps it defined when the
+    points do not span every term. Extrapolates to the lattice's edges and corners, where optima often sit.
+
+    points (n, 2), values (n,), groups (n,) -> (sizes[0], sizes[1]) of predicted effects (larger is better)."""
+    grid = np.array([(i, j) for i in range(sizes[0]) for j in range(sizes[1])])  # (a*b, 2)
+    if not len(points):
+        return np.zeros(sizes)
+    x = features(np.asarray(points), sizes)  # (n, k)
+    if x.shape[1] == 0:
+        return np.zeros(sizes)
+    xc = np.stack([centred(x[:, k], groups) for k in range(x.shape[1])], axis=1)  # (n, k)
+    yc = centred(values, groups)  # (n,)
+    beta = np.linalg.solve(xc.T @ xc + ridge * max(len(yc), 1) * np.eye(x.shape[1]), xc.T @ yc)  # (k,)
+    return (features(grid, sizes) @ beta).reshape(sizes)  # (a, b)
+
+
+def ranked(surf: np.ndarray) -> list[tuple[int, int]]:
+    """Lattice points best first; ties to the cheaper length (lower j), then the lower lr (lower i)."""
+    a, b = surf.shape
+    return sorted(((i, j) for i in range(a) for j in range(b)), key=lambda q: (-round(float(surf[q]), 12), q[1], q[0]))

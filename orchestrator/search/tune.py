@@ -1,0 +1,131 @@
+"""The one Ray Tune ``Searcher`` of a sweep, over any registered search design.
+
+``suggest`` asks the design and returns the full trial config (the cell, the parameters, the trial id, the stage
+and, for re-evaluations, the healing seed); ``on_trial_complete`` tells the design the objective. Tells are
+deferred (``defer``: the driver runs them after that trial's MLflow writes, on the writer's thread), so a told
+trial always has its complete MLflow run, and a design's waits (``ready``) release only once the tell is written.
+
+Early stopping (ASHA, ``tpe`` design only): every trial runs ``epochs_max`` epochs unless the scheduler stops
+it; per-epoch objective values are Optuna intermediate values, and a trial that ends without its final result is
+told PRUNED. Errors and diverged trials are told FAIL (ignored by the search).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from optuna.trial import TrialState
+from ray.tune.search import Searcher
+
+from orchestrator.search.base import FINISHED, SEARCH, Ask, Budget, SearchDesign
+from orchestrator.search.registry import DESIGNS
+
+
+class DesignSearcher(Searcher):
+    def __init__(self, design: SearchDesign, *, metric: str = "selection_acc", mode: str = "max",
+                 defer: Callable[[Callable[[], None]], None] | None = None, epochs_max: int | None = None) -> None:
+        super().__init__(metric=metric, mode=mode)
+        self.design = design
+        self._defer = defer or (lambda fn: fn())
+        self._asha_epochs = {"epochs": epochs_max} if design.asha and epochs_max else {}
+        self._live: dict[str, Ask] = {}  # tune trial id -> the design's ask
+
+    @property
+    def total(self) -> int:
+        return self.design.total
+
+    @property
+    def rerun(self) -> list[str]:
+        return self.design.rerun
+
+    @property
+    def already_done(self) -> int:
+        return self.design.already_done
+
+    def study(self, cell_id: str, stage: str = SEARCH):
+        return self.design.study(cell_id, stage)
+
+    def per_cell(self) -> dict[str, int]:
+        """Trials still to run per cell (search and re-evaluation)."""
+        out: dict[str, int] = {}
+        for s in self.design.queue:
+            out[s.cell_id] = out.get(s.cell_id, 0) + 1
+        return out
+
+    def set_search_properties(self, metric, mode, config, **spec) -> bool:
+        return True  # the space is the design's; metric/mode were fixed at construction
+
+    def suggest(self, trial_id: str) -> dict | None:
+        a = self.design.ask()
+        if a == FINISHED:
+            return Searcher.FINISHED
+        if a is None:
+            return None  # every remaining trial waits for results: Tune asks again
+        self._live[trial_id] = a
+        cfg = {**self.design.cells[a.cell_id], **self._asha_epochs, **a.params, "optuna_trial": a.number,
+               "trial_id": a.trial_id, "stage": a.stage}
+        if a.heal_seed is not None:
+            cfg["heal_seed"] = a.heal_seed
+        return cfg
+
+    def _report(self, trial_id: str, result: Mapping[str, Any] | None) -> None:
+        a = self._live.get(trial_id)
+        if a is not None and a.stage == SEARCH and result and self.metric in result and "epoch" in result \
+                and not result.get("diverged"):
+            step, value = int(result["epoch"]), float(result[self.metric])
+            self._defer(lambda: self.design.intermediate(a, step, value))
+
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
+        self._report(trial_id, result)
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        if trial_id not in self._live:
+            return
+        self._report(trial_id, result)  # the last result of an early-stopped trial never reached on_trial_result
+        a = self._live.pop(trial_id)
+        if error or not result or self.metric not in result or result.get("diverged"):
+            self._defer(lambda: self.design.tell(a, None, TrialState.FAIL))
+        elif not result.get("final"):
+            self._defer(lambda: self.design.tell(a, None, TrialState.PRUNED))
+        else:
+            value = float(result[self.metric])
+            self._defer(lambda: self.design.tell(a, value))
+
+    # Tune checkpoints searchers; the design's state already lives in the journal file.
+    def save(self, checkpoint_path: str) -> None:
+        Path(checkpoint_path).write_text("search state lives in the Optuna journal\n")
+
+    def restore(self, checkpoint_path: str) -> None:
+        pass
+
+
+def make_searcher(cells: list[Mapping[str, Any]], budgets: Mapping[str, Budget], design: str, sampler_seed: int,
+                  journal: Path, *, metric: str = "selection_acc", mode: str = "max", asha: bool = False,
+                  defer=None, epochs_max: int | None = None) -> DesignSearcher:
+    cls = DESIGNS.get(design)
+    d = cls(cells, budgets, sampler_seed, journal, direction="maximize" if mode == "max" else "minimize", asha=asha)
+    return DesignSearcher(d, metric=metric, mode=mode, defer=defer, epochs_max=epochs_max)
+
+
+def PerCellOptunaSearch(cells, trials_per_cell: int, lr, epochs, sampler_seed: int, journal: Path, *,  # noqa: N802
+                        asha: bool = False, startup_trials: int | None = None, metric: str = "selection_acc",
+                        mode: str = "max", defer=None, grids=None, steps=None, design: str = "tpe",
+                        reevaluate: int = 0) -> DesignSearcher:
+    """The searcher from plain arguments (one budget for every cell; ``grids``: grid name -> search settings for
+    cells of that grid): what tests and the sweep's tune stage build."""
+    default = Budget(trials_per_cell, tuple(lr), ("steps", tuple(steps)) if steps else ("epochs", tuple(epochs)),
+                     startup_trials, reevaluate)
+    per = {name: budget_of(g) for name, g in (grids or {}).items()}
+    budgets = {c["cell_id"]: per.get(c.get("grid"), default) for c in cells}
+    return make_searcher(cells, budgets, design, sampler_seed, journal, metric=metric, mode=mode, asha=asha,
+                         defer=defer, epochs_max=epochs[1] if epochs else None)
+
+
+PerCellOptunaSearch.FINISHED = Searcher.FINISHED
+
+
+def budget_of(search) -> Budget:
+    """A spec ``SearchSpec`` as a cell budget."""
+    return Budget(search.trials_per_cell, tuple(search.lr), (search.length[0], tuple(search.length[1])),
+                  search.startup_trials, getattr(search, "reevaluate", 0), getattr(search, "explore", None) or 2,
+                  tuple(getattr(search, "lattice", (9, 5))))

@@ -1,0 +1,196 @@
+"""One contract suite over every registered search design (Optuna's pattern for samplers): ask/tell through the
+Ray Tune adapter, re-evaluation of the winner on fresh seeds, resume over the journal, reproducible asks, and the
+noise report. No Ray run: the Tune ``Searcher`` is driven by hand, the objective is a known landscape."""
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+from optuna.trial import TrialState
+
+from orchestrator.resume import told_states
+from orchestrator.search import DESIGNS, Budget, lattice, make_searcher, reevaluation_seeds
+
+FINISHED = "FINISHED"
+
+
+def _cells(n=4, healer="starfish", grid="main"):
+    return [{"cell_id": f"c{grid}{i}", "model": "vit_digits", "pruner": "magnitude", "pattern": str(0.5 + 0.1 * i),
+             "calib_size": 64, "batch_size": 32, "healer": healer, "healer_settings": {}, "seed": 0, "grid": grid}
+            for i in range(n)]
+
+
+BUDGET = Budget(trials=3, lr=(1e-4, 1e-2), length=("steps", (4, 64)), reevaluate=2, explore=2, lattice=(5, 3))
+
+
+def landscape(cfg) -> float:
+    """A family landscape: best at lr 1e-2^.. (the top of the box) with many steps; cells differ by a level;
+    re-evaluations add a seed-dependent wiggle (the healing seed changes the draw)."""
+    if cfg["lr"] <= 0:  # a fixed (closed-form) cell
+        return 0.3
+    u = (math.log10(cfg["lr"]) + 4) / 2  # 0..1
+    v = math.log2(cfg["steps"] / 4) / 4  # 0..1
+    level = 0.1 * int(cfg["cell_id"][-1])
+    wiggle = 0.001 * ((cfg.get("heal_seed") or 0) % 7)
+    return 0.5 - level + 0.3 * u + 0.1 * v - 0.2 * (u - 0.75) ** 2 + wiggle
+
+
+def run(searcher, finish_order="fifo", fail=()):
+    """Drive the searcher like Tune: ask until nothing is ready, finish one live trial (first or last), repeat."""
+    got, live, i = [], [], 0
+    while True:
+        cfg = searcher.suggest(f"t{i}")
+        if cfg == FINISHED:
+            break
+        if cfg is None:
+            tid, c = live.pop(0 if finish_order == "fifo" else -1)
+            bad = c["cell_id"] in fail
+            searcher.on_trial_complete(tid, None if bad else {"selection_acc": landscape(c), "final": True,
+                                                             "epoch": c["epochs"]}, error=bad)
+            continue
+        got.append(cfg)
+        live.append((f"t{i}", cfg))
+        i += 1
+    for tid, c in live:
+        bad = c["cell_id"] in fail
+        searcher.on_trial_complete(tid, None if bad else {"selection_acc": landscape(c), "final": True,
+                                                         "epoch": c["epochs"]}, error=bad)
+    return got
+
+
+def make(design, tmp_path, cells, seed=0, name="j", budget=BUDGET):
+    return make_searcher(cells, {c["cell_id"]: budget for c in cells}, design, seed, tmp_path / name)
+
+
+@pytest.fixture(params=DESIGNS.names())
+def design(request):
+    return request.param
+
+
+def _searched(design, budget=BUDGET):
+    return budget.lattice[0] * budget.lattice[1] if design == "grid" else budget.trials
+
+
+def test_every_trial_is_asked_once_in_the_space_and_winners_are_reevaluated_on_fresh_seeds(design, tmp_path):
+    cells = _cells()
+    s = make(design, tmp_path, cells)
+    per = _searched(design)
+    assert s.total == len(cells) * (per + 2)
+    got = run(s)
+    assert len(got) == s.total and len({g["trial_id"] for g in got}) == len(got)
+    search = [g for g in got if g["stage"] == "search"]
+    assert all(1e-4 <= g["lr"] <= 1e-2 and 4 <= g["steps"] <= 64 and g["epochs"] == math.ceil(g["steps"] / 2)
+               for g in search)
+    for c in cells:
+        mine = [g for g in search if g["cell_id"] == c["cell_id"]]
+        best = max(mine, key=lambda g: (landscape(g), -g["steps"], -g["optuna_trial"]))
+        again = [g for g in got if g["cell_id"] == c["cell_id"] and g["stage"] == "reevaluate"]
+        assert [g["heal_seed"] for g in again] == reevaluation_seeds(0, 2) == [1000, 2000]  # never the cell's seed 0
+        assert all((g["lr"], g["steps"]) == (best["lr"], best["steps"]) for g in again)
+        assert [g["trial_id"] for g in again] == [f"{c['cell_id']}-r0", f"{c['cell_id']}-r1"]
+    states = told_states(tmp_path / "j")
+    assert len(states) == s.total and all(st == TrialState.COMPLETE for st in states.values())
+
+
+def test_noise_report_is_the_reevaluations_mean_std_and_count(design, tmp_path):
+    cells = _cells(2)
+    s = make(design, tmp_path, cells)
+    got = run(s)
+    noise = s.design.noise()
+    for c in cells:
+        vals = [landscape(g) for g in got if g["cell_id"] == c["cell_id"] and g["stage"] == "reevaluate"]
+        n = noise[c["cell_id"]]
+        assert n["reevaluate_n"] == 2 and n["reevaluate_mean"] == pytest.approx(statistics.mean(vals))
+        assert n["reevaluate_std"] == pytest.approx(statistics.stdev(vals))
+        assert n["search_value"] == pytest.approx(max(landscape(g) for g in got if g["cell_id"] == c["cell_id"]
+                                                      and g["stage"] == "search"))
+
+
+def test_asks_do_not_depend_on_the_order_trials_finish_in(design, tmp_path):
+    cells = _cells(3)
+    a = run(make(design, tmp_path, cells, name="a"), "fifo")
+    b = run(make(design, tmp_path, cells, name="b"), "lifo")
+    key = {(g["trial_id"]): (g["lr"], g["epochs"], g.get("heal_seed")) for g in a}
+    assert key == {(g["trial_id"]): (g["lr"], g["epochs"], g.get("heal_seed")) for g in b}
+
+
+def test_resume_never_reruns_a_told_trial_and_reruns_untold_ones_with_their_parameters(design, tmp_path):
+    cells = _cells(2)
+    s = make(design, tmp_path, cells)
+    first = [s.suggest(f"a{i}") for i in range(2)]  # trial 0 of both cells
+    s.on_trial_complete("a0", {"selection_acc": landscape(first[0]), "final": True, "epoch": 1})
+    # the driver dies: the second trial was asked, never told
+    r = make(design, tmp_path, cells)
+    assert r.already_done == 1 and r.rerun == [first[1]["trial_id"]]
+    assert r.total == s.total - 1
+    rest = run(r)
+    again = next(g for g in rest if g["trial_id"] == first[1]["trial_id"])
+    assert (again["lr"], again["epochs"]) == (first[1]["lr"], first[1]["epochs"])
+    assert first[0]["trial_id"] not in {g["trial_id"] for g in rest}
+    assert all(st == TrialState.COMPLETE for st in told_states(tmp_path / "j").values())
+
+
+def test_fixed_cells_run_once_and_a_cell_whose_trials_all_fail_is_not_reevaluated(design, tmp_path):
+    cells = _cells(2) + _cells(1, healer="none", grid="g")
+    s = make(design, tmp_path, cells)
+    got = run(s, fail={"cmain1"})
+    none = [g for g in got if g["healer"] == "none"]
+    assert [(g["lr"], g["epochs"], g["stage"]) for g in none] == [(0.0, 0, "search")]
+    assert not [g for g in got if g["cell_id"] == "cmain1" and g["stage"] == "reevaluate"]
+    assert len([g for g in got if g["cell_id"] == "cmain0" and g["stage"] == "reevaluate"]) == 2
+    assert s.design.noise()["cmain1"]["winner"] is None
+
+
+def test_studies_are_named_for_people_and_record_the_reevaluation_seeds(design, tmp_path):
+    s = make(design, tmp_path, _cells(1))
+    run(s)
+    study = s.study("cmain0")
+    assert study.study_name == "vit_digits / magnitude 0.5 / calib 64 / starfish / seed 0 · cmain0"
+    again = s.study("cmain0", "reevaluate")
+    assert again.study_name.endswith("· cmain0 · reevaluate")
+    assert [t.user_attrs["heal_seed"] for t in again.trials] == [1000, 2000]
+
+
+# --- the shared design: evidence pooled across a family ---------------------------------------------------
+
+def test_shared_design_finds_the_same_optimum_for_every_sampler_seed(tmp_path):
+    """A family of 8 cells whose landscape peaks at one lattice point: with 3 trials per cell (2 space-filling,
+    1 family-ranked) every cell's winner is that point, whatever the sampler seed."""
+    cells = _cells(8)
+    budget = Budget(trials=3, lr=(1e-4, 1e-2), length=("steps", (4, 64)), reevaluate=0, explore=2, lattice=(5, 3))
+    lrs, steps = lattice.log_axis(1e-4, 1e-2, 5), lattice.log_axis(4, 64, 3, integer=True)
+    peak = max(((a, b) for a in lrs for b in steps), key=lambda p: landscape({"lr": p[0], "steps": p[1],
+                                                                             "cell_id": "x0"}))
+    winners = {}
+    for seed in (0, 1, 2):
+        got = run(make("shared", tmp_path, cells, seed=seed, name=f"s{seed}", budget=budget))
+        win = {}
+        for g in got:
+            if g["cell_id"] not in win or landscape(g) > landscape(win[g["cell_id"]]):
+                win[g["cell_id"]] = g
+        winners[seed] = {c: (w["lr"], w["steps"]) for c, w in win.items()}
+        first = [g for g in got if g["optuna_trial"] < 2]
+        assert len({(g["cell_id"], g["lr"], g["steps"]) for g in first}) == 16  # distinct points per cell
+    assert all(w == peak for ws in winners.values() for w in ws.values())
+    assert len({(g["lr"], g["steps"]) for g in first}) > 5  # the first wave covers the lattice
+
+
+def test_grid_design_tries_every_lattice_point_once(tmp_path):
+    got = run(make("grid", tmp_path, _cells(1)))
+    pts = {(g["lr"], g["steps"]) for g in got if g["stage"] == "search"}
+    assert pts == {(a, b) for a in lattice.log_axis(1e-4, 1e-2, 5) for b in lattice.log_axis(4, 64, 3, integer=True)}
+
+
+def test_lattice_math():
+    assert lattice.log_axis(1e-4, 1e-2, 3) == [1e-4, 1e-3, 1e-2]
+    assert lattice.log_axis(4, 64, 5, integer=True) == [4, 8, 16, 32, 64]
+    assert lattice.log_axis(3, 8, 5, integer=True) == [3, 4, 5, 6, 8]  # rounded, de-duplicated
+    assert lattice.distinct([(0, 0), (0, 0), (0, 0)], (2, 2)) == [(0, 0), (0, 1), (1, 0)]
+    assert list(lattice.centred([1.0, 3.0, 5.0], ["a", "a", "b"])) == [-1.0, 1.0, 0.0]
+    # two cells on a 3x1 lattice, y = level + 2u - u² exactly: the fit recovers the shape whatever the levels
+    pts, groups = [(0, 0), (1, 0), (1, 0), (2, 0)], ["a", "a", "b", "b"]
+    ys = [5 + 0.0, 5 + 0.75, -3 + 0.75, -3 + 1.0]
+    s = lattice.surface(pts, ys, groups, (3, 1), ridge=0.0)
+    assert s[:, 0] - s[0, 0] == pytest.approx([0.0, 0.75, 1.0])
+    assert lattice.ranked(s)[0] == (2, 0)
