@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from orchestrator.spec import load_spec
 
@@ -138,3 +139,12 @@ def test_store_commands_take_a_run_dir_from_any_cwd_and_list_everything(tmp_path
     assert_one_line_exit_2(cli("store", "ls", cwd=elsewhere), ".healsweep/store does not exist")
     assert cli("store", "gc", "--older-than", "0", "--dry-run", home, cwd=elsewhere).stdout.startswith(
         f"would delete {key}")
+
+
+def test_a_search_the_design_cannot_run_is_one_line_exit_2_before_any_work(tmp_path):
+    spec = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    spec["search"].update(reevaluate=9)
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    r = cli("run", tmp_path / "s.yaml", "--out", tmp_path / "run", "--quiet")
+    assert_one_line_exit_2(r, "search.reevaluate")
+    assert not (tmp_path / "run").exists()  # nothing made: refused before Ray, MLflow or the run directory

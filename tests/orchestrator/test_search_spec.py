@@ -116,3 +116,26 @@ def test_searcher_minimises_heldout_align_and_searches_steps(tmp_path):
     assert configs[0]["cell_id"] == "a" * 12
     (t,) = [t for t in se.study("a" * 12).trials if t.value is not None]
     assert t.value == 0.25 and se.study("a" * 12).best_value == 0.25
+
+
+@pytest.mark.parametrize("search, msg", [
+    ({"reevaluate": 9}, "search.reevaluate: must be"),
+    ({"reevaluate": -1}, "search.reevaluate: must be"),
+    ({"design": "random"}, "search.design: must be"),
+    ({"trials_per_cell": 46}, "search.trials_per_cell: design 'shared' tries each of the 45 lattice points"),
+    ({"trials_per_cell": 3, "explore": 4}, "search.explore: first-wave points (4) cannot exceed"),
+    ({"design": "shared", "scheduler": "asha"}, "search.design: scheduler 'asha' stops trials by timing"),
+    ({"lattice": [9]}, "search.lattice: must be [lr points, length points]"),
+    ({"lattice": [9, 65]}, "search.lattice[1]: must be"),
+])
+def test_search_designs_refuse_what_they_cannot_do_in_one_line(search, msg):
+    text = refused(spec({**BASE["search"], **search}))
+    assert text.startswith(msg) and "\n" not in text
+
+
+def test_design_defaults_and_one_design_per_sweep():
+    s = parse_spec(spec({**BASE["search"], "reevaluate": 2, "trials_per_cell": 1}))
+    assert (s.search.design, s.search.reevaluate, s.search.explore, s.search.lattice) == ("shared", 2, 1, (9, 5))
+    assert parse_spec(spec({**BASE["search"], "scheduler": "asha"})).search.design == "tpe"  # ASHA needs tpe
+    grid = {"name": "g", "search": {"design": "tpe"}}
+    assert refused(spec(None, grids=[grid])).startswith("grids[0].search.design")

@@ -1,0 +1,65 @@
+"""End to end: the default search design on a real sweep: every searched cell's winner is healed again on two
+fresh healing seeds, the report quotes their mean (never the winner's own draw), the study names a person can
+find, and the noise the report reads (docs/methods.md#search-design)."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from analysis.reported import cell_results
+from orchestrator.cli import main as cli_main
+from orchestrator.search import open_journal
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.e2e
+CACHE = os.environ.get("HEALSWEEP_TEST_CACHE", str(REPO / ".healsweep" / "models"))
+
+
+def test_winners_are_reevaluated_on_fresh_seeds_and_the_report_quotes_their_mean(tmp_path):
+    spec = {"name": "reeval", "models": ["vit_digits"], "sparsities": [0.9], "calib_sizes": [64],
+            "pruners": ["magnitude"], "healers": ["starfish", "none"], "seeds": [0],
+            "search": {"trials_per_cell": 3, "lr": [1.0e-3, 1.0e-2], "steps": [4, 16], "lattice": [3, 3],
+                       "reevaluate": 2}}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    run_dir = tmp_path / "run"
+    rc = cli_main(["run", str(tmp_path / "spec.yaml"), "--out", str(run_dir), "--store", str(tmp_path / "store"),
+                   "--cache", CACHE, "--num-cpus", "2", "--quiet"])
+    assert rc == 0
+    meta = json.loads((run_dir / "sweep.json").read_text())
+    client = MlflowClient(meta["tracking_uri"])
+    exp = client.get_experiment_by_name("healsweep")
+    runs = [r for r in client.search_runs([exp.experiment_id], f"tags.sweep_id = '{meta['sweep_id']}'")
+            if r.data.tags["healsweep.role"] == "trial"]
+    star = [r for r in runs if r.data.params["healer"] == "starfish"]
+    search = [r for r in star if r.data.tags["stage"] == "search"]
+    again = [r for r in star if r.data.tags["stage"] == "reevaluate"]
+    assert len(search) == 3 and len(again) == 2 and all(r.info.status == "FINISHED" for r in star)
+    assert len([r for r in runs if r.data.params["healer"] == "none"]) == 1  # nothing to search or repeat
+    win = max(search, key=lambda r: (r.data.metrics["selection_acc"], -int(r.data.params["steps"])))
+    assert sorted(int(r.data.params["heal_seed"]) for r in again) == [1000, 2000]
+    assert all((r.data.params["lr"], r.data.params["steps"]) == (win.data.params["lr"], win.data.params["steps"])
+               for r in again)
+    accs = [r.data.metrics["healed_acc"] for r in again]
+    assert accs[0] != accs[1]  # another healing seed is another draw (batch order)
+    res = cell_results(meta["tracking_uri"], meta["sweep_id"]).set_index("healer")
+    assert res.loc["starfish", "healed_acc"] == pytest.approx(statistics.mean(accs))
+    assert res.loc["starfish", "healed_acc_sd"] == pytest.approx(statistics.stdev(accs))
+    assert res.loc["starfish", "healed_acc_search"] == pytest.approx(win.data.metrics["healed_acc"])
+    assert res.loc["starfish", "n_reevaluated"] == 2 and res.loc["starfish", "noise"] > 0
+    assert res.loc["none", "n_reevaluated"] == 0
+    md = (run_dir / "report.md").read_text()
+    assert f"{100 * statistics.mean(accs):.2f}" in md  # the quoted number is the re-evaluations' mean
+    # the studies are named so a person finds the cell in optuna-dashboard, with the seeds recorded
+    names = {s.study_name for s in open_journal(run_dir / "optuna.journal").get_all_studies()}
+    cid = search[0].data.tags["cell_id"]
+    assert f"vit_digits / magnitude 0.9 / calib 64 / starfish / seed 0 · {cid}" in names
+    st = optuna.load_study(study_name=f"vit_digits / magnitude 0.9 / calib 64 / starfish / seed 0 · {cid} · reevaluate",
+                           storage=open_journal(run_dir / "optuna.journal"))
+    assert sorted(t.user_attrs["heal_seed"] for t in st.trials) == [1000, 2000]
