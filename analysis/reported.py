@@ -47,7 +47,7 @@ def reported(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.DataF
     - ``n_reevaluated``: finished re-evaluations, ``retention``: ``healed_acc / dense_acc``,
     - ``seed_sd``, ``search_sd``, ``noise``: the noise model of the module docstring (accuracy units)."""
     best = best_per_cell(trials, objective)  # search trials only
-    again = trials[(_stage(trials) == "reevaluate") & (trials["status"] == "FINISHED")]
+    again = _of_winners(trials[(_stage(trials) == "reevaluate") & (trials["status"] == "FINISHED")], best)
     stats = again.groupby("cell_id")["healed_acc"].agg(["mean", "std", "size"]) if len(again) else None
     best = best.copy()
     best["healed_acc_search"] = best["healed_acc"]
@@ -58,6 +58,20 @@ def reported(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.DataF
     dense = best["dense_acc"].astype(float)
     best["retention"] = np.where(dense > 0, best["healed_acc"] / dense.where(dense > 0, 1.0), 0.0)
     return _noise(best)
+
+
+def _of_winners(again: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
+    """The re-evaluations that repeat their cell's winner (same lr and length; a widening round can change the
+    winner after earlier re-evaluations ran)."""
+    cols = [c for c in ("lr", "steps", "epochs") if c in again.columns and c in best.columns]
+    if again.empty or not cols:
+        return again
+    win = best.set_index("cell_id")[cols]
+    same = pd.Series(True, index=again.index)
+    for c in cols:
+        w = again["cell_id"].map(win[c])
+        same &= (again[c] == w) | (again[c].isna() & w.isna())
+    return again[same.fillna(False).astype(bool)]
 
 
 def _noise(best: pd.DataFrame) -> pd.DataFrame:

@@ -78,7 +78,7 @@ def plan_widening(run_dir: Path, factor: float) -> dict:
 def widen_spec(spec, plan: dict, existing: dict[str, int]):
     """The sweep's spec restricted to the widened cells (``SweepSpec.cells``), each grid searching its widened
     box; ``existing``: cell id -> trials its study holds already."""
-    from orchestrator.spec.checks import MAX_TRIALS_PER_CELL
+    from orchestrator.spec.checks import MAX_REEVALUATE, MAX_TRIALS_PER_CELL
 
     def search_of(grid: str, base):
         box = plan["boxes"].get(grid)
@@ -87,8 +87,11 @@ def widen_spec(spec, plan: dict, existing: dict[str, int]):
         have = max(existing.get(c, 0) for c, g in plan["cells"].items() if g == grid)
         key = "steps" if "steps" in box else "epochs"
         other = "epochs" if key == "steps" else "steps"
+        # re-evaluations run again after the round, on the cell's winner then (the report counts only those that
+        # repeat the final winner: analysis/reported.py)
+        again = min(MAX_REEVALUATE, base.reevaluate * (plan["round"] + 1))
         return {"lr": tuple(box["lr"]), key: tuple(box[key]), other: None,
-                "trials_per_cell": min(MAX_TRIALS_PER_CELL, have + base.trials_per_cell)}
+                "trials_per_cell": min(MAX_TRIALS_PER_CELL, have + base.trials_per_cell), "reevaluate": again}
 
     grids = []
     for g in spec.grids:
