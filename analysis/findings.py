@@ -286,11 +286,27 @@ def findings(best: pd.DataFrame, model: str, recs: list[dict], cts: dict | None,
         f.notes = [OBJECTIVE_NOTE] if objective == "heldout_align" else []
         f.notes += [line] if line else []
         f.notes += _widened_note(gb, widened or {})
+        f.notes.insert(0, noise_line(gb, f.best))
         same = identical_mask_lines(gb)
         f.notes += [ln for ok, ln in same if ok]
         f.warnings += [ln for ok, ln in same if not ok]
         out.append(f)
     return out
+
+
+def noise_line(gb: pd.DataFrame, rows: list[dict]) -> str:
+    """How sure the grid's numbers are: what is quoted, its measured noise and how many best-method leads are
+    resolved (analysis/reported.py)."""
+    searched = gb[gb["lr"].fillna(0) > 0] if "lr" in gb.columns else gb
+    n_re = searched["n_reevaluated"] if "n_reevaluated" in searched.columns else pd.Series(dtype=float)
+    noise = searched["noise"].dropna() if "noise" in searched.columns else pd.Series(dtype=float)
+    leads = sum(bool(r.get("resolved")) for r in rows)
+    if noise.empty:
+        what = "Quoted numbers are each cell's best search trial (no re-evaluation: noise not measured)"
+    else:
+        what = (f"Quoted numbers are the mean of {int(n_re.median())} re-evaluations of each searched cell's winner; "
+                f"noise median ±{100 * noise.median():.2f} pp, max ±{100 * noise.max():.2f} pp")
+    return f"{what}; {leads} of {len(rows)} best-method leads resolved."
 
 
 def identical_mask_lines(gb: pd.DataFrame) -> list[tuple[bool, str]]:

@@ -1,0 +1,68 @@
+"""analysis/reported.py: the number the report quotes (the re-evaluations' mean, never the winner's own draw), its
+noise, resolved differences and the identical-mask check, against hand-computed values."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from analysis.reported import SHRINK, identical_masks, reported, resolved
+
+
+def _trial(cell, stage, acc, sel, lr=0.005, steps=64, seed=0, heal_seed=None, pruner="magnitude", mask="m1",
+           status="FINISHED", run=None):
+    return dict(run_id=run or f"{cell}-{stage}-{acc}", experiment_id="1", status=status, cell_id=cell,
+                trial_id=f"{cell}-x", stage=stage, model="vit_digits", pruner=pruner, pattern="0.9", grid="main",
+                healer="starfish", calib_size=64, seed=seed, heal_seed=heal_seed, lr=lr, steps=steps, epochs=32,
+                optuna_trial=0, selection_acc=sel, healed_acc=acc, dense_acc=0.95, pruned_acc=0.1, mask_key=mask)
+
+
+def test_the_quoted_number_is_the_reevaluations_mean_and_the_noise_is_the_documented_formula():
+    rows = [_trial("a", "search", 0.90, 0.95), _trial("a", "search", 0.50, 0.60, lr=1e-4),
+            _trial("a", "reevaluate", 0.80, 0.85, heal_seed=1000), _trial("a", "reevaluate", 0.84, 0.86, heal_seed=2000),
+            _trial("b", "search", 0.70, 0.75), _trial("b", "reevaluate", 0.70, 0.7, heal_seed=1000),
+            _trial("b", "reevaluate", 0.66, 0.7, heal_seed=2000),
+            _trial("b", "reevaluate", 0.10, 0.1, lr=1e-4, heal_seed=3000)]  # another configuration: not the winner's
+    out = reported(pd.DataFrame(rows)).set_index("cell_id")
+    a, b = out.loc["a"], out.loc["b"]
+    assert a["healed_acc_search"] == 0.90 and a["healed_acc"] == pytest.approx(0.82)  # not 0.90: the winner's curse
+    assert a["n_reevaluated"] == 2 and a["healed_acc_sd"] == pytest.approx(math.sqrt(0.0008))
+    assert b["healed_acc"] == pytest.approx(0.68) and b["n_reevaluated"] == 2  # the 3000 run repeats no winner
+    assert a["retention"] == pytest.approx(0.82 / 0.95) and a["n_trials"] == 2  # re-evaluations are not trials
+    # pooled var over the family = (1 * 0.0008 + 1 * 0.0008) / 2; each cell's std shrunk with K = SHRINK
+    pooled = 0.0008
+    seed_var = (1 * 0.0008 + SHRINK * pooled) / (1 + SHRINK)
+    search_sd = statistics_median([abs(0.90 - 0.82), abs(0.70 - 0.68)])
+    assert a["seed_sd"] == pytest.approx(math.sqrt(seed_var)) and a["search_sd"] == pytest.approx(search_sd)
+    assert a["noise"] == pytest.approx(math.sqrt(seed_var / 2 + search_sd ** 2))
+
+
+def statistics_median(xs):
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+
+def test_without_reevaluations_the_winner_is_quoted_and_its_noise_is_unknown():
+    out = reported(pd.DataFrame([_trial("a", "search", 0.9, 0.95), _trial("a", "search", 0.5, 0.6, lr=1e-4)]))
+    (r,) = out.to_dict("records")
+    assert r["healed_acc"] == 0.9 and r["n_reevaluated"] == 0 and math.isnan(r["noise"])
+
+
+def test_resolved_needs_the_difference_beyond_two_noise_units():
+    assert resolved(0.90, 0.03, 0.80, 0.02)  # 10 pp > 2 * 3.61 pp
+    assert not resolved(0.90, 0.04, 0.80, 0.04)  # 10 pp < 2 * 5.66 pp
+    assert not resolved(0.90, float("nan"), 0.10, 0.01)  # unknown noise: never resolved
+
+
+def test_identical_masks_must_agree_within_noise():
+    rows = [dict(grid="main", model="resnet_digits", calib_size=64, healer="starfish", seed=0, mask_key="same",
+                 pruner=p, pattern="0.9", healed_acc=a, noise=n)
+            for p, a, n in (("uniform", 0.97, 0.01), ("magnitude", 0.48, 0.01))]
+    rows.append(dict(rows[0], pruner="erk", mask_key="other", healed_acc=0.9))
+    (g,) = identical_masks(pd.DataFrame(rows))
+    assert {c["pruner"] for c in g["cells"]} == {"uniform", "magnitude"} and not g["agree"]
+    assert g["gap"] == pytest.approx(0.49)
+    rows[1]["healed_acc"] = 0.965
+    (g,) = identical_masks(pd.DataFrame(rows))
+    assert g["agree"]
