@@ -31,7 +31,7 @@ class SweepInterrupted(KeyboardInterrupt):
 
 
 def received() -> int | None:
-    """The signal that interrupted the sweep (None: not interrupted)."""
+    """The signal that interrupted the running sweep (None: not interrupted; reset when ``catching`` ends)."""
     return _state["signum"]
 
 
@@ -65,7 +65,7 @@ def catching():
         for sig, prev in _state["previous"].items():
             if prev is not None:
                 signal.signal(sig, prev)
-        _state.update(raising=False, previous={})
+        _state.update(signum=None, raising=False, previous={})  # the sweep's result holds the signal
 
 
 @contextmanager

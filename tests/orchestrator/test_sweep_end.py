@@ -120,6 +120,7 @@ def test_first_signal_stops_the_sweep_second_one_gets_the_previous_handler():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.2)
             assert interrupt.received() == signal.SIGINT
+        assert interrupt.received() is None  # the next sweep (e.g. a widening round) starts uninterrupted
         assert (interrupt.exit_code(signal.SIGINT), interrupt.exit_code(signal.SIGTERM)) == (130, 143)
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -131,3 +132,19 @@ def test_interrupted_line():
     assert line(15, 24, 0, "/r/tiny") == "interrupted: 15 of 24 trials finished; resume with healsweep run --resume /r/tiny"
     assert line(15, 24, 2, "d") == "interrupted: 15 of 24 trials finished (2 failed); resume with healsweep run --resume d"
     assert line(3, 0, 0, "d") == "interrupted before the trials started (3 finished earlier); resume with healsweep run --resume d"
+
+
+def test_ctrl_c_outside_a_sweep_is_one_line_and_130(capsys, monkeypatch):
+    """A KeyboardInterrupt before a sweep's own handling (spec check, Ray start-up): one line, exit 130."""
+    import argparse
+
+    from orchestrator import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    parser = argparse.ArgumentParser()
+    parser.set_defaults(func=interrupted)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    assert cli.main([]) == 130
+    assert capsys.readouterr().err == "healsweep: interrupted\n"
