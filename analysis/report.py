@@ -185,6 +185,7 @@ grid-template-columns:max-content auto;gap:.2em 1em}dt{font-weight:bold}
 #findings p.warn{background:#fff3e0;border-left:4px solid #ff7f0e;margin:.2em 0;padding:.15em .5em;font-size:.8em}
 #findings p.note{font-size:.8em}#findings p.headline{font-size:.85em;margin:.2em 0}
 #findings p.flags{font-size:.8em;color:#a04000;margin:.2em 0}#findings caption{font-size:.9em;text-align:left;color:#444}
+p.partial{background:#fdecea;border-left:4px solid #d62728;padding:.3em .6em;font-weight:bold}
 span.grid{font-weight:normal;color:#666;font-size:.85em}
 details{margin:1em 0}summary{font-weight:bold;cursor:pointer;font-size:1.1em}"""
 
@@ -281,9 +282,12 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
         fs += findings(mb, model, mj.get("bands", []), mj.get("cts"), _failed_cells(trials[model_of == model], mb),
                        trials[model_of == model], objective, {c: _box(b) for c, b in (widened or {}).items()})
     line = " · ".join(f"{k}: {v}" for k, v in summary)
-    md = [f"# Sweep report: {name}", "", _md_cell(line), ""] + findings_md(fs, how)
+    partial = _partial_note(info.get("partial"), out.resolve())
+    md = [f"# Sweep report: {name}", "", *([f"**{partial}**", ""] if partial else []), _md_cell(line), ""]
+    md += findings_md(fs, how)
     md += ["## Details", "", "### How to read this", "", HOW_TO_READ, ""]
-    ht = [f"<h1>Sweep report: {e(name)}</h1>", f'<p class="sum">{e(line)}</p>', *findings_html(fs, how),
+    ht = [f"<h1>Sweep report: {e(name)}</h1>", *([f'<p class="partial">{e(partial)}</p>'] if partial else []),
+          f'<p class="sum">{e(line)}</p>', *findings_html(fs, how),
           "<details><summary>Details: per-cell tables, figures, CTS and RR diagnostics</summary>",
           "<h2>How to read this</h2>", f"<p>{e(HOW_TO_READ)}</p>"]
     if not models:
@@ -299,6 +303,14 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
         ht += mht + trans.html.get(model, [])
     ht.append("</details>")
     return _write_pages(out, name, md, ht, trans.bands_json)
+
+
+def _partial_note(partial: dict | None, out: Path) -> str:
+    """The first-screen line of a sweep a signal interrupted (parent run tagged ``partial=true``)."""
+    if not partial:
+        return ""
+    return (f"Partial sweep: interrupted by {partial['signal']} with {partial['finished']} of {partial['planned']} "
+            f"trials finished; the findings cover those trials only. Resume with healsweep run --resume {out}")
 
 
 def _model_details(model: str, mt: pd.DataFrame, mb: pd.DataFrame, taken: set[str], out: Path,

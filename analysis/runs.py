@@ -168,11 +168,12 @@ def best_per_cell(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.
 
 
 def load_sweep_info(tracking_uri: str, sweep_id: str, experiment: str = "healsweep") -> dict:
-    """``{"name", "run_id", "experiment_id", "objective"}`` of the sweep's parent run (values None if absent;
-    ``objective``: the parent run's ``objective`` param, "selection_acc" when absent)."""
+    """``{"name", "run_id", "experiment_id", "objective", "partial"}`` of the sweep's parent run (values None if
+    absent; ``objective``: the parent run's ``objective`` param, "selection_acc" when absent; ``partial``: None, or
+    for a sweep a signal interrupted (tag ``partial=true``) ``{"finished", "planned", "signal"}`` from its tags)."""
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
-    info = {"name": None, "run_id": None, "objective": "selection_acc",
+    info = {"name": None, "run_id": None, "objective": "selection_acc", "partial": None,
             "experiment_id": exp.experiment_id if exp is not None else None}
     if exp is None:
         return info
@@ -183,6 +184,10 @@ def load_sweep_info(tracking_uri: str, sweep_id: str, experiment: str = "healswe
         info["name"] = run.info.run_name or run.data.tags.get("mlflow.runName")
         info["run_id"] = run.info.run_id
         info["objective"] = run.data.params.get("objective", "selection_acc")
+        tags = run.data.tags
+        if tags.get("partial") == "true":
+            info["partial"] = {"finished": tags.get("trials_finished", "?"), "planned": tags.get("trials_planned") or "?",
+                               "signal": tags.get("interrupted_by") or "a signal"}
     return info
 
 

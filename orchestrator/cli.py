@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as e:
         print(f"healsweep: error: {e}", file=sys.stderr)
         code = 2
+    except KeyboardInterrupt:  # Ctrl-C before a sweep handles it (orchestrator/interrupt.py): no traceback
+        print("healsweep: interrupted", file=sys.stderr)
+        code = 130
     if argv is None and "torch" in sys.modules:  # the console script, after a command that loaded torch/Ray
         exit_now(code)
     return code

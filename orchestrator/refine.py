@@ -178,14 +178,11 @@ def run_refinement(run_dir: Path, step: float = 0.005, *, address: str | None = 
         raise RefineError(f"{plan['trials']} new trials ({ns} sparsit{'y' if ns == 1 else 'ies'} x {per:g}{about}) "
                           f"exceed --max-trials {max_trials}; raise it, or use a coarser --step (see --dry-run)")
     from analysis.report import write_report
-    from orchestrator.resume import JOURNAL_FILE, told_states
+    from orchestrator.resume import JOURNAL_FILE
     from orchestrator.sweep import run_sweep
+    from orchestrator.sweep_end import told_counts
 
-    def counts() -> tuple[int, int]:  # (finished, failed) trials of the whole sweep so far
-        states = told_states(Path(run_dir) / JOURNAL_FILE).values() if (Path(run_dir) / JOURNAL_FILE).exists() else ()
-        return (sum(st.name in ("COMPLETE", "PRUNED") for st in states), sum(st.name == "FAIL" for st in states))
-
-    done_before, failed_before = counts()
+    done_before, failed_before = told_counts(Path(run_dir) / JOURNAL_FILE)  # the whole sweep's, so far
 
     res = run_sweep(spec, Path(run_dir), Path(meta["store"]), Path(meta["cache"]), address=address,
                     progress=progress, report=False, num_cpus=num_cpus, refine_round=plan["round"])

@@ -29,6 +29,8 @@ class SweepResult:
     seconds: float
     report: dict | None
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    trials_planned: int = 0  # the sweep's trials, every session (told before this one + this session's)
+    interrupted: int | None = None  # the signal (SIGINT/SIGTERM) that stopped it: a partial sweep, resumable
 
 
 @dataclass
@@ -264,6 +266,8 @@ def tune_stage(s: _Sweep, progress: bool) -> None:
             cluster.pending_trials(spec.resources, ray.cluster_resources()))
         t["max_concurrent"] = cluster.tune_concurrency(spec.resources, {})
         t["writer"] = writer = AsyncMlflowWriter(s.client)
+        from orchestrator.tune_stop import InterruptStopper
+
         t["searcher"] = searcher = PerCellOptunaSearch(
             configs, spec.search.trials_per_cell, spec.search.lr, spec.search.epochs, spec.search.sampler_seed,
             s.journal, asha=spec.search.scheduler == "asha", startup_trials=spec.search.startup_trials,
@@ -276,9 +280,11 @@ def tune_stage(s: _Sweep, progress: bool) -> None:
             grids[c.grid or "main"] = grids.get(c.grid or "main", 0) + per_cell.get(c.cell_id, 0)
         clock.say("[trials] " + ", ".join(f"grid {g}: {n} trials" for g, n in grids.items())
                   + f" over {len(per_cell)} cells, {t['concurrency']} at a time")
+        t["planned"] = searcher.already_done + searcher.total
         prog = TrialProgress(per_cell, progress)
         name = f"{spec.name}-{s.info['sweep_id']}-s{s.session}"
-        tuner = make_tuner(s.spec, s.out_dir, name, searcher, s.tune["max_concurrent"], [logger_cb, prog.callback])
+        tuner = make_tuner(s.spec, s.out_dir, name, searcher, s.tune["max_concurrent"], [logger_cb, prog.callback],
+                           stop=InterruptStopper())
     t0, t["freed"] = time.perf_counter(), 0
     if searcher.total:
         tuner.fit()
@@ -288,37 +294,6 @@ def tune_stage(s: _Sweep, progress: bool) -> None:
     prog.bar.close()
     with clock.stage("mlflow_flush"):
         writer.close()  # every queued MLflow write and Optuna tell is done after this
-
-
-def summary_stage(s: _Sweep, t_start: float) -> tuple[int, int, float]:
-    """Counts from the journal; the parent run's metrics (stage times included); the parent run FINISHED."""
-    from mlflow.entities import Metric
-
-    from orchestrator.resume import told_states
-
-    t, logger_cb, writer, diag = s.tune, s.tune["logger"], s.tune["writer"], s.diag
-    states = told_states(s.journal).values()
-    finished = sum(st.name in ("COMPLETE", "PRUNED") for st in states)
-    failed = sum(st.name == "FAIL" for st in states)
-    seconds = time.time() - t_start
-    compute = logger_cb.trial_seconds
-    s.clock.trial_compute = compute  # Σ trial compute (in the trials), printed next to the trials' wall time
-    ts = int(time.time() * 1000)
-    values = {
-        "dense_forward_images": s.dense_total, "dense_forward_images_session": sum(s.dense.values()),
-        "trials_finished": finished, "trials_failed": failed,
-        "trials_run": logger_cb.finished + logger_cb.failed, "trials_rerun": len(t["searcher"].rerun),
-        "sweep_seconds": seconds, "tune_seconds": t["seconds"], "concurrency": t["concurrency"],
-        "models_trained": sum(i.trained for i in s.models.values()), "masks_computed": len(s.mask_keys.computed),
-        "diagnostics_layers_computed": diag.computed_layers, "diagnostics_seconds": diag.seconds,
-        "dense_shards_computed": sum(s.dense_rep.shards.values()), "store_integrity_events": len(s.dense_rep.events),
-        "mlflow_callback_seconds": logger_cb.callback_seconds, "mlflow_writer_seconds": writer.write_seconds,
-        "mlflow_flush_seconds": s.clock.seconds.get("mlflow_flush", 0.0), "mlflow_write_errors": writer.errors,
-        "tune_checkpoint_bytes_freed": t["freed"], "trial_compute_seconds": compute, **s.clock.metrics()}
-    s.client.log_batch(s.parent, metrics=[Metric(k, float(v), ts, s.session) for k, v in values.items()])
-    s.client.log_text(s.parent, json.dumps(t["searcher"].design.noise(), indent=1), "search_noise.json")
-    s.client.set_terminated(s.parent, "FINISHED")
-    return finished, failed, seconds
 
 
 def run_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, *, address: str | None = None,
@@ -333,8 +308,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, 
     ``owns_ray``: the caller started Ray for this sweep (``healsweep run`` starts it while the spec is checked):
     shut it down at the end like a Ray this call started. ``models``: ``stages.prepare_models``'s result when the
     caller loaded them already (``healsweep run``, while Ray starts)."""
-    from orchestrator import cluster
-    from orchestrator.resume import release_run_dir
+    from orchestrator import cluster, interrupt
     from orchestrator.background import background
 
     quiet_libraries(verbose)
@@ -350,51 +324,57 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, 
     else:
         with clock.stage("ray", f"ray: {'attaching to ' + address if address else 'starting a local instance'}"):
             started_ray = start_ray(address, num_cpus, verbose)
-    try:
-        import ray
+    with interrupt.catching():  # after ray.init, which installs Ray's own SIGTERM handler
+        return _run_and_end(s, t0, started_ray, models_ready, progress, report)
 
-        cluster.check_fits(spec.resources.peak_request(), ray.nodes(), autoscaling=bool(address))  # else Tune waits
-        if models_ready is not None:
-            models_ready()
+
+def _run_and_end(s: _Sweep, t0: float, started_ray: bool, models_ready, progress: bool,
+                 report: bool) -> SweepResult:
+    """The stages after Ray is up, then the ending: summary, report (in a thread while Ray shuts down), release.
+    A SIGINT/SIGTERM (orchestrator/interrupt.py) before the trials abandons the stage it arrives in; during the
+    trials it stops Tune; either way the sweep ends here, marked partial."""
+    from orchestrator import interrupt, sweep_end
+    from orchestrator.resume import release_run_dir
+
+    clock, report_done, early = s.clock, None, False
+    try:
+        try:
+            with interrupt.raising():
+                _before_trials(s, models_ready, progress)
+        except interrupt.SweepInterrupted:
+            early = True
+        if early:
+            finished, failed, seconds = sweep_end.ended_early(s, t0)
         else:
-            _timed_models(s, progress)
-        dense_and_masks(s, progress)
-        with clock.stage("parent"):
-            parent_run(s)
-        tune_stage(s, progress)
-        finished, failed, seconds = summary_stage(s, t0)
-        report_done = _start_report(out_dir, clock) if report else None  # written while Ray shuts down
+            tune_stage(s, progress)
+            finished, failed, seconds = sweep_end.summary_stage(s, t0, interrupt.received())
+            report_done = sweep_end.start_report(s.out_dir, clock) if report else None  # while Ray shuts down
     finally:
         if s.tune.get("writer") is not None:
             s.tune["writer"].close()
         if started_ray:
-            import ray
-
             with clock.stage("ray_shutdown"):
-                ray.shutdown()  # ~1 s of waiting for Ray's processes to exit
+                sweep_end.shutdown_ray()  # ~1 s of waiting for Ray's processes to exit; no Ray object freed meanwhile
     paths_out = report_done() if report_done else None
-    s.client.log_batch(s.parent, metrics=_report_metric(clock, s.session))
+    if s.parent:
+        s.client.log_batch(s.parent, metrics=sweep_end.report_metric(clock, s.session))
     clock.say(clock.summary())
     release_run_dir(s.out_dir)
     return SweepResult(s.info["sweep_id"], s.out_dir, s.info["tracking_uri"], s.parent, finished, failed,
-                       sum(s.dense.values()), seconds, paths_out, dict(clock.seconds))
+                       sum(s.dense.values()), seconds, paths_out, dict(clock.seconds),
+                       trials_planned=s.tune.get("planned", 0), interrupted=interrupt.received())
 
 
-def _start_report(out_dir: Path, clock: StageClock):
-    """write_report in a thread (figures use matplotlib's Agg canvas, no pyplot); -> a callable that joins it
-    and returns the report's paths (re-raising its error). Everything it reads is in MLflow already."""
-    from analysis.report import write_report
-    from orchestrator.background import background
+def _before_trials(s: _Sweep, models_ready, progress: bool) -> None:
+    import ray
 
-    def write():
-        with clock.stage("report", "report: writing report.html and report.md"):
-            return write_report(out_dir)
-    return background(write)
+    from orchestrator import cluster
 
-
-def _report_metric(clock: StageClock, step: int) -> list:
-    from mlflow.entities import Metric
-
-    ts = int(time.time() * 1000)
-    return [Metric(k, float(v), ts, step) for k, v in clock.metrics().items()
-            if k in ("stage_report_seconds", "stage_ray_shutdown_seconds")]
+    cluster.check_fits(s.spec.resources.peak_request(), ray.nodes(), autoscaling=s.on_cluster)  # else Tune waits
+    if models_ready is not None:
+        models_ready()
+    else:
+        _timed_models(s, progress)
+    dense_and_masks(s, progress)
+    with s.clock.stage("parent"):
+        parent_run(s)

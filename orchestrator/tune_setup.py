@@ -59,9 +59,11 @@ def scheduler(spec: SweepSpec):
                          reduction_factor=spec.search.asha_reduction_factor)
 
 
-def make_tuner(spec: SweepSpec, out_dir: Path, name: str, searcher, max_concurrent: int | None, callbacks: list):
+def make_tuner(spec: SweepSpec, out_dir: Path, name: str, searcher, max_concurrent: int | None, callbacks: list,
+               stop=None):
     """The sweep's one ``tune.Tuner``: the per-cell searcher, ASHA when asked, trials named by their trial id,
-    results and checkpoints under ``out_dir/tune/name`` (one checkpoint kept per trial, for retries)."""
+    results and checkpoints under ``out_dir/tune/name`` (one checkpoint kept per trial, for retries); ``stop``:
+    a ``tune.Stopper`` (the interrupted sweep's, orchestrator/tune_stop.py)."""
     from ray import tune
 
     from orchestrator.trainable import tune_trainable
@@ -74,7 +76,7 @@ def make_tuner(spec: SweepSpec, out_dir: Path, name: str, searcher, max_concurre
                                     reuse_actors=spec.resources.reuse_actors,
                                     trial_name_creator=trial_name, trial_dirname_creator=trial_name),
         run_config=tune.RunConfig(name=name, storage_path=str(out_dir / "tune"),
-                                  callbacks=callbacks, verbose=0,
+                                  callbacks=callbacks, verbose=0, stop=stop,
                                   failure_config=tune.FailureConfig(max_failures=spec.resources.max_failures),
                                   checkpoint_config=tune.CheckpointConfig(num_to_keep=1)),
     )

@@ -151,6 +151,8 @@ def run_widening(run_dir: Path, rounds: int = 1, factor: float = 4.0, *, address
         client.set_tag(plan["parent_run_id"], "widened_cells", ",".join(every)[:5000])
         client.log_text(plan["parent_run_id"], json.dumps(rec, indent=1), f"widen_{plan['round']}/cells.json")
         done.append({**rec, "result": res})
+        if res.interrupted is not None:  # SIGINT/SIGTERM: no further round; the report below is marked partial
+            break
     if report:
         from analysis.report import write_report
 

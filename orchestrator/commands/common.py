@@ -20,3 +20,15 @@ def load_spec_or_exit(path: str):
         return spec
     except SpecError as e:
         raise CliError(str(e)) from None
+
+
+def interrupted_exit(res) -> int:
+    """A sweep (or round) that SIGINT/SIGTERM interrupted: its one line on stderr, and 128 + the signal; else 0."""
+    if res.interrupted is None:
+        return 0
+    import sys
+
+    from orchestrator import interrupt
+
+    print(interrupt.line(res.trials_finished, res.trials_planned, res.trials_failed, res.out_dir), file=sys.stderr)
+    return interrupt.exit_code(res.interrupted)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.commands.common import CliError
+from orchestrator.commands.common import CliError, interrupted_exit
 from orchestrator.refine import MAX_TRIALS  # a light module: its heavy imports are inside functions
 
 
@@ -67,7 +67,7 @@ def main(args) -> int:
     print(f"refine round {plan['round']}: {res.trials_finished} trials finished, {res.trials_failed} failed, "
           f"dense forward images {res.dense_forward_images}")
     print(f"report: {plan['report']['html']}")
-    return 0 if res.trials_failed == 0 else 1
+    return interrupted_exit(res) or (0 if res.trials_failed == 0 else 1)
 
 
 def _widen(args) -> int:
@@ -91,4 +91,4 @@ def _widen(args) -> int:
         print(f"widen round {d['round']}: {len(d['cells'])} cells, {res.trials_finished} trials finished, "
               f"{res.trials_failed} failed")
     print(f"report: {done[-1]['report']['html']}")
-    return 0 if all(d["result"].trials_failed == 0 for d in done) else 1
+    return interrupted_exit(done[-1]["result"]) or (0 if all(d["result"].trials_failed == 0 for d in done) else 1)

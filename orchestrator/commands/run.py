@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from orchestrator.commands.common import DEFAULT_HOME, CliError, load_spec_or_exit
+from orchestrator.commands.common import DEFAULT_HOME, CliError, interrupted_exit, load_spec_or_exit
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -56,7 +56,7 @@ def main(args) -> int:
     print(f"mlflow: {res.tracking_uri}")
     if res.report:
         print(f"report: {res.report['html']}\n        {res.report['md']}")
-    return 0 if res.trials_failed == 0 else 1
+    return interrupted_exit(res) or (0 if res.trials_failed == 0 else 1)  # SIGINT/SIGTERM: one line, 128 + signal
 
 
 def _resolve_while_ray_starts(args, clock) -> tuple:
@@ -195,13 +195,15 @@ def _run(args, spec, out: Path, store: Path, cache: Path, clock, owns_ray: bool 
         res = run_sweep(spec, out, store, cache, address=args.address, progress=not args.quiet,
                         report=not args.no_report and not widen, num_cpus=args.num_cpus, resume=bool(args.resume),
                         verbose=args.verbose, clock=clock, owns_ray=owns_ray, models=models)
-        if widen:
+        if widen and res.interrupted is None:
             from orchestrator.widen import run_widening
 
             rounds = run_widening(out, widen["rounds"], widen["factor"], address=args.address,
                                   progress=not args.quiet, num_cpus=args.num_cpus, report=not args.no_report,
                                   total=True)
             res = _widened(res, rounds, out, not args.no_report)
+        elif widen and not args.no_report:  # interrupted before widening: the partial sweep's report
+            res = _widened(res, [], out, True)
     except (ResumeError, StoreBudgetError, ClusterError, RefineError) as e:
         raise CliError(str(e)) from None
     return res
@@ -221,4 +223,4 @@ def _widened(res, rounds: list[dict], out: Path, report: bool):
         return res
     last = rounds[-1]["result"]
     return replace(res, trials_finished=last.trials_finished, trials_failed=last.trials_failed,
-                   report=rounds[-1].get("report"))
+                   trials_planned=last.trials_planned, interrupted=last.interrupted, report=rounds[-1].get("report"))

@@ -269,3 +269,29 @@ def test_write_report_via_sweep_json(store, tmp_path):
 def test_run_links_only_for_http():
     assert run_url("http://mlflow:5000/", "3", "abc") == "http://mlflow:5000/#/experiments/3/runs/abc"
     assert run_url("sqlite:////x/mlflow.db", "3", "abc") is None
+
+
+def test_partial_sweep_says_so_on_the_first_screen(tmp_path):
+    """A sweep a signal interrupted (orchestrator/sweep_end.mark_parent tags its parent run): the report's first
+    lines, before the summary and the findings, say so with the counts and how to resume; a complete sweep
+    (``partial=false``, as a resumed sweep that finished is tagged) has no such line."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp_id = client.create_experiment("healsweep", artifact_location=(tmp_path / "art").as_uri())
+    parent = client.create_run(exp_id, tags={"sweep_id": SWEEP, "healsweep.role": "sweep", "partial": "true",
+                                             "trials_finished": "15", "trials_planned": "24",
+                                             "interrupted_by": "SIGTERM"}, run_name="cut").info.run_id
+    _trial(client, exp_id, parent, SWEEP, cell="c1", trial="t0", model="resnet18", pattern="0.5", calib=64,
+           dense=RESNET_DENSE, sel=0.7, healed=0.66, pruned=0.1)
+    out = tmp_path / "run"
+    note = ("Partial sweep: interrupted by SIGTERM with 15 of 24 trials finished; the findings cover those trials "
+            f"only. Resume with healsweep run --resume {out.resolve()}")
+    paths = write_report_from(uri, SWEEP, out)
+    md = paths["md"].read_text().splitlines()
+    assert md[:4] == ["# Sweep report: cut", "", f"**{note}**", ""] and md[4].startswith("Sweep: cut · ")
+    html = paths["html"].read_text()
+    assert f'<p class="partial">{note}</p>' in html
+    assert html.index("<h1>") < html.index('class="partial"') < html.index('class="sum"') < html.index("<details>")
+    client.set_tag(parent, "partial", "false")
+    paths = write_report_from(uri, SWEEP, out)
+    assert "Partial sweep" not in paths["md"].read_text() and 'class="partial"' not in paths["html"].read_text()

@@ -1,10 +1,11 @@
-"""The end of a sweep: the report thread's failure reaches the caller, and the console script's fast exit
-keeps buffered output, atexit handlers and the exit code."""
+"""The end of a sweep: the report thread's failure reaches the caller, the console script's fast exit keeps
+buffered output, atexit handlers and the exit code, and Ray's shutdown survives Ray objects freed meanwhile."""
 from __future__ import annotations
 
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_report_written_in_the_background_raises_its_error_on_join(tmp_path):
     from orchestrator.console import StageClock
-    from orchestrator.sweep import _start_report
+    from orchestrator.sweep_end import start_report
 
     clock = StageClock(enabled=False)
-    join = _start_report(tmp_path, clock)  # no sweep.json: write_report fails in the thread
+    join = start_report(tmp_path, clock)  # no sweep.json: write_report fails in the thread
     with pytest.raises(FileNotFoundError):
         join()
     assert "report" in clock.seconds  # the failed stage is still timed
@@ -39,3 +40,111 @@ def test_exit_now_flushes_output_runs_atexit_and_keeps_the_code(tmp_path):
     assert proc.stdout == "x" * 5000 + "\n"
     assert proc.stderr == "on stderr\n"
     assert marker.read_text() == "ran"
+
+
+RELEASE_DURING_SHUTDOWN = textwrap.dedent("""
+    import gc, sys, threading, time
+    import ray
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+
+    class Cycle:  # cyclic garbage holding an ObjectRef, as a finished Tune fit leaves behind
+        def __init__(self, ref):
+            self.ref, self.me = ref, self
+
+    refs = [ray.put(i) for i in range(20000)]
+    gc.set_threshold(5, 1, 1)  # frequent automatic collections, like a thread busy with pandas and matplotlib
+
+    def report_thread():  # young ObjectRef cycles become garbage while Ray shuts down; the collector frees them
+        while refs:
+            Cycle(refs.pop())
+            [[] for _ in range(10)]
+            time.sleep(0.0001)
+
+    threading.Thread(target=report_thread, daemon=True).start()
+    time.sleep(0.1)
+    if sys.argv[1] == "ray.shutdown":
+        ray.shutdown()
+    else:
+        from orchestrator.sweep_end import shutdown_ray
+        shutdown_ray()
+    print("shut down", len(refs) > 0, flush=True)
+""")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_shutdown_ray_survives_ray_objects_freed_by_another_thread():
+    """The mechanism behind sweeps that ended with 'The core worker has already been shutdown' and no report:
+    an ObjectRef freed by another thread's garbage collection while ``ray.shutdown()`` tears the core worker
+    down ends the process (exit 1). ``sweep_end.shutdown_ray`` collects first and keeps the collector off until
+    the shutdown returns. The plain call is run too, to show the script does hit the window."""
+    import os
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), RAY_USAGE_STATS_ENABLED="0")
+    runs = {how: subprocess.run([sys.executable, "-c", RELEASE_DURING_SHUTDOWN, how], capture_output=True,
+                                text=True, cwd=REPO, timeout=240, env=env)
+            for how in ("ray.shutdown", "shutdown_ray")}
+    plain, ours = runs["ray.shutdown"], runs["shutdown_ray"]
+    assert plain.returncode == 1 and "already been shutdown" in plain.stderr, (plain.returncode, plain.stderr[-800:])
+    assert "shut down" not in plain.stdout
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    assert ours.stdout == "shut down True\n"  # still releasing ObjectRefs when the shutdown returned
+    assert "already been shutdown" not in ours.stderr
+
+
+def test_first_signal_stops_the_sweep_second_one_gets_the_previous_handler():
+    """orchestrator/interrupt.py: before the trials a signal raises SweepInterrupted where the driver is; during
+    the trials it is only recorded (Tune's stopper reads it); a second signal gets the handler from before."""
+    import os
+    import signal
+
+    from orchestrator import interrupt
+
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
+    try:
+        with interrupt.catching():
+            assert os.environ["TUNE_DISABLE_SIGINT_HANDLER"] == "1" and interrupt.received() is None
+            with pytest.raises(interrupt.SweepInterrupted) as e, interrupt.raising():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(1)  # the handler runs in this thread before the sleep returns
+            assert e.value.signum == signal.SIGTERM and interrupt.received() == signal.SIGTERM
+            os.kill(os.getpid(), signal.SIGTERM)  # the second one: the handler from before, not ours
+            time.sleep(0.2)
+            assert seen == [signal.SIGTERM]
+            with pytest.raises(interrupt.SweepInterrupted):  # stages entered after the signal do not run
+                with interrupt.raising():
+                    pytest.fail("ran a stage after the interrupt")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with interrupt.catching():  # a new sweep starts uninterrupted; a signal outside raising() is recorded
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+            assert interrupt.received() == signal.SIGINT
+        assert interrupt.received() is None  # the next sweep (e.g. a widening round) starts uninterrupted
+        assert (interrupt.exit_code(signal.SIGINT), interrupt.exit_code(signal.SIGTERM)) == (130, 143)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_interrupted_line():
+    from orchestrator.interrupt import line
+
+    assert line(15, 24, 0, "/r/tiny") == "interrupted: 15 of 24 trials finished; resume with healsweep run --resume /r/tiny"
+    assert line(15, 24, 2, "d") == "interrupted: 15 of 24 trials finished (2 failed); resume with healsweep run --resume d"
+    assert line(3, 0, 0, "d") == "interrupted before the trials started (3 finished earlier); resume with healsweep run --resume d"
+
+
+def test_ctrl_c_outside_a_sweep_is_one_line_and_130(capsys, monkeypatch):
+    """A KeyboardInterrupt before a sweep's own handling (spec check, Ray start-up): one line, exit 130."""
+    import argparse
+
+    from orchestrator import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    parser = argparse.ArgumentParser()
+    parser.set_defaults(func=interrupted)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    assert cli.main([]) == 130
+    assert capsys.readouterr().err == "healsweep: interrupted\n"
