@@ -113,7 +113,7 @@ def _tracking_inside(uri: str, out_dir: Path, experiment: str):
 
 
 def models_stage(s: _Sweep, progress: bool) -> None:
-    """Reference models (trained on first use: by one Ray task on a cluster), the cells, rows per model and the
+    """The models (verified weights; on a cluster loaded by one Ray task each), the cells, rows per model and the
     store budget's modes."""
     from orchestrator.dense import budget_modes
     from orchestrator.stages import prepare_models
@@ -129,8 +129,7 @@ def models_stage(s: _Sweep, progress: bool) -> None:
 
 def models_line(spec: SweepSpec, on_cluster: bool) -> str:
     """The models stage's status line."""
-    return (f"models: {', '.join(spec.models)} (loaded from the cache, trained on first use"
-            + (" by a Ray task)" if on_cluster else ")"))
+    return f"models: {', '.join(spec.models)}" + (" (one Ray task each)" if on_cluster else "")
 
 
 def _timed_models(s: _Sweep, progress: bool) -> None:
@@ -174,7 +173,8 @@ def dense_and_masks(s: _Sweep, progress: bool) -> None:
     diag_root, res = s.paths["diagnostics"], spec.resources
     with clock.stage("diagnostics"):
         s.diag = diagnostics_stage(s.cells, s.models, diag_root, s.paths["cache"], spec.data_seed,
-                                   int(res.cpus_per_dense_task))  # CPU: tasks.pruning.rr builds CPU tensors
+                                   int(res.cpus_per_dense_task),  # CPU: tasks.pruning.rr builds CPU tensors
+                                   load_kw={m: spec.load_kwargs(m) for m in s.models})
     if s.diag.keys:
         clock.say(f"[diagnostics] RR tables for {len(s.diag.models)} model(s), {s.diag.computed_layers} layers "
                   "computed")
@@ -309,7 +309,7 @@ def summary_stage(s: _Sweep, t_start: float) -> tuple[int, int, float]:
         "trials_finished": finished, "trials_failed": failed,
         "trials_run": logger_cb.finished + logger_cb.failed, "trials_rerun": len(t["searcher"].rerun),
         "sweep_seconds": seconds, "tune_seconds": t["seconds"], "concurrency": t["concurrency"],
-        "models_trained": sum(i.trained for i in s.models.values()), "masks_computed": len(s.mask_keys.computed),
+        "masks_computed": len(s.mask_keys.computed),
         "diagnostics_layers_computed": diag.computed_layers, "diagnostics_seconds": diag.seconds,
         "dense_shards_computed": sum(s.dense_rep.shards.values()), "store_integrity_events": len(s.dense_rep.events),
         "mlflow_callback_seconds": logger_cb.callback_seconds, "mlflow_writer_seconds": writer.write_seconds,

@@ -106,9 +106,9 @@ class SweepSpec:
         return asdict(self)
 
     def load_kwargs(self, model: str) -> dict:
-        """Extra ``tasks.models.load_model`` arguments for a model; {} for reference models (unchanged path)."""
+        """Extra ``tasks.models.load_model`` arguments for a model; {} for a reference model's shipped weights."""
         ref = self.model_refs.get(model)
-        if not ref or ref.get("source", "reference") == "reference":
+        if not ref or (ref.get("source", "reference") == "reference" and not ref.get("path")):
             return {}
         return {"source": dict(ref), "dataset": {"name": self.dataset, **self.dataset_settings}}
 
