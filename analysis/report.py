@@ -318,6 +318,10 @@ def _model_details(model: str, mt: pd.DataFrame, mb: pd.DataFrame, taken: set[st
     """The collapsed details of one model: its per-grid tables and figures (markdown lines, html parts)."""
     e = html.escape
     md, ht = ["", f"## {model}", ""], [f"<h2>{e(model)}</h2>"]
+    digests = sorted(set(mt["model_digest"].dropna())) if "model_digest" in mt else []
+    if digests:  # the weights the trials loaded (sha256 of the file, 16 hex): the model's identity
+        note = f"Weights sha256 {', '.join(digests)}."
+        md, ht = md + [f"_{note}_", ""], ht + [f'<p class="note">{e(note)}</p>']
     if mb.empty:
         msg = f"No finished trials for this model ({_plural(len(mt), 'run')}, none FINISHED)."
         return md + [f"_{msg}_"], ht + [f'<p class="note">{e(msg)}</p>']

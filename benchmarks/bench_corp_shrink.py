@@ -2,7 +2,7 @@
 
     python benchmarks/bench_corp_shrink.py [--cache DIR] [--batch 64] [--threads 1] [--device cpu]
 
-Uses the embedded vit_digits reference model (trained on first use, cached). Masks: CORP activation ranking on
+Uses the embedded vit_digits reference model (shipped weights, tasks/models/weights). Masks: CORP activation ranking on
 256 calibration images, scope mlp / qk / mlp_qk, s in {0.25, 0.5}; compensation (healer corp) folded in
 before the shrink, whose outputs are checked against the masked model (max |diff|).
 """

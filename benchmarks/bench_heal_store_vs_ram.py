@@ -1,6 +1,6 @@
 """Heal epoch streaming targets from the store vs the same targets held in RAM (goal: ratio <= 1.05).
 
-Real STARFISH epochs on a reference model (trained/cached on first use) at one sparsity; both variants visit
+Real STARFISH epochs on a reference model (shipped weights, tasks/models/weights) at one sparsity; both variants visit
 the same rows in the same order (the store's seeded epoch order), side by side and interleaved, median of
 repeats. Prints figures only.
 

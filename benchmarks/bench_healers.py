@@ -1,6 +1,6 @@
 """Per-epoch time of every gradient healer relative to ``starfish`` on the same cell (same mask, same data).
 
-A reference model (trained/cached on first use), one magnitude mask, dense targets streamed from a target store
+A reference model (shipped weights, tasks/models/weights), one magnitude mask, dense targets streamed from a target store
 exactly as in a trial (``kl`` / ``ce`` read no block outputs and install no block hooks; ``ce`` iterates the
 labeled set, the first ``calib`` train items). Healers run interleaved (the order rotates every repeat), one
 epoch each on a fresh copy of the pruned model; the table shows medians. Prints figures only.

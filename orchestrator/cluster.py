@@ -140,12 +140,8 @@ def connect(address: str | None, num_cpus: int | None = None, *, announce=None, 
         ray.init(address="local", num_cpus=num_cpus, **kw)
         return True
     check_address(address)
-    # workers never retrain a reference model missing from their node's cache (the driver trained it)
-    env = worker_env()
-    if "HEALSWEEP_REQUIRE_CACHED_MODELS" not in _job_env_vars(os.environ):
-        env["HEALSWEEP_REQUIRE_CACHED_MODELS"] = "1"
     try:
-        ray.init(address=address.strip(), runtime_env={"env_vars": env}, **kw)
+        ray.init(address=address.strip(), runtime_env={"env_vars": worker_env()}, **kw)
     except Exception as e:  # ConnectionError, RuntimeError (GCS / auth), ValueError (job env conflict)
         raise ClusterError(_explain(e, address)) from None
     (announce or _announce)(describe())

@@ -159,9 +159,9 @@ class StoreBudgetError(Exception):
     """The targets a sweep needs do not fit ``store.budget_gb`` and ``store.on_budget`` is refuse."""
 
 
-def row_bytes(model: str, cache_dir: Path, data_seed: int, dtype: str) -> int:
+def row_bytes(model: str, cache_dir: Path, data_seed: int, dtype: str, load_kw: dict | None = None) -> int:
     """Bytes of one calibration row of dense targets (every block + logits)."""
-    lm = load_model(model, cache_dir, data_seed=data_seed, progress=False)
+    lm = load_model(model, cache_dir, data_seed=data_seed, progress=False, **(load_kw or {}))
     t = dense_targets(lm.model, get_adapter(lm.model).blocks(lm.model), lm.dataset["calibration"].images[:1],
                       dtype=getattr(torch, dtype))
     return sum(v[0].numel() * v.element_size() for v in t.values())
@@ -183,7 +183,8 @@ def budget_modes(spec, models: Mapping, rows: Mapping[str, int], store_uri: str 
             man = store.manifest(info.store_key)
         except StoreError:  # damaged: the dense stage quarantines and rebuilds it (counted as all new)
             man = None
-        need = max(rows[m], man["num_rows"] if man else 0) * row_bytes(m, cache_dir, spec.data_seed, spec.store.dtype)
+        need = max(rows[m], man["num_rows"] if man else 0) * row_bytes(m, cache_dir, spec.data_seed, spec.store.dtype,
+                                                                       spec.load_kwargs(m))
         if (used + need) / 1e9 <= budget:
             used += need
             continue

@@ -88,14 +88,15 @@ def diagnostics_identity(cell: Cell, model_digest: str, calib_digest: str) -> di
 
 @ray.remote
 def diagnostics_layer(model: str, cache_dir: str, data_seed: int, scope: str, index: int, grid: list[float],
-                      n_images: int, tau: str, threads: int, at: str = "conv") -> list[dict]:
+                      n_images: int, tau: str, threads: int, at: str = "conv", load_kw: dict | None = None
+                      ) -> list[dict]:
     """One Ray task: every candidate sparsity of one prunable layer (layer input captured once). Each row carries
     the Ray node id that computed it (``node_id``, dropped before writing; recorded in the table's metadata)."""
     from tasks.models import get_adapter, load_model
     from tasks.pruning.rr import layer_diagnostics
 
     torch.set_num_threads(max(1, threads))
-    lm = load_model(model, cache_dir, data_seed=data_seed, progress=False)
+    lm = load_model(model, cache_dir, data_seed=data_seed, progress=False, **(load_kw or {}))
     entry = get_adapter(lm.model).scope(lm.model, scope)[index]
     images = lm.dataset["calibration"].images[:n_images]
     rows = layer_diagnostics(lm.model, entry, images, grid, tau=tau, at=at)
@@ -113,10 +114,11 @@ def _write(root: str | Path, key: str, rows: list[dict], ident: Mapping[str, Any
 
 
 def diagnostics_stage(cells: list[Cell], models: Mapping[str, Any], root: str | Path, cache_dir: str | Path,
-                      data_seed: int, threads: int = 1, gpus: float = 0.0) -> DiagnosticsResult:
+                      data_seed: int, threads: int = 1, gpus: float = 0.0,
+                      load_kw: Mapping[str, dict] | None = None) -> DiagnosticsResult:
     """Make sure every diagnostics table the cells need exists under ``root`` (a directory or a store URI);
     compute only missing ones, one Ray task per layer (``gpus`` per task: placement only, the layer statistics
-    are computed on the CPU)."""
+    are computed on the CPU). ``load_kw``: {model: load_model kwargs} (a reference model's checkpoint path)."""
     import time
 
     from tasks.models import MODELS, get_adapter
@@ -143,7 +145,7 @@ def diagnostics_stage(cells: list[Cell], models: Mapping[str, Any], root: str | 
         for i in range(n_layers):
             ref = diagnostics_layer.options(num_cpus=threads, num_gpus=gpus).remote(
                 c.model, str(cache_dir), data_seed, c.scope, i, ident["grid"], ident["diag_images"], ident["tau"],
-                threads, ident["at"])
+                threads, ident["at"], dict((load_kw or {}).get(c.model, {})))
             jobs[ref] = key
     rows: dict[str, list[list[dict]]] = {}
     order = list(jobs)

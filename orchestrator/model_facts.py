@@ -9,11 +9,11 @@ compatibility verdicts (orchestrator/spec/verdicts.py), in the same directory (`
 ``HEALSWEEP_CHECK_CACHE``; ``off`` disables both).
 
 ``ModelInfo`` is a pure function of the checkpoint's bytes, the data seed, the store dtype, the model's scope
-and the code that loads, hashes and names things; the key is made of exactly those: the checkpoint's path, size
-and modification time (reference checkpoints are content-addressed and written once, atomically), the spec values,
-and ``verdicts.code_digest()`` (every source file under ``tasks/`` and ``orchestrator/spec/`` and the torch, timm
-and torchvision versions). Only reference models in a local model cache are cached; external models (timm
-pretrained, checkpoints), remote caches and specs with plugins are loaded as before.
+and the code that loads, hashes and names things; the key is made of exactly those: the shipped weights' sha256
+(tasks/models/weights, verified by every load that builds the model), the spec values, and
+``verdicts.code_digest()`` (every source file under ``tasks/`` and ``orchestrator/spec/`` and the torch, timm
+and torchvision versions). Only reference models' shipped weights are cached; other checkpoints, external models
+(timm pretrained, checkpoints) and specs with plugins are loaded as before.
 """
 from __future__ import annotations
 
@@ -36,34 +36,29 @@ class ModelInfo:
     blocks: tuple[str, ...]
     store_key: str
     calib_digest: str
-    trained: bool = False  # this call trained it (cold model cache)
     default_granularity: str = "example"  # its adapter's (the trials' default alignment granularity)
 
 
-def cached_model_info(spec, name: str, cache: str, compute: Callable[[], ModelInfo]) -> ModelInfo:
-    """``compute()`` (stages.model_info) unless the facts of the same checkpoint and settings are cached; a
-    computed one is cached (``trained`` False: a later hit trains nothing)."""
-    from orchestrator.cluster import is_remote
-    from tasks.models.reference import reference_checkpoint
+def cached_model_info(spec, name: str, compute: Callable[[], ModelInfo]) -> ModelInfo:
+    """``compute()`` (stages.model_info) unless the facts of the same weights and settings are cached; a
+    computed one is cached."""
+    from tasks.models.weights import SHIPPED
 
     root = cache_dir()
-    if root is None or spec.plugins or spec.load_kwargs(name) or is_remote(cache):
+    if root is None or spec.plugins or spec.load_kwargs(name) or name not in SHIPPED:
         return compute()
-    ckpt = reference_checkpoint(name, cache, data_seed=spec.data_seed)
-    hit = _read(root / f"model-{_key(spec, name, ckpt)}.json") if ckpt.is_file() else None
+    path = root / f"model-{_key(spec, name, SHIPPED[name].sha256)}.json"
+    hit = _read(path)
     if hit is not None:
         return hit
     info = compute()
-    if ckpt.is_file():  # read, or trained just now (a new file: a new key)
-        write_entry(root / f"model-{_key(spec, name, ckpt)}.json", {**asdict(info), "trained": False})
+    write_entry(path, asdict(info))
     return info
 
 
-def _key(spec, name: str, ckpt: Path) -> str:
-    st = ckpt.stat()
+def _key(spec, name: str, sha256: str) -> str:
     blob = json.dumps({"model": name, "data_seed": spec.data_seed, "dtype": spec.store.dtype,
-                       "scope": spec.scope.get(name), "checkpoint": [str(ckpt.resolve()), st.st_size, st.st_mtime_ns],
-                       "code": code_digest()}, sort_keys=True)
+                       "scope": spec.scope.get(name), "weights": sha256, "code": code_digest()}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -93,8 +93,9 @@ def grid_searches(spec: SweepSpec) -> dict:
     return {name: view.search for name, view in views(spec)}
 
 
-def targets_identity(model: str, model_digest: str, dataset_digest: str, calib_order_digest: str,
-                     blocks: list[str], dtype: str) -> dict:
-    """What determines a dense target set; the row count is not part of it (nested calibration sizes)."""
-    return {"format": TARGETS_FORMAT, "model": model, "model_digest": model_digest, "dataset": dataset_digest,
+def targets_identity(model_digest: str, dataset_digest: str, calib_order_digest: str, blocks: list[str],
+                     dtype: str) -> dict:
+    """What determines a dense target set; the row count is not part of it (nested calibration sizes), nor the
+    model's display name or file path (the weights' digest identifies it: the same file shares one entry)."""
+    return {"format": TARGETS_FORMAT, "model_digest": model_digest, "dataset": dataset_digest,
             "calibration_order": calib_order_digest, "blocks": blocks, "dtype": dtype}

@@ -1,4 +1,4 @@
-"""Stages that run before the trials: reference models, the sharded dense pass (orchestrator.dense), masks."""
+"""Stages that run before the trials: models, the sharded dense pass (orchestrator.dense), masks."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,30 +15,25 @@ from tasks.pruning import MaskStore, PruneContext, make_masks
 from tasks.store import content_key
 
 
-def model_info(spec: SweepSpec, name: str, cache: str, progress: bool = False, train: bool | None = None
-               ) -> ModelInfo:
-    """Load (training on first use when ``train`` allows) one model of the sweep; derive its target-store key."""
-    lm = load_model(name, cache, data_seed=spec.data_seed, progress=progress, train=train, **spec.load_kwargs(name))
+def model_info(spec: SweepSpec, name: str, cache: str, progress: bool = False) -> ModelInfo:
+    """Load one model of the sweep (verified weights; nothing is trained); derive its target-store key."""
+    lm = load_model(name, cache, data_seed=spec.data_seed, progress=progress, **spec.load_kwargs(name))
     adapter = get_adapter(lm.model)
     blocks = [b for b, _ in adapter.blocks(lm.model)] + [LOGITS]
     calib_digest = lm.dataset.split_digest("calibration")
-    key = content_key(targets_identity(name, lm.digest, lm.dataset.digest, calib_digest, blocks, spec.store.dtype))
+    key = content_key(targets_identity(lm.digest, lm.dataset.digest, calib_digest, blocks, spec.store.dtype))
     return ModelInfo(name, lm.digest, float(lm.info["dense_eval_acc"]), spec.scope.get(name, adapter.default_scope),
-                     tuple(blocks), key, calib_digest, bool(lm.info.get("trained_now")), adapter.default_granularity)
+                     tuple(blocks), key, calib_digest, adapter.default_granularity)
 
 
 def prepare_models(spec: SweepSpec, cache: str | Path, progress: bool = True, on_workers: bool = False
                    ) -> dict[str, ModelInfo]:
     """Every model of the sweep. ``on_workers`` (a cluster given by --address): one Ray task per model on a
-    worker, which trains a reference model missing from the cache (``<store.uri>/models`` when the store is
-    remote) once and uploads it; otherwise in this process (local Ray: same machine, no task start-up)."""
-    from tasks.models.reference import publish_checkpoint
-
-    for n in spec.models:  # a remote cache gets the checkpoints this driver's --cache already holds
-        if not spec.load_kwargs(n):
-            publish_checkpoint(n, str(cache), data_seed=spec.data_seed)
+    worker (an external model's weights are read where the trials run, not by the driver); otherwise in this
+    process (local Ray: same machine, no task start-up). Reference models load their shipped weights (in the code
+    every node runs) or a checkpoint ``path``: nothing is trained, uploaded or downloaded."""
     if not on_workers:  # facts of a cached checkpoint come from orchestrator/model_facts.py: no model built
-        return {n: cached_model_info(spec, n, str(cache), lambda n=n: model_info(spec, n, str(cache), progress))
+        return {n: cached_model_info(spec, n, lambda n=n: model_info(spec, n, str(cache), progress))
                 for n in spec.models}
     import ray
 
@@ -49,7 +44,7 @@ def prepare_models(spec: SweepSpec, cache: str | Path, progress: bool = True, on
 
 
 def _model_info_task(spec: SweepSpec, name: str, cache: str) -> ModelInfo:
-    return model_info(spec, name, cache, progress=False, train=True)  # the one place a cluster trains a model
+    return model_info(spec, name, cache, progress=False)
 
 
 @dataclass(frozen=True)
@@ -149,18 +144,15 @@ def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: st
 
 def store_paths(uri: str | None, store_dir: Path, cache_dir: Path) -> dict[str, str]:
     """Where every stage reads and writes. With a remote ``store.uri`` (s3://, gs://, ...) everything a worker
-    touches is under it: targets at the URI, ``masks/``, ``diagnostics/``, ``rankings/`` and the model cache
-    ``models/`` beside them; this process keeps a local mirror of the model checkpoints in ``cache_dir``.
-    Otherwise the local store root and model cache directory (a file system every node mounts)."""
+    touches is under it: targets at the URI, ``masks/``, ``diagnostics/`` and ``rankings/`` beside them.
+    Otherwise the local store root (a file system every node mounts). ``cache``: the local model cache
+    (``healsweep models train`` writes there; loading reads shipped weights or a spec's checkpoint path)."""
     from orchestrator import cluster
-    from tasks.models.reference import set_local_mirror
 
     if cluster.is_remote(uri):
-        set_local_mirror(cache_dir)
-        sub = {n: cluster.store_subdir(uri, n) for n in ("masks", "diagnostics", "rankings", "models")}
+        sub = {n: cluster.store_subdir(uri, n) for n in ("masks", "diagnostics", "rankings")}
         return {"targets": uri, "masks": sub["masks"], "diagnostics": sub["diagnostics"],
-                "rankings": sub["rankings"], "cache": sub["models"]}
-    set_local_mirror(None)
+                "rankings": sub["rankings"], "cache": str(cache_dir)}
     return {"targets": uri or str(store_dir / "targets"), "masks": str(store_dir / "masks"),
             "diagnostics": str(store_dir / "diagnostics"), "rankings": str(store_dir / "rankings"),
             "cache": str(cache_dir)}

@@ -115,7 +115,7 @@ def _tracking_inside(uri: str, out_dir: Path, experiment: str):
 
 
 def models_stage(s: _Sweep, progress: bool) -> None:
-    """Reference models (trained on first use: by one Ray task on a cluster), the cells, rows per model and the
+    """The models (verified weights; on a cluster loaded by one Ray task each), the cells, rows per model and the
     store budget's modes."""
     from orchestrator.dense import budget_modes
     from orchestrator.stages import prepare_models
@@ -131,8 +131,7 @@ def models_stage(s: _Sweep, progress: bool) -> None:
 
 def models_line(spec: SweepSpec, on_cluster: bool) -> str:
     """The models stage's status line."""
-    return (f"models: {', '.join(spec.models)} (loaded from the cache, trained on first use"
-            + (" by a Ray task)" if on_cluster else ")"))
+    return f"models: {', '.join(spec.models)}" + (" (one Ray task each)" if on_cluster else "")
 
 
 def _timed_models(s: _Sweep, progress: bool) -> None:
@@ -176,7 +175,8 @@ def dense_and_masks(s: _Sweep, progress: bool) -> None:
     diag_root, res = s.paths["diagnostics"], spec.resources
     with clock.stage("diagnostics"):
         s.diag = diagnostics_stage(s.cells, s.models, diag_root, s.paths["cache"], spec.data_seed,
-                                   int(res.cpus_per_dense_task))  # CPU: tasks.pruning.rr builds CPU tensors
+                                   int(res.cpus_per_dense_task),  # CPU: tasks.pruning.rr builds CPU tensors
+                                   load_kw={m: spec.load_kwargs(m) for m in s.models})
     if s.diag.keys:
         clock.say(f"[diagnostics] RR tables for {len(s.diag.models)} model(s), {s.diag.computed_layers} layers "
                   "computed")

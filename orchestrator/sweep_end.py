@@ -81,7 +81,7 @@ def summary_stage(s: _Sweep, t_start: float, signum: int | None = None) -> tuple
         "trials_finished": finished, "trials_failed": failed,
         "trials_run": logger_cb.finished + logger_cb.failed, "trials_rerun": len(t["searcher"].rerun),
         "sweep_seconds": seconds, "tune_seconds": t["seconds"], "concurrency": t["concurrency"],
-        "models_trained": sum(i.trained for i in s.models.values()), "masks_computed": len(s.mask_keys.computed),
+        "masks_computed": len(s.mask_keys.computed),
         "diagnostics_layers_computed": diag.computed_layers, "diagnostics_seconds": diag.seconds,
         "dense_shards_computed": sum(s.dense_rep.shards.values()), "store_integrity_events": len(s.dense_rep.events),
         "mlflow_callback_seconds": logger_cb.callback_seconds, "mlflow_writer_seconds": writer.write_seconds,

@@ -78,7 +78,8 @@ def dense_model(params: Mapping[str, Any]) -> nn.Module:
     if src:
         ref = ModelRef(**src)
         return MODEL_SOURCES.get(ref.source).load(ref)
-    return load_model(params["model"], params["cache_dir"], data_seed=params.get("data_seed", 0), progress=False).model
+    return load_model(params["model"], params["cache_dir"], data_seed=params.get("data_seed", 0), progress=False,
+                      **dict(params.get("load_kw") or {})).model  # a reference model's checkpoint path, if any
 
 
 def _function_code(fn: Callable, name: str) -> str:

@@ -30,7 +30,7 @@ def main(args) -> int:
         key = (c.healer, repr(sorted(c.healer_settings.items())))
         if key not in trains:
             trains[key] = resolve_healer(c.healer, c.healer_settings).trains
-        trials[c.grid] += searches[c.grid].trials_per_cell if trains[key] else 1  # no training: 1 trial
+        trials[c.grid] += searches[c.grid].per_cell if trains[key] else 1  # no training: 1 trial
         fixed += not trains[key]
     note = f" ({fixed} cells whose healer does not train run 1 trial)" if fixed else ""
     print(f"{args.spec}: ok: {len(cells)} cells, {sum(trials.values())} trials{note}")

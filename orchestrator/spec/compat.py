@@ -75,7 +75,7 @@ def trials_upper_bound(spec) -> int:
         for m in v.models:
             n_sp = sum(len(p.sparsities or v.sparsities) for p in v.pruners if p.applies_to(m))
             n_h = sum(1 for h in v.healers if h.applies_to(m))
-            total += n_sp * n_h * len(v.calib_sizes) * len(v.seeds) * v.search.trials_per_cell
+            total += n_sp * n_h * len(v.calib_sizes) * len(v.seeds) * v.search.per_cell
     return total
 
 

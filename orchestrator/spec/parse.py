@@ -56,7 +56,7 @@ def parse_spec(raw: Any, base_dir: str | Path | None = None) -> SweepSpec:
     from tasks.models import MODELS
 
     dataset, dataset_settings, capacity = parse_dataset(d.get("dataset", "digits"), DATASETS)
-    models, refs = parse_models(d["models"], dataset, offline, MODELS)
+    models, refs = parse_models(d["models"], dataset, offline, MODELS, data_seed)
     layout = dataset_layout(dataset, data_seed) if capacity is None else None
     capacity = capacity if layout is None else len(layout["calibration"])
     for i, n in enumerate(calib):

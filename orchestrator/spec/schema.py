@@ -39,6 +39,13 @@ class SearchSpec:
     lattice: tuple[int, int] = (9, 5)  # shared/grid: log-spaced points on the lr and length axes
 
     @property
+    def per_cell(self) -> int:
+        """Trials a searched cell runs: its search trials (every lattice point under design grid), then the
+        re-evaluations of its winner."""
+        search = self.lattice[0] * self.lattice[1] if self.design == "grid" else self.trials_per_cell
+        return search + self.reevaluate
+
+    @property
     def length(self) -> tuple[str, tuple[int, int]]:
         """("steps", bounds) or ("epochs", bounds): the searched training length."""
         return ("steps", self.steps) if self.steps is not None else ("epochs", self.epochs)
@@ -111,9 +118,9 @@ class SweepSpec:
         return asdict(self)
 
     def load_kwargs(self, model: str) -> dict:
-        """Extra ``tasks.models.load_model`` arguments for a model; {} for reference models (unchanged path)."""
+        """Extra ``tasks.models.load_model`` arguments for a model; {} for a reference model's shipped weights."""
         ref = self.model_refs.get(model)
-        if not ref or ref.get("source", "reference") == "reference":
+        if not ref or (ref.get("source", "reference") == "reference" and not ref.get("path")):
             return {}
         return {"source": dict(ref), "dataset": {"name": self.dataset, **self.dataset_settings}}
 

@@ -22,12 +22,18 @@ def from_dict_form(raw: Any) -> Any:
         if not isinstance(v, Mapping) or (key == "model_refs" and not all(isinstance(r, Mapping) for r in v.values())):
             raise SpecError(key, f"must be a mapping (as SweepSpec.to_dict writes it), got {excerpt(v)}")
     if isinstance(d.get("models"), (list, tuple)):
-        d["models"] = [m if not isinstance(m, str) or refs.get(m, {}).get("source", "reference") == "reference"
-                       else {k: v for k, v in refs[m].items() if v is not None and k != "offline"}
-                       for m in d["models"]]
+        d["models"] = [_entry(m, refs.get(m, {})) if isinstance(m, str) else m for m in d["models"]]
     if settings:
         d["dataset"] = {"name": d.get("dataset", "digits"), **settings}
     return d
+
+
+def _entry(name: str, ref: Mapping) -> Any:
+    """A model's spec entry back from its ModelRef dict: a reference model's shipped weights by name; a reference
+    checkpoint as {name, path, sha256}; an external model as its mapping."""
+    if ref.get("source", "reference") == "reference":
+        return name if not ref.get("path") else {k: ref[k] for k in ("name", "path", "sha256") if ref.get(k)}
+    return {k: v for k, v in ref.items() if v is not None and k != "offline"}
 
 
 def parse_dataset(raw: Any, datasets) -> tuple[str, dict, int | None]:
@@ -54,9 +60,12 @@ def parse_dataset(raw: Any, datasets) -> tuple[str, dict, int | None]:
         raise SpecError("dataset", str(e)) from None
 
 
-def parse_models(raw: Any, dataset: str, offline: bool, models) -> tuple[list[str], dict[str, dict]]:
-    """-> (model display names, {name: ModelRef dict}); reference models must be trained on ``dataset``."""
+def parse_models(raw: Any, dataset: str, offline: bool, models, data_seed: int = 0) -> tuple[list[str], dict[str, dict]]:
+    """-> (model display names, {name: ModelRef dict}); reference models must be trained on ``dataset`` and, as
+    their weights' metadata says, on ``data_seed``'s train split (a checkpoint given by ``path`` is verified now:
+    sha256 pin, complete safetensors file, model and data seed)."""
     from tasks.models import ModelSourceError, parse_ref
+    from tasks.models.reference import check_checkpoint, check_shipped_seed
 
     names, refs = [], {}
     for i, item in enumerate(check_list(raw, "models")):
@@ -75,6 +84,14 @@ def parse_models(raw: Any, dataset: str, offline: bool, models) -> tuple[list[st
         if ref.source == "reference" and models.get(ref.name).dataset != dataset:
             raise SpecError(f"models[{i}]", f"model {ref.name!r} is trained on {models.get(ref.name).dataset!r}, "
                                             f"not {dataset!r}")
+        if ref.source == "reference":
+            try:
+                if ref.path is None:
+                    check_shipped_seed(ref.name, data_seed)
+                else:
+                    check_checkpoint(ref.name, ref.path, ref.sha256, data_seed)
+            except ModelSourceError as e:
+                raise SpecError(f"models[{i}]", str(e)) from None
         if ref.source != "reference" and dataset == "digits":
             raise SpecError(f"models[{i}]", f"model {ref.name!r} ({ref.source}) needs an image dataset, not the "
                                             f"digits reference set; set dataset: imagenet1k, cifar100, imagefolder, ...")

@@ -1,5 +1,5 @@
-"""Models: reference models the project trains itself, external ones (timm, torchvision, checkpoints), and the
-adapters that find blocks and prunable scopes in each architecture family.
+"""Models: reference models the project trained itself (weights shipped in tasks/models/weights), external ones
+(timm, torchvision, checkpoints), and the adapters that find blocks and prunable scopes in each architecture family.
 
 Implementations register themselves on import; this package face imports every one of them.
 """
@@ -8,11 +8,12 @@ from tasks.models.adapter import (ADAPTERS, VIT_SCOPES, ModelAdapter, ScopeEntry
                                   get_adapter)
 from tasks.models.base import (MODEL_SOURCES, MODELS, ExternalSource, LoadedModel, ModelRef, ModelSourceError,
                                ReferenceModel, TrainRecipe)
-from tasks.models.external import build_untrained, file_digest, load_external, parse_ref
+from tasks.models.checkpoint_file import file_digest
+from tasks.models.external import build_untrained, load_external, parse_ref
 from tasks.models.load import load_model
-from tasks.models.reference import load_reference, weights_digest
+from tasks.models.reference import load_reference, train_reference
 
 __all__ = ["ADAPTERS", "VIT_SCOPES", "ModelAdapter", "ScopeEntry", "UnsupportedModelError", "cnn_scope",
            "get_adapter", "MODEL_SOURCES", "MODELS", "ExternalSource", "LoadedModel", "ModelRef", "ModelSourceError",
            "ReferenceModel", "TrainRecipe", "build_untrained", "file_digest", "load_external", "parse_ref",
-           "load_model", "load_reference", "weights_digest"]
+           "load_model", "load_reference", "train_reference"]

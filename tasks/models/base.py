@@ -1,5 +1,5 @@
 """What every model source shares: the loaded-model record, the two registries (``MODELS``: reference models
-the project trains itself; ``MODEL_SOURCES``: timm / torchvision / checkpoints) and the spec's model reference.
+the project trained itself and ships; ``MODEL_SOURCES``: timm / torchvision / checkpoints) and the spec's model reference.
 A leaf of the models package: implementations import it, it imports none of them."""
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ class TrainRecipe:
 
 @dataclass(frozen=True)
 class ReferenceModel:
-    """A reference model the project trains itself on first use (architecture + recipe + dataset)."""
+    """A reference model the project trained itself (architecture + recipe + dataset); its weights are shipped
+    (tasks/models/weights) and ``healsweep models train`` retrains it."""
 
     name: str
     dataset: str
@@ -40,16 +41,16 @@ class ReferenceModel:
 class LoadedModel:
     name: str
     model: nn.Module
-    digest: str  # sha256 of the weights file (first 16 hex)
+    digest: str  # sha256 of the weights file (first 16 hex), or of the source's settings (timm/torchvision hub weights)
     dataset: DatasetSplits
-    info: dict  # training metadata (dense accuracy on the evaluation split, seconds, ...)
+    info: dict  # checkpoint metadata (dense accuracy on the evaluation split, seeds, ...)
 
 
 MODELS: Registry[ReferenceModel] = Registry("model")
 
 
 REF_KEYS = ("name", "source", "arch", "pretrained", "weights", "path", "num_classes", "offline", "init_seed",
-            "model_args")
+            "model_args", "sha256")
 
 
 class ModelSourceError(ValueError):
@@ -63,11 +64,12 @@ class ModelRef:
     arch: str = ""  # builder name (timm model name, torchvision builder, or "torchvision:<builder>"); "" = name
     pretrained: bool = False  # timm: load the pretrained weights (pretrained tag via `weights`)
     weights: str | None = None  # torchvision: enum "ViT_B_16_Weights.IMAGENET1K_V1"; timm: pretrained tag
-    path: str | None = None  # checkpoint: a .safetensors file or a torch state dict (weights_only)
+    path: str | None = None  # checkpoint / reference: a .safetensors file (checkpoint also: a torch state dict)
     num_classes: int | None = None  # None: the architecture's default (1000 for ImageNet models)
     offline: bool = False  # also offline when HF_HUB_OFFLINE=1
     init_seed: int = 0  # random init (pretrained off, or layers a checkpoint does not cover)
     model_args: Mapping[str, Any] | None = None  # extra builder arguments (timm: img_size, depth, drop_path_rate...)
+    sha256: str | None = None  # with `path`: the file's expected sha256 (16-64 hex); a mismatch is refused
 
     @property
     def builder(self) -> str:
@@ -95,7 +97,7 @@ class ExternalSource:
 
     def digest(self, ref: ModelRef) -> str:
         """Identity of the weights (part of every content key built on this model)."""
-        return _digest({k: v for k, v in ref.to_dict().items() if k not in ("name", "offline")})
+        return _digest({k: v for k, v in ref.to_dict().items() if k not in ("name", "offline", "sha256")})
 
     def transform(self, ref: ModelRef, model: nn.Module) -> tuple[Callable, str]:
         """(PIL image -> (C, H, W) float tensor, a stable description of it)."""

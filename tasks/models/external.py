@@ -10,7 +10,6 @@ one-line ``ModelSourceError`` before any download is tried.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -21,18 +20,11 @@ import torch.nn as nn
 from tasks.data.splits import load_dataset
 from tasks.models.base import (MODEL_SOURCES, MODELS, REF_KEYS, ExternalSource, LoadedModel, ModelRef, ModelSourceError,
                                timm_transform)
+from tasks.models.checkpoint_file import check_sha256, file_digest, read_state_dict, safetensors_header
 
 
 def is_offline(ref: ModelRef) -> bool:
     return ref.offline or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-
-
-def file_digest(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
 
 
 def _builder_args(ref: ModelRef) -> dict:
@@ -161,28 +153,6 @@ class TorchvisionSource(ExternalSource):
 
 # --- local checkpoints ---------------------------------------------------------------------------------
 
-def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """A state dict from .safetensors, or from a torch file loaded with weights_only=True (never pickle code)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ModelSourceError(f"checkpoint {str(p)!r}: file not found")
-    if p.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(p))
-    try:
-        sd = torch.load(str(p), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise ModelSourceError(f"checkpoint {str(p)!r}: not loadable with weights_only=True: "
-                               f"{str(e).strip().splitlines()[0][:200]}") from None
-    for key in ("state_dict", "model", "model_state_dict"):  # common wrappers
-        if isinstance(sd, Mapping) and isinstance(sd.get(key), Mapping):
-            sd = sd[key]
-    if not isinstance(sd, Mapping) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise ModelSourceError(f"checkpoint {str(p)!r}: expected a mapping of parameter names to tensors")
-    return dict(sd)
-
-
 @MODEL_SOURCES.register("checkpoint")
 class CheckpointSource(ExternalSource):
     """``arch`` names the architecture (a timm name, or ``torchvision:<builder>``); ``path`` holds its weights."""
@@ -203,6 +173,8 @@ class CheckpointSource(ExternalSource):
             raise ModelSourceError(f"model {ref.name!r}: source checkpoint needs `path`")
         if not Path(ref.path).is_file():
             raise ModelSourceError(f"model {ref.name!r}: checkpoint file not found: {ref.path}")
+        if Path(ref.path).suffix == ".safetensors":
+            safetensors_header(ref.path)  # truncated / not safetensors: refused now, not in the models stage
         src, inner = self._arch(ref)
         src.check(inner)
 
@@ -212,7 +184,7 @@ class CheckpointSource(ExternalSource):
         if pretrained:
             self.check(ref)
             try:
-                model.load_state_dict(read_state_dict(ref.path), strict=True)
+                model.load_state_dict(read_state_dict(ref.path, ref.sha256), strict=True)
             except RuntimeError as e:
                 raise ModelSourceError(f"model {ref.name!r}: checkpoint {ref.path} does not fit {ref.arch!r}: "
                                        f"{str(e).strip().splitlines()[0][:300]}") from None
@@ -223,13 +195,13 @@ class CheckpointSource(ExternalSource):
         return self.build(ref, pretrained=True).eval()
 
     def digest(self, ref: ModelRef) -> str:
+        """The file's sha256 (16 hex): its path and the entry's name play no part, so a copy of the same file
+        shares every cache entry and two different files never do."""
         return file_digest(ref.path)
 
     def transform(self, ref: ModelRef, model: nn.Module) -> tuple[Callable, str]:
         src, inner = self._arch(ref)
         return src.transform(inner, model)
-
-
 
 
 # --- spec entries --------------------------------------------------------------------------------------
@@ -263,6 +235,9 @@ def parse_ref(item: Any, offline: bool = False) -> ModelRef:
     nc = d.get("num_classes")
     if nc is not None and (not isinstance(nc, int) or isinstance(nc, bool) or nc < 1):
         raise ModelSourceError(f"num_classes: must be a positive integer, got {nc!r}")
+    d["sha256"] = check_sha256(d.get("sha256"), "sha256")
+    if d["sha256"] and not d.get("path"):
+        raise ModelSourceError("sha256: pins the file given by `path`; give `path` too")
     d["offline"] = bool(d.get("offline", False) or offline)
     if d["source"] == "timm":
         d.setdefault("pretrained", True)  # a timm name means its pretrained weights unless `pretrained: false`
@@ -270,9 +245,11 @@ def parse_ref(item: Any, offline: bool = False) -> ModelRef:
     if ref.source == "reference":
         if ref.name not in MODELS:
             raise ModelSourceError(f"unknown reference model {ref.name!r}; allowed: {', '.join(MODELS.names())}")
-        extra = sorted(k for k in d if k not in ("name", "source", "offline"))
+        extra = sorted(k for k in d if k not in ("name", "source", "offline", "path", "sha256"))
         if extra:
-            raise ModelSourceError(f"{extra[0]}: not a setting of reference models")
+            raise ModelSourceError(f"{extra[0]}: not a setting of reference models (allowed: path, sha256)")
+        if ref.path is not None and (not isinstance(ref.path, str) or not ref.path):
+            raise ModelSourceError(f"path: must be a checkpoint file, got {ref.path!r}")
     else:
         MODEL_SOURCES.get(ref.source).check(ref)
     return ref

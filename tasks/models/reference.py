@@ -1,12 +1,14 @@
-"""Model sources: the embedded reference models, trained by the project on first use and cached.
+"""The embedded reference models: architectures and recipes, registered by name (the name used in configs,
+MLflow params and reports), loaded from the weights shipped in the repository (tasks/models/weights/) or from a
+checkpoint ``healsweep models train`` wrote.
 
-A model source is registered by name (the name used in configs, MLflow params and reports). The reference
-models are trained once per content key (architecture, recipe, dataset digest, seed) and stored as
-safetensors; a second request with the same settings loads the checkpoint and never retrains.
+A reference model is identified by the sha256 of its checkpoint file (first 16 hex: ``LoadedModel.digest``), the
+model's identity in every content key (dense targets, masks, diagnostics) and in the trials' ``model_digest``
+MLflow param. Loading never trains: training is an explicit command that writes a new file named by its own
+digest into the model cache, never over the shipped weights.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -15,13 +17,13 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
 
-from tasks._io import atomic_write
+from tasks._io import atomic_write_bytes
 from tasks.data.splits import DatasetSplits, load_dataset
 from tasks.evaluate import accuracy
-from tasks.models.base import MODELS, LoadedModel, ReferenceModel, TrainRecipe
-from tasks.store.format import content_key
+from tasks.models.base import MODELS, LoadedModel, ModelSourceError, ReferenceModel, TrainRecipe
+from tasks.models.checkpoint_file import DIGEST_LEN, checkpoint_meta, read_state_dict, verify
+from tasks.models.weights import DATA_SEED, SHIPPED
 
 
 def _build_vit(arch: dict) -> nn.Module:
@@ -76,8 +78,9 @@ def train_classifier(model: nn.Module, data: DatasetSplits, recipe: TrainRecipe,
                      progress: bool = True, name: str = "dense model") -> None:
     """Supervised training on the ``train`` split only (AdamW, cosine schedule).
 
-    Runs with exactly TRAIN_THREADS torch threads: CPU kernels partition their reductions by thread count, so
-    the same seed gives bit-identical weights (and the same content-addressed checkpoint) on every machine."""
+    Runs with exactly TRAIN_THREADS torch threads: CPU kernels partition their reductions by thread count, so the
+    same seed gives bit-identical weights on one machine; another CPU type (other kernels) gives other weights,
+    which is why the reference weights are shipped rather than retrained."""
     from tqdm.auto import tqdm
 
     threads = torch.get_num_threads()
@@ -102,7 +105,7 @@ def _train(model: nn.Module, data: DatasetSplits, recipe: TrainRecipe, seed: int
                                                 pct_start=0.1)
     loss_fn = nn.CrossEntropyLoss(label_smoothing=recipe.label_smoothing)
     model.train()
-    bar = tqdm(range(recipe.epochs), desc=f"training {name} (first use, then cached)", unit="epoch",
+    bar = tqdm(range(recipe.epochs), desc=f"training {name}", unit="epoch",
                disable=not progress, leave=False)
     for _ in bar:
         perm = torch.randperm(n, generator=gen)
@@ -118,144 +121,75 @@ def _train(model: nn.Module, data: DatasetSplits, recipe: TrainRecipe, seed: int
     model.eval()
 
 
-def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, meta: dict) -> None:
-    data = {k: v.contiguous() for k, v in tensors.items()}
-    atomic_write(path, lambda tmp: save_file(data, tmp, metadata={"meta": json.dumps(meta)}))
+def train_reference(name: str, cache_dir: str | os.PathLike, *, data_seed: int = 0, train_seed: int = 0,
+                    progress: bool = True) -> tuple[Path, str, float]:
+    """Train reference model ``name`` with its recipe and write ``<cache_dir>/<name>-<sha256[:16]>.safetensors``
+    (named by its own digest: a file of that name already holds these exact bytes and is left as it is; the
+    shipped weights are never touched). -> (path, full sha256, evaluation accuracy)."""
+    import hashlib
 
+    from safetensors.torch import save
 
-def weights_digest(state: dict[str, torch.Tensor]) -> str:
-    """Content digest of a state dict (names, dtypes, shapes, bytes): the reference model's identity in every
-    content key. The checkpoint file itself also holds training metadata (seconds), so its bytes are not used."""
-    h = hashlib.sha256()
-    for k in sorted(state):
-        t = state[k].detach().cpu().contiguous().reshape(-1)  # 0-dim buffers (num_batches_tracked) too
-        h.update(f"{k}:{t.dtype}:{tuple(state[k].shape)}:".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()[:16]
-
-
-REQUIRE_CACHED_ENV = "HEALSWEEP_REQUIRE_CACHED_MODELS"  # set for cluster workers by orchestrator/cluster.py
-MIRROR_ENV = "HEALSWEEP_MODEL_MIRROR"  # a node's local copy of a remote model cache (never passed to workers)
-_MIRROR: list[Path] = []  # set by the driver (set_local_mirror): its --cache directory
-
-
-def set_local_mirror(path: str | os.PathLike | None) -> None:
-    """This process's local directory for checkpoints of a remote model cache (the driver's --cache)."""
-    _MIRROR[:] = [Path(path)] if path else []
-
-
-def is_remote_cache(cache: str | os.PathLike) -> bool:
-    s = os.fspath(cache)
-    return "://" in s and not s.startswith("file://")
-
-
-def local_mirror() -> Path:
-    """Where this node keeps checkpoints of a remote model cache: set_local_mirror's, else $HEALSWEEP_MODEL_MIRROR,
-    else <tmp>/healsweep-models-<uid>."""
-    if _MIRROR:
-        return _MIRROR[0]
-    env = os.environ.get(MIRROR_ENV)
-    import tempfile
-
-    return Path(env) if env else Path(tempfile.gettempdir()) / f"healsweep-models-{os.getuid()}"
-
-
-def _checkpoint(cache_dir: str | os.PathLike, fname: str) -> tuple[Path, object | None]:
-    """(local path, remote StoreFS or None). A remote cache (``<store.uri>/models``) is read through a local
-    mirror: a checkpoint missing locally is downloaded once; one trained here is uploaded."""
-    s = os.fspath(cache_dir)
-    if not is_remote_cache(s):
-        return Path(s[len("file://"):] if s.startswith("file://") else s) / fname, None
-    from tasks.store._fs import StoreFS
-
-    remote = StoreFS(s)
-    local = local_mirror() / fname
-    if not local.exists():
-        raw = remote.read_bytes(fname)
-        if raw is not None:
-            atomic_write(local, lambda tmp: Path(tmp).write_bytes(raw))
-    return local, remote
-
-
-def has_checkpoint(name: str, cache_dir: str | os.PathLike, *, data_seed: int = 0, train_seed: int = 0) -> bool:
-    """Whether the model cache (local directory or remote URI) holds ``name``'s checkpoint; nothing downloaded."""
-    fname = _checkpoint_name(name, data_seed, train_seed)
-    s = os.fspath(cache_dir)
-    if not is_remote_cache(s):
-        return _checkpoint(s, fname)[0].exists()
-    from tasks.store._fs import StoreFS
-
-    return StoreFS(s).size(fname) is not None
-
-
-def publish_checkpoint(name: str, cache_uri: str, *, data_seed: int = 0, train_seed: int = 0) -> bool:
-    """Seed a remote model cache from this node's local mirror: upload ``name``'s checkpoint when the mirror has it
-    and the remote lacks it (the driver's --cache already holds a trained model: no worker retrains it).
-    -> True when uploaded."""
-    if not is_remote_cache(cache_uri):
-        return False
-    from tasks.store._fs import StoreFS
-
-    fname, remote = _checkpoint_name(name, data_seed, train_seed), StoreFS(cache_uri)
-    local = local_mirror() / fname
-    if remote.size(fname) is not None or not local.is_file():
-        return False
-    remote.write_atomic(fname, local.read_bytes())
-    return True
-
-
-def _model_key(name: str, dataset_digest: str, train_seed: int) -> str:
-    src = MODELS.get(name)
-    return content_key({"model": name, "arch": src.arch, "recipe": asdict(src.recipe), "dataset": dataset_digest,
-                        "seed": train_seed})
-
-
-def _checkpoint_name(name: str, data_seed: int, train_seed: int) -> str:
-    data = load_dataset(MODELS.get(name).dataset, seed=data_seed)
-    return f"{name}-{_model_key(name, data.digest, train_seed)}.safetensors"
-
-
-def reference_checkpoint(name: str, cache_dir: str | os.PathLike, *, data_seed: int = 0, train_seed: int = 0
-                         ) -> Path:
-    """Where a reference model's checkpoint lives in a local model cache (it may not exist yet); no model built."""
-    return _checkpoint(cache_dir, _checkpoint_name(name, data_seed, train_seed))[0]
-
-
-def load_reference(name: str, cache_dir: str | os.PathLike, *, data_seed: int = 0, train_seed: int = 0,
-                   progress: bool = True, train: bool | None = None) -> LoadedModel:
-    """A registered reference model with its dataset splits, trained and cached on first use
-    (content-addressed by architecture, recipe, dataset digest and seed). ``cache_dir``: a local directory or
-    a remote URI (``s3://.../models``: read through :func:`local_mirror`, a model trained here is uploaded).
-    ``train``: whether a missing checkpoint may be trained here (default: unless $HEALSWEEP_REQUIRE_CACHED_MODELS
-    is 1, as on cluster workers, where one Ray task trains it for everyone)."""
     src = MODELS.get(name)
     data = load_dataset(src.dataset, seed=data_seed)
-    key = _model_key(name, data.digest, train_seed)
-    path, remote = _checkpoint(cache_dir, f"{name}-{key}.safetensors")
     torch.manual_seed(train_seed)
     model = src.build(src.arch)
-    if train is None:
-        train = os.environ.get(REQUIRE_CACHED_ENV) != "1"
-    if path.exists():
-        model.load_state_dict(load_file(path))
-        with open(path, "rb") as f:  # safetensors header: 8-byte length + JSON
-            header_len = int.from_bytes(f.read(8), "little")
-            meta = json.loads(json.loads(f.read(header_len))["__metadata__"]["meta"])
-    elif not train:  # a cluster worker: one task trained it into the shared cache; never retrain here
-        where = cache_dir if remote is not None else path
-        raise FileNotFoundError(f"reference model {name} is not in the model cache {where} on this node: the cache "
-                                "(--cache) must be on a file system every node mounts, or give store.uri")
-    else:
-        import time
+    train_classifier(model, data, src.recipe, seed=train_seed, progress=progress, name=name)
+    ev = data["evaluation"]
+    acc = accuracy(model, ev.images, ev.labels)
+    meta = {"model": name, "arch": src.arch, "recipe": asdict(src.recipe), "dataset": data.digest,
+            "data_seed": data_seed, "train_seed": train_seed, "torch": torch.__version__, "dense_eval_acc": acc}
+    raw = save({k: v.contiguous() for k, v in model.state_dict().items()}, metadata={"meta": json.dumps(meta)})
+    sha = hashlib.sha256(raw).hexdigest()
+    path = Path(cache_dir) / f"{name}-{sha[:DIGEST_LEN]}.safetensors"
+    if not path.is_file():
+        atomic_write_bytes(path, raw)
+    return path, sha, acc
 
-        t0 = time.perf_counter()
-        train_classifier(model, data, src.recipe, seed=train_seed, progress=progress, name=name)
-        ev = data["evaluation"]
-        meta = {"model": name, "key": key, "train_seconds": round(time.perf_counter() - t0, 2),
-                "dense_eval_acc": accuracy(model, ev.images, ev.labels)}
-        _atomic_save(model.state_dict(), path, meta)
-        if remote is not None:
-            remote.write_atomic(path.name, path.read_bytes())
-        meta = {**meta, "trained_now": True}  # not in the file: tells the caller this call trained it
+
+def check_shipped_seed(name: str, data_seed: int) -> None:
+    """The shipped weights of ``name`` serve only DATA_SEED: they were trained on its train split, which other
+    seeds' calibration and evaluation splits overlap. Otherwise a one-line ModelSourceError saying what to do."""
+    if data_seed != DATA_SEED:
+        raise ModelSourceError(f"model {name!r}: the shipped weights were trained on data_seed {DATA_SEED}'s train "
+                               f"split; for data_seed {data_seed} train one (healsweep models train {name} "
+                               f"--data-seed {data_seed}) and give it as {{name: {name}, path: FILE}}")
+
+
+def check_checkpoint(name: str, path: str | os.PathLike, sha256: str | None, data_seed: int,
+                     dataset_digest: str | None = None) -> tuple[str, dict]:
+    """A reference checkpoint fit for ``name`` and ``data_seed``: verified (exists, sha256, complete safetensors)
+    and made by ``healsweep models train`` for this model and data seed (its metadata says so). -> (full sha256,
+    metadata); else a one-line ModelSourceError naming the file. Reads no tensor."""
+    sha = verify(path, sha256)
+    meta = checkpoint_meta(path)
+    where = f"checkpoint {str(path)!r}"
+    if meta.get("model") != name:
+        raise ModelSourceError(f"{where}: not a {name} checkpoint written by healsweep models train "
+                               f"(its metadata names {meta.get('model')!r})")
+    if meta.get("data_seed") != data_seed or (dataset_digest is not None and meta.get("dataset") != dataset_digest):
+        raise ModelSourceError(f"{where}: trained on data_seed {meta.get('data_seed')!r}'s train split, not on "
+                               f"data_seed {data_seed}'s (its calibration and evaluation splits would overlap it)")
+    return sha, meta
+
+
+def load_reference(name: str, *, data_seed: int = 0, path: str | os.PathLike | None = None,
+                   sha256: str | None = None) -> LoadedModel:
+    """A registered reference model with its dataset splits: the shipped weights (verified against the sha256
+    recorded in tasks/models/weights), or the checkpoint at ``path`` (verified against ``sha256`` when given).
+    Never trains; a bad file is a one-line ModelSourceError naming it, before any tensor is loaded."""
+    src = MODELS.get(name)
+    if path is None:
+        check_shipped_seed(name, data_seed)
+        path, sha256 = SHIPPED[name].path, SHIPPED[name].sha256
+    data = load_dataset(src.dataset, seed=data_seed)
+    sha, meta = check_checkpoint(name, path, sha256, data_seed, data.digest)
+    torch.manual_seed(0)
+    model = src.build(src.arch)
+    try:
+        model.load_state_dict(read_state_dict(path, sha), strict=True)
+    except RuntimeError as e:
+        raise ModelSourceError(f"checkpoint {str(path)!r}: does not fit {name}: "
+                               f"{str(e).strip().splitlines()[0][:300]}") from None
     model.eval()
-    return LoadedModel(name, model, weights_digest(model.state_dict()), data, meta)
+    return LoadedModel(name, model, sha[:DIGEST_LEN], data, {**meta, "sha256": sha, "path": str(path)})

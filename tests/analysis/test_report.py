@@ -26,11 +26,12 @@ SWEEP, OTHER = "sw-0001", "sw-0002"
 SWEEP_NAME = "demo <sweep> & co"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 RESNET_DENSE, DEIT_DENSE = 0.80123, 0.72
+RESNET_DIGEST = "0123456789abcdef"
 
 
 def _trial(client, exp_id, parent_id, sweep, cell, trial, model, pattern, calib, *, lr=6e-4,
            epochs=3, sel=None, healed=None, pruned=None, dense=None, heal_s=10.0, achieved=None,
-           retention=None, status="FINISHED", failure=None):
+           retention=None, status="FINISHED", failure=None, digest=None):
     tags = {"mlflow.parentRunId": parent_id, "sweep_id": sweep, "cell_id": cell,
             "trial_id": trial, "store_key": f"k-{cell}", "healsweep.role": "trial",
             "pattern": pattern}
@@ -42,6 +43,8 @@ def _trial(client, exp_id, parent_id, sweep, cell, trial, model, pattern, calib,
     params = dict(model=model, pruner="magnitude", scope="conv", sparsity=str(sparsity),
                   calib_size=str(calib), healer="starfish", granularity="example", seed="0",
                   lr=repr(lr), epochs=str(epochs), batch_size="32")
+    if digest:  # the weights' sha256 (16 hex), logged by a finished trial
+        params["model_digest"] = digest
     ts = int(time.time() * 1000)
     metrics = []
     if status == "FINISHED":
@@ -68,7 +71,7 @@ def store(tmp_path_factory):
     parent = client.create_run(exp_id, tags={"sweep_id": SWEEP, "healsweep.role": "sweep"},
                                run_name=SWEEP_NAME).info.run_id
     R = dict(client=client, exp_id=exp_id, parent_id=parent, sweep=SWEEP)
-    rn = dict(model="resnet18", dense=RESNET_DENSE)
+    rn = dict(model="resnet18", dense=RESNET_DENSE, digest=RESNET_DIGEST)
     ids = {}
     # c1: best by selection (t1) is NOT best by healed (t0); one failed run.
     ids["c1/t0"] = _trial(**R, **rn, cell="c1", trial="t0", pattern="0.5", calib=64, lr=1e-3,
@@ -186,6 +189,8 @@ def test_markdown_tables(store, tmp_path):
     assert "Trials: 15 (12 finished, 3 failed)" in md
     assert "Cells: 8" in md
     assert f"# Sweep report: {SWEEP_NAME}" in md  # name from the parent run
+    assert md.split("\n## resnet18\n", 1)[1].lstrip().startswith(f"_Weights sha256 {RESNET_DIGEST}._")
+    assert "Weights sha256" not in md.split("\n## deit_tiny\n", 1)[1].split("\n## ", 1)[0]  # none logged: no line
     for model in ("resnet18", "deit_tiny"):
         assert f"](fig_{model}.png)" in md
         assert (tmp_path / f"fig_{model}.png").read_bytes().startswith(PNG_MAGIC)

@@ -12,4 +12,4 @@ def test_training_bar_names_the_model(capsys):
     model = _build_resnet(MODELS.get("resnet_digits").arch)
     recipe = TrainRecipe(epochs=1, lr=1e-3, weight_decay=0.0, batch_size=512, max_shift=0)
     train_classifier(model, data, recipe, seed=0, progress=True, name="resnet_digits")
-    assert "training resnet_digits (first use, then cached)" in capsys.readouterr().err
+    assert "training resnet_digits" in capsys.readouterr().err

@@ -246,3 +246,57 @@ def test_bad_model_entries(entry, words):
     with pytest.raises(ModelSourceError) as e:
         parse_ref(entry)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_checkpoint_is_identified_by_its_file_sha256_in_every_key(tmp_path, sources):
+    """Two entries naming the same file (a copy at another path, under another display name) share the digest, the
+    dense-target key and the mask key; another file of the same architecture gets its own."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from orchestrator.plan import expand_cells
+    from orchestrator.spec import parse_spec
+    from orchestrator.stages import model_info
+    from tasks.store import content_key
+
+    m, a = _tiny_checkpoint(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    copy = shutil.copy(a, tmp_path / "elsewhere" / "copy.safetensors")
+    sd = {k: v.clone().contiguous() for k, v in m.state_dict().items()}
+    sd["head.bias"][0] += 1.0  # one weight differs
+    save_file(sd, str(tmp_path / "b.safetensors"))
+
+    def entry(name, path):
+        return {"name": name, "source": "checkpoint", "arch": "deit_tiny_patch16_224", "path": str(path),
+                "num_classes": N_CLASSES, "model_args": TINY}
+
+    spec = parse_spec({"name": "k", "models": [entry("a", a), entry("a_copy", copy), entry("b", tmp_path / "b.safetensors")],
+                       "dataset": {"name": "imagefolder", "root": str(sources["folder"]), "sizes": SIZES},
+                       "sparsities": [0.5], "calib_sizes": [4], "pruners": ["magnitude"], "healers": ["starfish"],
+                       "offline": True})
+    infos = {n: model_info(spec, n, str(tmp_path / "cache")) for n in spec.models}
+    assert infos["a"].digest == infos["a_copy"].digest == file_digest(a) != infos["b"].digest
+    assert infos["a"].store_key == infos["a_copy"].store_key != infos["b"].store_key
+    masks = {c.model: content_key(c.mask_identity(infos[c.model].digest, infos[c.model].calib_digest))
+             for c in expand_cells(spec, {n: i.scope for n, i in infos.items()})}
+    assert masks["a"] == masks["a_copy"] != masks["b"]
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_truncated_or_mismatching_external_checkpoint_is_refused_in_one_line(tmp_path):
+    _, path = _tiny_checkpoint(tmp_path)
+    entry = {"name": "t", "source": "checkpoint", "arch": "deit_tiny_patch16_224", "path": str(path),
+             "num_classes": N_CLASSES, "model_args": TINY}
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ModelSourceError) as e:
+        parse_ref({**entry, "path": str(cut)})
+    assert str(e.value).startswith(f"checkpoint {str(cut)!r}: truncated or padded") and "\n" not in str(e.value)
+    pinned = parse_ref({**entry, "sha256": "0" * 16})  # a pin is checked when the file is loaded
+    with pytest.raises(ModelSourceError, match=rf"^checkpoint {str(path)!r}: sha256 {file_digest(path)}… does not "
+                                               r"match the expected 0000000000000000…; refused \(not loaded\)$"):
+        MODEL_SOURCES.get("checkpoint").load(pinned)
+    assert MODEL_SOURCES.get("checkpoint").digest(pinned) == file_digest(path)  # the pin is not the identity
+    with pytest.raises(ModelSourceError, match="sha256: must be 16 to 64 hex characters"):
+        parse_ref({**entry, "sha256": "xyz"})

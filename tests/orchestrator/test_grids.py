@@ -54,13 +54,15 @@ def test_cells_are_the_union_main_grid_first_and_shared_cells_run_once():
 
 
 def test_search_gives_each_grid_its_budget_and_space(tmp_path):
-    spec = parse_spec(with_grids(HEALERS))
+    healers = {**HEALERS, "search": {**HEALERS["search"], "reevaluate": 2}}
+    spec = parse_spec(with_grids(healers))
     cells = [{**c.identity(), "cell_id": c.cell_id, "grid": c.grid} for c in expand_cells(spec, SCOPES)]
     s = PerCellOptunaSearch(cells, spec.search.trials_per_cell, spec.search.lr, spec.search.epochs, 0,
                             tmp_path / "j", grids=grid_searches(spec))
-    # main 4 cells x 2 trials + healers: 4 training cells x 3 trials + 2 `none` cells x 1 trial; every training
-    # cell's winner is then re-evaluated on 2 fresh healing seeds (search.reevaluate), `none` cells are not
-    assert s.total == 8 + 12 + 2 + 2 * (4 + 4)
+    # main 4 cells x 2 trials + healers: 4 training cells x 3 trials + 2 `none` cells x 1 trial; the healers
+    # grid re-evaluates each training cell's winner on 2 fresh healing seeds (its search.reevaluate; the main
+    # grid's, from tiny.yaml, is 0), `none` cells are not
+    assert s.total == 8 + 12 + 2 + 2 * 4
     cfgs = []
     for i in range(s.total):  # told at once: a cell's TPE asks wait for its earlier trials
         cfgs.append(s.suggest(f"t{i}"))
@@ -69,7 +71,7 @@ def test_search_gives_each_grid_its_budget_and_space(tmp_path):
     by_grid = {g: [c for c in cfgs if c["grid"] == g] for g in ("main", "healers")}
     assert all(1e-3 <= c["lr"] <= 3e-3 and 3 <= c["epochs"] <= 5 for c in by_grid["main"])
     again = [c for c in cfgs if c["stage"] == "reevaluate"]
-    assert len(again) == 16 and all(c["heal_seed"] in (1000 + c["seed"], 2000 + c["seed"]) for c in again)
+    assert len(again) == 8 and all(c["heal_seed"] in (1000 + c["seed"], 2000 + c["seed"]) for c in again)
     trained = [c for c in by_grid["healers"] if c["healer"] != "none" and c["stage"] == "search"]
     assert len(trained) == 12 and all(5e-3 <= c["lr"] <= 1e-2 and c["epochs"] in (6, 7) for c in trained)
     assert all((c["lr"], c["epochs"]) == (0.0, 0) for c in by_grid["healers"] if c["healer"] == "none")
@@ -123,9 +125,10 @@ def test_default_sweep_holds_the_healer_comparison(capsys):
     assert {(c.model, c.pruner, c.calib_size) for c in cells} == {("vit_digits", "magnitude", 128)}
     assert main(["validate", str(REPO / "configs" / "default.yaml")]) == 0
     out = capsys.readouterr().out
-    # healers grid: 45 training cells x 4 trials + 9 `none` cells
-    assert "154 cells, 439 trials (59 cells whose healer does not train run 1 trial)" in out
-    assert "grid main: 100 cells, 250 trials; grid healers: 54 cells, 189 trials" in out
+    # main: 50 starfish cells x (3 search + 2 re-evaluations) + 50 crbn cells; healers: 45 training cells x (3 + 2)
+    # + 9 `none` cells
+    assert "154 cells, 534 trials (59 cells whose healer does not train run 1 trial)" in out
+    assert "grid main: 100 cells, 300 trials; grid healers: 54 cells, 234 trials" in out
 
 
 def test_a_grid_on_fewer_models_narrows_inherited_entries_and_scopes():

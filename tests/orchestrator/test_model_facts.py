@@ -1,6 +1,6 @@
-"""A reference model's facts (stages.ModelInfo) cached by checkpoint and settings (orchestrator/model_facts.py): a
-hit equals a fresh load field for field and builds no model (timm never imported), a checkpoint rewritten or a
-different store dtype misses, and the cache can be switched off."""
+"""A reference model's facts (stages.ModelInfo) cached by its shipped weights' sha256 and settings
+(orchestrator/model_facts.py): a hit equals a fresh load field for field and builds no model (timm never imported),
+a different store dtype misses, a checkpoint given by path is always loaded, and the cache can be switched off."""
 import json
 import os
 import subprocess
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-CACHE = Path(os.environ.get("HEALSWEEP_TEST_CACHE", REPO / ".healsweep" / "models")).resolve()
+CACHE = REPO / ".healsweep" / "models"  # a --cache: loading reads the shipped weights, never this directory
 pytestmark = pytest.mark.timeout(300)
 
 PROBE = """
@@ -40,41 +40,35 @@ def _prepare(checks: Path, spec: dict, cache: Path = CACHE, store: Path | None =
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def cache() -> Path:
-    from tasks.models import load_model
-
-    load_model("vit_digits", CACHE, progress=False)  # trained here on a fresh clone, so the cache holds it
-    return CACHE
-
-
-def test_hit_equals_a_fresh_load_and_builds_no_model(tmp_path, cache):
+def test_hit_equals_a_fresh_load_and_builds_no_model(tmp_path):
     cold = _prepare(tmp_path / "checks", _spec())
     assert cold["timm"] and len(list((tmp_path / "checks").glob("model-*.json"))) == 1
     warm = _prepare(tmp_path / "checks", _spec())
     assert not warm["timm"]
     fresh = cold["info"]["vit_digits"]
-    assert warm["info"]["vit_digits"] == {**fresh, "trained": False}
+    assert warm["info"]["vit_digits"] == fresh
     assert fresh["default_granularity"] == "token" and fresh["store_key"] and fresh["blocks"][-1] == "logits"
     off = _prepare(Path("off"), _spec())  # HEALSWEEP_CHECK_CACHE=off: always loaded
     assert off["timm"] and off["info"] == cold["info"]
 
 
-def test_other_dtype_or_rewritten_checkpoint_misses(tmp_path, cache):
-    local = tmp_path / "models"
-    local.mkdir()
-    ckpt = next(cache.glob("vit_digits-*.safetensors"))
-    (local / ckpt.name).write_bytes(ckpt.read_bytes())
-    first = _prepare(tmp_path / "checks", _spec(), local)
-    other = _prepare(tmp_path / "checks", _spec("bfloat16"), local)  # the store key names the dtype
+def test_other_dtype_misses_and_a_checkpoint_path_is_always_loaded(tmp_path):
+    import shutil
+
+    from tasks.models.weights import SHIPPED
+
+    first = _prepare(tmp_path / "checks", _spec())
+    other = _prepare(tmp_path / "checks", _spec("bfloat16"))  # the store key names the dtype
     assert other["timm"] and other["info"]["vit_digits"]["store_key"] != first["info"]["vit_digits"]["store_key"]
-    os.utime(local / ckpt.name, ns=(1, 1))  # the same path rewritten (another mtime): loaded again
-    again = _prepare(tmp_path / "checks", _spec(), local)
-    assert again["timm"] and again["info"] == first["info"]
-    assert len(list((tmp_path / "checks").glob("model-*.json"))) == 3
+    copy = shutil.copy(SHIPPED["vit_digits"].path, tmp_path / "copy.safetensors")
+    by_path = {**_spec(), "models": [{"name": "vit_digits", "path": str(copy)}]}
+    for _ in range(2):  # never cached (its file may change under the same path): loaded both times
+        again = _prepare(tmp_path / "checks", by_path)
+        assert again["timm"] and again["info"] == first["info"]  # the same bytes: the same facts, the same keys
+    assert len(list((tmp_path / "checks").glob("model-*.json"))) == 2
 
 
-def test_warm_models_and_dense_stages_build_no_model(tmp_path, cache):
+def test_warm_models_and_dense_stages_build_no_model(tmp_path):
     """With the facts cached and the targets in the store, the driver's models and dense stages never build the
     model (the dense stage reads the calibration order from the dataset alone); the first run computed them."""
     cold = _prepare(tmp_path / "checks", _spec(), store=tmp_path / "targets")
@@ -83,9 +77,9 @@ def test_warm_models_and_dense_stages_build_no_model(tmp_path, cache):
     assert not warm["timm"] and warm["dense"] == {"vit_digits": 0}
 
 
-def test_calibration_rows_without_the_model_are_load_models(cache):
+def test_calibration_rows_without_the_model_are_load_models():
     from orchestrator.dense import _calibration_rows
     from tasks.models import load_model
 
-    lm = load_model("vit_digits", cache, progress=False)  # data seed 0: the cached checkpoint
-    assert _calibration_rows("vit_digits", cache, 0) == [int(i) for i in lm.dataset["calibration"].indices]
+    lm = load_model("vit_digits", CACHE, progress=False)  # data seed 0: the shipped weights
+    assert _calibration_rows("vit_digits", CACHE, 0) == [int(i) for i in lm.dataset["calibration"].indices]

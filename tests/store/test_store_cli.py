@@ -95,7 +95,8 @@ def test_budget_refuse_and_recompute(tmp_path):
     models = {"vit_digits": SimpleNamespace(store_key=content_key("vit"))}
 
     def spec(budget, mode):
-        return SimpleNamespace(data_seed=0, store=SimpleNamespace(budget_gb=budget, on_budget=mode, dtype="float16"))
+        return SimpleNamespace(data_seed=0, store=SimpleNamespace(budget_gb=budget, on_budget=mode, dtype="float16"),
+                               load_kwargs=lambda m: {})  # the shipped weights
     rows = {"vit_digits": 100}
     assert budget_modes(spec(None, "refuse"), models, rows, tmp_path, cache) == {"vit_digits": "store"}
     assert budget_modes(spec(100 * rb / 1e9, "refuse"), models, rows, tmp_path, cache) == {"vit_digits": "store"}
