@@ -14,7 +14,8 @@ Noise of a quoted number (docs/methods.md#reading-the-noise), per cell i of a fa
                   search lands from what its configuration gives on other seeds
     noise_i     = sqrt(seed_sd_i^2 / n_i + search_sd_F^2)
 
-A difference between two quoted numbers is *resolved* when it exceeds Z = 2 noise units of the difference
+Cells whose healer does not train (closed form, ``none``: lr 0) have noise 0: nothing is searched and nothing in
+their healing is random. A difference between two quoted numbers is *resolved* when it exceeds Z = 2 noise units of the difference
 (``resolved``); a band class is resolved when the quoted number is that far from the class's threshold.
 """
 from __future__ import annotations
@@ -92,6 +93,8 @@ def _noise(best: pd.DataFrame) -> pd.DataFrame:
     best["search_sd"] = search
     var = seed_var.fillna(0) / n.clip(lower=1) + search.fillna(0) ** 2
     best["noise"] = np.sqrt(var).where(n > 0)  # no re-evaluation: unknown (never "resolved" by default)
+    fixed = best["lr"].fillna(0) <= 0 if "lr" in best.columns else pd.Series(False, index=best.index)
+    best.loc[fixed, "noise"] = 0.0  # closed form / no training: nothing searched, nothing random in healing
     return best
 
 

@@ -49,6 +49,11 @@ def test_without_reevaluations_the_winner_is_quoted_and_its_noise_is_unknown():
     assert r["healed_acc"] == 0.9 and r["n_reevaluated"] == 0 and math.isnan(r["noise"])
 
 
+def test_closed_form_cells_have_no_noise():
+    (r,) = reported(pd.DataFrame([_trial("c", "search", 0.7, 0.7, lr=0.0, steps=None)])).to_dict("records")
+    assert r["noise"] == 0.0 and r["n_reevaluated"] == 0
+
+
 def test_resolved_needs_the_difference_beyond_two_noise_units():
     assert resolved(0.90, 0.03, 0.80, 0.02)  # 10 pp > 2 * 3.61 pp
     assert not resolved(0.90, 0.04, 0.80, 0.04)  # 10 pp < 2 * 5.66 pp
