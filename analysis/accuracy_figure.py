@@ -1,7 +1,7 @@
 """Top-1 vs sparsity for one model and ONE grid (grids are never drawn together).
 
 One panel per pruner (× scope when it varies), all panels on one shared y scale. Colour = healer, marker =
-calibration size, solid line = healed (seed mean of the best trial per cell), grey dotted = pruned before
+calibration size, solid line = healed (seed mean of the quoted number: the winner re-evaluated), grey dotted = pruned before
 healing, black dashed = dense. N:M patterns sit at 1 − N/M as unconnected, black-edged markers. The legend is
 outside the axes, below them, in a constrained layout (nothing clipped, the axes keep the canvas).
 """
@@ -99,5 +99,5 @@ def model_figure(best: pd.DataFrame, model: str, grid: str = "main", colors: dic
     used = {h: c for h, c in colors.items() if h in set(df["healer"].astype(str))}
     handles = _legend_handles(used, marker, bool(df["_nm"].any()), 100 * float(dense.median()) if len(dense) else None)
     fit_legend(fig, handles, [h.get_label() for h in handles], fontsize="small")
-    fig.suptitle(f"{model} — grid {grid}: top-1 vs sparsity (best trial per cell, seed mean)")
+    fig.suptitle(f"{model} — grid {grid}: top-1 vs sparsity (quoted numbers, seed mean)")
     return fig

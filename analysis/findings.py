@@ -286,7 +286,7 @@ def findings(best: pd.DataFrame, model: str, recs: list[dict], cts: dict | None,
         f.notes = [OBJECTIVE_NOTE] if objective == "heldout_align" else []
         f.notes += [line] if line else []
         f.notes += _widened_note(gb, widened or {})
-        f.notes.insert(0, noise_line(gb, f.best))
+        f.notes.insert(int(objective == "heldout_align"), noise_line(gb, f.best))  # after the label-free note
         same = identical_mask_lines(gb)
         f.notes += [ln for ok, ln in same if ok]
         f.warnings += [ln for ok, ln in same if not ok]

@@ -23,7 +23,7 @@ __all__ = ["REFERENCE", "PairedRow", "paired_groups", "paired_sections", "healer
 REFERENCE = "starfish"
 GROUP = ("pruner", "scope", "pattern", "calib_size")
 HEADERS = ["healer", "seeds", "pruned (%)", "healed (%)", f"Δ vs {REFERENCE} (pp)", "pairs"]
-NOTE = (f"Healed top-1 of the best trial per cell, mean ± std over seeds. Δ = paired difference against "
+NOTE = (f"Healed top-1 quoted per cell (its winner re-evaluated on fresh seeds), mean ± std over seeds. Δ = paired difference against "
         f"{REFERENCE} on identical masks (same model, pruner, pattern, calibration size and seed; only the "
         f"healer differs), mean ± std over seeds; pp = percentage points. Sorted by mean healed accuracy.")
 

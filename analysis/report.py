@@ -34,7 +34,9 @@ HOW_TO_READ = (
     "different learning rates and epoch (or optimizer step) counts. The best trial per cell is chosen by the "
     "sweep's search objective: its accuracy on the selection split, or with objective heldout_align the lowest "
     "alignment loss on held-out calibration images (no labels); ties: fewer steps/epochs, then the lower Optuna "
-    "trial number. Never by evaluation accuracy. Dense, pruned "
+    "trial number. Never by evaluation accuracy. Its configuration is then healed again on fresh healing seeds "
+    "(search.reevaluate) and the healed accuracy shown is their mean ('± sd' their spread; 'winner' the trial's "
+    "own draw, which is biased upwards). Dense, pruned "
     "and healed are top-1 accuracies (%) on the evaluation split: dense = unpruned model, pruned = "
     "after masking and before healing, healed = after healing. Retention = healed / dense. Sparsity "
     "is the achieved fraction of prunable weights that are zero. Trials counts every run of the "
@@ -118,9 +120,10 @@ def model_table(best: pd.DataFrame) -> Table:
     best = _sorted_rows(best)
     extra = [c for c in ("scope", "granularity", "seed") if _varying(best, c)]
     steps = "steps" in best.columns and bool(best["steps"].notna().any())  # a steps-based search
+    again = "n_reevaluated" in best.columns and bool((best["n_reevaluated"] > 0).any())  # re-evaluated winners
     headers = ["pruner", "pattern", "sparsity", "calib size", "dense (%)", "pruned (%)",
                "healed (%)", "retention", "best lr", *(["steps"] if steps else []), "epochs", "trials", "healer",
-               *extra,
+               *(["winner's own draw (%)"] if again else []), *extra,
                "MLflow run"]
     rows = []
     for r in best.itertuples(index=False):
@@ -128,15 +131,26 @@ def model_table(best: pd.DataFrame) -> Table:
         rows.append([
             str(r.pruner), str(r.pattern), _fmt(r.achieved_sparsity, ".3f"), _fmt_int(r.calib_size),
             _fmt(r.dense_acc, ".2f", 100), _fmt(r.pruned_acc, ".2f", 100),
-            _fmt(r.healed_acc, ".2f", 100), _fmt(r.retention, ".3f"),
+            _healed(r), _fmt(r.retention, ".3f"),
             "closed form" if fixed else _fmt(r.lr, ".2e"),
             *([_fmt_int(r.steps) if not fixed and pd.notna(r.steps) else "–"] if steps else []),
             "–" if fixed else _fmt_int(r.epochs),
             _fmt_trials(int(r.n_trials), int(r.n_failed)), str(r.healer),
+            *([_fmt(r.healed_acc_search, ".2f", 100) if r.n_reevaluated else "–"] if again else []),
             *(str(getattr(r, c)) for c in extra), str(r.run_id),
         ])
     return Table(headers, rows, [str(x) for x in best["run_id"]],
                  [str(x) for x in best["experiment_id"]])
+
+
+def _healed(r) -> str:
+    """The quoted healed accuracy: the re-evaluations' mean ± their std (n), or the winner's own when none."""
+    n = int(getattr(r, "n_reevaluated", 0) or 0)
+    if n == 0:
+        return _fmt(r.healed_acc, ".2f", 100)
+    sd = _num(getattr(r, "healed_acc_sd", None))
+    return f"{_fmt(r.healed_acc, '.2f', 100)} ± {_fmt(sd, '.2f', 100)} (n={n})" if sd is not None else \
+        f"{_fmt(r.healed_acc, '.2f', 100)} (n={n})"
 
 
 def _md_cell(text: str) -> str:

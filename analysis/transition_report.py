@@ -23,7 +23,7 @@ from .figures import allocation_figure, bands_figure, cts_figure, rr_heatmap
 __all__ = ["Sections", "build_sections", "HOW_TO_READ", "json_clean"]
 
 HOW_TO_READ = {
-    "bands": "Healed top-1 accuracy (mean ± std over seeds of the best trial per cell) against nominal "
+    "bands": "Healed top-1 accuracy (mean ± std over seeds of the quoted number per cell) against nominal "
              "sparsity, one panel per healer. Shading is the repairability band of each point: green = "
              "recoverable (retention ≥ {ret:g}), orange = transition, red = collapse (healed accuracy within "
              "{z:g} binomial standard errors of chance, given the evaluation set size). The hatched box is the "
