@@ -55,7 +55,9 @@ def test_findings_say_label_free_and_name_widened_cells():
                            "it (search.widen): magnitude/starfish 0.9 n=64 seed 0 (round 1: lr 0.0004–0.04, "
                            "steps 4–64).")
     (g,) = findings(_best(16), "m", [], None, {})
-    assert g.notes == []
+    assert f.notes[1] == g.notes[0] and len(g.notes) == 1  # what is quoted and how sure, on every grid
+    assert g.notes[0].startswith("Quoted numbers are each cell's best search trial (no re-evaluation: noise not "
+                                 "measured)")
 
 
 def test_widened_box_shifts_past_the_edges_hit():
