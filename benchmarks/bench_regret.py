@@ -14,17 +14,16 @@ search is run here on these cells alone.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._sweeps import REPO, quoted, run_spec, uptime  # noqa: E402
+
+
 SPARSITIES = [0.5, 0.9]
 
 
@@ -39,24 +38,9 @@ def cells_spec(default: dict, name: str, search: dict) -> dict:
 
 
 def run(spec: dict, out: Path, store: str, cache: str, reuse: bool) -> Path:
-    run_dir = out / spec["name"]
-    if reuse and (run_dir / "report.md").is_file():
-        return run_dir
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{spec['name']}.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", str(path), "--out", str(run_dir), "--store", store,
-                    "--cache", cache, "--quiet"], check=True, cwd=REPO)
-    print(f"{spec['name']}: {time.perf_counter() - t0:.0f} s", flush=True)
+    run_dir, secs = run_spec(spec, out / spec["name"], store, cache, reuse)
+    print(f"{spec['name']}: {secs:.0f} s", flush=True)
     return run_dir
-
-
-def quoted(run_dir: Path):
-    from analysis.reported import cell_results
-
-    meta = json.loads((run_dir / "sweep.json").read_text())
-    return cell_results(meta["tracking_uri"], meta["sweep_id"], meta.get("experiment") or "healsweep").set_index("cell_id")
 
 
 def main(argv=None) -> int:
@@ -71,11 +55,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     default = yaml.safe_load(Path(a.spec).read_text())
     out = Path(a.out)
-    print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), flush=True)
+    print("uptime:", uptime(), flush=True)
     oracle = quoted(run(cells_spec(default, "oracle", {"design": "grid", "lattice": list(a.lattice)}), out, a.store,
                         a.cache, a.reuse))
     sweeps = [Path(r) for r in a.runs] or [run(cells_spec(default, "sweep", {}), out, a.store, a.cache, a.reuse)]
-    print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    print("uptime:", uptime())
     print(f"oracle: {a.lattice[0]} x {a.lattice[1]} grid of (lr, steps) per cell, winner re-evaluated")
     print("cell          model          sparsity calib  oracle %  " + "  ".join(f"run{i} %  regret" for i in range(len(sweeps))))
     regrets = []

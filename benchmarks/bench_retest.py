@@ -17,41 +17,22 @@ Runs go through the real console script (``healsweep run``), quiet; ``uptime`` i
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._sweeps import REPO, quoted, run_spec, uptime  # noqa: E402
 
 
 def run_seed(spec_path: Path, seed: int, out: Path, store: str, cache: str, reuse: bool) -> tuple[Path, float]:
-    run_dir = out / f"seed{seed}"
-    if reuse and (run_dir / "report.md").is_file():
-        return run_dir, float("nan")
     spec = yaml.safe_load(spec_path.read_text())
     spec.setdefault("search", {})["sampler_seed"] = seed
     spec["name"] = f"{spec.get('name', 'retest')}-seed{seed}"
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"spec-seed{seed}.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", str(path), "--out", str(run_dir), "--store", store,
-                    "--cache", cache, "--quiet"], check=True, cwd=REPO)
-    return run_dir, time.perf_counter() - t0
-
-
-def results(run_dir: Path):
-    from analysis.reported import cell_results
-
-    meta = json.loads((run_dir / "sweep.json").read_text())
-    return cell_results(meta["tracking_uri"], meta["sweep_id"], meta.get("experiment") or "healsweep")
+    return run_spec(spec, out / f"seed{seed}", store, cache, reuse)
 
 
 def band(row) -> str:
@@ -67,16 +48,16 @@ def best_claims(df, grids) -> dict:
     from analysis.findings import best_rows
 
     out = {}
-    for (grid, model), g in df[df["grid"].isin(grids)].groupby(["grid", "model"]):
+    for (grid, model), g in df[df["grid"].isin(grids)].reset_index().groupby(["grid", "model"]):
         for r in best_rows(g):
             out[(grid, model, r["calib_size"], r["pattern"])] = (r["best"], r["resolved"])
     return out
 
 
 def compare(a, b, grids) -> dict:
-    key = "cell_id"
-    sa = a[a["grid"].isin(grids) & (a["lr"] > 0)].set_index(key)
-    sb = b[b["grid"].isin(grids) & (b["lr"] > 0)].set_index(key)
+    """a, b: ``quoted`` frames (indexed by cell id) of the two runs."""
+    sa = a[a["grid"].isin(grids) & (a["lr"] > 0)]
+    sb = b[b["grid"].isin(grids) & (b["lr"] > 0)]
     cells = sorted(set(sa.index) & set(sb.index))
     d = np.array([abs(float(sa.loc[c, "healed_acc"]) - float(sb.loc[c, "healed_acc"])) for c in cells]) * 100
     bands_agree = sum(band(sa.loc[c]) == band(sb.loc[c]) for c in cells)
@@ -106,12 +87,12 @@ def main(argv=None) -> int:
     ap.add_argument("--grids", nargs="+", default=["main"], help="grids compared (default: main)")
     ap.add_argument("--reuse", action="store_true", help="read run directories that already hold a report")
     a = ap.parse_args(argv)
-    print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), flush=True)
+    print("uptime:", uptime(), flush=True)
     runs = [run_seed(Path(a.spec), s, Path(a.out), a.store, a.cache, a.reuse) for s in a.seeds]
-    print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    print("uptime:", uptime())
     for (d, secs), s in zip(runs, a.seeds):
         print(f"sampler_seed {s}: {d} wall {secs:.0f} s")
-    r = compare(results(runs[0][0]), results(runs[1][0]), a.grids)
+    r = compare(quoted(runs[0][0]), quoted(runs[1][0]), a.grids)
     print(f"cells compared (grids {', '.join(a.grids)}, searched healers): {r['cells']}")
     print(f"|delta| of the quoted accuracy: median {r['median']:.2f} pp, p90 {r['p90']:.2f} pp, max {r['max']:.2f} pp")
     print(f"cells over 2 pp: {r['over2']}, over 5 pp: {r['over5']}; within 2 pp: {100 * r['within2']:.1f} %")
