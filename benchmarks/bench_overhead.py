@@ -47,7 +47,8 @@ STAGES = ("imports", "spec", "models", "ray", "dense", "diagnostics", "masks", "
 def spec_yaml(sparsities, trials: int, epochs: int, calib: int) -> str:
     return (f"name: bench_overhead\nmodels: [vit_digits]\nsparsities: {list(sparsities)}\ncalib_sizes: [{calib}]\n"
             f"pruners: [magnitude]\nhealers: [starfish]\nsearch:\n  trials_per_cell: {trials}\n"
-            f"  lr: [{LR_RANGE[0]}, {LR_RANGE[1]}]\n  epochs: [{epochs}, {epochs}]\n")
+            f"  lr: [{LR_RANGE[0]}, {LR_RANGE[1]}]\n  epochs: [{epochs}, {epochs}]\n"
+            "  reevaluate: 0\n")  # the same trials as the authors' loop: no re-evaluation of the winners
 
 
 # ------------------------------------------------------------------------------------ the authors' way
