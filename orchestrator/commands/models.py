@@ -16,9 +16,14 @@ def add_parser(sub):
                                    "cache (never over the shipped file); a spec uses it as "
                                    "{name: NAME, path: FILE, sha256: DIGEST}.")
     cmds = p.add_subparsers(dest="models_cmd", required=True, metavar="ACTION")
-    ls = cmds.add_parser("ls", help="list the reference models, their shipped weights and digests")
+    ls = cmds.add_parser("ls", help="list the reference models, their shipped weights and digests",
+                         description="One line per reference model: its shipped weights file, that file's sha256 "
+                                     "and evaluation accuracy, and the data seed its recipe trained on.")
     ls.set_defaults(func=main_ls)
-    ver = cmds.add_parser("verify", help="check the shipped files' sha256 (exit 2 when one does not match)")
+    ver = cmds.add_parser("verify", help="check the shipped files' sha256 (exit 2 when one does not match)",
+                          description="Hash every shipped weights file and compare it with the sha256 recorded "
+                                      "next to it. Exit code 0: every file matches; 2: one is missing or differs "
+                                      "(named on one line).")
     ver.set_defaults(func=main_verify)
     tr = cmds.add_parser("train", help="train a reference model into the model cache (a new checkpoint)",
                          description="Train reference model NAME with its recipe on the train split of --data-seed "

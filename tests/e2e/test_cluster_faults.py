@@ -53,6 +53,7 @@ def fault_sweep(tmp_path_factory, model_cache):
         "starfish", {"name": "test_flaky", "settings": {"marker_dir": str(marks)}},
         {"name": "test_nan", "settings": {"marker_dir": str(marks)}}])
     raw["search"]["epochs"] = [3, 3]
+    raw["search"]["reevaluate"] = 0  # retries are the subject: one trial per healer, no re-evaluations
     spec = override_resources(parse_spec(raw), cpu_only=True)
     os.environ["HEALSWEEP_CHECKPOINT_INTERVAL_S"] = "0"  # a checkpoint after every epoch (inherited by workers)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})

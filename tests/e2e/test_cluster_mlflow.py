@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 CACHE = os.environ.get("HEALSWEEP_TEST_CACHE", str(REPO / ".healsweep" / "models"))
 EXE = os.path.join(os.path.dirname(sys.executable), "healsweep")
 RAW = {"name": "ml", "models": ["vit_digits"], "sparsities": [0.9], "calib_sizes": [64], "pruners": ["magnitude"],
-       "healers": ["starfish"], "search": {"trials_per_cell": 2, "lr": [1e-3, 3e-3], "epochs": [1, 1]}}
+       "healers": ["starfish"], "search": {"trials_per_cell": 2, "lr": [1e-3, 3e-3], "epochs": [1, 1], "reevaluate": 0}}
 
 
 def _healsweep(*args, cwd, env=None, timeout=600):

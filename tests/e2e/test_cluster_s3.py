@@ -47,7 +47,7 @@ def test_one_s3_uri_and_no_shared_file_system_on_a_two_node_cluster(tmp_path, aw
     uri = f"s3://{aws_env['bucket']}/one?endpoint_override={aws_env['host']}&scheme=http"
     spec = parse_spec({"name": "s3", "models": ["vit_digits"], "sparsities": [0.9], "calib_sizes": [64],
                        "pruners": ["magnitude"], "healers": ["starfish"], "store": {"uri": uri, "shard_size": 16},
-                       "search": {"trials_per_cell": 2, "lr": [1e-3, 3e-3], "epochs": [1, 1]}})
+                       "search": {"trials_per_cell": 2, "lr": [1e-3, 3e-3], "epochs": [1, 1], "reevaluate": 0}})
     monkeypatch.setenv("RAY_ADDRESS", cpu0_head_cluster.address)  # what --address auto follows
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 

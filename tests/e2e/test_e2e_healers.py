@@ -15,10 +15,11 @@ SPEC = {"name": "healers-e2e", "models": ["vit_digits"], "sparsities": [0.9], "c
         "pruners": ["magnitude"], "seeds": [0, 1],
         "healers": ["starfish", "none", {"chain": ["none", "starfish"]}],
         # fixed lr/epochs: one trial per cell, so starfish and none+starfish see the same budget
-        "search": {"trials_per_cell": 1, "lr": [3.0e-3, 3.0e-3], "epochs": [4, 4]},
+        "search": {"trials_per_cell": 1, "lr": [3.0e-3, 3.0e-3], "epochs": [4, 4], "reevaluate": 0},
         # an extra grid with its own search budget: starfish alone on 128 images, 2 trials of 1 epoch
         "grids": [{"name": "wide", "calib_sizes": [128], "seeds": [0], "healers": ["starfish"],
-                   "search": {"trials_per_cell": 2, "lr": [1.0e-3, 3.0e-3], "epochs": [1, 1]}}]}
+                   "search": {"trials_per_cell": 2, "lr": [1.0e-3, 3.0e-3], "epochs": [1, 1],
+                              "reevaluate": 0}}]}
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ SPEC = {"name": "refinetiny", "models": ["resnet_digits"], "sparsities": [0.5, 0
         # refine mechanics, not BatchNorm: a 1–2 epoch heal on 64 images in train-mode BN (the default) moves the
         # running statistics only partly, so the frozen loop keeps the band labels of this test stable
         "healers": [{"name": "starfish", "settings": {"bn": "frozen"}}],
-        "search": {"trials_per_cell": 1, "lr": [1.0e-3, 3.0e-3], "epochs": [1, 2]}}
+        "search": {"trials_per_cell": 1, "lr": [1.0e-3, 3.0e-3], "epochs": [1, 2], "reevaluate": 0}}
 
 
 def test_refine_continues_the_same_sweep(tmp_path):
