@@ -45,18 +45,18 @@ def drop_epoch_checkpoints(experiment_dir: Path) -> int:
 
 
 def scheduler(spec: SweepSpec):
-    """ASHA on the per-epoch objective when the spec asks for it (only selection_acc is measured per epoch);
-    None: Tune's FIFO."""
-    if spec.search.scheduler != "asha":
-        return None
-    from ray.tune.schedulers import ASHAScheduler
+    """Tune's FIFO, or ASHA on the per-epoch objective when the spec asks for it (only selection_acc is measured
+    per epoch); both never hand a freed actor a trial whose own actor is starting (orchestrator/trial_scheduler.py:
+    a node that joins mid-sweep keeps the trials its actors start for)."""
+    from orchestrator.trial_scheduler import ASHA, FIFO
 
+    if spec.search.scheduler != "asha":
+        return FIFO()
     from orchestrator.spec.checks import OBJECTIVES
 
-    return ASHAScheduler(time_attr="epoch", metric=spec.search.objective, mode=OBJECTIVES[spec.search.objective],
-                         max_t=spec.search.epochs[1],
-                         grace_period=spec.search.asha_grace_period,
-                         reduction_factor=spec.search.asha_reduction_factor)
+    return ASHA(time_attr="epoch", metric=spec.search.objective, mode=OBJECTIVES[spec.search.objective],
+                max_t=spec.search.epochs[1], grace_period=spec.search.asha_grace_period,
+                reduction_factor=spec.search.asha_reduction_factor)
 
 
 def make_tuner(spec: SweepSpec, out_dir: Path, name: str, searcher, max_concurrent: int | None, callbacks: list):
