@@ -1,0 +1,259 @@
+"""Real ``ray start`` nodes on 127.0.0.1 (each its own temp dir and ports, stopped by PID) and a sweep run through
+the real console script against them, with a node that joins after the first trials: shared by
+tests/e2e/test_cluster_scaleout.py and benchmarks/bench_scaleout.py. No pytest import (the benchmark uses it)."""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+HEALSWEEP = os.path.join(os.path.dirname(sys.executable), "healsweep")
+# token auth off explicitly: Ray 2.60 turns it on for `ray start --head` when ~/.ray/auth_token exists (any earlier
+# local ray.init writes one), and a joining node or driver without the token is then refused
+NODE_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RayNode:
+    """One ``ray start --block`` process group; ``stop()`` ends it by its PID (the group it leads)."""
+    proc: subprocess.Popen
+    temp_dir: str
+    address: str  # the head's GCS address
+    log: str
+
+    @property
+    def logs_dir(self) -> Path:
+        return Path(self.temp_dir) / "session_latest" / "logs"
+
+    def node_id(self, timeout: float = 60) -> str:
+        """This node's Ray node id, read from its raylet's log."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            for f in glob.glob(str(self.logs_dir / "raylet.out")):
+                m = re.search(r"[Nn]ode[ _]?[Ii][Dd][:= ]+([0-9a-f]{56})", Path(f).read_text(errors="replace"))
+                if m:
+                    return m.group(1)
+            self._check_alive()
+            time.sleep(0.2)
+        raise TimeoutError(f"no node id in {self.logs_dir}/raylet.out")
+
+    def _check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"ray start exited rc={self.proc.returncode}: {Path(self.log).read_text()[-2000:]}")
+
+    def stop(self, grace: float = 5) -> None:
+        """SIGTERM to the process group ``ray start`` leads, SIGKILL after ``grace`` seconds (Ray drains up to 30 s),
+        then any process of this node that left the group (its command line names the node's temp dir)."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def pids(self) -> list[int]:
+        """Live processes whose command line names this node's temp dir."""
+        out = []
+        for d in glob.glob("/proc/[0-9]*/cmdline"):
+            try:
+                if self.temp_dir.encode() in Path(d).read_bytes():
+                    out.append(int(d.split("/")[2]))
+            except OSError:
+                continue
+        return [p for p in out if p != os.getpid()]
+
+
+def start_node(num_cpus: int, head_address: str | None = None, env: dict | None = None) -> RayNode:
+    """A head (``head_address`` None) or a node joining ``head_address``, on 127.0.0.1 with free ports."""
+    temp = tempfile.mkdtemp(prefix="hs-ray-", dir="/tmp")  # short: Ray's socket paths are length-limited
+    ports = ["--node-manager-port", free_port(), "--object-manager-port", free_port(),
+             "--dashboard-agent-listen-port", free_port(), "--dashboard-agent-grpc-port", free_port(),
+             "--runtime-env-agent-port", free_port(), "--metrics-export-port", free_port()]
+    if head_address is None:
+        gcs = free_port()
+        address = f"127.0.0.1:{gcs}"
+        role = ["--head", "--port", gcs, "--include-dashboard", "false", "--dashboard-port", free_port()]
+    else:
+        address, role = head_address, ["--address", head_address]
+    cmd = [RAY, "start", *map(str, role + ports), "--node-ip-address", "127.0.0.1", "--num-cpus", str(num_cpus),
+           "--num-gpus", "0", "--object-store-memory", str(80 * 1024 * 1024), "--temp-dir", temp, "--block",
+           "--disable-usage-stats"]
+    log = os.path.join(temp, "ray_start.log")
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **NODE_ENV, **(env or {})})
+    node = RayNode(proc, temp, address, log)
+    try:
+        node.node_id()  # its raylet is up
+    except BaseException:
+        node.stop()
+        raise
+    return node
+
+
+# ------------------------------------------------------------------------------------------ a sweep on nodes
+@dataclass
+class Trials:
+    """What MLflow holds for one sweep's trials: node, status, start time (ms) of each child run."""
+    runs: list = field(default_factory=list)
+
+    def per_node(self, after_ms: int = 0) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.runs:
+            if r.info.start_time >= after_ms:
+                node = r.data.tags.get("node_id", "?")
+                out[node] = out.get(node, 0) + 1
+        return out
+
+    @property
+    def trial_ids(self) -> list[str]:
+        return [r.data.tags["trial_id"] for r in self.runs]
+
+    @property
+    def run_twice(self) -> int:
+        """Trials with more than one child run, or whose one run ran on more than one node (restarted)."""
+        ids = self.trial_ids
+        return (len(ids) - len(set(ids))) + sum(len(r.data.tags.get("nodes", "").split(",")) > 1 for r in self.runs)
+
+    @property
+    def failed(self) -> int:
+        return sum(r.info.status != "FINISHED" for r in self.runs)
+
+
+def read_trials(run_dir: Path) -> Trials:
+    import json
+
+    from mlflow import MlflowClient
+
+    info = json.loads((Path(run_dir) / "sweep.json").read_text())
+    client = MlflowClient(info["tracking_uri"])
+    exp = client.get_experiment_by_name(info["experiment"])
+    return Trials(client.search_runs([exp.experiment_id], f"tags.sweep_id = '{info['sweep_id']}' and "
+                                                          "tags.`healsweep.role` = 'trial'", max_results=5000))
+
+
+def completed(run_dir: Path) -> int:
+    """Trials told COMPLETE in the run directory's Optuna journal (0 before it exists)."""
+    from optuna.trial import TrialState
+
+    from orchestrator.resume import told_states
+
+    journal = Path(run_dir) / "optuna.journal"
+    return sum(s == TrialState.COMPLETE for s in told_states(journal).values()) if journal.exists() else 0
+
+
+def scaleout_spec(path: Path, trials_per_cell: int = 8) -> Path:
+    """configs/tiny.yaml (4 cells, trials of a few seconds) with ``trials_per_cell`` trials per cell."""
+    import yaml
+
+    raw = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    raw["name"] = "scaleout"
+    raw["search"]["trials_per_cell"] = trials_per_cell
+    Path(path).write_text(yaml.safe_dump(raw))
+    return Path(path)
+
+
+def sweep_cmd(spec: Path, out: Path, store: Path, cache: Path, address: str | None) -> list[str]:
+    return [HEALSWEEP, "run", str(spec), "--out", str(out), "--store", str(store), "--cache", str(cache), "--quiet",
+            "--no-report", *(["--address", address] if address else [])]
+
+
+@dataclass
+class SweepOnNodes:
+    wall: float
+    trials: Trials
+    join_ms: int  # when the late node's raylet was up (ms since the epoch); 0 without one
+    late_id: str | None
+    head_id: str
+    started_actors: dict[str, int]  # per node: trial actors started
+    killed_actors: dict[str, int]  # per node: trial actors that ended before running a trial
+
+
+def run_on_nodes(spec: Path, work: Path, store: Path, cache: Path, head_cpus: int, node_cpus: int = 0,
+                 join_after: int | None = None, timeout: float = 900) -> SweepOnNodes:
+    """A head with ``head_cpus`` CPUs (plus, with ``node_cpus`` and ``join_after`` None, a node with ``node_cpus``
+    from the start), the sweep through the console script with ``--address``; with ``join_after`` the node starts
+    once that many trials are COMPLETE. Every process is stopped by PID at the end."""
+    out, nodes = Path(work) / "run", []
+    env = {**os.environ, **NODE_ENV}
+    try:
+        nodes.append(start_node(head_cpus))
+        if node_cpus and join_after is None:
+            nodes.append(start_node(node_cpus, nodes[0].address))
+        t0, join_ms = time.monotonic(), 0
+        with open(Path(work) / "sweep.log", "w") as log:
+            proc = subprocess.Popen(sweep_cmd(spec, out, store, cache, nodes[0].address), stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO, env=env)
+        try:
+            while join_after is not None and completed(out) < join_after and proc.poll() is None:
+                assert time.monotonic() - t0 < timeout, "the sweep did not reach the join point"
+                time.sleep(0.2)
+            if join_after is not None and proc.poll() is None:
+                nodes.append(start_node(node_cpus, nodes[0].address))
+                join_ms = int(time.time() * 1000)
+            rc = proc.wait(max(1.0, timeout - (time.monotonic() - t0)))
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        wall = time.monotonic() - t0
+        if rc != 0:
+            raise RuntimeError(f"sweep exited {rc}: {(Path(work) / 'sweep.log').read_text()[-3000:]}")
+        ids, trials = [n.node_id() for n in nodes], read_trials(out)
+        actors = {i: trial_actors(n.logs_dir, {r.data.tags.get("pid") for r in trials.runs if
+                                               r.data.tags.get("node_id") == i}) for i, n in zip(ids, nodes)}
+        return SweepOnNodes(wall, trials, join_ms, ids[1] if len(ids) > 1 else None, ids[0],
+                            {i: len(a) for i, a in actors.items()},
+                            {i: sum(not ran for ran in a.values()) for i, a in actors.items()})
+    finally:
+        for n in reversed(nodes):
+            n.stop()
+
+
+TRAINABLE = "tune_trainable"  # orchestrator.trainable's function: Ray's actor name for a trial actor
+
+
+def trial_actors(logs_dir: Path, trial_pids: set[str]) -> dict[str, bool]:
+    """{pid: ran a trial} for every trial actor a node started: Ray writes ``:actor_name:tune_trainable`` at the top
+    of the worker's ``worker-<id>-<job>-<pid>.out`` when the actor's constructor starts; a trial's child run is
+    tagged with the pid of the process that finished it (``pid``)."""
+    out = {}
+    for f in glob.glob(str(Path(logs_dir) / "worker-*.out")):
+        try:
+            head = Path(f).read_text(errors="replace")[:4000]
+        except OSError:
+            continue
+        if f":actor_name:{TRAINABLE}" in head:
+            pid = f.rsplit("-", 1)[1].split(".")[0]
+            out[pid] = pid in trial_pids
+    return out
