@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.ray_nodes import REPO, run_on_nodes, scaleout_spec  # noqa: E402
+from tests.ray_nodes import REPO, join_after, run_on_nodes, scaleout_spec  # noqa: E402
 
 
 def uptime() -> str:
@@ -39,8 +39,8 @@ def describe(name: str, r, base: float | None) -> list[str]:
              f"run twice {r.trials.run_twice}",
              "  trial actors started " + str({short[k]: v for k, v in r.started_actors.items()})
              + ", stopped before running a trial " + str({short[k]: v for k, v in r.killed_actors.items()})]
-    if r.join_ms:
-        after = r.trials.per_node(r.join_ms)
+    if r.event_ms:
+        after = r.trials.per_node(r.event_ms)
         n, late = sum(after.values()), after.get(r.late_id, 0)
         lines.append(f"  after the node joined: {n} trials started, {late} on the late node"
                      + (f" ({late / n:.0%})" if n else ""))
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
         # a first sweep fills the target store and the model facts: every measured case then starts warm
         run_on_nodes(spec, root / "warm", store, Path(a.cache), head_cpus=a.one_cpus)
         cases = [("one node", dict(head_cpus=a.one_cpus)), ("two nodes", dict(head_cpus=1, node_cpus=2)),
-                 ("late join", dict(head_cpus=1, node_cpus=2, join_after=a.join_after))]
+                 ("late join", dict(head_cpus=1, event=join_after(a.join_after, 2)))]
         base = None
         for name, kw in cases:
             work = root / name.replace(" ", "_")

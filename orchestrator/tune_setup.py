@@ -45,18 +45,18 @@ def drop_epoch_checkpoints(experiment_dir: Path) -> int:
 
 
 def scheduler(spec: SweepSpec):
-    """Tune's FIFO, or ASHA on the per-epoch objective when the spec asks for it (only selection_acc is measured
-    per epoch); both never hand a freed actor a trial whose own actor is starting (orchestrator/trial_scheduler.py:
-    a node that joins mid-sweep keeps the trials its actors start for)."""
-    from orchestrator.trial_scheduler import ASHA, FIFO
-
+    """ASHA on the per-epoch objective when the spec asks for it (only selection_acc is measured per epoch);
+    None: Tune's FIFO."""
     if spec.search.scheduler != "asha":
-        return FIFO()
+        return None
+    from ray.tune.schedulers import ASHAScheduler
+
     from orchestrator.spec.checks import OBJECTIVES
 
-    return ASHA(time_attr="epoch", metric=spec.search.objective, mode=OBJECTIVES[spec.search.objective],
-                max_t=spec.search.epochs[1], grace_period=spec.search.asha_grace_period,
-                reduction_factor=spec.search.asha_reduction_factor)
+    return ASHAScheduler(time_attr="epoch", metric=spec.search.objective, mode=OBJECTIVES[spec.search.objective],
+                         max_t=spec.search.epochs[1],
+                         grace_period=spec.search.asha_grace_period,
+                         reduction_factor=spec.search.asha_reduction_factor)
 
 
 def make_tuner(spec: SweepSpec, out_dir: Path, name: str, searcher, max_concurrent: int | None, callbacks: list):
@@ -64,7 +64,10 @@ def make_tuner(spec: SweepSpec, out_dir: Path, name: str, searcher, max_concurre
     results and checkpoints under ``out_dir/tune/name`` (one checkpoint kept per trial, for retries)."""
     from ray import tune
 
+    from orchestrator.actor_reuse import spare_starting_actors
     from orchestrator.trainable import tune_trainable
+
+    spare_starting_actors()  # a freed actor never takes a trial whose own actor is starting (a node that just joined)
 
     return tune.Tuner(
         tune.with_resources(tune_trainable, {"cpu": spec.resources.cpus_per_trial,

@@ -24,6 +24,13 @@ HEALSWEEP = os.path.join(os.path.dirname(sys.executable), "healsweep")
 NODE_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 
 
+def _read(path: Path) -> str:
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -37,26 +44,42 @@ class RayNode:
     temp_dir: str
     address: str  # the head's GCS address
     log: str
+    _id: str = ""
 
     @property
     def logs_dir(self) -> Path:
         return Path(self.temp_dir) / "session_latest" / "logs"
 
     def node_id(self, timeout: float = 60) -> str:
-        """This node's Ray node id, read from its raylet's log."""
+        """This node's Ray node id, read from its raylet's log (once)."""
         t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            for f in glob.glob(str(self.logs_dir / "raylet.out")):
-                m = re.search(r"[Nn]ode[ _]?[Ii][Dd][:= ]+([0-9a-f]{56})", Path(f).read_text(errors="replace"))
-                if m:
-                    return m.group(1)
+        while not self._id:
+            m = re.search(r"[Nn]ode[ _]?[Ii][Dd][:= ]+([0-9a-f]{56})", _read(self.logs_dir / "raylet.out"))
+            if m:
+                self._id = m.group(1)
+                break
             self._check_alive()
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"no node id in {self.logs_dir}/raylet.out")
             time.sleep(0.2)
-        raise TimeoutError(f"no node id in {self.logs_dir}/raylet.out")
+        return self._id
 
     def _check_alive(self) -> None:
         if self.proc.poll() is not None:
             raise RuntimeError(f"ray start exited rc={self.proc.returncode}: {Path(self.log).read_text()[-2000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL to every process of this node (a machine that dies); its logs stay until :meth:`stop`."""
+        for pid in ([self.proc.pid] if self.proc.poll() is None else []) + self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
 
     def stop(self, grace: float = 5) -> None:
         """SIGTERM to the process group ``ray start`` leads, SIGKILL after ``grace`` seconds (Ray drains up to 30 s),
@@ -65,20 +88,9 @@ class RayNode:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
                 self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
+            except (subprocess.TimeoutExpired, ProcessLookupError):
                 pass
-            except ProcessLookupError:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(10)
-        for pid in self.pids():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self.kill()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def pids(self) -> list[int]:
@@ -192,35 +204,53 @@ def sweep_cmd(spec: Path, out: Path, store: Path, cache: Path, address: str | No
 class SweepOnNodes:
     wall: float
     trials: Trials
-    join_ms: int  # when the late node's raylet was up (ms since the epoch); 0 without one
-    late_id: str | None
+    event_ms: int  # when the event happened (the late node's raylet up, the node killed), ms since the epoch
+    late_id: str | None  # the second node's id
     head_id: str
     started_actors: dict[str, int]  # per node: trial actors started
     killed_actors: dict[str, int]  # per node: trial actors that ended before running a trial
 
 
+def join_after(trials: int, cpus: int):
+    """Event: a ``cpus``-CPU node starts once ``trials`` trials are COMPLETE."""
+    def event(out: Path, nodes: list, alive) -> int:
+        while completed(out) < trials and alive():
+            time.sleep(0.2)
+        nodes.append(start_node(cpus, nodes[0].address))
+        return int(time.time() * 1000)
+    return event
+
+
+def kill_node_after(trials: int):
+    """Event: the second node is killed (SIGKILL, every process of it) once it finished ``trials`` trials: it is
+    then running its next ones (trial actors are reused back to back)."""
+    def event(out: Path, nodes: list, alive) -> int:
+        node_id = nodes[1].node_id()
+        while alive() and sum(r.data.tags.get("node_id") == node_id for r in read_trials(out).runs) < trials:
+            time.sleep(0.3)
+        nodes[1].kill()
+        return int(time.time() * 1000)
+    return event
+
+
 def run_on_nodes(spec: Path, work: Path, store: Path, cache: Path, head_cpus: int, node_cpus: int = 0,
-                 join_after: int | None = None, timeout: float = 900) -> SweepOnNodes:
-    """A head with ``head_cpus`` CPUs (plus, with ``node_cpus`` and ``join_after`` None, a node with ``node_cpus``
-    from the start), the sweep through the console script with ``--address``; with ``join_after`` the node starts
-    once that many trials are COMPLETE. Every process is stopped by PID at the end."""
-    out, nodes = Path(work) / "run", []
-    env = {**os.environ, **NODE_ENV}
+                 event=None, timeout: float = 900) -> SweepOnNodes:
+    """A head with ``head_cpus`` CPUs (plus a node with ``node_cpus`` from the start, if given), the sweep through
+    the console script with ``--address``, and ``event`` (:func:`join_after`, :func:`kill_node_after`) while it
+    runs. Every process is stopped by PID at the end."""
+    out, nodes, event_ms = Path(work) / "run", [], 0
     try:
         nodes.append(start_node(head_cpus))
-        if node_cpus and join_after is None:
+        if node_cpus:
             nodes.append(start_node(node_cpus, nodes[0].address))
-        t0, join_ms = time.monotonic(), 0
+        t0 = time.monotonic()
         with open(Path(work) / "sweep.log", "w") as log:
             proc = subprocess.Popen(sweep_cmd(spec, out, store, cache, nodes[0].address), stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO, env=env)
+                                    stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
+                                    env={**os.environ, **NODE_ENV})
         try:
-            while join_after is not None and completed(out) < join_after and proc.poll() is None:
-                assert time.monotonic() - t0 < timeout, "the sweep did not reach the join point"
-                time.sleep(0.2)
-            if join_after is not None and proc.poll() is None:
-                nodes.append(start_node(node_cpus, nodes[0].address))
-                join_ms = int(time.time() * 1000)
+            if event is not None:
+                event_ms = event(out, nodes, lambda: proc.poll() is None and time.monotonic() - t0 < timeout)
             rc = proc.wait(max(1.0, timeout - (time.monotonic() - t0)))
         finally:
             if proc.poll() is None:
@@ -232,7 +262,7 @@ def run_on_nodes(spec: Path, work: Path, store: Path, cache: Path, head_cpus: in
         ids, trials = [n.node_id() for n in nodes], read_trials(out)
         actors = {i: trial_actors(n.logs_dir, {r.data.tags.get("pid") for r in trials.runs if
                                                r.data.tags.get("node_id") == i}) for i, n in zip(ids, nodes)}
-        return SweepOnNodes(wall, trials, join_ms, ids[1] if len(ids) > 1 else None, ids[0],
+        return SweepOnNodes(wall, trials, event_ms, ids[1] if len(ids) > 1 else None, ids[0],
                             {i: len(a) for i, a in actors.items()},
                             {i: sum(not ran for ran in a.values()) for i, a in actors.items()})
     finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ray_nodes import REPO, run_on_nodes, scaleout_spec
+from tests.ray_nodes import REPO, completed, join_after, kill_node_after, run_on_nodes, scaleout_spec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 CACHE = Path(os.environ.get("HEALSWEEP_TEST_CACHE", REPO / ".healsweep" / "models"))
@@ -21,12 +21,29 @@ JOIN_AFTER = 3  # trials COMPLETE before the second node starts
 
 def test_a_node_joining_mid_sweep_takes_its_share_of_short_trials(tmp_path):
     spec = scaleout_spec(tmp_path / "spec.yaml")
-    r = run_on_nodes(spec, tmp_path, tmp_path / "store", CACHE, head_cpus=1, node_cpus=2, join_after=JOIN_AFTER)
+    r = run_on_nodes(spec, tmp_path, tmp_path / "store", CACHE, head_cpus=1, event=join_after(JOIN_AFTER, 2))
     t = r.trials
-    assert len(t.runs) == 32 and len(set(t.trial_ids)) == 32
+    assert sum(r.data.tags.get("stage") != "reevaluate" for r in t.runs) == 32  # + the winners' re-evaluations
+    assert len(set(t.trial_ids)) == len(t.runs) == completed(tmp_path / "run")  # each told to Optuna once
     assert t.failed == 0 and t.run_twice == 0, [(r.data.tags.get("trial_id"), r.info.status) for r in t.runs]
     assert set(t.per_node()) <= {r.head_id, r.late_id}  # every trial has the node id it ran on
-    after = t.per_node(r.join_ms)
+    after = t.per_node(r.event_ms)
     assert sum(after.values()) >= 16, after  # the node joined while most of the sweep was still ahead
     assert 3 * after.get(r.late_id, 0) >= sum(after.values()), after
     assert r.started_actors[r.late_id] >= 1 and r.killed_actors[r.late_id] == 0, r
+
+
+def test_a_node_dying_mid_trial_loses_nothing(tmp_path):
+    """A 1-CPU head and a 2-CPU node; the node is killed (SIGKILL, every process of it) once it finished a trial,
+    so it dies while running its next ones: their attempts are retried on the head (Tune's max_failures), every
+    trial finishes once, with one MLflow child run each (the retried ones tagged ``retries``)."""
+    spec = scaleout_spec(tmp_path / "spec.yaml", trials_per_cell=4)
+    r = run_on_nodes(spec, tmp_path, tmp_path / "store", CACHE, head_cpus=1, node_cpus=2, event=kill_node_after(1))
+    t = r.trials
+    assert sum(x.data.tags.get("stage") != "reevaluate" for x in t.runs) == 16
+    assert len(set(t.trial_ids)) == len(t.runs) == completed(tmp_path / "run") and t.failed == 0
+    retried = [x for x in t.runs if x.data.tags.get("retries")]
+    assert retried, "the node died between trials: nothing was running on it"
+    assert all(x.data.tags["node_id"] == r.head_id for x in retried)  # finished on the head
+    after = t.per_node(r.event_ms + 1)
+    assert set(after) == {r.head_id}, after  # nothing started on the dead node after it died
