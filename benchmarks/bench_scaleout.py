@@ -60,6 +60,7 @@ def main(argv=None) -> int:
         spec = scaleout_spec(root / "spec.yaml", a.trials_per_cell)
         store = root / "store"
         # a first sweep fills the target store and the model facts: every measured case then starts warm
+        (root / "warm").mkdir()
         run_on_nodes(spec, root / "warm", store, Path(a.cache), head_cpus=a.one_cpus)
         cases = [("one node", dict(head_cpus=a.one_cpus)), ("two nodes", dict(head_cpus=1, node_cpus=2)),
                  ("late join", dict(head_cpus=1, event=join_after(a.join_after, 2)))]

@@ -167,9 +167,14 @@ def read_trials(run_dir: Path) -> Trials:
 
     from mlflow import MlflowClient
 
-    info = json.loads((Path(run_dir) / "sweep.json").read_text())
+    meta = Path(run_dir) / "sweep.json"
+    if not meta.exists():
+        return Trials()  # the sweep has not started yet
+    info = json.loads(meta.read_text())
     client = MlflowClient(info["tracking_uri"])
     exp = client.get_experiment_by_name(info["experiment"])
+    if exp is None:
+        return Trials()
     return Trials(client.search_runs([exp.experiment_id], f"tags.sweep_id = '{info['sweep_id']}' and "
                                                           "tags.`healsweep.role` = 'trial'", max_results=5000))
 
@@ -226,11 +231,19 @@ def kill_node_after(trials: int):
     then running its next ones (trial actors are reused back to back)."""
     def event(out: Path, nodes: list, alive) -> int:
         node_id = nodes[1].node_id()
-        while alive() and sum(r.data.tags.get("node_id") == node_id for r in read_trials(out).runs) < trials:
+        while alive() and _finished_on(out, node_id) < trials:
             time.sleep(0.3)
         nodes[1].kill()
         return int(time.time() * 1000)
     return event
+
+
+def _finished_on(out: Path, node_id: str) -> int:
+    """Trials finished on ``node_id`` so far; 0 until the trials stage started: MLflow must not open the SQLite store
+    while the driver is still creating it (a client would create tables of its own in the same file)."""
+    if completed(out) == 0:
+        return 0
+    return sum(r.data.tags.get("node_id") == node_id for r in read_trials(out).runs)
 
 
 def run_on_nodes(spec: Path, work: Path, store: Path, cache: Path, head_cpus: int, node_cpus: int = 0,

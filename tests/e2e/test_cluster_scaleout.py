@@ -33,10 +33,14 @@ def test_a_node_joining_mid_sweep_takes_its_share_of_short_trials(tmp_path):
     assert r.started_actors[r.late_id] >= 1 and r.killed_actors[r.late_id] == 0, r
 
 
+@pytest.mark.xfail(strict=True, reason="known bug (2026-11-24): the trials running on the killed node end FAILED "
+                   "without a child run and the sweep exits 1 (Tune logs ActorUnavailableError; Ray marks the node "
+                   "dead ~20 s later); see the README's scale-out section")
 def test_a_node_dying_mid_trial_loses_nothing(tmp_path):
     """A 1-CPU head and a 2-CPU node; the node is killed (SIGKILL, every process of it) once it finished a trial,
-    so it dies while running its next ones: their attempts are retried on the head (Tune's max_failures), every
-    trial finishes once, with one MLflow child run each (the retried ones tagged ``retries``)."""
+    so it dies while running its next ones: wanted, their attempts retried on the head (Tune's max_failures), every
+    trial finishing once, with one MLflow child run each (the retried ones tagged ``retries``). Measured: the 2
+    trials that ran on the node ended FAILED with no child run, the sweep exited 1 (22 of 24 finished)."""
     spec = scaleout_spec(tmp_path / "spec.yaml", trials_per_cell=4)
     r = run_on_nodes(spec, tmp_path, tmp_path / "store", CACHE, head_cpus=1, node_cpus=2, event=kill_node_after(1))
     t = r.trials
