@@ -32,9 +32,19 @@ def _read(path: Path) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free now (all bound at once, so none is handed out twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 @dataclass
@@ -108,13 +118,12 @@ class RayNode:
 def start_node(num_cpus: int, head_address: str | None = None, env: dict | None = None) -> RayNode:
     """A head (``head_address`` None) or a node joining ``head_address``, on 127.0.0.1 with free ports."""
     temp = tempfile.mkdtemp(prefix="hs-ray-", dir="/tmp")  # short: Ray's socket paths are length-limited
-    ports = ["--node-manager-port", free_port(), "--object-manager-port", free_port(),
-             "--dashboard-agent-listen-port", free_port(), "--dashboard-agent-grpc-port", free_port(),
-             "--runtime-env-agent-port", free_port(), "--metrics-export-port", free_port()]
+    p = free_ports(8)
+    ports = ["--node-manager-port", p[0], "--object-manager-port", p[1], "--dashboard-agent-listen-port", p[2],
+             "--dashboard-agent-grpc-port", p[3], "--runtime-env-agent-port", p[4], "--metrics-export-port", p[5]]
     if head_address is None:
-        gcs = free_port()
-        address = f"127.0.0.1:{gcs}"
-        role = ["--head", "--port", gcs, "--include-dashboard", "false", "--dashboard-port", free_port()]
+        address = f"127.0.0.1:{p[6]}"
+        role = ["--head", "--port", p[6], "--include-dashboard", "false", "--dashboard-port", p[7]]
     else:
         address, role = head_address, ["--address", head_address]
     cmd = [RAY, "start", *map(str, role + ports), "--node-ip-address", "127.0.0.1", "--num-cpus", str(num_cpus),
