@@ -6,12 +6,14 @@
   hands the driver's environment the sweep needs (:data:`ENV_PREFIXES`) to every worker through the job's
   ``runtime_env``: on a real cluster workers are started by their node's raylet, not by the driver.
 * :func:`tune_concurrency` is the concurrency policy: no cap unless ``resources.max_concurrent`` is set, so trials
-  queue and a node that joins later (or an autoscaler that sees the demand) receives them.
+  queue and a node that joins later (or an autoscaler that sees the demand) receives them; :func:`pending_limit`
+  lets Tune keep the sweep's trials PENDING (not the CPUs present at start).
 * :func:`check_store_uri` probes a remote store URI once so an unreachable endpoint or a missing bucket is one
   line, not an AWS traceback from a worker.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -194,17 +196,38 @@ def present_concurrency(resources, cluster: dict) -> int:
 def tune_concurrency(resources, cluster: dict) -> int | None:
     """Tune's ``max_concurrent_trials``: only the user's cap (``resources.max_concurrent``). Without one, Tune
     queues trials for resources that are not there yet, so nodes that join later run them and an autoscaler sees
-    the demand. With a custom searcher Tune keeps only 1 trial PENDING; :func:`pending_trials` raises that."""
+    the demand. With a custom searcher Tune keeps only 1 trial PENDING; :func:`pending_limit` raises that."""
     return resources.max_concurrent or None
 
 
-def pending_trials(resources, cluster: dict) -> int:
-    """Trials Tune keeps PENDING (``TUNE_MAX_PENDING_TRIALS_PG``; the user's value wins): as many as run now,
-    so an autoscaler sees demand for about one more cluster's worth of trials and scales up."""
-    user = os.environ.get("TUNE_MAX_PENDING_TRIALS_PG")
-    if user and user.isdigit():
+PENDING_CAP = 200  # Ray Tune's own floor for its variant generator's pending trials ("fast autoscaling")
+
+
+def pending_trials(resources, trials: int, environ=None) -> int:
+    """Trials Tune keeps PENDING (``TUNE_MAX_PENDING_TRIALS_PG``; the user's value wins): the sweep's trials, at
+    most ``resources.max_concurrent`` (when set) or :data:`PENDING_CAP`. Never the CPUs present at start: a 1-CPU
+    head would let Tune request one actor at a time, so a node joining later gets at most one trial's actor and an
+    autoscaler sees demand for one trial. The searcher still hands out only trials it can suggest now (a cell's TPE
+    trials wait for its earlier ones), so the limit changes no suggestion."""
+    user = (os.environ if environ is None else environ).get("TUNE_MAX_PENDING_TRIALS_PG", "")
+    if user.isdigit() and int(user) > 0:
         return int(user)
-    return present_concurrency(resources, cluster)
+    return max(1, min(trials, resources.max_concurrent or PENDING_CAP))
+
+
+@contextlib.contextmanager
+def pending_limit(resources, trials: int):
+    """``TUNE_MAX_PENDING_TRIALS_PG`` = :func:`pending_trials` while Tune runs (Tune reads it when ``fit`` starts),
+    then the user's value (or none) again, so a second sweep in the same process does not take it for the user's."""
+    before = os.environ.get("TUNE_MAX_PENDING_TRIALS_PG")
+    os.environ["TUNE_MAX_PENDING_TRIALS_PG"] = str(pending_trials(resources, trials))
+    try:
+        yield int(os.environ["TUNE_MAX_PENDING_TRIALS_PG"])
+    finally:
+        if before is None:
+            os.environ.pop("TUNE_MAX_PENDING_TRIALS_PG", None)
+        else:
+            os.environ["TUNE_MAX_PENDING_TRIALS_PG"] = before
 
 
 # ------------------------------------------------------------------------------------------ store URI

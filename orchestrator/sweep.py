@@ -262,8 +262,6 @@ def tune_stage(s: _Sweep, progress: bool) -> None:
 
         t["concurrency"] = cluster.present_concurrency(spec.resources, ray.cluster_resources())  # at start; logged
 
-        os.environ["TUNE_MAX_PENDING_TRIALS_PG"] = str(  # queue trials for nodes that join later (autoscaling)
-            cluster.pending_trials(spec.resources, ray.cluster_resources()))
         t["max_concurrent"] = cluster.tune_concurrency(spec.resources, {})
         t["writer"] = writer = AsyncMlflowWriter(s.client)
         from orchestrator.tune_stop import InterruptStopper
@@ -287,7 +285,8 @@ def tune_stage(s: _Sweep, progress: bool) -> None:
                            stop=InterruptStopper())
     t0, t["freed"] = time.perf_counter(), 0
     if searcher.total:
-        tuner.fit()
+        with cluster.pending_limit(spec.resources, searcher.total):  # trials queue for nodes that join later
+            tuner.fit()
         t["freed"] = drop_epoch_checkpoints(s.out_dir / "tune" / name)
     t["seconds"] = time.perf_counter() - t0
     clock.add("trials", t["seconds"])

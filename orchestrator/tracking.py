@@ -129,9 +129,11 @@ class MlflowTrialLogger(Callback):
             if params:
                 self.writer.submit(lambda get=self._run_id(key), ps=params: self.client.log_batch(get(), params=ps))
         self.writer.log_metrics(self._run_id(key), metrics)
-        if result.get("final") and "node_id" in result:
-            node = str(result["node_id"])
-            self.writer.submit(lambda: self.client.set_tag(self.runs[key], "node_id", node))
+        if result.get("final") and "node_id" in result:  # where it ran: node, and the process (Ray's worker
+            # logs on that node are worker-*-<pid>.out/.err)
+            tags = [RunTag("node_id", str(result["node_id"]))] + ([RunTag("pid", str(result["pid"]))]
+                                                                  if "pid" in result else [])
+            self.writer.submit(lambda: self.client.log_batch(self.runs[key], tags=tags))
 
     @_timed
     def on_trial_recover(self, iteration, trials, trial, **info):

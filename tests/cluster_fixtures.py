@@ -8,26 +8,20 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 
 import pytest
 
+from tests.ray_nodes import free_port
+
 # A cluster_utils node's workers inherit os.environ as it is when the node starts: strip what only the driver
 # may have, or "workers don't get the driver's environment" could never fail.
 DRIVER_ONLY = ("AWS_", "MLFLOW_", "HF_", "HEALSWEEP_")
 NODE_ARGS = dict(include_dashboard=False, object_store_memory=80 * 1024 * 1024, num_gpus=0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_scrubbed(fn, *a, **kw):
@@ -55,38 +49,9 @@ def make_cluster(monkeypatch, head_cpus: int):
         cluster.shutdown()
 
 
-@pytest.fixture
-def ray_cluster(monkeypatch):
-    """A 1-CPU head (cluster_utils), driver not connected. Add nodes with add_node() from the MAIN thread."""
-    yield from make_cluster(monkeypatch, 1)
-
-
 def add_node(cluster, **node_args):
     """Must run in the main thread (Ray's Node installs a SIGTERM handler)."""
     return start_scrubbed(cluster.add_node, **{**NODE_ARGS, **node_args})
-
-
-class Background(threading.Thread):
-    """fn() in a thread; join_result() re-raises its exception."""
-
-    def __init__(self, fn):
-        super().__init__(daemon=True)
-        self.fn, self.result, self.exc = fn, None, None
-        self.start()
-
-    def run(self):
-        try:
-            self.result = self.fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in join_result
-            self.exc = e
-
-    def join_result(self, timeout=None):
-        self.join(timeout)
-        if self.is_alive():
-            raise TimeoutError("background work did not finish")
-        if self.exc is not None:
-            raise self.exc
-        return self.result
 
 
 # ------------------------------------------------------------------------------------------ S3 (moto)

@@ -122,7 +122,7 @@ def heal_case():
 
 
 # Real components for tests/e2e/test_cluster_*.py (Ray multi-node, moto S3, PostgreSQL + MLflow server)
-from tests.cluster_fixtures import aws_env, mlflow_server, moto_s3, postgres_url, ray_cluster  # noqa: E402,F401
+from tests.cluster_fixtures import aws_env, mlflow_server, moto_s3, postgres_url  # noqa: E402,F401
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -1,61 +1,53 @@
-"""A cluster that grows mid-sweep: a 2-CPU node that joins after Tune started must run trials side by side with
-the head's (the sweep no longer caps Tune's concurrency at the CPUs present at start)."""
+"""A cluster that grows mid-sweep, with real ``ray start`` processes and short trials (the tiny spec with 8 trials
+per cell: 32 trials of a few seconds, as the default sweep's): a 1-CPU head, the sweep through the console script
+with ``--address``, and a 2-CPU node started on 127.0.0.1 once the first trials are COMPLETE. Read back from MLflow
+(node id tag of each trial): the late node runs at least a third of the trials that start after it joined, no
+trial runs twice or fails, and none of the late node's trial actors is stopped before it ran a trial (Ray's worker
+logs). Before the fix the late node ran 0 of 32: a freed actor on the head took the trial whose actor was still
+starting there, and Tune removed that actor."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
-from mlflow import MlflowClient
 
-from orchestrator.spec import parse_spec
-from tests.cluster_fixtures import Background, add_node
+from tests.ray_nodes import REPO, completed, join_after, kill_node_after, run_on_nodes, scaleout_spec
 
-pytestmark = pytest.mark.e2e
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 CACHE = Path(os.environ.get("HEALSWEEP_TEST_CACHE", REPO / ".healsweep" / "models"))
+JOIN_AFTER = 3  # trials COMPLETE before the second node starts
 
 
-def _spec(name: str, trials: int, epochs: int):
-    return parse_spec({"name": name, "models": ["vit_digits"], "sparsities": [0.9], "calib_sizes": [64],
-                       "pruners": ["magnitude"], "healers": ["starfish"], "resources": {"cpus_per_trial": 1},
-                       "search": {"trials_per_cell": trials, "lr": [1e-3, 3e-3], "epochs": [epochs, epochs],
-                                  "startup_trials": trials}})
+def test_a_node_joining_mid_sweep_takes_its_share_of_short_trials(tmp_path):
+    spec = scaleout_spec(tmp_path / "spec.yaml")
+    r = run_on_nodes(spec, tmp_path, tmp_path / "store", CACHE, head_cpus=1, event=join_after(JOIN_AFTER, 2))
+    t = r.trials
+    assert sum(r.data.tags.get("stage") != "reevaluate" for r in t.runs) == 32  # + the winners' re-evaluations
+    assert len(set(t.trial_ids)) == len(t.runs) == completed(tmp_path / "run")  # each told to Optuna once
+    assert t.failed == 0 and t.run_twice == 0, [(r.data.tags.get("trial_id"), r.info.status) for r in t.runs]
+    assert set(t.per_node()) <= {r.head_id, r.late_id}  # every trial has the node id it ran on
+    after = t.per_node(r.event_ms)
+    assert sum(after.values()) >= 16, after  # the node joined while most of the sweep was still ahead
+    assert 3 * after.get(r.late_id, 0) >= sum(after.values()), after
+    assert r.started_actors[r.late_id] >= 1 and r.killed_actors[r.late_id] == 0, r
 
 
-def _trial_runs(res):
-    client = MlflowClient(res.tracking_uri)
-    exp = client.get_experiment_by_name("healsweep")
-    return client.search_runs([exp.experiment_id], f"tags.sweep_id = '{res.sweep_id}' and "
-                                                   "tags.`healsweep.role` = 'trial'")
-
-
-def _max_overlap(intervals) -> int:
-    events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals], key=lambda e: (e[0], e[1]))
-    cur = best = 0
-    for _, d in events:
-        cur += d
-        best = max(best, cur)
-    return best
-
-
-def test_a_node_joining_after_tune_started_runs_trials_in_parallel(ray_cluster, tmp_path):
-    from orchestrator.sweep import run_sweep
-
-    out = tmp_path / "run"
-    bg = Background(lambda: run_sweep(_spec("grow", 6, 30), out, tmp_path / "store", CACHE,
-                                      address=ray_cluster.address, progress=False, report=False))
-    t0 = time.monotonic()
-    while not (out / "tune").exists() and bg.is_alive() and time.monotonic() - t0 < 120:
-        time.sleep(0.2)  # Tune started: the cluster has only the head's 1 CPU now
-    assert bg.is_alive(), "the sweep ended before Tune started"
-    time.sleep(2)
-    late = add_node(ray_cluster, num_cpus=2)
-    res = bg.join_result(timeout=300)
-    runs = _trial_runs(res)
-    assert res.trials_finished == 6 and len(runs) == 6
-    on_late = [r for r in runs if r.data.tags.get("node_id") == late.node_id]
-    assert len(on_late) >= 2, [r.data.tags.get("node_id") for r in runs]
-    # with the old cap (1 trial at a time: the head's CPU at start) the overlap could never exceed 1
-    assert _max_overlap([(r.info.start_time, r.info.end_time) for r in runs]) >= 2
+@pytest.mark.xfail(strict=True, reason="known bug (2026-11-24): the trials running on the killed node end FAILED "
+                   "without a child run and the sweep exits 1 (Tune logs ActorUnavailableError; Ray marks the node "
+                   "dead ~20 s later); see the README's scale-out section")
+def test_a_node_dying_mid_trial_loses_nothing(tmp_path):
+    """A 1-CPU head and a 2-CPU node; the node is killed (SIGKILL, every process of it) once it finished a trial,
+    so it dies while running its next ones: wanted, their attempts retried on the head (Tune's max_failures), every
+    trial finishing once, with one MLflow child run each (the retried ones tagged ``retries``). Measured: the 2
+    trials that ran on the node ended FAILED with no child run, the sweep exited 1 (22 of 24 finished)."""
+    spec = scaleout_spec(tmp_path / "spec.yaml", trials_per_cell=4)
+    r = run_on_nodes(spec, tmp_path, tmp_path / "store", CACHE, head_cpus=1, node_cpus=2, event=kill_node_after(1))
+    t = r.trials
+    assert sum(x.data.tags.get("stage") != "reevaluate" for x in t.runs) == 16
+    assert len(set(t.trial_ids)) == len(t.runs) == completed(tmp_path / "run") and t.failed == 0
+    retried = [x for x in t.runs if x.data.tags.get("retries")]
+    assert retried, "the node died between trials: nothing was running on it"
+    assert all(x.data.tags["node_id"] == r.head_id for x in retried)  # finished on the head
+    after = t.per_node(r.event_ms + 1)
+    assert set(after) == {r.head_id}, after  # nothing started on the dead node after it died

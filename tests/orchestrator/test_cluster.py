@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 
 import pytest
 
-from orchestrator.cluster import (ClusterError, mask_root, parse_address, pending_trials, present_concurrency,
-                                  probe, store_subdir, tune_concurrency, worker_env)
+from orchestrator.cluster import (ClusterError, mask_root, parse_address, pending_limit, pending_trials,
+                                  present_concurrency, probe, store_subdir, tune_concurrency, worker_env)
 from orchestrator.spec import parse_spec
 
 
@@ -50,11 +51,29 @@ def test_tune_is_capped_only_by_the_user(monkeypatch):
            "healers": ["starfish"], "resources": {"cpus_per_trial": 2}}
     r = parse_spec(raw).resources
     assert tune_concurrency(r, {"CPU": 1}) is None  # queue beyond what is there now
-    assert present_concurrency(r, {"CPU": 9}) == 4 and pending_trials(r, {"CPU": 9}) == 4
+    assert present_concurrency(r, {"CPU": 9}) == 4
+    # Tune keeps the sweep's trials PENDING (at most 200), whatever the CPUs at start
+    assert pending_trials(r, 32) == 32 and pending_trials(r, 1) == 1 and pending_trials(r, 5000) == 200
     monkeypatch.setenv("TUNE_MAX_PENDING_TRIALS_PG", "50")
-    assert pending_trials(r, {"CPU": 9}) == 50
+    assert pending_trials(r, 32) == 50  # the user's value wins
     capped = parse_spec({**raw, "resources": {"cpus_per_trial": 2, "max_concurrent": 3}}).resources
     assert tune_concurrency(capped, {"CPU": 100}) == 3
+    assert pending_trials(capped, 32, environ={}) == 3
+
+
+def test_pending_limit_is_set_while_tune_runs_and_the_users_value_restored(monkeypatch):
+    r = parse_spec({"name": "x", "models": ["vit_digits"], "sparsities": [0.5], "calib_sizes": [64],
+                    "pruners": ["magnitude"], "healers": ["starfish"]}).resources
+    monkeypatch.delenv("TUNE_MAX_PENDING_TRIALS_PG", raising=False)
+    with pending_limit(r, 32) as n:
+        assert n == 32 and os.environ["TUNE_MAX_PENDING_TRIALS_PG"] == "32"
+    assert "TUNE_MAX_PENDING_TRIALS_PG" not in os.environ  # a second sweep in this process sizes its own
+    with pending_limit(r, 8):
+        assert os.environ["TUNE_MAX_PENDING_TRIALS_PG"] == "8"
+    monkeypatch.setenv("TUNE_MAX_PENDING_TRIALS_PG", "5")
+    with pending_limit(r, 32) as n:
+        assert n == 5
+    assert os.environ["TUNE_MAX_PENDING_TRIALS_PG"] == "5"
 
 
 def test_masks_follow_a_remote_store_uri():
