@@ -109,6 +109,10 @@ class MlflowTrialLogger(Callback):
         if result.get("final") and self.nodes.get(key):
             nodes = ",".join(sorted(self.nodes[key]))
             self.writer.submit(lambda: self.client.set_tag(self.runs[key], "nodes", nodes))
+        history = [Metric(k, float(h[k]), int(time.time() * 1000), int(h.get("epoch", 0)))
+                   for h in result.get("epoch_history") or () for k in EPOCH_METRICS if k in h]
+        if history:  # epochs the trial sent with this result (orchestrator/trainable.py): logged at their steps
+            self.writer.log_metrics(self._run_id(key), history)
         if result.get("diverged"):
             reason = str(result.get("failure_reason", "diverged"))[:5000]
             self.writer.submit(lambda: self.client.set_tag(self.runs[key], "failure_reason", reason))

@@ -4,7 +4,14 @@ the last checkpoint after a failure (Tune ``FailureConfig.max_failures``), and d
 Checkpoints are written only as often as retries need: at most one per ``HEALSWEEP_CHECKPOINT_INTERVAL_S``
 seconds of the trial (default 10; 0: after every epoch), so a retry repeats at most that much healing and a
 short trial writes none (each one costs a ``torch.save``, Tune's copy into the run directory and an
-experiment-state snapshot). The epochs in between are plain reports.
+experiment-state snapshot).
+
+Results go to Tune only when something needs them: the final result, a checkpoint, or every epoch when a
+scheduler decides on intermediate results (ASHA: ``epoch_selection``). A function trainable's report blocks
+until the driver's controller loop has taken the result (Ray 2.60: ``synchronous_result_reporting``), so a
+report per epoch cost a driver round trip per epoch (a 64-step trial on 64 images has 32 epochs). The epochs in
+between travel with the next report as ``epoch_history`` (numeric metrics per epoch), and the MLflow callback
+logs them at their epoch steps as before.
 
 A checkpoint is one ``state.pt`` (``torch.save``; read back with ``weights_only=True``) holding the healed
 prunable weights, the healer loop state (optimizer, cosine schedule, epoch, losses) and that epoch's metrics.
@@ -49,9 +56,19 @@ def tune_trainable(config: dict) -> None:
     last = {"epoch": int(start["last"]["epoch"]) if start else 0,
             "selection_acc": float(start["last"].get("selection_acc", 0.0)) if start else 0.0}
 
+    history: list[dict] = []  # epochs not yet sent to Tune (module docstring: one round trip per trial)
+
+    def send(metrics: dict, **kw) -> None:
+        tune.report({**metrics, "epoch_history": list(history), "resumed_from_epoch": last_start, "node_id": node},
+                    **kw)
+        history.clear()
+
     def report(metrics: dict) -> None:
         last.update({k: metrics[k] for k in last if k in metrics})
-        tune.report({**metrics, "resumed_from_epoch": last_start, "node_id": node})
+        if metrics.get("final") or params.epoch_selection:  # a scheduler (ASHA) decides on every epoch's result
+            send(metrics)
+        else:
+            history.append({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
 
     interval, since = checkpoint_interval(), [time.monotonic()]
 
@@ -63,8 +80,7 @@ def tune_trainable(config: dict) -> None:
         last.update({k: metrics[k] for k in last if k in metrics})
         with tempfile.TemporaryDirectory(prefix="healsweep-ckpt-") as d:
             torch.save(state, Path(d) / STATE_FILE)
-            tune.report({**metrics, "resumed_from_epoch": last_start, "node_id": node},
-                        checkpoint=tune.Checkpoint.from_directory(d))
+            send(metrics, checkpoint=tune.Checkpoint.from_directory(d))
 
     last_start = last["epoch"]
     node = ray.get_runtime_context().get_node_id()
@@ -72,5 +88,4 @@ def tune_trainable(config: dict) -> None:
         run_trial(params, report, start=start, checkpoint=checkpoint)
     except HealingDiverged as e:
         # selection_acc/epoch repeat the last reported values: Tune requires the metric in every result.
-        tune.report({**last, "final": True, "diverged": True, "failure_reason": f"HealingDiverged: {e}",
-                     "node_id": node})
+        send({**last, "final": True, "diverged": True, "failure_reason": f"HealingDiverged: {e}"})

@@ -59,6 +59,9 @@ def test_heldout_align_objective_over_steps_picks_the_lowest_and_runs_exact_step
             assert 3 <= steps <= 7
             assert int(r.data.params["epochs"]) == math.ceil(steps / math.ceil(n / 32))
             assert r.data.metrics["optimizer_steps"] == steps
+            # one loss per epoch at its step, though the epochs reached Tune in one result (epoch_history)
+            hist = client.get_metric_history(r.info.run_id, "train_loss")
+            assert sorted(m.step for m in hist) == list(range(1, int(r.data.params["epochs"]) + 1))
     # Each cell's recorded winner (bands.json run ids) is the trial with the lowest heldout_align.
     bands = json.loads((run_dir / "bands.json").read_text())["models"]["resnet_digits"]["bands"]
     winners = {rid for b in bands for p in b["points"] for rid in p["run_ids"]}
