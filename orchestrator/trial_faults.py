@@ -21,9 +21,10 @@ MLflow child run and the sweep exiting 1, although ``resources.max_failures`` wa
 :func:`install` wraps two Tune methods (idempotent; the sweep calls it before every Tuner):
 
 * ``TuneController._trial_task_failure``: an exception already handled for a trial is not handled again (1); a
-  failed trial is no longer resetting (2); a node fault (:func:`node_fault`) is announced in one line instead of
-  Tune's traceback, and the freed actors Tune keeps for reuse are stopped (the dead node's would fail every trial
-  handed to them; healthy nodes' start new ones, seconds each, once).
+  failed trial is no longer resetting (2); a node fault (:func:`node_fault`) gets no Tune traceback: a lost node
+  is announced in one line per trial and the freed actors Tune keeps for reuse are stopped (the dead node's would
+  fail every trial handed to them; healthy nodes' start new ones, seconds each, once); a node that cannot import
+  the project is checked, named once and fenced by the sweep's NodeGuard (orchestrator/node_guard.py).
 * ``Trial._handle_ray_actor_error`` (where Tune decides whether an actor error counts: a preempted node's does
   not): a node fault does not count against ``max_failures``, at most :data:`NODE_FAULT_RETRIES` times per trial
   (a trial that takes its node down every time still ends); after that it counts like any failure.
@@ -48,8 +49,13 @@ _SEEN = "_healsweep_failures_seen"
 
 def node_fault(exc: BaseException | None) -> str | None:
     """What went wrong with the trial's node, when ``exc`` is not the trial's own failure: its actor is
-    unreachable (the node is down or cut off; Ray has not marked it dead yet) or died with its node. None for
-    everything else (an exception in the trial, an actor process that crashed on a live node, ...)."""
+    unreachable (the node is down or cut off; Ray has not marked it dead yet), died with its node, or could not
+    import the project there (orchestrator/node_guard.py). None for everything else (an exception in the trial,
+    an actor process that crashed on a live node, ...)."""
+    from orchestrator.node_guard import missing_project
+
+    if isinstance(exc, RayActorError) and missing_project(exc):  # the actor died importing the trainable
+        return f"its node cannot import the project ({missing_project(exc)})"
     if isinstance(exc, RayTaskError):
         cause = exc.as_instanceof_cause()
         exc = cause if isinstance(cause, RayActorError) else None
@@ -88,8 +94,7 @@ def install() -> None:
             tune_failure(self, trial, exception)
         finally:
             self._print_trial_errors = printing
-        _say(fault_line(trial, exception, fault))
-        self._cleanup_cached_actors(force_all=True)  # cached actors on that node would fail the next trials
+        _after_fault(self, trial, exception, fault)
 
     def _handle_ray_actor_error(self, exc):
         if not exc.preempted and node_fault(exc) and node_faults(self) < NODE_FAULT_RETRIES:
@@ -102,6 +107,21 @@ def install() -> None:
     TuneController._trial_task_failure, Trial._handle_ray_actor_error = _trial_task_failure, _handle_ray_actor_error
 
 
+def _after_fault(controller, trial, exc, fault: str) -> None:
+    """A node that cannot import the project: the sweep's NodeGuard checks the new nodes, names the bad one once
+    and fences it. A lost node: one line per trial, and the actors Tune keeps for reuse are stopped (those on the
+    lost node would fail every trial handed to them)."""
+    from orchestrator import node_guard
+
+    guard = node_guard.active()
+    if fault.startswith("its node cannot import") and guard is not None:
+        guard.check_soon()
+        return
+    _say(fault_line(trial, exc, fault))
+    if not fault.startswith("its node cannot import"):
+        controller._cleanup_cached_actors(force_all=True)
+
+
 def _say(text: str) -> None:
     from tqdm.auto import tqdm
 
@@ -111,8 +131,8 @@ def _say(text: str) -> None:
 def fault_line(trial, exc: BaseException, fault: str) -> str:
     """One line for a trial hit by a node fault: which trial, what happened, what the sweep does about it."""
     key = trial.config.get("trial_id", trial.trial_id)
-    what = f"trial {key} lost its actor ({fault}: {type(exc).__name__})"
+    what = f"trial {key} lost its actor: {fault} ({type(exc).__name__})"
     if trial.status == trial.PENDING:
-        return (f"{what}: retrying it on a node that is up (not counted against resources.max_failures: node fault "
+        return (f"{what}; retrying it on another node (not counted against resources.max_failures: node fault "
                 f"{node_faults(trial)} of {NODE_FAULT_RETRIES} for this trial)")
-    return f"{what}: no retries left, the trial ends FAILED"
+    return f"{what}; no retries left, the trial ends FAILED"

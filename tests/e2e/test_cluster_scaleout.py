@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.ray_nodes import REPO, completed, join_after, kill_node_after, run_on_nodes, scaleout_spec
+from tests.ray_nodes import (REPO, completed, join_after, kill_node_after, python_without_project, run_on_nodes,
+                             scaleout_spec)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 CACHE = Path(os.environ.get("HEALSWEEP_TEST_CACHE", REPO / ".healsweep" / "models"))
@@ -47,11 +48,43 @@ def test_a_node_dying_mid_trial_loses_nothing(tmp_path):
     assert len(set(t.trial_ids)) == len(t.runs) == completed(tmp_path / "run") and t.failed == 0  # told once each
     retried = [x for x in t.runs if x.data.tags.get("retries")]
     log = (tmp_path / "sweep.log").read_text()
-    lost = [ln for ln in log.splitlines() if "lost its actor (its node" in ln]
+    lost = [ln for ln in log.splitlines() if "lost its actor: its node" in ln]
     assert retried or lost, "the node died between trials: nothing was running on it"
     for x in retried:  # started on the node, finished on the head; the node's loss did not use max_failures
         assert x.data.tags["node_id"] == r.head_id and int(x.data.tags["node_faults"]) >= 1, x.data.tags
-    assert len(lost) >= len(retried) and all("retrying it on a node that is up" in ln for ln in lost), lost
+    assert len(lost) >= len(retried) and all("retrying it on another node" in ln for ln in lost), lost
     assert "Traceback" not in log, log[-3000:]  # one line per lost trial, not Tune's traceback
     after = t.per_node(r.event_ms + 1)
     assert set(after) == {r.head_id}, after  # nothing started on the dead node after it died
+
+
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory) -> str:
+    """This environment's Python without the project (Ray, torch, timm, ... but no healsweep)."""
+    return python_without_project(tmp_path_factory.mktemp("bare-env"))
+
+
+def _missing_project_lines(work: Path) -> list[str]:
+    log = (work / "sweep.log").read_text()
+    assert "Traceback" not in log, log[-3000:]  # Ray's import traceback is not shown, nor Tune's
+    return [ln for ln in log.splitlines() if "cannot import the project" in ln]
+
+
+@pytest.mark.parametrize("when", ["at start", "joining after 3 trials"])
+def test_a_node_without_the_project_is_named_once_and_kept_out(tmp_path, bare_python, when):
+    """A 1-CPU head and a 2-CPU node whose Python lacks healsweep (ray start from a venv with every other package),
+    there from the start or joining mid-sweep; the driver runs outside the checkout (Ray puts its working directory
+    on every worker's sys.path). One line names the node, what is missing and what to do; the node gets no work;
+    every trial finishes once on the head and the sweep exits 0."""
+    spec = scaleout_spec(tmp_path / "spec.yaml", trials_per_cell=4)
+    kw = (dict(node_cpus=2, node_python=bare_python) if when == "at start"
+          else dict(event=join_after(3, 2, python=bare_python)))
+    r = run_on_nodes(spec, tmp_path, tmp_path / "store", CACHE, head_cpus=1, cwd=tmp_path, **kw)
+    t = r.trials
+    assert sum(x.data.tags.get("stage") != "reevaluate" for x in t.runs) == 16
+    assert len(set(t.trial_ids)) == len(t.runs) == completed(tmp_path / "run") and t.failed == 0
+    assert set(t.per_node()) == {r.head_id}  # nothing ran on the node without the project
+    [line] = _missing_project_lines(tmp_path)  # once for that node
+    assert f"node {r.late_id[:12]} " in line and "(No module named 'orchestrator')" in line, line
+    assert "kept out of this sweep (2 CPU held)" in line and "install healsweep" in line, line
+    assert r.killed_actors[r.late_id] == r.started_actors[r.late_id]  # its actors (if any) never ran a trial

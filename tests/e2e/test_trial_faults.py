@@ -155,7 +155,7 @@ def test_a_trial_whose_node_dies_is_retried_on_another_node(cluster, tmp_path, m
             return
         assert a.status == Trial.TERMINATED and a.run_metadata.num_failures == 0, a.run_metadata.num_failures
         assert node_faults(a) == 1 and a.last_result["node"] != first
-        assert len(lines) == 1 and "lost its actor (its node" in lines[0], lines
+        assert len(lines) == 1 and "lost its actor: its node" in lines[0], lines
         assert f"node fault 1 of {NODE_FAULT_RETRIES}" in lines[0], lines
         assert [e for t, e in tells if t == a.trial_id] == [False]
     finally:

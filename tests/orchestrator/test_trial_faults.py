@@ -45,6 +45,6 @@ def _trial(status: str, faults: int):
 def test_the_fault_line_names_the_trial_what_happened_and_what_the_sweep_does():
     err = ActorUnavailableError("gone", None)
     line = fault_line(_trial("PENDING", 1), err, "its node is unreachable")
-    assert line.startswith("trial cell-3 lost its actor (its node is unreachable: ActorUnavailableError)")
+    assert line.startswith("trial cell-3 lost its actor: its node is unreachable (ActorUnavailableError); retrying")
     assert f"node fault 1 of {NODE_FAULT_RETRIES}" in line and "\n" not in line
     assert fault_line(_trial("ERROR", NODE_FAULT_RETRIES), err, "its node died").endswith("the trial ends FAILED")
