@@ -55,6 +55,7 @@ class _Sweep:
     preloaded: dict | None = None  # {model: ModelInfo} prepared by the caller (run_sweep(models=...))
     mask_keys: dict = field(default_factory=dict)  # orchestrator.stages.MaskResult: {cell_id: key} + provenance
     on_cluster: bool = False  # --address given: model, mask and dense work goes to Ray tasks on the workers
+    guard: Any = None  # orchestrator.node_guard.NodeGuard on a cluster: nodes that cannot import the project
     mlflow_ready: Any = None  # joins the thread that opens the tracking store (open_sweep)
     client: Any = None
     parent: str = ""
@@ -248,6 +249,7 @@ def tune_stage(s: _Sweep, progress: bool) -> None:
     """Every trial on Ray Tune (per-cell Optuna search, MLflow through the asynchronous single writer)."""
     import ray
 
+    from orchestrator import node_guard
     from orchestrator.mlflow_async import AsyncMlflowWriter
     from orchestrator.search import PerCellOptunaSearch, search_kwargs
     from orchestrator.tracking import MlflowTrialLogger
@@ -285,8 +287,8 @@ def tune_stage(s: _Sweep, progress: bool) -> None:
                            stop=InterruptStopper())
     t0, t["freed"] = time.perf_counter(), 0
     if searcher.total:
-        with cluster.pending_limit(spec.resources, searcher.total):  # trials queue for nodes that join later
-            tuner.fit()
+        with cluster.pending_limit(spec.resources, searcher.total), node_guard.guarding(s.guard):
+            tuner.fit()  # trials queue for nodes that join later; one that cannot import the project is fenced
         t["freed"] = drop_epoch_checkpoints(s.out_dir / "tune" / name)
     t["seconds"] = time.perf_counter() - t0
     clock.add("trials", t["seconds"])
@@ -351,6 +353,8 @@ def _run_and_end(s: _Sweep, t0: float, started_ray: bool, models_ready, progress
     finally:
         if s.tune.get("writer") is not None:
             s.tune["writer"].close()
+        if s.guard is not None:
+            s.guard.release()
         if started_ray:
             with clock.stage("ray_shutdown"):
                 sweep_end.shutdown_ray()  # ~1 s of waiting for Ray's processes to exit; no Ray object freed meanwhile
@@ -369,11 +373,44 @@ def _before_trials(s: _Sweep, models_ready, progress: bool) -> None:
 
     from orchestrator import cluster
 
+    if s.on_cluster:
+        with s.clock.stage("ray"):  # part of attaching: which nodes can run the project's code
+            check_nodes(s)
     cluster.check_fits(s.spec.resources.peak_request(), ray.nodes(), autoscaling=s.on_cluster)  # else Tune waits
-    if models_ready is not None:
-        models_ready()
-    else:
-        _timed_models(s, progress)
-    dense_and_masks(s, progress)
+    try:
+        if models_ready is not None:
+            models_ready()
+        else:
+            _timed_models(s, progress)
+        dense_and_masks(s, progress)
+    except ray.exceptions.RayError as e:  # a node that joined since the check, without the project: one line
+        if s.guard is None or not missing_project_line(e):
+            raise
+        raise cluster.ClusterError(missing_project_line(e)) from None
     with s.clock.stage("parent"):
         parent_run(s)
+
+
+def check_nodes(s: _Sweep) -> None:
+    """Every node of the cluster imports the project, or is named in one line and kept out of the sweep
+    (orchestrator/node_guard.py); ClusterError when none is left that could run it."""
+    from orchestrator import cluster
+    from orchestrator.node_guard import NodeGuard, install_hint
+
+    s.guard = NodeGuard()
+    s.guard.check()
+    if s.guard.bad and not s.guard.usable():
+        raise cluster.ClusterError(f"no node of the cluster can import the project: {install_hint()} on its nodes "
+                                   "and restart Ray there")
+
+
+def missing_project_line(e: BaseException) -> str | None:
+    """One line for a stage's Ray task that failed because its node cannot import the project (a node that joined
+    after :func:`check_nodes`); None for any other error."""
+    from orchestrator.node_guard import install_hint, missing_project
+
+    problem = missing_project(e)
+    if problem is None:
+        return None
+    return (f"a node that joined during the sweep cannot import the project ({problem}): {install_hint()} on it "
+            "and restart Ray there, then continue with healsweep run --resume DIR")

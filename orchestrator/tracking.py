@@ -48,6 +48,7 @@ class MlflowTrialLogger(Callback):
         self.runs: dict[str, str] = {}  # trial key -> mlflow run id (filled by the writer thread)
         self.keys: dict[str, str] = {}  # tune trial id -> trial key
         self.nodes: dict[str, set[str]] = {}  # trial key -> node ids its results came from
+        self.retries: dict[str, int] = {}  # trial key -> times Tune retried it
         self.finished = self.failed = 0
         self.callback_seconds = 0.0  # driver time spent in these callbacks (enqueueing)
         self.trial_seconds = 0.0  # Σ trial_seconds of the final results (compute inside the trials)
@@ -141,10 +142,17 @@ class MlflowTrialLogger(Callback):
 
     @_timed
     def on_trial_recover(self, iteration, trials, trial, **info):
+        """Tags ``retries`` (attempts after the first) and ``node_faults`` (retries because the trial's node died or
+        could not run it: not counted against max_failures, orchestrator/trial_faults.py)."""
+        from orchestrator.trial_faults import node_faults
+
         key = self.keys.get(trial.trial_id)
-        if key is not None:
-            n = trial.run_metadata.num_failures
-            self.writer.submit(lambda: self.client.set_tag(self.runs[key], "retries", str(n)))
+        if key is None:  # its actor failed before the trial ever started: nothing ran, no child run yet
+            return
+        self.retries[key] = n = self.retries.get(key, 0) + 1
+        tags = [RunTag("retries", str(n))] + ([RunTag("node_faults", str(node_faults(trial)))]
+                                               if node_faults(trial) else [])
+        self.writer.submit(lambda: self.client.log_batch(self.runs[key], tags=tags))
 
     @_timed
     def on_trial_complete(self, iteration, trials, trial, **info):

@@ -66,10 +66,12 @@ def make_tuner(spec: SweepSpec, out_dir: Path, name: str, searcher, max_concurre
     a ``tune.Stopper`` (the interrupted sweep's, orchestrator/tune_stop.py)."""
     from ray import tune
 
+    from orchestrator import trial_faults
     from orchestrator.actor_reuse import spare_starting_actors
     from orchestrator.trainable import tune_trainable
 
     spare_starting_actors()  # a freed actor never takes a trial whose own actor is starting (a node that just joined)
+    trial_faults.install()  # a trial whose node dies is retried elsewhere (orchestrator/trial_faults.py)
 
     return tune.Tuner(
         tune.with_resources(tune_trainable, {"cpu": spec.resources.cpus_per_trial,

@@ -115,8 +115,34 @@ class RayNode:
         return [p for p in out if p != os.getpid()]
 
 
-def start_node(num_cpus: int, head_address: str | None = None, env: dict | None = None) -> RayNode:
-    """A head (``head_address`` None) or a node joining ``head_address``, on 127.0.0.1 with free ports."""
+PROJECT_PACKAGES = ("orchestrator", "tasks", "analysis")
+
+
+def python_without_project(root: Path) -> str:
+    """A Python environment under ``root`` with every package of this one (Ray, torch, timm, ...) except healsweep
+    itself: a venv whose site-packages links each entry of ours but the project's packages, its distribution
+    metadata and the .pth files that point at it (an editable install). What a node sees whose image lacks the
+    project. -> its python executable."""
+    import site
+    import venv
+
+    root = Path(root)
+    venv.EnvBuilder(with_pip=False, symlinks=True, clear=True).create(root)
+    ours = Path(next(p for p in site.getsitepackages() if Path(p, "ray").is_dir()))
+    theirs = next((root / "lib").glob("python*/site-packages"))
+    for entry in ours.iterdir():
+        name = entry.name
+        if name.split(".")[0] in PROJECT_PACKAGES or "healsweep" in name.lower() or (
+                name.endswith(".pth") and ("healsweep" in _read(entry) or str(REPO) in _read(entry))):
+            continue
+        (theirs / name).symlink_to(entry)
+    return str(root / "bin" / "python")
+
+
+def start_node(num_cpus: int, head_address: str | None = None, env: dict | None = None,
+               python: str | None = None) -> RayNode:
+    """A head (``head_address`` None) or a node joining ``head_address``, on 127.0.0.1 with free ports. ``env``:
+    variables to set (None: unset); ``python``: the node's Python (its workers run it; default this one)."""
     temp = tempfile.mkdtemp(prefix="hs-ray-", dir="/tmp")  # short: Ray's socket paths are length-limited
     p = free_ports(8)
     ports = ["--node-manager-port", p[0], "--object-manager-port", p[1], "--dashboard-agent-listen-port", p[2],
@@ -126,13 +152,15 @@ def start_node(num_cpus: int, head_address: str | None = None, env: dict | None 
         role = ["--head", "--port", p[6], "--include-dashboard", "false", "--dashboard-port", p[7]]
     else:
         address, role = head_address, ["--address", head_address]
-    cmd = [RAY, "start", *map(str, role + ports), "--node-ip-address", "127.0.0.1", "--num-cpus", str(num_cpus),
+    ray_cli = [python, "-m", "ray.scripts.scripts"] if python else [RAY]
+    cmd = [*ray_cli, "start", *map(str, role + ports), "--node-ip-address", "127.0.0.1", "--num-cpus", str(num_cpus),
            "--num-gpus", "0", "--object-store-memory", str(80 * 1024 * 1024), "--temp-dir", temp, "--block",
            "--disable-usage-stats"]
     log = os.path.join(temp, "ray_start.log")
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **NODE_ENV, **(env or {})})
+        environ = {**os.environ, **NODE_ENV, **(env or {})}
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, cwd=temp if python else None,
+                                env={k: v for k, v in environ.items() if v is not None})
     node = RayNode(proc, temp, address, log)
     try:
         node.node_id()  # its raylet is up
@@ -225,14 +253,21 @@ class SweepOnNodes:
     killed_actors: dict[str, int]  # per node: trial actors that ended before running a trial
 
 
-def join_after(trials: int, cpus: int):
-    """Event: a ``cpus``-CPU node starts once ``trials`` trials are COMPLETE."""
+def join_after(trials: int, cpus: int, python: str | None = None):
+    """Event: a ``cpus``-CPU node starts once ``trials`` trials are COMPLETE (``python``: its Python, e.g.
+    :func:`python_without_project`; then without the test's PYTHONPATH)."""
     def event(out: Path, nodes: list, alive) -> int:
         while completed(out) < trials and alive():
             time.sleep(0.2)
-        nodes.append(start_node(cpus, nodes[0].address))
+        nodes.append(start_node(cpus, nodes[0].address, **_python_env(python)))
         return int(time.time() * 1000)
     return event
+
+
+def _python_env(python: str | None) -> dict:
+    """start_node's arguments for a node running ``python`` (None: this one): PYTHONPATH unset (it may name the
+    checkout), so what that Python imports is what it has installed."""
+    return {"python": python, "env": {"PYTHONPATH": None}} if python else {}
 
 
 def kill_node_after(trials: int):
@@ -256,19 +291,21 @@ def _finished_on(out: Path, node_id: str) -> int:
 
 
 def run_on_nodes(spec: Path, work: Path, store: Path, cache: Path, head_cpus: int, node_cpus: int = 0,
-                 event=None, timeout: float = 900) -> SweepOnNodes:
-    """A head with ``head_cpus`` CPUs (plus a node with ``node_cpus`` from the start, if given), the sweep through
-    the console script with ``--address``, and ``event`` (:func:`join_after`, :func:`kill_node_after`) while it
-    runs. Every process is stopped by PID at the end."""
+                 event=None, timeout: float = 900, node_python: str | None = None,
+                 cwd: Path = REPO) -> SweepOnNodes:
+    """A head with ``head_cpus`` CPUs (plus a node with ``node_cpus`` from the start, if given, running
+    ``node_python``), the sweep through the console script with ``--address`` started in ``cwd`` (Ray puts the
+    driver's working directory on every worker's sys.path), and ``event`` (:func:`join_after`,
+    :func:`kill_node_after`) while it runs. Every process is stopped by PID at the end."""
     out, nodes, event_ms = Path(work) / "run", [], 0
     try:
         nodes.append(start_node(head_cpus))
         if node_cpus:
-            nodes.append(start_node(node_cpus, nodes[0].address))
+            nodes.append(start_node(node_cpus, nodes[0].address, **_python_env(node_python)))
         t0 = time.monotonic()
         with open(Path(work) / "sweep.log", "w") as log:
             proc = subprocess.Popen(sweep_cmd(spec, out, store, cache, nodes[0].address), stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
+                                    stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd,
                                     env={**os.environ, **NODE_ENV})
         try:
             if event is not None:

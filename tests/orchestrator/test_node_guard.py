@@ -1,0 +1,45 @@
+"""orchestrator/node_guard.py without Ray: the recogniser and the line. The guard on real ``ray start`` nodes whose
+Python lacks the project: tests/e2e/test_cluster_scaleout.py::test_a_node_without_the_project_is_named_once_and_kept_out."""
+from __future__ import annotations
+
+from orchestrator.node_guard import install_hint, missing_project, node_line
+
+# What Ray 2.60 raises on the driver (measured on a `ray start` node whose Python lacks healsweep): a trial actor
+# (Tune's ImplicitFunc wrapping orchestrator.trainable) and a task of the project.
+ACTOR = """The actor died unexpectedly before finishing this task.
+	class_name: ImplicitFunc
+	ip: 192.0.2.2
+The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: ...
+RuntimeError: The actor with name ImplicitFunc failed to import on the worker. This may be because needed library \
+dependencies are not installed in the worker environment:
+
+  File "/x/site-packages/ray/_private/function_manager.py", line 696, in _load_actor_class_from_gcs
+    actor_class = pickle.loads(pickled_class)
+ModuleNotFoundError: No module named 'orchestrator'
+"""
+TASK = """ray::worker_env() (pid=10005, ip=192.0.2.2)
+RuntimeError: The remote function failed to import on the worker. This may be because needed library \
+dependencies are not installed in the worker environment or cannot be found from sys.path [...]:
+ModuleNotFoundError: No module named 'tasks.trial'
+"""
+
+
+def test_a_worker_that_cannot_import_the_project_is_recognised():
+    assert missing_project(ACTOR) == "No module named 'orchestrator'"
+    assert missing_project(RuntimeError(TASK)) == "No module named 'tasks.trial'"
+    assert missing_project(ModuleNotFoundError("No module named 'analysis'")) == "No module named 'analysis'"
+
+
+def test_other_missing_modules_and_errors_are_not_the_project():
+    assert missing_project("ModuleNotFoundError: No module named 'timm'") is None  # a dependency: not ours
+    assert missing_project("No module named 'tasks_extra'") is None and missing_project("No module named 'tasksx'") is None
+    assert missing_project(ValueError("loss is nan")) is None and missing_project(None) is None
+
+
+def test_the_node_line_says_which_node_what_is_missing_and_what_to_do():
+    node = {"NodeID": "8a5249332e49b4cb01e4aa8922cd3e" * 2, "NodeManagerAddress": "10.0.0.7",
+            "Resources": {"CPU": 2.0, "GPU": 1.0, "memory": 1e9}}
+    line = node_line(node, "No module named 'orchestrator'")
+    assert line.startswith("node 8a5249332e49 (10.0.0.7) cannot import the project (No module named 'orchestrator')")
+    assert "kept out of this sweep (2 CPU, 1 GPU held)" in line and install_hint() in line and "\n" not in line
+    assert "restart Ray there" in line

@@ -1,0 +1,50 @@
+"""orchestrator/trial_faults.py: which errors are node faults (not counted against max_failures), and the line a
+user sees. The wraps themselves run on a real TuneController in tests/e2e/test_trial_faults.py."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from ray.core.generated.common_pb2 import ActorDiedErrorContext, NodeDeathInfo
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+
+from orchestrator.trial_faults import NODE_FAULT_RETRIES, fault_line, node_fault
+
+
+def _died(message: str, reason=None) -> ActorDiedError:
+    ctx = ActorDiedErrorContext(error_message=message, actor_id=b"\x01" * 16)
+    if reason is not None:
+        ctx.node_death_info.CopyFrom(NodeDeathInfo(reason=reason))
+    return ActorDiedError(ctx)
+
+
+def _task_error(cause: BaseException) -> RayTaskError:
+    return RayTaskError("train", "Traceback ...", cause)
+
+
+def test_an_unreachable_actor_or_a_dead_node_is_a_node_fault():
+    unavailable = ActorUnavailableError("RpcError: failed to connect to all addresses", b"\x01" * 16)
+    assert node_fault(unavailable) == "its node is unreachable"
+    assert node_fault(_task_error(unavailable)) == "its node is unreachable"  # Tune unwraps these too
+    node_died = _died("The actor died because its node has died. Node Id: 8a52")
+    assert node_fault(node_died) == "its node died"
+    assert node_fault(_died("drained", NodeDeathInfo.AUTOSCALER_DRAIN_PREEMPTED)) == "its node died"
+
+
+def test_the_trials_own_failures_are_not_node_faults():
+    assert node_fault(_died("The actor is dead because its worker process has died.")) is None  # crash, OOM kill
+    assert node_fault(ActorDiedError()) is None
+    assert node_fault(_task_error(ValueError("loss is nan"))) is None
+    assert node_fault(RuntimeError("boom")) is None and node_fault(None) is None
+
+
+def _trial(status: str, faults: int):
+    return SimpleNamespace(config={"trial_id": "cell-3"}, trial_id="abc", status=status, PENDING="PENDING",
+                           temporary_state=SimpleNamespace(healsweep_node_faults=faults))
+
+
+def test_the_fault_line_names_the_trial_what_happened_and_what_the_sweep_does():
+    err = ActorUnavailableError("gone", None)
+    line = fault_line(_trial("PENDING", 1), err, "its node is unreachable")
+    assert line.startswith("trial cell-3 lost its actor: its node is unreachable (ActorUnavailableError); retrying")
+    assert f"node fault 1 of {NODE_FAULT_RETRIES}" in line and "\n" not in line
+    assert fault_line(_trial("ERROR", NODE_FAULT_RETRIES), err, "its node died").endswith("the trial ends FAILED")
