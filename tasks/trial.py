@@ -221,10 +221,10 @@ def heal_trial(p: TrialParams, st: _Setup, report: Callable[[dict], None], start
         if st.reader is not None and epoch - 1 in st.reader.rows_streamed:  # rows the epoch streamed from the store
             last["rows_streamed"] = st.reader.rows_streamed[epoch - 1]  # (the reader refuses a short epoch; a
             # steps budget that ends mid-epoch stops reading early: that epoch has no count)
-        if epoch >= n_epochs or p.epoch_selection:  # the final epoch's selection accuracy is always measured
-            last["selection_acc"] = accuracy(model, sel.images, sel.labels)
-        if epoch >= n_epochs:
+        if epoch >= n_epochs:  # the final selection accuracy is measured after healing, outside heal_seconds
             return
+        if p.epoch_selection:
+            last["selection_acc"] = accuracy(model, sel.images, sel.labels)
         if checkpoint is not None and loop_state.get("epoch") == epoch:
             named = dict(model.named_parameters())
             weights = {n: named[n].detach().cpu().clone() for n in sorted({e.param for e in entries})}
@@ -238,10 +238,11 @@ def heal_trial(p: TrialParams, st: _Setup, report: Callable[[dict], None], start
     finally:
         if st.reader is not None:
             st.reader.close()
+    heal_seconds = time.perf_counter() - t0  # the healing alone: evaluation passes are the trial's, not the heal's
     last["optimizer_steps"] = res.steps
-    if "selection_acc" not in last:  # a healer without epochs: the search objective is still measured, after healing
+    if "selection_acc" not in last or last.get("epoch", 0) >= n_epochs:  # the search objective, after healing
         last.update(epoch=last.get("epoch", 0), selection_acc=accuracy(model, sel.images, sel.labels))
-    return last, time.perf_counter() - t0
+    return last, heal_seconds
 
 
 def final_metrics(p: TrialParams, st: _Setup, last: dict, heal_seconds: float) -> dict:
