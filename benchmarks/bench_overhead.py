@@ -5,7 +5,8 @@ calibration images, 6 STARFISH epochs, batch 32; and a single configuration (spa
 
 - healsweep: ``healsweep run`` (the real console script, a fresh run directory, a warm store and model cache),
   stage times read back from the parent run (``stage_<name>_seconds``); overhead = wall - Σ trial compute /
-  concurrency;
+  concurrency (trials side by side: ``--parallel``, or the number of trials when fewer -- the single
+  configuration's one trial runs on one CPU, so its compute is not halved);
 - the authors' way: one process per trial, two at a time, each loading the model, pruning it and computing
   its own dense targets in RAM before healing -- written here from the project's own tasks/ code (the same
   pruner, targets, STARFISH loop and evaluation), not from the authors' scripts.
@@ -150,7 +151,8 @@ def run_healsweep(a, spec_file: Path, out: Path, tree: str | None = None) -> dic
     heals = [r.data.metrics["heal_seconds"] for r in client.search_runs(
         [exp.experiment_id], f"tags.sweep_id = '{info['sweep_id']}' and tags.`healsweep.role` = 'trial'")]
     stages = {s: m.get(f"stage_{s}_seconds", 0.0) for s in STAGES}
-    compute, conc = m["trial_compute_seconds"], m["concurrency"]
+    # trials side by side: the sweep's slots, or its number of trials when fewer (one trial runs on one CPU)
+    compute, conc = m["trial_compute_seconds"], min(m["concurrency"], max(len(heals), 1))
     stages["exit"] = wall - sum(stages.values())  # interpreter start before `imports` is counted + shutdown
     return {"wall": wall, "compute": compute, "concurrency": conc, "overhead": wall - compute / conc,
             "stages": stages, "heals": heals}

@@ -5,8 +5,10 @@ train_loss and selection accuracy per epoch -> evaluation accuracy, invariant ch
 """
 from __future__ import annotations
 
+import copy
+import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -16,7 +18,7 @@ from tasks.evaluate import accuracy
 from tasks.export import save_healed
 from tasks.healing.base import HealConfig, HealContext
 from tasks.healing.chain import resolve_healer
-from tasks.healing.heldout import heldout_score
+from tasks.healing.heldout import heldout_reference, heldout_score
 from tasks.healing.loop import GradientHealer, steps_per_epoch
 from tasks.healing.targets import recompute_batches
 from tasks.models.adapter import get_adapter
@@ -99,12 +101,58 @@ def _remembered(key: tuple, measure: Callable[[], float]) -> float:
     return _ACCURACIES[key]
 
 
+_MODELS: dict[tuple, Any] = {}  # this process's loaded, verified models, never modified: trials get deep copies
+_MODELS_MAX = 4
+_REFERENCES: dict[tuple, list] = {}  # the dense models' held-out block outputs (heldout_score), per model
+_REFERENCES_MAX = 4
+
+
+def _file_stamp(load_kw: Mapping[str, Any]) -> tuple:
+    """(size, mtime) of a checkpoint named by ``path``: a file replaced on disk is loaded (and verified) again."""
+    path = (load_kw.get("source") or {}).get("path")
+    if not path:
+        return ()
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ("missing",)
+    return (st.st_size, st.st_mtime_ns)
+
+
+def fresh_model(p: TrialParams):
+    """The trial's ``LoadedModel`` with a model of its own: loaded and verified once per process and source, then a
+    deep copy per trial (a Tune actor runs many trials; ~9 ms instead of ~25 ms rebuilding and reloading a reference
+    model). The dataset splits are shared: nothing writes to them. The process's torch RNG is left as it was."""
+    key = (p.model, p.data_seed, repr(sorted(p.load_kw.items())), _file_stamp(p.load_kw))
+    if key not in _MODELS:
+        if len(_MODELS) >= _MODELS_MAX:
+            _MODELS.clear()
+        with torch.random.fork_rng(devices=[]):  # building seeds torch's RNG: whether cached or not, no trace
+            _MODELS[key] = load_model(p.model, p.cache_dir, data_seed=p.data_seed, progress=False, **p.load_kw)
+    lm = _MODELS[key]
+    return replace(lm, model=copy.deepcopy(lm.model))
+
+
+def _heldout_reference(p: TrialParams, lm, rows: slice) -> list:
+    """The dense model's held-out block outputs (tasks/healing/heldout.py), computed once per process for a model
+    (its source and weights), its calibration split, the rows, device and threads."""
+    images = lm.dataset["calibration"].images
+    key = (p.model, repr(sorted(p.load_kw.items())), lm.digest, lm.dataset.split_digest("calibration"),
+           rows.start, rows.stop, str(p.device), p.threads)
+    if key not in _REFERENCES:
+        if len(_REFERENCES) >= _REFERENCES_MAX:
+            _REFERENCES.clear()
+        dense = fresh_model(p).model.to(p.device)
+        _REFERENCES[key] = heldout_reference(dense, get_adapter(dense).blocks(dense), images[rows].to(p.device))
+    return _REFERENCES[key]
+
+
 def setup_trial(p: TrialParams) -> _Setup:
     """Model, mask applied, dense/pruned accuracy, the healer and its context (targets streamed from the store
     or recomputed per batch)."""
     torch.set_num_threads(max(1, p.threads))
     torch.manual_seed(p.healing_seed)
-    lm = load_model(p.model, p.cache_dir, data_seed=p.data_seed, progress=False, **p.load_kw)
+    lm = fresh_model(p)
     model = lm.model.to(p.device)
     adapter = get_adapter(model)
     entries = adapter.scope(model, p.scope)
@@ -121,7 +169,7 @@ def setup_trial(p: TrialParams) -> _Setup:
     images = lm.dataset["calibration"].images[: p.calib_size]
     reader = None
     if p.target_mode == "recompute":
-        dense = load_model(p.model, p.cache_dir, data_seed=p.data_seed, progress=False, **p.load_kw).model.to(p.device)
+        dense = fresh_model(p).model.to(p.device)
         dense_blocks = get_adapter(dense).blocks(dense)
 
         def batches(epoch):
@@ -138,8 +186,7 @@ def setup_trial(p: TrialParams) -> _Setup:
         batches=batches,
         steps_per_epoch=steps_per_epoch(p.calib_size, p.batch_size),
         default_granularity=adapter.default_granularity,
-        dense_model=lambda: load_model(p.model, p.cache_dir, data_seed=p.data_seed, progress=False,
-                                       **p.load_kw).model.to(p.device),
+        dense_model=lambda: fresh_model(p).model.to(p.device),
         # Supervised baselines get a budget-matched labeled set: the first calib_size items of the train split.
         labeled=(lm.dataset["train"].images[: p.calib_size], lm.dataset["train"].labels[: p.calib_size]),
     )
@@ -174,10 +221,10 @@ def heal_trial(p: TrialParams, st: _Setup, report: Callable[[dict], None], start
         if st.reader is not None and epoch - 1 in st.reader.rows_streamed:  # rows the epoch streamed from the store
             last["rows_streamed"] = st.reader.rows_streamed[epoch - 1]  # (the reader refuses a short epoch; a
             # steps budget that ends mid-epoch stops reading early: that epoch has no count)
-        if epoch >= n_epochs or p.epoch_selection:  # the final epoch's selection accuracy is always measured
-            last["selection_acc"] = accuracy(model, sel.images, sel.labels)
-        if epoch >= n_epochs:
+        if epoch >= n_epochs:  # the final selection accuracy is measured after healing, outside heal_seconds
             return
+        if p.epoch_selection:
+            last["selection_acc"] = accuracy(model, sel.images, sel.labels)
         if checkpoint is not None and loop_state.get("epoch") == epoch:
             named = dict(model.named_parameters())
             weights = {n: named[n].detach().cpu().clone() for n in sorted({e.param for e in entries})}
@@ -191,10 +238,11 @@ def heal_trial(p: TrialParams, st: _Setup, report: Callable[[dict], None], start
     finally:
         if st.reader is not None:
             st.reader.close()
+    heal_seconds = time.perf_counter() - t0  # the healing alone: evaluation passes are the trial's, not the heal's
     last["optimizer_steps"] = res.steps
-    if "selection_acc" not in last:  # a healer without epochs: the search objective is still measured, after healing
+    if "selection_acc" not in last or last.get("epoch", 0) >= n_epochs:  # the search objective, after healing
         last.update(epoch=last.get("epoch", 0), selection_acc=accuracy(model, sel.images, sel.labels))
-    return last, time.perf_counter() - t0
+    return last, heal_seconds
 
 
 def final_metrics(p: TrialParams, st: _Setup, last: dict, heal_seconds: float) -> dict:
@@ -207,7 +255,7 @@ def final_metrics(p: TrialParams, st: _Setup, last: dict, heal_seconds: float) -
                           if k in st.untouched and k not in allowed)
     healed_acc = accuracy(model, ev.images, ev.labels)
     # the label-free score (docs/methods.md#search), for every healer: it may be the search objective
-    heldout = heldout_score(model, st.ctx.blocks, st.ctx.dense_model, lambda m: get_adapter(m).blocks(m),
+    heldout = heldout_score(model, st.ctx.blocks, lambda rows: _heldout_reference(p, lm, rows),
                             lm.dataset["calibration"].images, p.calib_size, st.adapter.default_granularity)
     dense_acc = st.dense_acc
     final = dict(last, final=True, dense_acc=dense_acc, pruned_acc=st.pruned_acc, healed_acc=healed_acc,

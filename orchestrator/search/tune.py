@@ -5,12 +5,19 @@ and, for re-evaluations, the healing seed); ``on_trial_complete`` tells the desi
 deferred (``defer``: the driver runs them after that trial's MLflow writes, on the writer's thread), so a told
 trial always has its complete MLflow run, and a design's waits (``ready``) release only once the tell is written.
 
+A design that waits for results (a wave of the shared design) makes Tune ask again; with no trial running
+Tune (2.60, ``TuneController._update_trial_queue``) asks in a loop that sleeps 1 s after every ask, so the
+MLflow writes and the tell still queued when the last trial of a wave finished cost 2 s of idle workers per
+wave (measured: two 2.0 s gaps in a 16-trial sweep of 20 s). So when nothing of this searcher runs and tells are
+still queued, ``suggest`` waits for them (milliseconds) and asks the design again.
+
 Early stopping (ASHA, ``tpe`` design only): every trial runs ``epochs_max`` epochs unless the scheduler stops
 it; per-epoch objective values are Optuna intermediate values, and a trial that ends without its final result is
 told PRUNED. Errors and diverged trials are told FAIL (ignored by the search).
 """
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -29,6 +36,15 @@ class DesignSearcher(Searcher):
         self._defer = defer or (lambda fn: fn())
         self._asha_epochs = {"epochs": epochs_max} if design.asha and epochs_max else {}
         self._live: dict[str, Ask] = {}  # tune trial id -> the design's ask
+        self._untold = _Pending()  # tells handed to ``defer`` and not yet run
+
+    # Tune pickles the searcher with the Tuner (tuner.pkl): the count of queued tells is this process's only.
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_untold"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._untold = _Pending()
 
     @property
     def total(self) -> int:
@@ -57,6 +73,8 @@ class DesignSearcher(Searcher):
 
     def suggest(self, trial_id: str) -> dict | None:
         a = self.design.ask()
+        if a is None and not self._live and self._untold.wait():  # the results it waits for are being told
+            a = self.design.ask()
         if a == FINISHED:
             return Searcher.FINISHED
         if a is None:
@@ -84,12 +102,17 @@ class DesignSearcher(Searcher):
         self._report(trial_id, result)  # the last result of an early-stopped trial never reached on_trial_result
         a = self._live.pop(trial_id)
         if error or not result or self.metric not in result or result.get("diverged"):
-            self._defer(lambda: self.design.tell(a, None, TrialState.FAIL))
+            self._tell(lambda: self.design.tell(a, None, TrialState.FAIL))
         elif not result.get("final"):
-            self._defer(lambda: self.design.tell(a, None, TrialState.PRUNED))
+            self._tell(lambda: self.design.tell(a, None, TrialState.PRUNED))
         else:
             value = float(result[self.metric])
-            self._defer(lambda: self.design.tell(a, value))
+            self._tell(lambda: self.design.tell(a, value))
+
+    def _tell(self, fn: Callable[[], None]) -> None:
+        """``fn`` (a tell) through ``defer``, counted until it has run."""
+        self._untold.add()
+        self._defer(lambda: self._untold.run(fn))
 
     # Tune checkpoints searchers; the design's state already lives in the journal file.
     def save(self, checkpoint_path: str) -> None:
@@ -97,6 +120,32 @@ class DesignSearcher(Searcher):
 
     def restore(self, checkpoint_path: str) -> None:
         pass
+
+
+class _Pending:
+    """A count of queued calls: ``run`` one (the count drops after it, even when it raises); ``wait`` until none
+    is queued. -> whether there was something to wait for."""
+
+    def __init__(self) -> None:
+        self._n, self._cond = 0, threading.Condition()
+
+    def add(self) -> None:
+        with self._cond:
+            self._n += 1
+
+    def run(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        finally:
+            with self._cond:
+                self._n -= 1
+                self._cond.notify_all()
+
+    def wait(self, timeout: float = 60.0) -> bool:
+        with self._cond:
+            queued = self._n > 0
+            self._cond.wait_for(lambda: self._n == 0, timeout)
+        return queued
 
 
 def make_searcher(cells: list[Mapping[str, Any]], budgets: Mapping[str, Budget], design: str, sampler_seed: int,

@@ -38,9 +38,11 @@ def test_tiny_run_prints_stages_and_no_warning_lines(tmp_path):
     assert "8 trials finished, 0 failed" in proc.stdout
 
 
-def _raylets() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "ray/core/src/ray/raylet/raylet"], capture_output=True, text=True).stdout
-    return {int(p) for p in out.split()}
+def _raylets_of(driver_pid: int) -> list[str]:
+    """Raylets of the Ray a driver process started: Ray names the session directory after the driver's pid
+    (``session_<date>_<time>_<usec>_<pid>``); raylets of other Ray instances on the machine do not count."""
+    out = subprocess.run(["pgrep", "-af", "ray/core/src/ray/raylet/raylet"], capture_output=True, text=True).stdout
+    return [ln for ln in out.splitlines() if re.search(rf"session_[0-9_-]+_{driver_pid}(/|\s|$)", ln)]
 
 
 def test_spec_refused_while_ray_starts_is_one_line_and_ray_is_shut_down(tmp_path):
@@ -50,11 +52,10 @@ def test_spec_refused_while_ray_starts_is_one_line_and_ray_is_shut_down(tmp_path
     spec = (REPO / "configs" / "tiny.yaml").read_text().replace("pruners: [magnitude]", "pruners: [magnitud]")
     (tmp_path / "typo.yaml").write_text(spec)
     exe = Path(sys.executable).with_name("healsweep")
-    before = _raylets()
     proc = subprocess.run([str(exe), "run", "typo.yaml", "--out", str(tmp_path / "run"), "--quiet",
                            "--num-cpus", "1"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
                           env=dict(os.environ, PYTHONPATH=str(REPO)))
     err = proc.stderr.strip()
     assert proc.returncode == 2 and len(err.splitlines()) == 1 and "magnitud" in err and "Traceback" not in err, err
     assert not (tmp_path / "run").exists()
-    assert _raylets() <= before  # this command's raylet exited with it
+    assert _raylets_of(proc.pid) == []  # this command's raylet exited with it

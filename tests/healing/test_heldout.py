@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from tasks.healing.heldout import heldout_align, heldout_score, heldout_slice
+from tasks.healing.heldout import heldout_align, heldout_reference, heldout_score, heldout_slice
 
 
 def test_heldout_slice_is_the_tail_the_trial_never_trains_on():
@@ -28,14 +28,16 @@ def test_heldout_align_exact_values():
     x = torch.randn(10, 4)  # (N, F)
     same = copy.deepcopy(dense)
     blocks = lambda m: [("0", m[0]), ("1", m[1])]  # noqa: E731
-    assert heldout_align(same, blocks(same), dense, blocks(dense), x, "example") == pytest.approx(0.0, abs=1e-6)
+    ref = heldout_reference(dense, blocks(dense), x)  # [(10, 3), (10, 2)]
+    assert [tuple(r.shape) for r in ref] == [(10, 3), (10, 2)] and torch.equal(ref[1], dense(x))
+    assert heldout_align(same, blocks(same), ref, x, "example") == pytest.approx(0.0, abs=1e-6)
     flipped = copy.deepcopy(dense)
     with torch.no_grad():
         flipped[0].weight.neg_()  # block 0 output negated (cos -1 -> loss 2); block 1 too (linear, no bias)
-    assert heldout_align(flipped, blocks(flipped), dense, blocks(dense), x, "example") == pytest.approx(2.0)
+    assert heldout_align(flipped, blocks(flipped), ref, x, "example") == pytest.approx(2.0)
     with torch.no_grad():
         flipped[1].weight.neg_()  # block 0 still negated (2), block 1 back to the dense output (0): mean 1
-    assert heldout_align(flipped, blocks(flipped), dense, blocks(dense), x, "example") == pytest.approx(1.0)
+    assert heldout_align(flipped, blocks(flipped), ref, x, "example") == pytest.approx(1.0)
 
 
 def test_heldout_score_uses_only_the_tail():
@@ -43,6 +45,13 @@ def test_heldout_score_uses_only_the_tail():
     calib = torch.randn(20, 4)
     calib[:12] = float("nan")  # rows a trial of calib size 12 trains on: must never be read
     healed = copy.deepcopy(dense)
-    args = (healed, [("0", healed[0]), ("1", healed[1])], lambda: dense, lambda m: [("0", m[0]), ("1", m[1])], calib)
+    asked = []
+
+    def reference_of(rows):
+        asked.append(rows)
+        return heldout_reference(dense, [("0", dense[0]), ("1", dense[1])], calib[rows])
+
+    args = (healed, [("0", healed[0]), ("1", healed[1])], reference_of, calib)
     assert heldout_score(*args, 12, "example", n=8) == {"heldout_align": pytest.approx(0.0, abs=1e-6)}  # rows 12..19
     assert heldout_score(*args, 13, "example", n=8) == {}  # row 12 is a training row: no held-out slice
+    assert asked == [slice(12, 20)]  # the reference is asked for the tail only, and not when there is none

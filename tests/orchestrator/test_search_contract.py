@@ -219,3 +219,43 @@ def test_family_surface_ranks_the_measured_vit_optimum_first():
     top = lattice.ranked(lattice.surface(pts, ys, groups, (9, 5)))
     assert top[0] == (8, 4)
     assert all(j >= 3 for _, j in top[:3])  # then its neighbours: 32-64 steps, never a short run
+
+
+def test_a_wave_waits_for_its_queued_tells_not_for_tunes_one_second_sleep(tmp_path):
+    """With nothing running, the next wave's trial is handed out as soon as the queued tells are written: Tune
+    (2.60) would otherwise ask again only after a 1 s sleep, twice per wave. With trials running the searcher
+    never blocks Tune's loop on the writer."""
+    import pickle
+    import threading
+    import time
+
+    from mlflow import MlflowClient
+
+    from orchestrator.mlflow_async import AsyncMlflowWriter
+
+    writer = AsyncMlflowWriter(MlflowClient(f"sqlite:///{tmp_path / 'm.db'}"))
+    cells = _cells(2)
+    searcher = make_searcher(cells, {c["cell_id"]: BUDGET for c in cells}, "shared", 0, tmp_path / "j",
+                             defer=writer.submit)
+    first = []
+    while (cfg := searcher.suggest(f"t{len(first)}")) is not None:
+        first.append(cfg)
+    assert len(first) == 2 * BUDGET.explore  # the first wave: explore points of every cell
+    held = threading.Event()
+    writer.submit(lambda: held.wait(10))  # MLflow writes queued ahead of the tells
+    for i, c in enumerate(first[:-1]):
+        searcher.on_trial_complete(f"t{i}", {"selection_acc": landscape(c), "final": True, "epoch": c["epochs"]})
+    t0 = time.perf_counter()
+    assert searcher.suggest("x") is None  # a trial still runs: no wait on the writer
+    assert time.perf_counter() - t0 < 0.5
+    searcher.on_trial_complete(f"t{len(first) - 1}", {"selection_acc": landscape(first[-1]), "final": True,
+                                                       "epoch": first[-1]["epochs"]})
+    threading.Timer(0.3, held.set).start()
+    t0 = time.perf_counter()
+    nxt = searcher.suggest("next")  # nothing runs: waits for the tells (0.3 s here), then asks the design again
+    waited = time.perf_counter() - t0
+    assert nxt is not None and nxt["stage"] == "search" and nxt["trial_id"].endswith("-2")
+    assert 0.25 <= waited < 5
+    copy = pickle.loads(pickle.dumps(searcher))  # Tune pickles the searcher with the Tuner
+    assert copy._untold.wait(0.01) is False
+    writer.close()
