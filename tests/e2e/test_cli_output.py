@@ -52,10 +52,11 @@ def test_spec_refused_while_ray_starts_is_one_line_and_ray_is_shut_down(tmp_path
     spec = (REPO / "configs" / "tiny.yaml").read_text().replace("pruners: [magnitude]", "pruners: [magnitud]")
     (tmp_path / "typo.yaml").write_text(spec)
     exe = Path(sys.executable).with_name("healsweep")
-    proc = subprocess.run([str(exe), "run", "typo.yaml", "--out", str(tmp_path / "run"), "--quiet",
-                           "--num-cpus", "1"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=str(REPO)))
-    err = proc.stderr.strip()
+    proc = subprocess.Popen([str(exe), "run", "typo.yaml", "--out", str(tmp_path / "run"), "--quiet",
+                             "--num-cpus", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    _, err = proc.communicate(timeout=300)
+    err = err.strip()
     assert proc.returncode == 2 and len(err.splitlines()) == 1 and "magnitud" in err and "Traceback" not in err, err
     assert not (tmp_path / "run").exists()
     assert _raylets_of(proc.pid) == []  # this command's raylet exited with it
