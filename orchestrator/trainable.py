@@ -59,8 +59,9 @@ def tune_trainable(config: dict) -> None:
     history: list[dict] = []  # epochs not yet sent to Tune (module docstring: one round trip per trial)
 
     def send(metrics: dict, **kw) -> None:
-        tune.report({**metrics, "epoch_history": list(history), "resumed_from_epoch": last_start, "node_id": node},
-                    **kw)
+        done = {"finished_at": time.time()} if metrics.get("final") else {}  # node clock, s: when it ended there
+        tune.report({**metrics, **done, "epoch_history": list(history), "resumed_from_epoch": last_start,
+                     "node_id": node}, **kw)
         history.clear()
 
     def report(metrics: dict) -> None:

@@ -79,8 +79,12 @@ class RayNode:
             raise RuntimeError(f"ray start exited rc={self.proc.returncode}: {Path(self.log).read_text()[-2000:]}")
 
     def kill(self) -> None:
-        """SIGKILL to every process of this node (a machine that dies); its logs stay until :meth:`stop`."""
-        for pid in ([self.proc.pid] if self.proc.poll() is None else []) + self.pids():
+        """SIGKILL to every process of this node (a machine that dies): ``ray start``, the processes naming its temp
+        dir, and all their descendants -- the trial actors too, whose command line Ray rewrites
+        (``ray::ImplicitFunc.train``) and which would otherwise finish a running trial before noticing that their
+        raylet is gone. Its logs stay until :meth:`stop`."""
+        roots = ([self.proc.pid] if self.proc.poll() is None else []) + self.pids()
+        for pid in _descendants(roots):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -113,6 +117,25 @@ class RayNode:
             except OSError:
                 continue
         return [p for p in out if p != os.getpid()]
+
+
+def _descendants(roots: list[int]) -> list[int]:
+    """``roots`` and every process below them (from /proc/*/stat parent pids), parents first."""
+    children: dict[int, list[int]] = {}
+    for d in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            stat = Path(d).read_text()
+            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        except (OSError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(d.split("/")[2]))
+    out, todo = [], list(roots)
+    while todo:
+        pid = todo.pop(0)
+        if pid not in out and pid != os.getpid():
+            out.append(pid)
+            todo += children.get(pid, [])
+    return out
 
 
 PROJECT_PACKAGES = ("orchestrator", "tasks", "analysis")

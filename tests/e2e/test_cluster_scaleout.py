@@ -54,8 +54,11 @@ def test_a_node_dying_mid_trial_loses_nothing(tmp_path):
         assert x.data.tags["node_id"] == r.head_id and int(x.data.tags["node_faults"]) >= 1, x.data.tags
     assert len(lost) >= len(retried) and all("retrying it on another node" in ln for ln in lost), lost
     assert "Traceback" not in log, log[-3000:]  # one line per lost trial, not Tune's traceback
-    after = t.per_node(r.event_ms + 1)
-    assert set(after) == {r.head_id}, after  # nothing started on the dead node after it died
+    # nothing ran on the dead node after it died: every trial whose final result came from it ended before the kill
+    # (``finished_at``: the node's clock; MLflow's run start time is the driver writer's, which may lag the trial)
+    late = [(x.data.tags["trial_id"], x.data.metrics["finished_at"] * 1000 - r.event_ms) for x in t.runs
+            if x.data.tags["node_id"] != r.head_id and x.data.metrics["finished_at"] * 1000 > r.event_ms]
+    assert late == [], late
 
 
 @pytest.fixture(scope="module")
