@@ -3,6 +3,7 @@ numbers the report quotes (``analysis.reported.cell_results``)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -13,9 +14,11 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_spec(spec: dict, run_dir: Path, store: str, cache: str, reuse: bool) -> tuple[Path, float]:
+def run_spec(spec: dict, run_dir: Path, store: str, cache: str, reuse: bool,
+             env: dict | None = None) -> tuple[Path, float]:
     """``healsweep run`` of ``spec`` (written next to the run directory) -> (run dir, wall seconds; NaN when
-    ``reuse`` found a finished run there)."""
+    ``reuse`` found a finished run there). ``env``: extra environment variables for the driver (a local Ray's
+    workers inherit them)."""
     if reuse and (run_dir / "report.md").is_file():
         return run_dir, float("nan")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -23,7 +26,7 @@ def run_spec(spec: dict, run_dir: Path, store: str, cache: str, reuse: bool) -> 
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "orchestrator.cli", "run", str(path), "--out", str(run_dir), "--store", store,
-                    "--cache", cache, "--quiet"], check=True, cwd=REPO)
+                    "--cache", cache, "--quiet"], check=True, cwd=REPO, env={**os.environ, **(env or {})})
     return run_dir, time.perf_counter() - t0
 
 

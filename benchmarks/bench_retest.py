@@ -77,6 +77,17 @@ def compare(a, b, grids) -> dict:
                        int(sa.loc[c, "calib_size"])) for x, c in worst]}
 
 
+def print_agreement(r: dict) -> None:
+    """The last lines of a ``compare``: band class and best-method agreement, contradicted orderings, the largest
+    moves."""
+    print(f"band class agrees: {r['bands']}; best pruner x healer agrees: {r['best']}")
+    print(f"orderings called resolved: {r['resolved_claims'][0]} / {r['resolved_claims'][1]}; "
+          f"contradicted by the other run: {len(r['contradicted'])} {r['contradicted'][:5]}")
+    print("largest moves (pp, cell, model, pruner, sparsity, calib):")
+    for w in r["worst"]:
+        print("  ", w)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("spec", nargs="?", default=str(REPO / "configs" / "default.yaml"))
@@ -96,12 +107,7 @@ def main(argv=None) -> int:
     print(f"cells compared (grids {', '.join(a.grids)}, searched healers): {r['cells']}")
     print(f"|delta| of the quoted accuracy: median {r['median']:.2f} pp, p90 {r['p90']:.2f} pp, max {r['max']:.2f} pp")
     print(f"cells over 2 pp: {r['over2']}, over 5 pp: {r['over5']}; within 2 pp: {100 * r['within2']:.1f} %")
-    print(f"band class agrees: {r['bands']}; best pruner x healer agrees: {r['best']}")
-    print(f"orderings called resolved: {r['resolved_claims'][0]} / {r['resolved_claims'][1]}; "
-          f"contradicted by the other run: {len(r['contradicted'])} {r['contradicted'][:5]}")
-    print("largest moves (pp, cell, model, pruner, sparsity, calib):")
-    for w in r["worst"]:
-        print("  ", w)
+    print_agreement(r)
     return 0
 
 
