@@ -11,7 +11,9 @@ torch build; the probe below prints a digest of a few kernels' outputs under bot
 Each run has its own store and model cache (dense targets, masks and rankings are computed under its kernels; the
 shipped weights are the same file). Prints:
 - the kernel probe (torch's CPU capability and a digest of matmul, conv, layer norm, softmax outputs) per run;
-- the stores side by side: per kind (targets, masks, ...), keys present in both and how many are byte-identical;
+- the stores side by side: per kind (targets, masks, ...), keys present in both and how many hold identical
+  content (tensors and columns; write times, compute seconds and node ids left out), and the dense target values
+  that differ;
 - per cell (every grid, every healer) |delta| of the quoted accuracy (``analysis.reported.cell_results``) in pp
   and in evaluation images: median, p90, max, cells over 1 / 2 / 5 pp; band class and best pruner x healer
   agreement; every ordering one run calls resolved that the other contradicts.
@@ -22,8 +24,10 @@ shipped weights are the same file). Prints:
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,29 +60,24 @@ print(torch.backends.cpu.get_cpu_capability(), h)
 
 def probe(env: dict) -> str:
     """torch's CPU capability and a digest of a few kernels' outputs under ``env``."""
-    import os
-
     r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True,
                        env={**os.environ, **env})
     return r.stdout.strip()
 
 
-VOLATILE = {"provenance", "seconds", "created", "created_at", "written_at", "time", "last_use"}
+VOLATILE = {"provenance", "created"}  # a mask's compute seconds and node, a target manifest's write time
 
 
 def _content(f: Path) -> bytes:
-    """What a store file holds, without what records when or how fast it was made: safetensors tensors, Arrow
-    columns, JSON without provenance/timing fields (a mask's metadata records its compute seconds)."""
+    """What a store file holds, without what records when, where or how fast it was made: safetensors tensors,
+    Arrow/Parquet columns (not their metadata: diagnostics record their node ids), JSON without ``VOLATILE``."""
     if f.suffix == ".safetensors":
         from safetensors.numpy import load_file
 
         t = load_file(str(f))
         return b"".join(k.encode() + str(t[k].dtype).encode() + t[k].tobytes() for k in sorted(t))
-    if f.suffix == ".arrow":
-        import pyarrow as pa
-
-        tab = pa.ipc.open_file(str(f)).read_all()
-        return b"".join(n.encode() + _values(tab[n]).tobytes() for n in tab.column_names)
+    if f.suffix in (".arrow", ".parquet"):
+        return b"".join(n.encode() + v.tobytes() for n, v in _columns(f))
     if f.suffix == ".json":
         def strip(o):
             if isinstance(o, dict):
@@ -88,9 +87,20 @@ def _content(f: Path) -> bytes:
     return f.read_bytes()
 
 
-def _values(col) -> np.ndarray:
-    c = col.combine_chunks()
-    return np.asarray(c.flatten() if hasattr(c, "flatten") else c)
+@functools.lru_cache(maxsize=None)  # store_files and target_values_differing read each shard once
+def _columns(f: Path) -> tuple[tuple[str, np.ndarray], ...]:
+    """(name, values) per column of an Arrow IPC or Parquet file; list columns flattened."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tab = pq.read_table(str(f)) if f.suffix == ".parquet" else pa.ipc.open_file(str(f)).read_all()
+    out = []
+    for n in tab.column_names:
+        c = tab[n].combine_chunks()
+        c = c.flatten() if hasattr(c, "flatten") else c
+        numeric = pa.types.is_integer(c.type) or pa.types.is_floating(c.type) or pa.types.is_boolean(c.type)
+        out.append((n, np.asarray(c) if numeric else np.array([repr(x) for x in c.to_pylist()])))
+    return tuple(out)
 
 
 def store_files(root: Path) -> dict[tuple[str, str], str]:
@@ -110,17 +120,12 @@ def store_files(root: Path) -> dict[tuple[str, str], str]:
 
 def target_values_differing(a: Path, b: Path) -> tuple[int, int]:
     """(values that differ, values) over the dense-target shards both stores hold (float16/bfloat16 bit patterns)."""
-    import pyarrow as pa
-
     diff = total = 0
     for fa in sorted((a / "targets").rglob("shard-*.arrow")):
         fb = b / "targets" / fa.relative_to(a / "targets")
-        if not fb.is_file():
-            continue
-        ta, tb = pa.ipc.open_file(str(fa)).read_all(), pa.ipc.open_file(str(fb)).read_all()
-        for n in ta.column_names:
-            va, vb = _values(ta[n]), _values(tb[n])
-            diff, total = diff + int((va != vb).sum()), total + va.size
+        if fb.is_file():
+            for (_, va), (_, vb) in zip(_columns(fa), _columns(fb)):
+                diff, total = diff + int((va != vb).sum()), total + va.size
     return diff, total
 
 
