@@ -20,8 +20,9 @@ times) and the median is printed. ``uptime`` is printed before and after: on a s
 ``--baseline DIR`` also runs healsweep from another checkout (``PYTHONPATH=DIR``, e.g. the main branch) in the
 same interleaving, for a before/after ratio measured under the same load.
 
-Stage times overlap where the sweep overlaps them (the report is written while Ray shuts down), so ``exit``
-(wall - Σ stages: interpreter start before ``imports`` and process exit) can come out slightly low.
+Stage times overlap where the sweep overlaps them (the spec is checked while Ray starts, the parent run is
+created while Tune starts the trial actors, the report is written while Ray shuts down), so ``exit`` (wall - Σ
+stages: interpreter start before ``imports`` and process exit) comes out negative.
 
     python benchmarks/bench_overhead.py --repeats 5 --cache .healsweep/models --store .healsweep/store
 """

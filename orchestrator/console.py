@@ -46,6 +46,9 @@ def quiet_libraries(verbose: bool) -> None:
     env.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     env.setdefault("TUNE_WARN_THRESHOLD_S", "1000000")
     env.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    # MLflow sets its own loggers to INFO when it is imported, which a sweep does late (in the thread that opens
+    # the tracking store while Tune starts): without this the ERROR level below would be undone.
+    env.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
     env.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     env.setdefault("PYTHONWARNINGS", "ignore")
     for name in loggers:

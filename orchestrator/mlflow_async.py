@@ -5,6 +5,9 @@ everything queued, coalesces consecutive metrics per run into ``log_batch`` call
 MLflow's limit) and runs other operations (run creation, tags, termination, Optuna tells) in submission order.
 ``flush()`` blocks until everything queued so far is written; ``close()`` flushes and stops the thread.
 A failing write is counted and logged, never raised into the sweep.
+
+The client may be given as a callable that returns it (a sweep's tracking store is opened, and its parent run
+created, in a thread while Tune starts its trial actors: orchestrator/sweep.py): it is resolved on first use.
 """
 from __future__ import annotations
 
@@ -12,18 +15,19 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from mlflow import MlflowClient
-from mlflow.entities import Metric
+if TYPE_CHECKING:  # MLflow is imported by whoever opens the client (orchestrator/tracking.py)
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 1000
 
 
 class AsyncMlflowWriter:
-    def __init__(self, client: MlflowClient) -> None:
-        self.client = client
+    def __init__(self, client: MlflowClient | Callable[[], MlflowClient]) -> None:
+        self._client = client
         self.errors = 0
         self.write_seconds = 0.0  # time the writer thread spent in MLflow calls
         self.batches = 0
@@ -32,12 +36,19 @@ class AsyncMlflowWriter:
         self._thread = threading.Thread(target=self._loop, name="mlflow-writer", daemon=True)
         self._thread.start()
 
-    # Tune pickles its callbacks and searcher into the experiment directory; a copy is a closed writer.
+    @property
+    def client(self) -> MlflowClient:
+        if callable(self._client):  # a client is not callable; the function that opens one is
+            self._client = self._client()  # joins whatever opens it (re-raising its error)
+        return self._client
+
+    # Tune pickles its callbacks and searcher into the experiment directory; a copy is a closed writer (without
+    # its client while that is still being opened: Tune pickles them before the first trial).
     def __getstate__(self) -> dict:
-        return {"client": self.client}
+        return {"client": None if callable(self._client) else self._client}
 
     def __setstate__(self, state: dict) -> None:
-        self.client, self.errors, self.write_seconds, self.batches, self._closed = state["client"], 0, 0.0, 0, True
+        self._client, self.errors, self.write_seconds, self.batches, self._closed = state["client"], 0, 0.0, 0, True
 
     def submit(self, fn: Callable[[], None]) -> None:
         if self._closed:

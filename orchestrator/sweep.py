@@ -3,6 +3,7 @@ Optuna) -> MLflow -> report. ``run_sweep`` is the sequence of named stages below
 the times go to the parent run as ``stage_<name>_seconds`` and are printed at the end."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -56,11 +57,19 @@ class _Sweep:
     mask_keys: dict = field(default_factory=dict)  # orchestrator.stages.MaskResult: {cell_id: key} + provenance
     on_cluster: bool = False  # --address given: model, mask and dense work goes to Ray tasks on the workers
     guard: Any = None  # orchestrator.node_guard.NodeGuard on a cluster: nodes that cannot import the project
-    mlflow_ready: Any = None  # joins the thread that opens the tracking store (open_sweep)
+    parent_ready: Any = None  # joins the thread that creates the parent run (_before_trials)
     client: Any = None
     parent: str = ""
     tune: dict = field(default_factory=dict)
     dense_total: int = 0  # dense forward images over every session of the sweep (resume/refine included)
+
+    def tracking(self) -> tuple[Any, str]:
+        """(MLflow client, parent run id) once the parent stage is done: it runs in a thread while Tune starts the
+        trial actors (their imports take seconds), so the first trial's MLflow run waits for nothing; its error
+        re-raises here."""
+        if self.parent_ready is not None:
+            self.parent_ready()
+        return self.client, self.parent
 
     @property
     def journal(self) -> Path:
@@ -78,7 +87,6 @@ def open_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path,
     """A new sweep (fresh sweep id, tracking URI) or the one recorded in ``out_dir`` (resume / refine)."""
     from orchestrator import cluster
     from orchestrator.resume import JOURNAL_FILE, existing_sweep, lock_run_dir, read_sweep, write_sweep
-    from orchestrator.background import background
 
     out_dir, store_dir, cache_dir = (Path(p).resolve() for p in (out_dir, store_dir, cache_dir))
     lock_run_dir(out_dir)  # one driver per run directory (RunLockedError while another live driver holds it)
@@ -100,14 +108,11 @@ def open_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path,
 
     paths = store_paths(spec.store.uri, store_dir, cache_dir)
     paths["out"] = str(out_dir)
-    s = _Sweep(spec, out_dir, store_dir, cache_dir, info, paths, resume, refine_round, clock)
-    s.mlflow_ready = background(_tracking_inside, info["tracking_uri"], out_dir, spec.mlflow.experiment)
-    return s
+    return _Sweep(spec, out_dir, store_dir, cache_dir, info, paths, resume, refine_round, clock)
 
 
 def _tracking_inside(uri: str, out_dir: Path, experiment: str):
-    """The experiment created with its artifacts in the run directory (not $PWD/mlruns; a new SQLite store
-    creates its tables: ~1.5 s), then the client: both in the background while the models load."""
+    """The experiment created with its artifacts in the run directory (not $PWD/mlruns), then the client."""
     from orchestrator import cluster
     from orchestrator.stages import open_tracking
 
@@ -200,7 +205,7 @@ def parent_run(s: _Sweep) -> None:
     from orchestrator.tracking import experiment_id, start_parent
 
     spec, info = s.spec, s.info
-    s.client = client = s.mlflow_ready()
+    s.client = client = _tracking_inside(info["tracking_uri"], s.out_dir, spec.mlflow.experiment)
     spec_json = json.dumps(spec.to_dict(), indent=1, default=list)
     if info.get("parent_run_id") is None:
         info["parent_run_id"] = start_parent(client, spec.mlflow.experiment, info["sweep_id"], spec.name, {
@@ -265,15 +270,15 @@ def tune_stage(s: _Sweep, progress: bool) -> None:
         t["concurrency"] = cluster.present_concurrency(spec.resources, ray.cluster_resources())  # at start; logged
 
         t["max_concurrent"] = cluster.tune_concurrency(spec.resources, {})
-        t["writer"] = writer = AsyncMlflowWriter(s.client)
+        t["writer"] = writer = AsyncMlflowWriter(lambda: s.tracking()[0])
         from orchestrator.tune_stop import InterruptStopper
 
         t["searcher"] = searcher = PerCellOptunaSearch(
             configs, spec.search.trials_per_cell, spec.search.lr, spec.search.epochs, spec.search.sampler_seed,
             s.journal, asha=spec.search.scheduler == "asha", startup_trials=spec.search.startup_trials,
             defer=writer.submit, grids=grid_searches(spec), **search_kwargs(spec.search))
-        t["logger"] = logger_cb = MlflowTrialLogger(writer, spec.mlflow.experiment, s.info["sweep_id"], s.parent,
-                                                    s.dense, replace=s.resume)
+        t["logger"] = logger_cb = MlflowTrialLogger(writer, spec.mlflow.experiment, s.info["sweep_id"],
+                                                    lambda: s.tracking()[1], s.dense, replace=s.resume)
         per_cell = searcher.per_cell()
         grids: dict[str, int] = {}
         for c in s.cells:
@@ -345,12 +350,17 @@ def _run_and_end(s: _Sweep, t0: float, started_ray: bool, models_ready, progress
         except interrupt.SweepInterrupted:
             early = True
         if early:
+            s.tracking()  # the parent run, if its stage had started
             finished, failed, seconds = sweep_end.ended_early(s, t0)
         else:
             tune_stage(s, progress)
+            s.tracking()
             finished, failed, seconds = sweep_end.summary_stage(s, t0, interrupt.received())
             report_done = sweep_end.start_report(s.out_dir, clock) if report else None  # while Ray shuts down
     finally:
+        if s.parent_ready is not None and not s.parent:  # failed before the trials: the parent stage ends first
+            with contextlib.suppress(Exception):  # (its own error, if any, is not the one to report)
+                s.parent_ready()
         if s.tune.get("writer") is not None:
             s.tune["writer"].close()
         if s.guard is not None:
@@ -372,6 +382,7 @@ def _before_trials(s: _Sweep, models_ready, progress: bool) -> None:
     import ray
 
     from orchestrator import cluster
+    from orchestrator.background import background
 
     if s.on_cluster:
         with s.clock.stage("ray"):  # part of attaching: which nodes can run the project's code
@@ -387,6 +398,10 @@ def _before_trials(s: _Sweep, models_ready, progress: bool) -> None:
         if s.guard is None or not missing_project_line(e):
             raise
         raise cluster.ClusterError(missing_project_line(e)) from None
+    s.parent_ready = background(_parent_stage, s)  # while Tune starts the trial actors (see tracking())
+
+
+def _parent_stage(s: _Sweep) -> None:
     with s.clock.stage("parent"):
         parent_run(s)
 

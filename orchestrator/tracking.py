@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunTag
 from ray.tune import Callback
 
 from orchestrator.mlflow_async import AsyncMlflowWriter
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+# MLflow (~1-2 s of imports) is imported where it is used, so that Tune can start before it is: a sweep opens its
+# tracking store and parent run in a thread while Tune starts the trial actors (orchestrator/sweep.py).
 
 TRIAL_PARAMS = ("model", "pruner", "scope", "sparsity", "calib_size", "healer", "granularity", "seed", "lr",
                 "epochs", "batch_size", "target_mode", "grid")
@@ -27,6 +31,8 @@ def experiment_id(client: MlflowClient, name: str) -> str:
 
 
 def start_parent(client: MlflowClient, experiment: str, sweep_id: str, name: str, params: Mapping[str, Any]) -> str:
+    from mlflow.entities import Param
+
     run = client.create_run(experiment_id(client, experiment), run_name=name,
                             tags={"sweep_id": sweep_id, "healsweep.role": "sweep"})
     client.log_batch(run.info.run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
@@ -39,11 +45,13 @@ class MlflowTrialLogger(Callback):
     single writer, so the Tune loop never waits on the tracking server. With ``replace`` (a resumed sweep),
     any earlier run of a trial key that is run again is deleted first: no duplicate child runs."""
 
-    def __init__(self, writer: AsyncMlflowWriter, experiment: str, sweep_id: str, parent_run_id: str,
-                 dense_images: Mapping[str, int], replace: bool = False) -> None:
-        self.writer, self.client = writer, writer.client
-        self.exp_id = experiment_id(self.client, experiment)
-        self.sweep_id, self.parent, self.replace = sweep_id, parent_run_id, replace
+    def __init__(self, writer: AsyncMlflowWriter, experiment: str, sweep_id: str,
+                 parent_run_id: str | Callable[[], str], dense_images: Mapping[str, int],
+                 replace: bool = False) -> None:
+        self.writer, self.experiment, self._parent = writer, experiment, parent_run_id
+        self.client: MlflowClient | None = None  # opened at the first callback (see _open)
+        self.exp_id = self.parent = None
+        self.sweep_id, self.replace = sweep_id, replace
         self.dense_images = dict(dense_images)  # model -> dense forward images computed by this sweep
         self.runs: dict[str, str] = {}  # trial key -> mlflow run id (filled by the writer thread)
         self.keys: dict[str, str] = {}  # tune trial id -> trial key
@@ -52,11 +60,25 @@ class MlflowTrialLogger(Callback):
         self.finished = self.failed = 0
         self.callback_seconds = 0.0  # driver time spent in these callbacks (enqueueing)
         self.trial_seconds = 0.0  # Σ trial_seconds of the final results (compute inside the trials)
+        if not callable(parent_run_id):  # everything given: opened now
+            self._open()
+
+    def _open(self) -> None:
+        """Client, experiment and parent run at the first callback: ``parent_run_id`` may be a callable that joins
+        the thread creating the parent run (re-raising its error), which is done by the time a trial starts."""
+        if self.parent is None:
+            self.parent = self._parent() if callable(self._parent) else self._parent
+            self.client = self.writer.client
+            self.exp_id = experiment_id(self.client, self.experiment)
+
+    def __getstate__(self) -> dict:  # Tune pickles its callbacks: without the thread-joining callable
+        return {**self.__dict__, "_parent": self.parent if callable(self._parent) else self._parent}
 
     def _timed(fn):  # noqa: N805 - decorator inside the class body
         def wrapper(self, *a, **kw):
             t0 = time.perf_counter()
             try:
+                self._open()
                 return fn(self, *a, **kw)
             finally:
                 self.callback_seconds += time.perf_counter() - t0
@@ -67,6 +89,8 @@ class MlflowTrialLogger(Callback):
 
     @_timed
     def on_trial_start(self, iteration, trials, trial, **info):
+        from mlflow.entities import Param
+
         c = trial.config
         key = c["trial_id"]
         if trial.trial_id in self.keys:  # restarted after a failure: same child run
@@ -102,6 +126,8 @@ class MlflowTrialLogger(Callback):
 
     @_timed
     def on_trial_result(self, iteration, trials, trial, result, **info):
+        from mlflow.entities import Metric, Param, RunTag
+
         key = self.keys.get(trial.trial_id)
         if key is None:
             return
@@ -144,6 +170,8 @@ class MlflowTrialLogger(Callback):
     def on_trial_recover(self, iteration, trials, trial, **info):
         """Tags ``retries`` (attempts after the first) and ``node_faults`` (retries because the trial's node died or
         could not run it: not counted against max_failures, orchestrator/trial_faults.py)."""
+        from mlflow.entities import RunTag
+
         from orchestrator.trial_faults import node_faults
 
         key = self.keys.get(trial.trial_id)
@@ -174,6 +202,8 @@ class MlflowTrialLogger(Callback):
 
     @_timed
     def on_trial_error(self, iteration, trials, trial, **info):
+        from mlflow.entities import RunTag
+
         self.failed += 1
         key = self.keys.get(trial.trial_id)
         if key is None:

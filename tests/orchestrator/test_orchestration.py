@@ -165,6 +165,84 @@ def test_async_writer_batches_in_order_and_never_blocks(tmp_path):
     assert client.get_run(runs["a"]).info.status == "FINISHED"
 
 
+def _trial(trial_id: str, key: str):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(trial_id=trial_id, config={
+        "trial_id": key, "cell_id": "c", "store_key": "s", "mask_key": "k", "pattern": "unstructured",
+        "healer_settings": {}, "pruner_settings": {}, "default_granularity": "block", "optuna_trial": 0,
+        "model": "m", "pruner": "magnitude", "scope": "all", "sparsity": 0.9, "calib_size": 8, "healer": "starfish",
+        "seed": 0, "lr": 1e-3, "epochs": 1, "batch_size": 8, "target_mode": "store"})
+
+
+def test_trial_logger_opens_mlflow_at_its_first_callback_not_before(tmp_path):
+    """A sweep creates its MLflow parent run in a thread while Tune starts the trial actors
+    (orchestrator/sweep.py): the writer and the logger take callables, which nothing calls until the first trial
+    callback (Tune pickles both before that), and the first trial's run is then the parent's child."""
+    from ray import cloudpickle
+
+    from orchestrator.mlflow_async import AsyncMlflowWriter
+    from orchestrator.tracking import MlflowTrialLogger
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    exp = client.create_experiment("healsweep")
+    calls: list[str] = []
+    opened = threading.Event()
+
+    def parent():
+        calls.append("parent")
+        return client.create_run(exp, tags={"healsweep.role": "sweep"}).info.run_id
+
+    def open_client():
+        calls.append("client")
+        opened.set()
+        return client
+
+    writer = AsyncMlflowWriter(open_client)
+    cb = MlflowTrialLogger(writer, "healsweep", "sw", parent, {"m": 0})
+    copy = cloudpickle.loads(cloudpickle.dumps(cb))  # as Tune saves its callbacks: nothing opened for it
+    assert calls == [] and not opened.is_set() and copy.parent is None and copy.writer._closed
+    cb.on_trial_start(0, [], _trial("t1", "c-0"))
+    cb.on_trial_start(0, [], _trial("t2", "c-1"))
+    writer.close()
+    assert calls == ["parent", "client"]  # each once, the parent first
+    kids = client.search_runs([exp], "tags.`healsweep.role` = 'trial'")
+    assert sorted(r.data.tags["trial_id"] for r in kids) == ["c-0", "c-1"]
+    assert {r.data.tags["mlflow.parentRunId"] for r in kids} == {cb.parent} and cb.parent
+
+
+def test_trial_logger_raises_the_parent_stage_error_at_the_first_trial(tmp_path):
+    """A parent stage that failed (its thread re-raises when joined) stops the sweep at the first trial callback,
+    inside Tune (which ends fit with it), instead of logging trials under no parent."""
+    from orchestrator.mlflow_async import AsyncMlflowWriter
+    from orchestrator.tracking import MlflowTrialLogger
+
+    def parent():
+        raise RuntimeError("tracking store is locked")
+
+    writer = AsyncMlflowWriter(lambda: MlflowClient(f"sqlite:///{tmp_path / 'm.db'}"))
+    cb = MlflowTrialLogger(writer, "healsweep", "sw", parent, {"m": 0})
+    with pytest.raises(RuntimeError, match="tracking store is locked"):
+        cb.on_trial_start(0, [], _trial("t1", "c-0"))
+    writer.close()
+    assert cb.runs == {} and writer.errors == 0
+
+
+def test_tune_can_start_before_mlflow_is_imported():
+    """What a sweep imports before Tune starts (healsweep run imports it while Ray starts) and the modules of the
+    Tune stage import no MLflow (~1-2 s of imports): it is imported by the parent stage, beside Tune's start."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom orchestrator.commands.run import _import_sweep_modules\n_import_sweep_modules()\n"
+            "import orchestrator.sweep, orchestrator.tune_setup, orchestrator.tune_stop, orchestrator.node_guard\n"
+            "import orchestrator.mlflow_async, orchestrator.tracking, orchestrator.search, orchestrator.sweep_end\n"
+            "print(sorted(m for m in sys.modules if m == 'mlflow' or m.startswith('mlflow.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 # --- resources ---------------------------------------------------------------------------------------------
 
 def _gpu_spec(**search):
