@@ -7,7 +7,8 @@ MLflow's limit) and runs other operations (run creation, tags, termination, Optu
 A failing write is counted and logged, never raised into the sweep.
 
 The client may be given as a callable that returns it (a sweep's tracking store is opened, and its parent run
-created, in a thread while Tune starts its trial actors: orchestrator/sweep.py): it is resolved on first use.
+created, in a thread while Tune starts its trial actors: orchestrator/parent_stage.py): it is resolved on first
+use.
 """
 from __future__ import annotations
 

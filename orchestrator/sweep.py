@@ -1,6 +1,7 @@
-"""Run a sweep: models -> dense targets -> diagnostics -> masks -> parent run -> trials (Ray Tune + per-cell
-Optuna) -> MLflow -> report. ``run_sweep`` is the sequence of named stages below, each timed (``StageClock``):
-the times go to the parent run as ``stage_<name>_seconds`` and are printed at the end."""
+"""Run a sweep: models -> dense targets -> diagnostics -> masks -> trials (Ray Tune + per-cell Optuna; the MLflow
+parent run is created beside their start: orchestrator/parent_stage.py) -> MLflow -> report. ``run_sweep`` is the
+sequence of named stages below, each timed (``StageClock``): the times go to the parent run as
+``stage_<name>_seconds`` and are printed at the end."""
 from __future__ import annotations
 
 import contextlib
@@ -57,7 +58,7 @@ class _Sweep:
     mask_keys: dict = field(default_factory=dict)  # orchestrator.stages.MaskResult: {cell_id: key} + provenance
     on_cluster: bool = False  # --address given: model, mask and dense work goes to Ray tasks on the workers
     guard: Any = None  # orchestrator.node_guard.NodeGuard on a cluster: nodes that cannot import the project
-    parent_ready: Any = None  # joins the thread that creates the parent run (_before_trials)
+    parent_ready: Any = None  # joins the parent stage's thread (orchestrator/parent_stage.py)
     client: Any = None
     parent: str = ""
     tune: dict = field(default_factory=dict)
@@ -109,15 +110,6 @@ def open_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path,
     paths = store_paths(spec.store.uri, store_dir, cache_dir)
     paths["out"] = str(out_dir)
     return _Sweep(spec, out_dir, store_dir, cache_dir, info, paths, resume, refine_round, clock)
-
-
-def _tracking_inside(uri: str, out_dir: Path, experiment: str):
-    """The experiment created with its artifacts in the run directory (not $PWD/mlruns), then the client."""
-    from orchestrator import cluster
-    from orchestrator.stages import open_tracking
-
-    cluster.keep_artifacts_inside(uri, out_dir, experiment)
-    return open_tracking(uri, experiment)
 
 
 def models_stage(s: _Sweep, progress: bool) -> None:
@@ -196,58 +188,6 @@ def dense_and_masks(s: _Sweep, progress: bool) -> None:
         nodes = sorted({r["node_id"] for r in s.mask_keys.computed})
         clock.say(f"[masks] {len(s.mask_keys.computed)} computed {why}"
                   + (f" on node(s) {', '.join(n[:12] for n in nodes)}" if not in_driver else ""))
-
-
-def parent_run(s: _Sweep) -> None:
-    """The sweep's MLflow parent run: created once, reopened on resume/refine; diagnostics logged to it."""
-    from orchestrator.diagnostics import log_diagnostics
-    from orchestrator.resume import reconcile, write_sweep
-    from orchestrator.tracking import experiment_id, start_parent
-
-    spec, info = s.spec, s.info
-    s.client = client = _tracking_inside(info["tracking_uri"], s.out_dir, spec.mlflow.experiment)
-    spec_json = json.dumps(spec.to_dict(), indent=1, default=list)
-    if info.get("parent_run_id") is None:
-        info["parent_run_id"] = start_parent(client, spec.mlflow.experiment, info["sweep_id"], spec.name, {
-            "spec_name": spec.name, "cells": len(s.cells), "trials_per_cell": spec.search.trials_per_cell,
-            "models": ",".join(spec.models), "objective": spec.search.objective, "store": str(s.store_dir),
-            "scheduler": spec.search.scheduler, "grids": ",".join(["main", *(g.name for g in spec.grids)]),
-            "search_design": spec.search.design, "reevaluate": spec.search.reevaluate,
-            "sampler_seed": spec.search.sampler_seed})
-        client.log_text(info["parent_run_id"], spec_json, "spec.json")
-        write_sweep(s.out_dir, info)
-    else:
-        client.update_run(info["parent_run_id"], status="RUNNING")
-        client.set_tag(info["parent_run_id"], "resumes", str(info["resumes"]))
-        if s.refine_round is not None:
-            client.log_text(info["parent_run_id"], spec_json, f"refine_{s.refine_round}/spec.json")
-        reconcile(client, experiment_id(client, spec.mlflow.experiment), info["sweep_id"], s.journal)
-    s.parent = info["parent_run_id"]
-    diag_root = s.paths["diagnostics"]
-    if s.mask_keys.computed:  # where this session's masks were computed (node ids; "driver" in-process)
-        client.set_tag(s.parent, f"mask_placement_{s.session}", s.mask_keys.placement)
-        client.set_tag(s.parent, f"mask_nodes_{s.session}",
-                       ",".join(sorted({r["node_id"] for r in s.mask_keys.computed})))
-    log_diagnostics(client, s.parent, diag_root, s.diag)
-    if s.diag.models:  # LAMP allocations need weights: computed here, read back by the report's CTS section
-        _log_lamp(s, diag_root)
-    if s.dense_rep.nodes:  # where this session's dense shards were computed (Ray node id: shards)
-        client.set_tag(s.parent, f"dense_nodes_{s.session}",
-                       ",".join(f"{n}:{k}" for n, k in sorted(s.dense_rep.nodes.items())))
-    if s.dense_rep.events:  # damaged shards found and recomputed
-        client.log_text(s.parent, "\n".join(s.dense_rep.events) + "\n", f"store_events_{s.session}.txt")
-
-
-def _log_lamp(s: _Sweep, diag_root: str) -> None:
-    from analysis.cts import CTSSettings
-    from orchestrator.diagnostics import log_lamp_allocations
-    from tasks.models import load_model
-
-    def weights_of(m):
-        lm = load_model(m, s.paths["cache"], data_seed=s.spec.data_seed, progress=False, **s.spec.load_kwargs(m))
-        return {k: v.detach() for k, v in lm.model.named_parameters()}
-
-    log_lamp_allocations(s.client, s.parent, diag_root, s.diag, weights_of, CTSSettings().targets)
 
 
 def tune_stage(s: _Sweep, progress: bool) -> None:
@@ -350,11 +290,9 @@ def _run_and_end(s: _Sweep, t0: float, started_ray: bool, models_ready, progress
         except interrupt.SweepInterrupted:
             early = True
         if early:
-            s.tracking()  # the parent run, if its stage had started
             finished, failed, seconds = sweep_end.ended_early(s, t0)
         else:
             tune_stage(s, progress)
-            s.tracking()
             finished, failed, seconds = sweep_end.summary_stage(s, t0, interrupt.received())
             report_done = sweep_end.start_report(s.out_dir, clock) if report else None  # while Ray shuts down
     finally:
@@ -381,8 +319,7 @@ def _run_and_end(s: _Sweep, t0: float, started_ray: bool, models_ready, progress
 def _before_trials(s: _Sweep, models_ready, progress: bool) -> None:
     import ray
 
-    from orchestrator import cluster
-    from orchestrator.background import background
+    from orchestrator import cluster, parent_stage
 
     if s.on_cluster:
         with s.clock.stage("ray"):  # part of attaching: which nodes can run the project's code
@@ -398,12 +335,7 @@ def _before_trials(s: _Sweep, models_ready, progress: bool) -> None:
         if s.guard is None or not missing_project_line(e):
             raise
         raise cluster.ClusterError(missing_project_line(e)) from None
-    s.parent_ready = background(_parent_stage, s)  # while Tune starts the trial actors (see tracking())
-
-
-def _parent_stage(s: _Sweep) -> None:
-    with s.clock.stage("parent"):
-        parent_run(s)
+    s.parent_ready = parent_stage.start(s)  # while Tune starts the trial actors (see tracking())
 
 
 def check_nodes(s: _Sweep) -> None:

@@ -70,6 +70,7 @@ def summary_stage(s: _Sweep, t_start: float, signum: int | None = None) -> tuple
     KILLED and tagged partial when ``signum`` interrupted the sweep."""
     from mlflow.entities import Metric
 
+    client, parent = s.tracking()  # the parent stage's thread, joined (its error re-raised)
     t, logger_cb, writer, diag = s.tune, s.tune["logger"], s.tune["writer"], s.diag
     finished, failed = told_counts(s.journal)
     seconds = time.time() - t_start
@@ -87,9 +88,9 @@ def summary_stage(s: _Sweep, t_start: float, signum: int | None = None) -> tuple
         "mlflow_callback_seconds": logger_cb.callback_seconds, "mlflow_writer_seconds": writer.write_seconds,
         "mlflow_flush_seconds": s.clock.seconds.get("mlflow_flush", 0.0), "mlflow_write_errors": writer.errors,
         "tune_checkpoint_bytes_freed": t["freed"], "trial_compute_seconds": compute, **s.clock.metrics()}
-    s.client.log_batch(s.parent, metrics=[Metric(k, float(v), ts, s.session) for k, v in values.items()])
-    s.client.log_text(s.parent, json.dumps(t["searcher"].design.noise(), indent=1), "search_noise.json")
-    mark_parent(s.client, s.parent, finished, failed, t["planned"], signum)
+    client.log_batch(parent, metrics=[Metric(k, float(v), ts, s.session) for k, v in values.items()])
+    client.log_text(parent, json.dumps(t["searcher"].design.noise(), indent=1), "search_noise.json")
+    mark_parent(client, parent, finished, failed, t["planned"], signum)
     return finished, failed, seconds
 
 
@@ -99,8 +100,9 @@ def ended_early(s: _Sweep, t0: float) -> tuple[int, int, float]:
     from orchestrator.interrupt import received
 
     finished, failed = told_counts(s.journal)
-    if s.parent:
-        mark_parent(s.client, s.parent, finished, failed, None, received())
+    client, parent = s.tracking()  # the parent stage, if it had started
+    if parent:
+        mark_parent(client, parent, finished, failed, None, received())
     return finished, failed, time.time() - t0
 
 

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
 
 # MLflow (~1-2 s of imports) is imported where it is used, so that Tune can start before it is: a sweep opens its
-# tracking store and parent run in a thread while Tune starts the trial actors (orchestrator/sweep.py).
+# tracking store and parent run in a thread while Tune starts the trial actors (orchestrator/parent_stage.py).
 
 TRIAL_PARAMS = ("model", "pruner", "scope", "sparsity", "calib_size", "healer", "granularity", "seed", "lr",
                 "epochs", "batch_size", "target_mode", "grid")

@@ -113,7 +113,8 @@ def _models(spec, store: Path, cache: Path, clock, progress: bool) -> dict:
 def _import_sweep_modules() -> None:
     """What the sweep needs before Tune starts (Optuna, Ray Tune ~1 s, SciPy's QMC for the search's first wave
     ~0.5 s), imported while Ray starts instead of after it. MLflow (~1-2 s) is not among them: the tracking store
-    and the parent run are opened in a thread while Tune starts the trial actors (orchestrator/sweep.py)."""
+    and the parent run are opened in a thread while Tune starts the trial actors
+    (orchestrator/parent_stage.py)."""
     import optuna  # noqa: F401
     from scipy.stats import qmc  # noqa: F401  (orchestrator.search.lattice.sobol_points)
 

@@ -177,8 +177,8 @@ def _trial(trial_id: str, key: str):
 
 def test_trial_logger_opens_mlflow_at_its_first_callback_not_before(tmp_path):
     """A sweep creates its MLflow parent run in a thread while Tune starts the trial actors
-    (orchestrator/sweep.py): the writer and the logger take callables, which nothing calls until the first trial
-    callback (Tune pickles both before that), and the first trial's run is then the parent's child."""
+    (orchestrator/parent_stage.py): the writer and the logger take callables, which nothing calls until the first
+    trial callback (Tune pickles both before that), and the first trial's run is then the parent's child."""
     from ray import cloudpickle
 
     from orchestrator.mlflow_async import AsyncMlflowWriter
