@@ -2,8 +2,10 @@
 (created once, reopened on resume/refine) and what the earlier stages log to it (diagnostics, LAMP allocations,
 where masks and dense shards were computed).
 
-It runs in a thread (:func:`start`) from the end of the mask stage, while Tune starts the trial actors: their
-imports take seconds, and so do MLflow's own (~1-2 s) and its SQL store's. The sweep's MLflow writer and trial
+It runs in a thread (:func:`start`) from the end of the mask stage, while Tune starts the trial actors (their
+imports take seconds). ``healsweep run`` has imported MLflow's client and SQL store by then, in a thread of their
+own while Ray started (orchestrator/commands/run.py ``_import_mlflow_aside``; ~1.7 CPU-s that would otherwise
+compete with the actors' imports here). The sweep's MLflow writer and trial
 logger take the client and the parent run id through ``_Sweep.tracking()``, which joins this thread at the first
 trial callback and re-raises its error there (orchestrator/tracking.py).
 """

@@ -63,8 +63,9 @@ def _resolve_while_ray_starts(args, clock) -> tuple:
     """Flags, paths and the spec file's YAML are checked first (a one-line error before Ray); then the spec's
     full check (method registries, compatibility verdicts: torch imports, ~1.5-3 s) and, on a local instance, the
     models stage (timm import, checkpoint load, ~2 s) run in a thread while this thread starts Ray (~3 s). Ray is
-    shut down again when the spec is refused. Measured on 2 cores (configs/tiny.yaml, quiet): the trials start
-    ~2-4 s sooner than with the three one after another.
+    shut down again when the spec is refused; MLflow's modules are then imported aside (``_import_mlflow_aside``).
+    Measured on 2 cores (configs/tiny.yaml, quiet): the trials start ~2-4 s sooner than with the three one after
+    another.
     -> (spec, run dir, store dir, model cache, models or None, whether this call started Ray)."""
     import time
 
@@ -81,6 +82,7 @@ def _resolve_while_ray_starts(args, clock) -> tuple:
             clock.add("spec", time.perf_counter() - t0)
         models = None if args.address else _models(spec, store, cache, clock, not args.quiet)
         _import_sweep_modules()
+        _import_mlflow_aside()
         return spec, out, store, cache, models
     resolved = background(resolve)
     try:
@@ -112,14 +114,33 @@ def _models(spec, store: Path, cache: Path, clock, progress: bool) -> dict:
 
 def _import_sweep_modules() -> None:
     """What the sweep needs before Tune starts (Optuna, Ray Tune ~1 s, SciPy's QMC for the search's first wave
-    ~0.5 s), imported while Ray starts instead of after it. MLflow (~1-2 s) is not among them: the tracking store
-    and the parent run are opened in a thread while Tune starts the trial actors
-    (orchestrator/parent_stage.py)."""
+    ~0.5 s), imported while Ray starts instead of after it. MLflow (~1.7 s) is not among them: it is imported
+    aside (``_import_mlflow_aside``), and nothing before Tune's start waits for it."""
     import optuna  # noqa: F401
     from scipy.stats import qmc  # noqa: F401  (orchestrator.search.lattice.sobol_points)
 
     import orchestrator.search  # noqa: F401  (ray.tune.search)
     import orchestrator.tracking  # noqa: F401
+
+
+def _import_mlflow_aside():
+    """MLflow's client and SQL store modules (~1.7 CPU-s: SQLAlchemy, Alembic, the ORM mappers) imported in a thread
+    of their own, started once the spec is checked: Ray's start leaves a core idle for ~1-2 s on 2 cores (its
+    processes wait on each other) and this fills it. Without it the parent stage imports them while Tune starts
+    the trial actors, whose own imports already keep every core busy (orchestrator/parent_stage.py). Nothing
+    waits for this thread: the parent stage's import waits on the import lock for whatever is left. A failed
+    import is left to raise where MLflow is used. -> the thread (not a daemon: exit waits for an import)."""
+    import threading
+
+    def imports() -> None:
+        try:
+            import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+            from mlflow import MlflowClient  # noqa: F401
+        except Exception:  # noqa: BLE001 - raised again, with its context, by the parent stage's import
+            pass
+    th = threading.Thread(target=imports, name="healsweep-mlflow-imports")
+    th.start()
+    return th
 
 
 def _shutdown_ray(started: bool) -> None:

@@ -243,6 +243,25 @@ def test_tune_can_start_before_mlflow_is_imported():
     assert out.stdout.strip() == "[]"
 
 
+
+def test_mlflow_is_imported_aside_without_holding_up_the_caller():
+    """healsweep run imports MLflow's client and SQL store in a thread of its own while Ray starts: the call
+    returns at once, the modules are there once the thread ends, and the thread is not a daemon (the interpreter
+    never exits in the middle of an import)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time\nfrom orchestrator.commands.run import _import_mlflow_aside\n"
+            "t0 = time.perf_counter()\nth = _import_mlflow_aside()\nback = time.perf_counter() - t0\n"
+            "before = 'mlflow.store.tracking.sqlalchemy_store' in sys.modules\nth.join()\n"
+            "print(back, time.perf_counter() - t0, th.daemon, th.name,\n"
+            "      before, 'mlflow.store.tracking.sqlalchemy_store' in sys.modules, 'mlflow.tracking' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    back, done, daemon, name, before, store, client = out.stdout.split()
+    assert float(back) < 0.1 * float(done), (back, done)  # the imports took the thread >= 10x the call's time
+    assert (daemon, name, before, store, client) == ("False", "healsweep-mlflow-imports", "False", "True", "True")
+
 # --- resources ---------------------------------------------------------------------------------------------
 
 def _gpu_spec(**search):
