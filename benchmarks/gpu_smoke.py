@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from tasks.healing import HEALERS, HealConfig, HealContext, dense_targets, in_memory_batches, steps_per_epoch
 from tasks.models import ModelRef, build_untrained, get_adapter
 from tasks.pruning import apply_masks, make_masks, mask_violations

@@ -156,7 +156,7 @@ def setup_trial(p: TrialParams) -> _Setup:
     model = lm.model.to(p.device)
     adapter = get_adapter(model)
     entries = adapter.scope(model, p.scope)
-    masks = MaskStore(p.mask_root).load(p.mask_key)
+    masks = {k: v.to(p.device) for k, v in MaskStore(p.mask_root).load(p.mask_key).items()}  # where the model is
     ev = lm.dataset["evaluation"]
     same = (p.model, repr(sorted(p.load_kw.items())), lm.digest, lm.dataset.split_digest("evaluation"),
             str(p.device), p.threads)  # this model, these weights, these images, this device
