@@ -1,9 +1,12 @@
 """Checks of a parsed spec against the world outside it, run by `validate` and before `run` starts Ray: an
 http(s) MLflow tracking server must accept a connection within a few seconds (MLflow's own client would retry
-for minutes and then print a traceback)."""
+for minutes and then print a traceback); a SQLite tracking store's directory must exist and be writable (MLflow
+would fail only once the sweep opens it, with SQLAlchemy's traceback)."""
 from __future__ import annotations
 
+import os
 import socket
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from orchestrator.spec.checks import SpecError, excerpt
@@ -11,9 +14,13 @@ from orchestrator.spec.checks import SpecError, excerpt
 TIMEOUT_S = 3.0
 
 
-def check_tracking_server(uri: str | None, timeout: float = TIMEOUT_S) -> None:
-    """One TCP connection to an http(s) tracking URI's host and port; other URIs (sqlite, file, ...) pass."""
+def check_tracking_server(uri: str | None, timeout: float = TIMEOUT_S, field: str = "mlflow.tracking_uri") -> None:
+    """One TCP connection to an http(s) tracking URI's host and port; a sqlite:/// URI's directory checked on
+    disk; other URIs (file, databricks, ...) pass. ``field`` names where the URI came from in the error."""
     if not uri:
+        return
+    if uri.startswith("sqlite:///"):
+        check_sqlite_dir(uri, field)
         return
     parts = urlsplit(uri)
     if parts.scheme not in ("http", "https"):
@@ -21,12 +28,28 @@ def check_tracking_server(uri: str | None, timeout: float = TIMEOUT_S) -> None:
     try:
         host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
     except ValueError as e:  # a port that is not a number
-        raise SpecError("mlflow.tracking_uri", f"{excerpt(uri)}: {e}") from None
+        raise SpecError(field, f"{excerpt(uri)}: {e}") from None
     if not host:
-        raise SpecError("mlflow.tracking_uri", f"no host in {excerpt(uri)}")
+        raise SpecError(field, f"no host in {excerpt(uri)}")
     try:
         socket.create_connection((host, port), timeout=timeout).close()
     except OSError as e:
         why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__)
-        raise SpecError("mlflow.tracking_uri", f"cannot reach {host if len(host) < 80 else excerpt(host, 80)}:{port} within {timeout:g} s "
+        raise SpecError(field, f"cannot reach {host if len(host) < 80 else excerpt(host, 80)}:{port} within {timeout:g} s "
                                                f"({why}); start the tracking server or fix the URI") from None
+
+
+def check_sqlite_dir(uri: str, field: str = "mlflow.tracking_uri") -> None:
+    """SpecError unless the directory of a ``sqlite:///PATH`` store exists and this process may write there (the
+    database file, when it exists, too). SQLite creates the file, never its directory."""
+    path = uri[len("sqlite:///"):].split("?", 1)[0]
+    if path in ("", ":memory:"):
+        return
+    db = Path(path)
+    where = db.parent
+    if not where.is_dir():
+        raise SpecError(field, f"{excerpt(uri)}: directory {excerpt(str(where), 120)} does not exist (create it, or "
+                               "leave the tracking URI unset: each run directory has its own mlflow.db)")
+    for p in (where, db) if db.exists() else (where,):
+        if not os.access(p, os.W_OK):
+            raise SpecError(field, f"{excerpt(uri)}: {excerpt(str(p), 120)} is not writable by this user")

@@ -1,6 +1,7 @@
 """Hostile and out-of-bounds specs: each is rejected by the real `healsweep validate` in one line, exit code 2,
 before anything runs (YAML bombs, binary files, deep nesting, bad plugins, unbounded grids, duplicate keys, names
-that cannot be paths, store URIs no filesystem opens, unreachable tracking servers)."""
+that cannot be paths, store URIs no filesystem opens, unreachable tracking servers, SQLite tracking stores in
+a directory that does not exist)."""
 from __future__ import annotations
 
 import copy
@@ -128,6 +129,21 @@ def test_specs_that_cannot_run_are_rejected_by_the_cli(tmp_path, top, field, wor
     err = assert_one_line_error(write(tmp_path, mutated(**top)), words)
     assert err.startswith(f"healsweep: error: {field}: "), err
 
+
+
+def test_sqlite_tracking_store_in_a_missing_directory_is_one_line(tmp_path, monkeypatch):
+    """SQLite creates a database file, never its directory: a spec's tracking URI or MLFLOW_TRACKING_URI (the
+    sweep's fallback when the spec names none) into a directory that does not exist is refused before anything
+    runs, naming where the URI came from; an existing directory passes."""
+    missing = tmp_path / "no" / "such" / "dir" / "mlflow.db"
+    err = assert_one_line_error(write(tmp_path, mutated(mlflow={"tracking_uri": f"sqlite:///{missing}"})),
+                                "does not exist")
+    assert err.startswith("healsweep: error: mlflow.tracking_uri: ") and str(missing.parent) in err
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{missing}")
+    err = assert_one_line_error(write(tmp_path, mutated()), "does not exist")
+    assert err.startswith("healsweep: error: MLFLOW_TRACKING_URI: ")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert validate(write(tmp_path, mutated()))[0] == 0
 
 def test_trial_bound_can_be_raised_deliberately(monkeypatch):
     big = mutated(sparsities=[i / 1000 for i in range(1000)], seeds=list(range(30)))
