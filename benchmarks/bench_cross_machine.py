@@ -64,9 +64,9 @@ def _mask_key(t: dict) -> str:
                         "sparsity": t["sparsity"], "scope": t["scope"]})
 
 
-def prepare(root: Path, cache: Path, trials: list[dict]) -> dict[str, str]:
+def prepare(root: Path, cache: Path, trials: list[dict]) -> tuple[dict[str, str], dict[str, str]]:
     """Masks (one per model, pruner, sparsity, scope) and each model's dense targets for the largest calibration
-    size, computed here; -> {mask key: sha256 of the mask tensors}."""
+    size, computed here; -> ({mask key: sha256 of the mask tensors}, {model: its adapter's default scope})."""
     import torch
 
     from tasks.healing import dense_targets
@@ -75,11 +75,11 @@ def prepare(root: Path, cache: Path, trials: list[dict]) -> dict[str, str]:
     from tasks.store import TargetStore, content_key, ensure_targets
 
     torch.set_num_threads(1)
-    digests, store = {}, TargetStore(root / "targets")
+    digests, scopes, store = {}, {}, TargetStore(root / "targets")
     for m in MODELS:
         lm = load_model(m, cache, progress=False)
         adapter, images = get_adapter(lm.model), lm.dataset["calibration"].images
-        blocks = adapter.blocks(lm.model)
+        blocks, scopes[m] = adapter.blocks(lm.model), adapter.default_scope
 
         def shards(plan):
             for i, a, b in plan:
@@ -97,18 +97,16 @@ def prepare(root: Path, cache: Path, trials: list[dict]) -> dict[str, str]:
                                settings={"n": 2, "m": 4} if t["pruner"] == "nm" else {}, ctx=ctx)
             MaskStore(root / "masks").save(key, masks, {"bench": "cross_machine"})
             digests[key] = hashlib.sha256(b"".join(masks[k].numpy().tobytes() for k in sorted(masks))).hexdigest()[:16]
-    return digests
+    return digests, scopes
 
 
 def one(args: tuple) -> dict:
-    """One trial in a worker process (one thread)."""
-    t, root, cache = args
-    from tasks.models import get_adapter, load_model
+    """One trial in a worker process (one thread); ``scope``: the trial's scope, resolved."""
+    t, scope, root, cache = args
     from tasks.store import content_key
     from tasks.trial import TrialParams, run_trial
 
-    model = load_model(t["model"], cache, progress=False).model
-    p = TrialParams(model=t["model"], scope=t["scope"] or get_adapter(model).default_scope, healer=t["healer"],
+    p = TrialParams(model=t["model"], scope=scope, healer=t["healer"],
                     calib_size=t["calib"], lr=t["lr"], epochs=EPOCHS, seed=0, batch_size=BATCH,
                     store_key=content_key({"bench": "cross_machine", "model": t["model"]}), mask_key=_mask_key(t),
                     store_uri=str(Path(root) / "targets"), mask_root=str(Path(root) / "masks"), cache_dir=str(cache),
@@ -121,9 +119,9 @@ def run(out: Path, cache: Path, procs: int) -> None:
     trials = grid()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="cross-machine-") as root:
-        digests = prepare(Path(root), cache, trials)
+        digests, scopes = prepare(Path(root), cache, trials)
         with ProcessPoolExecutor(procs) as pool:
-            res = list(pool.map(one, [(t, root, cache) for t in trials]))
+            res = list(pool.map(one, [(t, t["scope"] or scopes[t["model"]], root, cache) for t in trials]))
     for r in res:
         r["mask_sha256"] = digests[_mask_key(r)]
     out.write_text(json.dumps({"machine": machine(), "seconds": round(time.perf_counter() - t0, 1),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -88,6 +87,7 @@ def open_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path,
     """A new sweep (fresh sweep id, tracking URI) or the one recorded in ``out_dir`` (resume / refine)."""
     from orchestrator import cluster
     from orchestrator.resume import JOURNAL_FILE, existing_sweep, lock_run_dir, read_sweep, write_sweep
+    from orchestrator.spec import configured_tracking_uri
 
     out_dir, store_dir, cache_dir = (Path(p).resolve() for p in (out_dir, store_dir, cache_dir))
     lock_run_dir(out_dir)  # one driver per run directory (RunLockedError while another live driver holds it)
@@ -99,8 +99,7 @@ def open_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path,
     else:
         if (out_dir / JOURNAL_FILE).exists():
             raise existing_sweep(out_dir)
-        tracking_uri = (spec.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-                        or f"sqlite:///{out_dir / 'mlflow.db'}")
+        tracking_uri = configured_tracking_uri(spec)[0] or cluster.local_tracking_uri(out_dir)
         info = {"sweep_id": uuid.uuid4().hex[:12], "name": spec.name, "tracking_uri": tracking_uri,
                 "experiment": spec.mlflow.experiment, "store": str(store_dir), "cache": str(cache_dir),
                 "spec": spec.to_dict()}

@@ -1,7 +1,6 @@
 """Shared CLI helpers: user errors become one line on stderr and exit code 2."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 DEFAULT_HOME = Path(".healsweep")
@@ -14,14 +13,11 @@ class CliError(Exception):
 def load_spec_or_exit(path: str):
     """The validated spec of file ``path``, its tracking store reachable (an http(s) server answers, a SQLite
     file's directory exists and is writable); else a one-line CliError (exit 2)."""
-    from orchestrator.spec import SpecError, check_tracking_server, load_spec
+    from orchestrator.spec import SpecError, check_tracking, load_spec
 
     try:
         spec = load_spec(path)
-        if spec.mlflow.tracking_uri:
-            check_tracking_server(spec.mlflow.tracking_uri)
-        else:  # the sweep's fallback before the run directory's own store (orchestrator/sweep.py open_sweep)
-            check_tracking_server(os.environ.get("MLFLOW_TRACKING_URI"), field="MLFLOW_TRACKING_URI")
+        check_tracking(spec)
         return spec
     except SpecError as e:
         raise CliError(str(e)) from None

@@ -9,10 +9,11 @@ from orchestrator.spec.checks import MAX_EPOCHS, MAX_LIST, MAX_SEED, MAX_TRIALS,
 from orchestrator.spec.grids import GRID_KEYS, MAIN, SEARCH_KEYS, views
 from orchestrator.spec.load import MAX_ALIASES, MAX_BYTES, load_spec, read_yaml
 from orchestrator.spec.parse import parse_spec
-from orchestrator.spec.reach import check_tracking_server
+from orchestrator.spec.reach import check_tracking, configured_tracking_uri
 from orchestrator.spec.schema import (GridSpec, HealSpec, MethodRef, MlflowSpec, ResourceSpec, SearchSpec, StoreSpec,
                                       SweepSpec)
 
 __all__ = ["SpecError", "MAX_EPOCHS", "MAX_LIST", "MAX_SEED", "MAX_TRIALS", "MAX_TRIALS_PER_CELL", "GRID_KEYS", "MAIN",
-           "SEARCH_KEYS", "views", "MAX_ALIASES", "MAX_BYTES", "load_spec", "read_yaml", "parse_spec", "check_tracking_server", "GridSpec",
-           "HealSpec", "MethodRef", "MlflowSpec", "ResourceSpec", "SearchSpec", "StoreSpec", "SweepSpec"]
+           "SEARCH_KEYS", "views", "MAX_ALIASES", "MAX_BYTES", "load_spec", "read_yaml", "parse_spec", "check_tracking",
+           "configured_tracking_uri", "GridSpec", "HealSpec", "MethodRef", "MlflowSpec", "ResourceSpec", "SearchSpec",
+           "StoreSpec", "SweepSpec"]

@@ -14,7 +14,22 @@ from orchestrator.spec.checks import SpecError, excerpt
 TIMEOUT_S = 3.0
 
 
-def check_tracking_server(uri: str | None, timeout: float = TIMEOUT_S, field: str = "mlflow.tracking_uri") -> None:
+def configured_tracking_uri(spec) -> tuple[str | None, str]:
+    """(the tracking URI a sweep of ``spec`` uses before its run directory's own SQLite store, where it comes
+    from): the spec's ``mlflow.tracking_uri``, else ``MLFLOW_TRACKING_URI``; (None, "") when neither is set."""
+    if spec.mlflow.tracking_uri:
+        return spec.mlflow.tracking_uri, "mlflow.tracking_uri"
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    return (env, "MLFLOW_TRACKING_URI") if env else (None, "")
+
+
+def check_tracking(spec, timeout: float = TIMEOUT_S) -> None:
+    """SpecError when the tracking store a sweep of ``spec`` would use cannot be: :func:`check_tracking_uri`."""
+    uri, field = configured_tracking_uri(spec)
+    check_tracking_uri(uri, timeout, field)
+
+
+def check_tracking_uri(uri: str | None, timeout: float = TIMEOUT_S, field: str = "mlflow.tracking_uri") -> None:
     """One TCP connection to an http(s) tracking URI's host and port; a sqlite:/// URI's directory checked on
     disk; other URIs (file, databricks, ...) pass. ``field`` names where the URI came from in the error."""
     if not uri:

@@ -45,7 +45,7 @@ CASES = [Case("vit_digits", "magnitude", 0.8), Case("resnet_digits", "magnitude"
          Case("vit_digits", "corp", 0.5, "corp+starfish", CORP_STARFISH, scope="mlp_qk", min_gain=0.0)]
 
 
-def cpu_masks(lm, pruner: str, sparsity: float, scope: str, device: str = "cpu") -> dict[str, torch.Tensor]:
+def masks_on(lm, pruner: str, sparsity: float, scope: str, device: str = "cpu") -> dict[str, torch.Tensor]:
     """``pruner``'s masks of the loaded model, computed on ``device`` (calibration images for data-driven pruners)."""
     net = lm.model.to(device)
     adapter = get_adapter(net)
@@ -64,7 +64,7 @@ def build_trial(c: Case, root: Path, cache: Path) -> TrialParams:
     blocks = adapter.blocks(lm.model)
     images = lm.dataset["calibration"].images
     mask_key = content_key({"test": "gpu", "model": c.model, c.pruner: c.sparsity, "scope": c.scope})
-    MaskStore(root / "masks").save(mask_key, cpu_masks(lm, c.pruner, c.sparsity, c.scope), {"test": "gpu"})
+    MaskStore(root / "masks").save(mask_key, masks_on(lm, c.pruner, c.sparsity, c.scope), {"test": "gpu"})
     st, key = TargetStore(root / "targets"), content_key({"test": "gpu", "model": c.model})
 
     def run_shards(plan):
@@ -138,8 +138,8 @@ def test_dense_targets_on_cuda_match_the_cpu(model):
 def test_masks_computed_on_cuda_are_the_cpus(model, pruner, sparsity, scope):
     """What a mask task given a GPU computes (orchestrator/stages.py compute_masks: the model and calibration
     images on the task's device): the same kept entries as on the CPU."""
-    cpu = cpu_masks(load_model(model, _cache(), progress=False), pruner, sparsity, scope)
-    gpu = cpu_masks(load_model(model, _cache(), progress=False), pruner, sparsity, scope, device="cuda")
+    cpu = masks_on(load_model(model, _cache(), progress=False), pruner, sparsity, scope)
+    gpu = masks_on(load_model(model, _cache(), progress=False), pruner, sparsity, scope, device="cuda")
     assert gpu.keys() == cpu.keys()
     differ = sum(int((gpu[k] != cpu[k]).sum()) for k in cpu)
     total = sum(v.numel() for v in cpu.values())

@@ -243,7 +243,6 @@ def test_tune_can_start_before_mlflow_is_imported():
     assert out.stdout.strip() == "[]"
 
 
-
 def test_mlflow_is_imported_aside_without_holding_up_the_caller():
     """healsweep run imports MLflow's client and SQL store in a thread of its own while Ray starts: the call
     returns at once, the modules are there once the thread ends, and the thread is not a daemon (the interpreter
@@ -261,6 +260,7 @@ def test_mlflow_is_imported_aside_without_holding_up_the_caller():
     back, done, daemon, name, before, store, client = out.stdout.split()
     assert float(back) < 0.1 * float(done), (back, done)  # the imports took the thread >= 10x the call's time
     assert (daemon, name, before, store, client) == ("False", "healsweep-mlflow-imports", "False", "True", "True")
+
 
 # --- resources ---------------------------------------------------------------------------------------------
 

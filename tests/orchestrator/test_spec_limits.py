@@ -130,7 +130,6 @@ def test_specs_that_cannot_run_are_rejected_by_the_cli(tmp_path, top, field, wor
     assert err.startswith(f"healsweep: error: {field}: "), err
 
 
-
 def test_sqlite_tracking_store_in_a_missing_directory_is_one_line(tmp_path, monkeypatch):
     """SQLite creates a database file, never its directory: a spec's tracking URI or MLFLOW_TRACKING_URI (the
     sweep's fallback when the spec names none) into a directory that does not exist is refused before anything
@@ -144,6 +143,7 @@ def test_sqlite_tracking_store_in_a_missing_directory_is_one_line(tmp_path, monk
     assert err.startswith("healsweep: error: MLFLOW_TRACKING_URI: ")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert validate(write(tmp_path, mutated()))[0] == 0
+
 
 def test_trial_bound_can_be_raised_deliberately(monkeypatch):
     big = mutated(sparsities=[i / 1000 for i in range(1000)], seeds=list(range(30)))
