@@ -59,6 +59,8 @@ class TrialParams:
     out_dir: str = ""  # run directory: the healed weights go to <out_dir>/trials/<trial_id>/ ("" = not saved)
     trial_id: str = ""
     heal_seed: int | None = None  # re-evaluations: this healing seed (batch order, init) instead of ``seed``
+    precision: str = "fp32"  # heal.precision: fp32 (the authors') | tf32 | bf16 (tasks/healing/precision.py)
+    channels_last: Any = "auto"  # heal.channels_last: auto (a CNN on a GPU) | True | False
 
     @property
     def healing_seed(self) -> int:
@@ -147,13 +149,39 @@ def _heldout_reference(p: TrialParams, lm, rows: slice) -> list:
     return _REFERENCES[key]
 
 
+def memory_format(setting: Any, device: str, model: torch.nn.Module) -> torch.memory_format:
+    """``heal.channels_last``: auto = channels_last for a CNN (more than one 2-d convolution; a ViT has only its
+    patch embedding) on a GPU, where cuDNN's NHWC kernels are faster; never on the CPU unless asked."""
+    if setting == "auto":
+        convs = sum(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+        setting = str(device).startswith("cuda") and convs > 1
+    return torch.channels_last if setting else torch.preserve_format
+
+
+IMAGES_ON_DEVICE_MAX = 2 << 30  # calibration images up to this many bytes are kept on the GPU for the whole trial
+
+
+def on_device(images: torch.Tensor, device: str, fmt: torch.memory_format) -> torch.Tensor:
+    """(N, C, H, W) calibration images where the trial reads them without a host synchronisation per step: on the
+    GPU when they fit ``IMAGES_ON_DEVICE_MAX``, else in pinned host memory; unchanged on the CPU."""
+    if not str(device).startswith("cuda"):
+        return images
+    if images.numel() * images.element_size() <= IMAGES_ON_DEVICE_MAX:
+        return images.to(device, memory_format=fmt)
+    return images.pin_memory()
+
+
 def setup_trial(p: TrialParams) -> _Setup:
     """Model, mask applied, dense/pruned accuracy, the healer and its context (targets streamed from the store
     or recomputed per batch)."""
     torch.set_num_threads(max(1, p.threads))
+    if str(p.device).startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"trial device {p.device!r}: this process sees no CUDA device (torch "
+                           f"{torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
     torch.manual_seed(p.healing_seed)
     lm = fresh_model(p)
-    model = lm.model.to(p.device)
+    fmt = memory_format(p.channels_last, p.device, lm.model)
+    model = lm.model.to(p.device, memory_format=fmt)
     adapter = get_adapter(model)
     entries = adapter.scope(model, p.scope)
     masks = {k: v.to(p.device) for k, v in MaskStore(p.mask_root).load(p.mask_key).items()}  # where the model is
@@ -166,10 +194,10 @@ def setup_trial(p: TrialParams) -> _Setup:
     healer = resolve_healer(p.healer, p.healer_settings)  # a chain too; may_change: state it may touch
     untouched = _outside_scope_digest(model, {e.param for e in entries} | healer.may_change(model, entries,
                                                                                           p.healer_settings))
-    images = lm.dataset["calibration"].images[: p.calib_size]
+    images = on_device(lm.dataset["calibration"].images[: p.calib_size], p.device, fmt)
     reader = None
     if p.target_mode == "recompute":
-        dense = fresh_model(p).model.to(p.device)
+        dense = fresh_model(p).model.to(p.device, memory_format=fmt)
         dense_blocks = get_adapter(dense).blocks(dense)
 
         def batches(epoch):
@@ -211,7 +239,8 @@ def heal_trial(p: TrialParams, st: _Setup, report: Callable[[dict], None], start
     if checkpoint is not None:
         ctx.checkpoint = lambda epoch, s: loop_state.update(s)
     cfg = HealConfig(lr=p.lr, epochs=p.epochs, batch_size=p.batch_size, weight_decay=p.weight_decay,
-                     lr_min=p.lr_min, seed=p.healing_seed, settings=dict(p.healer_settings), steps=p.steps)
+                     lr_min=p.lr_min, seed=p.healing_seed, settings=dict(p.healer_settings), steps=p.steps,
+                     precision=p.precision)
     n_epochs = healer.epochs(cfg)  # 0 for closed-form / no-op healers: only the final report below
     last: dict = dict(start["last"]) if start is not None else {}
 

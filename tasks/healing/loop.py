@@ -27,8 +27,10 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from tasks.healing.base import Batches, EpochCallback, HealConfig, HealContext, Healer, HealingDiverged, HealResult
-from tasks.healing.targets import block_tap
+from tasks.healing.base import Batches, EpochCallback, HealConfig, HealContext, Healer, HealResult
+from tasks.healing.guard import DivergenceGuard, all_finite, first_false, keep_or_restore
+from tasks.healing.precision import as_f32, dict_f32, forward_context, precision_flags
+from tasks.healing.targets import block_tap, device_index
 from tasks.pruning.base import train_masks
 from tasks.pruning.repair import bn_state_names
 
@@ -87,7 +89,7 @@ class GradientHealer(Healer):
     def stream(self, ctx: HealContext, cfg: HealConfig, epoch: int) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         """(images (B, C, H, W), {name: (B, ...)}) for one epoch: calibration images and their dense targets."""
         for rows, tgt in ctx.batches(epoch):
-            yield ctx.images[torch.as_tensor(rows)], tgt
+            yield ctx.images[device_index(rows, ctx.images.device)], tgt
 
     def loss(self, outputs: list[torch.Tensor], targets: list[torch.Tensor], settings: Mapping[str, Any]
              ) -> torch.Tensor:
@@ -115,20 +117,23 @@ class GradientHealer(Healer):
             r.sched.load_state_dict(ctx.resume["scheduler"])
             start, steps, losses = int(ctx.resume["epoch"]), int(ctx.resume["steps"]), list(ctx.resume["losses"])
             _load_buffers(model, ctx.resume.get("buffers", {}))
+        r.guard = DivergenceGuard(r.dev, first_step=steps)
+        lowp = cfg.precision == "bf16"
         try:
-            with (block_tap(ctx.blocks) if self.uses_blocks else nullcontext({})) as cap:
+            with (block_tap(ctx.blocks) if self.uses_blocks else nullcontext({})) as cap, precision_flags(cfg.precision):
                 for epoch in range(start, cfg.epochs):
-                    run, n = 0.0, 0
+                    run, n = torch.zeros((), dtype=torch.float64, device=r.dev), 0  # the epoch's loss sum, on device
                     for x, tgt in self.stream(ctx, cfg, epoch):
                         if cfg.steps and steps >= cfg.steps:  # a steps budget ends mid-epoch
                             break
-                        where = f"epoch {epoch + 1}, step {steps + 1} (lr={cfg.lr:g})"
-                        loss = self._step(r, model, lambda lg: self.objective(cap, lg, tgt, block_names, settings),
-                                          x, where)
-                        run += loss * len(x)
+                        loss = self._step(r, model, lambda lg: self.objective(dict_f32(cap) if lowp else cap, as_f32(lg),
+                                                                              tgt, block_names, settings), x, cfg.precision)
+                        run += loss.double() * len(x)
                         n += len(x)
                         steps += 1
-                    losses.append(run / max(n, 1))
+                    r.guard.raise_if_bad(self.name, lambda s, e=epoch: f"epoch {e + 1}, step {s + 1} (lr={cfg.lr:g})",
+                                         r.grad_names or r.names)  # one host synchronisation per epoch
+                    losses.append(float(run) / max(n, 1))
                     if ctx.checkpoint is not None:
                         ctx.checkpoint(epoch + 1, {"epoch": epoch + 1, "steps": steps, "losses": list(losses),
                                                    "optimizer": r.opt.state_dict(), "scheduler": r.sched.state_dict(),
@@ -143,38 +148,36 @@ class GradientHealer(Healer):
         return HealResult(losses, time.perf_counter() - t0, steps)
 
     def _step(self, r: _Run, model: torch.nn.Module, objective: Callable[[torch.Tensor], torch.Tensor],
-              x: torch.Tensor, where: str) -> float:
-        """One masked AdamW step on batch ``x``; HealingDiverged (weights and BN buffers as before the step) when the
-        loss, a gradient or an updated weight is not finite. -> the batch loss."""
+              x: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
+        """One masked AdamW step on batch ``x``, without a host synchronisation: a step whose loss, a gradient or an
+        updated weight is not finite (or any step after one) leaves weights and BN buffers as before it, and the
+        loop's once-per-epoch ``guard.raise_if_bad`` raises HealingDiverged for it. -> the batch loss, () on device."""
         params, names = r.params, r.names
         saved = {k: v.clone() for k, v in r.bn_bufs.items()}  # a NaN batch must not poison them
-        loss = objective(model(x.to(r.dev, non_blocking=True)))
-        if not torch.isfinite(loss):
-            _load_buffers(model, saved)
-            raise HealingDiverged(f"healer {self.name!r}: loss became {loss.item()} at {where}")
+        with forward_context(precision, r.dev):
+            out = model(x.to(r.dev, non_blocking=True))
+        loss = objective(out)
         r.opt.zero_grad(set_to_none=True)
         loss.backward()
         with torch.no_grad():
-            for name in names:
-                g = params[name].grad
-                if g is None:  # e.g. a classifier after the last target block: untouched
-                    continue
-                g.mul_(r.keep[name])
-                if not torch.isfinite(g).all():
-                    _load_buffers(model, saved)
-                    raise HealingDiverged(f"healer {self.name!r}: non-finite gradient for {name} at {where}")
-            before = {name: params[name].detach().clone() for name in names}
+            present = [name for name in names if params[name].grad is not None]  # None: e.g. a classifier after
+            for name in present:  # the last target block: untouched
+                params[name].grad.mul_(r.keep[name])
+            finite = [torch.isfinite(params[name].grad).all() for name in present]  # () bool each, on device
+            grad_ok, bad_grad = all_finite([], r.dev) if not finite else torch.stack(finite).all(), \
+                first_false(finite, r.dev)
+            r.grad_names = present
+            before = [params[name].detach().clone() for name in names]
         r.opt.step()
         r.sched.step()
         with torch.no_grad():
             for name in names:
                 params[name].copy_(torch.where(r.keep[name], params[name], r.frozen[name]))
-            if not all(torch.isfinite(params[name]).all() for name in names):
-                for name in names:  # never leave NaN/Inf weights behind
-                    params[name].copy_(before[name])
-                _load_buffers(model, saved)
-                raise HealingDiverged(f"healer {self.name!r}: weights became non-finite at {where}")
-        return float(loss.detach())
+            undo = r.guard.record(torch.isfinite(loss), grad_ok, bad_grad,
+                                  all_finite([params[name] for name in names], r.dev), loss)
+            keep_or_restore(undo, [params[name].data for name in names], before)  # never leave NaN/Inf weights
+            keep_or_restore(undo, list(r.bn_bufs.values()), [saved[k] for k in r.bn_bufs])
+        return loss.detach()
 
 
 @dataclass
@@ -189,6 +192,8 @@ class _Run:
     sched: Any
     bn_bufs: dict[str, torch.Tensor]
     dev: torch.device
+    guard: Any = None  # DivergenceGuard of the running heal
+    grad_names: list[str] | None = None  # parameters that had a gradient in the last step (the guard's index)
 
 
 def _prepare(ctx: HealContext, cfg: HealConfig, common: dict, steps_per_epoch: int) -> _Run:
@@ -253,6 +258,6 @@ def in_memory_batches(targets: Mapping[str, torch.Tensor], batch_size: int, seed
             rows_all = torch.as_tensor(order(epoch))
         for i in range(0, n, batch_size):
             rows = rows_all[i : i + batch_size]
-            yield rows, {k: v[rows.to(v.device)] for k, v in targets.items()}
+            yield rows, {k: v[device_index(rows, v.device)] for k, v in targets.items()}  # no host sync on a GPU
 
     return batches

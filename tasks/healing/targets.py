@@ -30,21 +30,31 @@ def block_tap(blocks: list[tuple[str, nn.Module]]) -> Iterator[dict[str, torch.T
             h.remove()
 
 
+def device_index(rows, device: torch.device) -> torch.Tensor:
+    """(B,) int64 row indices on ``device``; to a GPU through pinned memory, without a host synchronisation."""
+    idx = torch.as_tensor(rows, dtype=torch.int64)
+    if device.type != "cuda":
+        return idx
+    return idx.pin_memory().to(device, non_blocking=True)
+
+
 @torch.no_grad()
 def dense_targets(model: nn.Module, blocks: list[tuple[str, nn.Module]], images: torch.Tensor,
-                  batch_size: int = 64, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
+                  batch_size: int = 64, dtype: torch.dtype = torch.float16, out: str | None = "cpu"
+                  ) -> dict[str, torch.Tensor]:
     """Run the dense model on (N, C, H, W) images; return {block: (N, *block_shape)} in ``dtype``,
-    plus ``LOGITS``: (N, num_classes)."""
+    plus ``LOGITS``: (N, num_classes), on ``out`` (None: where the model is; the rounding to ``dtype`` is the same)."""
     model.eval()
     dev = next(model.parameters()).device
+    where = dev if out is None else torch.device(out)
     parts: dict[str, list[torch.Tensor]] = {n: [] for n, _ in blocks}
     parts[LOGITS] = []
     with block_tap(blocks) as cap:
         for i in range(0, len(images), batch_size):
-            logits = model(images[i : i + batch_size].to(dev))
+            logits = model(images[i : i + batch_size].to(dev, non_blocking=True))
             for n, _ in blocks:
-                parts[n].append(cap[n].to("cpu", dtype))
-            parts[LOGITS].append(logits.to("cpu", dtype))
+                parts[n].append(cap[n].to(where, dtype))
+            parts[LOGITS].append(logits.to(where, dtype))
     return {n: torch.cat(v) for n, v in parts.items()}
 
 
@@ -61,5 +71,6 @@ def recompute_batches(dense_model: nn.Module, blocks: list[tuple[str, nn.Module]
     order = np.random.default_rng([seed, epoch]).permutation(len(images)).astype(np.int64)  # (N,)
     for i in range(0, order.size, batch_size):
         rows = order[i:i + batch_size]
-        yield rows, dense_targets(dense_model, blocks, images[torch.from_numpy(rows)], batch_size=len(rows),
-                                  dtype=dtype)
+        # targets stay where the dense model runs (a GPU: no round trip through the host)
+        yield rows, dense_targets(dense_model, blocks, images[device_index(rows, images.device)], batch_size=len(rows),
+                                  dtype=dtype, out=None)

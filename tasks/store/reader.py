@@ -12,6 +12,7 @@ import pyarrow.ipc as ipc
 import torch
 
 from tasks.store.format import DTYPES, StoreError, from_u16
+from tasks.store.stream import DeviceCopier, gathered_batches
 
 Batch = tuple[np.ndarray, dict[str, torch.Tensor]]  # rows (B,) int64, {block: (B, *shape)}
 
@@ -72,19 +73,28 @@ class TargetReader:
             self._random[si] = (f, r, starts)
         return self._random[si]
 
+    def read_table(self, si: int, f) -> tuple[pa.Table, int]:
+        """Shard ``si`` read whole from the open file ``f`` (a memory map locally: no copy), its row count checked
+        against the manifest. -> (table, rows of it below num_rows)."""
+        info = self._infos[si]
+        try:
+            table = ipc.open_file(f).read_all()
+        except pa.ArrowException as e:
+            raise StoreError(f"shard {info['file']} is not a readable Arrow IPC file: {e}") from e
+        if table.num_rows != info["row_stop"] - info["row_start"]:
+            raise StoreError(f"shard {info['file']} holds {table.num_rows} rows, manifest says "
+                             f"{info['row_stop'] - info['row_start']}")
+        return table, min(info["row_stop"], self.num_rows) - info["row_start"]
+
+    def open_shard(self, si: int):
+        return self._store.fs.open_random(self._store._rel(self._key, self._infos[si]["file"]))
+
     def read_shard(self, si: int) -> dict[str, np.ndarray]:
         """Rows of shard ``si`` below num_rows, {block: (rows, width) uint16}, in fresh memory (file closed)."""
         info = self._infos[si]
-        keep = min(info["row_stop"], self.num_rows) - info["row_start"]
         # Locally: memory-mapped, copied once, unmapped on return (its pages leave this process's RSS).
-        with self._store.fs.open_random(self._store._rel(self._key, info["file"])) as f:
-            try:
-                table = ipc.open_file(f).read_all()
-            except pa.ArrowException as e:
-                raise StoreError(f"shard {info['file']} is not a readable Arrow IPC file: {e}") from e
-            if table.num_rows != info["row_stop"] - info["row_start"]:
-                raise StoreError(f"shard {info['file']} holds {table.num_rows} rows, manifest says "
-                                 f"{info['row_stop'] - info['row_start']}")
+        with self.open_shard(si) as f:
+            table, keep = self.read_table(si, f)
             out = {n: np.empty((keep, w), np.uint16) for n, w in self._widths.items()}
             pos = 0
             for batch in table.slice(0, keep).to_batches():
@@ -182,21 +192,25 @@ class TargetReader:
         """Yield (rows (B,) int64, {name: (B, *shape)}) covering every row exactly once per epoch.
 
         A background thread reads windows and assembles batches into a queue of ``prefetch`` batches
-        (0: no thread). On a CUDA ``device`` batches are built in pinned host memory and copied with
-        ``non_blocking=True``; otherwise they stay on the CPU.
+        (0: no thread). On a CUDA ``device`` that thread gathers each batch straight from the memory-mapped shards
+        into pinned host memory and copies it to the device on a side stream (tasks/store/stream.py), so the copy
+        overlaps the consumer's work; otherwise batches stay on the CPU.
         """
         if batch_size < 1:
             raise StoreError(f"batch_size must be >= 1, got {batch_size}")
         wins = self.windows(shuffle=shuffle, seed=seed, epoch=epoch, window=window)
         dev = torch.device(device) if device is not None else None
         cuda = dev is not None and dev.type == "cuda"
-        gen = self._produce(batch_size, drop_last, wins, pin=cuda)
+        if cuda:  # one copy per row into pinned memory, then a side-stream copy to the device (tasks/store/stream.py)
+            copier = DeviceCopier(dev)
+            gen = (copier.send(b) for b in gathered_batches(self, batch_size, drop_last, wins, pin=True))
+        else:
+            gen = self._produce(batch_size, drop_last, wins, pin=False)
         if prefetch > 0:
             gen = _prefetched(gen, prefetch)
         streamed = 0
-        for rows, tgt in gen:
-            if cuda:
-                tgt = {n: t.to(dev, non_blocking=True) for n, t in tgt.items()}
+        for item in gen:
+            rows, tgt = copier.ready(item) if cuda else item
             streamed += len(rows)
             yield rows, tgt
         self.rows_streamed[epoch] = streamed

@@ -1,0 +1,71 @@
+"""Divergence bookkeeping of the gradient loop on the device: no host synchronisation per optimizer step.
+
+Every step computes whether its loss, its gradients and its updated weights are finite as device scalars. The first
+step where one is not turns ``bad`` on; from then on every step leaves the weights and BatchNorm buffers as they
+were before that step (``keep_or_restore``). ``raise_if_bad`` (once per epoch, where the loop synchronises anyway)
+raises ``HealingDiverged`` naming that step: the same weights, buffers and message as a check after every step.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from tasks.healing.base import HealingDiverged
+
+REASONS = {1: "loss became {loss}", 2: "non-finite gradient for {param}", 3: "weights became non-finite"}
+
+
+def all_finite(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """() bool on ``device``: every element of every tensor is finite (True for none)."""
+    if not tensors:
+        return torch.ones((), dtype=torch.bool, device=device)
+    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+
+
+def first_false(flags: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """() int64: index of the first False flag among () bool flags, len(flags) when all are True."""
+    if not flags:
+        return torch.zeros((), dtype=torch.int64, device=device)
+    ok = torch.stack(list(flags))  # (n,) bool
+    return torch.where(ok.all(), torch.tensor(len(flags), device=device), torch.argmin(ok.to(torch.int64)))
+
+
+class DivergenceGuard:
+    """Device-side record of the first non-finite step: ``bad`` () bool, and its step index (0-based, counted
+    from the guard's start), reason code, offending parameter index and loss value."""
+
+    def __init__(self, device: torch.device, first_step: int = 0):
+        self.device = device
+        self.bad = torch.zeros((), dtype=torch.bool, device=device)
+        self._step = torch.full((), first_step, dtype=torch.int64, device=device)
+        self._info = torch.zeros(4, dtype=torch.float64, device=device)  # (step, reason, param index, loss)
+
+    def record(self, loss_ok: torch.Tensor, grad_ok: torch.Tensor, bad_grad: torch.Tensor, weights_ok: torch.Tensor,
+               loss: torch.Tensor) -> torch.Tensor:
+        """Note one step's flags (() bool each; ``bad_grad`` () int64: first parameter with a non-finite gradient).
+        -> () bool: this step must be undone (it, or an earlier one, was not finite)."""
+        step_bad = ~(loss_ok & grad_ok & weights_ok)
+        first = step_bad & ~self.bad
+        reason = torch.where(~loss_ok, 1, torch.where(~grad_ok, 2, 3))
+        info = torch.stack([self._step.double(), reason.double(), bad_grad.double(), loss.detach().double()])  # (4,)
+        self._info = torch.where(first, info, self._info)
+        self.bad = self.bad | step_bad
+        self._step = self._step + 1
+        return self.bad
+
+    def raise_if_bad(self, healer: str, where, param_names: Sequence[str]) -> None:
+        """One host synchronisation: HealingDiverged for the first bad step. ``where(step)`` -> text naming it."""
+        info = self._info.tolist() if bool(self.bad) else None
+        if info is None:
+            return
+        step, reason, param, loss = int(info[0]), int(info[1]), int(info[2]), info[3]
+        name = param_names[param] if 0 <= param < len(param_names) else "?"
+        what = REASONS[reason].format(loss=loss, param=name)
+        raise HealingDiverged(f"healer {healer!r}: {what} at {where(step)}")
+
+
+def keep_or_restore(undo: torch.Tensor, current: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> None:
+    """In place: each tensor of ``current`` keeps its value, or takes ``before``'s when ``undo`` (() bool) is True."""
+    for cur, old in zip(current, before):
+        cur.copy_(torch.where(undo, old, cur))

@@ -1,0 +1,55 @@
+"""The accelerator stream (tasks/store/stream.py) yields what the CPU stream yields: same rows, same order, same
+bits, for every shuffle, window, prefix, drop_last and batch size (batches spanning windows included)."""
+import numpy as np
+import pytest
+import torch
+
+from tasks.store import TargetStore
+from tasks.store.stream import gathered_batches
+from tests.store.test_store import KEY, make_blocks, write_all
+
+
+def _pairs(reader, batch, **kw):
+    wins = reader.windows(shuffle=kw.get("shuffle", False), seed=kw.get("seed", 0), epoch=kw.get("epoch", 0),
+                          window=kw.get("window", 1))
+    old = list(reader._produce(batch, kw.get("drop_last", False), wins, pin=False))
+    new = list(gathered_batches(reader, batch, kw.get("drop_last", False), wins, pin=False))
+    return old, new
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype,name", [(torch.float16, "float16"), (torch.bfloat16, "bfloat16")])
+@pytest.mark.parametrize("num_rows,batch,window,shuffle,drop_last", [
+    (23, 4, 1, True, False), (23, 5, 3, True, False), (23, 7, 2, True, True), (17, 4, 1, False, False),
+    (23, 32, 1, True, False), (9, 1, 2, True, False)])
+def test_gathered_stream_equals_cpu_stream(tmp_path, dtype, name, num_rows, batch, window, shuffle, drop_last):
+    st = TargetStore(tmp_path / "s")
+    blocks = make_blocks(23, dtype)  # specials, NaN payloads and subnormals: the copy must keep every bit
+    write_all(st, KEY, blocks, shard_size=4, dtype=name)  # 6 shards, the last one short
+    with st.open(KEY, num_rows=num_rows) as r:
+        for epoch in (0, 1):
+            old, new = _pairs(r, batch, shuffle=shuffle, seed=3, epoch=epoch, window=window, drop_last=drop_last)
+            assert len(old) == len(new) > 0
+            for (ro, to), (rn, tn) in zip(old, new):
+                assert np.array_equal(ro, rn)
+                assert to.keys() == tn.keys()
+                for k in to:
+                    assert tn[k].dtype == dtype and tn[k].shape == to[k].shape
+                    assert torch.equal(to[k].view(torch.int16), tn[k].view(torch.int16))
+                    assert torch.equal(tn[k].view(torch.int16), blocks[k][torch.from_numpy(rn)].view(torch.int16))
+
+
+@pytest.mark.timeout(60)
+def test_gathered_stream_refuses_a_short_shard(tmp_path):
+    """A shard holding fewer rows than its manifest says is an error in this path too, never a short batch."""
+    import json
+
+    from tasks.store import StoreError
+
+    st = TargetStore(tmp_path / "s")
+    blocks = make_blocks(8, torch.float16)
+    write_all(st, KEY, blocks, shard_size=4)
+    with st.open(KEY) as r:
+        r._infos[1] = json.loads(json.dumps({**r._infos[1], "row_stop": r._infos[1]["row_stop"] + 1}))
+        with pytest.raises(StoreError, match="holds 4 rows"):
+            list(gathered_batches(r, 3, False, r.windows(), pin=False))
