@@ -15,6 +15,7 @@ import ray
 import torch
 from tqdm.auto import tqdm
 
+from orchestrator.resources import task_device, task_gpus
 from tasks.healing import dense_targets
 from tasks.models import get_adapter, load_model
 from tasks.store import StoreError, TargetStore, ensure_targets
@@ -25,6 +26,7 @@ log = logging.getLogger("healsweep.store")
 LOCAL_MAX_IMAGE_PARAMS = 5e9
 
 
+DENSE_BATCH = {"cpu": 64, "cuda": 256}  # images per forward pass of a dense task (a GPU wants larger batches)
 _LOADED: dict = {}  # per worker process: the last model a dense task loaded (Ray reuses worker processes)
 
 
@@ -41,14 +43,16 @@ def _loaded(model: str, cache_dir: str, data_seed: int, load_kw: dict, device: s
 
 @ray.remote
 def dense_shard(store_uri: str, key: str, index: int, start: int, stop: int, dtype: str, model: str,
-                cache_dir: str, data_seed: int, threads: int, load_kw: dict) -> tuple[dict, str]:
+                cache_dir: str, data_seed: int, threads: int, load_kw: dict, device_setting: str = "auto"
+                ) -> tuple[dict, str]:
     """One Ray task: calibration rows [start, stop) of ``model`` written as one shard. Tasks (not a fixed actor
     pool) so queued shards go to whatever node has room, including nodes that join mid-stage; the model is loaded
     once per worker process (``_loaded``). -> (shard info, Ray node id)."""
     torch.set_num_threads(max(1, threads))
-    device = "cuda" if ray.get_gpu_ids() else "cpu"  # a GPU only when the task was given one
+    device = task_device(device_setting, ray.get_gpu_ids())  # a GPU only when the task was given one
     net, images, blocks = _loaded(model, cache_dir, data_seed, load_kw or {}, device)
-    targets = dense_targets(net, blocks, images[start:stop].to(device), dtype=getattr(torch, dtype))
+    targets = dense_targets(net, blocks, images[start:stop].to(device), dtype=getattr(torch, dtype),
+                            batch_size=DENSE_BATCH[device])
     info = TargetStore(store_uri).write_shard(key, index, start, {k: v.cpu() for k, v in targets.items()})
     return info, ray.get_runtime_context().get_node_id()
 
@@ -96,7 +100,7 @@ def _run_shards(plan, *, in_driver: bool | None, n_rows: int, **kw):
         lm = load_model(kw["model"], kw["cache_dir"], data_seed=spec.data_seed, progress=False,
                         **spec.load_kwargs(kw["model"]))
         size = n_rows * sum(p.numel() for p in lm.model.parameters())
-        local = spec.resources.gpus_per_dense_task == 0 and size <= LOCAL_MAX_IMAGE_PARAMS
+        local = task_gpus(spec.resources) == 0 and size <= LOCAL_MAX_IMAGE_PARAMS
     yield from (_local_shards if local else _task_shards)(plan, **kw)
 
 
@@ -123,9 +127,10 @@ def _task_shards(plan, *, spec, model, key, store_uri, cache_dir, cpus, max_work
     """The shards of ``plan`` as Ray tasks (``dense_shard``): every shard is queued at once (at most
     ``max_workers`` in flight when given), so the stage uses every node present while it runs and an autoscaler
     sees the demand; results come back in completion order."""
-    per_task, gpus = spec.resources.cpus_per_dense_task, spec.resources.gpus_per_dense_task
+    per_task, gpus = spec.resources.cpus_per_dense_task, task_gpus(spec.resources)
     task = dense_shard.options(num_cpus=per_task, num_gpus=gpus)
-    args = (spec.store.dtype, model, str(cache_dir), spec.data_seed, max(1, int(per_task)), spec.load_kwargs(model))
+    args = (spec.store.dtype, model, str(cache_dir), spec.data_seed, max(1, int(per_task)), spec.load_kwargs(model),
+            spec.resources.device)
     todo, running = list(plan), []
     limit = max_workers or len(todo)
     with tqdm(total=sum(b - a for _, a, b in plan), desc=f"dense targets {model} (Ray tasks)", unit="img",

@@ -35,3 +35,26 @@ def override_resources(spec: SweepSpec, text: str | None = None, cpu_only: bool 
     if cpu_only:
         changes.update(gpus_per_trial=0.0, gpus_per_dense_task=0.0)
     return replace(spec, resources=replace(spec.resources, **changes)) if changes else spec
+
+
+# ------------------------------------------------------------------------------------------ devices
+def trial_device(res) -> str:
+    """The device every trial computes on (``resources.device``): cuda when asked, or under auto when a trial asks
+    Ray for GPUs (Ray then sets CUDA_VISIBLE_DEVICES to the GPU it gave, shared when the request is a fraction)."""
+    if res.device == "cuda" or (res.device == "auto" and res.gpus_per_trial > 0):
+        return "cuda"
+    return "cpu"
+
+
+def task_gpus(res) -> float:
+    """GPUs per dense-target, mask or diagnostics task: the dense tasks' request, else the trials' (a GPU spec
+    computes its dense targets and masks on a GPU too); none when every device is the CPU."""
+    if res.device == "cpu":
+        return res.gpus_per_dense_task
+    return res.gpus_per_dense_task or res.gpus_per_trial
+
+
+def task_device(setting: str, gpu_ids) -> str:
+    """Inside a Ray task: cuda when the task was given a GPU (``ray.get_gpu_ids()``) and ``resources.device`` is
+    not cpu; else cpu."""
+    return "cuda" if setting != "cpu" and len(gpu_ids) > 0 else "cpu"

@@ -8,6 +8,7 @@ from typing import Mapping
 from orchestrator.dense import dense_stage  # noqa: F401  (re-exported: the sharded dense stage)
 from orchestrator.model_facts import ModelInfo, cached_model_info
 from orchestrator.plan import Cell, targets_identity
+from orchestrator.resources import task_device, task_gpus
 from orchestrator.spec import SweepSpec
 from tasks.healing import LOGITS
 from tasks.models import get_adapter, load_model
@@ -87,11 +88,11 @@ def compute_masks(model: str, cache: str, data_seed: int, load_kw: dict, jobs: l
     return out
 
 
-def _mask_task(*args) -> list[dict]:
+def _mask_task(device_setting: str, *args) -> list[dict]:
     import ray
     import torch
 
-    device = "cuda" if ray.get_gpu_ids() else "cpu"  # a GPU only when the task was given one
+    device = task_device(device_setting, ray.get_gpu_ids())  # a GPU only when the task was given one
     torch.set_num_threads(max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 1))))
     return compute_masks(*args, node=ray.get_runtime_context().get_node_id(), device=device)
 
@@ -108,7 +109,7 @@ class MaskResult(dict):
 def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: str | Path, cache: str | Path,
                data_seed: int, diagnostics: Mapping[str, Mapping] | None = None,
                load_kw: Mapping[str, dict] | None = None, *, ranking_dir: str | Path | None = None,
-               in_driver: bool = True, resources: tuple[float, float] = (1, 0)) -> MaskResult:
+               in_driver: bool = True, resources: tuple[float, float] = (1, 0), device: str = "auto") -> MaskResult:
     """Compute each distinct missing mask once (content-addressed). ``in_driver``: in this process, else one Ray
     task per (model, pruner) with ``resources`` (cpus, gpus) per task; the masks are written to ``mask_root``
     (``<store.uri>/masks`` when remote) by whoever computes them, and the driver only checks they exist.
@@ -135,7 +136,7 @@ def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: st
     import ray
 
     task = ray.remote(_mask_task).options(num_cpus=resources[0], num_gpus=resources[1])
-    done = ray.get([task.remote(*a) for a in args])
+    done = ray.get([task.remote(device, *a) for a in args])
     missing = [k for part in done for k in (r["key"] for r in part) if not masks.has(k)]
     if missing:
         raise RuntimeError(f"mask tasks reported {len(missing)} mask(s) the store at {mask_root} does not hold")
@@ -160,8 +161,8 @@ def store_paths(uri: str | None, store_dir: Path, cache_dir: Path) -> dict[str, 
 
 def mask_gpus(res) -> float:
     """GPUs per mask / diagnostics task: the dense tasks' request, else the trials' (a GPU spec computes its masks
-    on a GPU)."""
-    return res.gpus_per_dense_task or res.gpus_per_trial
+    on a GPU; orchestrator/resources.py ``task_gpus``)."""
+    return task_gpus(res)
 
 
 def masks_in_driver(on_cluster: bool, res) -> tuple[bool, str]:

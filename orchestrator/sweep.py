@@ -14,6 +14,8 @@ from typing import Any
 
 from orchestrator.console import StageClock, TrialProgress, quiet_libraries
 from orchestrator.plan import Cell, expand_cells, grid_searches
+from orchestrator.planner import decision_line, plan_target_modes
+from orchestrator.resources import trial_device
 from orchestrator.tune_setup import drop_epoch_checkpoints, make_tuner, trial_config
 from orchestrator.spec import SweepSpec
 
@@ -50,6 +52,7 @@ class _Sweep:
     cells: list[Cell] = field(default_factory=list)
     rows: dict = field(default_factory=dict)
     modes: dict = field(default_factory=dict)
+    plan: dict = field(default_factory=dict)  # {model: the planner's decision} (orchestrator/planner.py)
     dense: dict = field(default_factory=dict)
     dense_rep: Any = None
     diag: Any = None
@@ -121,7 +124,12 @@ def models_stage(s: _Sweep, progress: bool) -> None:
     s.cells = expand_cells(s.spec, {m: i.scope for m, i in s.models.items()})
     s.rows = {m: max(c.calib_size for c in s.cells if c.model == m) for m in s.models}
     s.modes = budget_modes(s.spec, s.models, s.rows, s.paths["targets"], s.paths["cache"])  # refuses before compute
-    (s.out_dir / "targets.json").write_text(json.dumps(  # for `healsweep store gc --keep-referenced`
+    write_targets(s)
+
+
+def write_targets(s: _Sweep) -> None:
+    """``targets.json`` (for `healsweep store gc --keep-referenced`): the store, its keys, each model's mode."""
+    (s.out_dir / "targets.json").write_text(json.dumps(
         {"store": s.paths["targets"], "keys": {m: i.store_key for m, i in s.models.items()}, "modes": s.modes},
         indent=1))
 
@@ -157,7 +165,13 @@ def dense_and_masks(s: _Sweep, progress: bool) -> None:
     from orchestrator.stages import dense_stage, mask_gpus, mask_stage, masks_in_driver
 
     spec, clock = s.spec, s.clock
-    need = ", ".join(f"{m} {n} images" for m, n in s.rows.items())
+    with clock.stage("planner"):  # store.targets: stream from the store or recompute (measured on a GPU)
+        s.plan = plan_target_modes(spec, s.models, s.modes, s.paths["cache"], s.store_dir)
+    for m, d in s.plan.items():
+        if "seconds_per_step" in d or d["pick"] == "recompute":
+            clock.say(f"[planner] {decision_line(m, d)}")
+    write_targets(s)
+    need = ", ".join(f"{m} {n} images" for m, n in s.rows.items() if s.modes[m] == "store")
     with clock.stage("dense", f"dense targets: {need} (computing only what the store lacks)"):
         s.dense_rep = DenseReport()
         s.dense = dense_stage(spec, s.models, s.rows, s.paths["targets"], s.paths["cache"], progress=progress,
@@ -182,7 +196,8 @@ def dense_and_masks(s: _Sweep, progress: bool) -> None:
         s.mask_keys = mask_stage(s.cells, s.models, s.paths["masks"], s.paths["cache"], spec.data_seed,
                                  diagnostics=s.diag.tables(diag_root),
                                  load_kw={m: spec.load_kwargs(m) for m in s.models}, ranking_dir=s.paths["rankings"],
-                                 in_driver=in_driver, resources=(res.cpus_per_dense_task, mask_gpus(res)))
+                                 in_driver=in_driver, resources=(res.cpus_per_dense_task, mask_gpus(res)),
+                                 device=res.device)
     if s.mask_keys.computed:
         nodes = sorted({r["node_id"] for r in s.mask_keys.computed})
         clock.say(f"[masks] {len(s.mask_keys.computed)} computed {why}"
@@ -201,7 +216,7 @@ def tune_stage(s: _Sweep, progress: bool) -> None:
     spec, clock, t = s.spec, s.clock, s.tune
     with clock.stage("tune_start"):
         gran = {m: s.models[m].default_granularity for m in s.models}
-        threads, device = max(1, int(spec.resources.cpus_per_trial)), "cuda" if spec.resources.gpus_per_trial else "cpu"
+        threads, device = max(1, int(spec.resources.cpus_per_trial)), trial_device(spec.resources)
         configs = [trial_config(c, spec, s.paths, s.models[c.model].store_key, s.mask_keys[c.cell_id],
                                  gran[c.model], threads, device, s.modes[c.model]) for c in s.cells]
         from orchestrator import cluster

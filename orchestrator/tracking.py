@@ -108,7 +108,9 @@ class MlflowTrialLogger(Callback):
         params = [Param(k, str(values[k])) for k in TRIAL_PARAMS]
         params += [Param("pruner_settings", str(dict(c["pruner_settings"]))),  # resolved (plan.grid)
                    Param("healer_settings", str(dict(c["healer_settings"]))),
-                   Param("optuna_trial", str(c["optuna_trial"])), Param("device", str(c.get("device", "cpu")))]
+                   Param("optuna_trial", str(c["optuna_trial"])), Param("device", str(c.get("device", "cpu"))),
+                   Param("precision", str(c.get("precision", "fp32"))),  # heal.precision: a named numeric setting
+                   Param("channels_last", str(c.get("channels_last", "auto")))]
         if c.get("heal_seed") is not None:  # a re-evaluation: the healing seed (``seed`` stays the cell's: its mask)
             params.append(Param("heal_seed", str(c["heal_seed"])))
         if "steps" in c:  # a steps-based search (docs/methods.md#search): the budget; `epochs` is what it needed

@@ -21,6 +21,10 @@ OBJECTIVES = {"selection_acc": "max", "heldout_align": "min"}
 MAX_WIDEN_ROUNDS = 10
 # Search designs (orchestrator/search registers them; the spec is checked without importing it) and their bounds.
 DESIGNS = ("shared", "tpe", "grid")
+# heal.precision: the names of tasks.healing.precision.PRECISIONS, here so that checking a spec imports no torch
+# (tests/orchestrator/test_precision_spec.py holds the two equal)
+PRECISIONS = ("fp32", "tf32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")  # resources.device
 MAX_REEVALUATE = 8  # fresh healing seeds per winner
 MAX_LATTICE = 64  # points on one lattice axis
 MAX_TRIALS = 100_000  # trials of the whole sweep (all grids); the environment's HEALSWEEP_MAX_TRIALS overrides it

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from orchestrator.spec.checks import (DESIGNS, MAX_EPOCHS, MAX_LATTICE, MAX_REEVALUATE, MAX_SEED, MAX_STEPS,
-                                      MAX_TRIALS_PER_CELL, MAX_WIDEN_ROUNDS, OBJECTIVES,
+                                      MAX_TRIALS_PER_CELL, MAX_WIDEN_ROUNDS, OBJECTIVES, PRECISIONS, DEVICES,
                                       SpecError, check_bool, check_choice, check_keys, check_list, check_name, check_num,
                                       check_pair, check_str, excerpt, join)
 from orchestrator.spec.compat import check_models, check_size
@@ -182,9 +182,12 @@ def check_heldout(spec: SweepSpec, capacity: int) -> None:
 
 def parse_heal(v: Any) -> HealSpec:
     h = HealSpec(**({} if v is None else check_keys(v, "heal", set(HealSpec.__dataclass_fields__))))
+    check_choice(h.precision, "heal.precision", PRECISIONS)
+    if h.channels_last not in ("auto", True, False):
+        raise SpecError("heal.channels_last", f"must be auto, true or false, got {excerpt(h.channels_last)}")
     return HealSpec(check_num(h.batch_size, "heal.batch_size", int, 1, 1 << 20),
                     check_num(h.weight_decay, "heal.weight_decay", float, 0.0),
-                    check_num(h.lr_min, "heal.lr_min", float, 0.0))
+                    check_num(h.lr_min, "heal.lr_min", float, 0.0), h.precision, h.channels_last)
 
 
 def parse_resources(v: Any) -> ResourceSpec:
@@ -195,7 +198,11 @@ def parse_resources(v: Any) -> ResourceSpec:
                        None if r.max_concurrent is None else check_num(r.max_concurrent, p + "max_concurrent", int, 1, 1e6),
                        check_num(r.cpus_per_dense_task, p + "cpus_per_dense_task", float, 0.0, 1e6, lo_open=True),
                        check_num(r.gpus_per_dense_task, p + "gpus_per_dense_task", float, 0.0, 1e6),
-                       check_num(r.max_failures, p + "max_failures", int, 0, 1000), check_bool(r.reuse_actors, p + "reuse_actors"))
+                       check_num(r.max_failures, p + "max_failures", int, 0, 1000), check_bool(r.reuse_actors, p + "reuse_actors"),
+                       check_choice(r.device, p + "device", DEVICES))
+    if out.device == "cuda" and out.gpus_per_trial == 0:
+        raise SpecError(p + "device", "cuda needs resources.gpus_per_trial > 0: Ray shows a trial a GPU only when "
+                                      "it asks for one (a fraction such as 0.25 lets 4 trials share one)")
     for f in ("gpus_per_trial", "gpus_per_dense_task"):
         g = getattr(out, f)
         if g > 1 and g != int(g):
@@ -207,9 +214,11 @@ def parse_store(v: Any, base_dir: str | Path | None) -> StoreSpec:
     s = StoreSpec(**({} if v is None else check_keys(v, "store", set(StoreSpec.__dataclass_fields__))))
     check_choice(s.dtype, "store.dtype", ("float16", "bfloat16"))
     check_choice(s.on_budget, "store.on_budget", ("refuse", "recompute"))
+    check_choice(s.targets, "store.targets", ("auto", "store", "recompute"))
     uri = None if s.uri is None else store_uri(s.uri, base_dir)
     return StoreSpec(check_num(s.shard_size, "store.shard_size", int, 1, 1 << 20), s.dtype, uri,
-                     None if s.budget_gb is None else check_num(s.budget_gb, "store.budget_gb", float, 0.0), s.on_budget)
+                     None if s.budget_gb is None else check_num(s.budget_gb, "store.budget_gb", float, 0.0), s.on_budget,
+                     s.targets)
 
 
 def store_uri(v: Any, base_dir: str | Path | None) -> str:

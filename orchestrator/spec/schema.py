@@ -56,6 +56,8 @@ class HealSpec:
     batch_size: int = 32
     weight_decay: float = 0.0
     lr_min: float = 1e-6
+    precision: str = "fp32"  # fp32 (the authors') | tf32 | bf16 (autocast): tasks/healing/precision.py
+    channels_last: Any = "auto"  # auto (CNNs on a GPU) | true | false: the memory format of healed CNNs
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ class ResourceSpec:
     gpus_per_dense_task: float = 0.0
     max_failures: int = 2  # retries of a failed trial, each from its last per-epoch checkpoint
     reuse_actors: bool = True
+    # where trials, dense and mask tasks compute: auto = on the GPU Ray gave them (gpus_per_* > 0), else the CPU;
+    # cpu = always the CPU (e.g. to pack trials by Ray's logical GPU resources on a CPU machine); cuda = the GPU
+    device: str = "auto"
 
     def peak_request(self) -> dict[str, float]:
         """The largest single placement the sweep asks for, as Ray resource names ({"CPU": .., "GPU": ..}): a
@@ -82,6 +87,7 @@ class StoreSpec:
     uri: str | None = None  # where dense targets live: an absolute path or a URI (file, s3, gs, hdfs); None: <--store>/targets
     budget_gb: float | None = None  # disk budget of the target store; None: unlimited
     on_budget: str = "refuse"  # over budget: "refuse" (error before any compute) | "recompute" (in each trial)
+    targets: str = "auto"  # store | recompute | auto (the faster, measured on a GPU trial's device): orchestrator/planner.py
 
 
 @dataclass(frozen=True)
