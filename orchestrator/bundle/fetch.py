@@ -32,7 +32,7 @@ def manylinux_platforms(platform: str) -> list[str]:
     tags = [f"manylinux_2_{n}_{arch}" for n in range(glibc, 4, -1)]
     legacy = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
     for n, alias in legacy.items():
-        if n <= glibc and (alias != "manylinux2010" or arch in ("x86_64", "i686")):
+        if n <= glibc and (alias == "manylinux2014" or arch in ("x86_64", "i686")):  # 2010 and 1: Intel only
             tags.insert(tags.index(f"manylinux_2_{n}_{arch}") + 1, f"{alias}_{arch}")
     return tags
 

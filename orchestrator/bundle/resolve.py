@@ -158,6 +158,7 @@ def _walk(root: Dist, present, env, fetch: Fetch, extras: frozenset[str], pins: 
         dist = _fetch(fetch, name, specs[name] & pins.get(name, SpecifierSet()), name in pins)
         if name in present and present[name] is not None:
             res.upgrades[name] = (str(present[name]), str(dist.version))
+            res.satisfied.pop(name, None)  # an earlier, looser requirement is now met by the bundled version
         res.bundle[name] = dist
         seen_extras[name] = frozenset(req.extras)
         queue.extend(_requirements(dist, env, frozenset(req.extras), res))

@@ -68,6 +68,7 @@ def test_freeze_lines_local_versions_urls_editables_and_names():
                        "-e git+https://x/y.git@abc#egg=my_pkg\nplain\n\nnumpy===2.5.2\nnumpy\n", "f.txt")
     assert got == {"torch": Version("2.11.0+cu130"), "foo-bar": Version("1.2"), "baz": None, "my-pkg": None,
                    "plain": None, "numpy": Version("2.5.2")}  # a later bare name keeps the known version
+    assert parse_freeze("ray[tune]==2.60.0\n") == {"ray": Version("2.60.0")}
     with pytest.raises(BundleError, match=r"f.txt:2: expected NAME"):
         parse_freeze("ok==1\nbad>=1\n", "f.txt")
 
@@ -80,6 +81,18 @@ def test_walk_stops_at_present_versions_and_fetches_the_rest():
     assert res.satisfied == {"a": "1.5", "torch": "2.11.0+cu130", "foo-bar": "3"}
     assert res.upgrades == {"b": ("1.0", "2.5")}
     assert ("a", ">=1") not in index.calls  # a present one is never fetched, nor descended into
+    later = resolve(root("b>=1", "c"), present, ENV312, FakeIndex({**index.dists, "c": {"1": ("b>=2",)}}))
+    assert later.upgrades == {"b": ("1.0", "2.5")} and "b" not in later.satisfied
+
+
+def test_cli_says_what_is_missing_in_one_line(tmp_path, capsys):
+    from orchestrator.cli import main
+
+    assert main(["bundle", "--python", "3.12", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == ("healsweep: error: say what the target holds: --freeze FILE (its pip "
+                                               "freeze), --assume-present FILE or --present NAME")
+    assert main(["bundle", "--python", "3.12", "--freeze", str(tmp_path / "nope.txt"), "--out", str(tmp_path)]) == 2
+    assert "cannot read" in capsys.readouterr().err
 
 
 def test_markers_are_evaluated_for_the_target_not_this_machine():
@@ -123,6 +136,8 @@ def test_target_environment_and_platform_tags():
     tags = manylinux_platforms("manylinux_2_28_x86_64")
     assert tags[0] == "manylinux_2_28_x86_64" and {"manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_5_x86_64"} <= set(tags)
     assert "manylinux_2_29_x86_64" not in tags
+    arm = manylinux_platforms("manylinux_2_17_aarch64")
+    assert "manylinux2014_aarch64" in arm and not [t for t in arm if t.startswith(("manylinux1", "manylinux2010"))]
 
 
 def _elf_with_symbols(tmp: Path) -> bytes | None:
