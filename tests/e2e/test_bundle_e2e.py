@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -84,43 +85,55 @@ def _glibc_platform() -> str:
     return f"manylinux_2_{min(int(libc.split()[1].split('.')[1]), 28)}_{os.uname().machine}"
 
 
-@pytest.mark.skipif(not _pypi_reachable(), reason="needs PyPI to fetch the bundle's wheels (CI has it)")
-def test_clean_venv_installs_the_bundle_with_no_index_and_runs_the_tiny_sweep(tmp_path):
-    freeze = link_view(image_closure(IMAGE), tmp_path / "image")
-    (tmp_path / "freeze.txt").write_text(freeze)
-    out = tmp_path / "bundle"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+def build_bundle_for(freeze: Path, out: Path, env: dict) -> tuple[Path, dict, str]:
+    """`healsweep bundle` for this Python and machine against ``freeze``: (archive, manifest, size line)."""
     strip = "unneeded" if shutil.which("strip") else "none"
     build = _run([sys.executable, "-m", "orchestrator.cli", "bundle", "--python", f"{sys.version_info[0]}.{sys.version_info[1]}",
-                  "--freeze", str(tmp_path / "freeze.txt"), "--platform", _glibc_platform(), "--out", str(out),
-                  "--xz-preset", "1", "--max-mb", "200", "--strip", strip], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)})
+                  "--freeze", str(freeze), "--platform", _glibc_platform(), "--out", str(out), "--xz-preset", "1",
+                  "--max-mb", "200", "--strip", strip], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)})
     size = re.search(r"bundle: \S+ ([\d.]+) MB \((\d+) wheels", build.stdout)
-    print(f"bundle for this venv: {size.group(1)} MB at xz preset 1, {size.group(2)} wheels")
     archive = out / "healsweep-offline.tar.xz"
     with tarfile.open(archive) as tar:
         manifest = json.load(tar.extractfile("healsweep-offline/manifest.json"))
+    return archive, manifest, f"{size.group(1)} MB at xz preset 1, {size.group(2)} wheels"
+
+
+def clean_venv(where: Path, image: Path) -> tuple[Path, Path]:
+    """A fresh venv that sees the image's packages through a .pth file: (its python, its site-packages)."""
+    _run([sys.executable, "-m", "venv", str(where)])
+    py = where / "bin" / "python"
+    site = Path(_run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
+    (site / "image.pth").write_text(str(image) + "\n")
+    return py, site
+
+
+@pytest.mark.skipif(not _pypi_reachable(), reason="needs PyPI to fetch the bundle's wheels (CI has it)")
+def test_clean_venv_installs_the_bundle_with_no_index_and_runs_the_tiny_sweep(tmp_path):
+    t0 = time.monotonic()
+    (tmp_path / "freeze.txt").write_text(link_view(image_closure(IMAGE), tmp_path / "image"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    archive, manifest, size = build_bundle_for(tmp_path / "freeze.txt", tmp_path / "bundle", env)
     bundled = {w["name"] for w in manifest["wheels"]}
     assert {"healsweep", "ray", "optuna", "mlflow-skinny", "sqlalchemy", "alembic"} <= bundled
     assert not bundled & {"torch", "numpy", "pandas", "mlflow", "datasets", "flask"}  # present, or not needed
-    venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", str(venv)])
-    py = venv / "bin" / "python"
-    site = Path(_run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
-    (site / "image.pth").write_text(str(tmp_path / "image") + "\n")
+    t1 = time.monotonic()
+    py, site = clean_venv(tmp_path / "venv", tmp_path / "image")
     offline = {**env, "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_FIND_LINKS": "", "PIP_NO_INDEX": "1"}
-    inst = _run([py, str(out / "install.py"), str(archive)], env=offline, cwd=tmp_path)
+    inst = _run([py, str(archive.parent / "install.py"), str(archive)], env=offline, cwd=tmp_path)
     assert "install.py: ok:" in inst.stdout
     where = _run([py, "-c", "import ray, optuna, mlflow, orchestrator; print(ray.__file__, orchestrator.__file__)"],
                  cwd=tmp_path, env=offline).stdout.split()
     assert all(w.startswith(str(site)) for w in where), where  # the bundle's copies, not this environment's
     _run([py, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('flask') is not None)"], cwd=tmp_path)
-    run = subprocess.run([venv / "bin" / "healsweep", "run", str(REPO / "configs" / "tiny.yaml"), "--out",
+    t2 = time.monotonic()
+    run = subprocess.run([py.parent / "healsweep", "run", str(REPO / "configs" / "tiny.yaml"), "--out",
                           str(tmp_path / "run"), "--num-cpus", "2", "--quiet"], cwd=tmp_path, env=offline,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "8 trials finished, 0 failed" in run.stdout and (tmp_path / "run" / "report.html").is_file()
     count = _run([py, "-c", _COUNT_TRIALS, run.stdout.split("mlflow: ")[1].split()[0]], cwd=tmp_path, env=offline)
     assert count.stdout.split() == ["8", "FINISHED"]  # read back through the bundle's mlflow-skinny
+    print(f"bundle {size}; build {t1 - t0:.0f} s, venv + install {t2 - t1:.0f} s, tiny sweep {time.monotonic() - t2:.0f} s")
 
 
 _COUNT_TRIALS = """
