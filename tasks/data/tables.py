@@ -305,7 +305,10 @@ def table_splits(name: str, table: ImageTable, sizes: Mapping[str, int], seed: i
 def hub_by_split(path: str, config: str | None, mapping: Mapping[str, str], streaming: bool,
                  revision: str | None = None) -> dict[str, Any]:
     """Open each distinct hub split once (``datasets.load_dataset``); our split -> its dataset object."""
-    import datasets
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"dataset {path!r}: hub datasets need the `datasets` package: pip install 'healsweep[hub]'") from None
 
     opened = {}
     for hub_split in sorted(set(mapping.values())):
