@@ -102,7 +102,7 @@ def prepare(root: Path, cache: Path, trials: list[dict]) -> tuple[dict[str, str]
 
 def one(args: tuple) -> dict:
     """One trial in a worker process (one thread); ``scope``: the trial's scope, resolved."""
-    t, scope, root, cache = args
+    t, scope, root, cache, device, precision = args
     from tasks.store import content_key
     from tasks.trial import TrialParams, run_trial
 
@@ -110,23 +110,35 @@ def one(args: tuple) -> dict:
                     calib_size=t["calib"], lr=t["lr"], epochs=EPOCHS, seed=0, batch_size=BATCH,
                     store_key=content_key({"bench": "cross_machine", "model": t["model"]}), mask_key=_mask_key(t),
                     store_uri=str(Path(root) / "targets"), mask_root=str(Path(root) / "masks"), cache_dir=str(cache),
-                    pruner=t["pruner"] if t["pruner"] == "corp" else "")
+                    pruner=t["pruner"] if t["pruner"] == "corp" else "", device=device, precision=precision)
     r = run_trial(p, lambda m: None)
     return {**t, **{k: r[k] for k in ("dense_acc", "pruned_acc", "healed_acc", "n_eval", "mask_violations")}}
 
 
-def run(out: Path, cache: Path, procs: int) -> None:
+def run(out: Path, cache: Path, procs: int, device: str = "cpu", precision: str = "fp32") -> None:
+    """``device``/``precision``: where and how the trials heal (masks and dense targets: this machine's CPU)."""
+    import multiprocessing
+
     trials = grid()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="cross-machine-") as root:
         digests, scopes = prepare(Path(root), cache, trials)
-        with ProcessPoolExecutor(procs) as pool:
-            res = list(pool.map(one, [(t, t["scope"] or scopes[t["model"]], root, cache) for t in trials]))
+        ctx = multiprocessing.get_context("spawn" if device != "cpu" else None)  # CUDA: no forked workers
+        with ProcessPoolExecutor(procs, mp_context=ctx) as pool:
+            res = list(pool.map(one, [(t, t["scope"] or scopes[t["model"]], root, cache, device, precision)
+                                      for t in trials]))
     for r in res:
         r["mask_sha256"] = digests[_mask_key(r)]
-    out.write_text(json.dumps({"machine": machine(), "seconds": round(time.perf_counter() - t0, 1),
+    out.write_text(json.dumps({"machine": {**machine(), "device": _device_name(device), "precision": precision},
+                               "seconds": round(time.perf_counter() - t0, 1),
                                "trials": res}, indent=1))
     print(f"{len(res)} trials in {time.perf_counter() - t0:.0f} s on {machine()} -> {out}")
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
 
 
 def _ident(r: dict) -> tuple:
@@ -161,12 +173,14 @@ def main() -> None:
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--cache", type=Path, default=Path(".healsweep/models"), help="model cache")
     r.add_argument("--procs", type=int, default=os.cpu_count(), help="trials at a time (one thread each)")
+    r.add_argument("--device", default="cpu", help="where the trials heal: cpu (default) or cuda (processes share it)")
+    r.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16"), help="heal.precision")
     c = sub.add_parser("compare", help="what moved between two runs")
     c.add_argument("a", type=Path)
     c.add_argument("b", type=Path)
     a = ap.parse_args()
     if a.cmd == "run":
-        run(a.out, a.cache.resolve(), a.procs)
+        run(a.out, a.cache.resolve(), a.procs, a.device, a.precision)
     else:
         compare(a.a, a.b)
 
