@@ -28,7 +28,8 @@ def first_false(flags: Sequence[torch.Tensor], device: torch.device) -> torch.Te
     if not flags:
         return torch.zeros((), dtype=torch.int64, device=device)
     ok = torch.stack(list(flags))  # (n,) bool
-    return torch.where(ok.all(), torch.tensor(len(flags), device=device), torch.argmin(ok.to(torch.int64)))
+    return torch.where(ok.all(), torch.full((), len(flags), dtype=torch.int64, device=device),  # a fill: no copy
+                       torch.argmin(ok.to(torch.int64)))
 
 
 class DivergenceGuard:
