@@ -90,6 +90,13 @@ class GpuSampler(threading.Thread):
 
 def sweep_section(a, env: dict, out: Path) -> dict:
     spec = "configs/tiny.yaml" if a.tiny else "configs/default.yaml"
+    if a.heal_precision:  # the same spec healing in another heal.precision
+        import yaml
+
+        d = yaml.safe_load((REPO / spec).read_text())
+        d.setdefault("heal", {})["precision"] = a.heal_precision
+        spec = str(Path(a.work) / f"spec-{a.heal_precision}.yaml")
+        Path(spec).write_text(yaml.safe_dump(d, sort_keys=False))
     run_dir = Path(a.work) / "sweep"
     cmd = [sys.executable, "-m", "orchestrator.cli", "run", spec, "--out", str(run_dir), "--store",
            str(Path(a.work) / "store"), "--quiet", "--resources",
@@ -136,7 +143,8 @@ def reference(run_dir: Path) -> dict:
 
 def compare(run_dir: Path, reference: Path) -> dict:
     """Quoted cells of ``run_dir`` vs the reference's: |delta| in pp, how many within the tolerance."""
-    got, ref = quoted_cells(run_dir), json.loads(reference.read_text())["cells"]
+    ref = json.loads(reference.read_text())
+    got, ref = quoted_cells(run_dir), ref.get("cells", ref)  # a reference file, or another run's quoted cells
     common = sorted(set(got) & set(ref))
     d = sorted(abs(got[c]["healed_acc"] - ref[c]["healed_acc"]) * 100 for c in common)
     worst = sorted(common, key=lambda c: -abs(got[c]["healed_acc"] - ref[c]["healed_acc"]))[:5]
@@ -230,6 +238,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="the tiny spec and small models (checks the script)")
     ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     ap.add_argument("--gpu-share", type=float, default=0.125, help="GPU per trial (default 1/8: 8 trials share it)")
+    ap.add_argument("--heal-precision", choices=("fp32", "tf32", "bf16"), help="sweep: override heal.precision")
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=("fp32", "tf32", "bf16"))
     ap.add_argument("--procs", type=int, default=8, help="precision section: trials at a time on the GPU")
     ap.add_argument("--install-timeout", type=float, default=90)

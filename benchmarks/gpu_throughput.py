@@ -125,9 +125,9 @@ class Healer:
         return time.perf_counter() - t, model
 
 
-def precisions(h: Healer, feeds: dict, epochs: int, flops: dict, peak: float) -> dict:
+def precisions(h: Healer, feeds: dict, epochs: int, flops: dict, peak: float, which=("fp32", "tf32", "bf16")) -> dict:
     out = {}
-    for prec in ("fp32", "tf32", "bf16"):
+    for prec in which:
         h.run(feeds["store"], 1, prec)  # warm-up: kernels, allocator, page cache
         secs, model = h.run(feeds["store"], epochs, prec)
         rate = len(h.images) * epochs / secs
@@ -179,11 +179,36 @@ def measure(name: str, a, dev: torch.device, peak: float) -> dict:
         in_ram = {k: v.to(dev) for k, v in reader.load_all().items()}
         h = Healer(dense, adapter, images_dev, a.batch)
         feeds = feeds_for(reader, in_ram, h, dev)
-        res["precision"] = precisions(h, feeds, a.epochs, flops, peak)
+        res["precision"] = precisions(h, feeds, a.epochs, flops, peak, a.precisions)
         res["modes_bf16"] = modes(h, feeds, a.repeats, "bf16")
         reader.close()
     res["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     return res
+
+
+def profile(name: str, a, dev: torch.device) -> str:
+    """torch.profiler over a few bf16 steps (targets in RAM on the device: the step alone): where a step's time goes,
+    host (launches, Python) vs device (kernels). -> two tables, by device time and by host time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    dense, adapter, images = build(name, a.tiny, dev)
+    images = images[: a.batch * 4].to(dev)
+    targets = dense_targets(dense, adapter.blocks(dense), images, out=None)
+    h = Healer(dense, adapter, images, a.batch)
+    feed = in_memory_batches(targets, a.batch, 0)
+    h.run(feed, 1, "bf16")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with torch_profile(activities=acts) as prof:
+        secs, _ = h.run(feed, 2, "bf16")
+    key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    ev = prof.key_averages()
+    busy = sum(getattr(e, "self_device_time_total", 0) for e in ev) / 1e6
+    head = (f"{name}: {2 * len(images) // a.batch} bf16 steps, batch {a.batch}: wall {secs:.3f} s, device kernels "
+            f"{busy:.3f} s ({100 * busy / secs:.0f} % busy), {sum(e.count for e in ev if e.key.startswith('cuda'))} "
+            "CUDA runtime calls")
+    return "\n".join([head, ev.table(sort_by=key, row_limit=22),
+                      ev.table(sort_by="self_cpu_time_total", row_limit=12)])
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -192,11 +217,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="small models at 32 px (checks the script on a CPU)")
     ap.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--batch", type=int, default=32, help="the paper's batch size (default 32)")
+    ap.add_argument("--precisions", nargs="+", default=["fp32", "tf32", "bf16"], choices=("fp32", "tf32", "bf16"))
     ap.add_argument("--epochs", type=int, default=2, help="timed store-streamed epochs per precision")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved epochs per target feed")
     ap.add_argument("--shard", type=int, default=64, help="store shard size (rows)")
     ap.add_argument("--store", help="directory for the temporary store (default: the system's temp dir)")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--profile", type=Path, help="instead: write torch.profiler tables of bf16 steps here")
     return ap.parse_args(argv)
 
 
@@ -204,6 +231,9 @@ def run(a: argparse.Namespace) -> dict:
     dev = torch.device(a.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_throughput: no CUDA device; check the script on the CPU with --device cpu --tiny")
+    if a.profile:
+        a.profile.write_text("\n\n".join(profile(name, a, dev) for name in a.models))
+        return {}
     peak = bf16_peak(dev)
     out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "bf16_peak_tflops": peak / 1e12, "models": {}}
