@@ -23,6 +23,18 @@ def all_finite(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.T
     return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
 
 
+def finite_norms(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(() bool: every tensor finite, () int64: index of the first that is not, len when none) from their L2 norms in
+    one foreach launch: a NaN or Inf element makes its tensor's norm NaN or Inf. (A finite tensor whose norm overflows
+    float32, some |x| > 1e19, counts as not finite too: a healing step with such gradients has diverged anyway.)"""
+    if not tensors:
+        return torch.ones((), dtype=torch.bool, device=device), torch.zeros((), dtype=torch.int64, device=device)
+    ok = torch.isfinite(torch.stack(torch._foreach_norm(list(tensors))))  # (n,) bool
+    first = torch.where(ok.all(), torch.full((), len(ok), dtype=torch.int64, device=device),
+                        torch.argmin(ok.to(torch.int64)))
+    return ok.all(), first
+
+
 def first_false(flags: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """() int64: index of the first False flag among () bool flags, len(flags) when all are True."""
     if not flags:
