@@ -19,7 +19,12 @@ _Sweep = Any  # orchestrator.sweep._Sweep (not imported: sweep imports this modu
 
 
 def start(s: _Sweep) -> Callable[[], None]:
-    """The parent stage in a thread; -> the callable that joins it (re-raising its error)."""
+    """The parent stage in a thread; -> the callable that joins it (re-raising its error). Ray Tune is imported
+    here first, in the calling thread: the thread imports it too (orchestrator.tracking) while this one goes on to
+    Tune, and two threads importing ray.tune's circular modules at once can see one half-initialised (ImportError:
+    "cannot import name ... from partially initialized module ray.train...")."""
+    import ray.tune  # noqa: F401
+
     from orchestrator.background import background
 
     def stage() -> None:
