@@ -1,13 +1,15 @@
-"""Generated README blocks: ``<!-- report:NAME -->…<!-- /report:NAME -->`` rewritten from a sweep's report, so the
-README's tables and figures cannot go stale.
+"""Generated documentation blocks: ``<!-- report:NAME -->…<!-- /report:NAME -->`` of a Markdown file (the default
+sweep's page, docs/default-sweep.md) rewritten from a sweep's report, so its tables and figures cannot go stale.
 
 NAME is ``findings`` (the report's findings section: ranges, best methods, warnings) or the stem of a figure the
-report wrote (``fig_resnet_digits``): the figure is copied into ``docs/`` next to the README and the block
-becomes its image link. Text outside the markers is never touched; a marker naming nothing the report has is an
-error (nothing is written then).
+report wrote (``fig_resnet_digits``): the figure is copied into the ``docs/`` folder (the file's own folder when
+the file lives in ``docs/``, else ``docs/`` beside it) and the block becomes its image link, relative to the file.
+Text outside the markers is never touched; a marker naming nothing the report has is an error (nothing is
+written then).
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -28,28 +30,33 @@ def _findings(report_md: str) -> str:
     return m.group(1).strip()
 
 
-def readme_blocks(run_dir: Path, names: list[str]) -> dict[str, str]:
-    """NAME -> generated markdown for every NAME asked for (figures linked as docs/<file>)."""
+def figures_dir(doc: Path) -> Path:
+    """Where the figures a file's blocks link go: its own folder if that is ``docs/``, else ``docs/`` beside it."""
+    return doc.parent if doc.parent.name == "docs" else doc.parent / "docs"
+
+
+def readme_blocks(run_dir: Path, names: list[str], figures: str = "docs") -> dict[str, str]:
+    """NAME -> generated markdown for every NAME asked for (figures linked as <figures>/<file>)."""
     md = (run_dir / "report.md").read_text(encoding="utf-8")
     out = {}
     for name in names:
         if name == "findings":
             out[name] = _findings(md)
         elif (run_dir / f"{name}.png").is_file():
-            out[name] = f"![{name}](docs/{name}.png)"
+            out[name] = f"![{name}]({Path(figures, f'{name}.png').as_posix()})"
         else:
             raise ReadmeError(f"<!-- report:{name} -->: no such block (findings, or a figure of {run_dir})")
     return out
 
 
 def update_readme(run_dir: str | Path, readme: str | Path) -> list[str]:
-    """Rewrite every marked block of ``readme`` from ``run_dir``'s report; copy the figures it links into
-    ``docs/`` beside the README. Returns the block names rewritten."""
+    """Rewrite every marked block of ``readme`` (any Markdown file) from ``run_dir``'s report; copy the figures it
+    links into :func:`figures_dir`. Returns the block names rewritten."""
     run_dir, readme = Path(run_dir), Path(readme)
     text = readme.read_text(encoding="utf-8")
     names = [m.group("name") for m in BLOCK.finditer(text)]
-    blocks = readme_blocks(run_dir, names)
-    docs = readme.parent / "docs"
+    docs = figures_dir(readme)
+    blocks = readme_blocks(run_dir, names, os.path.relpath(docs, readme.parent))
     for name in names:
         if name != "findings":
             docs.mkdir(exist_ok=True)

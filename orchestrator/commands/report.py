@@ -18,7 +18,8 @@ def add_parser(sub):
                                    "(no sweep.json, or its MLflow database or parent run is missing).")
     p.add_argument("dir", metavar="DIR", help="run directory of a sweep (holds sweep.json), e.g. runs/tiny")
     p.add_argument("--readme", metavar="FILE", help="also rewrite FILE's <!-- report:NAME --> blocks (findings, or "
-                   "a figure stem) from this report; figures are copied to docs/ beside FILE")
+                   "a figure stem) from this report, e.g. docs/default-sweep.md; figures are copied to FILE's folder "
+                   "when it is docs/, else to docs/ beside FILE")
     p.set_defaults(func=main)
     return p
 

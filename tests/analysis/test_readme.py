@@ -1,8 +1,10 @@
-"""healsweep report DIR --readme FILE: marked README blocks are rewritten from the fixture sweep's report (the real
-console script in a subprocess); text outside the markers is kept; an unknown block exits 2 and writes nothing."""
+"""healsweep report DIR --readme FILE: marked blocks of a README or a docs page (docs/default-sweep.md) are
+rewritten from the fixture sweep's report (the real console script in a subprocess); text outside the markers is
+kept; an unknown block exits 2 and writes nothing."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +42,30 @@ def test_readme_blocks_from_the_report(tmp_path):
     before = readme.read_text()
     bad = _run("report", str(run_dir), "--readme", str(readme))
     assert bad.returncode == 2 and "report:nope" in bad.stderr and readme.read_text() == before
+
+
+def test_default_sweep_page_from_the_report(tmp_path):
+    """The command the default sweep's page names: `healsweep report runs/default --readme docs/default-sweep.md`
+    rewrites the page's findings block in place and copies its figures beside it (docs/, linked as fig_x.png)."""
+    repo = Path(__file__).resolve().parents[2]
+    page_text = (repo / "docs" / "default-sweep.md").read_text()
+    assert "`healsweep report runs/default --readme docs/default-sweep.md`" in page_text
+    sweep = tf.build_store(tmp_path)
+    run_dir = tmp_path / "run"
+    tf.write_sweep_json(run_dir, sweep["uri"])
+    # the fixture sweep has one model (resnet_digits, grid main): keep the page's blocks it can fill
+    page_text = re.sub(r"<!-- report:fig_vit_digits_healers -->.*?<!-- /report:fig_vit_digits_healers -->\n", "",
+                       page_text, flags=re.S)
+    page = tmp_path / "checkout" / "docs" / "default-sweep.md"
+    page.parent.mkdir(parents=True)
+    page.write_text(page_text)
+    out = _run("report", str(run_dir), "--readme", str(page))
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = page.read_text()
+    head = page_text[:page_text.index("<!-- report:findings -->")]
+    assert text.startswith(head + "<!-- report:findings -->\nRanges are the repairability bands")
+    assert "| magnitude | starfish | 64 | up to 70 % | 80–90 % | from 95 % |" in text
+    assert "### vit_digits" not in text  # the page's old findings are gone: the fixture has no ViT
+    assert "<!-- report:fig_resnet_digits -->\n![fig_resnet_digits](fig_resnet_digits.png)\n" in text
+    assert (page.parent / "fig_resnet_digits.png").read_bytes() == (run_dir / "fig_resnet_digits.png").read_bytes()
+    assert not (page.parent / "docs").exists()
