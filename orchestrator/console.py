@@ -8,7 +8,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-# Stage names, in the order a sweep runs them (docs: README "Where a sweep's time goes").
+# Stage names, in the order a sweep runs them (docs/usage.md, "What a sweep does").
 STAGES = ("imports", "spec", "models", "ray", "dense", "diagnostics", "masks", "parent", "tune_start", "trials",
           "mlflow_flush", "ray_shutdown", "report")
 

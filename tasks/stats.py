@@ -1,4 +1,4 @@
-"""The shared "accumulate statistics, then decide" mechanism (README, "Layout").
+"""The shared "accumulate statistics, then decide" mechanism.
 
 Methods that need calibration statistics (CORP, RR, SnapViT, ...) do not write their own forward loops: they
 name the tensors they want to observe as ``Tap`` s (a module, its input or output, and an optional map applied
