@@ -57,7 +57,15 @@ def check_sweep(d: Path) -> dict:
 
 
 def main(args) -> int:
+    from orchestrator.console import quiet_libraries
+    from orchestrator.faults import damaged
+    from orchestrator.runfiles import DB_FILE, db_problem
+
+    quiet_libraries(False)  # no MLflow "Downloading artifacts" bars (the parent run's diagnostics)
     d = Path(args.dir)
+    why = db_problem(d / DB_FILE) if (d / "sweep.json").is_file() else None
+    if why:
+        raise CliError(str(damaged(d / DB_FILE, why, d)))
     if (d / "sweep.json").is_file():
         from orchestrator.cluster import relocate
 
