@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from orchestrator import records
+from tasks._io import DiskFullError, is_disk_full
 
 DONE = ("COMPLETE", "FAIL", "PRUNED")
 
@@ -85,6 +86,7 @@ def rebuild_journal(journal: Path, trials: dict[str, dict]) -> dict[str, int]:
     import optuna
     from optuna.study import StudyDirection
 
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     old, rec = _old_studies(journal), _recorded_studies(trials)
     counts = {"told": 0, "asked": 0, "lost": 0}
     fd, tmp = tempfile.mkstemp(dir=journal.parent, prefix=".tmp-", suffix="-optuna.journal")
@@ -104,6 +106,10 @@ def rebuild_journal(journal: Path, trials: dict[str, dict]) -> dict[str, int]:
                 storage.create_new_trial(sid, template_trial=t)
         del storage
         os.replace(tmp, journal)
+    except OSError as e:
+        if is_disk_full(e) and not isinstance(e, DiskFullError):
+            raise DiskFullError(journal, journal.stat().st_size if journal.exists() else None) from e
+        raise
     finally:
         Path(tmp).unlink(missing_ok=True)
     return counts

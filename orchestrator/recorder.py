@@ -79,6 +79,8 @@ class TrialRecorder:
             raise
 
     def _write(self, ask, value, state) -> None:
+        if faults.stopped() is not None:  # an MLflow write of this trial failed (full disk): no record, no tell
+            raise faults.stopped()
         client = self.client_of()
         if not self.parent_done:
             try:

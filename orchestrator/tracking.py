@@ -22,7 +22,8 @@ FINAL_METRICS = ("dense_acc", "pruned_acc", "healed_acc", "retention", "heal_sec
 # Bookkeeping keys Ray Tune adds to every result; not metrics of the trial.
 TUNE_KEYS = {"epoch", "final", "training_iteration", "timestamp", "time_this_iter_s", "time_total_s", "pid",
              "time_since_restore", "iterations_since_restore", "done", "date", "hostname", "node_ip",
-             "trial_id", "experiment_id", "config", "should_checkpoint", "checkpoint_dir_name", "diverged"}
+             "trial_id", "experiment_id", "config", "should_checkpoint", "checkpoint_dir_name", "diverged",
+             "disk_full", "disk_full_path", "disk_full_needed"}
 
 
 def experiment_id(client: MlflowClient, name: str) -> str:
@@ -140,7 +141,7 @@ class MlflowTrialLogger(Callback):
                    for h in result.get("epoch_history") or () for k in EPOCH_METRICS if k in h]
         if history:  # epochs the trial sent with this result (orchestrator/trainable.py): logged at their steps
             self.writer.log_metrics(self._run_id(key), history)
-        if result.get("diverged"):
+        if result.get("diverged") or result.get("disk_full"):
             reason = str(result.get("failure_reason", "diverged"))[:5000]
             self.writer.submit(lambda: self.client.set_tag(self.runs[key], "failure_reason", reason))
             if "node_id" in result:  # where it ran, as for a finished trial
@@ -188,7 +189,7 @@ class MlflowTrialLogger(Callback):
         if key is None:
             return
         last = trial.last_result or {}
-        if last.get("diverged"):
+        if last.get("diverged") or last.get("disk_full"):
             self.failed += 1
             status = "FAILED"
         elif last.get("final"):

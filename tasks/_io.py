@@ -16,7 +16,8 @@ FILE_MODE = 0o644  # files are shared artefacts (exports, caches): readable by t
 TMP_PREFIX = ".tmp-"  # temporary files are ".tmp-<random>-<name>": a crashed writer's leftovers are recognisable
 
 # What a file is, by its name (the one-line message of a full disk says what was being written).
-_KINDS = ((".arrow", "a target-store shard"), ("manifest.json", "a target-store manifest"),
+_KINDS = ((".arrow", "a target-store shard"), ("healed.safetensors", "a trial's healed weights"),
+          ("manifest.json", "a target-store manifest"),
           (".safetensors", "a weights/mask file"), ("mlflow.db", "the MLflow tracking database"),
           ("optuna.journal", "the Optuna journal"), ("trials.jsonl", "the trial record"),
           ("sweep.json", "the sweep record"), (".json", "a JSON file"))
@@ -49,7 +50,10 @@ def describe(path: str | os.PathLike) -> str:
 
 
 def is_disk_full(e: BaseException) -> bool:
-    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+    """ENOSPC/EDQUOT, also from writers that wrap it (safetensors: "I/O error: No space left on device")."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(e) or "Disk quota exceeded" in str(e)
 
 
 def free_bytes(where: str | os.PathLike) -> int | None:
@@ -85,7 +89,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], mode: in
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except Exception as e:
         if not is_disk_full(e) or isinstance(e, DiskFullError):
             raise
         reached = Path(tmp).stat().st_size if tmp and Path(tmp).exists() else None

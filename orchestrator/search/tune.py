@@ -103,6 +103,12 @@ class DesignSearcher(Searcher):
             return
         self._report(trial_id, result)  # the last result of an early-stopped trial never reached on_trial_result
         a = self._live.pop(trial_id)
+        if result and result.get("disk_full"):  # not the trial's fault: the sweep stops, the trial stays untold
+            from orchestrator import faults
+            from tasks._io import DiskFullError
+
+            faults.stop(DiskFullError(result.get("disk_full_path") or "?", int(result.get("disk_full_needed") or 0)))
+            return
         if error or not result or self.metric not in result or result.get("diverged"):
             self._tell(lambda: self._told(a, None, TrialState.FAIL))
         elif not result.get("final"):
