@@ -93,8 +93,8 @@ def tune_trainable(config: dict) -> None:
     except HealingDiverged as e:
         # selection_acc/epoch repeat the last reported values: Tune requires the metric in every result.
         send({**last, "final": True, "diverged": True, "failure_reason": f"HealingDiverged: {e}"})
-    except Exception as e:  # noqa: BLE001 - a full disk: retrying here fills it again; the driver stops the sweep, the trial stays
-        if not is_disk_full(e):  # untold and runs again on resume (orchestrator/faults.py)
+    except Exception as e:  # noqa: BLE001 - a full disk (module docstring); anything else is raised again
+        if not is_disk_full(e):
             raise
         send({**last, "final": True, "disk_full": str(e), "failure_reason": f"disk full: {e}",
               "disk_full_path": getattr(e, "path", None) or getattr(e, "filename", None) or "",
