@@ -27,6 +27,7 @@ class Problem:
     what: str  # what is damaged
     lost: str  # what was lost (or "nothing")
     fix: Callable[[], str] | None = None  # repairs it; -> what was done
+    later: bool = False  # repaired by `healsweep run --resume` (a quarantined shard is recomputed there)
 
     def line(self) -> str:
         return f"{self.path}: {self.what}; lost: {self.lost}"
@@ -138,7 +139,7 @@ class Doctor:
                 not journal_disagrees(self.journal, records.trials(self._scan())):
             return "already rebuilt"
         c = rebuild_journal(self.journal, records.trials(self._scan()))
-        return f"rebuilt from trials.jsonl ({c['told']} told, {c['asked']} to run again, {c['lost']} lost)"
+        return f"rebuilt from trials.jsonl ({c['told']} told, {c['asked']} to run again)"
 
     def check_temp(self) -> list[Problem]:
         root = Path(self.info["store"])
@@ -176,7 +177,7 @@ def run(out_dir: Path, repair: bool, say: Callable[[str], None] = print) -> int:
             if p.fix is not None:
                 say(f"repaired {p.path}: {p.fix()}")
                 fixed += 1
-        problems = doc.examine()
+        problems = [p for p in doc.examine() if not p.later]
         if all(p.fix is None for p in problems):
             break
         for p in problems:

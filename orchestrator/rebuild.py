@@ -1,9 +1,9 @@
 """The Optuna journal and the MLflow runs of a sweep, rebuilt from its trial record (orchestrator/records.py).
 
 - ``rebuild_journal``: a fresh ``optuna.journal`` in which every recorded trial is told exactly as recorded; a
-  trial the old journal asked (or told) but the record does not hold is kept asked (RUNNING, same parameters), so
-  a resume runs it again; a trial number neither holds (both lost) becomes a failed placeholder (tag
-  ``healsweep_lost``): the numbers of the trials after it must not move.
+  trial the old journal asked (or told) but the record does not hold is asked again (RUNNING, with what the old
+  journal still knows of its parameters), so a resume runs it again; so is a trial number neither holds (the
+  numbers of the trials after it must not move): the design derives its parameters again.
 - ``sync_runs``: every recorded trial has exactly one MLflow run (missing ones recreated from the record, extra
   copies deleted).
 - ``rebuild_tracking``: a fresh SQLite tracking store in the run directory (the damaged one moved aside): the
@@ -65,30 +65,27 @@ def _from_record(o: dict):
         user_attrs=o["user_attrs"], intermediate_values={int(k): v for k, v in o["intermediate"].items()})
 
 
-def _asked(t):
-    """An old journal's trial that the record lacks: asked again (RUNNING, same parameters and attributes)."""
+def _asked(t=None):
+    """A trial the record does not hold: asked again (RUNNING) with what the old journal still knows of it (its
+    parameters and attributes; nothing for a number the old journal lost too: the design derives them again,
+    orchestrator/search/base.py ``_derive_params``)."""
     import optuna
     from optuna.trial import TrialState
 
+    if t is None:
+        return optuna.trial.create_trial(state=TrialState.RUNNING)
     return optuna.trial.create_trial(state=TrialState.RUNNING, params=t.params, distributions=t.distributions,
                                      user_attrs=t.user_attrs)
 
 
-def _lost():
-    import optuna
-    from optuna.trial import TrialState
-
-    return optuna.trial.create_trial(state=TrialState.FAIL, user_attrs={"healsweep_lost": True})
-
-
 def rebuild_journal(journal: Path, trials: dict[str, dict]) -> dict[str, int]:
-    """Rewrite ``journal`` from the record (see the module docstring); -> counts told / asked / lost."""
+    """Rewrite ``journal`` from the record (see the module docstring); -> counts told / asked."""
     import optuna
     from optuna.study import StudyDirection
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     old, rec = _old_studies(journal), _recorded_studies(trials)
-    counts = {"told": 0, "asked": 0, "lost": 0}
+    counts = {"told": 0, "asked": 0}
     fd, tmp = tempfile.mkstemp(dir=journal.parent, prefix=".tmp-", suffix="-optuna.journal")
     os.close(fd)
     try:
@@ -100,10 +97,8 @@ def rebuild_journal(journal: Path, trials: dict[str, dict]) -> dict[str, int]:
                 storage.set_study_user_attr(sid, k, v)
             told, asked = rec.get(name, {}).get("trials", {}), old.get(name, {}).get("trials", {})
             for n in range(max([*told, *asked], default=-1) + 1):
-                kind = "told" if n in told else "asked" if n in asked else "lost"
-                counts[kind] += 1
-                t = _from_record(told[n]) if kind == "told" else _asked(asked[n]) if kind == "asked" else _lost()
-                storage.create_new_trial(sid, template_trial=t)
+                counts["told" if n in told else "asked"] += 1
+                storage.create_new_trial(sid, template_trial=_from_record(told[n]) if n in told else _asked(asked.get(n)))
         del storage
         os.replace(tmp, journal)
     except OSError as e:
@@ -115,25 +110,14 @@ def rebuild_journal(journal: Path, trials: dict[str, dict]) -> dict[str, int]:
     return counts
 
 
-def journal_states(journal: Path) -> dict[str, tuple[str, bool]]:
-    """{trial id: (Optuna state name, a lost placeholder?)} of every trial in the journal."""
-    from orchestrator.search import Ask, journal_cells, open_journal
-
-    storage = open_journal(journal)
-    out = {}
-    for cid, studies in journal_cells(storage).items():
-        for stage, sid in studies.items():
-            for t in storage.get_all_trials(sid, deepcopy=False):
-                out[Ask(cid, t.number, {}, stage).trial_id] = (t.state.name, bool(t.user_attrs.get("healsweep_lost")))
-    return out
-
-
 def journal_disagrees(journal: Path, trials: dict[str, dict]) -> list[str]:
     """Trial ids whose journal state is not the recorded one: recorded but not told (or told otherwise), told
     but not recorded (the record is the truth: it runs again)."""
-    states = journal_states(journal) if journal.exists() else {}
-    out = [tid for tid, r in trials.items() if states.get(tid, ("", False))[0] != r["optuna"]["state"]]
-    return out + [tid for tid, (st, lost) in states.items() if st in DONE and not lost and tid not in trials]
+    from orchestrator.resume import told_states
+
+    states = {k: v.name for k, v in told_states(journal).items()} if journal.exists() else {}
+    out = [tid for tid, r in trials.items() if states.get(tid) != r["optuna"]["state"]]
+    return out + [tid for tid, st in states.items() if st in DONE and tid not in trials]
 
 
 # ------------------------------------------------------------------------------------------------ MLflow

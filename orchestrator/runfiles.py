@@ -103,5 +103,4 @@ def prepare_resume(out_dir: Path, say=note) -> None:
         raise damaged(journal, why, out_dir)
     if rs.records and (why or journal_disagrees(journal, trials)):
         c = rebuild_journal(journal, trials)
-        say(f"{journal}: rebuilt from {records.TRIALS_FILE} ({c['told']} trials told, {c['asked']} to run again"
-            + (f", {c['lost']} lost" if c["lost"] else "") + ")")
+        say(f"{journal}: rebuilt from {records.TRIALS_FILE} ({c['told']} trials told, {c['asked']} to run again)")

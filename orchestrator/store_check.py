@@ -31,14 +31,16 @@ def store_problems(run_dir: Path, info: dict, problem: Callable) -> list:
         except StoreError as e:
             out.append(problem(store.fs.path(f"{key}/manifest.json"), f"damaged ({e})",
                                f"nothing computed: target key {key}'s sound shards are reused, the rest recomputed "
-                               "by healsweep run --resume", _quarantine(store, key, "manifest.json")))
+                               "by healsweep run --resume", _quarantine(store, key, "manifest.json"), later=True))
             continue
         if m is None:
             continue  # incomplete (no manifest yet): the next dense pass completes it from its sound shards
         for s, why in store.verify(key):
-            out.append(problem(store.fs.path(f"{key}/{s['file']}"), f"target shard {why}",
-                               f"rows {s['row_start']}-{s['row_stop']} of target key {key} (recomputed by "
-                               "healsweep run --resume)", _quarantine(store, key, s["file"])))
+            gone = store.fs.size(f"{key}/{s['file']}") is None  # nothing to quarantine: the resume recomputes it
+            out.append(problem(store.fs.path(f"{key}/{s['file']}"), "target shard missing" if gone else
+                               f"target shard {why}", f"rows {s['row_start']}-{s['row_stop']} of target key {key} "
+                               "(recomputed by healsweep run --resume)", _quarantine(store, key, s["file"]),
+                               later=True))
     return out + _mask_problems(Path(info["store"]) / "masks", problem)
 
 
@@ -59,7 +61,7 @@ def _mask_problems(masks: Path, problem: Callable) -> list:
                 st.keys()
         except Exception as e:  # noqa: BLE001 - whatever safetensors says of a damaged header
             out.append(problem(str(f), f"damaged mask ({str(e)[:80]})", "nothing: recomputed by healsweep run "
-                               "--resume", _move(f, masks / ".quarantine" / f.name)))
+                               "--resume", _move(f, masks / ".quarantine" / f.name), later=True))
     return out
 
 
