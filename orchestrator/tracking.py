@@ -179,6 +179,7 @@ class MlflowTrialLogger(Callback):
         if key is None:  # its actor failed before the trial ever started: nothing ran, no child run yet
             return
         self.retries[key] = n = self.retries.get(key, 0) + 1
+        _say(f"trial {key} failed ({_error_line(trial)[:200]}); retrying it (attempt {n + 1})")
         tags = [RunTag("retries", str(n))] + ([RunTag("node_faults", str(node_faults(trial)))]
                                                if node_faults(trial) else [])
         self.writer.submit(lambda: self.client.log_batch(self.runs[key], tags=tags))
@@ -210,8 +211,17 @@ class MlflowTrialLogger(Callback):
         if key is None:
             return
         reason = _error_line(trial)
+        _say(f"trial {key} failed: {reason[:200]}")
         self.writer.submit(lambda: self.client.log_batch(self.runs[key], tags=[RunTag("failure_reason", reason)]))
         self.writer.submit(lambda: self.client.set_terminated(self.runs[key], "FAILED"))
+
+
+def _say(line: str) -> None:
+    """One line per trial failure on stderr: Tune's own traceback per failure is off unless --verbose
+    (orchestrator/console.py, TUNE_PRINT_ALL_TRIAL_ERRORS)."""
+    import sys
+
+    print(f"healsweep: {line}", file=sys.stderr)
 
 
 def _error_line(trial) -> str:
