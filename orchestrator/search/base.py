@@ -271,8 +271,9 @@ class SearchDesign:
 
     def _derive_params(self, slot: _Slot, study: optuna.Study) -> None:
         """An asked trial whose parameters a rebuilt journal lost (orchestrator/rebuild.py): derived again the way
-        its first ask derived them (asks are deterministic: the design's proposal for that number, else the
-        sampler seeded by the trial number), so it runs again as it would have."""
+        its first ask derived them (the design's proposal for that number, else the sampler seeded by the trial
+        number), so it runs again as it would have; TPE past its random start-up draws from a history that now
+        holds later trials too: a fresh draw in the same space."""
         t = study.trials[slot.number]
         proposed = self.propose(slot.cell_id, slot.number, slot.wave) or {}
         sampler = self.sampler(slot.cell_id, slot.number)
