@@ -260,9 +260,10 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, 
     ``owns_ray``: the caller started Ray for this sweep (``healsweep run`` starts it while the spec is checked):
     shut it down at the end like a Ray this call started. ``models``: ``stages.prepare_models``'s result when the
     caller loaded them already (``healsweep run``, while Ray starts)."""
-    from orchestrator import cluster, interrupt
+    from orchestrator import cluster, faults, interrupt
     from orchestrator.background import background
 
+    faults.clear()  # a fault stops only the sweep that met it (orchestrator/faults.py)
     quiet_libraries(verbose)
     t0 = time.time()
     cluster.check_address(address)  # one line, before any work: ray://, unreachable address

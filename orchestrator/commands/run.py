@@ -44,9 +44,6 @@ def main(args) -> int:
     from orchestrator.console import StageClock, process_age, quiet_libraries
 
     quiet_libraries(args.verbose)  # before Ray/Tune/MLflow are imported
-    from orchestrator import faults
-
-    faults.clear()
     clock = StageClock(enabled=not args.quiet)
     clock.add("imports", process_age())
     spec, out, store, cache, models, owns_ray = _resolve_while_ray_starts(args, clock)
@@ -54,6 +51,8 @@ def main(args) -> int:
         res = _run(args, spec, out, store, cache, clock, owns_ray, models)
     finally:
         _shutdown_ray(owns_ray)  # run_sweep shuts it down itself unless it failed before its own try
+    from orchestrator import faults
+
     faults.raise_stopped()  # a fault that stopped the trials (a full disk under the record): one line, exit 1
     print(f"sweep {res.sweep_id}: {res.trials_finished} trials finished, {res.trials_failed} failed, "
           f"dense forward images {res.dense_forward_images}, {res.seconds:.0f} s")
@@ -229,7 +228,9 @@ def _run(args, spec, out: Path, store: Path, cache: Path, clock, owns_ray: bool 
         res = run_sweep(spec, out, store, cache, address=args.address, progress=not args.quiet,
                         report=not args.no_report and not widen, num_cpus=args.num_cpus, resume=bool(args.resume),
                         verbose=args.verbose, clock=clock, owns_ray=owns_ray, models=models)
-        if widen and res.interrupted is None:
+        from orchestrator import faults
+
+        if widen and res.interrupted is None and faults.stopped() is None:  # a fault: no widening round
             from orchestrator.widen import run_widening
 
             rounds = run_widening(out, widen["rounds"], widen["factor"], address=args.address,
