@@ -10,24 +10,27 @@ import shutil
 import pytest
 
 from orchestrator.runfiles import temp_files
-from tests.faults.helpers import REPO, assert_complete, cli, copy_run, ok, one_line, run_cli, tear_last_line
+from tests.faults.helpers import assert_complete, cli, copy_run, ok, one_line, run_cli, tear_last_line
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def test_full_store(reference, tmp_path, tmpfs):
+    """The store moved to a 3 MiB file system (the run's targets and masks are not there): the resume's dense
+    stage fills it."""
     mount, resize = tmpfs
     full = mount("3m")
-    run, store = tmp_path / "run", full / "store"
-    r = run_cli("run", REPO / "configs" / "tiny.yaml", "--out", run, "--store", store, "--cache", reference["cache"],
-                "--quiet")
+    run, store = copy_run(reference, tmp_path / "run"), full / "store"
+    info = json.loads((run / "sweep.json").read_text())
+    (run / "sweep.json").write_text(json.dumps({**info, "store": str(store)}, indent=1))
+    r = run_cli("run", "--resume", run, "--quiet")
     line = one_line(r, 1, "no space left on device writing a target-store shard", str(store / "targets"), "needed ",
                     "free there", f"healsweep run --resume {run}")
     assert ".arrow" in line and not temp_files(full)  # the failed write left nothing partial
     ok(cli("doctor", run))  # shards written before the disk filled are sound: the resume keeps them
     resize("64m")
     r = ok(run_cli("run", "--resume", run, "--quiet"))
-    assert "8 trials finished, 0 failed" in r.stdout
+    assert "8 trials finished, 0 failed" in r.stdout and "dense forward images " in r.stdout
     assert_complete(run, reference)
 
 
