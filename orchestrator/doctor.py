@@ -70,8 +70,8 @@ class Doctor:
 
     def check_tracking(self) -> list[Problem]:
         db = self.dir / runfiles.DB_FILE
-        if not self.info["tracking_uri"].endswith("/mlflow.db"):
-            return []  # a tracking server or another database: not the run directory's to repair
+        if not runfiles.own_db(self.dir, self.info):
+            return []  # a tracking server or a shared database: not the run directory's to repair
         if not db.exists() and not self.info.get("parent_run_id"):
             return []  # the sweep stopped before it reached MLflow: nothing to check
         why = runfiles.db_problem(db) if db.exists() else "missing"

@@ -31,8 +31,8 @@ def repair_hint(run_dir: Path | str | None) -> str:
 
 
 def damaged(path: Path | str, why: str, run_dir: Path | str | None) -> DamagedFileError:
-    return DamagedFileError(f"{path} is damaged ({why}): repair it with {repair_hint(run_dir)}, then run the "
-                            "command again")
+    state = "is missing" if why == "missing" else f"is damaged ({why})"
+    return DamagedFileError(f"{path} {state}: repair it with {repair_hint(run_dir)}, then run the command again")
 
 
 def stop(e: BaseException) -> None:

@@ -21,6 +21,16 @@ from tasks._io import TMP_PREFIX
 DB_FILE = "mlflow.db"
 
 
+def own_db(out_dir: Path, info: dict) -> bool:
+    """Whether the sweep tracks into its run directory's own SQLite database (DIR/mlflow.db, or that of the run
+    directory it was copied from, which holds a sweep.json too), not a server or a shared database."""
+    uri = info.get("tracking_uri", "")
+    if not uri.startswith("sqlite:///") or not uri.endswith(f"/{DB_FILE}"):
+        return False
+    where = Path(uri[len("sqlite:///"):]).parent
+    return where == Path(out_dir).resolve() or (where / "sweep.json").is_file()
+
+
 def db_problem(db: Path) -> str | None:
     """Why an SQLite tracking database cannot be used (``PRAGMA integrity_check``, MLflow's tables), or None."""
     if not db.is_file():
@@ -73,8 +83,12 @@ def note(text: str) -> None:
 
 def check_resumable(out_dir: Path) -> None:
     """The refusals of ``prepare_resume`` only (nothing is changed): DamagedFileError, one line."""
+    from orchestrator.resume import read_sweep
+
     out_dir = Path(out_dir)
-    why = db_problem(out_dir / DB_FILE)
+    info = read_sweep(out_dir)
+    why = db_problem(out_dir / DB_FILE) or ("missing" if own_db(out_dir, info) and info.get("parent_run_id")
+                                             and not (out_dir / DB_FILE).exists() else None)
     if why:
         raise damaged(out_dir / DB_FILE, why, out_dir)
     for name, check in ((JOURNAL_FILE, records.check_json), (records.TRIALS_FILE, records.check_record)):

@@ -43,7 +43,10 @@ def check_sweep(d: Path) -> dict:
         raise CliError(f"no sweep in {d}: {e}") from None
     db = sqlite_path(info["tracking_uri"])
     if db is not None and not db.is_file():  # opening it would create an empty database
-        raise CliError(f"no sweep in {d}: its MLflow database {db} is missing")
+        from orchestrator.records import TRIALS_FILE
+
+        fix = f" (rebuild it from {TRIALS_FILE} with healsweep doctor {d} --repair)" if (d / TRIALS_FILE).is_file() else ""
+        raise CliError(f"no sweep in {d}: its MLflow database {db} is missing{fix}")
     if not info.get("parent_run_id"):
         raise CliError(f"no sweep in {d}: it never reached MLflow (no parent run recorded)")
     from mlflow import MlflowClient
@@ -56,6 +59,20 @@ def check_sweep(d: Path) -> dict:
     return info
 
 
+def _own_db_missing(d: Path) -> str | None:
+    """"missing" when the run directory's own SQLite database is gone (a copied run directory must not be
+    reported from the database it was copied from), else None."""
+    from orchestrator.resume import ResumeError, read_sweep
+
+    try:
+        info = read_sweep(d)
+    except ResumeError:
+        return None  # check_sweep says so in one line
+    from orchestrator.runfiles import own_db
+
+    return "missing" if own_db(d, info) and info.get("parent_run_id") else None
+
+
 def main(args) -> int:
     from orchestrator.console import quiet_libraries
     from orchestrator.faults import damaged
@@ -64,6 +81,8 @@ def main(args) -> int:
     quiet_libraries(False)  # no MLflow "Downloading artifacts" bars (the parent run's diagnostics)
     d = Path(args.dir)
     why = db_problem(d / DB_FILE) if (d / "sweep.json").is_file() else None
+    if (d / "sweep.json").is_file() and not (d / DB_FILE).exists():
+        why = _own_db_missing(d)
     if why:
         raise CliError(str(damaged(d / DB_FILE, why, d)))
     if (d / "sweep.json").is_file():

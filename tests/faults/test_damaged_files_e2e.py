@@ -57,23 +57,28 @@ def test_torn_last_lines_alone_need_no_doctor(reference, tmp_path):
     assert {k: v.name for k, v in told_states(journal).items()} == reference["states"]
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+DB_FAULTS = {"truncated": "database disk image is malformed", "garbage": "file is not a database",
+             "deleted": "missing"}
+
+
+@pytest.mark.parametrize("damage", list(DB_FAULTS))
 def test_damaged_tracking_database(reference, tmp_path, damage):
     run = copy_run(reference, tmp_path / "run")
-    db = run / "mlflow.db"
+    db, why = run / "mlflow.db", DB_FAULTS[damage]
     if damage == "truncated":
         with open(db, "rb+") as f:
             f.truncate(4096)
-        why = "database disk image is malformed"
-    else:
+    elif damage == "garbage":
         db.write_bytes(bytes(range(256)) * 400)
-        why = "file is not a database"
-    for args in (("report", run), ("run", "--resume", run)):
-        one_line(cli(*args), 2, f"{db} is damaged ({why})", f"healsweep doctor {run} --repair")
+    else:
+        db.unlink()
+    one_line(cli("report", run), 2, str(db), f"healsweep doctor {run} --repair")
+    state = "is missing" if damage == "deleted" else f"is damaged ({why})"
+    one_line(cli("run", "--resume", run), 2, f"{db} {state}: repair it with healsweep doctor {run} --repair")
     r = cli("doctor", run)
     assert r.returncode == 1 and f"{db}: damaged ({why}); lost: nothing recorded: 8 trial runs" in r.stdout
     ok(cli("doctor", run, "--repair"))
-    assert list(run.glob("mlflow.db.damaged-*"))  # the damaged file is kept aside, not deleted
+    assert damage == "deleted" or list(run.glob("mlflow.db.damaged-*"))  # a damaged file is kept aside
     ok(cli("report", run))
     assert quoted(run) == reference["quoted"]
     assert trial_runs(run) == recorded(run)
