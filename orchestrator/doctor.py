@@ -50,6 +50,8 @@ class Doctor:
 
     def check_record(self) -> list[Problem]:
         s, out = self._scan(), []
+        if not self.record.exists():
+            return self._no_record()
         if s.torn is not None:
             out.append(Problem(str(self.record), f"torn last line ({s.torn_bytes} bytes: a write cut short)",
                                "that trial's result (it runs again on resume)", lambda: self._drop_torn()))
@@ -57,6 +59,30 @@ class Doctor:
             out.append(Problem(str(self.record), f"line {n} damaged ({why})",
                                "that line's trial result (it runs again on resume)", lambda: self._drop_damaged()))
         return out
+
+    def _no_record(self) -> list[Problem]:
+        """A sweep from before trials.jsonl: its record is written from the journal and MLflow while both are
+        intact (nothing to rebuild from otherwise)."""
+        from orchestrator.resume import told_states
+
+        told = len(told_states(self.journal)) if self.journal.exists() and not runfiles.journal_problem(
+            self.journal) else 0
+        db_ok = runfiles.db_problem(self.dir / runfiles.DB_FILE) is None and (self.dir / runfiles.DB_FILE).exists()
+        if not told:
+            return []
+        if not db_ok:
+            return [Problem(str(self.record), "missing (a sweep from before it) and the tracking database damaged",
+                            f"the MLflow runs of {told} trials: nothing to rebuild them from")]
+        return [Problem(str(self.record), f"missing (a sweep from before it; {told} trials in the journal)",
+                        "nothing yet: written from the journal and MLflow", lambda: self._backfill())]
+
+    def _backfill(self) -> str:
+        from orchestrator.recorder import backfill
+
+        client = self._client()
+        n = backfill(self.dir, client, self.info.get("experiment") or "healsweep", self.info["sweep_id"],
+                     self.info.get("parent_run_id"))
+        return f"written from the journal and MLflow ({n} trials)"
 
     def _drop_torn(self) -> str:
         return f"cut {records.drop_torn(self._scan())} bytes"
@@ -76,6 +102,8 @@ class Doctor:
             return []  # the sweep stopped before it reached MLflow: nothing to check
         why = runfiles.db_problem(db) if db.exists() else "missing"
         trials = records.trials(self._scan())
+        if why and not self.record.exists():  # nothing to rebuild it from (the record problem says so)
+            return [Problem(str(db), f"damaged ({why})", "its runs (no trials.jsonl to rebuild them from)")]
         if why:
             return [Problem(str(db), f"damaged ({why})", f"nothing recorded: {len(trials)} trial runs and the parent "
                             "run rebuilt from trials.jsonl; runs of trials not recorded run again",

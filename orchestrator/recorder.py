@@ -9,6 +9,7 @@ trial runs again on resume.
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ def mlflow_part(client, run_id: str | None, status: str) -> dict | None:
         return None
     steps = [h[0] for hs in history.values() for h in hs]
     return {"run_id": run_id, "run_name": run.info.run_name, "status": status,
-            "start_time": run.info.start_time, "end_time": run.info.end_time,
+            "start_time": run.info.start_time, "end_time": run.info.end_time or int(time.time() * 1000),
             "tags": {k: v for k, v in run.data.tags.items() if not k.startswith("mlflow.")},
             "params": dict(run.data.params),
             "metrics": {k: v for k, v in run.data.metrics.items() if k not in history},
@@ -100,3 +101,32 @@ class TrialRecorder:
                "mlflow": mlflow_part(client, self.run_of(ask.trial_id), STATUS.get(name, "FAILED"))}
         records.append(self.path, rec)
         self.written += 1
+
+
+def backfill(out_dir: Path, client, experiment: str, sweep_id: str, parent_id: str | None) -> int:
+    """The record of a sweep from before ``trials.jsonl``: one line per trial its journal told, from the trial and
+    its MLflow run (``healsweep doctor --repair``); -> trials recorded."""
+    import optuna
+
+    from orchestrator.resume import JOURNAL_FILE
+    from orchestrator.search import Ask, journal_cells, open_journal
+
+    path, storage = Path(out_dir) / records.TRIALS_FILE, open_journal(Path(out_dir) / JOURNAL_FILE)
+    exp = client.get_experiment_by_name(experiment)
+    runs = {} if exp is None else {
+        r.data.tags.get("trial_id"): r.info.run_id for r in client.search_runs(
+            [exp.experiment_id], f"tags.sweep_id = '{sweep_id}' and tags.`healsweep.role` = 'trial'", max_results=50000)}
+    if parent_id:
+        records.append(path, parent_record(client, parent_id))
+    n = 0
+    for cid, studies in journal_cells(storage).items():
+        for stage, sid in studies.items():
+            study = optuna.load_study(study_name=storage.get_study_name_from_id(sid), storage=storage)
+            for t in study.get_trials(deepcopy=False):
+                if t.state.name in STATUS:
+                    tid = Ask(cid, t.number, {}, stage).trial_id
+                    records.append(path, {"kind": TRIAL, "trial_id": tid, "cell_id": cid,
+                                          "optuna": optuna_part(study, t, stage, t.value, t.state.name),
+                                          "mlflow": mlflow_part(client, runs.get(tid), STATUS[t.state.name])})
+                    n += 1
+    return n

@@ -110,3 +110,23 @@ def test_deleted_and_damaged_shards(reference, tmp_path):
     assert "dense forward images 128" in r.stdout  # exactly the two lost shards, recomputed
     assert_complete(run, reference)
     ok(cli("doctor", run))
+
+
+def test_a_sweep_from_before_the_record_gets_one(reference, tmp_path):
+    """No trials.jsonl (a sweep older than it): doctor writes it from the journal and MLflow, equal to the one the
+    sweep wrote itself (Optuna side, and the run's params, metrics and per-epoch history)."""
+    run = copy_run(reference, tmp_path / "run")
+    (run / "trials.jsonl").unlink()
+    r = cli("doctor", run)
+    assert r.returncode == 1 and f"{run / 'trials.jsonl'}: missing (a sweep from before it; 8 trials" in r.stdout
+    ok(cli("doctor", run, "--repair"))
+    from orchestrator import records
+
+    got = records.trials(records.scan(run / "trials.jsonl"))
+    want = records.trials(records.scan(reference["run"] / "trials.jsonl"))
+    assert set(got) == set(want)
+    for tid, rec in want.items():
+        assert got[tid]["optuna"] == rec["optuna"]
+        for k in ("run_id", "params", "metrics", "history", "status", "step"):
+            assert got[tid]["mlflow"][k] == rec["mlflow"][k], (tid, k)
+    ok(cli("doctor", run))
