@@ -33,8 +33,15 @@ def store_problems(run_dir: Path, info: dict, problem: Callable) -> list:
                                f"nothing computed: target key {key}'s sound shards are reused, the rest recomputed "
                                "by healsweep run --resume", _quarantine(store, key, "manifest.json"), later=True))
             continue
-        if m is None:
-            continue  # incomplete (no manifest yet): the next dense pass completes it from its sound shards
+        if m is None:  # incomplete: a dense pass that did not finish (a full disk, a kill)
+            shards = [n for n in store.fs.listdir(key) if n.endswith(".arrow")]
+            if shards:
+                size = store.key_bytes(key) / (1 << 20)
+                out.append(problem(store.fs.path(key), f"incomplete target key ({len(shards)} shard(s), {size:.1f} "
+                                   "MiB, no manifest: a dense pass that did not finish)", "nothing: healsweep run "
+                                   "--resume keeps its sound shards and computes the rest (or healsweep store gc "
+                                   "deletes it)", later=True))
+            continue
         for s, why in store.verify(key):
             gone = store.fs.size(f"{key}/{s['file']}") is None  # nothing to quarantine: the resume recomputes it
             out.append(problem(store.fs.path(f"{key}/{s['file']}"), "target shard missing" if gone else

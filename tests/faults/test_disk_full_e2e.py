@@ -27,11 +27,14 @@ def test_full_store(reference, tmp_path, tmpfs):
     line = one_line(r, 1, "no space left on device writing a target-store shard", str(store / "targets"), "needed ",
                     "free there", f"healsweep run --resume {run}")
     assert ".arrow" in line and not temp_files(full)  # the failed write left nothing partial
-    ok(cli("doctor", run))  # shards written before the disk filled are sound: the resume keeps them
+    r = cli("doctor", run)  # shards written before the disk filled are sound: the resume keeps them
+    assert r.returncode == 1 and f"{store / 'targets'}/" in r.stdout and ": incomplete target key (" in r.stdout
+    ok(cli("doctor", run, "--repair"))  # nothing to repair there: left to the resume
     resize("64m")
     r = ok(run_cli("run", "--resume", run, "--quiet"))
     assert "8 trials finished, 0 failed" in r.stdout and "dense forward images " in r.stdout
     assert_complete(run, reference)
+    ok(cli("doctor", run))
 
 
 def _fill(where, leave_kib: int) -> None:
