@@ -2,6 +2,7 @@
 copies its run directory (and, where it damages the store, its store) and breaks the copy."""
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -22,22 +23,30 @@ def reference(tmp_path_factory) -> dict:
 
 
 @pytest.fixture
-def tmpfs(tmp_path):
-    """A small tmpfs at tmp_path/full (root only): ``mount(size)`` mounts it, ``resize(size)`` grows it."""
+def small_disk(tmp_path, monkeypatch):
+    """A small file system at tmp_path/full: a tmpfs where this machine can mount one (root), else a directory
+    with an injected quota (tests/faults/quota_plugin.py: ENOSPC from inside the project's writes, the spec must
+    list ``PLUGINS``). -> (mount(MiB) -> the directory, resize(MiB), the plugins a spec needs)."""
     where = tmp_path / "full"
     where.mkdir()
-    mounted = []
+    mounted, plugins = [], []
 
-    def mount(size: str) -> Path:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()[:80]}): needs root")
-        mounted.append(where)
+    def mount(mib: int) -> Path:
+        r = None if os.environ.get("HEALSWEEP_TEST_NO_TMPFS") else subprocess.run(  # =1: the quota path anyway
+            ["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(where)], capture_output=True)
+        if r is not None and r.returncode == 0:
+            mounted.append(where)
+        else:
+            plugins.append("tests.faults.quota_plugin")
+            monkeypatch.setenv("HEALSWEEP_TEST_QUOTA", f"{where}:{mib << 20}")
         return where
 
-    def resize(size: str) -> None:
-        subprocess.run(["mount", "-o", f"remount,size={size}", str(where)], check=True)
+    def resize(mib: int) -> None:
+        if mounted:
+            subprocess.run(["mount", "-o", f"remount,size={mib}m", str(where)], check=True)
+        else:
+            monkeypatch.setenv("HEALSWEEP_TEST_QUOTA", f"{where}:{mib << 20}")
 
-    yield mount, resize
+    yield mount, resize, plugins
     for w in mounted:
         subprocess.run(["umount", "-l", str(w)], check=False)

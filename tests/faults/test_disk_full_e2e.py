@@ -1,10 +1,12 @@
-"""A full disk under the store and under the run directory (a small tmpfs: root only, else skipped), and a trial
+"""A full disk under the store and under the run directory (a small tmpfs; where none can be mounted, an injected
+quota: tests/faults/quota_plugin.py), and a trial
 process killed in the middle of a write. Each ends in one line (or, for the kill, in a retried trial), leaves no
 partial file that doctor does not find, and ``healsweep run --resume`` completes the sweep with every trial once
 and the numbers of the session's undamaged run."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -15,14 +17,20 @@ from tests.faults.helpers import assert_complete, cli, copy_run, ok, one_line, r
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
-def test_full_store(reference, tmp_path, tmpfs):
+def _edit_sweep(run, store: str | None = None, plugins: list | None = None) -> None:
+    info = json.loads((run / "sweep.json").read_text())
+    info["store"] = store or info["store"]
+    info["spec"]["plugins"] = list(plugins or [])
+    (run / "sweep.json").write_text(json.dumps(info, indent=1))
+
+
+def test_full_store(reference, tmp_path, small_disk):
     """The store moved to a 3 MiB file system (the run's targets and masks are not there): the resume's dense
     stage fills it."""
-    mount, resize = tmpfs
-    full = mount("3m")
+    mount, resize, plugins = small_disk
+    full = mount(3)
     run, store = copy_run(reference, tmp_path / "run"), full / "store"
-    info = json.loads((run / "sweep.json").read_text())
-    (run / "sweep.json").write_text(json.dumps({**info, "store": str(store)}, indent=1))
+    _edit_sweep(run, store=str(store), plugins=plugins)
     r = run_cli("run", "--resume", run, "--quiet")
     line = one_line(r, 1, "no space left on device writing a target-store shard", str(store / "targets"), "needed ",
                     "free there", f"healsweep run --resume {run}")
@@ -30,7 +38,7 @@ def test_full_store(reference, tmp_path, tmpfs):
     r = cli("doctor", run)  # shards written before the disk filled are sound: the resume keeps them
     assert r.returncode == 1 and f"{store / 'targets'}/" in r.stdout and ": incomplete target key (" in r.stdout
     ok(cli("doctor", run, "--repair"))  # nothing to repair there: left to the resume
-    resize("64m")
+    resize(64)
     r = ok(run_cli("run", "--resume", run, "--quiet"))
     assert "8 trials finished, 0 failed" in r.stdout and "dense forward images " in r.stdout
     assert_complete(run, reference)
@@ -38,16 +46,19 @@ def test_full_store(reference, tmp_path, tmpfs):
 
 
 def _fill(where, leave_kib: int) -> None:
-    """Fill the file system of ``where`` up to ``leave_kib`` KiB free."""
-    free = shutil.disk_usage(where).free
+    """Fill the file system of ``where`` (or its injected quota) up to ``leave_kib`` KiB free."""
+    quota = os.environ.get("HEALSWEEP_TEST_QUOTA", "").rpartition(":")[2]
+    used = sum(p.stat().st_size for p in where.rglob("*") if p.is_file())
+    free = int(quota) - used if quota else shutil.disk_usage(where).free
     with open(where / "filler", "wb") as f:
         f.write(b"\0" * max(0, free - leave_kib * 1024))
 
 
-def test_full_run_directory(reference, tmp_path, tmpfs):
-    mount, _ = tmpfs
-    full = mount("16m")
+def test_full_run_directory(reference, tmp_path, small_disk):
+    mount, _, plugins = small_disk
+    full = mount(16)
     run = copy_run(reference, full / "run")
+    _edit_sweep(run, plugins=plugins)
     tear_last_line(run / "trials.jsonl")  # one trial runs again, and its healed weights (1.1 MB) do not fit
     _fill(full, 300)
     r = run_cli("run", "--resume", run, "--quiet")
@@ -63,9 +74,7 @@ def test_full_run_directory(reference, tmp_path, tmpfs):
 def test_worker_killed_mid_write(reference, tmp_path):
     run = copy_run(reference, tmp_path / "run")
     tear_last_line(run / "trials.jsonl")  # that trial runs again: its process is killed writing its weights
-    info = json.loads((run / "sweep.json").read_text())
-    info["spec"]["plugins"] = ["tests.faults.kill_plugin"]
-    (run / "sweep.json").write_text(json.dumps(info, indent=1))
+    _edit_sweep(run, plugins=["tests.faults.kill_plugin"])
     r = ok(run_cli("run", "--resume", run, "--quiet"))
     assert (run / "killed-mid-write").is_file()  # the kill happened, and the retry finished the trial
     assert "8 trials finished, 0 failed" in r.stdout
