@@ -116,17 +116,15 @@ def backfill(out_dir: Path, client, experiment: str, sweep_id: str, parent_id: s
     runs = {} if exp is None else {
         r.data.tags.get("trial_id"): r.info.run_id for r in client.search_runs(
             [exp.experiment_id], f"tags.sweep_id = '{sweep_id}' and tags.`healsweep.role` = 'trial'", max_results=50000)}
-    if parent_id:
-        records.append(path, parent_record(client, parent_id))
-    n = 0
+    out = [parent_record(client, parent_id)] if parent_id else []
     for cid, studies in journal_cells(storage).items():
         for stage, sid in studies.items():
             study = optuna.load_study(study_name=storage.get_study_name_from_id(sid), storage=storage)
             for t in study.get_trials(deepcopy=False):
                 if t.state.name in STATUS:
                     tid = Ask(cid, t.number, {}, stage).trial_id
-                    records.append(path, {"kind": TRIAL, "trial_id": tid, "cell_id": cid,
-                                          "optuna": optuna_part(study, t, stage, t.value, t.state.name),
-                                          "mlflow": mlflow_part(client, runs.get(tid), STATUS[t.state.name])})
-                    n += 1
-    return n
+                    out.append({"kind": TRIAL, "trial_id": tid, "cell_id": cid,
+                                "optuna": optuna_part(study, t, stage, t.value, t.state.name),
+                                "mlflow": mlflow_part(client, runs.get(tid), STATUS[t.state.name])})
+    records.rewrite(path, out)  # whole or not at all
+    return len(out) - bool(parent_id)

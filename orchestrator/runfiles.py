@@ -112,9 +112,30 @@ def prepare_resume(out_dir: Path, say=note) -> None:
         say(f"{rs.path}: dropped a torn last record ({records.drop_torn(rs)} bytes: a write cut short); its trial "
             "runs again")
     why = journal_problem(journal)
+    if not rs.path.exists() and not why and journal.exists():
+        _backfill(out_dir, say)  # a sweep from before trials.jsonl: recorded before it runs on
+        rs = records.scan(rs.path)
     trials = records.trials(rs)
     if why and not rs.records:
         raise damaged(journal, why, out_dir)
     if rs.records and (why or journal_disagrees(journal, trials)):
         c = rebuild_journal(journal, trials)
         say(f"{journal}: rebuilt from {records.TRIALS_FILE} ({c['told']} trials told, {c['asked']} to run again)")
+
+
+def _backfill(out_dir: Path, say) -> None:
+    """The record of a sweep from before trials.jsonl, written from its journal and MLflow (without it, the
+    trials told before would count as unrecorded and run again on the next resume)."""
+    from orchestrator import cluster
+    from orchestrator.recorder import backfill
+    from orchestrator.resume import read_sweep, told_states
+
+    if not told_states(out_dir / JOURNAL_FILE):
+        return
+    from mlflow import MlflowClient
+
+    cluster.relocate(out_dir)
+    info = read_sweep(out_dir)
+    n = backfill(out_dir, MlflowClient(info["tracking_uri"]), info.get("experiment") or "healsweep",
+                 info["sweep_id"], info.get("parent_run_id"))
+    say(f"{out_dir / records.TRIALS_FILE}: written from the journal and MLflow ({n} trials: a sweep from before it)")

@@ -130,3 +130,18 @@ def test_a_sweep_from_before_the_record_gets_one(reference, tmp_path):
         for k in ("run_id", "params", "metrics", "history", "status", "step"):
             assert got[tid]["mlflow"][k] == rec["mlflow"][k], (tid, k)
     ok(cli("doctor", run))
+
+
+def test_a_resume_records_a_sweep_from_before_the_record_first(reference, tmp_path):
+    """Resuming such a sweep writes its record before anything runs: the trials it told before are not taken
+    for unrecorded ones (which would run again) by this resume or the next."""
+    from orchestrator.rebuild import journal_disagrees
+    from orchestrator.runfiles import prepare_resume
+
+    run = copy_run(reference, tmp_path / "run")
+    (run / "trials.jsonl").unlink()
+    notes = []
+    prepare_resume(run, notes.append)
+    assert notes == [f"{run / 'trials.jsonl'}: written from the journal and MLflow (8 trials: a sweep from before it)"]
+    assert recorded(run) == recorded(reference["run"])
+    assert not journal_disagrees(run / "optuna.journal", recorded_lenient(run))
