@@ -51,6 +51,9 @@ def main(args) -> int:
         res = _run(args, spec, out, store, cache, clock, owns_ray, models)
     finally:
         _shutdown_ray(owns_ray)  # run_sweep shuts it down itself unless it failed before its own try
+    from orchestrator import faults
+
+    faults.raise_stopped()  # a fault that stopped the trials (a full disk under the record): one line, exit 1
     print(f"sweep {res.sweep_id}: {res.trials_finished} trials finished, {res.trials_failed} failed, "
           f"dense forward images {res.dense_forward_images}, {res.seconds:.0f} s")
     print(f"mlflow: {res.tracking_uri}")
@@ -175,6 +178,9 @@ def _precheck(args) -> None:
                 raise CliError("--resume DIR takes no SPEC and no --out: the sweep's spec and paths are in DIR")
             read_sweep(Path(args.resume))
             probe_run_dir(Path(args.resume), resume=True)
+            from orchestrator.runfiles import check_resumable
+
+            check_resumable(Path(args.resume))  # a damaged database, journal or record: one line before Ray
         elif not args.spec:
             raise CliError("run: give a SPEC file, or --resume DIR")
         else:
@@ -222,7 +228,9 @@ def _run(args, spec, out: Path, store: Path, cache: Path, clock, owns_ray: bool 
         res = run_sweep(spec, out, store, cache, address=args.address, progress=not args.quiet,
                         report=not args.no_report and not widen, num_cpus=args.num_cpus, resume=bool(args.resume),
                         verbose=args.verbose, clock=clock, owns_ray=owns_ray, models=models)
-        if widen and res.interrupted is None:
+        from orchestrator import faults
+
+        if widen and res.interrupted is None and faults.stopped() is None:  # a fault: no widening round
             from orchestrator.widen import run_widening
 
             rounds = run_widening(out, widen["rounds"], widen["factor"], address=args.address,
