@@ -102,14 +102,15 @@ def _models(spec, store: Path, cache: Path, clock, progress: bool) -> dict:
     """The models stage of a sweep on a local instance (orchestrator/sweep.py takes them as ``models``)."""
     from orchestrator.stages import prepare_models, store_paths
     from orchestrator.sweep import models_line
+    from tasks.data import DatasetError
     from tasks.models import ModelSourceError
 
     try:
         with clock.stage("models", models_line(spec, on_cluster=False)):
             return prepare_models(spec, store_paths(spec.store.uri, store.resolve(), cache.resolve())["cache"],
                                   progress=progress)
-    except ModelSourceError as e:  # a checkpoint changed since the spec check (digest, truncation): one line
-        raise CliError(str(e)) from None
+    except (ModelSourceError, DatasetError) as e:  # a checkpoint changed since the spec check (digest,
+        raise CliError(str(e)) from None  # truncation), a dataset's files (missing split, too few images): one line
 
 
 def _import_sweep_modules() -> None:
@@ -215,6 +216,7 @@ def _run(args, spec, out: Path, store: Path, cache: Path, clock, owns_ray: bool 
     from orchestrator.refine import RefineError
     from orchestrator.resume import ResumeError
     from orchestrator.sweep import run_sweep
+    from tasks.data import DatasetError
     from tasks.models import ModelSourceError
 
     try:
@@ -231,8 +233,8 @@ def _run(args, spec, out: Path, store: Path, cache: Path, clock, owns_ray: bool 
             res = _widened(res, rounds, out, not args.no_report)
         elif widen and not args.no_report:  # interrupted before widening: the partial sweep's report
             res = _widened(res, [], out, True)
-    except (ResumeError, StoreBudgetError, ClusterError, RefineError, ModelSourceError) as e:
-        raise CliError(str(e)) from None
+    except (ResumeError, StoreBudgetError, ClusterError, RefineError, ModelSourceError, DatasetError) as e:
+        raise CliError(str(getattr(e, "cause", None) or e)) from None  # a Ray task's error: its cause's line
     return res
 
 
