@@ -36,7 +36,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="check SPEC's every stage here, before its real run: the same architectures, scopes, "
                         "sparsities, pruners and healers with random-init weights on a generated image folder at "
-                        "the models' input size (8 calibration, selection and evaluation images), one 1-epoch trial "
+                        "the models' input size (8 calibration, 4 selection, 4 evaluation images), one 1-epoch trial "
                         "per cell, CPU only, offline; into runs/<name>-dry-run (orchestrator/spec/dry_run.py)")
     p.set_defaults(func=main)
     return p
