@@ -77,6 +77,8 @@ def _of_winners(again: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
 
 def _noise(best: pd.DataFrame) -> pd.DataFrame:
     best["grid"] = grid_names(best)
+    if best.empty:  # no cell has a finished search trial (every trial failed): nothing to estimate
+        return best.assign(seed_sd=np.nan, search_sd=np.nan, noise=np.nan)
     n = best["n_reevaluated"].astype(float)
     s2 = best["healed_acc_sd"].astype(float) ** 2
     fam = best[FAMILY].astype(str).agg("|".join, axis=1)

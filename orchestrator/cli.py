@@ -40,9 +40,27 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C before a sweep handles it (orchestrator/interrupt.py): no traceback
         print("healsweep: interrupted", file=sys.stderr)
         code = 130
+    except Exception as e:  # a full disk, a damaged database: one line (orchestrator/faults.py); else a bug
+        code = fault_exit(e, args)
     if argv is None and "torch" in sys.modules:  # the console script, after a command that loaded torch/Ray
         exit_now(code)
     return code
+
+
+def fault_exit(e: Exception, args) -> int:
+    """A fault at the edges as one line on stderr and its exit code (--verbose: its traceback too); anything
+    else is raised again."""
+    from orchestrator.faults import one_line
+
+    found = one_line(e, getattr(args, "resume", None) or getattr(args, "dir", None) or getattr(args, "out", None))
+    if found is None:
+        raise e
+    if getattr(args, "verbose", False):
+        import traceback
+
+        traceback.print_exception(e)
+    print(f"healsweep: error: {found[0]}", file=sys.stderr)
+    return found[1]
 
 
 def exit_now(code: int) -> None:

@@ -44,6 +44,8 @@ def quiet_libraries(verbose: bool) -> None:
             logging.getLogger(name).setLevel(logging.NOTSET)
         return
     env.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    # A failed trial is one line (orchestrator/tracking.py), not Tune's traceback of the worker's error
+    env.setdefault("TUNE_PRINT_ALL_TRIAL_ERRORS", "0")
     env.setdefault("TUNE_WARN_THRESHOLD_S", "1000000")
     env.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     # MLflow sets its own loggers to INFO when it is imported, which a sweep does late (in the thread that opens

@@ -86,7 +86,8 @@ def dense_stage(spec, models: Mapping, rows: Mapping[str, int], store_uri: str |
         res = ensure_targets(store, info.store_key, rows[m], spec.store.shard_size, run_shards,
                              meta={"model": m, "model_digest": info.digest, "calibration": info.calib_digest,
                                    "shard_size": spec.store.shard_size, "blocks": list(info.blocks)},
-                             dtype=spec.store.dtype, calibration_rows=_calibration_rows(m, cache_dir, spec.data_seed))
+                             dtype=spec.store.dtype,
+                             calibration_rows=_calibration_rows(m, cache_dir, spec.data_seed, spec.load_kwargs(m)))
         rep.computed[m], rep.shards[m] = res.computed_rows, len(res.computed_shards)
         rep.events += res.events
     return dict(rep.computed)
@@ -146,16 +147,19 @@ def _task_shards(plan, *, spec, model, key, store_uri, cache_dir, cpus, max_work
             yield shard
 
 
-def _calibration_rows(model: str, cache_dir: Path, data_seed: int) -> list[int]:
+def _calibration_rows(model: str, cache_dir: Path, data_seed: int, load_kw: dict | None = None) -> list[int]:
     """Dataset index of each calibration item (row i of the store = calibration item i). A reference model's
-    dataset is loaded without the model (no timm import on a warm sweep): the same splits load_model gives it."""
+    dataset (shipped weights or a checkpoint) is loaded without the model (no timm import on a warm sweep): the
+    same splits load_model gives it. An external model (timm, torchvision, checkpoint) is loaded as its spec
+    entry says (``load_kw``: ``spec.load_kwargs(model)``): its dataset is the spec's, preprocessed its way."""
     from tasks.data import load_dataset
     from tasks.models import MODELS
 
-    if model in MODELS:
+    source = (load_kw or {}).get("source") or {}
+    if model in MODELS and source.get("source", "reference") == "reference":
         data = load_dataset(MODELS.get(model).dataset, seed=data_seed)
     else:
-        data = load_model(model, cache_dir, data_seed=data_seed, progress=False).dataset
+        data = load_model(model, cache_dir, data_seed=data_seed, progress=False, **(load_kw or {})).dataset
     return [int(i) for i in data["calibration"].indices]
 
 

@@ -18,6 +18,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
+from orchestrator import faults
+
 if TYPE_CHECKING:  # MLflow is imported by whoever opens the client (orchestrator/tracking.py)
     from mlflow import MlflowClient
     from mlflow.entities import Metric
@@ -112,6 +114,8 @@ class AsyncMlflowWriter:
         except Exception as e:  # noqa: BLE001 - a logging failure must not stop the sweep
             self.errors += 1
             log.warning("mlflow write failed: %s", e)
+            if faults.one_line(e) is not None:  # a full disk, a damaged database: the sweep stops (one line);
+                faults.stop(e)  # the trial record is not written, so the trial runs again on resume
             return None
         finally:
             self.write_seconds += time.perf_counter() - t0

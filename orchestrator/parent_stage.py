@@ -66,6 +66,7 @@ def parent_run(s: _Sweep) -> None:
         if s.refine_round is not None:
             client.log_text(info["parent_run_id"], spec_json, f"refine_{s.refine_round}/spec.json")
         reconcile(client, experiment_id(client, spec.mlflow.experiment), info["sweep_id"], s.journal)
+        sync_record(s, client, info["parent_run_id"])
     s.parent = info["parent_run_id"]
     diag_root = s.paths["diagnostics"]
     if s.mask_keys.computed:  # where this session's masks were computed (node ids; "driver" in-process)
@@ -80,6 +81,18 @@ def parent_run(s: _Sweep) -> None:
                        ",".join(f"{n}:{k}" for n, k in sorted(s.dense_rep.nodes.items())))
     if s.dense_rep.events:  # damaged shards found and recomputed
         client.log_text(s.parent, "\n".join(s.dense_rep.events) + "\n", f"store_events_{s.session}.txt")
+
+
+def sync_record(s: _Sweep, client, parent: str) -> None:
+    """Every trial of the record (DIR/trials.jsonl) has its one MLflow run: one that the tracking store lost is
+    recreated from the record (orchestrator/rebuild.py)."""
+    from orchestrator import records
+    from orchestrator.rebuild import sync_runs
+    from orchestrator.tracking import experiment_id
+
+    trials = records.trials(records.scan(s.out_dir / records.TRIALS_FILE))
+    if trials:
+        sync_runs(client, experiment_id(client, s.spec.mlflow.experiment), s.info["sweep_id"], parent, trials)
 
 
 def log_lamp(s: _Sweep, diag_root: str) -> None:

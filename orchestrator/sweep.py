@@ -96,6 +96,9 @@ def open_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path,
     lock_run_dir(out_dir)  # one driver per run directory (RunLockedError while another live driver holds it)
     resume = resume or refine_round is not None
     if resume:
+        from orchestrator.runfiles import prepare_resume
+
+        prepare_resume(out_dir)  # damaged files: one line; torn last lines dropped; journal agrees with the record
         cluster.relocate(out_dir)  # a copied/moved run directory: its own SQLite store and artifacts
         info = read_sweep(out_dir)
         info["resumes"] = info.get("resumes", 0) + 1
@@ -233,6 +236,10 @@ def tune_stage(s: _Sweep, progress: bool) -> None:
             defer=writer.submit, grids=grid_searches(spec), **search_kwargs(spec.search))
         t["logger"] = logger_cb = MlflowTrialLogger(writer, spec.mlflow.experiment, s.info["sweep_id"],
                                                     lambda: s.tracking()[1], s.dense, replace=s.resume)
+        from orchestrator.recorder import TrialRecorder  # DIR/trials.jsonl, the source of truth (records.py)
+
+        searcher.record = TrialRecorder(s.out_dir, searcher.design, lambda: s.tracking()[0], logger_cb.runs.get,
+                                        lambda: s.tracking()[1])
         per_cell = searcher.per_cell()
         grids: dict[str, int] = {}
         for c in s.cells:
@@ -268,9 +275,10 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, 
     ``owns_ray``: the caller started Ray for this sweep (``healsweep run`` starts it while the spec is checked):
     shut it down at the end like a Ray this call started. ``models``: ``stages.prepare_models``'s result when the
     caller loaded them already (``healsweep run``, while Ray starts)."""
-    from orchestrator import cluster, interrupt
+    from orchestrator import cluster, faults, interrupt
     from orchestrator.background import background
 
+    faults.clear()  # a fault stops only the sweep that met it (orchestrator/faults.py)
     quiet_libraries(verbose)
     t0 = time.time()
     cluster.check_address(address)  # one line, before any work: ray://, unreachable address

@@ -22,7 +22,8 @@ FINAL_METRICS = ("dense_acc", "pruned_acc", "healed_acc", "retention", "heal_sec
 # Bookkeeping keys Ray Tune adds to every result; not metrics of the trial.
 TUNE_KEYS = {"epoch", "final", "training_iteration", "timestamp", "time_this_iter_s", "time_total_s", "pid",
              "time_since_restore", "iterations_since_restore", "done", "date", "hostname", "node_ip",
-             "trial_id", "experiment_id", "config", "should_checkpoint", "checkpoint_dir_name", "diverged"}
+             "trial_id", "experiment_id", "config", "should_checkpoint", "checkpoint_dir_name", "diverged",
+             "disk_full", "disk_full_path", "disk_full_needed"}
 
 
 def experiment_id(client: MlflowClient, name: str) -> str:
@@ -142,7 +143,7 @@ class MlflowTrialLogger(Callback):
                    for h in result.get("epoch_history") or () for k in EPOCH_METRICS if k in h]
         if history:  # epochs the trial sent with this result (orchestrator/trainable.py): logged at their steps
             self.writer.log_metrics(self._run_id(key), history)
-        if result.get("diverged"):
+        if result.get("diverged") or result.get("disk_full"):
             reason = str(result.get("failure_reason", "diverged"))[:5000]
             self.writer.submit(lambda: self.client.set_tag(self.runs[key], "failure_reason", reason))
             if "node_id" in result:  # where it ran, as for a finished trial
@@ -180,6 +181,7 @@ class MlflowTrialLogger(Callback):
         if key is None:  # its actor failed before the trial ever started: nothing ran, no child run yet
             return
         self.retries[key] = n = self.retries.get(key, 0) + 1
+        _say(f"trial {key} failed ({_error_line(trial)[:200]}); retrying it (attempt {n + 1})")
         tags = [RunTag("retries", str(n))] + ([RunTag("node_faults", str(node_faults(trial)))]
                                                if node_faults(trial) else [])
         self.writer.submit(lambda: self.client.log_batch(self.runs[key], tags=tags))
@@ -190,7 +192,7 @@ class MlflowTrialLogger(Callback):
         if key is None:
             return
         last = trial.last_result or {}
-        if last.get("diverged"):
+        if last.get("diverged") or last.get("disk_full"):
             self.failed += 1
             status = "FAILED"
         elif last.get("final"):
@@ -211,8 +213,17 @@ class MlflowTrialLogger(Callback):
         if key is None:
             return
         reason = _error_line(trial)
+        _say(f"trial {key} failed: {reason[:200]}")
         self.writer.submit(lambda: self.client.log_batch(self.runs[key], tags=[RunTag("failure_reason", reason)]))
         self.writer.submit(lambda: self.client.set_terminated(self.runs[key], "FAILED"))
+
+
+def _say(line: str) -> None:
+    """One line per trial failure on stderr: Tune's own traceback per failure is off unless --verbose
+    (orchestrator/console.py, TUNE_PRINT_ALL_TRIAL_ERRORS)."""
+    import sys
+
+    print(f"healsweep: {line}", file=sys.stderr)
 
 
 def _error_line(trial) -> str:

@@ -17,7 +17,9 @@ A checkpoint is one ``state.pt`` (``torch.save``; read back with ``weights_only=
 prunable weights, the healer loop state (optimizer, cosine schedule, epoch, losses) and that epoch's metrics.
 A trial whose loss or weights become NaN/Inf (``HealingDiverged``) is deterministic: retrying it would diverge
 again, so it is not raised to Tune (which would retry it) but reported as a last result with ``final``,
-``diverged`` and ``failure_reason``; the driver marks its MLflow run FAILED and tells Optuna FAIL.
+``diverged`` and ``failure_reason``; the driver marks its MLflow run FAILED and tells Optuna FAIL. A full disk
+(ENOSPC) is not the trial's fault: it is reported as a last result with ``disk_full`` (the path and bytes needed),
+the driver stops the sweep in one line and leaves the trial untold, so ``--resume`` runs it again.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from tasks._io import is_disk_full
 from tasks.healing import HealingDiverged
 from tasks.trial import TrialParams, run_trial
 
@@ -90,3 +93,9 @@ def tune_trainable(config: dict) -> None:
     except HealingDiverged as e:
         # selection_acc/epoch repeat the last reported values: Tune requires the metric in every result.
         send({**last, "final": True, "diverged": True, "failure_reason": f"HealingDiverged: {e}"})
+    except Exception as e:  # noqa: BLE001 - a full disk (module docstring); anything else is raised again
+        if not is_disk_full(e):
+            raise
+        send({**last, "final": True, "disk_full": str(e), "failure_reason": f"disk full: {e}",
+              "disk_full_path": getattr(e, "path", None) or getattr(e, "filename", None) or "",
+              "disk_full_needed": getattr(e, "needed", 0) or 0})

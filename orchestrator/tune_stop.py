@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from ray import tune
 
-from orchestrator import interrupt
+from orchestrator import faults, interrupt
 
 
 class InterruptStopper(tune.Stopper):
-    """Ends the whole experiment once the driver received SIGINT/SIGTERM: Tune suggests no new trial and stops
-    the running ones (their trials stay untold in the journal, so a resume runs them again)."""
+    """Ends the whole experiment once the driver received SIGINT/SIGTERM, or met a fault it cannot go on with (a
+    trial record that could not be written: orchestrator/faults.py): Tune suggests no new trial and stops the
+    running ones (their trials stay untold in the journal, so a resume runs them again)."""
 
     def __call__(self, trial_id, result) -> bool:
         return False
 
     def stop_all(self) -> bool:
-        return interrupt.received() is not None
+        return interrupt.received() is not None or faults.stopped() is not None

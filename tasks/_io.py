@@ -3,7 +3,9 @@ reference checkpoints, healed weights, diagnostics tables, store files on a loca
 complete or not at all, and a crash leaves no partial file behind."""
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -13,32 +15,99 @@ FILE_MODE = 0o644  # files are shared artefacts (exports, caches): readable by t
 
 TMP_PREFIX = ".tmp-"  # temporary files are ".tmp-<random>-<name>": a crashed writer's leftovers are recognisable
 
+# What a file is, by its name (the one-line message of a full disk says what was being written).
+_KINDS = ((".arrow", "a target-store shard"), ("healed.safetensors", "a trial's healed weights"),
+          ("manifest.json", "a target-store manifest"),
+          (".safetensors", "a weights/mask file"), ("mlflow.db", "the MLflow tracking database"),
+          ("optuna.journal", "the Optuna journal"), ("trials.jsonl", "the trial record"),
+          ("sweep.json", "the sweep record"), (".json", "a JSON file"))
+
+
+class DiskFullError(OSError):
+    """ENOSPC (or EDQUOT) while writing ``path``: one line naming the path, what it is, the bytes it needed and
+    the space left there. Still an OSError with errno ENOSPC, so callers that handle OSError keep working."""
+
+    def __init__(self, path: str | os.PathLike, needed: int | None = None, what: str | None = None) -> None:
+        self.path, self.needed, self.what = str(path), needed, what or describe(path)
+        free = free_bytes(Path(self.path).parent)
+        need = f"needed {_size(needed)}, " if needed else ""
+        left = f"{_size(free)} free there" if free is not None else "free space unknown"
+        super().__init__(errno.ENOSPC, f"no space left on device writing {self.what} {self.path} ({need}{left})")
+
+    def line(self) -> str:
+        return self.args[1]
+
+    def __str__(self) -> str:
+        return self.args[1]
+
+    def __reduce__(self):  # crosses process boundaries (a Ray task's error) with its path and size
+        return (type(self), (self.path, self.needed, self.what))
+
+
+def describe(path: str | os.PathLike) -> str:
+    name = Path(path).name
+    return next((kind for suffix, kind in _KINDS if name.endswith(suffix)), "a file")
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """ENOSPC/EDQUOT, also from writers that wrap it (safetensors: "I/O error: No space left on device")."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(e) or "Disk quota exceeded" in str(e)
+
+
+def free_bytes(where: str | os.PathLike) -> int | None:
+    p = Path(where)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):.2f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB" if n >= 1024 else f"{n} bytes"
+
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None], mode: int = FILE_MODE,
                  fsync: bool = False) -> Path:
     """Call ``write(tmp_path)`` on a temporary file next to ``path``, then rename it into place (atomic on POSIX).
     The temporary file is removed if ``write`` fails; the final file gets ``mode`` (mkstemp creates 0600).
-    ``fsync``: flush the file's data to disk before the rename (the target store's shards and manifests)."""
+    ``fsync``: flush the file's data to disk before the rename (the target store's shards and manifests).
+    A full disk is a :class:`DiskFullError` naming ``path`` and what the temporary file had reached when the disk
+    filled (``atomic_write_bytes``: the bytes it needed)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TMP_PREFIX, suffix=f"-{path.name}")
-    os.close(fd)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TMP_PREFIX, suffix=f"-{path.name}")
+        os.close(fd)
         write(tmp)
         os.chmod(tmp, mode)
         if fsync:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
+    except Exception as e:
+        if not is_disk_full(e) or isinstance(e, DiskFullError):
+            raise
+        reached = Path(tmp).stat().st_size if tmp and Path(tmp).exists() else None
+        raise DiskFullError(path, reached) from e
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
     return path
 
 
 def atomic_write_bytes(path: str | os.PathLike, data, fsync: bool = False) -> Path:
     """``data``: bytes or any buffer (e.g. a pyarrow Buffer)."""
-    return atomic_write(path, lambda tmp: Path(tmp).write_bytes(memoryview(data)), fsync=fsync)
+    view = memoryview(data)
+    try:
+        return atomic_write(path, lambda tmp: Path(tmp).write_bytes(view), fsync=fsync)
+    except DiskFullError as e:
+        raise DiskFullError(path, view.nbytes) from e.__cause__
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    return atomic_write_bytes(path, text.encode("utf-8"))

@@ -54,6 +54,9 @@ def main(args) -> int:
                               num_cpus=args.num_cpus, dry_run=args.dry_run, max_trials=args.max_trials)
     except (RefineError, ResumeError, ClusterError) as e:  # ResumeError: e.g. another live driver holds the run dir
         raise CliError(str(e)) from None
+    from orchestrator import faults
+
+    faults.raise_stopped()  # a fault that stopped the round (a full disk): one line, exit 1 (orchestrator/faults.py)
     lo, hi = plan["interval"]
     n, t, per = len(plan["sparsities"]), plan["trials"], plan["seconds_per_trial"]
     print(f"transition band {lo:g}–{hi:g}: {n} new sparsit{'y' if n == 1 else 'ies'} ({_listing(plan['sparsities'])})")

@@ -44,7 +44,7 @@ def check_sweep(d: Path) -> dict:
         raise CliError(f"no sweep in {d}: {e}") from None
     db = sqlite_path(info["tracking_uri"])
     if db is not None and not db.is_file():  # opening it would create an empty database
-        raise CliError(f"no sweep in {d}: its MLflow database {db} is missing")
+        raise CliError(_missing(d, db))
     if not info.get("parent_run_id"):
         raise CliError(f"no sweep in {d}: it never reached MLflow (no parent run recorded)")
     from mlflow import MlflowClient
@@ -57,8 +57,38 @@ def check_sweep(d: Path) -> dict:
     return info
 
 
+def _missing(d: Path, db: Path) -> str:
+    from orchestrator.records import TRIALS_FILE
+
+    fix = f" (rebuild it from {TRIALS_FILE} with healsweep doctor {d} --repair)" if (d / TRIALS_FILE).is_file() else ""
+    return f"no sweep in {d}: its MLflow database {db} is missing{fix}"
+
+
+def _own_db_missing(d: Path) -> bool:
+    """The run directory's own SQLite database is gone (a copied run directory must not be reported from the
+    database it was copied from)."""
+    from orchestrator.resume import ResumeError, read_sweep
+    from orchestrator.runfiles import own_db
+
+    try:
+        info = read_sweep(d)
+    except ResumeError:
+        return False  # check_sweep says so in one line
+    return own_db(d, info) and not (d / "mlflow.db").exists()
+
+
 def main(args) -> int:
+    from orchestrator.console import quiet_libraries
+    from orchestrator.faults import damaged
+    from orchestrator.runfiles import DB_FILE, db_problem
+
+    quiet_libraries(False)  # no MLflow "Downloading artifacts" bars (the parent run's diagnostics)
     d = Path(args.dir)
+    why = db_problem(d / DB_FILE) if (d / "sweep.json").is_file() else None
+    if why:
+        raise CliError(str(damaged(d / DB_FILE, why, d)))
+    if (d / "sweep.json").is_file() and _own_db_missing(d):
+        raise CliError(_missing(d, d / DB_FILE))
     if (d / "sweep.json").is_file():
         from orchestrator.cluster import relocate
 

@@ -16,8 +16,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("spec", nargs="?", help="sweep spec (YAML), e.g. configs/default.yaml (not with --resume)")
     p.add_argument("--out", metavar="DIR", help="run directory (default: runs/<spec name>)")
     p.add_argument("--resume", metavar="DIR", help="continue the sweep recorded in run directory DIR")
-    p.add_argument("--store", metavar="DIR", default=str(DEFAULT_HOME / "store"),
-                   help="target/mask store root, shared across sweeps (default: %(default)s)")
+    p.add_argument("--store", metavar="DIR",
+                   help=f"target/mask store root, shared across sweeps (default: {DEFAULT_HOME / 'store'}; "
+                        f"with --dry-run: DIR/store)")
     p.add_argument("--cache", metavar="DIR", default=str(DEFAULT_HOME / "models"),
                    help="reference model cache (default: %(default)s)")
     p.add_argument("--address", help="Ray cluster address: HOST:PORT of the head's GCS, or 'auto' (the cluster this "
@@ -32,6 +33,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="also show Ray, Tune and MLflow output (warnings, experiment tables, artifact bars)")
     p.add_argument("--offline", action="store_true",
                    help="no downloads (sets HF_HUB_OFFLINE=1): pretrained weights and datasets must be cached")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check SPEC's every stage here, before its real run: the same architectures, scopes, "
+                        "sparsities, pruners and healers with random-init weights on a generated image folder at "
+                        "the models' input size (8 calibration, 4 selection, 4 evaluation images), one 1-epoch trial "
+                        "per cell, CPU only, offline; into runs/<name>-dry-run (orchestrator/spec/dry_run.py)")
     p.set_defaults(func=main)
     return p
 
@@ -51,6 +57,9 @@ def main(args) -> int:
         res = _run(args, spec, out, store, cache, clock, owns_ray, models)
     finally:
         _shutdown_ray(owns_ray)  # run_sweep shuts it down itself unless it failed before its own try
+    from orchestrator import faults
+
+    faults.raise_stopped()  # a fault that stopped the trials (a full disk under the record): one line, exit 1
     print(f"sweep {res.sweep_id}: {res.trials_finished} trials finished, {res.trials_failed} failed, "
           f"dense forward images {res.dense_forward_images}, {res.seconds:.0f} s")
     print(f"mlflow: {res.tracking_uri}")
@@ -102,14 +111,15 @@ def _models(spec, store: Path, cache: Path, clock, progress: bool) -> dict:
     """The models stage of a sweep on a local instance (orchestrator/sweep.py takes them as ``models``)."""
     from orchestrator.stages import prepare_models, store_paths
     from orchestrator.sweep import models_line
+    from tasks.data import DatasetError
     from tasks.models import ModelSourceError
 
     try:
         with clock.stage("models", models_line(spec, on_cluster=False)):
             return prepare_models(spec, store_paths(spec.store.uri, store.resolve(), cache.resolve())["cache"],
                                   progress=progress)
-    except ModelSourceError as e:  # a checkpoint changed since the spec check (digest, truncation): one line
-        raise CliError(str(e)) from None
+    except (ModelSourceError, DatasetError) as e:  # a checkpoint changed since the spec check (digest,
+        raise CliError(str(e)) from None  # truncation), a dataset's files (missing split, too few images): one line
 
 
 def _import_sweep_modules() -> None:
@@ -158,7 +168,6 @@ def _precheck(args) -> None:
     from orchestrator.resources import parse_override
     from orchestrator.resume import ResumeError, probe_run_dir, read_sweep
     from orchestrator.spec import SpecError
-    from orchestrator.spec.load import read_spec_text, read_yaml
     from orchestrator.spec.parse import check_plain
 
     if args.num_cpus is not None and args.num_cpus < 1:
@@ -171,14 +180,17 @@ def _precheck(args) -> None:
         if args.resources:
             parse_override(args.resources)
         if args.resume:
-            if args.spec or args.out:
-                raise CliError("--resume DIR takes no SPEC and no --out: the sweep's spec and paths are in DIR")
+            if args.spec or args.out or args.dry_run:
+                raise CliError("--resume DIR takes no SPEC, --out or --dry-run: the sweep's spec and paths are in DIR")
             read_sweep(Path(args.resume))
             probe_run_dir(Path(args.resume), resume=True)
+            from orchestrator.runfiles import check_resumable
+
+            check_resumable(Path(args.resume))  # a damaged database, journal or record: one line before Ray
         elif not args.spec:
             raise CliError("run: give a SPEC file, or --resume DIR")
         else:
-            name = check_plain(read_yaml(read_spec_text(args.spec)), Path(args.spec).resolve().parent)[1]
+            name = check_plain(_spec_mapping(args, data_root=None), Path(args.spec).resolve().parent)[1]
             probe_run_dir(Path(args.out or Path("runs") / name), resume=False)
     except (SpecError, ResumeError) as e:
         raise CliError(str(e)) from None
@@ -191,13 +203,16 @@ def _resolve(args) -> tuple:
     from orchestrator.resume import ResumeError, read_sweep
     from orchestrator.spec import SpecError, parse_spec
 
-    store, cache = Path(args.store), Path(args.cache)
+    store, cache = Path(args.store or DEFAULT_HOME / "store"), Path(args.cache)
     try:
         if args.resume:
             out = Path(args.resume)
             info = read_sweep(out)
             spec = parse_spec(info["spec"])
             store, cache = Path(info["store"]), Path(info["cache"])
+        elif args.dry_run:
+            spec, out = _dry_run(args)
+            store = Path(args.store or out / "store")
         else:
             spec = load_spec_or_exit(args.spec)
             out = Path(args.out or Path("runs") / spec.name)
@@ -208,6 +223,33 @@ def _resolve(args) -> tuple:
     return spec, out, store, cache
 
 
+def _spec_mapping(args, data_root: str | None) -> dict:
+    """SPEC's YAML mapping; with --dry-run rewritten for it (orchestrator/spec/dry_run.py)."""
+    from orchestrator.spec.dry_run import dry_run_spec
+    from orchestrator.spec.load import read_spec_text, read_yaml
+
+    raw = read_yaml(read_spec_text(args.spec))
+    return dry_run_spec(raw, data_root) if args.dry_run else raw
+
+
+def _dry_run(args) -> tuple:
+    """(the dry run's spec, its run directory): the generated image folder is written to DIR/data at the models'
+    input size, then the rewritten spec gets every check of a real one. SpecError when it is refused."""
+    from orchestrator.spec import check_tracking, parse_spec
+    from orchestrator.spec.dry_run import DRY_CLASSES, DRY_SIZES, input_size, keeps_digits
+    from tasks.data.synthetic import write_image_folder
+
+    draft = _spec_mapping(args, data_root=None)
+    out = Path(args.out or Path("runs") / draft["name"])
+    data = out / "data"
+    if not keeps_digits(draft):
+        per_class = -(-(sum(DRY_SIZES.values()) + 8) // DRY_CLASSES)  # room for a train split of 8
+        write_image_folder(data, DRY_CLASSES, per_class, input_size(draft))
+    spec = parse_spec(_spec_mapping(args, str(data.resolve())), base_dir=Path(args.spec).resolve().parent)
+    check_tracking(spec)
+    return spec, out
+
+
 def _run(args, spec, out: Path, store: Path, cache: Path, clock, owns_ray: bool = False, models: dict | None = None):
     """The sweep, then its widening rounds when the spec asks for them (orchestrator/widen.py)."""
     from orchestrator.cluster import ClusterError
@@ -215,6 +257,7 @@ def _run(args, spec, out: Path, store: Path, cache: Path, clock, owns_ray: bool 
     from orchestrator.refine import RefineError
     from orchestrator.resume import ResumeError
     from orchestrator.sweep import run_sweep
+    from tasks.data import DatasetError
     from tasks.models import ModelSourceError
 
     try:
@@ -222,7 +265,9 @@ def _run(args, spec, out: Path, store: Path, cache: Path, clock, owns_ray: bool 
         res = run_sweep(spec, out, store, cache, address=args.address, progress=not args.quiet,
                         report=not args.no_report and not widen, num_cpus=args.num_cpus, resume=bool(args.resume),
                         verbose=args.verbose, clock=clock, owns_ray=owns_ray, models=models)
-        if widen and res.interrupted is None:
+        from orchestrator import faults
+
+        if widen and res.interrupted is None and faults.stopped() is None:  # a fault: no widening round
             from orchestrator.widen import run_widening
 
             rounds = run_widening(out, widen["rounds"], widen["factor"], address=args.address,
@@ -231,8 +276,8 @@ def _run(args, spec, out: Path, store: Path, cache: Path, clock, owns_ray: bool 
             res = _widened(res, rounds, out, not args.no_report)
         elif widen and not args.no_report:  # interrupted before widening: the partial sweep's report
             res = _widened(res, [], out, True)
-    except (ResumeError, StoreBudgetError, ClusterError, RefineError, ModelSourceError) as e:
-        raise CliError(str(e)) from None
+    except (ResumeError, StoreBudgetError, ClusterError, RefineError, ModelSourceError, DatasetError) as e:
+        raise CliError(str(getattr(e, "cause", None) or e)) from None  # a Ray task's error: its cause's line
     return res
 
 

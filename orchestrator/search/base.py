@@ -265,7 +265,22 @@ class SearchDesign:
                 study.enqueue_trial(params, skip_if_exists=False)
             study.sampler = self.sampler(slot.cell_id, n)
             number = study.ask(self.space(slot.cell_id)).number
+        elif slot.cell_id not in self.fixed and not set(self.space(slot.cell_id)) <= set(study.trials[number].params):
+            self._derive_params(slot, study)
         return Ask(slot.cell_id, number, self._params(slot.cell_id, study.trials[number].params))
+
+    def _derive_params(self, slot: _Slot, study: optuna.Study) -> None:
+        """An asked trial whose parameters a rebuilt journal lost (orchestrator/rebuild.py): derived again the way
+        its first ask derived them (the design's proposal for that number, else the sampler seeded by the trial
+        number), so it runs again as it would have; TPE past its random start-up draws from a history that now
+        holds later trials too: a fresh draw in the same space."""
+        t = study.trials[slot.number]
+        proposed = self.propose(slot.cell_id, slot.number, slot.wave) or {}
+        sampler = self.sampler(slot.cell_id, slot.number)
+        for name, dist in self.space(slot.cell_id).items():
+            if name not in t.params:
+                value = proposed[name] if name in proposed else sampler.sample_independent(study, t, name, dist)
+                study._storage.set_trial_param(t._trial_id, name, dist.to_internal_repr(value), dist)
 
     def _params(self, cell_id: str, params: Mapping[str, Any]) -> dict:
         cell = self.cells[cell_id]
@@ -300,6 +315,15 @@ class SearchDesign:
         study = self.study(slot.cell_id, REEVALUATE)
         if slot.number is not None:
             t = study.trials[slot.number]
+            if "heal_seed" not in t.user_attrs:  # lost with a rebuilt journal: derived again (winner, seed n)
+                best = self.winner(slot.cell_id)
+                if best is None:
+                    return None
+                seed = reevaluation_seeds(int(self.cells[slot.cell_id].get("seed", 0)), slot.number + 1)[slot.number]
+                study._storage.set_trial_user_attr(t._trial_id, "heal_seed", seed)
+                for name, dist in best.distributions.items():
+                    study._storage.set_trial_param(t._trial_id, name, dist.to_internal_repr(best.params[name]), dist)
+                t = study.trials[slot.number]
             return Ask(slot.cell_id, slot.number, self._params(slot.cell_id, t.params), REEVALUATE,
                        int(t.user_attrs["heal_seed"]))
         best = self.winner(slot.cell_id)

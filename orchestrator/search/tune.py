@@ -36,15 +36,17 @@ class DesignSearcher(Searcher):
         self._defer = defer or (lambda fn: fn())
         self._asha_epochs = {"epochs": epochs_max} if design.asha and epochs_max else {}
         self._live: dict[str, Ask] = {}  # tune trial id -> the design's ask
+        self.record: Callable[[Ask, float | None, TrialState], None] | None = None  # orchestrator/recorder.py
         self._untold = _Pending()  # tells handed to ``defer`` and not yet run
 
-    # Tune pickles the searcher with the Tuner (tuner.pkl): the count of queued tells is this process's only.
+    # Tune pickles the searcher with the Tuner (tuner.pkl): the count of queued tells and the recorder are this
+    # process's only.
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "_untold"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_untold", "record")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._untold = _Pending()
+        self._untold, self.record = _Pending(), None
 
     @property
     def total(self) -> int:
@@ -101,13 +103,26 @@ class DesignSearcher(Searcher):
             return
         self._report(trial_id, result)  # the last result of an early-stopped trial never reached on_trial_result
         a = self._live.pop(trial_id)
+        if result and result.get("disk_full"):  # not the trial's fault: the sweep stops, the trial stays untold
+            from orchestrator import faults
+            from tasks._io import DiskFullError
+
+            faults.stop(DiskFullError(result.get("disk_full_path") or "?", int(result.get("disk_full_needed") or 0)))
+            return
         if error or not result or self.metric not in result or result.get("diverged"):
-            self._tell(lambda: self.design.tell(a, None, TrialState.FAIL))
+            self._tell(lambda: self._told(a, None, TrialState.FAIL))
         elif not result.get("final"):
-            self._tell(lambda: self.design.tell(a, None, TrialState.PRUNED))
+            self._tell(lambda: self._told(a, None, TrialState.PRUNED))
         else:
             value = float(result[self.metric])
-            self._tell(lambda: self.design.tell(a, value))
+            self._tell(lambda: self._told(a, value, TrialState.COMPLETE))
+
+    def _told(self, a: Ask, value: float | None, state: TrialState) -> None:
+        """The trial's record (DIR/trials.jsonl, the commit point: a record that cannot be written raises, and
+        the tell is not written either), then the design's tell."""
+        if self.record is not None:
+            self.record(a, value, state)
+        self.design.tell(a, value, state)
 
     def _tell(self, fn: Callable[[], None]) -> None:
         """``fn`` (a tell) through ``defer``, counted until it has run."""

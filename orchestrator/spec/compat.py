@@ -17,10 +17,14 @@ def check_models(spec) -> None:
 
 def check_model(spec, m: str) -> None:
     """The compatibility checks of one model of ``spec``, on its untrained architecture."""
-    from tasks.models import get_adapter
+    from tasks.models import ModelSourceError, UnsupportedModelError, get_adapter
 
-    model = architecture(spec, m)
-    adapter = get_adapter(model)
+    try:  # builder arguments the architecture refuses; an architecture no adapter serves: one line
+        model = architecture(spec, m)
+        adapter = get_adapter(model)
+    except (ModelSourceError, UnsupportedModelError) as e:
+        raise SpecError(f"models[{spec.models.index(m)}]", f"model {m!r}: {e}" if f"{m!r}" not in str(e)
+                        else str(e)) from None
     model_scope = spec.scope.get(m, adapter.default_scope)
     try:
         adapter.scope(model, model_scope)

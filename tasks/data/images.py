@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from tasks.data.splits import DATASETS, SPLITS, DatasetSplits
+from tasks.data.splits import DATASETS, SPLITS, DatasetError, DatasetSplits
 from tasks.data.tables import (ArrowTable, FolderTable, default_transform, hf_splits, hub_by_split, split_sizes,
                                table_splits)
 
@@ -45,7 +46,14 @@ class ImageDataset:
         return d
 
     def check(self, settings: Mapping[str, Any]) -> int:
-        return self.settings(settings)["sizes"]["calibration"]
+        """The settings' largest calibration size; a local image folder or table that is not there is refused
+        now (like a checkpoint ``path``), not when the models stage reads it."""
+        d = self.settings(settings)
+        if self.kind == "folder" and not Path(d["root"]).is_dir():
+            raise DatasetError(f"root: image folder {str(d['root'])!r} does not exist")
+        if self.kind == "table" and not Path(d["path"]).exists():
+            raise DatasetError(f"path: image table {str(d['path'])!r} does not exist")
+        return d["sizes"]["calibration"]
 
     def __call__(self, seed: int = 0, *, transform: Callable | None = None, transform_id: str = "",
                  **settings) -> DatasetSplits:

@@ -19,6 +19,11 @@ from tasks._registry import Registry
 SPLITS = ("train", "calibration", "selection", "evaluation")
 
 
+class DatasetError(ValueError):
+    """A user-facing, one-line error about a dataset's files (missing folder, table column or split, too few
+    items, unreadable file): the CLI prints it as ``healsweep: error: ...`` (exit 2), never a traceback."""
+
+
 @dataclass(frozen=True)
 class SplitData:
     images: torch.Tensor  # (N, C, H, W) float32, already preprocessed

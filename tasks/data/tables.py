@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
-from tasks.data.splits import SPLITS, DatasetSplits, SplitData
+from tasks.data.splits import SPLITS, DatasetError, DatasetSplits, SplitData
 
 # Threads that decode and preprocess the rows of one batch (HEALSWEEP_DECODE_THREADS; default: up to 8).
 DECODE_THREADS = int(os.environ.get("HEALSWEEP_DECODE_THREADS", min(8, os.cpu_count() or 1)))
@@ -33,15 +33,20 @@ def _pil(x: Any):
     """An HF/Arrow image cell (PIL image, {'bytes','path'} dict, raw bytes or a path) -> RGB PIL image."""
     from PIL import Image
 
-    if isinstance(x, Image.Image):
-        img = x
-    elif isinstance(x, Mapping):
-        img = Image.open(io.BytesIO(x["bytes"])) if x.get("bytes") is not None else Image.open(x["path"])
-    elif isinstance(x, (bytes, bytearray)):
-        img = Image.open(io.BytesIO(x))
-    else:
-        img = Image.open(x)
-    return img.convert("RGB")
+    try:
+        if isinstance(x, Image.Image):
+            img = x
+        elif isinstance(x, Mapping):
+            img = Image.open(io.BytesIO(x["bytes"])) if x.get("bytes") is not None else Image.open(x["path"])
+        elif isinstance(x, (bytes, bytearray)):
+            img = Image.open(io.BytesIO(x))
+        else:
+            img = Image.open(x)
+        return img.convert("RGB")
+    except OSError as e:  # PIL's UnidentifiedImageError, a truncated file, a missing path: one line
+        where = x.get("path") if isinstance(x, Mapping) else x if isinstance(x, (str, Path)) else None
+        raise DatasetError(f"cannot decode image {str(where)!r}: {str(e).splitlines()[0][:200]}" if where
+                           else f"cannot decode an image: {str(e).splitlines()[0][:200]}") from None
 
 
 class ImageTable:
@@ -65,9 +70,12 @@ class FolderTable(ImageTable):
 
         root = Path(root)
         if not root.is_dir():
-            raise ValueError(f"image folder {str(root)!r} does not exist")
-        self.classes, cls_idx = find_classes(str(root))
-        self.samples = make_dataset(str(root), cls_idx, extensions=IMG_EXTENSIONS)
+            raise DatasetError(f"image folder {str(root)!r} does not exist")
+        try:  # no class folder, or a class folder without images: torchvision's FileNotFoundError, one line
+            self.classes, cls_idx = find_classes(str(root))
+            self.samples = make_dataset(str(root), cls_idx, extensions=IMG_EXTENSIONS)
+        except FileNotFoundError as e:
+            raise DatasetError(f"image folder {str(root)!r}: {str(e).splitlines()[0][:300]}") from None
         self.num_classes = len(self.classes)
         self.ident = f"folder:{root.resolve()}:{len(self.samples)}:" + ",".join(self.classes)
 
@@ -89,12 +97,16 @@ class ArrowTable(ImageTable):
 
         p = Path(path)
         if not p.exists():
-            raise ValueError(f"image table {str(p)!r} does not exist")
+            raise DatasetError(f"image table {str(p)!r} does not exist")
         fmt = "arrow" if p.suffix in (".arrow", ".feather", ".ipc") else "parquet"
-        self.table = pads.dataset(str(p), format=fmt).to_table()
+        try:
+            self.table = pads.dataset(str(p), format=fmt).to_table()
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid (a ValueError): not Parquet / Arrow IPC
+            raise DatasetError(f"image table {str(p)!r} is not a readable {fmt} file: "
+                               f"{str(e).strip().splitlines()[0][:300]}") from None
         for c in (image_column, label_column):
             if c is not None and c not in self.table.column_names:
-                raise ValueError(f"image table {str(p)!r} has no column {c!r}; columns: {', '.join(self.table.column_names)}")
+                raise DatasetError(f"image table {str(p)!r} has no column {c!r}; columns: {', '.join(self.table.column_names)}")
         self.image_column, self.label_column = image_column, label_column
         self._labels = (np.asarray(self.table.column(label_column).to_numpy(zero_copy_only=False), dtype=np.int64)
                         if label_column else np.full(len(self.table), -1, dtype=np.int64))
@@ -151,7 +163,7 @@ class StreamTable(ImageTable):
             pos.append(ex["__pos"])
             lab.append(ex.get(label_column, -1) if label_column else -1)
         if len(self.items) < n:
-            raise ValueError(f"stream {ident or 'dataset'} has only {len(self.items)} items, {n} needed")
+            raise DatasetError(f"stream {ident or 'dataset'} has only {len(self.items)} items, {n} needed")
         self.positions = np.asarray(pos, dtype=np.int64)
         self._labels = np.asarray([-1 if v is None else v for v in lab], dtype=np.int64)
         self.num_classes = int(self._labels.max()) + 1 if n else 0
@@ -208,7 +220,7 @@ def build_splits(name: str, tables: Mapping[str, tuple[str, ImageTable]], sizes:
         table = tables[splits[0]][1]
         need = sum(sizes[s] for s in splits)
         if need > len(table):
-            raise ValueError(f"dataset {name}: splits {', '.join(splits)} need {need} items from {key!r}, "
+            raise DatasetError(f"dataset {name}: splits {', '.join(splits)} need {need} items from {key!r}, "
                              f"which has {len(table)}")
         order = (np.random.default_rng(seed).permutation(len(table)) if shuffle.get(key, True)
                  else np.arange(len(table)))
@@ -218,7 +230,7 @@ def build_splits(name: str, tables: Mapping[str, tuple[str, ImageTable]], sizes:
             start += sizes[s]
     probe = next(((tables[s][1], rows[s][0]) for s in SPLITS if len(rows[s])), None)
     if probe is None:
-        raise ValueError(f"dataset {name}: every split is empty")
+        raise DatasetError(f"dataset {name}: every split is empty")
     item_shape = tuple(transform(probe[0].image(int(probe[1]))).shape)
     splits = {}
     for s in SPLITS:
@@ -310,6 +322,8 @@ def hub_by_split(path: str, config: str | None, mapping: Mapping[str, str], stre
     except ImportError:
         raise ValueError(f"dataset {path!r}: hub datasets need the `datasets` package: pip install 'healsweep[hub]'") from None
 
+    if Path(path).is_dir() and any((Path(path) / f).is_file() for f in SAVED_MARKERS):
+        return saved_by_split(path, mapping, streaming)
     opened = {}
     for hub_split in sorted(set(mapping.values())):
         try:
@@ -317,5 +331,29 @@ def hub_by_split(path: str, config: str | None, mapping: Mapping[str, str], stre
                                                       revision=revision)
         except Exception as e:  # noqa: BLE001 - network, auth, cache misses: one line
             msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-            raise ValueError(f"dataset {path!r} split {hub_split!r}: {msg}") from None
+            raise DatasetError(f"dataset {path!r} split {hub_split!r}: {msg}") from None
+    return {s: opened[h] for s, h in mapping.items()}
+
+
+SAVED_MARKERS = ("dataset_dict.json", "state.json")  # what ``save_to_disk`` writes (a DatasetDict / a Dataset)
+
+
+def saved_by_split(path: str, mapping: Mapping[str, str], streaming: bool) -> dict[str, Any]:
+    """A local directory written by ``save_to_disk`` (``datasets.load_dataset`` refuses those): a DatasetDict
+    gives its splits by name; a single Dataset is its recorded split (``train`` when none is recorded).
+    ``streaming``: each split read as an ``IterableDataset`` (the streamed code path, on local files)."""
+    import datasets
+
+    try:
+        saved = datasets.load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001 - damaged or foreign files: one line
+        msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise DatasetError(f"dataset {path!r}: cannot read the saved dataset: {msg}") from None
+    splits = dict(saved) if isinstance(saved, datasets.DatasetDict) else {str(saved.split or "train"): saved}
+    opened = {}
+    for hub_split in sorted(set(mapping.values())):
+        if hub_split not in splits:
+            raise DatasetError(f"dataset {path!r} has no split {hub_split!r}; it holds: {', '.join(sorted(splits))}")
+        ds = splits[hub_split]
+        opened[hub_split] = ds.to_iterable_dataset() if streaming else ds
     return {s: opened[h] for s, h in mapping.items()}

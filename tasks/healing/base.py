@@ -66,6 +66,7 @@ class Healer:
     name = ""
     settings_schema: dict[str, tuple] = {}  # setting -> allowed values (tuple) or a type
     trains = False  # uses lr/epochs (gradient steps); False: the search runs one trial per cell (plan.trials_for)
+    quick_settings: dict[str, Any] = {}  # cheap settings (image or batch counts) for dry runs and contract tests
 
     def check(self, settings: Mapping[str, Any]) -> None:
         for k, v in settings.items():

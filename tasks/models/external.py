@@ -277,6 +277,20 @@ def load_external(source: Mapping[str, Any], dataset: Mapping[str, Any], data_se
     transform, transform_id = src.transform(ref, model)
     settings = {k: v for k, v in dataset.items() if k != "name"}
     data = load_dataset(dataset["name"], seed=data_seed, transform=transform, transform_id=transform_id, **settings)
+    outputs = num_outputs(model)
+    if outputs is not None and data.num_classes > outputs:  # labels past the logits: every trial would fail
+        raise ModelSourceError(f"model {ref.name!r} has {outputs} outputs but dataset {dataset['name']!r} has "
+                               f"{data.num_classes} classes; set num_classes: {data.num_classes} on the model entry")
     info = {"model": ref.name, "source": ref.source, "arch": ref.builder, "weights": ref.weights,
             "dense_eval_acc": float("nan"), "transform": transform_id}  # dense accuracy: measured by each trial
     return LoadedModel(ref.name, model, src.digest(ref), data, info)
+
+
+def num_outputs(model: nn.Module) -> int | None:
+    """Classes a classifier predicts: timm's ``num_classes``, else its last linear layer's width (torchvision's
+    ``fc`` / ``heads.head`` / ``classifier``); None when neither says."""
+    n = getattr(model, "num_classes", None)
+    if isinstance(n, int) and not isinstance(n, bool):
+        return n
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    return linears[-1].out_features if linears else None

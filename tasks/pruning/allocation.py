@@ -89,6 +89,7 @@ class RepairabilityPruner(AllocationPruner):
     column = ""
     uses_calibration = True
     settings_schema = {"grid": list, "diag_images": int, "tau": str, "at": str}
+    quick_settings = {"diag_images": 8}
 
     def grid(self, settings) -> tuple[float, ...]:
         return tuple(float(g) for g in settings.get("grid", CANDIDATE_GRID))

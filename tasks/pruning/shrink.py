@@ -99,15 +99,20 @@ def flops(model: nn.Module, example: torch.Tensor) -> int:
 
 
 @torch.no_grad()
-def latencies_ms(models: list[nn.Module], example: torch.Tensor, repeats: int = 20, warmup: int = 3) -> list[float]:
+def latencies_ms(models: list[nn.Module], example: torch.Tensor, repeats: int = 20, warmup: int = 3,
+                 budget_s: float = 5.0, min_repeats: int = 3) -> list[float]:
     """p50 wall-clock milliseconds of one forward pass of the batch for each model (synchronizing CUDA). The
-    models are timed interleaved (a, b, a, b, ...) so that they see the same background load."""
+    models are timed interleaved (a, b, a, b, ...) so that they see the same background load. Rounds stop early
+    once ``budget_s`` seconds of timed passes are spent and ``min_repeats`` rounds are done: a DeiT-B on a CPU
+    (seconds per pass) would spend a minute of its trial here; on a GPU 20 rounds take well under a second."""
     sync = torch.cuda.synchronize if example.is_cuda else (lambda: None)
     for m in models:
         for _ in range(warmup):
             m(example)
     times: list[list[float]] = [[] for _ in models]
-    for _ in range(repeats):
+    for r in range(repeats):
+        if r >= min_repeats and sum(map(sum, times)) > budget_s * 1e3:
+            break
         for i, m in enumerate(models):
             sync()
             t0 = time.perf_counter()

@@ -49,6 +49,14 @@ def test_without_reevaluations_the_winner_is_quoted_and_its_noise_is_unknown():
     assert r["healed_acc"] == 0.9 and r["n_reevaluated"] == 0 and math.isnan(r["noise"])
 
 
+def test_a_sweep_whose_every_trial_failed_quotes_nothing():
+    """No finished trial (a model whose trials all failed): an empty table with the noise columns, not a pandas
+    error that ended the report (issue 33)."""
+    out = reported(pd.DataFrame([_trial("a", "search", float("nan"), float("nan"), status="FAILED"),
+                                 _trial("b", "search", float("nan"), float("nan"), status="FAILED")]))
+    assert out.empty and {"seed_sd", "search_sd", "noise", "retention", "grid"} <= set(out.columns)
+
+
 def test_closed_form_cells_have_no_noise():
     (r,) = reported(pd.DataFrame([_trial("c", "search", 0.7, 0.7, lr=0.0, steps=None)])).to_dict("records")
     assert r["noise"] == 0.0 and r["n_reevaluated"] == 0

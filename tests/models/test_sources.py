@@ -284,6 +284,20 @@ def test_a_checkpoint_is_identified_by_its_file_sha256_in_every_key(tmp_path, so
     assert not (tmp_path / "cache").exists()
 
 
+def test_a_model_with_fewer_outputs_than_the_dataset_has_classes_is_refused(sources):
+    """Labels past the logits would fail every trial (cross entropy, accuracy): one line when the model loads."""
+    from tasks.models.external import num_outputs
+    from torchvision.models import resnet18
+
+    dataset = {"name": "imagefolder", "root": str(sources["folder"]), "sizes": SIZES}
+    small = {"name": "r2", "source": "timm", "arch": "resnet18", "pretrained": False, "num_classes": N_CLASSES - 1}
+    with pytest.raises(ModelSourceError, match=r"^model 'r2' has 2 outputs but dataset 'imagefolder' has 3 classes; "
+                                               r"set num_classes: 3 on the model entry$"):
+        load_external(small, dataset)
+    assert load_external({**small, "num_classes": N_CLASSES}, dataset).dataset.num_classes == N_CLASSES
+    assert num_outputs(resnet18(num_classes=7)) == 7  # torchvision: no num_classes attribute, its fc's width
+
+
 def test_a_truncated_or_mismatching_external_checkpoint_is_refused_in_one_line(tmp_path):
     _, path = _tiny_checkpoint(tmp_path)
     entry = {"name": "t", "source": "checkpoint", "arch": "deit_tiny_patch16_224", "path": str(path),

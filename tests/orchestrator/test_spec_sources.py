@@ -60,6 +60,12 @@ def test_reference_models_keep_their_path():
      "must be <= 64"),
     ({"dataset": {"name": "digits", "root": "x"}}, "dataset.root", "takes no settings"),
     ({"offline": "yes"}, "offline", "must be true or false"),
+    ({"dataset": {"name": "imagefolder", "root": "/nonexistent/images"}}, "dataset",
+     "root: image folder '/nonexistent/images' does not exist"),
+    ({"models": [{"name": "cx", "source": "timm", "arch": "convnext_atto", "pretrained": False}], "dataset": "cifar10"},
+     "models[0]", "model 'cx': no adapter for architecture timm.models.convnext.ConvNeXt"),
+    ({"models": [{"name": "r", "source": "timm", "arch": "resnet18", "pretrained": False, "model_args": {"depth": 2}}],
+      "dataset": "cifar10"}, "models[0]", "timm could not create 'resnet18': ResNet.__init__() got an unexpected"),
 ])
 def test_bad_source_entries_name_the_field(changes, field, words):
     d = {**copy.deepcopy(TINY), **changes}

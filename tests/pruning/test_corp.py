@@ -414,3 +414,29 @@ def test_corp_lambda_setting_validated():
             CORP_H.check({"lambda": bad})
     with pytest.raises(ValueError, match="unknown setting"):
         CORP_H.check({"shrinkage": "oas"})
+
+
+def test_latency_rounds_stop_at_the_time_budget():
+    """A slow model (a DeiT-B on a CPU) is timed for at least ``min_repeats`` rounds, then only until the budget is
+    spent; a fast one for every round."""
+    import time
+
+    from tasks.pruning.shrink import latencies_ms
+
+    class Slow(torch.nn.Module):
+        def __init__(self, seconds: float) -> None:
+            super().__init__()
+            self.seconds, self.calls = seconds, 0
+
+        def forward(self, x):
+            self.calls += 1
+            time.sleep(self.seconds)
+            return x
+
+    slow, fast = Slow(0.03), Slow(0.0)
+    lat = latencies_ms([slow, fast], torch.zeros(1), repeats=20, warmup=1, budget_s=0.1, min_repeats=3)
+    assert slow.calls == fast.calls and 1 + 3 <= slow.calls <= 1 + 5  # warmup + 3-4 rounds of ~0.03 s each
+    assert lat[0] >= 30 and lat[1] < 30
+    quick = Slow(0.0)
+    latencies_ms([quick], torch.zeros(1), repeats=20, warmup=1, budget_s=0.1)
+    assert quick.calls == 21

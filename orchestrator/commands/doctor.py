@@ -1,0 +1,37 @@
+"""healsweep doctor DIR [--repair]: check every file of a run directory and its store; repair what can be."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from orchestrator.commands.common import CliError
+
+
+def add_parser(sub):
+    p = sub.add_parser("doctor", help="check a run directory's files and store; --repair repairs them",
+                       description="Check every file of run directory DIR and of its store: the trial record "
+                                   "(trials.jsonl: per-line checksums), the SQLite tracking database (PRAGMA "
+                                   "integrity_check), the Optuna journal (every line, and that it replays and agrees "
+                                   "with the record), leftover temporary files, target-store manifests and shard "
+                                   "checksums, mask files. One line per problem: what is damaged and what was lost. "
+                                   "With --repair: rebuild the tracking database and the Optuna journal from the "
+                                   "record, drop torn or damaged lines, remove temporary files, quarantine damaged "
+                                   "shards and masks (recomputed by healsweep run --resume DIR). Exit code 0: sound "
+                                   "(or repaired); 1: problems found (left); 2: DIR is not a run directory.")
+    p.add_argument("dir", metavar="DIR", help="run directory of a sweep (holds sweep.json)")
+    p.add_argument("--repair", action="store_true", help="repair what can be repaired (without it: only report)")
+    p.add_argument("--verbose", action="store_true", help="show a traceback for an unexpected failure")
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args) -> int:
+    from orchestrator.console import quiet_libraries
+    from orchestrator.resume import ResumeError
+
+    quiet_libraries(args.verbose)
+    from orchestrator import doctor
+
+    try:
+        return doctor.run(Path(args.dir), args.repair)
+    except ResumeError as e:
+        raise CliError(str(e)) from None

@@ -1,0 +1,103 @@
+"""Generated image data (tasks/data/synthetic.py) through every image source, a local ``save_to_disk`` Hugging Face
+dataset as the ``hf`` source, and the one-line ``DatasetError`` for the bad files a user meets."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tasks.data import SPLITS, DatasetError, load_dataset
+from tasks.data.synthetic import synthetic_images, write_hf_dataset, write_image_folder, write_image_table
+
+SIZES = {"train": 2, "calibration": 6, "selection": 4, "evaluation": 6}  # 18 of 4 x 5 = 20 images
+
+
+def _transform():
+    from torchvision import transforms as T
+
+    return T.Compose([T.Resize(8), T.ToTensor()]), "test:resize8"
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen")
+    kw = {"num_classes": 4, "per_class": 5, "size": 12, "seed": 3}
+    return {"folder": write_image_folder(root / "folder", **kw), "table": write_image_table(root / "t.parquet", **kw),
+            "hf": write_hf_dataset(root / "hf", **kw), "root": root}
+
+
+def _load(name: str, **settings):
+    t, tid = _transform()
+    return load_dataset(name, seed=0, transform=t, transform_id=tid, **{"sizes": SIZES, **settings})
+
+
+def test_generated_images_are_seeded_class_colours():
+    a, b = list(synthetic_images(3, 2, 6, seed=1)), list(synthetic_images(3, 2, 6, seed=1))
+    assert [(lab, rel) for _, lab, rel in a] == [(0, "c000/img000.png"), (0, "c000/img001.png"),
+                                                  (1, "c001/img000.png"), (1, "c001/img001.png"),
+                                                  (2, "c002/img000.png"), (2, "c002/img001.png")]
+    assert all(np.array_equal(x[0], y[0]) and x[0].shape == (6, 6, 3) for x, y in zip(a, b))
+    assert not np.array_equal(a[0][0], next(synthetic_images(3, 2, 6, seed=2))[0])
+    means = [img.reshape(-1, 3).mean(0) for img, _, _ in a]  # same class: colours agree within the noise
+    assert np.abs(means[0] - means[1]).max() < 15 and np.abs(means[0] - means[2]).max() > 15
+    with pytest.raises(ValueError, match="need num_classes, per_class and size >= 1"):
+        next(synthetic_images(0, 2, 6))
+
+
+def test_folder_table_and_saved_hf_dataset_give_the_same_splits_and_pixels(generated):
+    folder = _load("imagefolder", root=str(generated["folder"]))
+    table = _load("image_table", path=str(generated["table"]))
+    hf = _load("hf", path=str(generated["hf"]))
+    streamed = _load("hf", path=str(generated["hf"]), streaming=True, buffer_size=4)
+    for d in (folder, table, hf, streamed):
+        assert d.num_classes == 4 and d.image_shape == (3, 8, 8)
+        assert {s: len(d[s]) for s in SPLITS} == SIZES and d["calibration"].labels is None
+    for d in (table, hf):  # the same rows, in the same order, bit-identical (PNG is lossless)
+        for s in SPLITS:
+            assert np.array_equal(d[s].indices, folder[s].indices)
+            assert torch.equal(d[s].images[:], folder[s].images[:])
+    assert hf["evaluation"].labels.tolist() == [int(i) // 5 for i in hf["evaluation"].indices]
+    seen = np.concatenate([streamed[s].indices for s in SPLITS])  # stream positions: disjoint, in range
+    assert len(set(seen.tolist())) == len(seen) == 18 and seen.max() < 20
+    assert hf.digest == _load("hf", path=str(generated["hf"])).digest != streamed.digest
+
+
+def test_a_saved_dataset_maps_hub_splits_by_name(generated, tmp_path):
+    import datasets
+
+    saved = datasets.load_from_disk(str(generated["hf"]))["train"]
+    datasets.DatasetDict({"train": saved.select(range(12)), "test": saved.select(range(12, 20))}).save_to_disk(
+        str(tmp_path / "two"))
+    d = _load("hf", path=str(tmp_path / "two"), splits={"evaluation": "test"},
+              sizes={**SIZES, "train": 0, "evaluation": 8})
+    assert sorted(d["evaluation"].indices.tolist()) == list(range(8))  # rows of the test split
+    assert d["evaluation"].labels.tolist() == [2 + int(i >= 3) for i in d["evaluation"].indices]
+    with pytest.raises(DatasetError, match=r"has no split 'validation'; it holds: test, train$"):
+        _load("hf", path=str(tmp_path / "two"), splits={"evaluation": "validation"})
+    saved.save_to_disk(str(tmp_path / "one"))  # a single Dataset: its recorded split
+    assert len(_load("hf", path=str(tmp_path / "one"))["calibration"]) == SIZES["calibration"]
+
+
+def test_bad_files_are_one_line_dataset_errors(generated, tmp_path):
+    from tasks.data import DATASETS
+
+    with pytest.raises(DatasetError, match=r"^root: image folder '.*nope' does not exist$"):
+        DATASETS.get("imagefolder").check({"root": str(tmp_path / "nope")})
+    with pytest.raises(DatasetError, match=r"^path: image table '.*nope.parquet' does not exist$"):
+        DATASETS.get("image_table").check({"path": str(tmp_path / "nope.parquet")})
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match=r"^image folder '.*empty': Couldn't find any class folder"):
+        _load("imagefolder", root=str(tmp_path / "empty"))
+    (tmp_path / "junk.parquet").write_text("not parquet")
+    with pytest.raises(DatasetError, match=r"^image table '.*junk.parquet' is not a readable parquet file: "):
+        _load("image_table", path=str(tmp_path / "junk.parquet"))
+    with pytest.raises(DatasetError, match=r"^image table '.*' has no column 'img'; columns: image, label$"):
+        _load("image_table", path=str(generated["table"]), image_column="img")
+    with pytest.raises(DatasetError, match=r"need 52 items from 'table', which has 20$"):
+        _load("imagefolder", root=str(generated["folder"]), sizes={**SIZES, "calibration": 40})
+    bad = tmp_path / "bad"
+    write_image_folder(bad, num_classes=2, per_class=2, size=4)
+    (bad / "c000" / "img000.png").write_text("not a png")
+    with pytest.raises(DatasetError, match=r"^cannot decode image '.*img000.png': cannot identify image file"):
+        sizes = {"train": 0, "calibration": 4, "selection": 0, "evaluation": 0}
+        _load("imagefolder", root=str(bad), sizes=sizes)["calibration"].images[:]  # at the probe or here

@@ -1,0 +1,147 @@
+"""Damaged files of a finished tiny sweep (copies of the session's one undamaged run): torn and damaged lines in
+the Optuna journal and the trial record, a truncated and a garbage tracking database, a deleted and a damaged
+store shard. Each ends in one line naming the file (and the repair command); after ``healsweep doctor DIR
+--repair`` (where needed) ``healsweep run --resume DIR`` completes the sweep with every trial once and the
+reference's numbers."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.faults.helpers import (assert_complete, cli, copy_run, damage_line, ok, one_line, quoted, recorded,
+                                  run_cli, tear_last_line, trial_runs)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+
+def test_torn_and_damaged_journal_lines(reference, tmp_path):
+    run = copy_run(reference, tmp_path / "run")
+    journal = run / "optuna.journal"
+    damage_line(journal, 21)  # a middle line
+    tear_last_line(journal)
+    tear_last_line(run / "trials.jsonl")  # the last trial's record: that trial runs again
+    torn_trial = sorted(set(reference["trials"]) - set(recorded_lenient(run)))
+    assert len(torn_trial) == 1
+    one_line(cli("run", "--resume", run), 2, str(journal), "line 21", f"healsweep doctor {run} --repair")
+    r = cli("doctor", run)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"{run / 'trials.jsonl'}: torn last line" in r.stdout and f"{journal}: line 21 damaged" in r.stdout
+    ok(cli("doctor", run, "--repair"))
+    ok(cli("doctor", run))
+    r = ok(run_cli("run", "--resume", run, "--quiet"))
+    assert "8 trials finished, 0 failed" in r.stdout
+    assert_complete(run, reference)
+
+
+def recorded_lenient(run):
+    from orchestrator import records
+
+    return records.trials(records.scan(run / "trials.jsonl"))
+
+
+def test_torn_last_lines_alone_need_no_doctor(reference, tmp_path):
+    """What a killed driver leaves: torn last lines are dropped by the resume itself, with a note each."""
+    run = copy_run(reference, tmp_path / "run")
+    journal = run / "optuna.journal"
+    torn = b'{"op_code": 5, "worker_id": "w", "trial_id": 3, "sta'
+    with open(journal, "ab") as f:
+        f.write(torn)
+    from orchestrator.runfiles import prepare_resume
+
+    notes = []
+    prepare_resume(run, notes.append)
+    assert notes == [f"{journal}: dropped a torn last line ({len(torn)} bytes: a write cut short)"]
+    from orchestrator.resume import told_states
+
+    assert {k: v.name for k, v in told_states(journal).items()} == reference["states"]
+
+
+DB_FAULTS = {"truncated": "database disk image is malformed", "garbage": "file is not a database",
+             "deleted": "missing"}
+
+
+@pytest.mark.parametrize("damage", list(DB_FAULTS))
+def test_damaged_tracking_database(reference, tmp_path, damage):
+    run = copy_run(reference, tmp_path / "run")
+    db, why = run / "mlflow.db", DB_FAULTS[damage]
+    if damage == "truncated":
+        with open(db, "rb+") as f:
+            f.truncate(4096)
+    elif damage == "garbage":
+        db.write_bytes(bytes(range(256)) * 400)
+    else:
+        db.unlink()
+    one_line(cli("report", run), 2, str(db), f"healsweep doctor {run} --repair")
+    state = "is missing" if damage == "deleted" else f"is damaged ({why})"
+    one_line(cli("run", "--resume", run), 2, f"{db} {state}: repair it with healsweep doctor {run} --repair")
+    r = cli("doctor", run)
+    assert r.returncode == 1 and f"{db}: damaged ({why}); lost: nothing recorded: 8 trial runs" in r.stdout
+    ok(cli("doctor", run, "--repair"))
+    assert damage == "deleted" or list(run.glob("mlflow.db.damaged-*"))  # a damaged file is kept aside
+    ok(cli("report", run))
+    assert quoted(run) == reference["quoted"]
+    assert trial_runs(run) == recorded(run)
+    if damage == "truncated":  # the resume of a rebuilt database: nothing runs again, nothing twice
+        r = ok(run_cli("run", "--resume", run, "--quiet"))
+        assert "8 trials finished, 0 failed" in r.stdout
+        assert_complete(run, reference)
+
+
+def test_deleted_and_damaged_shards(reference, tmp_path):
+    run = copy_run(reference, tmp_path / "run", own_store=True)
+    (key,) = json.loads((run / "targets.json").read_text())["keys"].values()
+    kdir = tmp_path / "run-store" / "targets" / key
+    (kdir / "shard-00001.arrow").unlink()
+    data = bytearray((kdir / "shard-00002.arrow").read_bytes())
+    data[len(data) // 2] ^= 0x40
+    (kdir / "shard-00002.arrow").write_bytes(bytes(data))
+    r = cli("doctor", run)
+    assert r.returncode == 1
+    lines = r.stdout.splitlines()
+    assert any(ln.startswith(f"{kdir / 'shard-00001.arrow'}: target shard missing") and "rows 64-128" in ln
+               for ln in lines), r.stdout
+    assert any(ln.startswith(f"{kdir / 'shard-00002.arrow'}: target shard fails its sha256 check") for ln in lines)
+    ok(cli("doctor", run, "--repair"))
+    assert len(list((tmp_path / "run-store" / "targets" / ".quarantine").iterdir())) == 1  # the damaged one
+    r = cli("doctor", run)  # both now missing: the resume recomputes exactly them
+    assert r.returncode == 1 and sum(": target shard missing; lost: rows" in ln for ln in r.stdout.splitlines()) == 2
+    r = ok(run_cli("run", "--resume", run, "--quiet"))
+    assert "dense forward images 128" in r.stdout  # exactly the two lost shards, recomputed
+    assert_complete(run, reference)
+    ok(cli("doctor", run))
+
+
+def test_a_sweep_from_before_the_record_gets_one(reference, tmp_path):
+    """No trials.jsonl (a sweep older than it): doctor writes it from the journal and MLflow, equal to the one the
+    sweep wrote itself (Optuna side, and the run's params, metrics and per-epoch history)."""
+    run = copy_run(reference, tmp_path / "run")
+    (run / "trials.jsonl").unlink()
+    r = cli("doctor", run)
+    assert r.returncode == 1 and f"{run / 'trials.jsonl'}: missing (a sweep from before it; 8 trials" in r.stdout
+    ok(cli("doctor", run, "--repair"))
+    from orchestrator import records
+
+    got = records.trials(records.scan(run / "trials.jsonl"))
+    want = records.trials(records.scan(reference["run"] / "trials.jsonl"))
+    assert set(got) == set(want)
+    for tid, rec in want.items():
+        assert got[tid]["optuna"] == rec["optuna"]
+        for k in ("run_id", "params", "metrics", "history", "status", "step"):
+            assert got[tid]["mlflow"][k] == rec["mlflow"][k], (tid, k)
+    ok(cli("doctor", run))
+
+
+def test_a_resume_records_a_sweep_from_before_the_record_first(reference, tmp_path):
+    """Resuming such a sweep writes its record before anything runs: the trials it told before are not taken
+    for unrecorded ones (which would run again) by this resume or the next."""
+    from orchestrator.rebuild import journal_disagrees
+    from orchestrator.runfiles import prepare_resume
+
+    run = copy_run(reference, tmp_path / "run")
+    (run / "trials.jsonl").unlink()
+    notes = []
+    prepare_resume(run, notes.append)
+    assert notes == [f"{run / 'trials.jsonl'}: written from the journal and MLflow (8 trials: a sweep from before it)"]
+    assert recorded(run) == recorded(reference["run"])
+    assert not journal_disagrees(run / "optuna.journal", recorded_lenient(run))

@@ -1,0 +1,88 @@
+"""A full disk under the store and under the run directory (a small tmpfs; where none can be mounted, an injected
+quota: tests/faults/quota_plugin.py), and a trial
+process killed in the middle of a write. Each ends in one line (or, for the kill, in a retried trial), leaves no
+partial file that doctor does not find, and ``healsweep run --resume`` completes the sweep with every trial once
+and the numbers of the session's undamaged run."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from orchestrator.runfiles import temp_files
+from tests.faults.helpers import assert_complete, cli, copy_run, ok, one_line, run_cli, tear_last_line
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def _edit_sweep(run, store: str | None = None, plugins: list | None = None) -> None:
+    info = json.loads((run / "sweep.json").read_text())
+    info["store"] = store or info["store"]
+    info["spec"]["plugins"] = list(plugins or [])
+    (run / "sweep.json").write_text(json.dumps(info, indent=1))
+
+
+def test_full_store(reference, tmp_path, small_disk):
+    """The store moved to a 3 MiB file system (the run's targets and masks are not there): the resume's dense
+    stage fills it."""
+    mount, resize, plugins = small_disk
+    full = mount(3)
+    run, store = copy_run(reference, tmp_path / "run"), full / "store"
+    _edit_sweep(run, store=str(store), plugins=plugins)
+    r = run_cli("run", "--resume", run, "--quiet")
+    line = one_line(r, 1, "no space left on device writing a target-store shard", str(store / "targets"), "needed ",
+                    "free there", f"healsweep run --resume {run}")
+    assert ".arrow" in line and not temp_files(full)  # the failed write left nothing partial
+    r = cli("doctor", run)  # shards written before the disk filled are sound: the resume keeps them
+    assert r.returncode == 1 and f"{store / 'targets'}/" in r.stdout and ": incomplete target key (" in r.stdout
+    ok(cli("doctor", run, "--repair"))  # nothing to repair there: left to the resume
+    resize(64)
+    r = ok(run_cli("run", "--resume", run, "--quiet"))
+    assert "8 trials finished, 0 failed" in r.stdout and "dense forward images " in r.stdout
+    assert_complete(run, reference)
+    ok(cli("doctor", run))
+
+
+def _fill(where, leave_kib: int) -> None:
+    """Fill the file system of ``where`` (or its injected quota) up to ``leave_kib`` KiB free."""
+    quota = os.environ.get("HEALSWEEP_TEST_QUOTA", "").rpartition(":")[2]
+    used = sum(p.stat().st_size for p in where.rglob("*") if p.is_file())
+    free = int(quota) - used if quota else shutil.disk_usage(where).free
+    with open(where / "filler", "wb") as f:
+        f.write(b"\0" * max(0, free - leave_kib * 1024))
+
+
+def test_full_run_directory(reference, tmp_path, small_disk):
+    mount, _, plugins = small_disk
+    full = mount(16)
+    run = copy_run(reference, full / "run")
+    _edit_sweep(run, plugins=plugins)
+    tear_last_line(run / "trials.jsonl")  # one trial runs again, and its healed weights (1.1 MB) do not fit
+    _fill(full, 300)
+    r = run_cli("run", "--resume", run, "--quiet")
+    line = one_line(r, 1, "no space left on device writing", str(run), f"healsweep run --resume {run}")
+    assert "free there" in line
+    (full / "filler").unlink()
+    r = ok(run_cli("run", "--resume", run, "--quiet"))
+    assert "8 trials finished, 0 failed" in r.stdout
+    assert_complete(run, reference)
+    ok(cli("doctor", run))
+
+
+def test_worker_killed_mid_write(reference, tmp_path):
+    run = copy_run(reference, tmp_path / "run")
+    tear_last_line(run / "trials.jsonl")  # that trial runs again: its process is killed writing its weights
+    _edit_sweep(run, plugins=["tests.faults.kill_plugin"])
+    r = ok(run_cli("run", "--resume", run, "--quiet"))
+    assert (run / "killed-mid-write").is_file()  # the kill happened, and the retry finished the trial
+    assert "8 trials finished, 0 failed" in r.stdout
+    assert_complete(run, reference)
+    (left,) = temp_files(run)
+    assert left.name.startswith(".tmp-") and left.name.endswith("-healed.safetensors")
+    r = cli("doctor", run)
+    assert r.returncode == 1 and f"{left}: leftover temporary file (65536 bytes" in r.stdout
+    ok(cli("doctor", run, "--repair"))
+    assert not left.exists() and not temp_files(run)
+    ok(cli("doctor", run))

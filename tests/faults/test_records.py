@@ -1,0 +1,110 @@
+"""The trial record (orchestrator/records.py) and what is rebuilt from it, without Ray: checksummed lines, torn
+and damaged lines told apart, an append on a full disk cut back and named in one line, the Optuna journal rebuilt
+for every search design with the lost trials asked again exactly as before, a full tracking database named."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from orchestrator import faults, records
+from orchestrator.rebuild import journal_disagrees, rebuild_journal
+from orchestrator.recorder import TrialRecorder
+from orchestrator.resume import told_states
+from orchestrator.search import DESIGNS, make_searcher
+from tasks._io import DiskFullError, atomic_write_bytes
+from tests.orchestrator.test_search_contract import BUDGET, _cells, run
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_lines_torn_and_damaged_are_told_apart(tmp_path):
+    f = tmp_path / records.TRIALS_FILE
+    for i in range(4):
+        records.append(f, {"kind": "trial", "trial_id": f"c-{i}", "value": i / 3})
+    s = records.scan(f)
+    assert s.clean and [r["trial_id"] for r in s.records] == ["c-0", "c-1", "c-2", "c-3"]
+    lines = f.read_bytes().split(b"\n")
+    lines[1] = lines[1].replace(b'"c-1"', b'"c-7"')  # a flipped digit: still JSON, the checksum catches it
+    f.write_bytes(b"\n".join(lines)[:-40])  # and the last line torn
+    s = records.scan(f)
+    assert [r["trial_id"] for r in s.records] == ["c-0", "c-2"]
+    assert [n for n, _ in s.damaged] == [2] and "checksum mismatch" in s.damaged[0][1]
+    assert s.torn is not None and records.drop_torn(s) > 0
+    records.rewrite(f, s.records)
+    assert records.scan(f).clean and list(records.trials(records.scan(f))) == ["c-0", "c-2"]
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    where = tmp_path / "fs"
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)], capture_output=True)
+    if r.returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_full_disk_is_one_line_and_leaves_nothing_partial(small_fs):
+    f = small_fs / records.TRIALS_FILE
+    records.append(f, {"kind": "trial", "trial_id": "c-0"})
+    size = f.stat().st_size
+    with pytest.raises(DiskFullError) as e:
+        records.append(f, {"kind": "trial", "trial_id": "c-1", "blob": "x" * (300 << 10)})
+    assert str(e.value).startswith(f"no space left on device writing the trial record {f} (needed 300.")
+    assert f.stat().st_size == size and records.scan(f).clean  # cut back: no torn line for the next append
+    with pytest.raises(DiskFullError) as e:
+        atomic_write_bytes(small_fs / "shard-00003.arrow", b"\0" * (400 << 10))
+    assert f"writing a target-store shard {small_fs / 'shard-00003.arrow'} (needed 400.0 KiB, " in str(e.value)
+    assert sorted(p.name for p in small_fs.iterdir()) == [records.TRIALS_FILE]  # its temporary file is gone
+    assert faults.one_line(RuntimeError("a bug"), small_fs) is None  # not a fault at the edges: a traceback
+
+
+def test_full_tracking_database_names_it(small_fs):
+    """SQLite on a full disk (MLflow's 'database or disk is full'): one line naming the run's database."""
+    import sqlite3
+
+    db = small_fs / "mlflow.db"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE metrics (v BLOB)")
+    with pytest.raises(sqlite3.OperationalError) as e:
+        for _ in range(1000):
+            con.execute("INSERT INTO metrics VALUES (?)", (b"\0" * 4096,))
+            con.commit()
+    con.close()
+    wrapped = RuntimeError("API request failed")
+    wrapped.__cause__ = e.value
+    msg, code = faults.one_line(wrapped, small_fs)
+    assert code == 1 and msg.startswith(f"no space left on device writing the MLflow tracking database {db};")
+
+
+def _record_all(design: str, journal):
+    searcher = make_searcher(_cells(3), {c["cell_id"]: BUDGET for c in _cells(3)}, design, 7, journal)
+    searcher.record = TrialRecorder(journal.parent, searcher.design, lambda: None, lambda key: None, lambda: None)
+    return {c["trial_id"]: c for c in run(searcher)}
+
+
+@pytest.mark.parametrize("design", sorted(DESIGNS.names()))
+def test_journal_rebuilt_from_the_record_asks_lost_trials_again_alike(tmp_path, design):
+    journal = tmp_path / "optuna.journal"
+    asked = _record_all(design, journal)
+    s = records.scan(tmp_path / records.TRIALS_FILE)
+    trials = records.trials(s)
+    assert s.clean and set(trials) == set(asked) and all(r["mlflow"] is None for r in trials.values())
+    assert {k: v.name for k, v in told_states(journal).items()} == {k: r["optuna"]["state"] for k, r in trials.items()}
+    lost = sorted(t for t in trials if t.endswith("-0"))[0]  # a first search trial: later ones keep their numbers
+    del trials[lost]
+    shutil.copy(journal, tmp_path / "old.journal")
+    journal.write_bytes(b"garbage\n")  # the journal lost entirely: the record alone
+    assert rebuild_journal(journal, trials) == {"told": len(trials), "asked": 1}
+    assert not journal_disagrees(journal, trials)
+    again = make_searcher(_cells(3), {c["cell_id"]: BUDGET for c in _cells(3)}, design, 7, journal)
+    assert again.rerun == [lost] and again.already_done == len(trials)
+    cfg = again.suggest("x")
+    assert cfg["trial_id"] == lost and BUDGET.lr[0] <= cfg["lr"] <= BUDGET.lr[1] and 4 <= cfg["steps"] <= 64
+    if design != "tpe":  # TPE draws from its history, which holds every other trial now: a fresh draw there
+        assert {k: cfg[k] for k in ("lr", "steps")} == {k: asked[lost][k] for k in ("lr", "steps")}
+    json.dumps(cfg)  # a plain config, as Tune needs it
