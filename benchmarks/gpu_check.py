@@ -7,7 +7,7 @@ under 8 minutes and writes its raw results as JSON.
 3. ``sweep``: the default spec through ``healsweep run`` on the GPU, trials sharing it (``--resources
    gpu=F``: 1/F trials at once); GPU utilisation, memory and the processes on the GPU sampled every 0.5 s
    (nvidia-smi); the report written, failed trials counted, every quoted cell compared with the CPU run's
-   (benchmarks/results/default_cpu_quoted.json; tolerance: README, 1 pp).
+   (benchmarks/results/default_cpu_quoted.json; tolerance: docs/default-sweep.md, 1 pp).
 4. ``throughput``: benchmarks/gpu_throughput.py (DeiT-B/16 and ResNet-50 at 224 px).
 5. ``precision``: benchmarks/bench_cross_machine.py's 88 real digits trials healed on the GPU in fp32 and bf16
    (``--precisions``; compare with each other and with the CPU's: ``bench_cross_machine.py compare``).
@@ -31,7 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO / "benchmarks" / "results" / "default_cpu_quoted.json"
-TOLERANCE_PP = 1.0  # README: a quoted cell on another machine within 1 pp
+TOLERANCE_PP = 1.0  # docs/default-sweep.md: a quoted cell on another machine within 1 pp
 
 
 def sh(cmd: list[str] | str, timeout: float, env: dict | None = None, log: Path | None = None) -> dict:

@@ -26,7 +26,7 @@ def healsweep(*args: str, cwd: Path | str | None = None, timeout: float = 600, *
 
 
 def shell(command: str, cwd: Path | str, timeout: float = 600, **extra_env: str):
-    """Run one README command line through bash, with the venv's scripts first on PATH."""
+    """Run one documented command line (README, docs/) through bash, with the venv's scripts first on PATH."""
     e = env(**extra_env)
     e["PATH"] = os.pathsep.join([str(HEALSWEEP.parent), e.get("PATH", "")])
     return subprocess.run(["bash", "-c", command], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)

@@ -1,5 +1,5 @@
 """A newcomer's commands through the real console script: every --help explains itself, --version, and
-`healsweep export RUN_ID --out DIR` as the README writes it, on a real (small) sweep, with a model card whose
+`healsweep export RUN_ID --out DIR` as docs/usage.md writes it, on a real (small) sweep, with a model card whose
 plain timm code reproduces the logged healed accuracy."""
 from __future__ import annotations
 
