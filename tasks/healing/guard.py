@@ -16,13 +16,6 @@ from tasks.healing.base import HealingDiverged
 REASONS = {1: "loss became {loss}", 2: "non-finite gradient for {param}", 3: "weights became non-finite"}
 
 
-def all_finite(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """() bool on ``device``: every element of every tensor is finite (True for none)."""
-    if not tensors:
-        return torch.ones((), dtype=torch.bool, device=device)
-    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
-
-
 def finite_norms(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(() bool: every tensor finite, () int64: index of the first that is not, len when none) from their L2 norms in
     one foreach launch: a NaN or Inf element makes its tensor's norm NaN or Inf. (A finite tensor whose norm overflows
@@ -33,15 +26,6 @@ def finite_norms(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple
     first = torch.where(ok.all(), torch.full((), len(ok), dtype=torch.int64, device=device),
                         torch.argmin(ok.to(torch.int64)))
     return ok.all(), first
-
-
-def first_false(flags: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """() int64: index of the first False flag among () bool flags, len(flags) when all are True."""
-    if not flags:
-        return torch.zeros((), dtype=torch.int64, device=device)
-    ok = torch.stack(list(flags))  # (n,) bool
-    return torch.where(ok.all(), torch.full((), len(flags), dtype=torch.int64, device=device),  # a fill: no copy
-                       torch.argmin(ok.to(torch.int64)))
 
 
 class DivergenceGuard:

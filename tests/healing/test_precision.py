@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tasks.healing import HEALERS, HealConfig, HealingDiverged, in_memory_batches
-from tasks.healing.guard import DivergenceGuard, first_false
+from tasks.healing.guard import DivergenceGuard, finite_norms
 from tasks.healing.losses import cosine_align_loss
 from tasks.healing.precision import as_f32, precision_flags
 from tasks.pruning import mask_violations
@@ -73,7 +73,10 @@ def test_guard_names_the_first_bad_step_and_undoes_later_ones():
     assert bool(g.record(f, t, torch.tensor(0), t, torch.tensor(float("nan"))))  # step 12: undone too, not named
     with pytest.raises(HealingDiverged, match=r"healer 'h': non-finite gradient for c at epoch 3, step 12"):
         g.raise_if_bad("h", lambda s: f"epoch 3, step {s + 1}", ["a", "b", "c"])
-    assert int(first_false([t, t, f, f], dev)) == 2 and int(first_false([t, t], dev)) == 2
+    ok = [torch.ones(3), torch.zeros(2)]
+    bad = [torch.ones(3), torch.tensor([1.0, float("inf")]), torch.tensor([float("nan")])]
+    assert [(bool(a), int(b)) for a, b in (finite_norms(ok, dev), finite_norms(bad, dev), finite_norms([], dev))] == \
+        [(True, 2), (False, 1), (True, 0)]
 
 
 @pytest.mark.timeout(60)
