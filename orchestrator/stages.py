@@ -159,19 +159,13 @@ def store_paths(uri: str | None, store_dir: Path, cache_dir: Path) -> dict[str, 
             "cache": str(cache_dir)}
 
 
-def mask_gpus(res) -> float:
-    """GPUs per mask / diagnostics task: the dense tasks' request, else the trials' (a GPU spec computes its masks
-    on a GPU; orchestrator/resources.py ``task_gpus``)."""
-    return task_gpus(res)
-
-
 def masks_in_driver(on_cluster: bool, res) -> tuple[bool, str]:
     """The mask stage's placement, a named decision (logged as the parent run's ``mask_placement`` tag): on a
     cluster (--address) or when a GPU is asked, Ray tasks on the workers; on a local Ray without GPUs, in this
     process (same machine, same code path, no task start-up: issue #18's overhead)."""
     if on_cluster:
         return False, "as Ray tasks on the cluster's workers (--address)"
-    if mask_gpus(res) > 0:
+    if task_gpus(res) > 0:
         return False, "as Ray tasks (a GPU is asked for)"
     return True, "in the driver (local Ray, CPU only: a task would only add start-up time)"
 

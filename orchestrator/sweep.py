@@ -15,7 +15,7 @@ from typing import Any
 from orchestrator.console import StageClock, TrialProgress, quiet_libraries
 from orchestrator.plan import Cell, expand_cells, grid_searches
 from orchestrator.planner import decision_line, plan_target_modes
-from orchestrator.resources import trial_device
+from orchestrator.resources import task_gpus, trial_device
 from orchestrator.tune_setup import drop_epoch_checkpoints, make_tuner, trial_config
 from orchestrator.spec import SweepSpec
 
@@ -165,7 +165,7 @@ def dense_and_masks(s: _Sweep, progress: bool) -> None:
     """Dense targets (only what the store lacks), RR diagnostics (cached), masks (content-addressed)."""
     from orchestrator.dense import DenseReport
     from orchestrator.diagnostics import diagnostics_stage
-    from orchestrator.stages import dense_stage, mask_gpus, mask_stage, masks_in_driver
+    from orchestrator.stages import dense_stage, mask_stage, masks_in_driver
 
     spec, clock = s.spec, s.clock
     with clock.stage("planner"):  # store.targets: stream from the store or recompute (measured on a GPU)
@@ -199,7 +199,7 @@ def dense_and_masks(s: _Sweep, progress: bool) -> None:
         s.mask_keys = mask_stage(s.cells, s.models, s.paths["masks"], s.paths["cache"], spec.data_seed,
                                  diagnostics=s.diag.tables(diag_root),
                                  load_kw={m: spec.load_kwargs(m) for m in s.models}, ranking_dir=s.paths["rankings"],
-                                 in_driver=in_driver, resources=(res.cpus_per_dense_task, mask_gpus(res)),
+                                 in_driver=in_driver, resources=(res.cpus_per_dense_task, task_gpus(res)),
                                  device=res.device)
     if s.mask_keys.computed:
         nodes = sorted({r["node_id"] for r in s.mask_keys.computed})

@@ -153,7 +153,7 @@ class TargetReader:
         w = self.windows(shuffle=shuffle, seed=seed, epoch=epoch, window=window)
         return np.concatenate([o for _, o in w]) if w else np.zeros(0, np.int64)
 
-    def _produce(self, batch_size: int, drop_last: bool, wins, pin: bool) -> Iterator[Batch]:
+    def _produce(self, batch_size: int, drop_last: bool, wins) -> Iterator[Batch]:
         left_rows = np.zeros(0, np.int64)  # rows carried into the next window (< batch_size)
         left = {n: np.zeros((0, w), np.uint16) for n, w in self._widths.items()}
         for group, order in wins:
@@ -172,19 +172,19 @@ class TargetReader:
                 left = {n: np.concatenate([left[n], win[n][:i]]) for n in self.block_names}
                 if left_rows.size < batch_size:
                     continue
-                yield left_rows, self._tensors(left, pin)
+                yield left_rows, self._tensors(left)
                 left_rows = np.zeros(0, np.int64)
             while order.size - i >= batch_size:
-                yield order[i:i + batch_size], self._tensors({n: v[i:i + batch_size] for n, v in win.items()}, pin)
+                yield order[i:i + batch_size], self._tensors({n: v[i:i + batch_size] for n, v in win.items()})
                 i += batch_size
             left_rows = order[i:].copy()
             left = {n: v[i:].copy() for n, v in win.items()}
         if left_rows.size and not drop_last:
-            yield left_rows, self._tensors(left, pin)
+            yield left_rows, self._tensors(left)
 
-    def _tensors(self, cols: dict[str, np.ndarray], pin: bool) -> dict[str, torch.Tensor]:
-        out = {n: from_u16(np.ascontiguousarray(a), self.dtype, self.block_shapes[n]) for n, a in cols.items()}
-        return {n: t.pin_memory() for n, t in out.items()} if pin else out
+    def _tensors(self, cols: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """CPU batches (a GPU's are gathered into pinned memory by tasks/store/stream.py)."""
+        return {n: from_u16(np.ascontiguousarray(a), self.dtype, self.block_shapes[n]) for n, a in cols.items()}
 
     def iter_batches(self, batch_size: int, *, shuffle: bool = False, seed: int = 0, epoch: int = 0,
                      drop_last: bool = False, window: int = 1, prefetch: int = 2,
@@ -205,7 +205,7 @@ class TargetReader:
             copier = DeviceCopier(dev)
             gen = (copier.send(b) for b in gathered_batches(self, batch_size, drop_last, wins, pin=True))
         else:
-            gen = self._produce(batch_size, drop_last, wins, pin=False)
+            gen = self._produce(batch_size, drop_last, wins)
         if prefetch > 0:
             gen = _prefetched(gen, prefetch)
         streamed = 0

@@ -12,7 +12,7 @@ from tests.store.test_store import KEY, make_blocks, write_all
 def _pairs(reader, batch, **kw):
     wins = reader.windows(shuffle=kw.get("shuffle", False), seed=kw.get("seed", 0), epoch=kw.get("epoch", 0),
                           window=kw.get("window", 1))
-    old = list(reader._produce(batch, kw.get("drop_last", False), wins, pin=False))
+    old = list(reader._produce(batch, kw.get("drop_last", False), wins))
     new = list(gathered_batches(reader, batch, kw.get("drop_last", False), wins, pin=False))
     return old, new
 
