@@ -10,6 +10,7 @@ pair on identical masks, pruners pair on the seed). Warnings: winners on the sea
 """
 from __future__ import annotations
 
+import html as _h
 import math
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ def boundary(row, bounds: dict | None) -> str:
 
 def edges(row, bounds: dict | None) -> dict[str, str]:
     """The search-space edges the winner ``row`` sits on: {"lr_cap" | "lr_floor" | "length_cap": reason}
-    (``boundary`` joins the reasons; orchestrator/widen.py searches past these edges)."""
+    (``boundary`` joins the reasons; orchestrator/lifecycle/widen.py searches past these edges)."""
     if not bounds or pd.isna(row.get("lr")) or float(row.get("lr") or 0) <= 0:
         return {}
     lo, hi = bounds["lr"]
@@ -272,7 +273,7 @@ def findings(best: pd.DataFrame, model: str, recs: list[dict], cts: dict | None,
              objective: str = "selection_acc", widened: dict | None = None) -> list[Findings]:
     """One ``Findings`` per grid of this model (grids are never mixed). ``trials``: the model's trials, for the
     label-free objective's agreement (analysis/heldout_agreement.py). ``objective``: what picked each cell's
-    winner (the sweep's search objective). ``widened``: cell id -> widening note (orchestrator/widen.py)."""
+    winner (the sweep's search objective). ``widened``: cell id -> widening note (orchestrator/lifecycle/widen.py)."""
     from .heldout_agreement import agreement, agreement_line
 
     grids = grid_names(best)
@@ -395,7 +396,6 @@ def findings_md(fs: list[Findings], how: str) -> list[str]:
 def findings_html(fs: list[Findings], how: str) -> list[str]:
     """Per model: the best method at each sparsity and short warning flags, then the ranges table (columns equal
     on every row shown once in its caption), the best-per-sparsity table and the warnings in full."""
-    import html as _h
     e = _h.escape
     heads = dict(zip(Range.__dataclass_fields__, _RANGE_HEADS))
     ht = ['<section id="findings"><h2>Findings</h2><div class="models">']

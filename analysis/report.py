@@ -266,7 +266,7 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
     ``settings``: optional ``{"cts": {...CTSSettings fields}, "bands": {...BandSettings fields}}``.
     ``search``: optional ``{grid: {"lr": [lo, hi], "epochs": [lo, hi]}}``: the search space of each grid, to flag
     winners on its boundary (``findings.boundary``; also tagged ``search_boundary`` on the winning MLflow run).
-    ``widened``: cell id -> the search box of its last widening round (orchestrator/widen.py; ``widened_cells``
+    ``widened``: cell id -> the search box of its last widening round (orchestrator/lifecycle/widen.py; ``widened_cells``
     reads them from sweep.json): those cells' boundary is that box, and the findings name them.
     Each cell's winner is picked by the sweep's search objective (the parent run's ``objective`` param).
     """

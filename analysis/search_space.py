@@ -1,5 +1,5 @@
 """The search space a sweep searched, as the report reads it back: each grid's bounds (from sweep.json's spec),
-the boxes of widening rounds (sweep.json ``widenings``, written by orchestrator/widen.py), and the
+the boxes of widening rounds (sweep.json ``widenings``, written by orchestrator/lifecycle/widen.py), and the
 ``search_boundary`` flag on winners whose lr or training length sits on the edge of that space
 (``analysis.findings.boundary``)."""
 from __future__ import annotations
@@ -63,7 +63,7 @@ def search_bounds(spec: dict | None) -> dict | None:
 
 def widened_cells(meta: dict) -> dict:
     """cell id -> {"round", "lr", "epochs"/"steps"}: the last widening round of each cell (sweep.json
-    ``widenings``, written by orchestrator/widen.py)."""
+    ``widenings``, written by orchestrator/lifecycle/widen.py)."""
     out = {}
     for w in meta.get("widenings") or []:
         for cid, box in (w.get("cells") or {}).items():

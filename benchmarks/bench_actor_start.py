@@ -1,5 +1,5 @@
 """How long a fresh trial actor takes to be ready: process start -> Ray Tune imported -> the trainable imported
-(orchestrator.trainable: torch, tasks/) -> the reference model built (tasks.models.load_model: timm, the
+(orchestrator.raytune.trainable: torch, tasks/) -> the reference model built (tasks.models.load_model: timm, the
 checkpoint, the dataset) -> the adapter found. That is everything a trial does before its first healing step that
 does not depend on the sweep's store; the first epoch then adds the trial's own compute (in Σ trial compute).
 
@@ -28,13 +28,13 @@ def probe(cache: str) -> dict:
     import time
 
     t0 = time.perf_counter()
-    from orchestrator.console import process_age  # light: no torch
+    from orchestrator.sweep.console import process_age  # light: no torch
 
     python = process_age()
     import ray.tune  # noqa: F401  (what every Tune function-trainable actor imports)
 
     t1 = time.perf_counter()
-    import orchestrator.trainable  # noqa: F401
+    import orchestrator.raytune.trainable  # noqa: F401
 
     t2 = time.perf_counter()
     from tasks.models import get_adapter, load_model

@@ -31,9 +31,9 @@ def main() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    from orchestrator.dense import dense_stage
+    from orchestrator.sweep.dense import dense_stage
     from orchestrator.spec import parse_spec
-    from orchestrator.stages import prepare_models
+    from orchestrator.sweep.stages import prepare_models
 
     spec = parse_spec({"name": "bench", "models": [a.model], "sparsities": [0.5], "calib_sizes": [320],
                        "pruners": ["magnitude"], "healers": ["starfish"], "store": {"shard_size": a.shard_size}})

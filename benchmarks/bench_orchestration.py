@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--num-cpus", type=int, default=2)
     a = ap.parse_args()
     from orchestrator.spec import load_spec
-    from orchestrator.sweep import run_sweep
+    from orchestrator.sweep.run import run_sweep
 
     spec = load_spec(a.spec)
     root = Path(tempfile.mkdtemp(prefix="healsweep-orch-bench-"))

@@ -102,19 +102,19 @@ def run_authors(a, configs: list[tuple[float, float]]) -> dict:
 def tune_floor(trials: int, parallel: int) -> None:
     """Ray Tune itself, nothing computed: a fresh local Ray, ``trials`` trials on ``parallel`` reused actors
     (as a sweep runs them) whose trainable imports what a healsweep trial actor imports before its first trial
-    (Ray Tune, orchestrator.trainable: torch and tasks/) and reports once, then shutdown; the Tune settings
-    healsweep uses (orchestrator.console.quiet_libraries: no auto loggers, ...). No healsweep run with Ray Tune
+    (Ray Tune, orchestrator.raytune.trainable: torch and tasks/) and reports once, then shutdown; the Tune settings
+    healsweep uses (orchestrator.sweep.console.quiet_libraries: no auto loggers, ...). No healsweep run with Ray Tune
     can take less; its trials' compute comes on top. What a trial imports later, inside ``run_trial`` (timm when
     it builds a reference model: timm -> torchvision.ops -> torch._dynamo, 1.8-4 s in a fresh actor), is inside
     the trial's ``trial_seconds`` and so in Σ trial compute: the floor does not import it again."""
-    from orchestrator.console import quiet_libraries
+    from orchestrator.sweep.console import quiet_libraries
 
     quiet_libraries(False)
     import ray
     from ray import tune
 
     def trainable(config):
-        import orchestrator.trainable  # noqa: F401
+        import orchestrator.raytune.trainable  # noqa: F401
 
         tune.report({"done": 1})
 

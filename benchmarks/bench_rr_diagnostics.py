@@ -67,9 +67,9 @@ def main() -> None:
 def ray_stage(model: str, cache: str, images: int) -> dict:
     import ray
 
-    from orchestrator.diagnostics import diagnostics_stage
-    from orchestrator.plan import Cell
-    from orchestrator.model_facts import ModelInfo
+    from orchestrator.sweep.diagnostics import diagnostics_stage
+    from orchestrator.spec.plan import Cell
+    from orchestrator.sweep.model_facts import ModelInfo
 
     lm = load_model(model, cache, progress=False)
     info = ModelInfo(model, lm.digest, 0.0, "conv", (), "0" * 32, lm.dataset.split_digest("calibration"))

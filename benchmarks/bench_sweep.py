@@ -47,7 +47,7 @@ def main() -> None:
         dirs = a.runs
     else:
         from orchestrator.spec import load_spec
-        from orchestrator.sweep import run_sweep
+        from orchestrator.sweep.run import run_sweep
 
         spec = load_spec(a.spec)
         root = Path(tempfile.mkdtemp(prefix="healsweep-bench-"))

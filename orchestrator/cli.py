@@ -2,15 +2,19 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
+import os
 import sys
+import traceback
+from importlib.metadata import PackageNotFoundError, version
 
 from orchestrator.commands import COMMANDS
 from orchestrator.commands.common import CliError
+from orchestrator.rundir.faults import one_line
 
 
 def package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("healsweep")
@@ -37,10 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as e:
         print(f"healsweep: error: {e}", file=sys.stderr)
         code = 2
-    except KeyboardInterrupt:  # Ctrl-C before a sweep handles it (orchestrator/interrupt.py): no traceback
+    except KeyboardInterrupt:  # Ctrl-C before a sweep handles it (orchestrator/rundir/interrupt.py): no traceback
         print("healsweep: interrupted", file=sys.stderr)
         code = 130
-    except Exception as e:  # a full disk, a damaged database: one line (orchestrator/faults.py); else a bug
+    except Exception as e:  # a full disk, a damaged database: one line (orchestrator/rundir/faults.py); else a bug
         code = fault_exit(e, args)
     if argv is None and "torch" in sys.modules:  # the console script, after a command that loaded torch/Ray
         exit_now(code)
@@ -50,14 +54,11 @@ def main(argv: list[str] | None = None) -> int:
 def fault_exit(e: Exception, args) -> int:
     """A fault at the edges as one line on stderr and its exit code (--verbose: its traceback too); anything
     else is raised again."""
-    from orchestrator.faults import one_line
 
     found = one_line(e, getattr(args, "resume", None) or getattr(args, "dir", None) or getattr(args, "out", None))
     if found is None:
         raise e
     if getattr(args, "verbose", False):
-        import traceback
-
         traceback.print_exception(e)
     print(f"healsweep: error: {found[0]}", file=sys.stderr)
     return found[1]
@@ -66,8 +67,6 @@ def fault_exit(e: Exception, args) -> int:
 def exit_now(code: int) -> None:
     """End the process without the interpreter's module teardown (2-3 s with torch, Ray and MLflow loaded):
     atexit handlers run and streams are flushed first; every file a command writes is closed by then."""
-    import atexit
-    import os
 
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

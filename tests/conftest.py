@@ -129,7 +129,7 @@ from tests.cluster_fixtures import aws_env, mlflow_server, moto_s3, postgres_url
 def _session_caches(tmp_path_factory):
     """Per-session directories instead of the checkout's .healsweep/: compatibility verdicts
     (orchestrator/spec/verdicts.py; every test session checks each spec in full once) and MLflow store templates
-    (orchestrator/mlflow_template.py; made from the installed MLflow)."""
+    (orchestrator/tracking/template.py; made from the installed MLflow)."""
     import os
 
     dirs = {"HEALSWEEP_CHECK_CACHE": "checks", "HEALSWEEP_MLFLOW_TEMPLATES": "mlflow-templates"}

@@ -243,7 +243,7 @@ def completed(run_dir: Path) -> int:
     """Trials told COMPLETE in the run directory's Optuna journal (0 before it exists)."""
     from optuna.trial import TrialState
 
-    from orchestrator.resume import told_states
+    from orchestrator.rundir.files import told_states
 
     journal = Path(run_dir) / "optuna.journal"
     return sum(s == TrialState.COMPLETE for s in told_states(journal).values()) if journal.exists() else 0
@@ -352,7 +352,7 @@ def run_on_nodes(spec: Path, work: Path, store: Path, cache: Path, head_cpus: in
             n.stop()
 
 
-TRAINABLE = "tune_trainable"  # orchestrator.trainable's function: Ray's actor name for a trial actor
+TRAINABLE = "tune_trainable"  # orchestrator.raytune.trainable's function: Ray's actor name for a trial actor
 
 
 def trial_actors(logs_dir: Path, trial_pids: set[str]) -> dict[str, bool]:

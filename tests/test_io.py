@@ -35,7 +35,7 @@ def test_every_local_writer_goes_through_atomic_write(tmp_path, monkeypatch):
     import pyarrow as pa
 
     import tasks._io as io
-    from orchestrator.resume import write_sweep
+    from orchestrator.rundir.files import write_sweep
     from tasks.store._fs import StoreFS
 
     seen = []

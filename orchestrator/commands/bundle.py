@@ -4,6 +4,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import orchestrator
+from orchestrator.bundle.build import BundleRequest, build_bundle, read_present
+from orchestrator.bundle.resolve import BundleError
 from orchestrator.commands.common import CliError
 
 DESCRIPTION = """\
@@ -57,8 +60,6 @@ def add_parser(sub):
 
 
 def main(args: argparse.Namespace) -> int:
-    from orchestrator.bundle.build import BundleRequest, build_bundle, read_present
-    from orchestrator.bundle.resolve import BundleError
 
     index: list[str] = ["--no-index"] if args.no_index else []
     index += ["--index-url", args.index_url] if args.index_url else []
@@ -79,6 +80,5 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _checkout() -> Path:
-    import orchestrator
 
     return Path(orchestrator.__file__).resolve().parent.parent

@@ -1,7 +1,10 @@
 """Shared CLI helpers: user errors become one line on stderr and exit code 2."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+
+from orchestrator.rundir import interrupt
 
 DEFAULT_HOME = Path(".healsweep")
 
@@ -27,9 +30,6 @@ def interrupted_exit(res) -> int:
     """A sweep (or round) that SIGINT/SIGTERM interrupted: its one line on stderr, and 128 + the signal; else 0."""
     if res.interrupted is None:
         return 0
-    import sys
-
-    from orchestrator import interrupt
 
     print(interrupt.line(res.trials_finished, res.trials_planned, res.trials_failed, res.out_dir), file=sys.stderr)
     return interrupt.exit_code(res.interrupted)

@@ -4,6 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.commands.common import CliError
+from orchestrator.lifecycle import doctor
+from orchestrator.rundir.files import ResumeError
+from orchestrator.sweep.console import quiet_libraries
 
 
 def add_parser(sub):
@@ -25,11 +28,8 @@ def add_parser(sub):
 
 
 def main(args) -> int:
-    from orchestrator.console import quiet_libraries
-    from orchestrator.resume import ResumeError
 
     quiet_libraries(args.verbose)
-    from orchestrator import doctor
 
     try:
         return doctor.run(Path(args.dir), args.repair)

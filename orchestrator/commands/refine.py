@@ -4,7 +4,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.commands.common import CliError, interrupted_exit
-from orchestrator.refine import MAX_TRIALS  # a light module: its heavy imports are inside functions
+from orchestrator.lifecycle.continuation import RefineError
+from orchestrator.lifecycle.refine import (
+    MAX_TRIALS,  # a light module: its heavy imports are inside functions
+    duration,
+    run_refinement,
+)
+from orchestrator.lifecycle.widen import run_widening
+from orchestrator.raytune.cluster import ClusterError
+from orchestrator.rundir import faults
+from orchestrator.rundir.files import ResumeError
 
 
 def add_parser(sub):
@@ -26,7 +35,7 @@ def add_parser(sub):
                    help="refuse a refinement of more than N trials (default: %(default)s)")
     p.add_argument("--widen", action="store_true",
                    help="instead of a fine sparsity grid: search past the search-space boundary for the cells whose "
-                        "winner sits on it (orchestrator/widen.py; what search.widen does after a run)")
+                        "winner sits on it (orchestrator/lifecycle/widen.py; what search.widen does after a run)")
     p.add_argument("--widen-factor", type=float, default=4.0, metavar="F",
                    help="with --widen: move each hit edge of the search box by this factor (default: %(default)s)")
     p.add_argument("--widen-rounds", type=int, default=1, metavar="N",
@@ -43,9 +52,6 @@ def _listing(xs: list[float], head: int = 4) -> str:
 
 
 def main(args) -> int:
-    from orchestrator.cluster import ClusterError
-    from orchestrator.refine import RefineError, duration, run_refinement
-    from orchestrator.resume import ResumeError
 
     if args.widen:
         return _widen(args)
@@ -54,9 +60,8 @@ def main(args) -> int:
                               num_cpus=args.num_cpus, dry_run=args.dry_run, max_trials=args.max_trials)
     except (RefineError, ResumeError, ClusterError) as e:  # ResumeError: e.g. another live driver holds the run dir
         raise CliError(str(e)) from None
-    from orchestrator import faults
 
-    faults.raise_stopped()  # a fault that stopped the round (a full disk): one line, exit 1 (orchestrator/faults.py)
+    faults.raise_stopped()  # a fault that stopped the round (a full disk): one line, exit 1 (orchestrator/rundir/faults.py)
     lo, hi = plan["interval"]
     n, t, per = len(plan["sparsities"]), plan["trials"], plan["seconds_per_trial"]
     print(f"transition band {lo:g}–{hi:g}: {n} new sparsit{'y' if n == 1 else 'ies'} ({_listing(plan['sparsities'])})")
@@ -74,10 +79,6 @@ def main(args) -> int:
 
 
 def _widen(args) -> int:
-    from orchestrator.cluster import ClusterError
-    from orchestrator.refine import RefineError
-    from orchestrator.resume import ResumeError
-    from orchestrator.widen import run_widening
 
     if args.widen_rounds < 1:
         raise CliError(f"--widen-rounds must be >= 1, got {args.widen_rounds}")

@@ -6,6 +6,12 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from orchestrator.commands.common import CliError
+from orchestrator.lifecycle.resume import DB_FILE, db_problem, own_db
+from orchestrator.rundir.faults import damaged
+from orchestrator.rundir.files import ResumeError, read_sweep
+from orchestrator.rundir.records import TRIALS_FILE
+from orchestrator.sweep.console import quiet_libraries
+from orchestrator.tracking.store import relocate
 
 
 def add_parser(sub):
@@ -34,7 +40,6 @@ def sqlite_path(uri: str) -> Path | None:
 
 def check_sweep(d: Path) -> dict:
     """sweep.json of ``d`` after checking that its sweep exists in MLflow, without creating anything there."""
-    from orchestrator.resume import ResumeError, read_sweep
 
     if not (d / "sweep.json").is_file():
         raise CliError(f"no sweep in {d} (no sweep.json)")
@@ -58,7 +63,6 @@ def check_sweep(d: Path) -> dict:
 
 
 def _missing(d: Path, db: Path) -> str:
-    from orchestrator.records import TRIALS_FILE
 
     fix = f" (rebuild it from {TRIALS_FILE} with healsweep doctor {d} --repair)" if (d / TRIALS_FILE).is_file() else ""
     return f"no sweep in {d}: its MLflow database {db} is missing{fix}"
@@ -67,8 +71,6 @@ def _missing(d: Path, db: Path) -> str:
 def _own_db_missing(d: Path) -> bool:
     """The run directory's own SQLite database is gone (a copied run directory must not be reported from the
     database it was copied from)."""
-    from orchestrator.resume import ResumeError, read_sweep
-    from orchestrator.runfiles import own_db
 
     try:
         info = read_sweep(d)
@@ -78,9 +80,6 @@ def _own_db_missing(d: Path) -> bool:
 
 
 def main(args) -> int:
-    from orchestrator.console import quiet_libraries
-    from orchestrator.faults import damaged
-    from orchestrator.runfiles import DB_FILE, db_problem
 
     quiet_libraries(False)  # no MLflow "Downloading artifacts" bars (the parent run's diagnostics)
     d = Path(args.dir)
@@ -90,8 +89,6 @@ def main(args) -> int:
     if (d / "sweep.json").is_file() and _own_db_missing(d):
         raise CliError(_missing(d, d / DB_FILE))
     if (d / "sweep.json").is_file():
-        from orchestrator.cluster import relocate
-
         try:
             relocate(d)  # a copied or moved run directory reads its own MLflow store and artifacts
         except (ValueError, OSError):

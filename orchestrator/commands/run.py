@@ -2,9 +2,21 @@
 from __future__ import annotations
 
 import argparse
+import os
+import threading
+import time
+from dataclasses import replace
 from pathlib import Path
 
 from orchestrator.commands.common import DEFAULT_HOME, CliError, interrupted_exit, load_spec_or_exit
+from orchestrator.lifecycle.continuation import RefineError
+from orchestrator.lifecycle.resume import check_resumable, prepare_resume
+from orchestrator.lifecycle.widen import run_widening
+from orchestrator.raytune.cluster import ClusterError, check_store_uri, connect  # light: no ray import
+from orchestrator.rundir import faults
+from orchestrator.rundir.files import ResumeError, probe_run_dir, read_sweep
+from orchestrator.sweep.background import background
+from orchestrator.sweep.console import StageClock, process_age, quiet_libraries
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -44,10 +56,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def main(args) -> int:
     if getattr(args, "offline", False):
-        import os
-
         os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"  # inherited by Ray workers
-    from orchestrator.console import StageClock, process_age, quiet_libraries
 
     quiet_libraries(args.verbose)  # before Ray/Tune/MLflow are imported
     clock = StageClock(enabled=not args.quiet)
@@ -57,7 +66,6 @@ def main(args) -> int:
         res = _run(args, spec, out, store, cache, clock, owns_ray, models)
     finally:
         _shutdown_ray(owns_ray)  # run_sweep shuts it down itself unless it failed before its own try
-    from orchestrator import faults
 
     faults.raise_stopped()  # a fault that stopped the trials (a full disk under the record): one line, exit 1
     print(f"sweep {res.sweep_id}: {res.trials_finished} trials finished, {res.trials_failed} failed, "
@@ -76,10 +84,6 @@ def _resolve_while_ray_starts(args, clock) -> tuple:
     Measured on 2 cores (configs/tiny.yaml, quiet): the trials start ~2-4 s sooner than with the three one after
     another.
     -> (spec, run dir, store dir, model cache, models or None, whether this call started Ray)."""
-    import time
-
-    from orchestrator.cluster import ClusterError, connect
-    from orchestrator.background import background
 
     _precheck(args)
 
@@ -108,9 +112,9 @@ def _resolve_while_ray_starts(args, clock) -> tuple:
 
 
 def _models(spec, store: Path, cache: Path, clock, progress: bool) -> dict:
-    """The models stage of a sweep on a local instance (orchestrator/sweep.py takes them as ``models``)."""
-    from orchestrator.stages import prepare_models, store_paths
-    from orchestrator.sweep import models_line
+    """The models stage of a sweep on a local instance (orchestrator/sweep/run.py takes them as ``models``)."""
+    from orchestrator.sweep.run import models_line
+    from orchestrator.sweep.stages import prepare_models, store_paths
     from tasks.data import DatasetError
     from tasks.models import ModelSourceError
 
@@ -130,17 +134,16 @@ def _import_sweep_modules() -> None:
     from scipy.stats import qmc  # noqa: F401  (orchestrator.search.lattice.sobol_points)
 
     import orchestrator.search  # noqa: F401  (ray.tune.search)
-    import orchestrator.tracking  # noqa: F401
+    import orchestrator.tracking.logger  # noqa: F401
 
 
 def _import_mlflow_aside():
     """MLflow's client and SQL store modules (~1.7 CPU-s: SQLAlchemy, Alembic, the ORM mappers) imported in a thread
     of their own, started once the spec is checked: Ray's start leaves a core idle for ~1-2 s on 2 cores (its
     processes wait on each other) and this fills it. Without it the parent stage imports them while Tune starts
-    the trial actors, whose own imports already keep every core busy (orchestrator/parent_stage.py). Nothing
+    the trial actors, whose own imports already keep every core busy (orchestrator/sweep/parent.py). Nothing
     waits for this thread: the parent stage's import waits on the import lock for whatever is left. A failed
     import is left to raise where MLflow is used. -> the thread (not a daemon: exit waits for an import)."""
-    import threading
 
     def imports() -> None:
         try:
@@ -165,8 +168,7 @@ def _precheck(args) -> None:
     """The checks that need neither the spec's registries nor Ray: flags, paths, --resources, the spec file's
     registry-free checks (spec.parse.check_plain; or the --resume record), and the run directory neither holding
     another sweep nor held by a live driver: CliError (one line) before Ray starts."""
-    from orchestrator.resources import parse_override
-    from orchestrator.resume import ResumeError, probe_run_dir, read_sweep
+    from orchestrator.raytune.resources import parse_override
     from orchestrator.spec import SpecError
     from orchestrator.spec.parse import check_plain
 
@@ -184,8 +186,6 @@ def _precheck(args) -> None:
                 raise CliError("--resume DIR takes no SPEC, --out or --dry-run: the sweep's spec and paths are in DIR")
             read_sweep(Path(args.resume))
             probe_run_dir(Path(args.resume), resume=True)
-            from orchestrator.runfiles import check_resumable
-
             check_resumable(Path(args.resume))  # a damaged database, journal or record: one line before Ray
         elif not args.spec:
             raise CliError("run: give a SPEC file, or --resume DIR")
@@ -198,9 +198,7 @@ def _precheck(args) -> None:
 
 def _resolve(args) -> tuple:
     """(spec, run dir, store dir, model cache) from the arguments or a resumed run dir; CliError when bad."""
-    from orchestrator.cluster import ClusterError, check_store_uri  # light: no ray import
-    from orchestrator.resources import override_resources
-    from orchestrator.resume import ResumeError, read_sweep
+    from orchestrator.raytune.resources import override_resources
     from orchestrator.spec import SpecError, parse_spec
 
     store, cache = Path(args.store or DEFAULT_HOME / "store"), Path(args.cache)
@@ -251,25 +249,20 @@ def _dry_run(args) -> tuple:
 
 
 def _run(args, spec, out: Path, store: Path, cache: Path, clock, owns_ray: bool = False, models: dict | None = None):
-    """The sweep, then its widening rounds when the spec asks for them (orchestrator/widen.py)."""
-    from orchestrator.cluster import ClusterError
-    from orchestrator.dense import StoreBudgetError
-    from orchestrator.refine import RefineError
-    from orchestrator.resume import ResumeError
-    from orchestrator.sweep import run_sweep
+    """The sweep, then its widening rounds when the spec asks for them (orchestrator/lifecycle/widen.py)."""
+    from orchestrator.sweep.dense import StoreBudgetError
+    from orchestrator.sweep.run import run_sweep
     from tasks.data import DatasetError
     from tasks.models import ModelSourceError
 
     try:
         widen = spec.search.widen  # extra rounds past the search boundary
+        if args.resume:
+            prepare_resume(out)  # damaged files: one line; torn last lines dropped; journal agrees with the record
         res = run_sweep(spec, out, store, cache, address=args.address, progress=not args.quiet,
                         report=not args.no_report and not widen, num_cpus=args.num_cpus, resume=bool(args.resume),
                         verbose=args.verbose, clock=clock, owns_ray=owns_ray, models=models)
-        from orchestrator import faults
-
         if widen and res.interrupted is None and faults.stopped() is None:  # a fault: no widening round
-            from orchestrator.widen import run_widening
-
             rounds = run_widening(out, widen["rounds"], widen["factor"], address=args.address,
                                   progress=not args.quiet, num_cpus=args.num_cpus, report=not args.no_report,
                                   total=True)
@@ -283,7 +276,6 @@ def _run(args, spec, out: Path, store: Path, cache: Path, clock, owns_ray: bool 
 
 def _widened(res, rounds: list[dict], out: Path, report: bool):
     """The sweep's result with the widening rounds' trials added (and the report they rewrote)."""
-    from dataclasses import replace
 
     for d in rounds:
         print(f"widen round {d['round']}: {len(d['cells'])} cells on the search boundary searched past it")

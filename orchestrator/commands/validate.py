@@ -1,6 +1,8 @@
 """healsweep validate SPEC: check a spec and print its grid size, without running anything."""
 from __future__ import annotations
 
+from collections import Counter, defaultdict
+
 from orchestrator.commands.common import load_spec_or_exit
 
 
@@ -16,11 +18,10 @@ def add_parser(sub):
 
 
 def main(args) -> int:
-    from collections import Counter, defaultdict
 
     spec = load_spec_or_exit(args.spec)  # a bad spec is answered before torch is imported
 
-    from orchestrator.plan import expand_cells, grid_searches
+    from orchestrator.spec.plan import expand_cells, grid_searches
     from tasks.healing import resolve_healer
 
     searches = grid_searches(spec)

@@ -5,9 +5,23 @@ the default; ``tpe``; ``grid``). The contract is in ``base``; the sweep only cal
 Tune adapter in ``tune``. Importing this package registers the built-in designs (timm's pattern).
 """
 from orchestrator.search import designs  # noqa: F401 - registers the built-in designs
-from orchestrator.search.base import (DONE, FINISHED, MAX_REEVALUATE, REEVALUATE, SEARCH, Ask, Budget, SearchDesign,
-                                      cell_sampler_seed, fixed_cell, journal_cells, open_journal, reevaluation_seeds,
-                                      resolve_epochs, study_label)
+from orchestrator.search.base import (
+    DONE,
+    FINISHED,
+    MAX_REEVALUATE,
+    REEVALUATE,
+    SEARCH,
+    Ask,
+    Budget,
+    SearchDesign,
+    cell_sampler_seed,
+    fixed_cell,
+    journal_cells,
+    open_journal,
+    reevaluation_seeds,
+    resolve_epochs,
+    study_label,
+)
 from orchestrator.search.registry import DESIGNS
 from orchestrator.search.tune import DesignSearcher, PerCellOptunaSearch, budget_of, make_searcher
 

@@ -270,7 +270,7 @@ class SearchDesign:
         return Ask(slot.cell_id, number, self._params(slot.cell_id, study.trials[number].params))
 
     def _derive_params(self, slot: _Slot, study: optuna.Study) -> None:
-        """An asked trial whose parameters a rebuilt journal lost (orchestrator/rebuild.py): derived again the way
+        """An asked trial whose parameters a rebuilt journal lost (orchestrator/tracking/rebuild.py): derived again the way
         its first ask derived them (the design's proposal for that number, else the sampler seeded by the trial
         number), so it runs again as it would have; TPE past its random start-up draws from a history that now
         holds later trials too: a fresh draw in the same space."""

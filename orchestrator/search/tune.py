@@ -28,6 +28,10 @@ from orchestrator.search.base import FINISHED, SEARCH, Ask, Budget, SearchDesign
 from orchestrator.search.registry import DESIGNS
 
 
+def _raise(e: BaseException) -> None:
+    raise e
+
+
 class DesignSearcher(Searcher):
     def __init__(self, design: SearchDesign, *, metric: str = "selection_acc", mode: str = "max",
                  defer: Callable[[Callable[[], None]], None] | None = None, epochs_max: int | None = None) -> None:
@@ -36,17 +40,20 @@ class DesignSearcher(Searcher):
         self._defer = defer or (lambda fn: fn())
         self._asha_epochs = {"epochs": epochs_max} if design.asha and epochs_max else {}
         self._live: dict[str, Ask] = {}  # tune trial id -> the design's ask
-        self.record: Callable[[Ask, float | None, TrialState], None] | None = None  # orchestrator/recorder.py
+        self.record: Callable[[Ask, float | None, TrialState], None] | None = None  # orchestrator/tracking/recorder.py
+        # A fault that is not the trial's own (a full disk): the sweep's handler stops the sweep (orchestrator/
+        # rundir/faults.py ``stop``, set by the trials stage); without one the error is raised here.
+        self.on_fault: Callable[[BaseException], None] = _raise
         self._untold = _Pending()  # tells handed to ``defer`` and not yet run
 
     # Tune pickles the searcher with the Tuner (tuner.pkl): the count of queued tells and the recorder are this
     # process's only.
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_untold", "record")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_untold", "record", "on_fault")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._untold, self.record = _Pending(), None
+        self._untold, self.record, self.on_fault = _Pending(), None, _raise
 
     @property
     def total(self) -> int:
@@ -104,10 +111,9 @@ class DesignSearcher(Searcher):
         self._report(trial_id, result)  # the last result of an early-stopped trial never reached on_trial_result
         a = self._live.pop(trial_id)
         if result and result.get("disk_full"):  # not the trial's fault: the sweep stops, the trial stays untold
-            from orchestrator import faults
             from tasks._io import DiskFullError
 
-            faults.stop(DiskFullError(result.get("disk_full_path") or "?", int(result.get("disk_full_needed") or 0)))
+            self.on_fault(DiskFullError(result.get("disk_full_path") or "?", int(result.get("disk_full_needed") or 0)))
             return
         if error or not result or self.metric not in result or result.get("diverged"):
             self._tell(lambda: self._told(a, None, TrialState.FAIL))

@@ -10,8 +10,7 @@ from orchestrator.spec.grids import GRID_KEYS, MAIN, SEARCH_KEYS, views
 from orchestrator.spec.load import MAX_ALIASES, MAX_BYTES, load_spec, read_yaml
 from orchestrator.spec.parse import parse_spec
 from orchestrator.spec.reach import check_tracking, configured_tracking_uri
-from orchestrator.spec.schema import (GridSpec, HealSpec, MethodRef, MlflowSpec, ResourceSpec, SearchSpec, StoreSpec,
-                                      SweepSpec)
+from orchestrator.spec.schema import GridSpec, HealSpec, MethodRef, MlflowSpec, ResourceSpec, SearchSpec, StoreSpec, SweepSpec
 
 __all__ = ["SpecError", "MAX_EPOCHS", "MAX_LIST", "MAX_SEED", "MAX_TRIALS", "MAX_TRIALS_PER_CELL", "GRID_KEYS", "MAIN",
            "SEARCH_KEYS", "views", "MAX_ALIASES", "MAX_BYTES", "load_spec", "read_yaml", "parse_spec", "check_tracking",

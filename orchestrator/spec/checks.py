@@ -7,6 +7,7 @@ excerpt of the offending value (``excerpt``): a spec can be large or hostile (do
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import Any, Mapping
 
@@ -48,7 +49,6 @@ class SpecError(ValueError):
 
 def max_trials() -> int:
     """MAX_TRIALS, or a deliberate larger (or smaller) bound from the HEALSWEEP_MAX_TRIALS environment variable."""
-    import os
 
     v = os.environ.get("HEALSWEEP_MAX_TRIALS", "")
     return int(v) if v.isdigit() else MAX_TRIALS

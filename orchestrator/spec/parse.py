@@ -13,10 +13,30 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from orchestrator.spec.checks import (DESIGNS, MAX_EPOCHS, MAX_LATTICE, MAX_REEVALUATE, MAX_SEED, MAX_STEPS,
-                                      MAX_TRIALS_PER_CELL, MAX_WIDEN_ROUNDS, OBJECTIVES, PRECISIONS, DEVICES,
-                                      SpecError, check_bool, check_choice, check_keys, check_list, check_name, check_num,
-                                      check_pair, check_str, excerpt, join)
+from orchestrator.spec.checks import (
+    DESIGNS,
+    DEVICES,
+    MAX_EPOCHS,
+    MAX_LATTICE,
+    MAX_REEVALUATE,
+    MAX_SEED,
+    MAX_STEPS,
+    MAX_TRIALS_PER_CELL,
+    MAX_WIDEN_ROUNDS,
+    OBJECTIVES,
+    PRECISIONS,
+    SpecError,
+    check_bool,
+    check_choice,
+    check_keys,
+    check_list,
+    check_name,
+    check_num,
+    check_pair,
+    check_str,
+    excerpt,
+    join,
+)
 from orchestrator.spec.compat import check_models, check_size
 from orchestrator.spec.grids import parse_grids, view_raw
 from orchestrator.spec.methods import check_healer_data, parse_healers, parse_methods
@@ -159,7 +179,7 @@ def parse_cells(v: Any) -> tuple[str, ...]:
 
 
 def parse_widen(v: Any) -> dict | None:
-    """``search.widen: {rounds: 1, factor: 4}`` (orchestrator/widen.py); None or absent: no widening."""
+    """``search.widen: {rounds: 1, factor: 4}`` (orchestrator/lifecycle/widen.py); None or absent: no widening."""
     if v is None:
         return None
     d = check_keys(v, "search.widen", {"rounds", "factor"})

@@ -31,7 +31,7 @@ class SearchSpec:
     asha_reduction_factor: int = 2
     # optimizer steps per trial, integer bounds (docs/methods.md#search): the budget does not depend on calib_size
     steps: tuple[int, int] | None = None
-    widen: Mapping[str, Any] | None = None  # {rounds, factor}: extra rounds past the boundary (orchestrator/widen.py)
+    widen: Mapping[str, Any] | None = None  # {rounds, factor}: extra rounds past the boundary (orchestrator/lifecycle/widen.py)
     # The search design (orchestrator/search, docs/methods.md#search-design): shared | tpe | grid
     design: str | None = None  # None: shared (tpe under scheduler asha)
     reevaluate: int = 2  # fresh healing seeds the winner of every searched cell is healed again on (0: none)
@@ -87,7 +87,7 @@ class StoreSpec:
     uri: str | None = None  # where dense targets live: an absolute path or a URI (file, s3, gs, hdfs); None: <--store>/targets
     budget_gb: float | None = None  # disk budget of the target store; None: unlimited
     on_budget: str = "refuse"  # over budget: "refuse" (error before any compute) | "recompute" (in each trial)
-    targets: str = "auto"  # store | recompute | auto (the faster, measured on a GPU trial's device): orchestrator/planner.py
+    targets: str = "auto"  # store | recompute | auto (the faster, measured on a GPU trial's device): orchestrator/sweep/planner.py
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class SweepSpec:
     dataset_settings: Mapping[str, Any] = field(default_factory=dict)  # `dataset: {name: ..., <settings>}`
     offline: bool = False  # no downloads: weights must be in the local cache
     grids: tuple = ()  # extra grids run in the same sweep (GridSpec below, orchestrator/spec/grids.py)
-    cells: tuple[str, ...] = ()  # only these cell ids (a widening round, orchestrator/widen.py); (): every cell
+    cells: tuple[str, ...] = ()  # only these cell ids (a widening round, orchestrator/lifecycle/widen.py); (): every cell
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -5,6 +5,7 @@ weights, path, num_classes, model_args, init_seed}; ``dataset`` is a name or {na
 """
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from typing import Any, Mapping
 
@@ -103,14 +104,12 @@ def parse_models(raw: Any, dataset: str, offline: bool, models, data_seed: int =
 def architecture(spec, name: str):
     """A spec model's architecture for validation: built once per process and model entry, on the meta device
     (shapes and module types only: no weight initialisation, no memory). Callers must not modify it."""
-    import json
 
     return _architecture(json.dumps(spec.model_refs.get(name) or {"name": name}, sort_keys=True, default=str))
 
 
 @lru_cache(maxsize=16)
 def _architecture(ref_json: str):
-    import json
 
     from tasks.models import ModelRef, build_untrained
 

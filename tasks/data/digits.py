@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,8 +31,6 @@ def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     file scikit-learn ships (``sklearn/datasets/data/digits.csv.gz``, what ``sklearn.datasets.load_digits``
     parses) without importing scikit-learn: every Ray worker and the driver load it, and ``import sklearn`` costs
     ~0.75 s of CPU each time. Falls back to ``load_digits`` when the file is not where that version keeps it."""
-    import importlib.util
-    from pathlib import Path
 
     spec = importlib.util.find_spec("sklearn")  # locates the package without running it
     path = Path(next(iter(spec.submodule_search_locations or [""]))) / "datasets" / "data" / "digits.csv.gz" \

@@ -7,6 +7,7 @@ same order (class, then index): an image folder's row i is the table's and the H
 """
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Iterator
 
@@ -28,7 +29,6 @@ def synthetic_images(num_classes: int = 10, per_class: int = 3, size: int = 224,
 
 
 def _png(arr: np.ndarray) -> bytes:
-    import io
 
     from PIL import Image
 

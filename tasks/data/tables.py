@@ -17,6 +17,7 @@ import hashlib
 import io
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -201,7 +202,6 @@ class LazyImages:
         load = lambda i: self.transform(self.table.image(int(i)))  # noqa: E731 - decode + preprocess one row
         if len(sel) < 16 or DECODE_THREADS <= 1:
             return torch.stack([load(i) for i in sel])  # (B, C, H, W)
-        from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(DECODE_THREADS) as pool:  # PIL decoding releases the GIL
             return torch.stack(list(pool.map(load, sel)))  # (B, C, H, W), in row order

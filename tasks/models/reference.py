@@ -9,6 +9,7 @@ digest into the model cache, never over the shipped weights.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -126,7 +127,6 @@ def train_reference(name: str, cache_dir: str | os.PathLike, *, data_seed: int =
     """Train reference model ``name`` with its recipe and write ``<cache_dir>/<name>-<sha256[:16]>.safetensors``
     (named by its own digest: a file of that name already holds these exact bytes and is left as it is; the
     shipped weights are never touched). -> (path, full sha256, evaluation accuracy)."""
-    import hashlib
 
     from safetensors.torch import save
 

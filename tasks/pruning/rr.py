@@ -18,6 +18,7 @@ layer has output channels, found inside the same parent module.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -25,8 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tasks.models.adapter import ScopeEntry
-from tasks.pruning.allocation_math import n_pruned
 from tasks.models.params import module_of
+from tasks.pruning.allocation_math import n_pruned
 from tasks.pruning.repair import EPS, channel_moments, crbn_scales, tau_of, to_channels
 from tasks.stats import Moments
 
@@ -97,7 +98,6 @@ def layer_diagnostics(model: nn.Module, entry: ScopeEntry, images: torch.Tensor,
                       ) -> list[dict[str, Any]]:
     """Rows {layer, n_weights, shape, sparsity, D_raw, D_repair, R} of one layer over the candidate grid,
     distortion measured ``at`` the layer output (``conv``) or after its following BatchNorm (``bn``)."""
-    import json
 
     model.eval()
     layer = module_of(model, entry.param)

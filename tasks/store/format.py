@@ -7,6 +7,7 @@ import json
 import logging
 import platform
 import re
+from importlib.metadata import version
 
 import numpy as np
 import pyarrow as pa
@@ -46,8 +47,6 @@ class StoreError(Exception):
 
 def producer_versions() -> dict[str, str]:
     try:
-        from importlib.metadata import version
-
         hs = version("healsweep")
     except Exception:  # noqa: BLE001 - not installed as a distribution
         hs = "unknown"

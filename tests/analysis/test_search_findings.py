@@ -1,5 +1,5 @@
 """The report under the new search options (docs/methods.md#search): winners picked by heldout_align, boundary
-flags of a steps-based search, no budget warning for it, widened cells named; orchestrator/widen.py's boxes."""
+flags of a steps-based search, no budget warning for it, widened cells named; orchestrator/lifecycle/widen.py's boxes."""
 from __future__ import annotations
 
 import pandas as pd
@@ -8,7 +8,7 @@ import pytest
 from analysis.findings import _budget_warning, boundary, edges, findings
 from analysis.search_space import search_bounds, widened_cells
 from analysis.runs import best_per_cell
-from orchestrator.widen import union_box, widened_box
+from orchestrator.lifecycle.widen import union_box, widened_box
 
 
 def _trials():

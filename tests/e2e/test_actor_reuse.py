@@ -1,4 +1,4 @@
-"""orchestrator/actor_reuse.py on a real TuneController, real Trials and real Ray actors (2 CPUs): trial A runs,
+"""orchestrator/raytune/actor_reuse.py on a real TuneController, real Trials and real Ray actors (2 CPUs): trial A runs,
 trial B's actor holds the second CPU and is still starting (a slow constructor, like an actor on a node that just
 joined), and trial C, when there is one, waits for a CPU. When A ends, its freed (reused) actor must leave B's
 starting actor alone: it takes C, or stays cached when B is the only PENDING trial. Tune's own code hands it B and
@@ -68,7 +68,7 @@ def test_a_freed_actor_never_replaces_a_starting_actor(ray_2cpu, tmp_path, monke
     from ray.tune.experiment import Trial
     from ray.tune.registry import register_trainable
 
-    from orchestrator.actor_reuse import holds_starting_actor, spare_starting_actors
+    from orchestrator.raytune.actor_reuse import holds_starting_actor, spare_starting_actors
 
     spare_starting_actors()
     if not guard:  # Tune's own code
@@ -122,7 +122,7 @@ def test_a_freed_actor_never_replaces_a_starting_actor(ray_2cpu, tmp_path, monke
 
 
 def test_freed_actors_are_kept_while_the_searcher_may_hand_out_trials():
-    from orchestrator.actor_reuse import KeepWhileSearching
+    from orchestrator.raytune.actor_reuse import KeepWhileSearching
 
     searching = [True]
     cache = KeepWhileSearching(lambda: searching[0])

@@ -13,8 +13,9 @@ import pytest
 from mlflow import MlflowClient
 from optuna.trial import TrialState
 
-from orchestrator.resources import override_resources
-from orchestrator.resume import told_states
+from orchestrator.raytune.resources import override_resources
+from orchestrator.lifecycle.resume import prepare_resume
+from orchestrator.rundir.files import told_states
 from orchestrator.spec import load_spec, parse_spec
 from tests.orchestrator.test_orchestration import _gpu_spec
 
@@ -43,7 +44,7 @@ def fault_sweep(tmp_path_factory, model_cache):
     import ray
     from ray.cluster_utils import Cluster
 
-    from orchestrator.sweep import run_sweep
+    from orchestrator.sweep.run import run_sweep
 
     root = tmp_path_factory.mktemp("fault")
     marks = root / "marks"
@@ -118,8 +119,8 @@ search: {trials_per_cell: 2, lr: [1.0e-3, 3.0e-3], epochs: [2, 2], startup_trial
 
 
 def test_killed_driver_resumes_without_rerunning_or_duplicating(tmp_path, model_cache):
-    from orchestrator.resume import read_sweep
-    from orchestrator.sweep import run_sweep
+    from orchestrator.rundir.files import read_sweep
+    from orchestrator.sweep.run import run_sweep
 
     (tmp_path / "kill.yaml").write_text(KILL_SPEC)
     out, journal = tmp_path / "run", tmp_path / "run" / "optuna.journal"
@@ -147,6 +148,7 @@ def test_killed_driver_resumes_without_rerunning_or_duplicating(tmp_path, model_
     assert 1 <= len(done_before) < 8  # 2 cells x (2 searched + 2 re-evaluations of the winner)
     info = read_sweep(out)
     spec = load_spec(tmp_path / "kill.yaml")
+    prepare_resume(out)  # what healsweep run --resume does before the sweep
     res = run_sweep(spec, out, tmp_path / "store", model_cache, progress=False, report=True, num_cpus=2,
                     resume=True)
     assert res.sweep_id == info["sweep_id"] and res.parent_run_id == info["parent_run_id"]

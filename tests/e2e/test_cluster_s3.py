@@ -38,7 +38,7 @@ def test_one_s3_uri_and_no_shared_file_system_on_a_two_node_cluster(tmp_path, aw
     from mlflow import MlflowClient
     from safetensors import safe_open
 
-    from orchestrator.sweep import run_sweep
+    from orchestrator.sweep.run import run_sweep
 
     worker = add_node(cpu0_head_cluster, num_cpus=2)
     driver_cache = tmp_path / "driver" / "cache"  # the driver's --cache: stays empty
@@ -89,10 +89,10 @@ def test_diagnostics_on_s3(tmp_path, aws_env):
     computed by Ray tasks that load the shipped weights (no model cache anywhere)."""
     import ray
 
-    from orchestrator.cluster import store_subdir
-    from orchestrator.diagnostics import diagnostics_stage, load_table, read_table
-    from orchestrator.plan import expand_cells
-    from orchestrator.stages import prepare_models
+    from orchestrator.raytune.cluster import store_subdir
+    from orchestrator.sweep.diagnostics import diagnostics_stage, load_table, read_table
+    from orchestrator.spec.plan import expand_cells
+    from orchestrator.sweep.stages import prepare_models
 
     uri = f"s3://{aws_env['bucket']}/diag?endpoint_override={aws_env['host']}&scheme=http"
     diag_uri = store_subdir(uri, "diagnostics")
@@ -119,7 +119,7 @@ def test_diagnostics_on_s3(tmp_path, aws_env):
 def test_mask_store_on_s3_round_trip(aws_env):
     import torch
 
-    from orchestrator.cluster import store_subdir
+    from orchestrator.raytune.cluster import store_subdir
     from tasks.pruning import MaskStore
     from tasks.store import StoreError
 
@@ -142,9 +142,9 @@ def test_snapvit_rankings_on_s3_are_reused(tmp_path, aws_env, monkeypatch):
 
     import tasks.pruning.snapvit as snapvit_pruner
     import tasks.pruning.snapvit_math as snapvit
-    from orchestrator.cluster import store_subdir
-    from orchestrator.plan import expand_cells
-    from orchestrator.stages import mask_stage, prepare_models, store_paths
+    from orchestrator.raytune.cluster import store_subdir
+    from orchestrator.spec.plan import expand_cells
+    from orchestrator.sweep.stages import mask_stage, prepare_models, store_paths
 
     uri = f"s3://{aws_env['bucket']}/rank?endpoint_override={aws_env['host']}&scheme=http"
     calls = []
@@ -175,8 +175,8 @@ def test_models_stage_on_a_worker_loads_the_shipped_weights(tmp_path, aws_env, c
     driver's --cache or the bucket."""
     import pyarrow.fs as pafs
 
-    from orchestrator import cluster
-    from orchestrator.stages import prepare_models, store_paths
+    from orchestrator.raytune import cluster
+    from orchestrator.sweep.stages import prepare_models, store_paths
     from tasks.models.weights import SHIPPED
 
     add_node(cpu0_head_cluster, num_cpus=1)

@@ -39,7 +39,7 @@ def test_a_node_dying_mid_trial_loses_nothing(tmp_path):
     so it dies while running (or being handed) its next ones: their attempts are retried on the head without
     counting against max_failures, every trial finishes once, with one MLflow child run each (the retried ones
     tagged ``retries`` and ``node_faults``), and the sweep exits 0 (run_on_nodes raises otherwise). Before
-    orchestrator/trial_faults.py (2026-11-24): the 2 trials the node held ended FAILED with no child run within
+    orchestrator/raytune/trial_faults.py (2026-11-24): the 2 trials the node held ended FAILED with no child run within
     milliseconds of the kill (Tune handled one actor error twice), the sweep exited 1 (14 of 16 finished)."""
     spec = scaleout_spec(tmp_path / "spec.yaml", trials_per_cell=4)
     r = run_on_nodes(spec, tmp_path, tmp_path / "store", CACHE, head_cpus=1, node_cpus=2, event=kill_node_after(1))

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.dense import LOCAL_MAX_IMAGE_PARAMS, DenseReport, dense_stage
+from orchestrator.sweep.dense import LOCAL_MAX_IMAGE_PARAMS, DenseReport, dense_stage
 from orchestrator.spec import load_spec
-from orchestrator.stages import prepare_models
+from orchestrator.sweep.stages import prepare_models
 from tasks.models import load_model
 
 REPO = Path(__file__).resolve().parents[2]

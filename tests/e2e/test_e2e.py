@@ -9,8 +9,8 @@ import pytest
 from mlflow import MlflowClient
 
 from orchestrator.spec import load_spec
-from orchestrator.sweep import run_sweep
-from orchestrator.tracking import FINAL_METRICS, TRIAL_PARAMS
+from orchestrator.sweep.run import run_sweep
+from orchestrator.tracking.logger import FINAL_METRICS, TRIAL_PARAMS
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
@@ -49,7 +49,7 @@ def test_no_snapshot_warning_per_checkpoint(two_sweeps):
 
 
 def test_parent_run_holds_every_stage_time(two_sweeps):
-    from orchestrator.console import STAGES
+    from orchestrator.sweep.console import STAGES
 
     for res in two_sweeps[1:]:
         m = MlflowClient(res.tracking_uri).get_run(res.parent_run_id).data.metrics

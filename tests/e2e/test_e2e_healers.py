@@ -6,7 +6,7 @@ import os
 import pytest
 
 from orchestrator.spec import parse_spec
-from orchestrator.sweep import run_sweep
+from orchestrator.sweep.run import run_sweep
 from tests.e2e.test_e2e import child_runs, model_cache  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.e2e

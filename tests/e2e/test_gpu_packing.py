@@ -13,7 +13,7 @@ import pytest
 from mlflow import MlflowClient
 
 from orchestrator.spec import parse_spec
-from orchestrator.sweep import run_sweep
+from orchestrator.sweep.run import run_sweep
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]

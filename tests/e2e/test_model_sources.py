@@ -103,7 +103,7 @@ def _cnn_shapes(model: torch.nn.Module) -> dict[str, list[int]]:
 @pytest.mark.timeout(240)
 def test_timm_vit_and_cnn_on_an_image_folder(tmp_path):
     """The issue's scenario: timm DeiT and ResNet-18, pretrained off, 10 classes, on an image folder (it died in
-    the dense stage: orchestrator/dense.py loaded the external model by its name alone)."""
+    the dense stage: orchestrator/sweep/dense.py loaded the external model by its name alone)."""
     import timm
 
     root = write_image_folder(tmp_path / "folder", num_classes=10, per_class=3, size=224)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from orchestrator.resume import read_sweep, told_states
+from orchestrator.rundir.files import read_sweep, told_states
 
 REPO = Path(__file__).resolve().parents[2]
 HEALSWEEP = Path(sys.executable).with_name("healsweep")
@@ -53,7 +53,7 @@ def _parent(out: Path):
 
 @pytest.mark.timeout(900)
 def test_every_run_ends_with_its_report_and_exit_0(tmp_path):
-    """Two runs in a row (the ending used to die in 2 of 3 default-spec runs, orchestrator/sweep_end.py)."""
+    """Two runs in a row (the ending used to die in 2 of 3 default-spec runs, orchestrator/sweep/end.py)."""
     for i in range(2):
         out = tmp_path / f"run{i}"
         proc = subprocess.run(_cmd(tmp_path, str(REPO / "configs" / "tiny.yaml"), "--out", str(out)),

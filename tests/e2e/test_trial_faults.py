@@ -1,4 +1,4 @@
-"""orchestrator/trial_faults.py on a real TuneController, real Trials and real Ray actors on a real multi-node Ray
+"""orchestrator/raytune/trial_faults.py on a real TuneController, real Trials and real Ray actors on a real multi-node Ray
 (ray.cluster_utils.Cluster: a head for the driver and two 1-CPU worker nodes, each its own raylet).
 
 * A freed (cached) actor whose process dies before it is handed to the next trial: Tune's ``reset`` on it fails
@@ -74,8 +74,8 @@ def _controller(tmp_path, monkeypatch, guard: bool):
     from ray.tune.registry import register_trainable
     from ray.tune.schedulers import FIFOScheduler
 
-    from orchestrator import trial_faults
-    from orchestrator.actor_reuse import spare_starting_actors
+    from orchestrator.raytune import trial_faults
+    from orchestrator.raytune.actor_reuse import spare_starting_actors
 
     spare_starting_actors()
     trial_faults.install()
@@ -131,7 +131,7 @@ def test_a_trial_whose_node_dies_is_retried_on_another_node(cluster, tmp_path, m
     from ray.tune import PlacementGroupFactory
     from ray.tune.experiment import Trial
 
-    from orchestrator.trial_faults import NODE_FAULT_RETRIES, node_faults
+    from orchestrator.raytune.trial_faults import NODE_FAULT_RETRIES, node_faults
 
     c = cluster
     if len(c.worker_nodes) < 2:  # the other parametrization killed one: a fresh node

@@ -16,7 +16,7 @@ def reference(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("faults-ref")
     run, store, cache = base / "run", base / "store", base / "models"
     ok(run_cli("run", REPO / "configs" / "tiny.yaml", "--out", run, "--store", store, "--cache", cache, "--quiet"))
-    from orchestrator.resume import told_states
+    from orchestrator.rundir.files import told_states
 
     return {"run": run, "store": store, "cache": cache, "trials": sorted(recorded(run)), "quoted": quoted(run),
             "states": {k: v.name for k, v in told_states(run / "optuna.journal").items()}}

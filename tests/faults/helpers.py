@@ -105,7 +105,7 @@ def trial_runs(run: Path) -> Counter:
 
 def recorded(run: Path) -> Counter:
     """{trial id: trial lines} of DIR/trials.jsonl (every line intact)."""
-    from orchestrator import records
+    from orchestrator.rundir import records
 
     s = records.scan(run / records.TRIALS_FILE)
     assert s.clean, (s.damaged, s.torn)
@@ -115,7 +115,7 @@ def recorded(run: Path) -> Counter:
 def assert_complete(run: Path, ref: dict) -> None:
     """The sweep of ``run`` is complete: every trial of the reference once in MLflow and in the record, none
     twice, the journal told them all, and the report quotes the reference's numbers."""
-    from orchestrator.resume import told_states
+    from orchestrator.rundir.files import told_states
 
     want = Counter({t: 1 for t in ref["trials"]})
     assert trial_runs(run) == want

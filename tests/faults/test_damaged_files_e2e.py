@@ -35,7 +35,7 @@ def test_torn_and_damaged_journal_lines(reference, tmp_path):
 
 
 def recorded_lenient(run):
-    from orchestrator import records
+    from orchestrator.rundir import records
 
     return records.trials(records.scan(run / "trials.jsonl"))
 
@@ -47,12 +47,12 @@ def test_torn_last_lines_alone_need_no_doctor(reference, tmp_path):
     torn = b'{"op_code": 5, "worker_id": "w", "trial_id": 3, "sta'
     with open(journal, "ab") as f:
         f.write(torn)
-    from orchestrator.runfiles import prepare_resume
+    from orchestrator.lifecycle.resume import prepare_resume
 
     notes = []
     prepare_resume(run, notes.append)
     assert notes == [f"{journal}: dropped a torn last line ({len(torn)} bytes: a write cut short)"]
-    from orchestrator.resume import told_states
+    from orchestrator.rundir.files import told_states
 
     assert {k: v.name for k, v in told_states(journal).items()} == reference["states"]
 
@@ -120,7 +120,7 @@ def test_a_sweep_from_before_the_record_gets_one(reference, tmp_path):
     r = cli("doctor", run)
     assert r.returncode == 1 and f"{run / 'trials.jsonl'}: missing (a sweep from before it; 8 trials" in r.stdout
     ok(cli("doctor", run, "--repair"))
-    from orchestrator import records
+    from orchestrator.rundir import records
 
     got = records.trials(records.scan(run / "trials.jsonl"))
     want = records.trials(records.scan(reference["run"] / "trials.jsonl"))
@@ -135,8 +135,8 @@ def test_a_sweep_from_before_the_record_gets_one(reference, tmp_path):
 def test_a_resume_records_a_sweep_from_before_the_record_first(reference, tmp_path):
     """Resuming such a sweep writes its record before anything runs: the trials it told before are not taken
     for unrecorded ones (which would run again) by this resume or the next."""
-    from orchestrator.rebuild import journal_disagrees
-    from orchestrator.runfiles import prepare_resume
+    from orchestrator.tracking.rebuild import journal_disagrees
+    from orchestrator.lifecycle.resume import prepare_resume
 
     run = copy_run(reference, tmp_path / "run")
     (run / "trials.jsonl").unlink()

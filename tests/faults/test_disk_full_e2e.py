@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from orchestrator.runfiles import temp_files
+from orchestrator.lifecycle.resume import temp_files
 from tests.faults.helpers import assert_complete, cli, copy_run, ok, one_line, run_cli, tear_last_line
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

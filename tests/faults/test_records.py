@@ -1,4 +1,4 @@
-"""The trial record (orchestrator/records.py) and what is rebuilt from it, without Ray: checksummed lines, torn
+"""The trial record (orchestrator/rundir/records.py) and what is rebuilt from it, without Ray: checksummed lines, torn
 and damaged lines told apart, an append on a full disk cut back and named in one line, the Optuna journal rebuilt
 for every search design with the lost trials asked again exactly as before, a full tracking database named."""
 from __future__ import annotations
@@ -9,10 +9,11 @@ import subprocess
 
 import pytest
 
-from orchestrator import faults, records
-from orchestrator.rebuild import journal_disagrees, rebuild_journal
-from orchestrator.recorder import TrialRecorder
-from orchestrator.resume import told_states
+from orchestrator.rundir import faults
+from orchestrator.rundir import records
+from orchestrator.tracking.rebuild import journal_disagrees, rebuild_journal
+from orchestrator.tracking.recorder import TrialRecorder
+from orchestrator.rundir.files import told_states
 from orchestrator.search import DESIGNS, make_searcher
 from tasks._io import DiskFullError, atomic_write_bytes
 from tests.orchestrator.test_search_contract import BUDGET, _cells, run

@@ -136,7 +136,7 @@ def test_dense_targets_on_cuda_match_the_cpu(model):
     ("resnet_digits", "uniform", 0.9, ""), ("resnet_digits", "global", 0.9, ""), ("resnet_digits", "erk", 0.9, ""),
     ("resnet_digits", "lamp", 0.9, "")])
 def test_masks_computed_on_cuda_are_the_cpus(model, pruner, sparsity, scope):
-    """What a mask task given a GPU computes (orchestrator/stages.py compute_masks: the model and calibration
+    """What a mask task given a GPU computes (orchestrator/sweep/stages.py compute_masks: the model and calibration
     images on the task's device): the same kept entries as on the CPU."""
     cpu = masks_on(load_model(model, _cache(), progress=False), pruner, sparsity, scope)
     gpu = masks_on(load_model(model, _cache(), progress=False), pruner, sparsity, scope, device="cuda")

@@ -123,7 +123,7 @@ def test_resolved_settings_feed_cell_and_mask_keys():
 
     import yaml
 
-    from orchestrator.plan import expand_cells
+    from orchestrator.spec.plan import expand_cells
     from orchestrator.spec import parse_spec
 
     base = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml").read_text())

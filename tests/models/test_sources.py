@@ -255,9 +255,9 @@ def test_a_checkpoint_is_identified_by_its_file_sha256_in_every_key(tmp_path, so
 
     from safetensors.torch import save_file
 
-    from orchestrator.plan import expand_cells
+    from orchestrator.spec.plan import expand_cells
     from orchestrator.spec import parse_spec
-    from orchestrator.stages import model_info
+    from orchestrator.sweep.stages import model_info
     from tasks.store import content_key
 
     m, a = _tiny_checkpoint(tmp_path)

@@ -77,7 +77,7 @@ def test_report_without_a_sweep_creates_nothing(tmp_path):
 def test_second_driver_on_a_run_dir_is_refused_and_a_dead_drivers_lock_is_taken_over(tmp_path):
     d = sweep_record(tmp_path / "run", tmp_path)
     holder = subprocess.Popen(  # a live driver: holds the run directory's lock like run_sweep does
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from orchestrator.resume import "
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from orchestrator.rundir.files import "
          "lock_run_dir; lock_run_dir(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)", str(d)],
         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, text=True)
     try:
@@ -87,7 +87,7 @@ def test_second_driver_on_a_run_dir_is_refused_and_a_dead_drivers_lock_is_taken_
     finally:
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait()
-    from orchestrator.resume import lock_run_dir, release_run_dir
+    from orchestrator.rundir.files import lock_run_dir, release_run_dir
 
     time.sleep(0.1)
     f = lock_run_dir(d)  # stale: its holder is dead, the kernel dropped the flock
@@ -98,7 +98,7 @@ def test_second_driver_on_a_run_dir_is_refused_and_a_dead_drivers_lock_is_taken_
 
 
 def test_record_dense_keeps_every_sessions_images(tmp_path):
-    from orchestrator.resume import read_sweep, record_dense
+    from orchestrator.rundir.files import read_sweep, record_dense
 
     d = sweep_record(tmp_path / "run", tmp_path)
     info = read_sweep(d)

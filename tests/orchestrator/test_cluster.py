@@ -1,4 +1,4 @@
-"""orchestrator/cluster.py without Ray: which variables workers get, address parsing, the concurrency policy."""
+"""orchestrator/raytune/cluster.py without Ray: which variables workers get, address parsing, the concurrency policy."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from orchestrator.cluster import (ClusterError, mask_root, parse_address, pending_limit, pending_trials,
+from orchestrator.raytune.cluster import (ClusterError, mask_root, parse_address, pending_limit, pending_trials,
                                   present_concurrency, probe, store_subdir, tune_concurrency, worker_env)
 from orchestrator.spec import parse_spec
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.plan import expand_cells
+from orchestrator.spec.plan import expand_cells
 from orchestrator.spec import parse_spec
 from orchestrator.spec.dry_run import DRY_CALIB, DRY_SIZES, dry_run_spec, input_size, random_init
 from tasks.data.synthetic import write_image_folder

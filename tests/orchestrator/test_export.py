@@ -112,8 +112,8 @@ def test_final_result_digests_become_mlflow_params(tmp_path):
 
     from mlflow import MlflowClient
 
-    from orchestrator.mlflow_async import AsyncMlflowWriter
-    from orchestrator.tracking import MlflowTrialLogger
+    from orchestrator.tracking.writer import AsyncMlflowWriter
+    from orchestrator.tracking.logger import MlflowTrialLogger
 
     uri = f"sqlite:///{tmp_path / 'm.db'}"
     client = MlflowClient(uri)

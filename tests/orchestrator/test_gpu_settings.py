@@ -2,10 +2,10 @@
 checked in one line, carried to every trial and logged; the device each trial and task picks follows them."""
 import pytest
 
-from orchestrator.resources import task_device, task_gpus, trial_device
+from orchestrator.raytune.resources import task_device, task_gpus, trial_device
 from orchestrator.spec import SpecError, parse_spec
 from orchestrator.spec.checks import DEVICES, PRECISIONS
-from orchestrator.tune_setup import trial_config
+from orchestrator.raytune.tune_setup import trial_config
 
 BASE = {"name": "t", "models": ["vit_digits"], "sparsities": [0.5], "calib_sizes": [64], "pruners": ["magnitude"],
         "healers": ["starfish"]}
@@ -22,7 +22,7 @@ def test_precision_names_are_the_tasks_registry():
 def test_precision_parsed_and_carried_to_every_trial(prec, tmp_path):
     spec = parse_spec({**BASE, "heal": {"precision": prec, "channels_last": False}})
     assert spec.heal.precision == prec and spec.heal.channels_last is False
-    from orchestrator.plan import expand_cells
+    from orchestrator.spec.plan import expand_cells
 
     cell = expand_cells(spec, {"vit_digits": "qkv_out_mlp"})[0]
     cfg = trial_config(cell, spec, {"targets": "t", "masks": "m", "cache": "c"}, "k", "mk", "token", 1, "cpu")
@@ -85,7 +85,7 @@ def _models(spec):
     ({}, {"gpus_per_trial": 0.5, "device": "cpu"}, "store", "store", "CPU trials"),
 ])
 def test_planner_decisions_without_a_probe(tmp_path, store, res, budget, want, why):
-    from orchestrator.planner import decision_line, plan_target_modes
+    from orchestrator.sweep.planner import decision_line, plan_target_modes
 
     spec = parse_spec({**BASE, "store": store, "resources": res})
     modes = {"vit_digits": budget}

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from orchestrator.cli import main
-from orchestrator.plan import expand_cells, grid_searches
+from orchestrator.spec.plan import expand_cells, grid_searches
 from orchestrator.search import PerCellOptunaSearch
 from orchestrator.spec import SpecError, load_spec, parse_spec
 

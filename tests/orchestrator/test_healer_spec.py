@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.plan import expand_cells
+from orchestrator.spec.plan import expand_cells
 from orchestrator.search import PerCellOptunaSearch
 from orchestrator.spec import SpecError, parse_spec
 from tests.orchestrator.test_spec import spec_with

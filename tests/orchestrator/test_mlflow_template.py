@@ -1,4 +1,4 @@
-"""A run directory's SQLite tracking store seeded from a template (orchestrator/mlflow_template.py): the same
+"""A run directory's SQLite tracking store seeded from a template (orchestrator/tracking/template.py): the same
 schema MLflow creates itself, the Default experiment inside the run directory, a usable store, and nothing
 seeded over an existing store or when templates are off."""
 import sqlite3
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import mlflow_template as mt
+from orchestrator.tracking import template as mt
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,5 +1,5 @@
 """A reference model's facts (stages.ModelInfo) cached by its shipped weights' sha256 and settings
-(orchestrator/model_facts.py): a hit equals a fresh load field for field and builds no model (timm never imported),
+(orchestrator/sweep/model_facts.py): a hit equals a fresh load field for field and builds no model (timm never imported),
 a different store dtype misses, a checkpoint given by path is always loaded, and the cache can be switched off."""
 import json
 import os
@@ -17,7 +17,7 @@ PROBE = """
 import json, sys
 from dataclasses import asdict
 from orchestrator.spec import parse_spec
-from orchestrator.stages import dense_stage, prepare_models
+from orchestrator.sweep.stages import dense_stage, prepare_models
 spec = parse_spec(json.loads(sys.argv[1]))
 info = prepare_models(spec, sys.argv[2], progress=False)
 dense = None
@@ -78,7 +78,7 @@ def test_warm_models_and_dense_stages_build_no_model(tmp_path):
 
 
 def test_calibration_rows_without_the_model_are_load_models():
-    from orchestrator.dense import _calibration_rows
+    from orchestrator.sweep.dense import _calibration_rows
     from tasks.models import load_model
 
     lm = load_model("vit_digits", CACHE, progress=False)  # data seed 0: the shipped weights
@@ -88,7 +88,7 @@ def test_calibration_rows_without_the_model_are_load_models():
 def test_calibration_rows_of_an_external_model_follow_its_spec_entry(tmp_path):
     """An external model is loaded as its entry says (issue 33: loading it by name alone was a KeyError that ended
     every external sweep in the dense stage)."""
-    from orchestrator.dense import _calibration_rows
+    from orchestrator.sweep.dense import _calibration_rows
     from orchestrator.spec import parse_spec
     from tasks.data.synthetic import write_image_folder
 

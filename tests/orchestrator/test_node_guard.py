@@ -1,11 +1,11 @@
-"""orchestrator/node_guard.py without Ray: the recogniser and the line. The guard on real ``ray start`` nodes whose
+"""orchestrator/raytune/node_guard.py without Ray: the recogniser and the line. The guard on real ``ray start`` nodes whose
 Python lacks the project: tests/e2e/test_cluster_scaleout.py::test_a_node_without_the_project_is_named_once_and_kept_out."""
 from __future__ import annotations
 
-from orchestrator.node_guard import install_hint, missing_project, node_line
+from orchestrator.raytune.node_guard import install_hint, missing_project, node_line
 
 # What Ray 2.60 raises on the driver (measured on a `ray start` node whose Python lacks healsweep): a trial actor
-# (Tune's ImplicitFunc wrapping orchestrator.trainable) and a task of the project.
+# (Tune's ImplicitFunc wrapping orchestrator.raytune.trainable) and a task of the project.
 ACTOR = """The actor died unexpectedly before finishing this task.
 	class_name: ImplicitFunc
 	ip: 192.0.2.2

@@ -11,8 +11,8 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 from optuna.trial import TrialState
 
-from orchestrator.resources import override_resources, parse_override
-from orchestrator.resume import told_states
+from orchestrator.raytune.resources import override_resources, parse_override
+from orchestrator.rundir.files import told_states
 from orchestrator.search import PerCellOptunaSearch
 from orchestrator.spec import SpecError, parse_spec
 from tasks.healing import HEALERS, HealConfig
@@ -141,7 +141,7 @@ def test_search_with_asha_searches_lr_only_and_tells_early_stopped_trials_pruned
 # --- asynchronous single MLflow writer ---------------------------------------------------------------------
 
 def test_async_writer_batches_in_order_and_never_blocks(tmp_path):
-    from orchestrator.mlflow_async import AsyncMlflowWriter
+    from orchestrator.tracking.writer import AsyncMlflowWriter
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
     exp = client.create_experiment("x")
@@ -177,12 +177,12 @@ def _trial(trial_id: str, key: str):
 
 def test_trial_logger_opens_mlflow_at_its_first_callback_not_before(tmp_path):
     """A sweep creates its MLflow parent run in a thread while Tune starts the trial actors
-    (orchestrator/parent_stage.py): the writer and the logger take callables, which nothing calls until the first
+    (orchestrator/sweep/parent.py): the writer and the logger take callables, which nothing calls until the first
     trial callback (Tune pickles both before that), and the first trial's run is then the parent's child."""
     from ray import cloudpickle
 
-    from orchestrator.mlflow_async import AsyncMlflowWriter
-    from orchestrator.tracking import MlflowTrialLogger
+    from orchestrator.tracking.writer import AsyncMlflowWriter
+    from orchestrator.tracking.logger import MlflowTrialLogger
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
     exp = client.create_experiment("healsweep")
@@ -214,8 +214,8 @@ def test_trial_logger_opens_mlflow_at_its_first_callback_not_before(tmp_path):
 def test_trial_logger_raises_the_parent_stage_error_at_the_first_trial(tmp_path):
     """A parent stage that failed (its thread re-raises when joined) stops the sweep at the first trial callback,
     inside Tune (which ends fit with it), instead of logging trials under no parent."""
-    from orchestrator.mlflow_async import AsyncMlflowWriter
-    from orchestrator.tracking import MlflowTrialLogger
+    from orchestrator.tracking.writer import AsyncMlflowWriter
+    from orchestrator.tracking.logger import MlflowTrialLogger
 
     def parent():
         raise RuntimeError("tracking store is locked")
@@ -235,8 +235,9 @@ def test_tune_can_start_before_mlflow_is_imported():
     import sys
 
     code = ("import sys\nfrom orchestrator.commands.run import _import_sweep_modules\n_import_sweep_modules()\n"
-            "import orchestrator.sweep, orchestrator.tune_setup, orchestrator.tune_stop, orchestrator.node_guard\n"
-            "import orchestrator.mlflow_async, orchestrator.tracking, orchestrator.search, orchestrator.sweep_end\n"
+            "import orchestrator.sweep.run, orchestrator.raytune.tune_setup, orchestrator.raytune.tune_stop\n"
+            "import orchestrator.raytune.node_guard\n"
+            "import orchestrator.tracking.writer, orchestrator.tracking.logger, orchestrator.search, orchestrator.sweep.end\n"
             "print(sorted(m for m in sys.modules if m == 'mlflow' or m.startswith('mlflow.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -291,8 +292,8 @@ def test_resource_override_turns_a_gpu_spec_into_a_cpu_run():
 
 
 def test_asha_scheduler_from_the_spec_stops_on_epochs_of_selection_acc():
-    from orchestrator.cluster import present_concurrency
-    from orchestrator.tune_setup import scheduler
+    from orchestrator.raytune.cluster import present_concurrency
+    from orchestrator.raytune.tune_setup import scheduler
 
     assert scheduler(parse_spec(_gpu_spec())) is None  # fifo by default
     spec = parse_spec(_gpu_spec(scheduler="asha", epochs=[2, 8], asha_grace_period=2, asha_reduction_factor=3))

@@ -1,4 +1,4 @@
-"""orchestrator.refine: transition interval, fine grid, planning from MLflow, CLI dry run."""
+"""orchestrator.lifecycle.refine: transition interval, fine grid, planning from MLflow, CLI dry run."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.refine import RefineError, fine_grid, plan_refinement, refine_interval, refine_spec
+from orchestrator.lifecycle.refine import RefineError, fine_grid, plan_refinement, refine_interval, refine_spec
 from orchestrator.spec import load_spec, parse_spec
 from tests import transition_fixture as tf
 from tests.orchestrator.run_cli import healsweep
@@ -75,7 +75,7 @@ def test_plan_counts_trials_and_estimates_time_from_measured_trials(tmp_path):
     from mlflow import MlflowClient
     from mlflow.entities import Metric
 
-    from orchestrator.refine import count_trials, trial_wall
+    from orchestrator.lifecycle.refine import count_trials, trial_wall
 
     sweep, run_dir = _tiny_sweep(tmp_path)
     plan = plan_refinement(run_dir, 0.025)

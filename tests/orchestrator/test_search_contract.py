@@ -9,7 +9,7 @@ import statistics
 import pytest
 from optuna.trial import TrialState
 
-from orchestrator.resume import told_states
+from orchestrator.rundir.files import told_states
 from orchestrator.search import DESIGNS, Budget, lattice, make_searcher, reevaluation_seeds
 
 FINISHED = "FINISHED"
@@ -231,7 +231,7 @@ def test_a_wave_waits_for_its_queued_tells_not_for_tunes_one_second_sleep(tmp_pa
 
     from mlflow import MlflowClient
 
-    from orchestrator.mlflow_async import AsyncMlflowWriter
+    from orchestrator.tracking.writer import AsyncMlflowWriter
 
     writer = AsyncMlflowWriter(MlflowClient(f"sqlite:///{tmp_path / 'm.db'}"))
     cells = _cells(2)

@@ -61,7 +61,7 @@ def test_steps_replace_epochs_and_are_validated():
 def test_a_grid_may_switch_between_steps_and_epochs():
     grids = [{"name": "g", "calib_sizes": [64], "search": {"steps": [2, 6]}}]
     s = parse_spec(spec({"epochs": [1, 3]}, grids=grids))
-    from orchestrator.plan import grid_searches
+    from orchestrator.spec.plan import grid_searches
 
     searches = grid_searches(s)
     assert searches["main"].length == ("epochs", (1, 3)) and searches["g"].length == ("steps", (2, 6))
@@ -78,7 +78,7 @@ def test_widen_and_cells():
     assert refused(spec({"widen": {"factor": 1}})) == "search.widen.factor: must be > 1.0, got 1"
     assert refused(spec({"widen": {"factr": 2}})).startswith("search.widen.factr: unknown key")
     assert refused(spec({}, cells=["xyz"])) == "cells[0]: must be a cell id (12 hex digits), got 'xyz'"
-    from orchestrator.plan import expand_cells
+    from orchestrator.spec.plan import expand_cells
 
     full = parse_spec(spec({}))
     every = expand_cells(full, {"vit_digits": "mlp"})

@@ -140,7 +140,7 @@ def test_cli_report_on_non_run_dir(tmp_path, capsys):
 
 
 def test_method_entries_can_be_restricted_to_models_sparsities_and_scope(capsys, tmp_path):
-    from orchestrator.plan import expand_cells
+    from orchestrator.spec.plan import expand_cells
 
     d = spec_with(models=["vit_digits", "resnet_digits"], sparsities=[0.5, 0.9], calib_sizes=[128],
                   pruners=["magnitude",

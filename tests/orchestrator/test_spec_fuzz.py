@@ -13,7 +13,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.plan import expand_cells, grid_searches
+from orchestrator.spec.plan import expand_cells, grid_searches
 from orchestrator.spec import SpecError, SweepSpec, parse_spec, read_yaml
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,8 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_report_written_in_the_background_raises_its_error_on_join(tmp_path):
-    from orchestrator.console import StageClock
-    from orchestrator.sweep_end import start_report
+    from orchestrator.sweep.console import StageClock
+    from orchestrator.sweep.end import start_report
 
     clock = StageClock(enabled=False)
     join = start_report(tmp_path, clock)  # no sweep.json: write_report fails in the thread
@@ -65,7 +65,7 @@ RELEASE_DURING_SHUTDOWN = textwrap.dedent("""
     if sys.argv[1] == "ray.shutdown":
         ray.shutdown()
     else:
-        from orchestrator.sweep_end import shutdown_ray
+        from orchestrator.sweep.end import shutdown_ray
         shutdown_ray()
     print("shut down", len(refs) > 0, flush=True)
 """)
@@ -93,12 +93,12 @@ def test_shutdown_ray_survives_ray_objects_freed_by_another_thread():
 
 
 def test_first_signal_stops_the_sweep_second_one_gets_the_previous_handler():
-    """orchestrator/interrupt.py: before the trials a signal raises SweepInterrupted where the driver is; during
+    """orchestrator/rundir/interrupt.py: before the trials a signal raises SweepInterrupted where the driver is; during
     the trials it is only recorded (Tune's stopper reads it); a second signal gets the handler from before."""
     import os
     import signal
 
-    from orchestrator import interrupt
+    from orchestrator.rundir import interrupt
 
     seen = []
     previous = signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
@@ -128,7 +128,7 @@ def test_first_signal_stops_the_sweep_second_one_gets_the_previous_handler():
 
 
 def test_interrupted_line():
-    from orchestrator.interrupt import line
+    from orchestrator.rundir.interrupt import line
 
     assert line(15, 24, 0, "/r/tiny") == "interrupted: 15 of 24 trials finished; resume with healsweep run --resume /r/tiny"
     assert line(15, 24, 2, "d") == "interrupted: 15 of 24 trials finished (2 failed); resume with healsweep run --resume d"

@@ -1,4 +1,4 @@
-"""orchestrator/trial_faults.py: which errors are node faults (not counted against max_failures), and the line a
+"""orchestrator/raytune/trial_faults.py: which errors are node faults (not counted against max_failures), and the line a
 user sees. The wraps themselves run on a real TuneController in tests/e2e/test_trial_faults.py."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from ray.core.generated.common_pb2 import ActorDiedErrorContext, NodeDeathInfo
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
-from orchestrator.trial_faults import NODE_FAULT_RETRIES, fault_line, node_fault
+from orchestrator.raytune.trial_faults import NODE_FAULT_RETRIES, fault_line, node_fault
 
 
 def _died(message: str, reason=None) -> ActorDiedError:

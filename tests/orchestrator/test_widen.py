@@ -1,4 +1,4 @@
-"""orchestrator/widen.py planning on real MLflow runs: which cells sit on the boundary, the shifted box, the
+"""orchestrator/lifecycle/widen.py planning on real MLflow runs: which cells sit on the boundary, the shifted box, the
 restricted spec that continues their studies; the CLI's one-line refusals."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.refine import RefineError
+from orchestrator.lifecycle.continuation import RefineError
 from orchestrator.spec import load_spec
-from orchestrator.widen import plan_widening, widen_spec
+from orchestrator.lifecycle.widen import plan_widening, widen_spec
 from tests import transition_fixture as tf
 from tests.orchestrator.run_cli import healsweep
 

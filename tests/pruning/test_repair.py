@@ -174,9 +174,9 @@ def test_diagnostics_stage_is_cached(resnet_digits, tmp_path):
     import pyarrow.parquet as pq
     import ray
 
-    from orchestrator.diagnostics import SCHEMA, diagnostics_stage, table_path
-    from orchestrator.plan import Cell
-    from orchestrator.model_facts import ModelInfo
+    from orchestrator.sweep.diagnostics import SCHEMA, diagnostics_stage, table_path
+    from orchestrator.spec.plan import Cell
+    from orchestrator.sweep.model_facts import ModelInfo
 
     lm = resnet_digits
     info = ModelInfo("resnet_digits", lm.digest, 0.0, "conv", (), "0" * 32, lm.dataset.split_digest("calibration"))

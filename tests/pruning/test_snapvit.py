@@ -273,9 +273,9 @@ def test_mask_stage_runs_one_ranking_for_the_whole_grid(tmp_path, model_cache, m
     every sparsity a threshold of it (nested masks)."""
     import yaml
 
-    from orchestrator.plan import expand_cells
+    from orchestrator.spec.plan import expand_cells
     from orchestrator.spec import parse_spec
-    from orchestrator.stages import mask_stage, prepare_models
+    from orchestrator.sweep.stages import mask_stage, prepare_models
     from tasks.pruning import MaskStore
 
     calls = []

@@ -88,7 +88,7 @@ def test_spec_store_fields():
 
 
 def test_budget_refuse_and_recompute(tmp_path):
-    from orchestrator.dense import StoreBudgetError, budget_modes, row_bytes
+    from orchestrator.sweep.dense import StoreBudgetError, budget_modes, row_bytes
 
     cache = Path(os.environ.get("HEALSWEEP_TEST_CACHE", REPO / ".healsweep" / "models"))
     rb = row_bytes("vit_digits", cache, 0, "float16")

@@ -1,0 +1,219 @@
+"""``healsweep doctor DIR``: every file of a run directory and of its store, checked; one line per problem (what
+is damaged, what was lost); with ``repair``, what can be repaired is repaired, in dependency order:
+
+1. the trial record (``trials.jsonl``, the source of truth: orchestrator/rundir/records.py): a torn last line is cut
+   off (its trial runs again), damaged lines are dropped (their trials run again);
+2. the tracking database (the run directory's own ``mlflow.db``): damaged -> rebuilt from the record; intact ->
+   recorded trials missing from it recreated, duplicate runs deleted;
+3. the Optuna journal: torn, damaged, not replaying or disagreeing with the record -> rebuilt from it;
+4. leftover temporary files (``.tmp-*``) in the run directory and the store: removed;
+5. the target store: damaged or missing shards and unreadable manifests moved to its quarantine (the next
+   ``healsweep run --resume`` recomputes exactly those rows: tasks/store).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from orchestrator.lifecycle import resume
+from orchestrator.lifecycle.store_check import store_problems
+from orchestrator.rundir import records
+from orchestrator.rundir.files import JOURNAL_FILE, read_sweep, told_states
+from orchestrator.tracking.rebuild import journal_disagrees, rebuild_journal, rebuild_tracking, sync_runs
+from orchestrator.tracking.recorder import backfill
+from orchestrator.tracking.store import relocate
+
+
+@dataclass
+class Problem:
+    path: str
+    what: str  # what is damaged
+    lost: str  # what was lost (or "nothing")
+    fix: Callable[[], str] | None = None  # repairs it; -> what was done
+    later: bool = False  # repaired by `healsweep run --resume` (a quarantined shard is recomputed there)
+
+    def line(self) -> str:
+        return f"{self.path}: {self.what}; lost: {self.lost}"
+
+
+class Doctor:
+    def __init__(self, out_dir: Path) -> None:
+        self.dir = Path(out_dir).resolve()
+        self.info = read_sweep(self.dir)
+        self.record = self.dir / records.TRIALS_FILE
+        self.journal = self.dir / JOURNAL_FILE
+
+    def _scan(self) -> records.Scan:
+        return records.scan(self.record)
+
+    # ------------------------------------------------------------------ checks, in repair order
+    def examine(self) -> list[Problem]:
+        return [*self.check_record(), *self.check_tracking(), *self.check_journal(), *self.check_temp(),
+                *self.check_store()]
+
+    def check_record(self) -> list[Problem]:
+        s, out = self._scan(), []
+        if not self.record.exists():
+            return self._no_record()
+        if s.torn is not None:
+            out.append(Problem(str(self.record), f"torn last line ({s.torn_bytes} bytes: a write cut short)",
+                               "that trial's result (it runs again on resume)", lambda: self._drop_torn()))
+        for n, why in s.damaged:
+            out.append(Problem(str(self.record), f"line {n} damaged ({why})",
+                               "that line's trial result (it runs again on resume)", lambda: self._drop_damaged()))
+        return out
+
+    def _no_record(self) -> list[Problem]:
+        """A sweep from before trials.jsonl: its record is written from the journal and MLflow while both are
+        intact (nothing to rebuild from otherwise)."""
+
+        told = len(told_states(self.journal)) if self.journal.exists() and not resume.journal_problem(
+            self.journal) else 0
+        db_ok = resume.db_problem(self.dir / resume.DB_FILE) is None and (self.dir / resume.DB_FILE).exists()
+        if not told:
+            return []
+        if not db_ok:
+            return [Problem(str(self.record), "missing (a sweep from before it) and the tracking database damaged",
+                            f"the MLflow runs of {told} trials: nothing to rebuild them from")]
+        return [Problem(str(self.record), f"missing (a sweep from before it; {told} trials in the journal)",
+                        "nothing yet: written from the journal and MLflow", lambda: self._backfill())]
+
+    def _backfill(self) -> str:
+
+        client = self._client()
+        n = backfill(self.dir, client, self.info.get("experiment") or "healsweep", self.info["sweep_id"],
+                     self.info.get("parent_run_id"))
+        return f"written from the journal and MLflow ({n} trials)"
+
+    def _drop_torn(self) -> str:
+        return f"cut {records.drop_torn(self._scan())} bytes"
+
+    def _drop_damaged(self) -> str:
+        s = self._scan()
+        if not s.damaged:
+            return "already rewritten"
+        records.rewrite(self.record, s.records)
+        return f"rewritten without {len(s.damaged)} damaged line(s)"
+
+    def check_tracking(self) -> list[Problem]:
+        db = self.dir / resume.DB_FILE
+        if not resume.own_db(self.dir, self.info):
+            return []  # a tracking server or a shared database: not the run directory's to repair
+        if not db.exists() and not self.info.get("parent_run_id"):
+            return []  # the sweep stopped before it reached MLflow: nothing to check
+        why = resume.db_problem(db) if db.exists() else "missing"
+        trials = records.trials(self._scan())
+        if why and not self.record.exists():  # nothing to rebuild it from (the record problem says so)
+            return [Problem(str(db), f"damaged ({why})", "its runs (no trials.jsonl to rebuild them from)")]
+        if why:
+            return [Problem(str(db), f"damaged ({why})", f"nothing recorded: {len(trials)} trial runs and the parent "
+                            "run rebuilt from trials.jsonl; runs of trials not recorded run again",
+                            lambda: self._rebuild_db())]
+        missing = self._missing_runs(trials)
+        if missing:
+            return [Problem(str(db), f"{len(missing)} recorded trial(s) without their one MLflow run "
+                            f"({', '.join(missing[:4])})", "nothing: recreated from trials.jsonl",
+                            lambda: self._sync_db())]
+        return []
+
+    def _client(self):
+        from mlflow import MlflowClient
+
+
+        relocate(self.dir)
+        self.info = read_sweep(self.dir)
+        return MlflowClient(self.info["tracking_uri"])
+
+    def _missing_runs(self, trials: dict[str, dict]) -> list[str]:
+        if not trials:
+            return []
+        client = self._client()
+        exp = client.get_experiment_by_name(self.info.get("experiment") or "healsweep")
+        if exp is None:
+            return sorted(trials)
+        have: dict[str, int] = {}
+        for r in client.search_runs([exp.experiment_id], f"tags.sweep_id = '{self.info['sweep_id']}' and "
+                                    "tags.`healsweep.role` = 'trial'", max_results=50000):
+            have[r.data.tags.get("trial_id", "")] = have.get(r.data.tags.get("trial_id", ""), 0) + 1
+        return sorted(t for t, r in trials.items() if r.get("mlflow") and have.get(t, 0) != 1)
+
+    def _rebuild_db(self) -> str:
+        c = rebuild_tracking(self.dir, self.info, self._scan())
+        self.info = read_sweep(self.dir)
+        return f"rebuilt from trials.jsonl ({c['created']} trial runs and the parent run)"
+
+    def _sync_db(self) -> str:
+        client = self._client()
+        exp = client.get_experiment_by_name(self.info.get("experiment") or "healsweep")
+        c = sync_runs(client, exp.experiment_id, self.info["sweep_id"], self.info["parent_run_id"],
+                      records.trials(self._scan()))
+        return f"{c['created']} run(s) recreated, {c['deleted']} duplicate(s) deleted"
+
+    def check_journal(self) -> list[Problem]:
+        js = records.scan(self.journal, records.check_json)
+        trials = records.trials(self._scan())
+        whats = ([f"torn last line ({js.torn_bytes} bytes: a write cut short)"] if js.torn is not None else [])
+        whats += [f"line {n} damaged ({why})" for n, why in js.damaged]
+        if not whats:
+            why = resume.journal_problem(self.journal)
+            whats = [why] if why else []
+        if not whats and trials:
+            off = journal_disagrees(self.journal, trials)
+            whats = [f"disagrees with trials.jsonl on {len(off)} trial(s) ({', '.join(off[:4])})"] if off else []
+        lost = "nothing recorded (told trials come back from trials.jsonl; trials asked but not finished run again)"
+        return [Problem(str(self.journal), w, lost, lambda: self._rebuild_journal()) for w in whats]
+
+    def _rebuild_journal(self) -> str:
+        s = records.scan(self.journal, records.check_json)
+        if s.clean and not resume.journal_problem(self.journal) and \
+                not journal_disagrees(self.journal, records.trials(self._scan())):
+            return "already rebuilt"
+        c = rebuild_journal(self.journal, records.trials(self._scan()))
+        return f"rebuilt from trials.jsonl ({c['told']} told, {c['asked']} to run again)"
+
+    def check_temp(self) -> list[Problem]:
+        root = Path(self.info["store"])
+        return [Problem(str(p), f"leftover temporary file ({p.stat().st_size} bytes: a write that did not finish)",
+                        "nothing (the write is redone when needed)", lambda p=p: _unlink(p))
+                for p in resume.temp_files(self.dir, root)]
+
+    def check_store(self) -> list[Problem]:
+
+        return store_problems(self.dir, self.info, Problem)
+
+
+def _unlink(p: Path) -> str:
+    p.unlink(missing_ok=True)
+    return "removed"
+
+
+def run(out_dir: Path, repair: bool, say: Callable[[str], None] = print) -> int:
+    """Check (and with ``repair`` repair) ``out_dir``; -> exit code: 0 sound or repaired, 1 problems left. A repair
+    can reveal the next problem (a record line dropped: the journal now disagrees), so repairs go in passes."""
+    doc = Doctor(out_dir)
+    problems = doc.examine()
+    for p in problems:
+        say(p.line())
+    if not problems:
+        say(f"{doc.dir}: every file checked, no problem found")
+        return 0
+    if not repair:
+        say(f"{len(problems)} problem(s); repair with healsweep doctor {out_dir} --repair")
+        return 1
+    fixed = 0
+    for _ in range(3):
+        for p in problems:
+            if p.fix is not None:
+                say(f"repaired {p.path}: {p.fix()}")
+                fixed += 1
+        problems = [p for p in doc.examine() if not p.later]
+        if all(p.fix is None for p in problems):
+            break
+        for p in problems:
+            say(p.line())
+    for p in problems:
+        say(f"not repaired: {p.line()}")
+    say(f"{fixed} repair(s)" + (f", {len(problems)} problem(s) left" if problems else ", nothing left")
+        + f"; continue with healsweep run --resume {out_dir}")
+    return 1 if problems else 0

@@ -1,0 +1,137 @@
+"""The files of a run directory, checked: the SQLite tracking database, the Optuna journal, the trial record and
+leftover temporary files; and what ``healsweep run --resume`` does with them before it opens the sweep.
+
+``prepare_resume``: a damaged tracking database, journal line or record line (anything but the last line) stops
+the resume with one line naming the file and ``healsweep doctor DIR --repair``; a torn last line (a write cut
+short by a kill or a full disk) is dropped with a note (a torn record's trial runs again); a journal that
+disagrees with the record (a trial recorded but not told: the driver died between the two) is rebuilt from the
+record (orchestrator/tracking/rebuild.py).
+"""
+from __future__ import annotations
+
+import sqlite3
+import sys
+from pathlib import Path
+
+from orchestrator.rundir import records
+from orchestrator.rundir.faults import damaged
+from orchestrator.rundir.files import JOURNAL_FILE, read_sweep, told_states
+from orchestrator.tracking.rebuild import journal_disagrees, rebuild_journal
+from orchestrator.tracking.recorder import backfill
+from orchestrator.tracking.store import relocate
+from tasks._io import TMP_PREFIX
+
+DB_FILE = "mlflow.db"
+
+
+def own_db(out_dir: Path, info: dict) -> bool:
+    """Whether the sweep tracks into its run directory's own SQLite database (DIR/mlflow.db, or that of the run
+    directory it was copied from, which holds a sweep.json too), not a server or a shared database."""
+    uri = info.get("tracking_uri", "")
+    if not uri.startswith("sqlite:///") or not uri.endswith(f"/{DB_FILE}"):
+        return False
+    where = Path(uri[len("sqlite:///"):]).parent
+    return where == Path(out_dir).resolve() or (where / "sweep.json").is_file()
+
+
+def db_problem(db: Path) -> str | None:
+    """Why an SQLite tracking database cannot be used (``PRAGMA integrity_check``, MLflow's tables), or None."""
+    if not db.is_file():
+        return None
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            rows = con.execute("PRAGMA integrity_check").fetchall()
+            if rows == [("ok",)]:
+                con.execute("SELECT count(*) FROM runs").fetchone()
+        finally:
+            con.close()
+    except sqlite3.Error as e:
+        return str(e).splitlines()[0][:160] or type(e).__name__
+    if rows != [("ok",)]:
+        return "integrity check: " + "; ".join(str(r[0]) for r in rows[:2])[:160]
+    return None
+
+
+def journal_problem(journal: Path) -> str | None:
+    """Why the journal's intact lines do not replay in Optuna, or None."""
+    if not journal.exists():
+        return None
+    try:
+        told_states(journal)
+    except Exception as e:  # noqa: BLE001 - whatever Optuna raises on a journal it cannot replay
+        return f"does not replay ({type(e).__name__}: {str(e)[:100]})"
+    return None
+
+
+def damaged_lines(s: records.Scan) -> str:
+    (n, why), more = s.damaged[0], len(s.damaged) - 1
+    return f"line {n}: {why}" + (f"; and {more} more line(s)" if more else "")
+
+
+def temp_files(*roots: Path) -> list[Path]:
+    """Leftover temporary files (``.tmp-*``: a write that did not finish) under ``roots``."""
+    out: list[Path] = []
+    for root in roots:
+        if root.is_dir():
+            out += [p for p in root.rglob(f"{TMP_PREFIX}*") if p.is_file() and not p.is_symlink()]
+    return sorted(set(out))
+
+
+def note(text: str) -> None:
+    print(f"healsweep: note: {text}", file=sys.stderr)
+
+
+def check_resumable(out_dir: Path) -> None:
+    """The refusals of ``prepare_resume`` only (nothing is changed): DamagedFileError, one line."""
+
+    out_dir = Path(out_dir)
+    info = read_sweep(out_dir)
+    why = db_problem(out_dir / DB_FILE) or ("missing" if own_db(out_dir, info) and info.get("parent_run_id")
+                                             and not (out_dir / DB_FILE).exists() else None)
+    if why:
+        raise damaged(out_dir / DB_FILE, why, out_dir)
+    for name, check in ((JOURNAL_FILE, records.check_json), (records.TRIALS_FILE, records.check_record)):
+        s = records.scan(out_dir / name, check)
+        if s.damaged:
+            raise damaged(out_dir / name, damaged_lines(s), out_dir)
+
+
+def prepare_resume(out_dir: Path, say=note) -> None:
+    """Check the run directory's files and settle torn last lines and the journal against the record."""
+
+    out_dir = Path(out_dir)
+    check_resumable(out_dir)
+    journal = out_dir / JOURNAL_FILE
+    js = records.scan(journal, records.check_json)
+    if js.torn is not None:
+        say(f"{journal}: dropped a torn last line ({records.drop_torn(js)} bytes: a write cut short)")
+    rs = records.scan(out_dir / records.TRIALS_FILE)
+    if rs.torn is not None:
+        say(f"{rs.path}: dropped a torn last record ({records.drop_torn(rs)} bytes: a write cut short); its trial "
+            "runs again")
+    why = journal_problem(journal)
+    if not rs.path.exists() and not why and journal.exists():
+        _backfill(out_dir, say)  # a sweep from before trials.jsonl: recorded before it runs on
+        rs = records.scan(rs.path)
+    trials = records.trials(rs)
+    if why and not rs.records:
+        raise damaged(journal, why, out_dir)
+    if rs.records and (why or journal_disagrees(journal, trials)):
+        c = rebuild_journal(journal, trials)
+        say(f"{journal}: rebuilt from {records.TRIALS_FILE} ({c['told']} trials told, {c['asked']} to run again)")
+
+
+def _backfill(out_dir: Path, say) -> None:
+    """The record of a sweep from before trials.jsonl, written from its journal and MLflow (without it, the
+    trials told before would count as unrecorded and run again on the next resume)."""
+
+    if not told_states(out_dir / JOURNAL_FILE):
+        return
+    from mlflow import MlflowClient
+
+    relocate(out_dir)
+    info = read_sweep(out_dir)
+    n = backfill(out_dir, MlflowClient(info["tracking_uri"]), info.get("experiment") or "healsweep",
+                 info["sweep_id"], info.get("parent_run_id"))
+    say(f"{out_dir / records.TRIALS_FILE}: written from the journal and MLflow ({n} trials: a sweep from before it)")

@@ -1,0 +1,164 @@
+"""Widening rounds (``search.widen: {rounds, factor}``, or ``healsweep refine DIR --widen``): cells whose
+winning trial sits on the search-space boundary get more trials in a box that reaches past the edge they hit,
+as a continuation of the same sweep (docs/methods.md#search).
+
+"On the boundary" is the report's definition (analysis/findings.py ``edges``; the report tags such winners
+``search_boundary``). Per grid, the round's box is the box the grid's boundary cells were searched in (a cell
+widened before: its last widened box; several: their union) shifted by ``factor`` past the edges they hit
+(``widened_box``: lr cap -> [lo·f, hi·f], floor -> [lo/f, hi/f], epochs or steps cap -> up to hi·f), so the round
+explores past the edge instead of resampling the old box. Each cell's Optuna study goes on in the new space
+(same journal and study: TPE still sees the first round's trials). Each widened cell's study is brought to (its
+most trials among the round's cells) + trials_per_cell trials: ``trials_per_cell`` more per cell when every cell
+had the same count. Same sweep id, parent run, store and journal (``run_sweep(resume=True)``); targets and masks
+are content-addressed and reused.
+
+Recorded: sweep.json ``widenings`` (round, factor, cell id -> box; the report reads it to name the widened cells
+and to judge their winners against the widened box), parent-run tags ``widen_rounds`` and ``widened_cells``
+(comma-separated cell ids) and the artifact ``widen_<round>/cells.json``.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+from orchestrator.lifecycle.continuation import RefineError, read_run
+from orchestrator.lifecycle.resume import prepare_resume
+from orchestrator.rundir.files import JOURNAL_FILE
+
+
+def widened_box(bounds: dict, hit: set[str], factor: float, max_length: int) -> dict:
+    """``bounds`` {"lr": [lo, hi], "epochs" | "steps": [lo, hi]} shifted by ``factor`` past the edges in ``hit``:
+    lr cap -> [lo·f, hi·f]; lr floor -> [lo/f, hi/f]; both -> [lo/f, hi·f]; epochs (steps) cap ->
+    [min(hi, ceil(lo·f)), ceil(hi·f)] (at most ``max_length``). Edges not hit stay."""
+    key = "steps" if bounds.get("steps") else "epochs"
+    (lo, hi), (elo, ehi) = bounds["lr"], bounds[key]
+    cap, floor = "lr_cap" in hit, "lr_floor" in hit
+    lr = [lo / factor if floor else lo * factor if cap else lo, hi / factor if floor and not cap else
+          hi * factor if cap else hi]
+    if "length_cap" in hit:
+        elo, ehi = min(ehi, math.ceil(elo * factor)), min(max_length, math.ceil(ehi * factor))
+    return {"lr": [float(x) for x in lr], key: [int(elo), int(ehi)]}
+
+
+def union_box(boxes: list[dict]) -> dict:
+    key = "steps" if boxes[0].get("steps") else "epochs"
+    return {"lr": [min(b["lr"][0] for b in boxes), max(b["lr"][1] for b in boxes)],
+            key: [min(b[key][0] for b in boxes), max(b[key][1] for b in boxes)]}
+
+
+def plan_widening(run_dir: Path, factor: float) -> dict:
+    """{"meta", "round", "cells": {cell id: grid}, "boxes": {grid: widened box}, "parent_run_id",
+    "tracking_uri"}; ``cells`` is empty when no winner sits on the boundary."""
+    from analysis.findings import edges
+    from analysis.runs import best_per_cell, grid_names
+    from analysis.search_space import search_bounds, widened_cells
+    from orchestrator.spec.checks import MAX_EPOCHS, MAX_STEPS
+
+    if not factor > 1:
+        raise RefineError(f"widen factor must be > 1, got {factor}")
+    meta, uri, info, trials = read_run(run_dir)
+    best = best_per_cell(trials, info["objective"])
+    search, before = search_bounds(meta["spec"]), widened_cells(meta)
+    cells, hits, current = {}, {}, {}
+    for (_, row), grid in zip(best.iterrows(), grid_names(best)):
+        box = before.get(row["cell_id"]) or search.get(grid) or search["main"]
+        hit = set(edges(row, box))
+        if hit:
+            cells[row["cell_id"]] = grid
+            hits.setdefault(grid, set()).update(hit)
+            current.setdefault(grid, []).append({k: v for k, v in box.items() if k != "round"})
+    boxes = {}
+    for grid, hit in hits.items():
+        base = union_box(current[grid])
+        boxes[grid] = widened_box(base, hit, factor, MAX_STEPS if base.get("steps") else MAX_EPOCHS)
+    return {"meta": meta, "round": len(meta.get("widenings", [])) + 1, "cells": cells, "boxes": boxes,
+            "parent_run_id": info["run_id"], "tracking_uri": uri}
+
+
+def widen_spec(spec, plan: dict, existing: dict[str, int]):
+    """The sweep's spec restricted to the widened cells (``SweepSpec.cells``), each grid searching its widened
+    box; ``existing``: cell id -> trials its study holds already."""
+    from orchestrator.spec.checks import MAX_REEVALUATE, MAX_TRIALS_PER_CELL
+
+    def search_of(grid: str, base):
+        box = plan["boxes"].get(grid)
+        if box is None:  # no widened cell in this grid: its cells are filtered out anyway
+            return {}
+        have = max(existing.get(c, 0) for c, g in plan["cells"].items() if g == grid)
+        key = "steps" if "steps" in box else "epochs"
+        other = "epochs" if key == "steps" else "steps"
+        # re-evaluations run again after the round, on the cell's winner then (the report counts only those that
+        # repeat the final winner: analysis/reported.py)
+        again = min(MAX_REEVALUATE, base.reevaluate * (plan["round"] + 1))
+        return {"lr": tuple(box["lr"]), key: tuple(box[key]), other: None,
+                "trials_per_cell": min(MAX_TRIALS_PER_CELL, have + base.trials_per_cell), "reevaluate": again}
+
+    grids = []
+    for g in spec.grids:
+        gsearch = replace(spec.search, **dict(g.search))
+        over = search_of(g.name, gsearch)
+        grids.append(replace(g, search={**dict(g.search), **over}) if over else g)
+    main = search_of("main", spec.search)
+    return replace(spec, cells=tuple(plan["cells"]), grids=tuple(grids),
+                   search=replace(spec.search, **main) if main else spec.search)
+
+
+def study_sizes(journal: Path, cells) -> dict[str, int]:
+    """cell id -> trials of its Optuna study (every state) in the sweep's journal."""
+    from orchestrator.search import SEARCH, journal_cells, open_journal
+
+    storage = open_journal(journal)
+    ids = {c: st[SEARCH] for c, st in journal_cells(storage).items() if SEARCH in st}
+    return {c: len(storage.get_all_trials(ids[c], deepcopy=False)) if c in ids else 0 for c in cells}
+
+
+def run_widening(run_dir: Path, rounds: int = 1, factor: float = 4.0, *, address: str | None = None,
+                 progress: bool = True, num_cpus: int | None = None, report: bool = True,
+                 total: bool = False) -> list[dict]:
+    """Up to ``rounds`` widening rounds (fewer when no winner is left on the boundary); rewrites the report.
+    ``total``: ``rounds`` counts the rounds the sweep already ran (``search.widen`` of a resumed sweep: no round
+    twice). -> one record per round run (what sweep.json ``widenings`` holds, plus the sweep result)."""
+    from mlflow import MlflowClient
+
+    from orchestrator.spec import SpecError, parse_spec
+    from orchestrator.sweep.run import run_sweep
+
+    run_dir, done = Path(run_dir), []
+    if total:
+        meta = json.loads((run_dir / "sweep.json").read_text(encoding="utf-8"))
+        rounds -= len(meta.get("widenings") or [])
+    for _ in range(rounds):
+        plan = plan_widening(run_dir, factor)
+        if not plan["cells"]:
+            break
+        meta = plan["meta"]
+        try:
+            spec = parse_spec(meta["spec"])
+        except SpecError as e:
+            raise RefineError(f"sweep.json spec: {e}") from None
+        spec = widen_spec(spec, plan, study_sizes(run_dir / JOURNAL_FILE, plan["cells"]))
+        prepare_resume(run_dir)  # damaged files: one line; torn last lines dropped; journal agrees with the record
+        res = run_sweep(spec, run_dir, Path(meta["store"]), Path(meta["cache"]), address=address,
+                        progress=progress, report=False, num_cpus=num_cpus, resume=True)
+        rec = {"round": plan["round"], "factor": factor,
+               "cells": {c: {**plan["boxes"][g]} for c, g in plan["cells"].items()}}
+        meta = json.loads((run_dir / "sweep.json").read_text(encoding="utf-8"))  # run_sweep updated it
+        meta.setdefault("widenings", []).append(rec)
+        (run_dir / "sweep.json").write_text(json.dumps(meta, indent=1, default=list), encoding="utf-8")
+        client = MlflowClient(plan["tracking_uri"])
+        every = sorted({c for w in meta["widenings"] for c in w["cells"]})
+        client.set_tag(plan["parent_run_id"], "widen_rounds", str(plan["round"]))
+        client.set_tag(plan["parent_run_id"], "widened_cells", ",".join(every)[:5000])
+        client.log_text(plan["parent_run_id"], json.dumps(rec, indent=1), f"widen_{plan['round']}/cells.json")
+        done.append({**rec, "result": res})
+        if res.interrupted is not None:  # SIGINT/SIGTERM: no further round; the report below is marked partial
+            break
+    if report:
+        from analysis.report import write_report
+
+        paths = write_report(run_dir)
+        for d in done:
+            d["report"] = paths
+    return done

@@ -1,0 +1,214 @@
+"""Nodes that cannot run the project's code: found, named in one line, kept out of the sweep.
+
+On a cluster (``--address``) every task and trial actor of a sweep runs the project's code on the node Ray picks,
+in that node's Python (the one its ``ray start`` runs). A node whose Python lacks healsweep fails each of them at
+import, with Ray's traceback ("The actor with name ImplicitFunc failed to import on the worker ...
+ModuleNotFoundError: No module named 'orchestrator'"): the trial's actor dies before it runs, Tune counted it
+against ``max_failures`` and placed the retry wherever CPUs were free (that node's, freed at once, among them).
+
+:class:`NodeGuard` runs a tiny task on every node that has CPUs or GPUs (pinned with a hard node affinity, 0
+CPUs: it does not wait for a free one) before any work: the task is a function of this module, so it can only
+run where the project imports, and it reports the node's healsweep version. A node that fails it gets one line
+(which node, what is missing, what to do) and its CPUs and GPUs are held by placement groups pinned to it
+(``ray.io/node-id`` label), so no task or trial of this sweep is placed there; the rest of the cluster runs the
+sweep. With no node left that could run it the sweep stops in one line (:class:`~orchestrator.raytune.cluster.ClusterError`,
+exit 2). A node that joins later and fails a trial the same way is checked when it does (orchestrator/raytune/trial_faults.py
+recognises the error with :func:`missing_project`, retries the trial without counting it and calls
+:meth:`NodeGuard.check_soon`); Ray's copy of that worker's traceback is not printed while the trials run
+(:class:`guarding`). A stage task (models, dense, masks) that fails this way on a node that joined after the
+check stops the sweep in one line (orchestrator/sweep/run.py, resumable). A node running another healsweep version
+gets a one-line warning.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+import threading
+from importlib.metadata import PackageNotFoundError, version
+
+PACKAGES = ("orchestrator", "tasks", "analysis")
+_NO_MODULE = re.compile(r"No module named '((?:%s)(?:\.[\w.]+)?)'" % "|".join(PACKAGES))
+PROBE_TIMEOUT_S = 60.0
+_active: list = []  # the NodeGuard of the sweep whose trials run now (trial_faults calls check_soon on it)
+
+
+def missing_project(exc: BaseException | str | None) -> str | None:
+    """"No module named 'orchestrator'" when ``exc`` (a task error, or a trial actor that died at import) says a
+    worker could not import one of the project's packages; None otherwise."""
+    m = _NO_MODULE.search(str(exc or ""))
+    return f"No module named '{m.group(1)}'" if m else None
+
+
+def driver_version() -> str | None:
+
+    try:
+        return version("healsweep")
+    except PackageNotFoundError:  # a checkout on PYTHONPATH, never installed
+        return None
+
+
+def node_facts() -> dict:
+    """Runs on a node (a Ray task): its packages of the project that do not import, and its healsweep version.
+    Ray unpickles this function by importing this module first: where ``orchestrator`` is missing it never runs
+    (the task fails with ModuleNotFoundError)."""
+
+    return {"missing": [p for p in PACKAGES if importlib.util.find_spec(p) is None], "version": driver_version()}
+
+
+def install_hint() -> str:
+    """What to install on a node: the driver's healsweep version (or its checkout, when it was never installed)."""
+    v = driver_version()
+    return f"install healsweep {v} (the driver's version)" if v else "install the project (the driver's checkout)"
+
+
+def node_line(node: dict, problem: str) -> str:
+    """The one line for a node that cannot run the project: which node, what is missing, what the sweep does
+    about it and what to do."""
+    res = node.get("Resources", {})
+    held = ", ".join(f"{res[k]:g} {k}" for k in ("CPU", "GPU") if res.get(k))
+    return (f"node {node['NodeID'][:12]} ({node.get('NodeManagerAddress', '?')}) cannot import the project "
+            f"({problem}): kept out of this sweep ({held} held); {install_hint()} on it and restart Ray there")
+
+
+class NodeGuard:
+    """Checks the nodes of the connected cluster (once each) and fences the ones that cannot run the project."""
+
+    def __init__(self, say=None) -> None:
+        self.say = say or _say
+        self.checked: dict[str, str | None] = {}  # node id -> problem (None: fine)
+        self.fences: list = []  # placement groups holding a bad node's CPUs/GPUs
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def bad(self) -> list[str]:
+        return [n for n, problem in self.checked.items() if problem]
+
+    def check(self) -> list[str]:
+        """Check every alive node with CPUs/GPUs not checked yet; fence and name the bad ones. -> their ids."""
+        import ray
+
+        with self._lock:
+            nodes = [n for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in self.checked
+                     and (n.get("Resources", {}).get("CPU") or n.get("Resources", {}).get("GPU"))]
+            found = []
+            for node, facts in zip(nodes, _probe([n["NodeID"] for n in nodes])):
+                if facts is None:  # no answer (in time, or the node went away): checked again next time
+                    continue
+                self.checked[node["NodeID"]] = problem = _problem(facts)
+                if problem:
+                    self.fences += fence(node)
+                    self.say(node_line(node, problem))
+                    found.append(node["NodeID"])
+                elif facts.get("version") and driver_version() and facts["version"] != driver_version():
+                    self.say(f"node {node['NodeID'][:12]} ({node.get('NodeManagerAddress', '?')}) runs healsweep "
+                             f"{facts['version']}, the driver {driver_version()}: install the same version on it")
+            return found
+
+    def check_soon(self) -> None:
+        """:meth:`check` in a thread (called from Tune's loop, which must not wait for the probe)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._thread = threading.Thread(target=self.check, name="healsweep-node-guard", daemon=True)
+        self._thread.start()
+
+    def usable(self) -> bool:
+        """Some alive node with CPUs is not fenced."""
+        import ray
+
+        return any(n.get("Alive") and n.get("Resources", {}).get("CPU") and n["NodeID"] not in self.bad
+                   for n in ray.nodes())
+
+    def release(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        if self._thread is not None:
+            self._thread.join(PROBE_TIMEOUT_S)
+        for pg in self.fences:
+            remove_placement_group(pg)
+        self.fences = []
+
+
+def _problem(facts: dict) -> str | None:
+    return f"No module named '{facts['missing'][0]}'" if facts.get("missing") else None
+
+
+def _probe(node_ids: list[str]) -> list[dict | None]:
+    """:func:`node_facts` on each node, in parallel: its dict (a node whose worker could not import this module:
+    ``missing`` names the package), or None (no answer within PROBE_TIMEOUT_S, or another error: the node died,
+    left, ...)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(node_facts)
+    refs = [task.options(num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
+            .remote() for n in node_ids]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PROBE_TIMEOUT_S) if refs else ([], [])
+    out = []
+    for ref in refs:
+        if ref not in ready:
+            out.append(None)
+            continue
+        try:
+            out.append(ray.get(ref))
+        except ray.exceptions.RayError as e:
+            missing = missing_project(e)
+            out.append({"missing": [missing.split("'")[1]], "version": None} if missing else None)
+    return out
+
+
+def fence(node: dict) -> list:
+    """Placement groups holding every CPU and GPU of ``node`` (one per unit: each is placed as soon as that unit is
+    free, ahead of the trials that request one later), pinned to it by its ``ray.io/node-id`` label."""
+    from ray.util.placement_group import placement_group
+
+    res, pin = node.get("Resources", {}), [{"ray.io/node-id": node["NodeID"]}]
+    return [placement_group([{kind: 1.0}], bundle_label_selector=pin)
+            for kind in ("CPU", "GPU") for _ in range(int(res.get(kind, 0)))]
+
+
+def _say(text: str) -> None:
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"healsweep: {text}", file=sys.stderr)  # above a progress bar, not through it
+
+
+def active() -> NodeGuard | None:
+    return _active[-1] if _active else None
+
+
+class guarding:  # noqa: N801 - a context manager used like a function
+    """``with guarding(guard):`` trial_faults reports import failures to ``guard`` while the trials run, and Ray's
+    copy of such a worker's traceback is not printed (the raylet publishes it to the driver, which prints it even
+    with ``log_to_driver`` off): the guard's line says which node and what to do."""
+
+    def __init__(self, guard: NodeGuard | None) -> None:
+        self.guard, self._restore = guard, None
+
+    def __enter__(self):
+        if self.guard is not None:
+            _active.append(self.guard)
+            self._restore = _quiet_import_failures()
+        return self.guard
+
+    def __exit__(self, *exc) -> None:
+        if self.guard is not None:
+            _active.remove(self.guard)
+            self._restore()
+
+
+def _quiet_import_failures():
+    """Wrap ``ray._private.worker.print_to_stdstream`` (what the driver's error listener prints raylet messages
+    with) to drop the ones about a worker that could not import the project. -> a function that unwraps it."""
+    import ray._private.worker as ray_worker
+
+    ray_print = ray_worker.print_to_stdstream
+
+    def print_to_stdstream(data, ignore_prefix: bool):
+        if missing_project("\n".join(map(str, data.get("lines", ())))):
+            return
+        return ray_print(data, ignore_prefix)
+
+    ray_worker.print_to_stdstream = print_to_stdstream
+    return lambda: setattr(ray_worker, "print_to_stdstream", ray_print)

@@ -1,0 +1,139 @@
+"""A trial whose actor is lost with its node is retried elsewhere, not failed.
+
+Measured (2026-11-24, Ray 2.60, a 1-CPU head and a 2-CPU ``ray start`` node SIGKILLed mid-sweep): the trials the
+node was given ended ERROR within milliseconds of the kill, long before Ray marked the node dead (~20 s), with no
+MLflow child run and the sweep exiting 1, although ``resources.max_failures`` was 2. Tune's debug log shows why:
+
+1. **One actor error, two failures.** With ``reuse_actors`` a trial is handed a freed (cached) actor and stays
+   PENDING while Tune's ``reset`` task runs on it. When that actor is gone (its node died), the ``reset`` future
+   fails with a ``RayActorError`` and Ray Tune's ``ActorManager`` calls two callbacks with the same exception: the
+   actor's (``TuneController._actor_failed``: the trial is PENDING, "failed in its creation task", so it is
+   processed as a failure: counted, recovered, requeued PENDING) and then the task's (``_trial_task_failure``:
+   the same error processed again, now on a PENDING trial, which ``_process_trial_failure`` never recovers: it is
+   told to the searcher as an error and ends ERROR). ``max_failures`` never gets a say.
+2. **A stale reset.** The trial also stays in ``_resetting_trials`` (only a successful reset removes it), so even
+   a correctly requeued trial would never get an actor: ``_maybe_reuse_cached_actor`` returns True for it and
+   nothing is scheduled (it waits forever).
+3. **Node faults count as the trial's failures.** A node that dies or cannot run the project's code fails every
+   trial it holds (the running ones, and the cached actors on it handed to new trials); each counts against
+   ``max_failures`` like a bug in the trial, so a sweep with ``max_failures: 0`` loses them all.
+
+:func:`install` wraps two Tune methods (idempotent; the sweep calls it before every Tuner):
+
+* ``TuneController._trial_task_failure``: an exception already handled for a trial is not handled again (1); a
+  failed trial is no longer resetting (2); a node fault (:func:`node_fault`) gets no Tune traceback: a lost node
+  is announced in one line per trial and the freed actors Tune keeps for reuse are stopped (the dead node's would
+  fail every trial handed to them; healthy nodes' start new ones, seconds each, once); a node that cannot import
+  the project is checked, named once and fenced by the sweep's NodeGuard (orchestrator/raytune/node_guard.py).
+* ``Trial._handle_ray_actor_error`` (where Tune decides whether an actor error counts: a preempted node's does
+  not): a node fault does not count against ``max_failures``, at most :data:`NODE_FAULT_RETRIES` times per trial
+  (a trial that takes its node down every time still ends); after that it counts like any failure.
+
+The retried trial goes back to the queue (PENDING) and gets a new actor where resources are free: Ray's GCS does
+not place the new actor on the dead node (its raylet no longer answers), so no sleep is needed for Ray to mark
+the node dead. Both wraps rely on Tune internals (``_trial_task_failure``, ``_resetting_trials``,
+``_print_trial_errors``, ``_actor_cache``, ``_remove_actor``, ``Trial._handle_ray_actor_error``,
+``Trial.temporary_state``): pyproject pins Ray, and tests/e2e/test_trial_faults.py fails on a real TuneController
+when they change.
+"""
+from __future__ import annotations
+
+import sys
+
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+
+from orchestrator.raytune import node_guard
+from orchestrator.raytune.node_guard import missing_project
+
+NODE_FAULT_RETRIES = 3  # per trial: node faults not counted against resources.max_failures
+_MARK = "_healsweep_trial_faults"
+_SEEN = "_healsweep_failures_seen"
+
+
+def node_fault(exc: BaseException | None) -> str | None:
+    """What went wrong with the trial's node, when ``exc`` is not the trial's own failure: its actor is
+    unreachable (the node is down or cut off; Ray has not marked it dead yet), died with its node, or could not
+    import the project there (orchestrator/raytune/node_guard.py). None for everything else (an exception in the trial,
+    an actor process that crashed on a live node, ...)."""
+
+    if isinstance(exc, RayActorError) and missing_project(exc):  # the actor died importing the trainable
+        return f"its node cannot import the project ({missing_project(exc)})"
+    if isinstance(exc, RayTaskError):
+        cause = exc.as_instanceof_cause()
+        exc = cause if isinstance(cause, RayActorError) else None
+    if isinstance(exc, ActorUnavailableError):
+        return "its node is unreachable"
+    if isinstance(exc, ActorDiedError) and (exc.preempted or "because its node has died" in str(exc)):
+        return "its node died"
+    return None
+
+
+def node_faults(trial) -> int:
+    """Node faults of ``trial`` not counted against max_failures so far (this driver session)."""
+    return getattr(trial.temporary_state, "healsweep_node_faults", 0)
+
+
+def install() -> None:
+    """Wrap TuneController._trial_task_failure and Trial._handle_ray_actor_error (see the module docstring)."""
+    from ray.tune.execution.tune_controller import TuneController
+    from ray.tune.experiment.trial import Trial
+
+    if getattr(TuneController._trial_task_failure, _MARK, False):
+        return
+    tune_failure, tune_actor_error = TuneController._trial_task_failure, Trial._handle_ray_actor_error
+
+    def _trial_task_failure(self, trial, exception):
+        seen = self.__dict__.setdefault(_SEEN, {})
+        if seen.get(trial.trial_id) is exception:
+            return  # the same actor error, handed over twice (the actor's and the task's callback)
+        seen[trial.trial_id] = exception
+        self._resetting_trials.discard(trial)  # its actor is gone: no reset is running any more
+        fault = node_fault(exception)
+        if fault is None:
+            return tune_failure(self, trial, exception)
+        printing, self._print_trial_errors = self._print_trial_errors, False  # our line instead of a traceback
+        try:
+            tune_failure(self, trial, exception)
+        finally:
+            self._print_trial_errors = printing
+        _after_fault(self, trial, exception, fault)
+
+    def _handle_ray_actor_error(self, exc):
+        if not exc.preempted and node_fault(exc) and node_faults(self) < NODE_FAULT_RETRIES:
+            self.temporary_state.healsweep_node_faults = node_faults(self) + 1
+            return  # not counted: the trial is retried while max_failures stays for its own failures
+        return tune_actor_error(self, exc)
+
+    setattr(_trial_task_failure, _MARK, True)
+    _trial_task_failure.tune_failure, _handle_ray_actor_error.tune_actor_error = tune_failure, tune_actor_error
+    TuneController._trial_task_failure, Trial._handle_ray_actor_error = _trial_task_failure, _handle_ray_actor_error
+
+
+def _after_fault(controller, trial, exc, fault: str) -> None:
+    """A node that cannot import the project: the sweep's NodeGuard checks the new nodes, names the bad one once
+    and fences it. A lost node: one line per trial, and the actors Tune keeps for reuse are stopped (those on the
+    lost node would fail every trial handed to them)."""
+
+    guard = node_guard.active()
+    if fault.startswith("its node cannot import") and guard is not None:
+        guard.check_soon()
+        return
+    _say(fault_line(trial, exc, fault))
+    if not fault.startswith("its node cannot import"):
+        controller._cleanup_cached_actors(force_all=True)
+
+
+def _say(text: str) -> None:
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"healsweep: {text}", file=sys.stderr)  # above the trials' progress bar, not through it
+
+
+def fault_line(trial, exc: BaseException, fault: str) -> str:
+    """One line for a trial hit by a node fault: which trial, what happened, what the sweep does about it."""
+    key = trial.config.get("trial_id", trial.trial_id)
+    what = f"trial {key} lost its actor: {fault} ({type(exc).__name__})"
+    if trial.status == trial.PENDING:
+        return (f"{what}; retrying it on another node (not counted against resources.max_failures: node fault "
+                f"{node_faults(trial)} of {NODE_FAULT_RETRIES} for this trial)")
+    return f"{what}; no retries left, the trial ends FAILED"

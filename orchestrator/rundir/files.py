@@ -1,0 +1,166 @@
+"""A run directory's own files: ``sweep.json``, the Optuna journal's told states, the driver lock, and the MLflow
+runs reconciled with the journal. What makes a sweep whose driver died resumable (``healsweep run --resume DIR``;
+its files are checked and prepared by orchestrator/lifecycle/resume.py).
+
+We do not use ``Tuner.restore``: the durable state of a sweep is already outside Tune. The per-cell Optuna
+journal (DIR/optuna.journal) records every asked trial, its parameters and whether it was told; the target and
+mask stores are content-addressed; DIR/sweep.json holds the sweep id, the spec and the MLflow parent run.
+A restart therefore rebuilds the searcher over the journal (told trials are never run again; asked-but-untold
+trials run again with the same trial number and parameters, from scratch) and starts a new Tune experiment
+for the remaining work. Optuna is told only after that trial's MLflow writes (same writer thread), so a told
+trial always has its complete child run; ``reconcile`` closes child runs whose final status was lost.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tasks._io import atomic_write_text
+
+if TYPE_CHECKING:  # imported where used: `healsweep run` checks a run directory before Ray starts
+    from mlflow import MlflowClient
+    from optuna.trial import TrialState
+
+SWEEP_FILE = "sweep.json"
+JOURNAL_FILE = "optuna.journal"
+STATUS = {"COMPLETE": "FINISHED", "FAIL": "FAILED", "PRUNED": "KILLED"}  # Optuna TrialState name -> MLflow
+
+
+class ResumeError(ValueError):
+    pass
+
+
+_SWEEP_KEYS = {"sweep_id": str, "tracking_uri": str, "store": str, "cache": str, "spec": dict}
+
+
+def read_sweep(out_dir: Path) -> dict:
+    """DIR/sweep.json, checked: ResumeError (one line) when it is missing, unreadable or lacks a field."""
+    f = out_dir / SWEEP_FILE
+    if not f.is_file():
+        raise ResumeError(f"{out_dir}: not a run directory (no {SWEEP_FILE}); nothing to resume")
+    try:
+        info = json.loads(f.read_bytes()[: 64 << 20].decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ResumeError(f"{f}: unreadable ({type(e).__name__}: {str(e)[:100]}); not a healsweep sweep record") from None
+    if not isinstance(info, dict):
+        raise ResumeError(f"{f}: expected a JSON object, got {type(info).__name__}")
+    for k, t in _SWEEP_KEYS.items():
+        if not isinstance(info.get(k), t):
+            raise ResumeError(f"{f}: field {k!r} missing or not a {t.__name__}")
+    return info
+
+
+def write_sweep(out_dir: Path, info: dict) -> None:
+    atomic_write_text(out_dir / SWEEP_FILE, json.dumps(info, indent=1, default=list))
+
+
+def told_states(journal: Path) -> dict[str, TrialState]:
+    """{trial id: state} for every trial in the journal: "<cell_id>-<number>" (search), "<cell_id>-r<number>"
+    (re-evaluations of the cell's winner)."""
+    from orchestrator.search import Ask, journal_cells, open_journal
+
+    storage = open_journal(journal)
+    out = {}
+    for cid, studies in journal_cells(storage).items():
+        for stage, sid in studies.items():
+            for t in storage.get_all_trials(sid, deepcopy=False):
+                out[Ask(cid, t.number, {}, stage).trial_id] = t.state
+    return out
+
+
+def reconcile(client: MlflowClient, experiment_id: str, sweep_id: str, journal: Path) -> int:
+    """Terminate child runs left RUNNING whose trial the journal has told; returns how many were fixed."""
+    states = told_states(journal)
+    fixed = 0
+    for r in client.search_runs([experiment_id], f"tags.sweep_id = '{sweep_id}' and "
+                                                 "tags.`healsweep.role` = 'trial' and attributes.status = 'RUNNING'",
+                                max_results=50000):
+        st = states.get(r.data.tags.get("trial_id", ""))
+        if st is not None and st.name in STATUS:
+            client.set_terminated(r.info.run_id, STATUS[st.name])
+            fixed += 1
+    return fixed
+
+
+# ------------------------------------------------------------------------------------ one driver per run
+LOCK_FILE = "driver.lock"
+
+
+class RunLockedError(ResumeError):
+    pass
+
+
+def existing_sweep(out_dir: Path) -> ResumeError:
+    return ResumeError(f"{out_dir} already holds a sweep: continue it with --resume {out_dir} or choose another --out")
+
+
+def probe_run_dir(out_dir: Path, resume: bool) -> None:
+    """``open_sweep``'s refusals, made early (before Ray starts) without creating or keeping anything: a new sweep
+    over a directory that holds one (ResumeError), a directory another live driver holds (RunLockedError).
+    ``lock_run_dir`` still decides when the sweep opens."""
+
+    if not resume and (out_dir / JOURNAL_FILE).exists():
+        raise existing_sweep(out_dir)
+    if (out_dir / LOCK_FILE).is_file():
+        with open(out_dir / LOCK_FILE) as f:  # a probe: the flock is dropped when the file closes
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise _locked(out_dir, f.read().strip()[:40] or "unknown") from None
+
+
+def _locked(out_dir: Path, holder: str) -> RunLockedError:
+    return RunLockedError(f"{out_dir}: another healsweep driver (pid {holder}) is running this sweep; "
+                          "wait for it to end or stop it first")
+
+
+def lock_run_dir(out_dir: Path):
+    """Hold DIR/driver.lock for this process's lifetime (one driver per run directory); returns the open file.
+
+    An exclusive, non-blocking fcntl.flock: the kernel drops it when its holder dies, so a dead driver's lock is
+    stale by construction and simply taken over (the file is rewritten with our pid). Another live driver holding
+    it is a RunLockedError naming its pid. Calling again in the same process returns the held lock.
+    """
+
+    key = str(Path(out_dir).resolve())
+    if key in _HELD:
+        return _HELD[key]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    f = open(out_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held until the process exits
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip()[:40] or "unknown"
+        f.close()
+        raise _locked(out_dir, holder) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    _HELD[key] = f
+    return f
+
+
+_HELD: dict[str, object] = {}
+
+
+def release_run_dir(out_dir: Path) -> None:
+    """Give up this process's lock on ``out_dir`` (the driver is done with it)."""
+    f = _HELD.pop(str(Path(out_dir).resolve()), None)
+    if f is not None:
+        f.close()
+
+
+# --------------------------------------------------------------------------------- per-session totals
+def record_dense(out_dir: Path, info: dict, session: int, images: int) -> int:
+    """Record this session's dense forward images in sweep.json (right after the dense stage, so a later kill
+    loses nothing) and return the sweep's total over every session."""
+    per = {str(k): int(v) for k, v in (info.get("dense_forward_images") or {}).items()}
+    per[str(session)] = int(images)
+    info["dense_forward_images"] = per
+    write_sweep(out_dir, info)
+    return sum(per.values())

@@ -1,0 +1,27 @@
+"""``background``: a function run in a thread while the caller goes on (a light module: no torch, no Ray)."""
+from __future__ import annotations
+
+import threading
+
+
+def background(fn, *args):
+    """Run ``fn(*args)`` in a thread while the next stages run; the returned callable joins it and returns
+    its result (re-raising its error)."""
+
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread by join()
+            box["error"] = e
+
+    th = threading.Thread(target=target, name="healsweep-prepare", daemon=True)
+    th.start()
+
+    def join():
+        th.join()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+    return join

@@ -1,0 +1,204 @@
+"""The Optuna journal and the MLflow runs of a sweep, rebuilt from its trial record (orchestrator/rundir/records.py).
+
+- ``rebuild_journal``: a fresh ``optuna.journal`` in which every recorded trial is told exactly as recorded; a
+  trial the old journal asked (or told) but the record does not hold is asked again (RUNNING, with what the old
+  journal still knows of its parameters), so a resume runs it again; so is a trial number neither holds (the
+  numbers of the trials after it must not move): the design derives its parameters again.
+- ``sync_runs``: every recorded trial has exactly one MLflow run (missing ones recreated from the record, extra
+  copies deleted).
+- ``rebuild_tracking``: a fresh SQLite tracking store in the run directory (the damaged one moved aside): the
+  parent run (its artifacts copied from the run directory's artifacts/) and every recorded trial's run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from orchestrator.rundir import records
+from orchestrator.rundir.files import told_states, write_sweep
+from orchestrator.tracking.store import keep_artifacts_inside, local_tracking_uri, open_tracking
+from tasks._io import DiskFullError, is_disk_full
+
+DONE = ("COMPLETE", "FAIL", "PRUNED")
+
+
+# ------------------------------------------------------------------------------------------------ journal
+def _old_studies(journal: Path) -> dict[str, dict]:
+    """{study name: {"attrs", "direction", "trials": {number: FrozenTrial}}} of whatever the old journal still
+    replays (its intact lines only); {} when nothing does."""
+    import optuna
+
+    s = records.scan(journal, records.check_json)
+    if not s.records:
+        return {}
+    with tempfile.TemporaryDirectory(prefix="healsweep-journal-") as d:
+        tmp = Path(d) / "old.journal"
+        tmp.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in s.records))
+        try:
+            storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(tmp)))
+            return {st.study_name: {"attrs": dict(st.user_attrs), "direction": st.direction.name,
+                                    "trials": {t.number: t for t in storage.get_all_trials(st._study_id)}}
+                    for st in storage.get_all_studies()}
+        except Exception:  # noqa: BLE001 - a journal whose intact lines do not replay: the record alone
+            return {}
+
+
+def _recorded_studies(trials: dict[str, dict]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for rec in trials.values():
+        o = rec["optuna"]
+        st = out.setdefault(o["study"], {"attrs": o["study_attrs"], "direction": o["direction"], "trials": {}})
+        st["trials"][int(o["number"])] = o
+    return out
+
+
+def _from_record(o: dict):
+    import optuna
+    from optuna.distributions import json_to_distribution
+    from optuna.trial import TrialState
+
+    state = TrialState[o["state"]]
+    return optuna.trial.create_trial(
+        state=state, value=o["value"] if state == TrialState.COMPLETE else None, params=o["params"],
+        distributions={k: json_to_distribution(v) for k, v in o["distributions"].items()},
+        user_attrs=o["user_attrs"], intermediate_values={int(k): v for k, v in o["intermediate"].items()})
+
+
+def _asked(t=None):
+    """A trial the record does not hold: asked again (RUNNING) with what the old journal still knows of it (its
+    parameters and attributes; nothing for a number the old journal lost too: the design derives them again,
+    orchestrator/search/base.py ``_derive_params``)."""
+    import optuna
+    from optuna.trial import TrialState
+
+    if t is None:
+        return optuna.trial.create_trial(state=TrialState.RUNNING)
+    return optuna.trial.create_trial(state=TrialState.RUNNING, params=t.params, distributions=t.distributions,
+                                     user_attrs=t.user_attrs)
+
+
+def rebuild_journal(journal: Path, trials: dict[str, dict]) -> dict[str, int]:
+    """Rewrite ``journal`` from the record (see the module docstring); -> counts told / asked."""
+    import optuna
+    from optuna.study import StudyDirection
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    old, rec = _old_studies(journal), _recorded_studies(trials)
+    counts = {"told": 0, "asked": 0}
+    fd, tmp = tempfile.mkstemp(dir=journal.parent, prefix=".tmp-", suffix="-optuna.journal")
+    os.close(fd)
+    try:
+        storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(tmp))
+        for name in [*old, *(n for n in rec if n not in old)]:
+            base = rec.get(name) or old[name]
+            sid = storage.create_new_study([StudyDirection[base["direction"]]], name)
+            for k, v in (old.get(name) or base)["attrs"].items():
+                storage.set_study_user_attr(sid, k, v)
+            told, asked = rec.get(name, {}).get("trials", {}), old.get(name, {}).get("trials", {})
+            for n in range(max([*told, *asked], default=-1) + 1):
+                counts["told" if n in told else "asked"] += 1
+                storage.create_new_trial(sid, template_trial=_from_record(told[n]) if n in told else _asked(asked.get(n)))
+        del storage
+        os.replace(tmp, journal)
+    except OSError as e:
+        if is_disk_full(e) and not isinstance(e, DiskFullError):
+            raise DiskFullError(journal, journal.stat().st_size if journal.exists() else None) from e
+        raise
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return counts
+
+
+def journal_disagrees(journal: Path, trials: dict[str, dict]) -> list[str]:
+    """Trial ids whose journal state is not the recorded one: recorded but not told (or told otherwise), told
+    but not recorded (the record is the truth: it runs again)."""
+
+    states = {k: v.name for k, v in told_states(journal).items()} if journal.exists() else {}
+    out = [tid for tid, r in trials.items() if states.get(tid) != r["optuna"]["state"]]
+    return out + [tid for tid, st in states.items() if st in DONE and tid not in trials]
+
+
+# ------------------------------------------------------------------------------------------------ MLflow
+def create_run(client, exp_id: str, parent_id: str, rec: dict) -> str:
+    """One trial's MLflow run, recreated from its record; -> the new run id."""
+    from mlflow.entities import Metric, Param
+
+    m = rec["mlflow"]
+    tags = {**m["tags"], "mlflow.parentRunId": parent_id}
+    run = client.create_run(exp_id, start_time=m["start_time"], tags=tags, run_name=m["run_name"])
+    rid = run.info.run_id
+    ts = m["end_time"] or m["start_time"] or int(time.time() * 1000)
+    params = [Param(k, v) for k, v in m["params"].items()]
+    metrics = [Metric(k, v, ts, m["step"]) for k, v in m["metrics"].items()]
+    metrics += [Metric(k, v, t, step) for k, hs in m["history"].items() for step, v, t in hs]
+    for i in range(0, len(params), 100):
+        client.log_batch(rid, params=params[i : i + 100])
+    for i in range(0, len(metrics), 1000):
+        client.log_batch(rid, metrics=metrics[i : i + 1000])
+    client.set_terminated(rid, m["status"], end_time=m["end_time"])
+    return rid
+
+
+def sync_runs(client, exp_id: str, sweep_id: str, parent_id: str, trials: dict[str, dict]) -> dict[str, int]:
+    """Every recorded trial with exactly one MLflow run; -> counts created / deleted."""
+    runs: dict[str, list] = {}
+    for r in client.search_runs([exp_id], f"tags.sweep_id = '{sweep_id}' and tags.`healsweep.role` = 'trial'",
+                                max_results=50000):
+        runs.setdefault(r.data.tags.get("trial_id", ""), []).append(r)
+    counts = {"created": 0, "deleted": 0}
+    for tid, rec in trials.items():
+        have = runs.get(tid, [])
+        if rec.get("mlflow") is None:
+            continue
+        if not have:
+            create_run(client, exp_id, parent_id, rec)
+            counts["created"] += 1
+            continue
+        keep = next((r for r in have if r.info.run_id == rec["mlflow"]["run_id"]), have[0])
+        for r in have:
+            if r is not keep:
+                client.delete_run(r.info.run_id)
+                counts["deleted"] += 1
+    return counts
+
+
+def _parent(client, exp_id: str, info: dict, rec: dict | None) -> str:
+    from mlflow.entities import Param
+
+    tags = (rec or {}).get("tags") or {"sweep_id": info["sweep_id"], "healsweep.role": "sweep"}
+    run = client.create_run(exp_id, start_time=(rec or {}).get("start_time"), tags=tags,
+                            run_name=(rec or {}).get("run_name") or info.get("name"))
+    params = [Param(k, v) for k, v in ((rec or {}).get("params") or {}).items()]
+    for i in range(0, len(params), 100):
+        client.log_batch(run.info.run_id, params=params[i : i + 100])
+    return run.info.run_id
+
+
+def rebuild_tracking(out_dir: Path, info: dict, scan: records.Scan) -> dict[str, int]:
+    """A fresh tracking store for the run directory's own SQLite database (the old one, if any, is kept as
+    ``mlflow.db.damaged-<utc time>``), rebuilt from the record; sweep.json points at the new parent run."""
+    from orchestrator.tracking.logger import experiment_id
+
+    out_dir = Path(out_dir).resolve()
+    db = out_dir / "mlflow.db"
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        if Path(f"{db}{suffix}").exists():
+            os.replace(f"{db}{suffix}", f"{db}.damaged-{stamp}{suffix}")
+    uri, experiment = local_tracking_uri(out_dir), info.get("experiment") or "healsweep"
+    keep_artifacts_inside(uri, out_dir, experiment)
+    client = open_tracking(uri, experiment)
+    exp_id = experiment_id(client, experiment)
+    old_parent, prec = info.get("parent_run_id"), records.parent(scan)
+    parent_id = _parent(client, exp_id, info, prec)
+    for old in (out_dir / "artifacts").glob(f"*/{old_parent}/artifacts") if old_parent else ():
+        client.log_artifacts(parent_id, str(old))
+    counts = sync_runs(client, exp_id, info["sweep_id"], parent_id, records.trials(scan))
+    partial = ((prec or {}).get("tags") or {}).get("partial", "true")
+    client.set_terminated(parent_id, "FINISHED" if partial == "false" else "KILLED")
+    info.update(tracking_uri=uri, parent_run_id=parent_id)
+    write_sweep(out_dir, info)
+    return counts

@@ -1,0 +1,61 @@
+"""A run directory's own MLflow tracking store: its SQLite URI, the experiment with its artifacts inside the run
+directory, a copied or moved run directory pointed at its new place, and the client opened with its experiment
+ready."""
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+from orchestrator.tracking.template import seed_sqlite_store
+
+
+def local_tracking_uri(out_dir) -> str:
+    """The default tracking store of a run directory: SQLite inside it."""
+    return f"sqlite:///{Path(out_dir).resolve() / 'mlflow.db'}"
+
+
+def keep_artifacts_inside(tracking_uri: str, out_dir, experiment: str) -> None:
+    """With the run directory's own SQLite store, create the experiment with its artifact root in
+    ``out_dir/artifacts`` (MLflow's default is ``$PWD/mlruns``), so the run directory holds everything of a run."""
+    if tracking_uri != local_tracking_uri(out_dir):
+        return
+    from mlflow import MlflowClient
+
+    seed_sqlite_store(Path(out_dir) / "mlflow.db")  # a copy, not ~1.5 CPU-s of table creation and migrations
+    client = MlflowClient(tracking_uri)
+    if client.get_experiment_by_name(experiment) is None:
+        client.create_experiment(experiment, artifact_location=(Path(out_dir).resolve() / "artifacts").as_uri())
+
+
+def relocate(run_dir) -> bool:
+    """A run directory copied or moved elsewhere: point its sweep.json and its SQLite store (experiment artifact
+    locations, run artifact URIs) at the new place. True when something was rewritten."""
+
+    run_dir = Path(run_dir).resolve()
+    meta_p, db = run_dir / "sweep.json", run_dir / "mlflow.db"
+    if not meta_p.exists() or not db.exists():
+        return False
+    meta = json.loads(meta_p.read_text(encoding="utf-8"))
+    uri = str(meta.get("tracking_uri") or "")
+    if not uri.startswith("sqlite:///") or not uri.endswith("/mlflow.db") or uri == local_tracking_uri(run_dir):
+        return False
+    old = uri[len("sqlite:///"):-len("/mlflow.db")]
+    with sqlite3.connect(db) as con:
+        for table, col in (("experiments", "artifact_location"), ("runs", "artifact_uri")):
+            con.execute(f"UPDATE {table} SET {col} = replace({col}, ?, ?)", (old + "/", str(run_dir) + "/"))
+    meta["tracking_uri"] = local_tracking_uri(run_dir)
+    meta_p.write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    return True
+
+
+def open_tracking(uri: str, experiment: str):
+    """The MLflow client with its experiment ready (a new SQLite store creates its tables: seconds), opened
+    while the models, dense and mask stages run."""
+    from mlflow import MlflowClient
+
+    from orchestrator.tracking.logger import experiment_id
+
+    client = MlflowClient(uri)
+    experiment_id(client, experiment)
+    return client
