@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from orchestrator import records
-from tasks._io import DiskFullError, is_disk_full
+from tasks.atomic import DiskFullError, is_disk_full
 
 DONE = ("COMPLETE", "FAIL", "PRUNED")
 

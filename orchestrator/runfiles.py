@@ -16,7 +16,7 @@ from pathlib import Path
 from orchestrator import records
 from orchestrator.faults import damaged
 from orchestrator.resume import JOURNAL_FILE
-from tasks._io import TMP_PREFIX
+from tasks.atomic import TMP_PREFIX
 
 DB_FILE = "mlflow.db"
 

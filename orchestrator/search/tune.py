@@ -105,7 +105,7 @@ class DesignSearcher(Searcher):
         a = self._live.pop(trial_id)
         if result and result.get("disk_full"):  # not the trial's fault: the sweep stops, the trial stays untold
             from orchestrator import faults
-            from tasks._io import DiskFullError
+            from tasks.atomic import DiskFullError
 
             faults.stop(DiskFullError(result.get("disk_full_path") or "?", int(result.get("disk_full_needed") or 0)))
             return

@@ -86,7 +86,7 @@ def _read(path: Path) -> dict | None:
 
 
 def write_entry(path: Path, verdict: dict) -> None:
-    from tasks._io import atomic_write
+    from tasks.atomic import atomic_write
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from orchestrator.rebuild import journal_disagrees, rebuild_journal
 from orchestrator.recorder import TrialRecorder
 from orchestrator.resume import told_states
 from orchestrator.search import DESIGNS, make_searcher
-from tasks._io import DiskFullError, atomic_write_bytes
+from tasks.atomic import DiskFullError, atomic_write_bytes
 from tests.orchestrator.test_search_contract import BUDGET, _cells, run
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,7 +13,7 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from tasks._io import TMP_PREFIX, atomic_write_bytes
+from tasks.atomic import TMP_PREFIX, atomic_write_bytes
 
 log = logging.getLogger("healsweep.store")
 _CHUNK = 8 << 20
