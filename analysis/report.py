@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
+
+from tasks.atomic import atomic_write_text
+
 from .accuracy_figure import healer_colors, model_figure
 from .figures import healers_figure
 from .findings import FINDINGS_HOW, findings, findings_html, findings_md
@@ -350,7 +353,6 @@ def _model_details(model: str, mt: pd.DataFrame, mb: pd.DataFrame, taken: set[st
 
 def _write_pages(out: Path, name: str, md: list[str], ht: list[str], bands_json: dict) -> dict[str, Path]:
     """report.md, report.html (self-contained) and bands.json, each written atomically."""
-    from tasks._io import atomic_write_text
 
     paths = {"html": out / "report.html", "md": out / "report.md", "bands": out / "bands.json"}
     atomic_write_text(paths["bands"], json.dumps(bands_json, indent=1, allow_nan=False))

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from tasks._io import atomic_write
+from tasks.atomic import atomic_write
 from tasks.models.adapter import get_adapter
 from tasks.models.base import MODEL_SOURCES, MODELS, ModelRef
 from tasks.models.load import load_model

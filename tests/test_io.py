@@ -1,4 +1,4 @@
-"""tasks/_io.atomic_write: complete or absent, never partial; shared files are 0644."""
+"""tasks/atomic.atomic_write: complete or absent, never partial; shared files are 0644."""
 from __future__ import annotations
 
 import stat
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks._io import atomic_write, atomic_write_text
+from tasks.atomic import atomic_write, atomic_write_text
 
 
 def test_atomic_write_replaces_whole_file_with_mode_0644(tmp_path):
@@ -30,13 +30,13 @@ def test_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
 
 
 def test_every_local_writer_goes_through_atomic_write(tmp_path, monkeypatch):
-    """The store's local writes, sweep.json, SnapViT rankings and verdicts use tasks/_io.atomic_write: its temporary
+    """The store's local writes, sweep.json, SnapViT rankings and verdicts use tasks/atomic.atomic_write: its temporary
     names are recognisable (.tmp-<random>-<name>), so a killed writer's leftovers are found and removed."""
     import pyarrow as pa
 
-    import tasks._io as io
+    import tasks.atomic as io
     from orchestrator.rundir.files import write_sweep
-    from tasks.store._fs import StoreFS
+    from tasks.store.fs import StoreFS
 
     seen = []
     real = io.atomic_write

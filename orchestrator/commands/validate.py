@@ -1,9 +1,12 @@
 """healsweep validate SPEC: check a spec and print its grid size, without running anything."""
 from __future__ import annotations
 
+import json
 from collections import Counter, defaultdict
 
 from orchestrator.commands.common import load_spec_or_exit
+from orchestrator.spec.grids import views
+from orchestrator.spec.registries import get, resolve_healer
 
 
 def add_parser(sub):
@@ -18,24 +21,50 @@ def add_parser(sub):
 
 
 def main(args) -> int:
-
-    spec = load_spec_or_exit(args.spec)  # a bad spec is answered before torch is imported
-
-    from orchestrator.spec.plan import expand_cells, grid_searches
-    from tasks.healing import resolve_healer
-
-    searches = grid_searches(spec)
-    cells = expand_cells(spec, defaultdict(str))  # scopes are not needed to count cells
-    trains, trials, fixed = {}, Counter(), 0
-    for c in cells:
-        key = (c.healer, repr(sorted(c.healer_settings.items())))
-        if key not in trains:
-            trains[key] = resolve_healer(c.healer, c.healer_settings).trains
-        trials[c.grid] += searches[c.grid].per_cell if trains[key] else 1  # no training: 1 trial
-        fixed += not trains[key]
+    spec = load_spec_or_exit(args.spec)  # a bad spec is answered in one line (exit 2)
+    cells = cell_grids(spec)
+    trials, fixed, per = Counter(), 0, Counter()
+    searches = {name: view.search for name, view in views(spec)}
+    for grid, healer in cells:
+        trials[grid] += searches[grid].per_cell if healer.trains else 1  # no training: 1 trial
+        fixed += not healer.trains
+        per[grid] += 1
     note = f" ({fixed} cells whose healer does not train run 1 trial)" if fixed else ""
     print(f"{args.spec}: ok: {len(cells)} cells, {sum(trials.values())} trials{note}")
     if spec.grids:
-        per = Counter(c.grid for c in cells)
         print("  " + "; ".join(f"grid {g}: {per[g]} cells, {trials[g]} trials" for g in searches))
     return 0
+
+
+def cell_grids(spec) -> list[tuple[str, object]]:
+    """(grid, healer) of every cell of the sweep, as orchestrator.spec.plan.expand_cells lists them (a cell two grids
+    produce counted once, for the first), from the registries' static table: no torch. A spec restricted to
+    ``cells`` (a widening round) needs the cell ids, so it is expanded by orchestrator.spec.plan itself."""
+    if spec.cells:
+        from orchestrator.spec.plan import expand_cells
+
+        return [(c.grid, resolve_healer(c.healer, c.healer_settings)) for c in expand_cells(spec, defaultdict(str))]
+    out, seen = [], set()
+    for name, view in views(spec):
+        for ident, healer in _cells(view):
+            key = json.dumps(ident, sort_keys=True)  # the identity plan.Cell's id is the content key of
+            if key not in seen:
+                seen.add(key)
+                out.append((name, healer))
+    return out
+
+
+def _cells(view):
+    """(identity, healer) of each cell of one grid, in orchestrator.spec.plan.grid's order (scopes unresolved: '')."""
+    for model in view.models:
+        for p in (p for p in view.pruners if p.applies_to(model)):
+            pruner = get("pruner", p.name)
+            fixed = pruner.fixed_sparsity(p.settings)
+            resolved = pruner.resolved_settings(p.settings)
+            for s in ([fixed] if fixed is not None else list(p.sparsities or view.sparsities)):
+                for n in view.calib_sizes:
+                    for h in (h for h in view.healers if h.applies_to(model)):
+                        healer = resolve_healer(h.name, h.settings)
+                        for seed in view.seeds:
+                            yield ([model, p.name, resolved, float(s), pruner.pattern(s, p.settings), p.scope or "", n,
+                                    h.name, healer.resolved_settings(h.settings), seed], healer)

@@ -19,7 +19,7 @@ from orchestrator.rundir.files import JOURNAL_FILE, read_sweep, told_states
 from orchestrator.tracking.rebuild import journal_disagrees, rebuild_journal
 from orchestrator.tracking.recorder import backfill
 from orchestrator.tracking.store import relocate
-from tasks._io import TMP_PREFIX
+from tasks.atomic import TMP_PREFIX
 
 DB_FILE = "mlflow.db"
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from tasks._io import is_disk_full
+from tasks.atomic import is_disk_full
 from tasks.healing import HealingDiverged
 from tasks.trial import TrialParams, run_trial
 

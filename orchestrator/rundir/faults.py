@@ -1,7 +1,7 @@
 """Faults at the edges of a sweep (a full disk, a damaged file) end in one line, never a traceback.
 
 - ``one_line(e, run_dir)``: the message and exit code for an exception the CLI did not expect: a full disk
-  (``tasks._io.DiskFullError`` names the path, what it is, the bytes needed and the space left; exit 1) or a
+  (``tasks.atomic.DiskFullError`` names the path, what it is, the bytes needed and the space left; exit 1) or a
   damaged SQLite tracking database (names the file and the repair command; exit 2). None for anything else
   (a bug: its traceback is shown).
 - ``stop(e)`` / ``stopped()``: a fault met on a thread of the driver (the MLflow writer's, which writes the trial
@@ -15,7 +15,7 @@ import sqlite3
 from pathlib import Path
 
 from orchestrator.rundir.files import ResumeError
-from tasks._io import DiskFullError, is_disk_full
+from tasks.atomic import DiskFullError, is_disk_full
 
 _state: dict = {"error": None}
 DB_DAMAGED = ("database disk image is malformed", "file is not a database", "file is encrypted or is not a database",

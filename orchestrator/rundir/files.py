@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks._io import atomic_write_text
+from tasks.atomic import atomic_write_text
 
 if TYPE_CHECKING:  # imported where used: `healsweep run` checks a run directory before Ray starts
     from mlflow import MlflowClient

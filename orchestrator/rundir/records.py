@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from tasks._io import DiskFullError, atomic_write_bytes, is_disk_full
+from tasks.atomic import DiskFullError, atomic_write_bytes, is_disk_full
 
 TRIALS_FILE = "trials.jsonl"
 TRIAL, PARENT = "trial", "parent"

@@ -2,6 +2,6 @@
 names are the values of ``search.design`` in a spec."""
 from __future__ import annotations
 
-from tasks._registry import Registry
+from tasks.registry import Registry
 
 DESIGNS: Registry = Registry("search design")

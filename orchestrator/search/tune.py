@@ -26,6 +26,7 @@ from ray.tune.search import Searcher
 
 from orchestrator.search.base import FINISHED, SEARCH, Ask, Budget, SearchDesign
 from orchestrator.search.registry import DESIGNS
+from tasks.atomic import DiskFullError
 
 
 def _raise(e: BaseException) -> None:
@@ -111,8 +112,6 @@ class DesignSearcher(Searcher):
         self._report(trial_id, result)  # the last result of an early-stopped trial never reached on_trial_result
         a = self._live.pop(trial_id)
         if result and result.get("disk_full"):  # not the trial's fault: the sweep stops, the trial stays untold
-            from tasks._io import DiskFullError
-
             self.on_fault(DiskFullError(result.get("disk_full_path") or "?", int(result.get("disk_full_needed") or 0)))
             return
         if error or not result or self.metric not in result or result.get("diverged"):

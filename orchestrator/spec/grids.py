@@ -28,6 +28,7 @@ from typing import Any, Iterator, Mapping
 
 from orchestrator.spec.checks import SpecError, check_keys, check_list, check_name, excerpt
 from orchestrator.spec.schema import GridSpec
+from tasks.catalog import REFERENCE_MODELS
 
 MAIN = "main"  # the `grid` name of the top-level grid's cells
 GRID_KEYS = ("models", "sparsities", "calib_sizes", "pruners", "healers", "seeds")
@@ -86,8 +87,6 @@ def view_raw(raw: Mapping, grid: Mapping, search: Mapping, path: str) -> dict:
     that grid. With a ``models`` subset, the top-level model entries (sources) of those names are used, the
     ``scope`` map keeps those models, and inherited pruner/healer entries restricted to other models are left
     out (those restricted to some of the grid's models keep just those)."""
-    from tasks.models import MODELS, parse_ref
-
     view = {k: v for k, v in raw.items() if k != "grids"}
     top = dict(raw.get("search") or {})
     if any(k in search for k in LENGTH_KEYS):
@@ -96,8 +95,7 @@ def view_raw(raw: Mapping, grid: Mapping, search: Mapping, path: str) -> dict:
     if "models" not in grid:
         return view
     names = list(grid["models"])
-    entries = {(m if isinstance(m, str) and m in MODELS else parse_ref(m, offline=bool(raw.get("offline", False))).name): m
-               for m in raw["models"]}
+    entries = {_model_name(m, bool(raw.get("offline", False))): m for m in raw["models"]}
     view["models"] = [entries.get(m, m) for m in names]
     if isinstance(raw.get("scope"), Mapping):
         view["scope"] = {m: s for m, s in raw["scope"].items() if m in names}
@@ -116,3 +114,12 @@ def view_raw(raw: Mapping, grid: Mapping, search: Mapping, path: str) -> dict:
                                              f"({', '.join(names)}); list {key} in the grid")
         view[key] = kept
     return view
+
+
+def _model_name(entry: Any, offline: bool) -> str:
+    """The display name of a top-level ``models`` entry (a reference name: from the table, without torch)."""
+    if isinstance(entry, str) and entry in REFERENCE_MODELS:
+        return entry
+    from tasks.models import MODELS, parse_ref
+
+    return entry if isinstance(entry, str) and entry in MODELS else parse_ref(entry, offline=offline).name

@@ -14,14 +14,15 @@ Syntax (one list item each)::
 A chain runs its steps in order on the same masked model. It becomes one ``MethodRef`` named after its steps
 joined by ``+`` (``corp+starfish``: that name is the healer in MLflow and the report) whose settings are
 ``{"chain": [{"name": ..., "settings": {...}}, ...]}``; ``tasks.healing.resolve_healer`` rebuilds it.
-The registries (tasks.pruning / tasks.healing, which import torch) are imported only here, when a spec's
-method names and settings are checked.
+Names and settings are checked against the registries' static table (tasks/catalog.py, no torch); a name it does
+not list (a plugin's) against the live registry (orchestrator/spec/registries.py).
 """
 from __future__ import annotations
 
 from typing import Any, Mapping
 
 from orchestrator.spec.checks import SpecError, check_keys, check_list, check_num, excerpt
+from orchestrator.spec.registries import get, known, names, resolve_healer
 from orchestrator.spec.schema import MethodRef
 
 RESTRICTIONS = ("models", "sparsities", "scope")
@@ -34,7 +35,6 @@ def parse_methods(v: Any, path: str, kind: str, models: tuple[str, ...] | None =
 
 
 def parse_method(item: Any, p: str, kind: str, models: tuple[str, ...] | None = None) -> MethodRef:
-    registry = _registry(kind)
     if isinstance(item, str):
         item = {"name": item}
     if isinstance(item, Mapping):  # null = no restriction (what SweepSpec.to_dict writes)
@@ -42,13 +42,13 @@ def parse_method(item: Any, p: str, kind: str, models: tuple[str, ...] | None = 
     extra = {"models"} | ({"sparsities", "scope"} if kind == "pruner" else set())
     d = check_keys(item, p, {"name", "settings"} | (extra if models is not None else set()), {"name"})
     name = d["name"]
-    if not isinstance(name, str) or name not in registry:
-        raise SpecError(f"{p}.name", f"unknown {kind} {excerpt(name)}; allowed: {', '.join(registry.names())}")
+    if not known(kind, name):
+        raise SpecError(f"{p}.name", f"unknown {kind} {excerpt(name)}; allowed: {', '.join(names(kind))}")
     settings = d.get("settings") or {}
     if not isinstance(settings, Mapping) or not all(isinstance(k, str) for k in settings):
         raise SpecError(f"{p}.settings", "must be a mapping of setting names to values")
     try:
-        registry.get(name).check(settings)
+        get(kind, name).check(settings)
     except (ValueError, TypeError) as e:  # TypeError: a value of a type the method's checks cannot compare
         raise SpecError(f"{p}.settings", str(e)) from None
     only = _models(d, p, models) if "models" in d else None
@@ -68,16 +68,6 @@ def _models(d: Mapping, p: str, models: tuple[str, ...]) -> tuple[str, ...]:
         if not isinstance(m, str) or m not in models:
             raise SpecError(f"{p}.models[{j}]", f"{excerpt(m)} is not a model of this sweep; models: {', '.join(models)}")
     return only
-
-
-def _registry(kind: str):
-    if kind == "pruner":
-        from tasks.pruning import PRUNERS
-
-        return PRUNERS
-    from tasks.healing import HEALERS
-
-    return HEALERS
 
 
 def parse_healers(v: Any, path: str, models: tuple[str, ...] | None = None) -> tuple[MethodRef, ...]:
@@ -109,8 +99,6 @@ def _is_written_chain(item: Any) -> bool:
 
 
 def parse_chain(item: Mapping, p: str) -> MethodRef:
-    from tasks.healing import resolve_healer
-
     d = check_keys(item, p, {"chain"}, {"chain"})
     steps = []
     for k, st in enumerate(check_list(d["chain"], f"{p}.chain")):
@@ -131,8 +119,6 @@ def parse_chain(item: Mapping, p: str) -> MethodRef:
 
 def check_healer_data(spec, dataset) -> None:
     """Every healer (chain steps included) must find what it reads in the dataset, e.g. ``ce`` a labeled split."""
-    from tasks.healing import resolve_healer
-
     for j, h in enumerate(spec.healers):
         try:
             resolve_healer(h.name, h.settings).check_data(dataset, h.settings)

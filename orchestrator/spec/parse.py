@@ -2,8 +2,9 @@
 
 Every error is a ``SpecError`` whose one-line message names the field and what is allowed. Validation runs
 before any work: no Ray, no MLflow, nothing written. Sections that need no registry (names, numbers, search,
-heal, resources, store, mlflow, bounds) are checked first, without importing torch; then the registries
-(dataset, models, methods) and the model/method compatibility checks (orchestrator/spec/compat.py).
+heal, resources, store, mlflow, bounds) are checked first; then the registries (dataset, models, methods: their
+static table, tasks/catalog.py, so no torch) and the model/method compatibility checks (orchestrator/spec/compat.py:
+architectures, so torch, unless their verdict is cached).
 """
 from __future__ import annotations
 
@@ -72,11 +73,8 @@ def parse_spec(raw: Any, base_dir: str | Path | None = None) -> SweepSpec:
     d, name, offline, sparsities, data_seed, calib, seeds, sections = check_plain(raw, base_dir)
     plugins = parse_plugins(d.get("plugins"))  # before the registries: plugins register methods
 
-    from tasks.data import DATASETS
-    from tasks.models import MODELS
-
-    dataset, dataset_settings, capacity = parse_dataset(d.get("dataset", "digits"), DATASETS)
-    models, refs = parse_models(d["models"], dataset, offline, MODELS, data_seed)
+    dataset, dataset_settings, capacity = parse_dataset(d.get("dataset", "digits"))
+    models, refs = parse_models(d["models"], dataset, offline, data_seed)
     layout = dataset_layout(dataset, data_seed) if capacity is None else None
     capacity = capacity if layout is None else len(layout["calibration"])
     for i, n in enumerate(calib):

@@ -10,6 +10,8 @@ from functools import lru_cache
 from typing import Any, Mapping
 
 from orchestrator.spec.checks import SpecError, check_list, excerpt
+from orchestrator.spec.registries import DigitsLayout, check_shipped_seed, known, live, names, reference_ref
+from tasks import catalog
 
 
 def from_dict_form(raw: Any) -> Any:
@@ -37,8 +39,9 @@ def _entry(name: str, ref: Mapping) -> Any:
     return {k: v for k, v in ref.items() if v is not None and k != "offline"}
 
 
-def parse_dataset(raw: Any, datasets) -> tuple[str, dict, int | None]:
-    """-> (name, settings, largest calibration size the settings allow; None: load the dataset to know)."""
+def parse_dataset(raw: Any) -> tuple[str, dict, int | None]:
+    """-> (name, settings, largest calibration size the settings allow; None: load the dataset to know). A dataset
+    that takes settings checks them itself (it reads its files or index): only then is tasks.data imported."""
     settings: dict = {}
     if isinstance(raw, Mapping):
         if "name" not in raw:
@@ -48,9 +51,9 @@ def parse_dataset(raw: Any, datasets) -> tuple[str, dict, int | None]:
             if not isinstance(k, str):
                 raise SpecError("dataset", f"setting names must be strings, got {excerpt(k)}")
         raw = raw["name"]
-    if not isinstance(raw, str) or raw not in datasets:
-        raise SpecError("dataset", f"unknown dataset {excerpt(raw)}; allowed: {', '.join(datasets.names())}")
-    check = getattr(datasets.get(raw), "check", None)
+    if not known("dataset", raw):
+        raise SpecError("dataset", f"unknown dataset {excerpt(raw)}; allowed: {', '.join(names('dataset'))}")
+    check = None if catalog.DATASETS.get(raw) is False else getattr(live("dataset").get(raw), "check", None)
     if check is None:
         if settings:
             raise SpecError(f"dataset.{sorted(settings)[0]}", f"dataset {raw!r} takes no settings")
@@ -61,44 +64,70 @@ def parse_dataset(raw: Any, datasets) -> tuple[str, dict, int | None]:
         raise SpecError("dataset", str(e)) from None
 
 
-def parse_models(raw: Any, dataset: str, offline: bool, models, data_seed: int = 0) -> tuple[list[str], dict[str, dict]]:
+def parse_models(raw: Any, dataset: str, offline: bool, data_seed: int = 0) -> tuple[list[str], dict[str, dict]]:
     """-> (model display names, {name: ModelRef dict}); reference models must be trained on ``dataset`` and, as
     their weights' metadata says, on ``data_seed``'s train split (a checkpoint given by ``path`` is verified now:
-    sha256 pin, complete safetensors file, model and data seed)."""
-    from tasks.models import ModelSourceError, parse_ref
-    from tasks.models.reference import check_checkpoint, check_shipped_seed
-
+    sha256 pin, complete safetensors file, model and data seed). A reference model given by its name is checked
+    from the static table (no torch); any other entry by tasks.models."""
     names, refs = [], {}
     for i, item in enumerate(check_list(raw, "models")):
-        if isinstance(item, str) and item in models:  # a reference model: no timm look-up of the name
-            item = {"name": item}
+        ref = _reference(item, i, dataset, offline, data_seed) if _is_reference_name(item) else \
+            _model_ref(item, i, dataset, offline, data_seed)
+        if ref["name"] in refs:
+            raise SpecError(f"models[{i}].name", f"model {ref['name']!r} is listed twice")
+        names.append(ref["name"])
+        refs[ref["name"]] = ref
+    return names, refs
+
+
+def _is_reference_name(item: Any) -> bool:
+    return (isinstance(item, str) and item in catalog.REFERENCE_MODELS) or (
+        isinstance(item, Mapping) and set(item) == {"name"} and item["name"] in catalog.REFERENCE_MODELS)
+
+
+def _reference(item: Any, i: int, dataset: str, offline: bool, data_seed: int) -> dict:
+    """A reference model named by the table: its dataset and the shipped weights' data seed (no file read)."""
+    name = item if isinstance(item, str) else item["name"]
+    trained_on = catalog.REFERENCE_MODELS[name]
+    if trained_on != dataset:
+        raise SpecError(f"models[{i}]", f"model {name!r} is trained on {trained_on!r}, not {dataset!r}")
+    why = check_shipped_seed(name, data_seed)
+    if why:
+        raise SpecError(f"models[{i}]", why)
+    return reference_ref(name, offline)
+
+
+def _model_ref(item: Any, i: int, dataset: str, offline: bool, data_seed: int) -> dict:
+    """Any other entry (a timm name, a mapping, a reference checkpoint by ``path``): tasks.models checks it."""
+    from tasks.models import MODELS, ModelSourceError, parse_ref
+    from tasks.models.reference import check_checkpoint
+    from tasks.models.reference import check_shipped_seed as check_seed
+
+    if isinstance(item, str) and item in MODELS:  # a plugin's reference model: no timm look-up of the name
+        item = {"name": item}
+    try:
+        ref = parse_ref(item, offline=offline)
+    except ModelSourceError as e:
+        raise SpecError(f"models[{i}]", str(e)) from None
+    except KeyError as e:  # unknown source name from the registry
+        raise SpecError(f"models[{i}].source", str(e.args[0])) from None
+    except (TypeError, ValueError) as e:  # a value of the wrong type deep in a source's own checks
+        raise SpecError(f"models[{i}]", str(e)) from None
+    if ref.source == "reference" and MODELS.get(ref.name).dataset != dataset:
+        raise SpecError(f"models[{i}]", f"model {ref.name!r} is trained on {MODELS.get(ref.name).dataset!r}, "
+                                        f"not {dataset!r}")
+    if ref.source == "reference":
         try:
-            ref = parse_ref(item, offline=offline)
+            if ref.path is None:
+                check_seed(ref.name, data_seed)
+            else:
+                check_checkpoint(ref.name, ref.path, ref.sha256, data_seed)
         except ModelSourceError as e:
             raise SpecError(f"models[{i}]", str(e)) from None
-        except KeyError as e:  # unknown source name from the registry
-            raise SpecError(f"models[{i}].source", str(e.args[0])) from None
-        except (TypeError, ValueError) as e:  # a value of the wrong type deep in a source's own checks
-            raise SpecError(f"models[{i}]", str(e)) from None
-        if ref.name in refs:
-            raise SpecError(f"models[{i}].name", f"model {ref.name!r} is listed twice")
-        if ref.source == "reference" and models.get(ref.name).dataset != dataset:
-            raise SpecError(f"models[{i}]", f"model {ref.name!r} is trained on {models.get(ref.name).dataset!r}, "
-                                            f"not {dataset!r}")
-        if ref.source == "reference":
-            try:
-                if ref.path is None:
-                    check_shipped_seed(ref.name, data_seed)
-                else:
-                    check_checkpoint(ref.name, ref.path, ref.sha256, data_seed)
-            except ModelSourceError as e:
-                raise SpecError(f"models[{i}]", str(e)) from None
-        if ref.source != "reference" and dataset == "digits":
-            raise SpecError(f"models[{i}]", f"model {ref.name!r} ({ref.source}) needs an image dataset, not the "
-                                            f"digits reference set; set dataset: imagenet1k, cifar100, imagefolder, ...")
-        names.append(ref.name)
-        refs[ref.name] = ref.to_dict()
-    return names, refs
+    if ref.source != "reference" and dataset == "digits":
+        raise SpecError(f"models[{i}]", f"model {ref.name!r} ({ref.source}) needs an image dataset, not the "
+                                        f"digits reference set; set dataset: imagenet1k, cifar100, imagefolder, ...")
+    return ref.to_dict()
 
 
 def architecture(spec, name: str):
@@ -128,15 +157,10 @@ def untrained(spec, name: str):
 
 def dataset_layout(name: str, seed: int):
     """The split layout of a dataset that has no ``check`` (digits): names, sizes and which splits carry labels,
-    as a ``DatasetSplits`` whose images have no pixels. Enough for calibration capacity and healers'
-    ``check_data``; the data itself is loaded only by the sweep (scikit-learn is not imported here)."""
-    import numpy as np
-    import torch
+    without pixels (DigitsLayout: no torch, no scikit-learn). Enough for calibration capacity and
+    healers' ``check_data``; any other dataset is loaded to know its layout."""
+    if name == "digits":
+        return DigitsLayout()
+    from tasks.data import load_dataset
 
-    from tasks.data import DIGITS_SPLIT_SIZES, DatasetSplits, SplitData, load_dataset
-
-    if name != "digits":  # an unknown layout: load the data to know it
-        return load_dataset(name, seed=seed)
-    splits = {s: SplitData(torch.empty((n, 0)), None if s == "calibration" else torch.zeros(n, dtype=torch.int64),
-                           np.arange(n)) for s, n in DIGITS_SPLIT_SIZES.items()}
-    return DatasetSplits("digits", 10, (1, 16, 16), splits)
+    return load_dataset(name, seed=seed)

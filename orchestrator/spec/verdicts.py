@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from orchestrator.spec.checks import SpecError
+from tasks.atomic import atomic_write
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository / installed package root
 CODE_DIRS = ("tasks", "orchestrator/spec")
@@ -56,10 +57,10 @@ def model_entries(spec, m: str) -> dict:
     """Everything of ``spec`` the checks of model ``m`` read (entries keep their spec position). Sparsities
     are read only by pruners with a ``check_sparsity`` (e.g. RR's candidate grid), so editing the sparsity
     ladder of a spec without such a pruner keeps its verdicts."""
-    from tasks.pruning import PRUNERS
+    from orchestrator.spec.registries import get, sparsity_check
 
     def sparsities(p):
-        return list(p.sparsities or spec.sparsities) if hasattr(PRUNERS.get(p.name), "check_sparsity") else None
+        return list(p.sparsities or spec.sparsities) if sparsity_check(get("pruner", p.name)) else None
 
     return {
         "model": spec.model_refs.get(m) or {"name": m},
@@ -86,7 +87,6 @@ def _read(path: Path) -> dict | None:
 
 
 def write_entry(path: Path, verdict: dict) -> None:
-    from tasks._io import atomic_write
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

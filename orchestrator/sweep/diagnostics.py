@@ -56,7 +56,7 @@ def table_path(root: Path, key: str) -> Path:
 
 
 def _fs(root: str | Path):
-    from tasks.store._fs import StoreFS
+    from tasks.store.fs import StoreFS
 
     return StoreFS(root)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from orchestrator.rundir import records
 from orchestrator.rundir.files import told_states, write_sweep
 from orchestrator.tracking.store import keep_artifacts_inside, local_tracking_uri, open_tracking
-from tasks._io import DiskFullError, is_disk_full
+from tasks.atomic import DiskFullError, is_disk_full
 
 DONE = ("COMPLETE", "FAIL", "PRUNED")
 

@@ -18,7 +18,7 @@ import sqlite3
 import tempfile
 from pathlib import Path
 
-from tasks._io import atomic_write
+from tasks.atomic import atomic_write
 
 TEMPLATE_ENV = "HEALSWEEP_MLFLOW_TEMPLATES"
 

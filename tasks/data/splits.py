@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from tasks._registry import Registry
+from tasks.registry import Registry
 
 SPLITS = ("train", "calibration", "selection", "evaluation")
 

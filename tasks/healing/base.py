@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 import torch.nn as nn
 
-from tasks._registry import Registry
+from tasks.registry import Registry
 from tasks.models.adapter import ScopeEntry
 
 Batches = Callable[[int], Iterable[tuple[Any, dict[str, torch.Tensor]]]]  # epoch -> (rows, {block: targets})

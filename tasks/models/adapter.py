@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from tasks._registry import Registry
+from tasks.registry import Registry
 
 
 class UnsupportedModelError(ValueError):

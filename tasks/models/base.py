@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 
-from tasks._registry import Registry
+from tasks.registry import Registry
 from tasks.data.splits import DatasetSplits
 
 

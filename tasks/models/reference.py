@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from tasks._io import atomic_write_bytes
+from tasks.atomic import atomic_write_bytes
 from tasks.data.splits import DatasetSplits, load_dataset
 from tasks.evaluate import accuracy
 from tasks.models.base import MODELS, LoadedModel, ModelSourceError, ReferenceModel, TrainRecipe

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
-from tasks._registry import Registry
+from tasks.registry import Registry
 from tasks.models.adapter import ModelAdapter, ScopeEntry
 
 

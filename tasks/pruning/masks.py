@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, load_file, save, save_file
 
-from tasks._io import atomic_write
+from tasks.atomic import atomic_write
 from tasks.store import KEY_RE, StoreError
 
 
@@ -20,7 +20,7 @@ class MaskStore:
         s = os.fspath(root)
         self.fs = None
         if "://" in s and not s.startswith("file://"):
-            from tasks.store._fs import StoreFS
+            from tasks.store.fs import StoreFS
 
             self.fs, self.root = StoreFS(s), s
         else:

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import tasks.pruning.snapvit_math as snapvit
-from tasks._io import atomic_write
+from tasks.atomic import atomic_write
 from tasks.models.adapter import ModelAdapter, get_adapter
 from tasks.pruning.base import PRUNERS, PruneContext, Pruner
 from tasks.pruning.snapvit_authors import keep_from_scores
@@ -64,7 +64,7 @@ def _remote(root: str | os.PathLike):
     s = os.fspath(root)
     if "://" not in s or s.startswith("file://"):
         return None
-    from tasks.store._fs import StoreFS
+    from tasks.store.fs import StoreFS
 
     return StoreFS(s)
 

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from tasks._io import TMP_PREFIX
+from tasks.atomic import TMP_PREFIX
 from tasks.store.core import TargetStore
 from tasks.store.format import StoreError
 

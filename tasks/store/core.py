@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
 
-from tasks.store._fs import StoreFS
+from tasks.store.fs import StoreFS
 from tasks.store.format import (_DTYPE_NAMES, _FILE_RE, BATCH_ROWS, DTYPES, FORMAT, KEY_RE, LAST_USE, LOCK, MANIFEST,
                                 QUARANTINE, VERIFIED, StoreError, canonical_json, log, producer_versions, shard_name,
                                 sidecar_name, to_u16)

@@ -1,6 +1,6 @@
 """A spec plugin for machines that cannot mount a small tmpfs (not root, no CAP_SYS_ADMIN): the directory named
 by ``HEALSWEEP_TEST_QUOTA=DIR:BYTES`` behaves like a file system of BYTES. Every project write through
-``tasks._io.atomic_write`` (store shards and manifests, masks, healed weights) under DIR writes its temporary file
+``tasks.atomic.atomic_write`` (store shards and manifests, masks, healed weights) under DIR writes its temporary file
 as usual, then fails with ENOSPC from inside the write when the files under DIR exceed BYTES: the project's own
 handling of a full disk (the DiskFullError line, the temporary file removed, the trial left untold) is what runs.
 Imported by the driver and by every trial process (a spec's ``plugins``); the environment reaches both."""
@@ -10,11 +10,11 @@ import errno
 import os
 from pathlib import Path
 
-import tasks._io
+import tasks.atomic
 import tasks.export
 import tasks.pruning.masks
 
-_real = tasks._io.atomic_write
+_real = tasks.atomic.atomic_write
 
 
 def _limit() -> tuple[Path, int] | None:
@@ -39,5 +39,5 @@ def limited_write(path, write, *args, **kwargs):
     return _real(path, write_then_check, *args, **kwargs)
 
 
-for module in (tasks._io, tasks.export, tasks.pruning.masks):
+for module in (tasks.atomic, tasks.export, tasks.pruning.masks):
     module.atomic_write = limited_write

@@ -15,7 +15,7 @@ from orchestrator.tracking.rebuild import journal_disagrees, rebuild_journal
 from orchestrator.tracking.recorder import TrialRecorder
 from orchestrator.rundir.files import told_states
 from orchestrator.search import DESIGNS, make_searcher
-from tasks._io import DiskFullError, atomic_write_bytes
+from tasks.atomic import DiskFullError, atomic_write_bytes
 from tests.orchestrator.test_search_contract import BUDGET, _cells, run
 
 pytestmark = pytest.mark.timeout(120)

@@ -4,6 +4,7 @@ SubTreeFileSystem) through the same small set of operations."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -13,7 +14,7 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from tasks._io import TMP_PREFIX, atomic_write_bytes
+from tasks.atomic import TMP_PREFIX, atomic_write_bytes
 
 log = logging.getLogger("healsweep.store")
 _CHUNK = 8 << 20
@@ -127,7 +128,6 @@ class StoreFS:
         if not self.local:
             yield
             return
-        import fcntl
 
         fd = os.open(self.path(rel), os.O_RDWR | os.O_CREAT, 0o644)
         try:

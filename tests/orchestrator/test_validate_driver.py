@@ -1,0 +1,78 @@
+"""`healsweep validate` is a torch-free driver: with the compatibility verdicts cached it imports none of torch, ray
+and mlflow (checked with -X importtime in a fresh interpreter), its counts are orchestrator.spec.plan's, and a combination
+only an architecture can refuse is still refused in the same one line, cached or not."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from orchestrator.commands.validate import cell_grids
+from orchestrator.spec import SpecError, load_spec
+
+REPO = Path(__file__).resolve().parents[2]
+HEAVY = ("torch", "ray", "mlflow", "timm", "scipy", "pandas", "optuna")
+
+
+def validate(spec: Path | str, cache: Path) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run the CLI in a fresh interpreter -> (the process, the top-level packages it imported)."""
+    env = {**os.environ, "HEALSWEEP_CHECK_CACHE": str(cache), "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "orchestrator.cli", "validate", str(spec)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("import time:")]
+    imported = {ln.rsplit("|", 1)[-1].strip().split(".")[0] for ln in lines}
+    errors = [ln for ln in p.stderr.splitlines() if not ln.startswith("import time:")]
+    return subprocess.CompletedProcess(p.args, p.returncode, p.stdout, "\n".join(errors)), imported
+
+
+def test_validate_default_imports_no_torch_ray_or_mlflow(tmp_path):
+    first, _ = validate("configs/default.yaml", tmp_path)  # may build the architectures: a cold verdict cache
+    second, imported = validate("configs/default.yaml", tmp_path)
+    assert first.returncode == second.returncode == 0, first.stderr + second.stderr
+    assert second.stdout == first.stdout and ": ok: 154 cells, 534 trials" in second.stdout
+    assert "orchestrator" in imported and "yaml" in imported  # -X importtime did record the imports
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
+def test_a_combination_only_the_architecture_refuses_is_one_line_cached_or_not(tmp_path):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("name: bad\nmodels: [resnet_digits]\nsparsities: [0.5]\ncalib_sizes: [64]\npruners: [magnitude]\n"
+                    "healers: [corp]\n")
+    cold, cold_imports = validate(spec, tmp_path / "checks")
+    warm, warm_imports = validate(spec, tmp_path / "checks")
+    line = ("healsweep: error: healers[0].name: healer 'corp' with pruner 'magnitude' on model 'resnet_digits': healer "
+            "'corp' compensates structured units of pruner 'corp' masks; pruner 'magnitude' does not produce them")
+    assert (cold.returncode, cold.stderr.strip()) == (warm.returncode, warm.stderr.strip()) == (2, line)
+    assert "torch" in cold_imports  # deciding it builds the architecture once ...
+    assert not warm_imports & set(HEAVY)  # ... then its verdict is reused without torch
+
+
+def test_an_unknown_method_lists_the_live_names(tmp_path):
+    spec = tmp_path / "typo.yaml"
+    spec.write_text("name: typo\nmodels: [vit_digits]\nsparsities: [0.5]\ncalib_sizes: [64]\npruners: [magnitud]\n"
+                    "healers: [starfish]\n")
+    p, _ = validate(spec, tmp_path / "checks")
+    assert p.returncode == 2 and p.stderr.strip().startswith(
+        "healsweep: error: pruners[0].name: unknown pruner 'magnitud'; allowed: corp, erk, global, global_magnitude")
+
+
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_validate_counts_the_cells_plan_expands(config, monkeypatch, tmp_path):
+    """Cell by cell (grid, and whether its healer trains), in plan.expand_cells' order."""
+    from orchestrator.spec.plan import expand_cells
+    from tasks.healing import resolve_healer
+
+    monkeypatch.setenv("HEALSWEEP_CHECK_CACHE", str(tmp_path))
+    try:
+        spec = load_spec(config)
+    except SpecError as e:
+        pytest.skip(f"{config.name} does not validate on this machine: {e}")
+    want = [(c.grid, resolve_healer(c.healer, c.healer_settings).trains) for c in expand_cells(spec, defaultdict(str))]
+    assert [(g, h.trains) for g, h in cell_grids(spec)] == want
