@@ -7,7 +7,7 @@ imports take seconds). ``healsweep run`` has imported MLflow's client and SQL st
 own while Ray started (orchestrator/commands/run.py ``_import_mlflow_aside``; ~1.7 CPU-s that would otherwise
 compete with the actors' imports here). The thread reads the sweep's state (no stage writes it after the masks)
 and writes nothing into it: it returns a :class:`ParentRun`, which the sweep's MLflow writer and trial logger take
-through ``SweepState.tracking()`` (orchestrator/sweep/state.py: the one hand-off; it joins this thread at the
+through ``SweepState.tracking()`` (orchestrator/sweep/state.py ``Handoff``; it joins this thread at the
 first trial callback and re-raises its error there).
 """
 from __future__ import annotations
@@ -18,12 +18,12 @@ from pathlib import Path
 from orchestrator.rundir import records
 from orchestrator.rundir.files import reconcile, write_sweep
 from orchestrator.sweep.background import background
-from orchestrator.sweep.state import ParentHandoff, ParentRun, SweepState
+from orchestrator.sweep.state import Handoff, ParentRun, SweepState
 from orchestrator.tracking.rebuild import sync_runs
 from orchestrator.tracking.store import keep_artifacts_inside, open_tracking
 
 
-def start(s: SweepState) -> ParentHandoff:
+def start(s: SweepState) -> Handoff[ParentRun]:
     """The parent stage in a thread; -> its hand-off (``SweepState.parent_stage``). Ray Tune is imported here
     first, in the calling thread: the thread imports it too (orchestrator.tracking.logger) while this one goes on
     to Tune, and two threads importing ray.tune's circular modules at once can see one half-initialised
@@ -33,7 +33,7 @@ def start(s: SweepState) -> ParentHandoff:
     def stage() -> ParentRun:
         with s.clock.stage("parent"):
             return parent_run(s)
-    return ParentHandoff(background(stage))
+    return Handoff(background(stage))
 
 
 def tracking_inside(uri: str, out_dir: Path, experiment: str):

@@ -30,7 +30,7 @@ from orchestrator.sweep import parent as parent_stage
 from orchestrator.sweep.background import background
 from orchestrator.sweep.console import StageClock, TrialProgress, quiet_libraries
 from orchestrator.sweep.planner import decision_line, plan_target_modes
-from orchestrator.sweep.state import SweepResult, SweepState
+from orchestrator.sweep.state import Handoff, ModelsPart, SweepResult, SweepState
 from orchestrator.tracking import store as tracking_store
 from orchestrator.tracking.recorder import TrialRecorder
 from orchestrator.tracking.writer import AsyncMlflowWriter
@@ -62,16 +62,22 @@ def open_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path,
     return SweepState(spec, out_dir, store_dir, cache_dir, info, paths, resume, refine_round, clock)
 
 
-def models_stage(s: SweepState, progress: bool) -> None:
+def models_stage(s: SweepState, progress: bool) -> ModelsPart:
     """The models (verified weights; on a cluster loaded by one Ray task each), the cells, rows per model and the
-    store budget's modes."""
+    store budget's modes. Reads the state, writes nothing into it (it may run in a thread: see state.py)."""
     from orchestrator.sweep.dense import budget_modes  # torch: imported in the models thread while Ray starts
     from orchestrator.sweep.stages import prepare_models
 
-    s.models = s.preloaded or prepare_models(s.spec, s.paths["cache"], progress=progress, on_workers=s.on_cluster)
-    s.cells = expand_cells(s.spec, {m: i.scope for m, i in s.models.items()})
-    s.rows = {m: max(c.calib_size for c in s.cells if c.model == m) for m in s.models}
-    s.modes = budget_modes(s.spec, s.models, s.rows, s.paths["targets"], s.paths["cache"])  # refuses before compute
+    models = s.preloaded or prepare_models(s.spec, s.paths["cache"], progress=progress, on_workers=s.on_cluster)
+    cells = expand_cells(s.spec, {m: i.scope for m, i in models.items()})
+    rows = {m: max(c.calib_size for c in cells if c.model == m) for m in models}
+    modes = budget_modes(s.spec, models, rows, s.paths["targets"], s.paths["cache"])  # refuses before compute
+    return ModelsPart(models, cells, rows, modes)
+
+
+def take_models(s: SweepState, part: ModelsPart) -> None:
+    """The models stage's result into the state (the main thread) and ``targets.json``."""
+    s.models, s.cells, s.rows, s.modes = part.models, part.cells, part.rows, part.modes
     write_targets(s)
 
 
@@ -87,15 +93,14 @@ def models_line(spec: SweepSpec, on_cluster: bool) -> str:
     return f"models: {', '.join(spec.models)}" + (" (one Ray task each)" if on_cluster else "")
 
 
-def _timed_models(s: SweepState, progress: bool) -> None:
+def _timed_models(s: SweepState, progress: bool) -> ModelsPart:
     """The models stage, timed. On a local instance it runs in a thread while Ray starts (both mostly wait on
     other processes or on imports; measured -1.5 to -2.3 s of wall on 2 cores), on a cluster after it (a Ray task
     per model). Models the caller already prepared (``run_sweep(models=...)``) are not timed again."""
     if s.preloaded:
-        models_stage(s, progress)
-        return
+        return models_stage(s, progress)
     with s.clock.stage("models", models_line(s.spec, s.on_cluster)):
-        models_stage(s, progress)
+        return models_stage(s, progress)
 
 
 def start_ray(address: str | None, num_cpus: int | None, verbose: bool) -> bool:
@@ -220,7 +225,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, 
     clock = clock or StageClock(enabled=progress)
     s = open_sweep(spec, out_dir, store_dir, cache_dir, resume, refine_round, clock)
     s.on_cluster, s.preloaded = bool(address), models
-    models_ready = None if address else background(_timed_models, s, progress)  # local: while Ray starts
+    models_ready = None if address else Handoff(background(_timed_models, s, progress))  # local: while Ray starts
     if owns_ray:  # started by the caller (healsweep run: while the spec was checked)
         started_ray = True
     else:
@@ -230,7 +235,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, 
         return _run_and_end(s, t0, started_ray, models_ready, progress, report)
 
 
-def _run_and_end(s: SweepState, t0: float, started_ray: bool, models_ready, progress: bool,
+def _run_and_end(s: SweepState, t0: float, started_ray: bool, models_ready: Handoff[ModelsPart] | None, progress: bool,
                  report: bool) -> SweepResult:
     """The stages after Ray is up, then the ending: summary, report (in a thread while Ray shuts down), release.
     A SIGINT/SIGTERM (orchestrator/rundir/interrupt.py) before the trials abandons the stage it arrives in; during the
@@ -270,7 +275,7 @@ def _run_and_end(s: SweepState, t0: float, started_ray: bool, models_ready, prog
                        trials_planned=s.tune.planned, interrupted=interrupt.received())
 
 
-def _before_trials(s: SweepState, models_ready, progress: bool) -> None:
+def _before_trials(s: SweepState, models_ready: Handoff[ModelsPart] | None, progress: bool) -> None:
     import ray
 
     if s.on_cluster:
@@ -278,10 +283,7 @@ def _before_trials(s: SweepState, models_ready, progress: bool) -> None:
             check_nodes(s)
     cluster.check_fits(s.spec.resources.peak_request(), ray.nodes(), autoscaling=s.on_cluster)  # else Tune waits
     try:
-        if models_ready is not None:
-            models_ready()
-        else:
-            _timed_models(s, progress)
+        take_models(s, models_ready.get() if models_ready is not None else _timed_models(s, progress))
         dense_and_masks(s, progress)
     except ray.exceptions.RayError as e:  # a node that joined since the check, without the project: one line
         if s.guard is None or not missing_project_line(e):

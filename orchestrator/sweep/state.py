@@ -1,19 +1,20 @@
 """The sweep's state: what its stages (orchestrator/sweep/run.py) hand each other, typed, in one leaf module.
 
-Threads. The stages run in the driver's main thread and are the only writers of :class:`SweepState`. Two things
-run beside them: the models stage on a local instance (``run.py``: in a thread while Ray starts; it writes
-``models``, ``cells``, ``rows`` and ``modes`` and is joined before anything reads them) and the MLflow parent stage
-(``parent.py``), which only reads the state, written by no stage after the masks, and returns a
-:class:`ParentRun`. That result enters the state through one hand-off, :class:`ParentHandoff`: the first caller of
-``SweepState.tracking()`` (the trial logger in the main thread or the MLflow writer's thread) joins the parent
-thread under a lock; every caller then reads the same ``ParentRun``. Nothing else crosses threads.
+Threads. The stages run in the driver's main thread and are the only writers of :class:`SweepState`. Two stages
+run in a thread of their own and write nothing into it: the models stage on a local instance (``run.py``: while Ray
+starts; it reads the spec and the paths and returns a :class:`ModelsPart`) and the MLflow parent stage
+(``parent.py``: beside Tune's start; it reads the state, written by no stage after the masks, and returns a
+:class:`ParentRun`). Their results cross threads through one mechanism, a :class:`Handoff`: the first ``get()``
+(from any thread) joins the stage's thread under a lock and re-raises its error; every later caller reads the same
+result. The main thread copies the models' part into the state (``run.py`` ``take_models``); the parent run is
+read through ``SweepState.tracking()`` (by the trial logger in the main thread and the MLflow writer's thread).
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Generic, TypeVar
 
 from orchestrator.rundir.files import JOURNAL_FILE
 
@@ -50,6 +51,19 @@ class SweepResult:
     interrupted: int | None = None  # the signal (SIGINT/SIGTERM) that stopped it: a partial sweep, resumable
 
 
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ModelsPart:
+    """The models stage's result: each model's facts, the cells, calibration rows per model, the store budget's
+    mode per model."""
+    models: dict[str, ModelInfo]
+    cells: list[Cell]
+    rows: dict[str, int]
+    modes: dict[str, str]
+
+
 @dataclass(frozen=True)
 class ParentRun:
     """The parent stage's result: the MLflow client and the sweep's parent run id ("" before it exists)."""
@@ -57,14 +71,14 @@ class ParentRun:
     run_id: str
 
 
-class ParentHandoff:
-    """The one hand-off between threads: the parent stage's thread returns a :class:`ParentRun`; the first
-    ``get()`` (from any thread) joins it under a lock and re-raises its error; later calls return the same run."""
+class Handoff(Generic[T]):
+    """The one hand-off between threads: a stage's thread returns its result; the first ``get()`` (from any
+    thread) joins it under a lock and re-raises its error; later calls return the same result."""
 
-    def __init__(self, join: Callable[[], ParentRun]) -> None:
+    def __init__(self, join: Callable[[], T]) -> None:
         self._join, self._lock, self._run = join, threading.Lock(), None
 
-    def get(self) -> ParentRun:
+    def get(self) -> T:
         with self._lock:
             if self._run is None:
                 self._run = self._join()
@@ -112,7 +126,7 @@ class SweepState:
     mask_keys: MaskResult | None = None  # {cell_id: key} + provenance
     on_cluster: bool = False  # --address given: model, mask and dense work goes to Ray tasks on the workers
     guard: NodeGuard | None = None  # on a cluster: nodes that cannot import the project
-    parent_stage: ParentHandoff | None = None
+    parent_stage: Handoff[ParentRun] | None = None
     tune: TuneParts = field(default_factory=TuneParts)
     dense_total: int = 0  # dense forward images over every session of the sweep (resume/refine included)
 
