@@ -1,6 +1,8 @@
 """Read sweep results back from MLflow and write reports (never recomputes results).
 
-Depends on MLflow, pandas and matplotlib only; never imports ``orchestrator``.
+Depends on MLflow, pandas and matplotlib; ``analysis.rr`` (the RR and ERK allocations of the report's CTS section)
+also on ``tasks.pruning.allocation_math``, hence torch, imported only when that section is built. Never imports
+``orchestrator``.
 """
 
 from .report import write_report, write_report_from
