@@ -61,3 +61,16 @@ def test_every_named_path_exists():
     assert len(names) > 150
     gone = sorted(n for n in names if not (REPO / n).exists() or (n.endswith("/") and not (REPO / n).is_dir()))
     assert not gone, f"docs/layout.md names paths that do not exist: {gone}"
+
+
+def test_orchestrator_is_by_concern():
+    """orchestrator/ holds sub-packages by concern; at its top level only the package face and the CLI entry
+    (issue 35): a new module goes into the sub-package of its concern, and the layers contract in pyproject.toml
+    names every sub-package."""
+    top = sorted(p.name for p in (REPO / "orchestrator").glob("*.py"))
+    assert top == ["__init__.py", "cli.py"], top
+    subs = {p.name for p in (REPO / "orchestrator").iterdir() if (p / "__init__.py").is_file()}
+    contract = (REPO / "pyproject.toml").read_text(encoding="utf-8").split('containers = ["orchestrator"]')[1]
+    layers = re.search(r"layers = \[(.*?)\]", contract).group(1)
+    named = {w for w in re.findall(r"[a-z_]+", layers)}
+    assert subs <= named, (subs - named)
