@@ -48,6 +48,7 @@ class Budget:
     reevaluate: int = 0  # fresh healing seeds for the winner
     explore: int = 2  # shared: first-wave points per cell
     lattice: tuple[int, int] = (9, 5)  # shared/grid: points on the lr and length axes
+    converge: Any = None  # shared: a ``converge.Converge`` (``trials`` is then a per-cell cap), None: fixed count
 
 
 @dataclass(frozen=True)
@@ -243,7 +244,11 @@ class SearchDesign:
     def _search_done(self, cell_id: str) -> bool:
         return self.done((cell_id, SEARCH))
 
+    def settle(self) -> None:
+        """Drop queued trials that results made unnecessary (converge.py); the fixed designs drop none."""
+
     def ask(self):
+        self.settle()
         if not self.queue:
             return FINISHED
         at = next((i for i, s in enumerate(self.queue) if self.ready(s)), None)

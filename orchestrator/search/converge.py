@@ -1,0 +1,247 @@
+"""A search that stops when its answer is stable, and re-evaluations that measure what they quote
+(``search.converge``; docs/methods.md#search-design).
+
+Under ``converge`` the ``shared`` design treats ``search.trials_per_cell`` as a per-cell *cap*, not a count. After
+the first wave (``explore`` space-filling points) each further wave of a cell is decided once the family's
+earlier waves are told (deterministic: the same results give the same decisions):
+
+1. the cell's winner (its best told trial) sits on the lr edge of what the cell has tried, and that edge is at or
+   past the declared box's lr cap (floor): the next trial is the winner's lr one lattice step further out, same
+   length (the box widens automatically, at most ``widen_steps`` lattice steps past the declared box);
+2. otherwise the family surface (``lattice.surface``) is fitted to the family's told trials over the declared
+   lattice and every lr the family tried past it; the best untried point's predicted gain over the winner's point
+   is compared with the winner's noise (the fit's residual std of one draw, at least ``min_noise``): no gain
+   beyond the noise -> the search of this cell stops ("converged"); else that point is the cell's next trial;
+3. a cell that reaches the cap stops ("cap"). The length axis is never widened: its cap is the declared healing
+   budget, and a winner there is "within N optimizer steps", not under-tuned.
+
+Re-evaluations: ``search.reevaluate`` fresh seeds first; once they are told, the cell gets
+ceil((sd / se_target)^2) seeds in all (sd: their sample std), between ``reevaluate`` and ``reevaluate_max``:
+more where the spread is large, none extra where it is small. The extra seeds are asked together (no serial
+chain). Every decision is written to the cell's study (user attrs ``stop_reason``, ``reevaluate_target``,
+``lr_range``) for the report (analysis/search_stops.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from optuna.distributions import FloatDistribution
+from optuna.trial import TrialState
+
+from orchestrator.search import lattice
+from orchestrator.search.base import REEVALUATE, SEARCH, _Slot
+
+CONVERGED, CAP, NO_RESULT = "converged", "cap", "no finished trial"
+
+
+@dataclass(frozen=True)
+class Converge:
+    """``search.converge``: the per-cell stopping rule and the adaptive re-evaluations."""
+    se_target: float = 0.005  # standard error of the quoted mean the re-evaluations aim at (accuracy units)
+    reevaluate_max: int = 6  # cap on re-evaluations per cell
+    min_noise: float = 0.005  # floor of a single draw's noise in the stopping rule
+    widen_steps: int = 4  # lattice steps the lr axis may grow past the declared box, each side
+
+
+def converge_of(raw) -> Converge | None:
+    """The spec's ``search.converge`` mapping (None, or {} for the defaults) as a ``Converge``."""
+    if raw is None or raw is False:
+        return None
+    return Converge(**({} if raw is True else dict(raw)))
+
+
+def residual_sd(points, values, groups, sizes) -> float:
+    """Std of one draw around the family surface (within-cell residuals; dof: n - cells - terms); NaN if < 1 dof."""
+    if not len(points):
+        return math.nan
+    x = lattice.features(np.asarray(points), sizes)  # (n, k)
+    xc = np.stack([lattice.centred(x[:, k], groups) for k in range(x.shape[1])], axis=1) if x.shape[1] else x
+    yc = lattice.centred(values, groups)  # (n,)
+    beta = np.linalg.solve(xc.T @ xc + 1e-3 * len(yc) * np.eye(x.shape[1]), xc.T @ yc) if x.shape[1] else []
+    r = yc - (xc @ beta if x.shape[1] else 0.0)  # (n,)
+    dof = len(yc) - len(set(groups)) - x.shape[1]
+    return float(math.sqrt(float(r @ r) / dof)) if dof >= 1 else math.nan
+
+
+class Converging:
+    """Mixed into ``SharedDesign``: cells whose budget has ``converge`` stop by the rules above."""
+
+    def conv(self, cell_id: str) -> Converge | None:
+        return None if cell_id in self.fixed else self.budgets[cell_id].converge
+
+    def reevaluations_of(self, cell_id: str) -> int:
+        c = self.conv(cell_id)
+        base = super().reevaluations_of(cell_id)
+        return max(base, c.reevaluate_max) if c is not None and base else base
+
+    # ------------------------------------------------------------------ lattice past the declared box
+    def lr_at(self, cell_id: str, i: int) -> float:
+        lo, hi = self.budgets[cell_id].lr
+        a = self.budgets[cell_id].lattice[0]
+        if 0 <= i < a or a < 2 or lo == hi:
+            return self.axes(cell_id)[0][min(max(i, 0), a - 1)]
+        return float(f"{lo * (hi / lo) ** (i / (a - 1)):.6g}")
+
+    def space(self, cell_id: str) -> dict:
+        """The declared space with lr reaching ``widen_steps`` lattice steps past both ends (a widened point must
+        lie inside its study's distribution, or Optuna would draw instead of taking it)."""
+        out = super().space(cell_id)
+        c, a = self.conv(cell_id), self.budgets[cell_id].lattice[0]
+        if c is not None and c.widen_steps and a > 1 and "lr" in out:
+            out["lr"] = FloatDistribution(self.lr_at(cell_id, -c.widen_steps) * (1 - 1e-9),
+                                          self.lr_at(cell_id, a - 1 + c.widen_steps) * (1 + 1e-9), log=True)
+        return out
+
+    def point(self, cell_id: str, p: tuple[int, int]) -> dict:
+        out = super().point(cell_id, (min(max(p[0], 0), self.sizes(cell_id)[0] - 1), p[1]))
+        return {**out, "lr": self.lr_at(cell_id, p[0])}
+
+    def index(self, cell_id: str, params) -> tuple[int, int]:
+        i, j = super().index(cell_id, params)
+        lo, hi = self.budgets[cell_id].lr
+        a = self.budgets[cell_id].lattice[0]
+        if a > 1 and hi > lo and self.conv(cell_id) is not None:
+            i = int(round(math.log(float(params["lr"]) / lo) / math.log(hi / lo) * (a - 1)))  # may lie past the box
+        return i, j
+
+    # ------------------------------------------------------------------ decisions
+    def decide(self, cell_id: str, wave: int) -> tuple[str | None, tuple[int, int] | None]:
+        """(stop reason or None, the next lattice point or None) for the cell's trial of ``wave`` (>= 1)."""
+        key = (cell_id, wave)
+        if key not in self._decisions:
+            self._decisions[key] = self._decide(cell_id, wave)
+        return self._decisions[key]
+
+    def _decide(self, cell_id: str, wave: int) -> tuple[str | None, tuple[int, int] | None]:
+        c, a = self.conv(cell_id), self.sizes(cell_id)[0]
+        tried = set(self.tried(cell_id))
+        best = self.winner(cell_id)
+        if best is None:
+            return None, None  # every trial failed so far: the design's own ranking picks (propose)
+        w = self.index(cell_id, best.params)
+        pts, vals, groups = self.evidence(cell_id, wave)
+        lo = min([0] + [p[0] for p in pts])
+        hi = max([a - 1] + [p[0] for p in pts])
+        sizes = (hi - lo + 1, self.sizes(cell_id)[1])
+        shifted = [(p[0] - lo, p[1]) for p in pts]
+        surf = lattice.surface(shifted, vals, groups, sizes)
+        sd = residual_sd(shifted, vals, groups, sizes)
+        noise = c.min_noise if math.isnan(sd) else max(sd, c.min_noise)
+        nxt = self._outward(cell_id, w, tried, noise)
+        if nxt is not None:
+            return None, nxt
+        free = [(p[0] + lo, p[1]) for p in lattice.ranked(surf) if (p[0] + lo, p[1]) not in tried]
+        if not free:
+            return CONVERGED + ": every lattice point tried", None
+        gain = float(surf[free[0][0] - lo, free[0][1]] - surf[w[0] - lo, w[1]])
+        if gain <= noise and not math.isnan(sd):  # no residual dof: the surface is not yet checked by the data
+            return (f"{CONVERGED}: no untried point predicted better than the winner by more than its noise "
+                    f"(+{100 * max(gain, 0):.2f} <= {100 * noise:.2f} pp)"), None
+        return None, free[0]
+
+    def _outward(self, cell_id: str, w: tuple[int, int], tried: set, noise: float) -> tuple[int, int] | None:
+        """The point one lr step past the winner ``w`` when it sits on the lr edge of what the cell tried, at or
+        past the declared box's cap (floor), and leads the cell's other trials by more than ``noise``."""
+        c, a = self.conv(cell_id), self.sizes(cell_id)[0]
+        sign = 1.0 if self.direction == "maximize" else -1.0
+        done = [t for t in self.study(cell_id).get_trials(deepcopy=False) if t.value is not None and t.params]
+        others = [sign * t.value for t in done if self.index(cell_id, t.params) != w]
+        best = max(sign * t.value for t in done)
+        if a < 2 or (others and best - max(others) <= noise):
+            return None  # a flat cell: being on the edge is not what makes the winner
+        lrs = [p[0] for p in tried]
+        for edge, out, limit in ((max(lrs), 1, a - 1 + c.widen_steps), (min(lrs), -1, -c.widen_steps)):
+            past = w[0] >= a - 1 if out > 0 else w[0] <= 0
+            nxt = (w[0] + out, w[1])
+            if w[0] == edge and past and (limit - nxt[0]) * out >= 0 and nxt not in tried:
+                return nxt
+        return None
+
+    def propose(self, cell_id: str, number: int, wave: int) -> dict:
+        if wave == 0 or self.conv(cell_id) is None:
+            return super().propose(cell_id, number, wave)
+        _, nxt = self.decide(cell_id, wave)
+        return self.point(cell_id, nxt) if nxt is not None else super().propose(cell_id, number, wave)
+
+    # ------------------------------------------------------------------ the queue: dropping what is not needed
+    def settle(self) -> None:
+        """Decide what the waits that are over allow: stop cells whose search converged, size re-evaluations."""
+        if not self._converging:
+            return
+        seen: set = set()
+        for slot in list(self.queue):
+            cid = slot.cell_id
+            if slot.number is not None or (cid, slot.stage) in seen or self.conv(cid) is None:
+                continue
+            if slot.stage == SEARCH and slot.wave >= 1 and self._waves_told(slot):
+                seen.add((cid, SEARCH))  # the cell's first new search slot: the next wave
+                reason, _ = self.decide(cid, slot.wave)
+                if reason is not None:
+                    self._stop(cid, reason)
+            elif slot.stage == REEVALUATE and self._search_done(cid):
+                seen.add((cid, REEVALUATE))
+                self._stop(cid, None)
+                self._size_reevaluations(cid)
+
+    @property
+    def _converging(self) -> bool:
+        if not hasattr(self, "_any_conv"):
+            self._any_conv = any(self.conv(c) is not None for c in self.cells)
+        return self._any_conv
+
+    def _waves_told(self, slot: _Slot) -> bool:
+        fam = self.family(slot.cell_id)
+        return all(self.done((fam, w)) for w in range(slot.wave))
+
+    def _drop(self, cell_id: str, stage: str, keep: int = 0) -> int:
+        """Remove the cell's new slots of ``stage`` from the queue but the first ``keep`` -> slots removed."""
+        mine = [s for s in self.queue if s.cell_id == cell_id and s.stage == stage and s.number is None][keep:]
+        gone = {id(s) for s in mine}
+        self.queue[:] = [s for s in self.queue if id(s) not in gone]
+        for s in mine:
+            self._unasked_add(s, -1)
+        return len(mine)
+
+    def _stop(self, cell_id: str, reason: str | None) -> None:
+        """Record why the cell's search stopped (once); None: it ran out of slots (the cap)."""
+        if cell_id in self.stops:
+            return
+        self._drop(cell_id, SEARCH)
+        study = self.study(cell_id)
+        n = len(study.get_trials(deepcopy=False))
+        self.stops[cell_id] = reason or (f"{CAP} ({n} trials)" if any(
+            t.state == TrialState.COMPLETE for t in study.get_trials(deepcopy=False)) else NO_RESULT)
+        lrs = [self.index(cell_id, t.params)[0] for t in study.get_trials(deepcopy=False) if t.params]
+        study.set_user_attr("stop_reason", self.stops[cell_id])
+        study.set_user_attr("search_trials", n)
+        if lrs:
+            study.set_user_attr("lr_range", [self.lr_at(cell_id, min(lrs)), self.lr_at(cell_id, max(lrs))])
+
+    def _size_reevaluations(self, cell_id: str) -> None:
+        """Once the first ``reevaluate`` re-evaluations are told: keep as many extra slots as the SE target needs."""
+        if cell_id in self.reeval_target:
+            return
+        base = super().reevaluations_of(cell_id)
+        study = self.study(cell_id, REEVALUATE)
+        trials = study.get_trials(deepcopy=False)
+        if len(trials) < base or any(t.state not in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
+                                     for t in trials) or not self.counts.settled((cell_id, REEVALUATE)):
+            return  # the first seeds are not all told yet
+        vals = [t.value for t in trials if t.state == TrialState.COMPLETE]
+        c = self.conv(cell_id)
+        sd = float(np.std(vals, ddof=1)) if len(vals) > 1 else math.inf
+        want = c.reevaluate_max if not math.isfinite(sd) else math.ceil((sd / c.se_target) ** 2)
+        target = min(max(want, base), c.reevaluate_max)
+        self.reeval_target[cell_id] = target
+        self._drop(cell_id, REEVALUATE, keep=max(0, target - len(trials)))
+        study.set_user_attr("reevaluate_target", target)
+
+    def ready(self, slot: _Slot) -> bool:
+        if (slot.stage == REEVALUATE and slot.number is None and self.conv(slot.cell_id) is not None
+                and slot.cell_id not in self.reeval_target
+                and len(self.study(slot.cell_id, REEVALUATE).get_trials(deepcopy=False))
+                >= super().reevaluations_of(slot.cell_id)):
+            return False  # an extra seed waits for the first ones (how many it takes depends on their spread)
+        return super().ready(slot)
