@@ -11,14 +11,16 @@ from .runs import grid_names
 
 
 def flag_boundary(best: pd.DataFrame, search: dict | None, tracking_uri: str | None = None,
-                  widened: dict | None = None) -> pd.DataFrame:
+                  widened: dict | None = None, explored: dict | None = None) -> pd.DataFrame:
     """Add ``search_boundary`` ('' or the reason) to each winner; with ``tracking_uri``, tag every gradient
     winner's MLflow run ``search_boundary`` = "true"/"false" (+ ``search_boundary_reason``). ``widened``: cell
-    id -> its widened search box, which replaces its grid's."""
+    id -> its widened search box, which replaces its grid's. ``explored``: cell id -> (lowest, highest) lr its
+    search tried (``search_stops.explored_lr``): a search that went past the box's lr edge moved that edge."""
     if not search or best.empty:
         return best.assign(search_boundary="")
     grids, widened = grid_names(best), widened or {}
-    reasons = [boundary(r, widened.get(r["cell_id"]) or search.get(g) or search.get("main"))
+    reasons = [boundary(r, cell_box(r["cell_id"], widened.get(r["cell_id"]) or search.get(g) or search.get("main"),
+                                    explored))
                for (_, r), g in zip(best.iterrows(), grids)]
     best = best.assign(search_boundary=reasons)
     if tracking_uri:
@@ -31,6 +33,14 @@ def flag_boundary(best: pd.DataFrame, search: dict | None, tracking_uri: str | N
                 if r.search_boundary:
                     client.set_tag(r.run_id, "search_boundary_reason", r.search_boundary)
     return best
+
+
+def cell_box(cell_id: str, box: dict | None, explored: dict | None) -> dict | None:
+    """``box`` with its lr range stretched to every lr the cell's search tried (``explored``)."""
+    if not box or not explored or cell_id not in explored:
+        return box
+    lo, hi = explored[cell_id]
+    return {**box, "lr": [min(box["lr"][0], lo), max(box["lr"][1], hi)]}
 
 
 def _bounds(s: dict) -> dict:
