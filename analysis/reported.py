@@ -12,7 +12,10 @@ Noise of a quoted number (docs/methods.md#reading-the-noise), per cell i of a fa
                   (K = 2) towards the family's pooled std: two seeds alone say little about a spread
     search_sd_F = median over F of |winner's own accuracy - re-evaluation mean|: how far one draw of the
                   search lands from what its configuration gives on other seeds
-    noise_i     = sqrt(seed_sd_i^2 / n_i + search_sd_F^2)
+    rival_sd_i  = std of the evaluation accuracies of the cell's *contenders*: the search trials whose objective
+                  is within Z sqrt(2) pooled_F of the winner's (as good as the winner given one draw's noise):
+                  another search (sampler seed, healing seed) may pick any of them, and quote its number
+    noise_i     = sqrt(seed_sd_i^2 / n_i + max(search_sd_F, rival_sd_i)^2)
 
 Cells whose healer does not train (closed form, ``none``: lr 0) have noise 0: nothing is searched and nothing in
 their healing is random. A difference between two quoted numbers is *resolved* when it exceeds Z = 2 noise units of the difference
@@ -54,11 +57,12 @@ def reported(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.DataF
     best["healed_acc_search"] = best["healed_acc"]
     m = best["cell_id"].map(stats["mean"]) if stats is not None else pd.Series(np.nan, index=best.index)
     best["n_reevaluated"] = (best["cell_id"].map(stats["size"]).fillna(0).astype(int) if stats is not None else 0)
+    searched = trials[(_stage(trials) != "reevaluate") & (trials["status"] == "FINISHED")]
     best["healed_acc_sd"] = best["cell_id"].map(stats["std"]) if stats is not None else np.nan
     best["healed_acc"] = m.where(m.notna(), best["healed_acc_search"])
     dense = best["dense_acc"].astype(float)
     best["retention"] = np.where(dense > 0, best["healed_acc"] / dense.where(dense > 0, 1.0), 0.0)
-    return _noise(best)
+    return _noise(best, searched, objective)
 
 
 def _of_winners(again: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
@@ -75,10 +79,29 @@ def _of_winners(again: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
     return again[same.fillna(False).astype(bool)]
 
 
-def _noise(best: pd.DataFrame) -> pd.DataFrame:
+def _rivals(best: pd.DataFrame, searched: pd.DataFrame | None, objective: str, pooled: pd.Series) -> pd.Series:
+    """Per cell (``best``'s index): the std (ddof 0) of the evaluation accuracy over its contenders (module
+    docstring); 0 with one contender, NaN without search trials or without a pooled std."""
+    out = pd.Series(np.nan, index=best.index)
+    if searched is None or searched.empty or objective != "selection_acc" or objective not in searched.columns:
+        return out  # heldout_align: its units are not accuracy's; the family's search_sd alone
+    sign = 1.0
+    by_cell = {c: g for c, g in searched.groupby("cell_id")}
+    for i, r in best.iterrows():
+        g, sd = by_cell.get(r["cell_id"]), pooled.get(i, np.nan)
+        if g is None or not np.isfinite(sd) or pd.isna(r.get(objective)):
+            continue
+        v = sign * g[objective].astype(float)
+        near = g[v >= sign * float(r[objective]) - Z * math.sqrt(2) * sd]
+        acc = near["healed_acc"].astype(float).dropna()
+        out[i] = float(acc.std(ddof=0)) if len(acc) > 1 else 0.0
+    return out
+
+
+def _noise(best: pd.DataFrame, searched: pd.DataFrame | None = None, objective: str = "selection_acc") -> pd.DataFrame:
     best["grid"] = grid_names(best)
     if best.empty:  # no cell has a finished search trial (every trial failed): nothing to estimate
-        return best.assign(seed_sd=np.nan, search_sd=np.nan, noise=np.nan)
+        return best.assign(seed_sd=np.nan, search_sd=np.nan, rival_sd=np.nan, noise=np.nan)
     n = best["n_reevaluated"].astype(float)
     s2 = best["healed_acc_sd"].astype(float) ** 2
     fam = best[FAMILY].astype(str).agg("|".join, axis=1)
@@ -92,6 +115,9 @@ def _noise(best: pd.DataFrame) -> pd.DataFrame:
     best["seed_sd"] = np.sqrt(seed_var)
     gap = (best["healed_acc_search"] - best["healed_acc"]).abs().where(n > 0)
     search = gap.groupby(fam).transform("median")
+    rival = _rivals(best, searched, objective, np.sqrt(p2))
+    best["rival_sd"] = rival
+    search = pd.concat([search, rival], axis=1).max(axis=1, skipna=True)
     best["search_sd"] = search
     var = seed_var.fillna(0) / n.clip(lower=1) + search.fillna(0) ** 2
     best["noise"] = np.sqrt(var).where(n > 0)  # no re-evaluation: unknown (never "resolved" by default)

@@ -74,14 +74,14 @@ def orderings(a: pd.DataFrame, b: pd.DataFrame, grid: str) -> dict:
 
 def _verdicts(q: pd.DataFrame, grid: str) -> dict:
     from analysis.ordering import claim_check
-    from analysis.paired import _groups, _values
+    from analysis.paired import _groups, _noise, _values
 
     out = {}
     g = q[q["grid"] == grid].reset_index(drop=True)
     g = g.assign(seed=g["seed_rank"], mask_key=None)  # seeds shifted in run C: pair on the rank
     for model, m in g.groupby("model"):
         for group, h in _groups(m):
-            for a, b, ci, word in claim_check(_values(h)):
+            for a, b, ci, word in claim_check(_values(h), noise=_noise(h)):
                 out[(model, str(group["pattern"]), float(group["calib_size"]), a, b)] = (word, round(100 * ci.mean, 2))
     return out
 

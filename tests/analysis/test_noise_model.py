@@ -1,0 +1,45 @@
+"""The noise a claim is tested against counts search noise (issue 34): contenders that another search could pick
+widen a cell's noise, and a paired interval over few seeds is never narrower than the quoted numbers' noise."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from analysis.ordering import claim_check, paired_ci
+from analysis.reported import reported
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _trials(rival_acc: float) -> pd.DataFrame:
+    """One cell: a winner (selection 0.900) and a contender (selection 0.899, within noise) whose evaluation
+    accuracy is ``rival_acc``; a far-off third trial; two re-evaluations of the winner (sd 1 pp)."""
+    base = {"cell_id": "c1", "model": "vit", "healer": "starfish", "grid": "main", "status": "FINISHED", "steps": 8,
+            "epochs": 1, "dense_acc": 1.0, "pruner": "magnitude", "pattern": "0.9", "calib_size": 64, "seed": 0}
+    rows = [dict(base, run_id="w", lr=1e-3, selection_acc=0.900, healed_acc=0.80, optuna_trial=0, stage="search"),
+            dict(base, run_id="r", lr=3e-3, selection_acc=0.899, healed_acc=rival_acc, optuna_trial=1, stage="search"),
+            dict(base, run_id="f", lr=1e-4, selection_acc=0.500, healed_acc=0.40, optuna_trial=2, stage="search"),
+            dict(base, run_id="a1", lr=1e-3, selection_acc=0.9, healed_acc=0.79, optuna_trial=0, stage="reevaluate"),
+            dict(base, run_id="a2", lr=1e-3, selection_acc=0.9, healed_acc=0.81, optuna_trial=1, stage="reevaluate")]
+    return pd.DataFrame(rows)
+
+
+def test_a_contender_with_another_number_widens_the_noise():
+    close, far = reported(_trials(0.80)).iloc[0], reported(_trials(0.70)).iloc[0]
+    assert close["rival_sd"] == pytest.approx(0.0, abs=1e-9)
+    assert far["rival_sd"] == pytest.approx(0.05, abs=1e-6)  # std of 0.80 and 0.70; the far-off trial is no rival
+    assert far["noise"] > 0.05 > close["noise"]
+
+
+def test_paired_interval_is_at_least_the_noise_of_the_quoted_numbers():
+    a = {(0,): 0.80, (1,): 0.81, (2,): 0.82}
+    b = {(0,): 0.79, (1,): 0.80, (2,): 0.81}  # d = +1 pp on every seed: sd 0, the t-interval alone is [1, 1] pp
+    assert paired_ci(a, b).sign == ">"
+    noise = {k: 0.02 for k in a}
+    ci = paired_ci(a, b, noise_a=noise, noise_b=noise)
+    assert ci.half == pytest.approx(2 * math.sqrt(3 * 2 * 0.02 ** 2) / 3)
+    assert ci.sign == "≈"
+    words = {(x, y): w for x, y, _, w in claim_check({"starfish": a, "mse": b}, noise={"starfish": noise, "mse": noise})}
+    assert words[("starfish", "mse")] == "within noise"
