@@ -43,6 +43,8 @@ class Converge:
     reevaluate_max: int = 6  # cap on re-evaluations per cell
     min_noise: float = 0.005  # floor of a single draw's noise in the stopping rule
     widen_steps: int = 4  # lattice steps the lr axis may grow past the declared box, each side
+    batch: int = 2  # points a continuing cell tries per wave after the first (fewer waves: fewer waits)
+    family_waves: int = 2  # waves whose family-wide results the surface pools; later ones: the cell's own only
 
 
 def converge_of(raw) -> Converge | None:
@@ -76,6 +78,50 @@ class Converging:
         base = super().reevaluations_of(cell_id)
         return max(base, c.reevaluate_max) if c is not None and base else base
 
+    # ------------------------------------------------------------------ waves
+    def wave_of(self, cell_id: str, number: int) -> int:
+        c = self.conv(cell_id) if cell_id in self.budgets else None
+        if c is None:
+            return super().wave_of(cell_id, number)
+        e = self.explore(cell_id)
+        return 0 if number < e else (number - e) // max(1, c.batch) + 1
+
+    def priority(self, slot: _Slot) -> int:
+        """Chains first: a converging cell's next wave, then first waves (new chains), then re-evaluations, then
+        cells that do not converge (closed form: one trial) fill what is left."""
+        if self.conv(slot.cell_id) is None:
+            return 0
+        return (3 if slot.wave >= 1 else 2) if slot.stage == SEARCH else 1
+
+    def wave_start(self, cell_id: str, wave: int) -> int:
+        """The trial number a wave's first trial gets."""
+        return 0 if wave == 0 else self.explore(cell_id) + (wave - 1) * max(1, self.conv(cell_id).batch)
+
+    def can_decide(self, cell_id: str, wave: int) -> bool:
+        """The family's first ``family_waves`` waves (before ``wave``) and every earlier trial of the cell are told:
+        a cell past the pooled waves no longer waits for its family (no family-wide barrier per wave)."""
+        fam, c = self.family(cell_id), self.conv(cell_id)
+        if not all(self.done((fam, w)) for w in range(min(wave, c.family_waves))):
+            return False
+        n = len(self.study(cell_id).get_trials(deepcopy=False))
+        return n >= self.wave_start(cell_id, wave) and self.counts.settled((cell_id, SEARCH))
+
+    def evidence(self, cell_id: str, before_wave: int):
+        """The family's told trials of its pooled waves, and the cell's own of every wave before ``before_wave``."""
+        c = self.conv(cell_id)
+        if c is None:
+            return super().evidence(cell_id, before_wave)
+        sign = 1.0 if self.direction == "maximize" else -1.0
+        pts, vals, groups = [], [], []
+        for m in self.members(self.family(cell_id)):
+            limit = before_wave if m == cell_id else min(before_wave, c.family_waves)
+            for t in self.study(m).get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+                if self.wave_of(m, t.number) < limit:
+                    pts.append(self.index(m, t.params))
+                    vals.append(sign * float(t.value))
+                    groups.append(m)
+        return pts, vals, groups
+
     # ------------------------------------------------------------------ lattice past the declared box
     def lr_at(self, cell_id: str, i: int) -> float:
         lo, hi = self.budgets[cell_id].lr
@@ -107,14 +153,14 @@ class Converging:
         return i, j
 
     # ------------------------------------------------------------------ decisions
-    def decide(self, cell_id: str, wave: int) -> tuple[str | None, tuple[int, int] | None]:
-        """(stop reason or None, the next lattice point or None) for the cell's trial of ``wave`` (>= 1)."""
+    def decide(self, cell_id: str, wave: int) -> tuple[str | None, list[tuple[int, int]] | None]:
+        """(stop reason or None, the wave's lattice points or None) for the cell's trials of ``wave`` (>= 1)."""
         key = (cell_id, wave)
         if key not in self._decisions:
             self._decisions[key] = self._decide(cell_id, wave)
         return self._decisions[key]
 
-    def _decide(self, cell_id: str, wave: int) -> tuple[str | None, tuple[int, int] | None]:
+    def _decide(self, cell_id: str, wave: int) -> tuple[str | None, list[tuple[int, int]] | None]:
         c, a = self.conv(cell_id), self.sizes(cell_id)[0]
         tried = set(self.tried(cell_id))
         best = self.winner(cell_id)
@@ -129,17 +175,17 @@ class Converging:
         surf = lattice.surface(shifted, vals, groups, sizes)
         sd = residual_sd(shifted, vals, groups, sizes)
         noise = c.min_noise if math.isnan(sd) else max(sd, c.min_noise)
+        free = [(p[0] + lo, p[1]) for p in lattice.ranked(surf) if (p[0] + lo, p[1]) not in tried]
         nxt = self._outward(cell_id, w, tried, noise)
         if nxt is not None:
-            return None, nxt
-        free = [(p[0] + lo, p[1]) for p in lattice.ranked(surf) if (p[0] + lo, p[1]) not in tried]
+            return None, [nxt] + [p for p in free if p != nxt][:max(1, c.batch) - 1]
         if not free:
             return CONVERGED + ": every lattice point tried", None
         gain = float(surf[free[0][0] - lo, free[0][1]] - surf[w[0] - lo, w[1]])
         if gain <= noise and not math.isnan(sd):  # no residual dof: the surface is not yet checked by the data
             return (f"{CONVERGED}: no untried point predicted better than the winner by more than its noise "
                     f"(+{100 * max(gain, 0):.2f} <= {100 * noise:.2f} pp)"), None
-        return None, free[0]
+        return None, free[:max(1, c.batch)]
 
     def _outward(self, cell_id: str, w: tuple[int, int], tried: set, noise: float) -> tuple[int, int] | None:
         """The point one lr step past the winner ``w`` when it sits on the lr edge of what the cell tried, at or
@@ -162,8 +208,11 @@ class Converging:
     def propose(self, cell_id: str, number: int, wave: int) -> dict:
         if wave == 0 or self.conv(cell_id) is None:
             return super().propose(cell_id, number, wave)
-        _, nxt = self.decide(cell_id, wave)
-        return self.point(cell_id, nxt) if nxt is not None else super().propose(cell_id, number, wave)
+        _, pts = self.decide(cell_id, wave)
+        k = number - self.wave_start(cell_id, wave)
+        if pts and k < len(pts):
+            return self.point(cell_id, pts[k])
+        return super().propose(cell_id, number, wave)
 
     # ------------------------------------------------------------------ the queue: dropping what is not needed
     def settle(self) -> None:
@@ -175,7 +224,7 @@ class Converging:
             cid = slot.cell_id
             if slot.number is not None or (cid, slot.stage) in seen or self.conv(cid) is None:
                 continue
-            if slot.stage == SEARCH and slot.wave >= 1 and self._waves_told(slot):
+            if slot.stage == SEARCH and slot.wave >= 1 and self.can_decide(cid, slot.wave):
                 seen.add((cid, SEARCH))  # the cell's first new search slot: the next wave
                 reason, _ = self.decide(cid, slot.wave)
                 if reason is not None:
@@ -191,10 +240,6 @@ class Converging:
             self._any_conv = any(self.conv(c) is not None for c in self.cells)
         return self._any_conv
 
-    def _waves_told(self, slot: _Slot) -> bool:
-        fam = self.family(slot.cell_id)
-        return all(self.done((fam, w)) for w in range(slot.wave))
-
     def _drop(self, cell_id: str, stage: str, keep: int = 0) -> int:
         """Remove the cell's new slots of ``stage`` from the queue but the first ``keep`` -> slots removed."""
         mine = [s for s in self.queue if s.cell_id == cell_id and s.stage == stage and s.number is None][keep:]
@@ -203,6 +248,11 @@ class Converging:
         for s in mine:
             self._unasked_add(s, -1)
         return len(mine)
+
+    def _in_wave(self, slot: _Slot) -> bool:
+        """A later slot of a wave whose first slot was asked already (the wave's points were decided together)."""
+        n = len(self.study(slot.cell_id).get_trials(deepcopy=False))
+        return self.wave_start(slot.cell_id, slot.wave) < n < self.wave_start(slot.cell_id, slot.wave + 1)
 
     def _stop(self, cell_id: str, reason: str | None) -> None:
         """Record why the cell's search stopped (once); None: it ran out of slots (the cap)."""
@@ -239,6 +289,8 @@ class Converging:
         study.set_user_attr("reevaluate_target", target)
 
     def ready(self, slot: _Slot) -> bool:
+        if slot.stage == SEARCH and slot.number is None and slot.wave >= 1 and self.conv(slot.cell_id) is not None:
+            return self.can_decide(slot.cell_id, slot.wave) or self._in_wave(slot)
         if (slot.stage == REEVALUATE and slot.number is None and self.conv(slot.cell_id) is not None
                 and slot.cell_id not in self.reeval_target
                 and len(self.study(slot.cell_id, REEVALUATE).get_trials(deepcopy=False))
