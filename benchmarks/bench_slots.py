@@ -132,7 +132,8 @@ def simulate(spec, records: list[dict], slots: int) -> dict:
             t, k, cfg = heapq.heappop(live)
             s.on_trial_complete(f"t{k}", {"selection_acc": replay.value(cfg), "final": True, "epoch": cfg["epochs"]})
     span = t - (first or 0.0)
-    return {"trials": n, "makespan_s": round(span, 1), "busy_share": busy / (slots * span) if span else math.nan}
+    return {"trials": n, "makespan_s": round(span, 1), "work_s": round(busy, 1),
+            "busy_share": busy / (slots * span) if span else math.nan}
 
 
 def main(argv=None) -> int:
@@ -150,7 +151,8 @@ def main(argv=None) -> int:
     for item in a.spec:
         name, path = item.split("=", 1)
         res[name] = r = simulate(parse_spec(yaml.safe_load(Path(path).read_text())), records, a.slots)
-        print(f"{name}: {r['trials']} trials on {a.slots} slots, makespan {r['makespan_s']:.0f} s (simulated), "
+        print(f"{name}: {r['trials']} trials ({r['work_s']:.0f} trial-seconds) on {a.slots} slots, makespan "
+              f"{r['makespan_s']:.0f} s (simulated), "
               f"slots busy {100 * r['busy_share']:.1f} % from the first trial to the last", flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps({"slots": a.slots, "runs": a.runs, "specs": a.spec, **res}, indent=1))
