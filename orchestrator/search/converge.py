@@ -2,12 +2,16 @@
 (``search.converge``; docs/methods.md#search-design).
 
 Under ``converge`` the ``shared`` design treats ``search.trials_per_cell`` as a per-cell *cap*, not a count. After
-the first wave (``explore`` space-filling points) each further wave of a cell is decided once the family's
-earlier waves are told (deterministic: the same results give the same decisions):
+the first wave (``explore`` space-filling points) each further wave of a cell (``batch`` points) is decided once
+the family's first ``family_waves`` waves and every earlier trial of the cell are told: the surface pools the
+family's results of those waves with all of the cell's own, so past them a cell never waits for its family
+(a family-wide barrier per wave would serialize a big cluster: benchmarks/bench_slots.py). Deterministic: the
+same results give the same decisions whatever order trials finish in. A wave's points:
 
 1. the cell's winner (its best told trial) sits on the lr edge of what the cell has tried, and that edge is at or
-   past the declared box's lr cap (floor): the next trial is the winner's lr one lattice step further out, same
-   length (the box widens automatically, at most ``widen_steps`` lattice steps past the declared box);
+   past the declared box's lr cap (floor), and beats the cell's other trials (a tie does not count): the next
+   trial is the winner's lr one lattice step further out, same length (the box widens automatically, at most
+   ``widen_steps`` lattice steps past the declared box); the wave's other ``batch`` - 1 points as in 2.;
 2. otherwise the family surface (``lattice.surface``) is fitted to the family's told trials over the declared
    lattice and every lr the family tried past it; the best untried point's predicted gain over the winner's point
    is compared with the winner's noise (the fit's residual std of one draw, at least ``min_noise``): no gain
@@ -189,14 +193,15 @@ class Converging:
 
     def _outward(self, cell_id: str, w: tuple[int, int], tried: set, noise: float) -> tuple[int, int] | None:
         """The point one lr step past the winner ``w`` when it sits on the lr edge of what the cell tried, at or
-        past the declared box's cap (floor), and leads the cell's other trials by more than ``noise``."""
+        past the declared box's cap (floor), and beats every other trial of the cell (a tie does not widen).
+        ``noise``: unused (kept for designs that would ask for a lead beyond it)."""
         c, a = self.conv(cell_id), self.sizes(cell_id)[0]
         sign = 1.0 if self.direction == "maximize" else -1.0
         done = [t for t in self.study(cell_id).get_trials(deepcopy=False) if t.value is not None and t.params]
         others = [sign * t.value for t in done if self.index(cell_id, t.params) != w]
         best = max(sign * t.value for t in done)
-        if a < 2 or (others and best - max(others) <= noise):
-            return None  # a flat cell: being on the edge is not what makes the winner
+        if a < 2 or (others and best - max(others) <= 0.0):
+            return None  # a tie (a flat cell): being on the edge is not what makes the winner
         lrs = [p[0] for p in tried]
         for edge, out, limit in ((max(lrs), 1, a - 1 + c.widen_steps), (min(lrs), -1, -c.widen_steps)):
             past = w[0] >= a - 1 if out > 0 else w[0] <= 0
