@@ -2,8 +2,8 @@
 
 The real ``DesignSearcher`` (the Ray Tune adapter the sweep uses) is driven with a virtual clock: whenever a slot
 is free the searcher is asked for a trial, and each trial "runs" for the duration its cell's trials took in a
-finished sweep (``--from``: run directories; per model x healer a fit seconds = a + b x optimizer steps of the
-recorded ``trial_seconds``), then is told the objective that sweep measured at that configuration (the nearest
+finished sweep (``--from``: run directories; the median recorded ``trial_seconds`` of the model x healer at that
+length, else a fit a + b x optimizer steps), then is told the objective that sweep measured at that configuration (the nearest
 configuration tried in that cell when this design asks for one the recorded runs never tried; re-evaluations on
 a new seed: the recorded re-evaluations' values in turn). Prints the share of slot-seconds busy from the first
 trial's start to the last trial's end, the makespan and the trial count, for the spec as it is (``fixed``: the
@@ -63,18 +63,23 @@ def steps_of(cfg: dict) -> float:
 class Replay:
     """Durations and objective values of a finished sweep, for configurations it tried or their nearest."""
 
-    def __init__(self, records: list[dict]) -> None:
+    def __init__(self, records: list[dict], per_cell: bool = False) -> None:
+        self.per_cell = per_cell
         self.seen: dict[str, list[tuple[float, float, float, float]]] = {}  # cell -> (log lr, steps, value, secs)
         fits: dict[tuple, list[tuple[float, float]]] = {}
         self.again: dict[str, list[float]] = {}
+        self.by_length: dict[tuple, list[float]] = {}
         for r in records:
             p, m = r["mlflow"]["params"], r["mlflow"]["metrics"]
             cfg = {**p, "steps": p.get("steps")}
             s = steps_of(cfg)
             fits.setdefault((p["model"], p["healer"]), []).append((s, float(m["trial_seconds"])))
-            if "selection_acc" not in m:
+            self.by_length.setdefault((p["model"], p["healer"], s), []).append(float(m["trial_seconds"]))
+            hist = r["mlflow"].get("history", {}).get("selection_acc") or []
+            m = {**m, "selection_acc": m.get("selection_acc", hist[-1][1] if hist else None)}
+            if m["selection_acc"] is None:
                 continue
-            if p.get("stage") == "reevaluate":
+            if p.get("heal_seed") is not None:  # a re-evaluation (``stage`` is a tag, not a param)
                 self.again.setdefault(r["cell_id"], []).append(float(m["selection_acc"]))
             lr = float(p.get("lr") or 0)
             self.seen.setdefault(r["cell_id"], []).append(
@@ -86,8 +91,18 @@ class Replay:
             self.fit[k] = (float(b[1]), max(float(b[0]), 0.0))
 
     def duration(self, cfg: dict) -> float:
+        """The median recorded duration of the model x healer's trials of this length (robust to the outliers a
+        loaded 2-core machine adds); else the model x healer fit a + b x steps."""
+        s = steps_of(cfg)
+        if self.per_cell:  # --durations cell: the cell's own recorded trials of this length (outliers included)
+            mine = [t[3] for t in self.seen.get(cfg["cell_id"], []) if t[1] == s]
+            if mine:
+                return sum(mine) / len(mine)
+        same = self.by_length.get((cfg["model"], cfg["healer"], s))
+        if same:
+            return float(np.median(same))
         a, b = self.fit.get((cfg["model"], cfg["healer"]), (5.0, 0.1))
-        return max(0.5, a + b * steps_of(cfg))
+        return max(0.5, a + b * s)
 
     def value(self, cfg: dict) -> float:
         seen = self.seen.get(cfg["cell_id"]) or [(0.0, 0.0, 0.5, 1.0)]
@@ -102,11 +117,11 @@ class Replay:
         return v
 
 
-def simulate(spec, records: list[dict], slots: int) -> dict:
+def simulate(spec, records: list[dict], slots: int, per_cell: bool = False) -> dict:
     from orchestrator.plan import grid_searches
     from orchestrator.search import budget_of, make_searcher
 
-    replay, cells = Replay(records), cells_of(records)
+    replay, cells = Replay(records, per_cell), cells_of(records)
     grids = {g: budget_of(s) for g, s in grid_searches(spec).items()}
     budgets = {c["cell_id"]: grids.get(c["grid"], grids["main"]) for c in cells}
     with tempfile.TemporaryDirectory() as tmp:
@@ -144,18 +159,21 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", nargs="+", default=[f"converge={REPO / 'configs' / 'default.yaml'}"],
                     help="NAME=PATH: the specs (search settings) simulated, e.g. fixed=old.yaml converge=new.yaml")
     ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--durations", choices=["median", "cell"], default="median",
+                    help="median: per model x healer x length (default); cell: the cell's own recorded trials")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     a = ap.parse_args(argv)
     records = load_records([Path(d) for d in a.runs])
     res = {}
     for item in a.spec:
         name, path = item.split("=", 1)
-        res[name] = r = simulate(parse_spec(yaml.safe_load(Path(path).read_text())), records, a.slots)
+        res[name] = r = simulate(parse_spec(yaml.safe_load(Path(path).read_text())), records, a.slots,
+                                  a.durations == "cell")
         print(f"{name}: {r['trials']} trials ({r['work_s']:.0f} trial-seconds) on {a.slots} slots, makespan "
               f"{r['makespan_s']:.0f} s (simulated), "
               f"slots busy {100 * r['busy_share']:.1f} % from the first trial to the last", flush=True)
     if a.out:
-        Path(a.out).write_text(json.dumps({"slots": a.slots, "runs": a.runs, "specs": a.spec, **res}, indent=1))
+        Path(a.out).write_text(json.dumps({"slots": a.slots, "runs": a.runs, "specs": a.spec, "durations": a.durations, **res}, indent=1))
     return 0
 
 
