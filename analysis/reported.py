@@ -13,8 +13,10 @@ Noise of a quoted number (docs/methods.md#reading-the-noise), per cell i of a fa
     search_sd_F = median over F of |winner's own accuracy - re-evaluation mean|: how far one draw of the
                   search lands from what its configuration gives on other seeds
     rival_sd_i  = std of the evaluation accuracies of the cell's *contenders*: the search trials whose objective
-                  is within Z sqrt(2) pooled_F of the winner's (as good as the winner given one draw's noise):
-                  another search (sampler seed, healing seed) may pick any of them, and quote its number
+                  is within Z sqrt(2) sqrt(pooled_F^2 + split_F^2) of the winner's (as good as the winner given one
+                  draw's noise; split_F^2: the family's variance of selection - evaluation accuracy over its search
+                  trials, centred per cell, what the selection split's own sampling adds): another search (sampler
+                  seed, healing seed) may pick any of them, and quote its number
     noise_i     = sqrt(seed_sd_i^2 / n_i + max(search_sd_F, rival_sd_i)^2)
 
 Cells whose healer does not train (closed form, ``none``: lr 0) have noise 0: nothing is searched and nothing in
@@ -98,6 +100,23 @@ def _rivals(best: pd.DataFrame, searched: pd.DataFrame | None, objective: str, p
     return out
 
 
+def _split_var(best: pd.DataFrame, searched: pd.DataFrame | None, fam: pd.Series, objective: str) -> dict:
+    """Family -> variance of (selection accuracy - evaluation accuracy) over its search trials, centred per cell:
+    how far the objective a winner is picked by strays from the number quoted, configuration to configuration
+    (two splits of 180 and 360 images: their sampling error alone is ~1-2 pp at 90 % accuracy)."""
+    if searched is None or searched.empty or objective != "selection_acc" or objective not in searched.columns:
+        return {}
+    cell_fam = dict(zip(best["cell_id"], fam))
+    d = (searched[objective].astype(float) - searched["healed_acc"].astype(float)).rename("d")
+    df = pd.DataFrame({"cell": searched["cell_id"], "d": d}).dropna()
+    df["d"] = df["d"] - df.groupby("cell")["d"].transform("mean")
+    df["fam"] = df["cell"].map(cell_fam)
+    n = df.groupby("cell")["d"].transform("size")
+    df = df[n > 1]  # a cell of one trial says nothing about the spread
+    dof = (df.groupby("fam")["d"].size() - df.groupby("fam")["cell"].nunique()).clip(lower=1)
+    return ((df["d"] ** 2).groupby(df["fam"]).sum() / dof).to_dict()
+
+
 def _noise(best: pd.DataFrame, searched: pd.DataFrame | None = None, objective: str = "selection_acc") -> pd.DataFrame:
     best["grid"] = grid_names(best)
     if best.empty:  # no cell has a finished search trial (every trial failed): nothing to estimate
@@ -115,7 +134,7 @@ def _noise(best: pd.DataFrame, searched: pd.DataFrame | None = None, objective: 
     best["seed_sd"] = np.sqrt(seed_var)
     gap = (best["healed_acc_search"] - best["healed_acc"]).abs().where(n > 0)
     search = gap.groupby(fam).transform("median")
-    rival = _rivals(best, searched, objective, np.sqrt(p2))
+    rival = _rivals(best, searched, objective, np.sqrt(p2 + fam.map(_split_var(best, searched, fam, objective))))
     best["rival_sd"] = rival
     search = pd.concat([search, rival], axis=1).max(axis=1, skipna=True)
     best["search_sd"] = search
