@@ -43,3 +43,14 @@ def test_paired_interval_is_at_least_the_noise_of_the_quoted_numbers():
     assert ci.sign == "≈"
     words = {(x, y): w for x, y, _, w in claim_check({"starfish": a, "mse": b}, noise={"starfish": noise, "mse": noise})}
     assert words[("starfish", "mse")] == "within noise"
+
+
+def test_the_selection_splits_own_error_makes_contenders():
+    """Seed noise alone (re-evaluations 0.79 / 0.81: threshold 2 sqrt(2) x 1.4 pp = 4 pp) keeps a trial 5 pp below
+    on selection out of the contenders; once selection and evaluation accuracy disagree from trial to trial (one
+    more trial, 20 pp apart instead of 10), the threshold grows and it is a contender."""
+    t = _trials(0.75)
+    t.loc[t["run_id"] == "r", "selection_acc"] = 0.85  # selection - evaluation: 0.10 on every trial
+    assert reported(t).iloc[0]["rival_sd"] == pytest.approx(0.0)
+    extra = t[t["run_id"] == "f"].assign(run_id=["g"], optuna_trial=[3], selection_acc=[0.45], healed_acc=[0.25])
+    assert reported(pd.concat([t, extra], ignore_index=True)).iloc[0]["rival_sd"] == pytest.approx(0.025, abs=1e-6)
