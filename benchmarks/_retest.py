@@ -29,7 +29,8 @@ def keyed(q: pd.DataFrame) -> pd.DataFrame:
     q = q.reset_index().copy()
     q["seed_rank"] = q.groupby("grid")["seed"].rank(method="dense").astype(int) - 1
     q["calib_size"] = q["calib_size"].astype(float)
-    return q.set_index(KEY, drop=False).sort_index()
+    q.index = pd.MultiIndex.from_frame(q[KEY], names=[f"k_{k}" for k in KEY])  # no column / level ambiguity
+    return q.sort_index()
 
 
 def moves(a: pd.DataFrame, b: pd.DataFrame, grid: str) -> dict:
@@ -111,13 +112,19 @@ def best(a: pd.DataFrame, b: pd.DataFrame, grid: str) -> dict:
             "examples": differ[:5]}
 
 
-def edge_share(q: pd.DataFrame, grid: str, bounds: dict | None, widened: dict) -> dict:
-    """Searched winners on an edge other than the length cap (the declared healing budget)."""
+def edge_share(q: pd.DataFrame, grid: str, bounds: dict | None, widened: dict, explored: dict | None = None) -> dict:
+    """Searched winners on an edge other than the length cap (the declared healing budget), as the report flags
+    them: the declared (or widened) box, less lr edges the cell's search tried past (``explored``)."""
     from analysis.findings import edges
 
     g = q[(q["grid"] == grid) & (q["lr"] > 0)]
     if not bounds:
         return {"winners": len(g), "edge": None}
+    box = (lambda r: widened.get(r["cell_id"]) or bounds.get(grid) or bounds["main"])
+    try:
+        from analysis.search_space import searched_edges
+    except ImportError:  # the analysis of a sweep from before search.converge
+        searched_edges = (lambda r, b, e: edges(r, b))
     on = [r for _, r in g.iterrows()
-          if set(edges(r, widened.get(r["cell_id"]) or bounds.get(grid) or bounds["main"])) - {"length_cap"}]
+          if set(searched_edges(r, box(r), (explored or {}).get(r["cell_id"]))) - {"length_cap"}]
     return {"winners": len(g), "edge": len(on), "share": len(on) / len(g) if len(g) else math.nan}

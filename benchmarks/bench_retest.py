@@ -50,11 +50,19 @@ def variant(spec: dict, run: str, seed_step: int, shift_main: int) -> dict:
     return s
 
 
-def bounds_of(run_dir: Path) -> tuple[dict | None, dict]:
+def bounds_of(run_dir: Path) -> tuple[dict | None, dict, dict]:
+    """(search bounds per grid, widened boxes per cell, lr range each cell's search tried)."""
+    from analysis.runs import load_trials
     from analysis.search_space import search_bounds, widened_cells
 
     meta = json.loads((run_dir / "sweep.json").read_text())
-    return search_bounds(meta.get("spec")), widened_cells(meta)
+    trials = load_trials(meta["tracking_uri"], meta["sweep_id"], meta.get("experiment") or "healsweep")
+    t = trials[trials["stage"].astype("object").fillna("search") == "search"] if "stage" in trials else trials
+    t = t[t["lr"].astype(float) > 0]
+    g = t.groupby("cell_id")["lr"]
+    explored = {c: (float(lo), float(hi)) for c, lo, hi in zip(g.min().index, g.min().astype(float),
+                                                                g.max().astype(float))}
+    return search_bounds(meta.get("spec")), widened_cells(meta), explored
 
 
 def compare_grid(a, b, grid: str) -> dict:

@@ -9,9 +9,9 @@ family's results of those waves with all of the cell's own, so past them a cell 
 same results give the same decisions whatever order trials finish in. A wave's points:
 
 1. the cell's winner (its best told trial) sits on the lr edge of what the cell has tried, and that edge is at or
-   past the declared box's lr cap (floor), and beats the cell's other trials (a tie does not count): the next
-   trial is the winner's lr one lattice step further out, same length (the box widens automatically, at most
-   ``widen_steps`` lattice steps past the declared box); the wave's other ``batch`` - 1 points as in 2.;
+   past the declared box's lr cap (floor), and beats the cell's other trials (a tie does not count): the wave
+   is the winner's lr 1, 2, …, ``batch`` lattice steps further out, same length (the box widens automatically,
+   at most ``widen_steps`` lattice steps past the declared box; points past that limit are replaced as in 2.);
 2. otherwise the family surface (``lattice.surface``) is fitted to the family's told trials over the declared
    lattice and every lr the family tried past it; the best untried point's predicted gain over the winner's point
    is compared with the winner's noise (the fit's residual std of one draw, at least ``min_noise``): no gain
@@ -180,9 +180,9 @@ class Converging:
         sd = residual_sd(shifted, vals, groups, sizes)
         noise = c.min_noise if math.isnan(sd) else max(sd, c.min_noise)
         free = [(p[0] + lo, p[1]) for p in lattice.ranked(surf) if (p[0] + lo, p[1]) not in tried]
-        nxt = self._outward(cell_id, w, tried, noise)
-        if nxt is not None:
-            return None, [nxt] + [p for p in free if p != nxt][:max(1, c.batch) - 1]
+        out = self._outward(cell_id, w, tried, noise)
+        if out:
+            return None, out + [p for p in free if p not in out][:max(1, c.batch) - len(out)]
         if not free:
             return CONVERGED + ": every lattice point tried", None
         gain = float(surf[free[0][0] - lo, free[0][1]] - surf[w[0] - lo, w[1]])
@@ -191,24 +191,25 @@ class Converging:
                     f"(+{100 * max(gain, 0):.2f} <= {100 * noise:.2f} pp)"), None
         return None, free[:max(1, c.batch)]
 
-    def _outward(self, cell_id: str, w: tuple[int, int], tried: set, noise: float) -> tuple[int, int] | None:
-        """The point one lr step past the winner ``w`` when it sits on the lr edge of what the cell tried, at or
-        past the declared box's cap (floor), and beats every other trial of the cell (a tie does not widen).
-        ``noise``: unused (kept for designs that would ask for a lead beyond it)."""
+    def _outward(self, cell_id: str, w: tuple[int, int], tried: set, noise: float) -> list[tuple[int, int]]:
+        """The ``batch`` points 1, 2, … lr steps past the winner ``w`` (same length, within ``widen_steps`` of the
+        box) when it sits on the lr edge of what the cell tried, at or past the declared box's cap (floor), and
+        beats every other trial of the cell (a tie does not widen). ``noise``: unused (kept for designs that
+        would ask for a lead beyond it)."""
         c, a = self.conv(cell_id), self.sizes(cell_id)[0]
         sign = 1.0 if self.direction == "maximize" else -1.0
         done = [t for t in self.study(cell_id).get_trials(deepcopy=False) if t.value is not None and t.params]
         others = [sign * t.value for t in done if self.index(cell_id, t.params) != w]
         best = max(sign * t.value for t in done)
         if a < 2 or (others and best - max(others) <= 0.0):
-            return None  # a tie (a flat cell): being on the edge is not what makes the winner
+            return []  # a tie (a flat cell): being on the edge is not what makes the winner
         lrs = [p[0] for p in tried]
         for edge, out, limit in ((max(lrs), 1, a - 1 + c.widen_steps), (min(lrs), -1, -c.widen_steps)):
             past = w[0] >= a - 1 if out > 0 else w[0] <= 0
-            nxt = (w[0] + out, w[1])
-            if w[0] == edge and past and (limit - nxt[0]) * out >= 0 and nxt not in tried:
-                return nxt
-        return None
+            if w[0] == edge and past:
+                steps = [(w[0] + k * out, w[1]) for k in range(1, max(1, c.batch) + 1)]
+                return [p for p in steps if (limit - p[0]) * out >= 0 and p not in tried]
+        return []
 
     def propose(self, cell_id: str, number: int, wave: int) -> dict:
         if wave == 0 or self.conv(cell_id) is None:

@@ -148,3 +148,28 @@ def test_spec_converge_is_parsed_checked_and_reaches_every_grid_budget():
     d = copy.deepcopy(base)
     d["search"].pop("converge", None)
     assert all(budget_of(s).converge is None for s in grid_searches(parse_spec(d)).values())  # the fixed count
+
+
+def test_an_edge_winner_gets_a_wave_of_points_further_out(tmp_path):
+    b = Budget(trials=8, lr=(1e-4, 1e-2), length=("steps", (4, 64)), reevaluate=2, explore=2, lattice=(5, 3),
+               converge=Converge(batch=3, widen_steps=3))
+    cells = _cells(6)
+    s = make(tmp_path, cells, b)
+    got = drive(s, lambda c: 0.2 + 0.1 * math.log10(c["lr"] / 1e-4) + 0.001 * int(c["cell_id"][-1]))
+    waves = []
+    for c in cells:
+        mine = searched(got, c["cell_id"])
+        past = sorted({g["lr"] for g in mine if g["lr"] > 1.01e-2})
+        assert past and past[-1] == pytest.approx(1e-2 * 10 ** 1.5, rel=1e-4)  # up to the widening limit
+        waves.append([round(g["lr"], 6) for g in mine[2:5]])
+    # a cell whose first-wave winner sat on the cap: its next wave is 1, 2 and 3 lattice steps past it, same length
+    assert [0.031623, 0.1, 0.316228] in waves
+
+
+def test_the_report_does_not_flag_an_lr_edge_its_search_tried_past():
+    from analysis.search_space import searched_edges
+
+    box = {"lr": [1e-4, 1e-2], "steps": [4, 64]}
+    row = {"lr": 1.78e-2, "steps": 64}
+    assert set(searched_edges(row, box, (1e-4, 1.78e-2))) == {"lr_cap", "length_cap"}  # nothing tried above it
+    assert set(searched_edges(row, box, (1e-4, 3.16e-2))) == {"length_cap"}  # a worse lr above it was tried
