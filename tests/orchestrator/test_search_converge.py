@@ -173,3 +173,28 @@ def test_the_report_does_not_flag_an_lr_edge_its_search_tried_past():
     row = {"lr": 1.78e-2, "steps": 64}
     assert set(searched_edges(row, box, (1e-4, 1.78e-2))) == {"lr_cap", "length_cap"}  # nothing tried above it
     assert set(searched_edges(row, box, (1e-4, 3.16e-2))) == {"length_cap"}  # a worse lr above it was tried
+
+
+def test_a_resumed_converging_search_asks_what_an_uninterrupted_one_asks(tmp_path):
+    cells = _cells(4)
+
+    def peak(c):
+        return 0.9 - 0.05 * (math.log10(c["lr"]) + 2.5) ** 2 + 0.002 * ((c.get("heal_seed") or 0) // 1000 % 3)
+    whole = drive(make(tmp_path / "a", cells) if (tmp_path / "a").mkdir() is None else None, peak)
+    (tmp_path / "b").mkdir()
+    first = make(tmp_path / "b", cells)
+    done, live, i = [], [], 0
+    while len(done) < 14:  # stop mid-sweep with trials still running (asked, never told)
+        cfg = first.suggest(f"t{i}")
+        if cfg is None or cfg == "FINISHED":
+            tid, c = live.pop(0)
+            first.on_trial_complete(tid, {"selection_acc": peak(c), "final": True, "epoch": c["epochs"]})
+            done.append(c)
+            continue
+        live.append((f"t{i}", cfg))
+        i += 1
+    again = make(tmp_path / "b", cells)
+    assert again.rerun  # the untold trials run again with their parameters
+    rest = drive(again, peak)
+    key = (lambda g: (g["trial_id"], g["lr"], g["steps"], g.get("heal_seed")))
+    assert sorted(map(key, done + rest)) == sorted(map(key, whole))
