@@ -19,9 +19,11 @@ Noise of a quoted number (docs/methods.md#reading-the-noise), per cell i of a fa
                   seed, healing seed) may pick any of them, and quote its number
     noise_i     = sqrt(seed_sd_i^2 / n_i + max(search_sd_F, rival_sd_i)^2)
 
-Cells whose healer does not train (closed form, ``none``: lr 0) have noise 0: nothing is searched and nothing in
-their healing is random. A difference between two quoted numbers is *resolved* when it exceeds Z = 2 noise units of the difference
-(``resolved``); a band class is resolved when the quoted number is that far from the class's threshold.
+Cells whose healer does not train (closed form, ``none``: lr 0) are not searched and nothing in their healing is
+random, but their mask depends on the seed: their noise is the binomial standard error of the accuracy on the
+evaluation images, sqrt(p (1 - p) / n_eval) (``_closed_form_noise``). A difference between two quoted numbers is
+*resolved* when it exceeds Z = 2 noise units of the difference (``resolved``); a band class is resolved when the
+quoted number is that far from the class's threshold.
 """
 from __future__ import annotations
 
@@ -141,8 +143,21 @@ def _noise(best: pd.DataFrame, searched: pd.DataFrame | None = None, objective: 
     var = seed_var.fillna(0) / n.clip(lower=1) + search.fillna(0) ** 2
     best["noise"] = np.sqrt(var).where(n > 0)  # no re-evaluation: unknown (never "resolved" by default)
     fixed = best["lr"].fillna(0) <= 0 if "lr" in best.columns else pd.Series(False, index=best.index)
-    best.loc[fixed, "noise"] = 0.0  # closed form / no training: nothing searched, nothing random in healing
+    best.loc[fixed, "noise"] = _closed_form_noise(best[fixed])
     return best
+
+
+def _closed_form_noise(fixed: pd.DataFrame) -> pd.Series:
+    """Closed-form cells (nothing searched, nothing random in healing): the binomial standard error of their
+    accuracy on the ``n_eval`` evaluation images, sqrt(p (1 - p) / n_eval) (0 where ``n_eval`` is unknown). Their
+    mask still depends on the seed (allocations, calibration samples): with the seed shifted a CR+BN cell moved
+    by up to 2.2 pp (benchmarks/results, issue 34), and a noise of 0 called every difference between two such
+    cells resolved."""
+    if "n_eval" not in fixed.columns:
+        return pd.Series(0.0, index=fixed.index)
+    p = fixed["healed_acc"].astype(float).clip(0, 1)
+    n = pd.to_numeric(fixed["n_eval"], errors="coerce")
+    return np.sqrt(p * (1 - p) / n).where(n > 0, 0.0).fillna(0.0)
 
 
 def resolved(a: float, noise_a: float, b: float, noise_b: float, z: float = Z) -> bool:

@@ -54,3 +54,12 @@ def test_the_selection_splits_own_error_makes_contenders():
     assert reported(t).iloc[0]["rival_sd"] == pytest.approx(0.0)
     extra = t[t["run_id"] == "f"].assign(run_id=["g"], optuna_trial=[3], selection_acc=[0.45], healed_acc=[0.25])
     assert reported(pd.concat([t, extra], ignore_index=True)).iloc[0]["rival_sd"] == pytest.approx(0.025, abs=1e-6)
+
+
+def test_a_closed_form_cell_carries_the_evaluation_sets_sampling_error():
+    row = {"cell_id": "c", "model": "vit", "healer": "crbn", "grid": "main", "status": "FINISHED", "steps": None,
+           "epochs": 0, "dense_acc": 1.0, "pruner": "magnitude", "pattern": "0.9", "calib_size": 64, "seed": 0,
+           "run_id": "c", "lr": 0.0, "selection_acc": 0.9, "healed_acc": 0.9, "optuna_trial": 0, "stage": "search",
+           "n_eval": 360.0}
+    (r,) = reported(pd.DataFrame([row])).to_dict("records")
+    assert r["noise"] == pytest.approx(math.sqrt(0.9 * 0.1 / 360))  # 1.58 pp: two such cells 1 pp apart: not resolved
