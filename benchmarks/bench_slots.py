@@ -117,11 +117,13 @@ class Replay:
         return v
 
 
-def simulate(spec, records: list[dict], slots: int, per_cell: bool = False) -> dict:
+def simulate(spec, records: list[dict], slots: int, per_cell: bool = False, cell_records=None) -> dict:
+    """``records``: every recorded trial (values, durations); ``cell_records``: those whose cells are simulated
+    (the first run directory: runs with shifted seeds hold other cells)."""
     from orchestrator.plan import grid_searches
     from orchestrator.search import budget_of, make_searcher
 
-    replay, cells = Replay(records, per_cell), cells_of(records)
+    replay, cells = Replay(records, per_cell), cells_of(cell_records or records)
     grids = {g: budget_of(s) for g, s in grid_searches(spec).items()}
     budgets = {c["cell_id"]: grids.get(c["grid"], grids["main"]) for c in cells}
     with tempfile.TemporaryDirectory() as tmp:
@@ -155,7 +157,8 @@ def main(argv=None) -> int:
     from orchestrator.spec import parse_spec
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--from", dest="runs", nargs="+", required=True, help="finished run directories (trials.jsonl)")
+    ap.add_argument("--from", dest="runs", nargs="+", required=True,
+                    help="finished run directories (trials.jsonl); the first one's cells are simulated")
     ap.add_argument("--spec", nargs="+", default=[f"converge={REPO / 'configs' / 'default.yaml'}"],
                     help="NAME=PATH: the specs (search settings) simulated, e.g. fixed=old.yaml converge=new.yaml")
     ap.add_argument("--slots", type=int, default=64)
@@ -168,7 +171,7 @@ def main(argv=None) -> int:
     for item in a.spec:
         name, path = item.split("=", 1)
         res[name] = r = simulate(parse_spec(yaml.safe_load(Path(path).read_text())), records, a.slots,
-                                  a.durations == "cell")
+                                  a.durations == "cell", load_records([Path(a.runs[0])]))
         print(f"{name}: {r['trials']} trials ({r['work_s']:.0f} trial-seconds) on {a.slots} slots, makespan "
               f"{r['makespan_s']:.0f} s (simulated), "
               f"slots busy {100 * r['busy_share']:.1f} % from the first trial to the last", flush=True)
