@@ -193,6 +193,7 @@ class Findings:
     best: list[dict]
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    budget: str = ""  # the healing budget the bands and leads hold within (analysis/budget.py): first screen
 
     @property
     def flags(self) -> list[str]:
@@ -270,10 +271,12 @@ def _budget_warning(mb: pd.DataFrame) -> str:
 
 def findings(best: pd.DataFrame, model: str, recs: list[dict], cts: dict | None,
              failed: dict[str, list[str]], trials: pd.DataFrame | None = None,
-             objective: str = "selection_acc", widened: dict | None = None) -> list[Findings]:
+             objective: str = "selection_acc", widened: dict | None = None,
+             bounds: dict | None = None) -> list[Findings]:
     """One ``Findings`` per grid of this model (grids are never mixed). ``trials``: the model's trials, for the
     label-free objective's agreement (analysis/heldout_agreement.py). ``objective``: what picked each cell's
     winner (the sweep's search objective). ``widened``: cell id -> widening note (orchestrator/lifecycle/widen.py)."""
+    from .budget import budget_line
     from .heldout_agreement import agreement, agreement_line
 
     grids = grid_names(best)
@@ -282,17 +285,29 @@ def findings(best: pd.DataFrame, model: str, recs: list[dict], cts: dict | None,
     for grid in sorted(set(grids), key=lambda g: (g != "main", g)):
         gb = best[grids == grid]
         gr = [r for r in recs if (r.get("grid") or "main") == grid]
-        f = Findings(model, grid, ranges(gr, cts), best_rows(gb), _warnings(gb, failed.get(grid, [])))
+        f = Findings(model, grid, ranges(gr, cts), best_rows(gb), _warnings(gb, failed.get(grid, [])),
+                     budget=budget_line(gb, (bounds or {}).get(grid) or (bounds or {}).get("main")))
         line = agreement_line(agreement(trials[tgrids == grid])) if trials is not None else ""
         f.notes = [OBJECTIVE_NOTE] if objective == "heldout_align" else []
         f.notes += [line] if line else []
         f.notes += _widened_note(gb, widened or {})
+        f.notes += [stop_summary_of(gb)] if stop_summary_of(gb) else []
         f.notes.insert(int(objective == "heldout_align"), noise_line(gb, f.best))  # after the label-free note
         same = identical_mask_lines(gb)
         f.notes += [ln for ok, ln in same if ok]
         f.warnings += [ln for ok, ln in same if not ok]
         out.append(f)
     return out
+
+
+def stop_summary_of(gb: pd.DataFrame) -> str:
+    """'Search stopped per cell: 40 converged, 5 cap; …' from ``search_stop`` (analysis/search_stops.py)."""
+    if "search_stop" not in gb.columns:
+        return ""
+    from .search_stops import stop_summary
+
+    rec = {r.cell_id: {"reason": r.search_stop, "trials": r.search_trials} for r in gb.itertuples() if r.search_stop}
+    return stop_summary(rec, list(rec))
 
 
 def noise_line(gb: pd.DataFrame, rows: list[dict]) -> str:
@@ -380,6 +395,7 @@ def findings_md(fs: list[Findings], how: str) -> list[str]:
     md = ["## Findings", "", how, ""]
     for f in fs:
         md += [f"### {f.model} — grid `{f.grid}`", ""]
+        md += [f"**{f.budget}**", ""] if f.budget else []
         md += [f"**Best:** {headline(f.best)}", ""] if f.best else []
         md += [f"> **Warning:** {w}" for w in f.warnings] + ([""] if f.warnings else [])
         md += [f"_{n}_" for n in f.notes] + ([""] if f.notes else [])
@@ -401,6 +417,8 @@ def findings_html(fs: list[Findings], how: str) -> list[str]:
     ht = ['<section id="findings"><h2>Findings</h2><div class="models">']
     for f in fs:
         ht.append(f'<div class="model"><h3>{e(f.model)} <span class="grid">grid {e(f.grid)}</span></h3>')
+        if f.budget:
+            ht.append(f'<p class="headline"><b>{e(f.budget)}</b></p>')
         if f.best:
             ht.append(f'<p class="headline"><b>Best:</b> {e(headline(f.best))}</p>')
         if f.flags:

@@ -85,6 +85,16 @@ def _values(g: pd.DataFrame) -> dict[str, dict[tuple, float]]:
             for label, h in g.groupby("_label", sort=True)}
 
 
+def _noise(g: pd.DataFrame) -> dict[str, dict[tuple, float]] | None:
+    """healer label -> {(seed, mask_key): noise of the quoted number} (analysis/reported.py); None without it."""
+    if "noise" not in g.columns:
+        return None
+    g = g.assign(_label=_labels(g))
+    return {label: {(r.seed, r.mask_key if isinstance(r.mask_key, str) else None): float(r.noise)
+                    for r in h.drop_duplicates("seed").itertuples(index=False)}
+            for label, h in g.groupby("_label", sort=True)}
+
+
 def _groups(best: pd.DataFrame):
     best = best[best["healed_acc"].notna()]
     out = [(dict(zip(GROUP, key)), g) for key, g in best.groupby(list(GROUP), dropna=False, sort=False)
@@ -116,8 +126,9 @@ def ordering_lines(g: pd.DataFrame) -> list[str]:
     values = _values(g)
     if max(map(len, values.values()), default=0) < 2:
         return []  # one seed: no noise estimate, nothing to order beyond the table
-    lines = [f"Measured ordering (paired, 95 % CI): {measured_ordering(values)}"]
-    checks = claim_check(values)
+    noise = _noise(g)
+    lines = [f"Measured ordering (paired, 95 % CI): {measured_ordering(values, noise)}"]
+    checks = claim_check(values, noise=noise)
     if checks:
         lines.append("Paper's claim cosine ≥ MSE ≥ KL ≥ CE: " + "; ".join(
             f"{a} − {b} = {_pm(ci.mean, None, sign=True)} pp"

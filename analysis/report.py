@@ -29,6 +29,7 @@ from .paired import healer_panels, paired_sections
 from .reported import reported
 from .runs import grid_names, load_sweep_info, load_trials, pattern_sort_key
 from .search_space import _box, flag_boundary, search_bounds, widened_cells
+from .search_stops import attach, explored_lr, search_stops, stop_table
 
 __all__ = ["write_report", "write_report_from", "model_table", "model_figure", "run_url"]
 
@@ -231,6 +232,14 @@ def _grid_sections(mb, mt, model, grid, taken, out, tracking_uri, colors):
             f"{c} ({_plural(int(counts[c]), 'run')})" for c in missing)
         md += ["", f"_{msg}_"]
         ht.append(f'<p class="note">{e(msg)}</p>')
+    heads, rows = stop_table(mb)
+    if rows:  # search.converge: why each cell's search stopped
+        md += ["", "Why each cell's search stopped (search.converge):", "", "| " + " | ".join(heads) + " |",
+               "|" + "---|" * len(heads), *("| " + " | ".join(_md_cell(c) for c in r) + " |" for r in rows)]
+        ht.append("<details><summary>Why each cell's search stopped (search.converge)</summary><table><thead><tr>"
+                  + "".join(f"<th>{e(h)}</th>" for h in heads) + "</tr></thead><tbody>"
+                  + "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows)
+                  + "</tbody></table></details>")
     suffix = "" if grid == "main" else f"_{grid}"
     fname = f"fig_{_safe_name(model + suffix, taken)}.png"
     png = save_png(model_figure(mb, model, grid, colors), out / fname)
@@ -263,7 +272,7 @@ def _failed_cells(mt: pd.DataFrame, mb: pd.DataFrame) -> dict[str, list[str]]:
 def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
                       experiment: str = "healsweep", title: str | None = None,
                       settings: dict | None = None, search: dict | None = None,
-                      widened: dict | None = None) -> dict[str, Path]:
+                      widened: dict | None = None, stops: dict | None = None) -> dict[str, Path]:
     """Write ``out_dir/report.html``, ``report.md``, ``bands.json`` and ``fig_<model>*.png`` (+ layout sidecars).
 
     ``settings``: optional ``{"cts": {...CTSSettings fields}, "bands": {...BandSettings fields}}``.
@@ -271,6 +280,7 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
     winners on its boundary (``findings.boundary``; also tagged ``search_boundary`` on the winning MLflow run).
     ``widened``: cell id -> the search box of its last widening round (orchestrator/lifecycle/widen.py; ``widened_cells``
     reads them from sweep.json): those cells' boundary is that box, and the findings name them.
+    ``stops``: cell id -> why its search stopped (``search_stops.search_stops``: ``search.converge``).
     Each cell's winner is picked by the sweep's search objective (the parent run's ``objective`` param).
     """
     from .bands import BandSettings
@@ -281,7 +291,8 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
     info = load_sweep_info(tracking_uri, sweep_id, experiment)
     name = title or info["name"] or sweep_id
     objective = info.get("objective") or "selection_acc"
-    best = flag_boundary(reported(trials, objective), search, tracking_uri, widened)  # re-evaluated numbers
+    best = flag_boundary(attach(reported(trials, objective), stops or {}), search, tracking_uri, widened,
+                         explored_lr(trials))  # re-evaluated numbers
     model_of = trials["model"].astype("object").fillna(UNKNOWN_MODEL)
     models = sorted(set(model_of))
     summary = _summary(trials, name, sweep_id, tracking_uri)
@@ -297,7 +308,8 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
             continue
         mj = trans.bands_json["models"].get(model, {})
         fs += findings(mb, model, mj.get("bands", []), mj.get("cts"), _failed_cells(trials[model_of == model], mb),
-                       trials[model_of == model], objective, {c: _box(b) for c, b in (widened or {}).items()})
+                       trials[model_of == model], objective, {c: _box(b) for c, b in (widened or {}).items()},
+                       bounds=search)
     line = " · ".join(f"{k}: {v}" for k, v in summary)
     partial = _partial_note(info.get("partial"), out.resolve())
     md = [f"# Sweep report: {name}", "", *([f"**{partial}**", ""] if partial else []), _md_cell(line), ""]
@@ -387,4 +399,5 @@ def write_report(run_dir: str | Path) -> dict[str, Path]:
     return write_report_from(uri, meta["sweep_id"], run_dir,
                              experiment=meta.get("experiment") or "healsweep",
                              title=meta.get("name"), settings=meta.get("analysis"),
-                             search=search_bounds(meta.get("spec")), widened=widened_cells(meta))
+                             search=search_bounds(meta.get("spec")), widened=widened_cells(meta),
+                             stops=search_stops(run_dir))

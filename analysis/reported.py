@@ -12,11 +12,18 @@ Noise of a quoted number (docs/methods.md#reading-the-noise), per cell i of a fa
                   (K = 2) towards the family's pooled std: two seeds alone say little about a spread
     search_sd_F = median over F of |winner's own accuracy - re-evaluation mean|: how far one draw of the
                   search lands from what its configuration gives on other seeds
-    noise_i     = sqrt(seed_sd_i^2 / n_i + search_sd_F^2)
+    rival_sd_i  = std of the evaluation accuracies of the cell's *contenders*: the search trials whose objective
+                  is within Z sqrt(2) sqrt(pooled_F^2 + split_F^2) of the winner's (as good as the winner given one
+                  draw's noise; split_F^2: the family's variance of selection - evaluation accuracy over its search
+                  trials, centred per cell, what the selection split's own sampling adds): another search (sampler
+                  seed, healing seed) may pick any of them, and quote its number
+    noise_i     = sqrt(seed_sd_i^2 / n_i + max(search_sd_F, rival_sd_i)^2)
 
-Cells whose healer does not train (closed form, ``none``: lr 0) have noise 0: nothing is searched and nothing in
-their healing is random. A difference between two quoted numbers is *resolved* when it exceeds Z = 2 noise units of the difference
-(``resolved``); a band class is resolved when the quoted number is that far from the class's threshold.
+Cells whose healer does not train (closed form, ``none``: lr 0) are not searched and nothing in their healing is
+random, but their mask depends on the seed: their noise is the binomial standard error of the accuracy on the
+evaluation images, sqrt(p (1 - p) / n_eval) (``_closed_form_noise``). A difference between two quoted numbers is
+*resolved* when it exceeds Z = 2 noise units of the difference (``resolved``); a band class is resolved when the
+quoted number is that far from the class's threshold.
 """
 from __future__ import annotations
 
@@ -54,11 +61,12 @@ def reported(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.DataF
     best["healed_acc_search"] = best["healed_acc"]
     m = best["cell_id"].map(stats["mean"]) if stats is not None else pd.Series(np.nan, index=best.index)
     best["n_reevaluated"] = (best["cell_id"].map(stats["size"]).fillna(0).astype(int) if stats is not None else 0)
+    searched = trials[(_stage(trials) != "reevaluate") & (trials["status"] == "FINISHED")]
     best["healed_acc_sd"] = best["cell_id"].map(stats["std"]) if stats is not None else np.nan
     best["healed_acc"] = m.where(m.notna(), best["healed_acc_search"])
     dense = best["dense_acc"].astype(float)
     best["retention"] = np.where(dense > 0, best["healed_acc"] / dense.where(dense > 0, 1.0), 0.0)
-    return _noise(best)
+    return _noise(best, searched, objective)
 
 
 def _of_winners(again: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
@@ -75,10 +83,46 @@ def _of_winners(again: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
     return again[same.fillna(False).astype(bool)]
 
 
-def _noise(best: pd.DataFrame) -> pd.DataFrame:
+def _rivals(best: pd.DataFrame, searched: pd.DataFrame | None, objective: str, pooled: pd.Series) -> pd.Series:
+    """Per cell (``best``'s index): the std (ddof 0) of the evaluation accuracy over its contenders (module
+    docstring); 0 with one contender, NaN without search trials or without a pooled std."""
+    out = pd.Series(np.nan, index=best.index)
+    if searched is None or searched.empty or objective != "selection_acc" or objective not in searched.columns:
+        return out  # heldout_align: its units are not accuracy's; the family's search_sd alone
+    sign = 1.0
+    by_cell = {c: g for c, g in searched.groupby("cell_id")}
+    for i, r in best.iterrows():
+        g, sd = by_cell.get(r["cell_id"]), pooled.get(i, np.nan)
+        if g is None or not np.isfinite(sd) or pd.isna(r.get(objective)):
+            continue
+        v = sign * g[objective].astype(float)
+        near = g[v >= sign * float(r[objective]) - Z * math.sqrt(2) * sd]
+        acc = near["healed_acc"].astype(float).dropna()
+        out[i] = float(acc.std(ddof=0)) if len(acc) > 1 else 0.0
+    return out
+
+
+def _split_var(best: pd.DataFrame, searched: pd.DataFrame | None, fam: pd.Series, objective: str) -> dict:
+    """Family -> variance of (selection accuracy - evaluation accuracy) over its search trials, centred per cell:
+    how far the objective a winner is picked by strays from the number quoted, configuration to configuration
+    (two splits of 180 and 360 images: their sampling error alone is ~1-2 pp at 90 % accuracy)."""
+    if searched is None or searched.empty or objective != "selection_acc" or objective not in searched.columns:
+        return {}
+    cell_fam = dict(zip(best["cell_id"], fam))
+    d = (searched[objective].astype(float) - searched["healed_acc"].astype(float)).rename("d")
+    df = pd.DataFrame({"cell": searched["cell_id"], "d": d}).dropna()
+    df["d"] = df["d"] - df.groupby("cell")["d"].transform("mean")
+    df["fam"] = df["cell"].map(cell_fam)
+    n = df.groupby("cell")["d"].transform("size")
+    df = df[n > 1]  # a cell of one trial says nothing about the spread
+    dof = (df.groupby("fam")["d"].size() - df.groupby("fam")["cell"].nunique()).clip(lower=1)
+    return ((df["d"] ** 2).groupby(df["fam"]).sum() / dof).to_dict()
+
+
+def _noise(best: pd.DataFrame, searched: pd.DataFrame | None = None, objective: str = "selection_acc") -> pd.DataFrame:
     best["grid"] = grid_names(best)
     if best.empty:  # no cell has a finished search trial (every trial failed): nothing to estimate
-        return best.assign(seed_sd=np.nan, search_sd=np.nan, noise=np.nan)
+        return best.assign(seed_sd=np.nan, search_sd=np.nan, rival_sd=np.nan, noise=np.nan)
     n = best["n_reevaluated"].astype(float)
     s2 = best["healed_acc_sd"].astype(float) ** 2
     fam = best[FAMILY].astype(str).agg("|".join, axis=1)
@@ -92,12 +136,28 @@ def _noise(best: pd.DataFrame) -> pd.DataFrame:
     best["seed_sd"] = np.sqrt(seed_var)
     gap = (best["healed_acc_search"] - best["healed_acc"]).abs().where(n > 0)
     search = gap.groupby(fam).transform("median")
+    rival = _rivals(best, searched, objective, np.sqrt(p2 + fam.map(_split_var(best, searched, fam, objective))))
+    best["rival_sd"] = rival
+    search = pd.concat([search, rival], axis=1).max(axis=1, skipna=True)
     best["search_sd"] = search
     var = seed_var.fillna(0) / n.clip(lower=1) + search.fillna(0) ** 2
     best["noise"] = np.sqrt(var).where(n > 0)  # no re-evaluation: unknown (never "resolved" by default)
     fixed = best["lr"].fillna(0) <= 0 if "lr" in best.columns else pd.Series(False, index=best.index)
-    best.loc[fixed, "noise"] = 0.0  # closed form / no training: nothing searched, nothing random in healing
+    best.loc[fixed, "noise"] = _closed_form_noise(best[fixed])
     return best
+
+
+def _closed_form_noise(fixed: pd.DataFrame) -> pd.Series:
+    """Closed-form cells (nothing searched, nothing random in healing): the binomial standard error of their
+    accuracy on the ``n_eval`` evaluation images, sqrt(p (1 - p) / n_eval) (0 where ``n_eval`` is unknown). Their
+    mask still depends on the seed (allocations, calibration samples): with the seed shifted a CR+BN cell moved
+    by up to 2.2 pp (benchmarks/results, issue 34), and a noise of 0 called every difference between two such
+    cells resolved."""
+    if "n_eval" not in fixed.columns:
+        return pd.Series(0.0, index=fixed.index)
+    p = fixed["healed_acc"].astype(float).clip(0, 1)
+    n = pd.to_numeric(fixed["n_eval"], errors="coerce")
+    return np.sqrt(p * (1 - p) / n).where(n > 0, 0.0).fillna(0.0)
 
 
 def resolved(a: float, noise_a: float, b: float, noise_b: float, z: float = Z) -> bool:

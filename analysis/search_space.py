@@ -6,19 +6,21 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .findings import boundary
+from .findings import edges
 from .runs import grid_names
 
 
 def flag_boundary(best: pd.DataFrame, search: dict | None, tracking_uri: str | None = None,
-                  widened: dict | None = None) -> pd.DataFrame:
+                  widened: dict | None = None, explored: dict | None = None) -> pd.DataFrame:
     """Add ``search_boundary`` ('' or the reason) to each winner; with ``tracking_uri``, tag every gradient
     winner's MLflow run ``search_boundary`` = "true"/"false" (+ ``search_boundary_reason``). ``widened``: cell
-    id -> its widened search box, which replaces its grid's."""
+    id -> its widened search box, which replaces its grid's. ``explored``: cell id -> (lowest, highest) lr its
+    search tried (``search_stops.explored_lr``): an lr edge the search tried past is no edge (``searched_edges``)."""
     if not search or best.empty:
         return best.assign(search_boundary="")
     grids, widened = grid_names(best), widened or {}
-    reasons = [boundary(r, widened.get(r["cell_id"]) or search.get(g) or search.get("main"))
+    reasons = ["; ".join(searched_edges(r, widened.get(r["cell_id"]) or search.get(g) or search.get("main"),
+                                        (explored or {}).get(r["cell_id"])).values())
                for (_, r), g in zip(best.iterrows(), grids)]
     best = best.assign(search_boundary=reasons)
     if tracking_uri:
@@ -31,6 +33,19 @@ def flag_boundary(best: pd.DataFrame, search: dict | None, tracking_uri: str | N
                 if r.search_boundary:
                     client.set_tag(r.run_id, "search_boundary_reason", r.search_boundary)
     return best
+
+
+def searched_edges(row, box: dict | None, explored: tuple[float, float] | None) -> dict[str, str]:
+    """``findings.edges`` of the winner ``row`` against ``box``, less an lr edge its search tried past (a lower
+    lr below a floor winner, a higher one above a cap winner: ``explored`` = (lowest, highest) lr tried): a
+    converging search (orchestrator/search/converge.py) widens the box past a winning edge, and a winner with
+    worse results beyond it is not on the edge of what was searched."""
+    out = edges(row, box)
+    if explored and "lr_cap" in out and explored[1] > float(row["lr"]) * (1 + 1e-9):
+        out.pop("lr_cap")
+    if explored and "lr_floor" in out and explored[0] < float(row["lr"]) * (1 - 1e-9):
+        out.pop("lr_floor")
+    return out
 
 
 def _bounds(s: dict) -> dict:

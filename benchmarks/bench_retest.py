@@ -1,15 +1,18 @@
-"""Retest: the same spec twice, differing only in ``search.sampler_seed`` (same masks, models and dense targets:
-one store, one model cache), and how much of what the report quotes moves.
+"""Retest: the same spec three times and how much of what the report quotes moves, in EVERY grid.
 
-Prints, over the cells whose healer searches (lr > 0) of the chosen grids:
-- per-cell |delta| of the quoted accuracy (``analysis.reported.cell_results``: the winner's re-evaluation mean):
-  median, p90, max, how many cells move more than 2 pp and more than 5 pp, the share within 2 pp;
-- band class agreement (recoverable: retention >= 0.9, else transition/collapse as the report classifies);
-- best pruner x healer agreement per (grid, model, calibration size, sparsity), and whether every ordering one
-  run calls *resolved* is the same (or not resolved) in the other;
-- each run's wall time.
+- run A: the spec as given;
+- run B: ``search.sampler_seed`` + 1 (same masks, models, dense targets and re-evaluation seeds: a search that
+  converges gives the same numbers);
+- run C: the healing seeds shifted (main grid: each seed + ``--shift-main`` (7: 0 -> 7); other grids: + their
+  number of seeds (0, 1, 2 -> 3, 4, 5)): new draws of everything random, same questions.
 
-    python benchmarks/bench_retest.py configs/default.yaml --seeds 0 1 --out runs/retest
+For A vs B and A vs C, per grid (``benchmarks/_retest.py``): per-cell |delta| of the quoted accuracy (median,
+p90, max) and how often the claimed noise covers it (|delta| <= 2 hypot(noise_A, noise_B)); orderings between
+cells of one seed resolved in opposite directions; paper-claim verdicts that change (and "holds" vs
+"reversed"); best pruner x healer lines; and per run the share of winners on a search-box edge other than the
+healing budget. Writes ``retest.json`` (every figure) and ``retest.txt`` (what is printed) under ``--out``.
+
+    python benchmarks/bench_retest.py configs/default.yaml --out runs/retest
     python benchmarks/bench_retest.py configs/default.yaml --reuse --out runs/retest   # re-read finished runs
 
 Runs go through the real console script (``healsweep run``), quiet; ``uptime`` is printed before and after.
@@ -17,24 +20,91 @@ Runs go through the real console script (``healsweep run``), quiet; ``uptime`` i
 from __future__ import annotations
 
 import argparse
+import copy
+import datetime
+import io
+import json
 import math
 import sys
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import numpy as np
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import _retest  # noqa: E402
 from benchmarks._sweeps import REPO, quoted, run_spec, uptime  # noqa: E402
 
 
-def run_seed(spec_path: Path, seed: int, out: Path, store: str, cache: str, reuse: bool) -> tuple[Path, float]:
-    spec = yaml.safe_load(spec_path.read_text())
-    spec.setdefault("search", {})["sampler_seed"] = seed
-    spec["name"] = f"{spec.get('name', 'retest')}-seed{seed}"
-    return run_spec(spec, out / f"seed{seed}", store, cache, reuse)
+def variant(spec: dict, run: str, seed_step: int, shift_main: int) -> dict:
+    s = copy.deepcopy(spec)
+    s["name"] = f"{spec.get('name', 'retest')}-{run}"
+    if run == "B":
+        s.setdefault("search", {})["sampler_seed"] = int(s["search"].get("sampler_seed", 0)) + seed_step
+    if run == "C":
+        s["seeds"] = [int(x) + shift_main for x in s.get("seeds", [0])]
+        for g in s.get("grids") or []:
+            if g.get("seeds"):
+                g["seeds"] = [int(x) + len(g["seeds"]) for x in g["seeds"]]
+    return s
 
 
+def bounds_of(run_dir: Path) -> tuple[dict | None, dict, dict]:
+    """(search bounds per grid, widened boxes per cell, lr range each cell's search tried)."""
+    from analysis.runs import load_trials
+    from analysis.search_space import search_bounds, widened_cells
+
+    meta = json.loads((run_dir / "sweep.json").read_text())
+    trials = load_trials(meta["tracking_uri"], meta["sweep_id"], meta.get("experiment") or "healsweep")
+    t = trials[trials["stage"].astype("object").fillna("search") == "search"] if "stage" in trials else trials
+    t = t[t["lr"].astype(float) > 0]
+    g = t.groupby("cell_id")["lr"]
+    explored = {c: (float(lo), float(hi)) for c, lo, hi in zip(g.min().index, g.min().astype(float),
+                                                                g.max().astype(float))}
+    return search_bounds(meta.get("spec")), widened_cells(meta), explored
+
+
+def compare_grid(a, b, grid: str) -> dict:
+    return {"moves": _retest.moves(a, b, grid), "orderings": _retest.orderings(a, b, grid),
+            "verdicts": _retest.verdicts(a, b, grid), "best": _retest.best(a, b, grid)}
+
+
+def show(name: str, grid: str, r: dict) -> None:
+    m, o, v, b = r["moves"], r["orderings"], r["verdicts"], r["best"]
+    print(f"[{name}] grid {grid}: {m['cells']} searched cells; |delta| median {m['median']:.2f} pp, p90 "
+          f"{m['p90']:.2f}, max {m['max']:.2f}; over 2 pp {m['over2']}, over 5 pp {m['over5']}; noise covers "
+          f"{m['covered']} of {m['cells']} ({100 * m['coverage']:.1f} %)")
+    print(f"    orderings resolved {o['resolved'][0]} / {o['resolved'][1]} of {o['pairs']}; opposite: {o['opposite']} "
+          f"{o['examples'][:3]}")
+    print(f"    paper-claim verdicts changed {v['changed']} of {v['verdicts']} (holds vs reversed: "
+          f"{v['holds_vs_reversed']}); best lines same {b['same']} of {b['lines']} (a resolved one contradicted: "
+          f"{b['contradicted_resolved']})")
+    for ex in v["examples"][:4]:
+        print("      verdict", ex)
+    for w in m["worst"][:3]:
+        print("      move (pp, 2-noise pp, cell)", w)
+
+
+def report(runs: dict, out: Path) -> dict:
+    q = {k: _retest.keyed(quoted(d)) for k, (d, _) in runs.items()}
+    grids = sorted(set(q["A"]["grid"]), key=lambda g: (g != "main", g))
+    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "uptime": uptime(),
+           "walls_s": {k: w for k, (_, w) in runs.items()}, "runs": {k: str(d) for k, (d, _) in runs.items()},
+           "grids": {}}
+    for g in grids:
+        res["grids"][g] = {"edges": {k: _retest.edge_share(q[k], g, *bounds_of(runs[k][0])) for k in q}}
+        for other in [k for k in ("B", "C") if k in q]:
+            res["grids"][g][f"A_vs_{other}"] = compare_grid(q["A"], q[other], g)
+    for g, r in res["grids"].items():
+        for name in [k for k in r if k.startswith("A_vs")]:
+            show(name, g, r[name])
+        print("    winners on a non-budget edge: " + "; ".join(
+            f"{k} {e['edge']} of {e['winners']}" for k, e in r["edges"].items()))
+    return res
+
+
+# Two runs over chosen grids (what bench_cpu_kernels.py compares)
 def band(row) -> str:
     from analysis.bands import BandSettings, chance_limit, classify
 
@@ -91,23 +161,26 @@ def print_agreement(r: dict) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("spec", nargs="?", default=str(REPO / "configs" / "default.yaml"))
-    ap.add_argument("--seeds", type=int, nargs=2, default=[0, 1], help="the two search.sampler_seed values")
+    ap.add_argument("--runs", nargs="+", default=["A", "B", "C"], choices=["A", "B", "C"])
+    ap.add_argument("--seed-step", type=int, default=1, help="run B: sampler_seed + this")
+    ap.add_argument("--shift-main", type=int, default=7, help="run C: main-grid seeds + this")
     ap.add_argument("--out", default=str(REPO / "runs" / "retest"))
     ap.add_argument("--store", default=str(REPO / ".healsweep" / "store"))
     ap.add_argument("--cache", default=str(REPO / ".healsweep" / "models"))
-    ap.add_argument("--grids", nargs="+", default=["main"], help="grids compared (default: main)")
     ap.add_argument("--reuse", action="store_true", help="read run directories that already hold a report")
     a = ap.parse_args(argv)
+    out, spec = Path(a.out), yaml.safe_load(Path(a.spec).read_text())
     print("uptime:", uptime(), flush=True)
-    runs = [run_seed(Path(a.spec), s, Path(a.out), a.store, a.cache, a.reuse) for s in a.seeds]
-    print("uptime:", uptime())
-    for (d, secs), s in zip(runs, a.seeds):
-        print(f"sampler_seed {s}: {d} wall {secs:.0f} s")
-    r = compare(quoted(runs[0][0]), quoted(runs[1][0]), a.grids)
-    print(f"cells compared (grids {', '.join(a.grids)}, searched healers): {r['cells']}")
-    print(f"|delta| of the quoted accuracy: median {r['median']:.2f} pp, p90 {r['p90']:.2f} pp, max {r['max']:.2f} pp")
-    print(f"cells over 2 pp: {r['over2']}, over 5 pp: {r['over5']}; within 2 pp: {100 * r['within2']:.1f} %")
-    print_agreement(r)
+    runs = {}
+    for r in a.runs:
+        runs[r] = run_spec(variant(spec, r, a.seed_step, a.shift_main), out / r, a.store, a.cache, a.reuse)
+        print(f"run {r}: {runs[r][0]} wall {runs[r][1]:.0f} s; uptime: {uptime()}", flush=True)
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        res = report(runs, out)
+    print(buf.getvalue(), end="")
+    (out / "retest.json").write_text(json.dumps(res, indent=1, default=str))
+    (out / "retest.txt").write_text(f"{res['date']}  uptime: {res['uptime']}\n" + buf.getvalue())
     return 0
 
 

@@ -32,7 +32,7 @@ def search_kwargs(search) -> dict:
     from orchestrator.spec.checks import OBJECTIVES
 
     return {"metric": search.objective, "mode": OBJECTIVES[search.objective], "steps": search.steps,
-            "design": search.design, "reevaluate": search.reevaluate}
+            "design": search.design, "reevaluate": search.reevaluate, "converge": getattr(search, "converge", None)}
 
 
 __all__ = ["DESIGNS", "DONE", "FINISHED", "MAX_REEVALUATE", "REEVALUATE", "SEARCH", "Ask", "Budget", "DesignSearcher",

@@ -48,6 +48,7 @@ class Budget:
     reevaluate: int = 0  # fresh healing seeds for the winner
     explore: int = 2  # shared: first-wave points per cell
     lattice: tuple[int, int] = (9, 5)  # shared/grid: points on the lr and length axes
+    converge: Any = None  # shared: a ``converge.Converge`` (``trials`` is then a per-cell cap), None: fixed count
 
 
 @dataclass(frozen=True)
@@ -243,10 +244,23 @@ class SearchDesign:
     def _search_done(self, cell_id: str) -> bool:
         return self.done((cell_id, SEARCH))
 
+    def priority(self, slot: _Slot) -> int:
+        """Among ready slots the highest is asked first (ties: queue order); it changes when a trial runs, never
+        its parameters. The fixed designs: all equal (queue order)."""
+        return 0
+
+    def settle(self) -> None:
+        """Drop queued trials that results made unnecessary (converge.py); the fixed designs drop none."""
+
     def ask(self):
+        self.settle()
         if not self.queue:
             return FINISHED
-        at = next((i for i, s in enumerate(self.queue) if self.ready(s)), None)
+        at, top = None, None
+        for i, s in enumerate(self.queue):  # the first ready slot of the highest priority
+            p = self.priority(s)
+            if (top is None or p > top) and self.ready(s):
+                at, top = i, p
         if at is None:
             return None
         slot = self.queue.pop(at)

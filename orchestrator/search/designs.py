@@ -18,6 +18,7 @@ from optuna.trial import TrialState
 
 from orchestrator.search import lattice
 from orchestrator.search.base import SEARCH, Budget, SearchDesign, _Slot, cell_sampler_seed
+from orchestrator.search.converge import Converging
 from orchestrator.search.registry import DESIGNS
 
 
@@ -90,14 +91,16 @@ class TPEDesign(SearchDesign):
         return self.counts.settled((slot.cell_id, SEARCH))
 
 
-@DESIGNS.register("shared")
-class SharedDesign(_LatticeDesign):
+class _Shared(_LatticeDesign):
     """Space-filling first wave, then family-ranked lattice points (module docstring; docs/methods.md#search-design)."""
 
     name = "shared"
 
     def __init__(self, *a, **kw) -> None:
         self._first: dict[tuple, dict[str, list[tuple[int, int]]]] = {}  # family -> cell -> first-wave points
+        self._decisions: dict = {}  # (cell, wave) -> (stop reason, next point): search.converge (converge.py)
+        self.stops: dict[str, str] = {}  # cell -> why its search stopped (converge)
+        self.reeval_target: dict[str, int] = {}  # cell -> re-evaluations it gets (converge)
         super().__init__(*a, **kw)
 
     def explore(self, cell_id: str) -> int:
@@ -150,3 +153,8 @@ class SharedDesign(_LatticeDesign):
         if best is None:  # every lattice point tried already: repeat the family's best (a new healing draw)
             best = lattice.ranked(surf)[0]
         return self.point(cell_id, best)
+
+
+@DESIGNS.register("shared")
+class SharedDesign(Converging, _Shared):
+    """``_Shared``; with ``search.converge`` its cells stop when their search converges (converge.py)."""

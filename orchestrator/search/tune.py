@@ -25,6 +25,7 @@ from optuna.trial import TrialState
 from ray.tune.search import Searcher
 
 from orchestrator.search.base import FINISHED, SEARCH, Ask, Budget, SearchDesign
+from orchestrator.search.converge import converge_of
 from orchestrator.search.registry import DESIGNS
 from tasks.atomic import DiskFullError
 
@@ -179,11 +180,11 @@ def make_searcher(cells: list[Mapping[str, Any]], budgets: Mapping[str, Budget],
 def PerCellOptunaSearch(cells, trials_per_cell: int, lr, epochs, sampler_seed: int, journal: Path, *,  # noqa: N802
                         asha: bool = False, startup_trials: int | None = None, metric: str = "selection_acc",
                         mode: str = "max", defer=None, grids=None, steps=None, design: str = "tpe",
-                        reevaluate: int = 0) -> DesignSearcher:
+                        reevaluate: int = 0, converge=None) -> DesignSearcher:
     """The searcher from plain arguments (one budget for every cell; ``grids``: grid name -> search settings for
     cells of that grid): what tests and the sweep's tune stage build."""
     default = Budget(trials_per_cell, tuple(lr), ("steps", tuple(steps)) if steps else ("epochs", tuple(epochs)),
-                     startup_trials, reevaluate)
+                     startup_trials, reevaluate, converge=converge_of(converge))
     per = {name: budget_of(g) for name, g in (grids or {}).items()}
     budgets = {c["cell_id"]: per.get(c.get("grid"), default) for c in cells}
     return make_searcher(cells, budgets, design, sampler_seed, journal, metric=metric, mode=mode, asha=asha,
@@ -197,4 +198,4 @@ def budget_of(search) -> Budget:
     """A spec ``SearchSpec`` as a cell budget."""
     return Budget(search.trials_per_cell, tuple(search.lr), (search.length[0], tuple(search.length[1])),
                   search.startup_trials, getattr(search, "reevaluate", 0), getattr(search, "explore", None) or 2,
-                  tuple(getattr(search, "lattice", (9, 5))))
+                  tuple(getattr(search, "lattice", (9, 5))), converge_of(getattr(search, "converge", None)))

@@ -134,7 +134,7 @@ def parse_search(v: Any) -> SearchSpec:
     if scheduler == "asha" and steps is not None:
         raise SpecError("search.steps", "scheduler 'asha' stops trials at epoch boundaries; use search.epochs with "
                                         "'asha', or scheduler 'fifo' with search.steps")
-    return SearchSpec(check_num(s.trials_per_cell, "search.trials_per_cell", int, 1, MAX_TRIALS_PER_CELL), lo_hi, epochs,
+    out = SearchSpec(check_num(s.trials_per_cell, "search.trials_per_cell", int, 1, MAX_TRIALS_PER_CELL), lo_hi, epochs,
                       objective, check_num(s.sampler_seed, "search.sampler_seed", int, 0, MAX_SEED),
                       None if s.startup_trials is None else
                       check_num(s.startup_trials, "search.startup_trials", int, 1, MAX_TRIALS_PER_CELL),
@@ -142,6 +142,22 @@ def parse_search(v: Any) -> SearchSpec:
                                            epochs[1] if epochs else MAX_EPOCHS),
                       check_num(s.asha_reduction_factor, "search.asha_reduction_factor", int, 2, 1000),
                       steps, parse_widen(s.widen), *parse_design(s, scheduler))
+    return replace(out, converge=parse_converge(s.converge, out.design))
+
+
+CONVERGE_KEYS = {"se_target": (float, 1e-4, 1.0), "reevaluate_max": (int, 1, MAX_REEVALUATE),
+                 "min_noise": (float, 0.0, 1.0), "widen_steps": (int, 0, 16), "batch": (int, 1, 64),
+                 "family_waves": (int, 1, 64)}  # orchestrator/search/converge.py Converge
+
+
+def parse_converge(v: Any, design: str) -> dict | None:
+    """``search.converge``: None (a fixed trial count), or {} / a mapping of ``CONVERGE_KEYS`` (design shared)."""
+    if v is None or v is False:
+        return None
+    d = {} if v is True else check_keys(v, "search.converge", set(CONVERGE_KEYS))
+    if design != "shared":
+        raise SpecError("search.converge", f"works with design 'shared' only, got {design!r}")
+    return {k: check_num(x, f"search.converge.{k}", CONVERGE_KEYS[k][0], *CONVERGE_KEYS[k][1:]) for k, x in d.items()}
 
 
 def parse_design(s: SearchSpec, scheduler: str) -> tuple[str, int, int, tuple[int, int]]:

@@ -37,6 +37,9 @@ class SearchSpec:
     reevaluate: int = 2  # fresh healing seeds the winner of every searched cell is healed again on (0: none)
     explore: int | None = None  # shared: first-wave (space-filling) points per cell (None: min(2, trials)); the rest family-ranked
     lattice: tuple[int, int] = (9, 5)  # shared/grid: log-spaced points on the lr and length axes
+    # shared: {se_target, reevaluate_max, min_noise, widen_steps} (or {}): trials_per_cell becomes a per-cell cap, the
+    # search stops when it converges, re-evaluations follow their spread (orchestrator/search/converge.py); None: fixed
+    converge: Mapping[str, Any] | None = None
 
     @property
     def per_cell(self) -> int:

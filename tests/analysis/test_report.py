@@ -277,7 +277,7 @@ def test_run_links_only_for_http():
 
 
 def test_partial_sweep_says_so_on_the_first_screen(tmp_path):
-    """A sweep a signal interrupted (orchestrator/sweep_end.mark_parent tags its parent run): the report's first
+    """A sweep a signal interrupted (orchestrator/sweep/end.py mark_parent tags its parent run): the report's first
     lines, before the summary and the findings, say so with the counts and how to resume; a complete sweep
     (``partial=false``, as a resumed sweep that finished is tagged) has no such line."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -33,7 +33,7 @@ def test_validate_default_imports_no_torch_ray_or_mlflow(tmp_path):
     first, _ = validate("configs/default.yaml", tmp_path)  # may build the architectures: a cold verdict cache
     second, imported = validate("configs/default.yaml", tmp_path)
     assert first.returncode == second.returncode == 0, first.stderr + second.stderr
-    assert second.stdout == first.stdout and ": ok: 154 cells, 534 trials" in second.stdout
+    assert second.stdout == first.stdout and ": ok: 154 cells, " in second.stdout  # counts: test_validate_counts_the_cells_plan_expands
     assert "orchestrator" in imported and "yaml" in imported  # -X importtime did record the imports
     assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
 

@@ -1,0 +1,305 @@
+"""A search that stops when its answer is stable, and re-evaluations that measure what they quote
+(``search.converge``; docs/methods.md#search-design).
+
+Under ``converge`` the ``shared`` design treats ``search.trials_per_cell`` as a per-cell *cap*, not a count. After
+the first wave (``explore`` space-filling points) each further wave of a cell (``batch`` points) is decided once
+the family's first ``family_waves`` waves and every earlier trial of the cell are told: the surface pools the
+family's results of those waves with all of the cell's own, so past them a cell never waits for its family
+(a family-wide barrier per wave would serialize a big cluster: benchmarks/bench_slots.py). Deterministic: the
+same results give the same decisions whatever order trials finish in. A wave's points:
+
+1. the cell's winner (its best told trial) sits on the lr edge of what the cell has tried, and that edge is at or
+   past the declared box's lr cap (floor), and beats the cell's other trials (a tie does not count): the wave
+   is the winner's lr 1, 2, …, ``batch`` lattice steps further out, same length (the box widens automatically,
+   at most ``widen_steps`` lattice steps past the declared box; points past that limit are replaced as in 2.);
+2. otherwise the family surface (``lattice.surface``) is fitted to the family's told trials over the declared
+   lattice and every lr the family tried past it; the best untried point's predicted gain over the winner's point
+   is compared with the winner's noise (the fit's residual std of one draw, at least ``min_noise``): no gain
+   beyond the noise -> the search of this cell stops ("converged"); else that point is the cell's next trial;
+3. a cell that reaches the cap stops ("cap"). The length axis is never widened: its cap is the declared healing
+   budget, and a winner there is "within N optimizer steps", not under-tuned.
+
+Re-evaluations: ``search.reevaluate`` fresh seeds first; once they are told, the cell gets
+ceil((sd / se_target)^2) seeds in all (sd: their sample std), between ``reevaluate`` and ``reevaluate_max``:
+more where the spread is large, none extra where it is small. The extra seeds are asked together (no serial
+chain). Every decision is written to the cell's study (user attrs ``stop_reason``, ``reevaluate_target``,
+``lr_range``) for the report (analysis/search_stops.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from optuna.distributions import FloatDistribution
+from optuna.trial import TrialState
+
+from orchestrator.search import lattice
+from orchestrator.search.base import REEVALUATE, SEARCH, _Slot
+
+CONVERGED, CAP, NO_RESULT = "converged", "cap", "no finished trial"
+
+
+@dataclass(frozen=True)
+class Converge:
+    """``search.converge``: the per-cell stopping rule and the adaptive re-evaluations."""
+    se_target: float = 0.005  # standard error of the quoted mean the re-evaluations aim at (accuracy units)
+    reevaluate_max: int = 6  # cap on re-evaluations per cell
+    min_noise: float = 0.005  # floor of a single draw's noise in the stopping rule
+    widen_steps: int = 4  # lattice steps the lr axis may grow past the declared box, each side
+    batch: int = 2  # points a continuing cell tries per wave after the first (fewer waves: fewer waits)
+    family_waves: int = 2  # waves whose family-wide results the surface pools; later ones: the cell's own only
+
+
+def converge_of(raw) -> Converge | None:
+    """The spec's ``search.converge`` mapping (None, or {} for the defaults) as a ``Converge``."""
+    if raw is None or raw is False:
+        return None
+    return Converge(**({} if raw is True else dict(raw)))
+
+
+def residual_sd(points, values, groups, sizes) -> float:
+    """Std of one draw around the family surface (within-cell residuals; dof: n - cells - terms); NaN if < 1 dof."""
+    if not len(points):
+        return math.nan
+    x = lattice.features(np.asarray(points), sizes)  # (n, k)
+    xc = np.stack([lattice.centred(x[:, k], groups) for k in range(x.shape[1])], axis=1) if x.shape[1] else x
+    yc = lattice.centred(values, groups)  # (n,)
+    beta = np.linalg.solve(xc.T @ xc + 1e-3 * len(yc) * np.eye(x.shape[1]), xc.T @ yc) if x.shape[1] else []
+    r = yc - (xc @ beta if x.shape[1] else 0.0)  # (n,)
+    dof = len(yc) - len(set(groups)) - x.shape[1]
+    return float(math.sqrt(float(r @ r) / dof)) if dof >= 1 else math.nan
+
+
+class Converging:
+    """Mixed into ``SharedDesign``: cells whose budget has ``converge`` stop by the rules above."""
+
+    def conv(self, cell_id: str) -> Converge | None:
+        return None if cell_id in self.fixed else self.budgets[cell_id].converge
+
+    def reevaluations_of(self, cell_id: str) -> int:
+        c = self.conv(cell_id)
+        base = super().reevaluations_of(cell_id)
+        return max(base, c.reevaluate_max) if c is not None and base else base
+
+    # ------------------------------------------------------------------ waves
+    def wave_of(self, cell_id: str, number: int) -> int:
+        c = self.conv(cell_id) if cell_id in self.budgets else None
+        if c is None:
+            return super().wave_of(cell_id, number)
+        e = self.explore(cell_id)
+        return 0 if number < e else (number - e) // max(1, c.batch) + 1
+
+    def priority(self, slot: _Slot) -> int:
+        """Chains first: a converging cell's next wave, then first waves (new chains), then re-evaluations, then
+        cells that do not converge (closed form: one trial) fill what is left."""
+        if self.conv(slot.cell_id) is None:
+            return 0
+        return (3 if slot.wave >= 1 else 2) if slot.stage == SEARCH else 1
+
+    def wave_start(self, cell_id: str, wave: int) -> int:
+        """The trial number a wave's first trial gets."""
+        return 0 if wave == 0 else self.explore(cell_id) + (wave - 1) * max(1, self.conv(cell_id).batch)
+
+    def can_decide(self, cell_id: str, wave: int) -> bool:
+        """The family's first ``family_waves`` waves (before ``wave``) and every earlier trial of the cell are told:
+        a cell past the pooled waves no longer waits for its family (no family-wide barrier per wave)."""
+        fam, c = self.family(cell_id), self.conv(cell_id)
+        if not all(self.done((fam, w)) for w in range(min(wave, c.family_waves))):
+            return False
+        n = len(self.study(cell_id).get_trials(deepcopy=False))
+        return n >= self.wave_start(cell_id, wave) and self.counts.settled((cell_id, SEARCH))
+
+    def evidence(self, cell_id: str, before_wave: int):
+        """The family's told trials of its pooled waves, and the cell's own of every wave before ``before_wave``."""
+        c = self.conv(cell_id)
+        if c is None:
+            return super().evidence(cell_id, before_wave)
+        sign = 1.0 if self.direction == "maximize" else -1.0
+        pts, vals, groups = [], [], []
+        for m in self.members(self.family(cell_id)):
+            limit = before_wave if m == cell_id else min(before_wave, c.family_waves)
+            for t in self.study(m).get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+                if self.wave_of(m, t.number) < limit:
+                    pts.append(self.index(m, t.params))
+                    vals.append(sign * float(t.value))
+                    groups.append(m)
+        return pts, vals, groups
+
+    # ------------------------------------------------------------------ lattice past the declared box
+    def lr_at(self, cell_id: str, i: int) -> float:
+        lo, hi = self.budgets[cell_id].lr
+        a = self.budgets[cell_id].lattice[0]
+        if 0 <= i < a or a < 2 or lo == hi:
+            return self.axes(cell_id)[0][min(max(i, 0), a - 1)]
+        return float(f"{lo * (hi / lo) ** (i / (a - 1)):.6g}")
+
+    def space(self, cell_id: str) -> dict:
+        """The declared space with lr reaching ``widen_steps`` lattice steps past both ends (a widened point must
+        lie inside its study's distribution, or Optuna would draw instead of taking it)."""
+        out = super().space(cell_id)
+        c, a = self.conv(cell_id), self.budgets[cell_id].lattice[0]
+        if c is not None and c.widen_steps and a > 1 and "lr" in out:
+            out["lr"] = FloatDistribution(self.lr_at(cell_id, -c.widen_steps) * (1 - 1e-9),
+                                          self.lr_at(cell_id, a - 1 + c.widen_steps) * (1 + 1e-9), log=True)
+        return out
+
+    def point(self, cell_id: str, p: tuple[int, int]) -> dict:
+        out = super().point(cell_id, (min(max(p[0], 0), self.sizes(cell_id)[0] - 1), p[1]))
+        return {**out, "lr": self.lr_at(cell_id, p[0])}
+
+    def index(self, cell_id: str, params) -> tuple[int, int]:
+        i, j = super().index(cell_id, params)
+        lo, hi = self.budgets[cell_id].lr
+        a = self.budgets[cell_id].lattice[0]
+        if a > 1 and hi > lo and self.conv(cell_id) is not None:
+            i = int(round(math.log(float(params["lr"]) / lo) / math.log(hi / lo) * (a - 1)))  # may lie past the box
+        return i, j
+
+    # ------------------------------------------------------------------ decisions
+    def decide(self, cell_id: str, wave: int) -> tuple[str | None, list[tuple[int, int]] | None]:
+        """(stop reason or None, the wave's lattice points or None) for the cell's trials of ``wave`` (>= 1)."""
+        key = (cell_id, wave)
+        if key not in self._decisions:
+            self._decisions[key] = self._decide(cell_id, wave)
+        return self._decisions[key]
+
+    def _decide(self, cell_id: str, wave: int) -> tuple[str | None, list[tuple[int, int]] | None]:
+        c, a = self.conv(cell_id), self.sizes(cell_id)[0]
+        tried = set(self.tried(cell_id))
+        best = self.winner(cell_id)
+        if best is None:
+            return None, None  # every trial failed so far: the design's own ranking picks (propose)
+        w = self.index(cell_id, best.params)
+        pts, vals, groups = self.evidence(cell_id, wave)
+        lo = min([0] + [p[0] for p in pts])
+        hi = max([a - 1] + [p[0] for p in pts])
+        sizes = (hi - lo + 1, self.sizes(cell_id)[1])
+        shifted = [(p[0] - lo, p[1]) for p in pts]
+        surf = lattice.surface(shifted, vals, groups, sizes)
+        sd = residual_sd(shifted, vals, groups, sizes)
+        noise = c.min_noise if math.isnan(sd) else max(sd, c.min_noise)
+        free = [(p[0] + lo, p[1]) for p in lattice.ranked(surf) if (p[0] + lo, p[1]) not in tried]
+        out = self._outward(cell_id, w, tried, noise)
+        if out:
+            return None, out + [p for p in free if p not in out][:max(1, c.batch) - len(out)]
+        if not free:
+            return CONVERGED + ": every lattice point tried", None
+        gain = float(surf[free[0][0] - lo, free[0][1]] - surf[w[0] - lo, w[1]])
+        if gain <= noise and not math.isnan(sd):  # no residual dof: the surface is not yet checked by the data
+            return (f"{CONVERGED}: no untried point predicted better than the winner by more than its noise "
+                    f"(+{100 * max(gain, 0):.2f} <= {100 * noise:.2f} pp)"), None
+        return None, free[:max(1, c.batch)]
+
+    def _outward(self, cell_id: str, w: tuple[int, int], tried: set, noise: float) -> list[tuple[int, int]]:
+        """The ``batch`` points 1, 2, … lr steps past the winner ``w`` (same length, within ``widen_steps`` of the
+        box) when it sits on the lr edge of what the cell tried, at or past the declared box's cap (floor), and
+        beats every other trial of the cell (a tie does not widen). ``noise``: unused (kept for designs that
+        would ask for a lead beyond it)."""
+        c, a = self.conv(cell_id), self.sizes(cell_id)[0]
+        sign = 1.0 if self.direction == "maximize" else -1.0
+        done = [t for t in self.study(cell_id).get_trials(deepcopy=False) if t.value is not None and t.params]
+        others = [sign * t.value for t in done if self.index(cell_id, t.params) != w]
+        best = max(sign * t.value for t in done)
+        if a < 2 or (others and best - max(others) <= 0.0):
+            return []  # a tie (a flat cell): being on the edge is not what makes the winner
+        lrs = [p[0] for p in tried]
+        for edge, out, limit in ((max(lrs), 1, a - 1 + c.widen_steps), (min(lrs), -1, -c.widen_steps)):
+            past = w[0] >= a - 1 if out > 0 else w[0] <= 0
+            if w[0] == edge and past:
+                steps = [(w[0] + k * out, w[1]) for k in range(1, max(1, c.batch) + 1)]
+                return [p for p in steps if (limit - p[0]) * out >= 0 and p not in tried]
+        return []
+
+    def propose(self, cell_id: str, number: int, wave: int) -> dict:
+        if wave == 0 or self.conv(cell_id) is None:
+            return super().propose(cell_id, number, wave)
+        _, pts = self.decide(cell_id, wave)
+        k = number - self.wave_start(cell_id, wave)
+        if pts and k < len(pts):
+            return self.point(cell_id, pts[k])
+        return super().propose(cell_id, number, wave)
+
+    # ------------------------------------------------------------------ the queue: dropping what is not needed
+    def settle(self) -> None:
+        """Decide what the waits that are over allow: stop cells whose search converged, size re-evaluations."""
+        if not self._converging:
+            return
+        seen: set = set()
+        for slot in list(self.queue):
+            cid = slot.cell_id
+            if slot.number is not None or (cid, slot.stage) in seen or self.conv(cid) is None:
+                continue
+            if slot.stage == SEARCH and slot.wave >= 1 and self.can_decide(cid, slot.wave):
+                seen.add((cid, SEARCH))  # the cell's first new search slot: the next wave
+                reason, _ = self.decide(cid, slot.wave)
+                if reason is not None:
+                    self._stop(cid, reason)
+            elif slot.stage == REEVALUATE and self._search_done(cid):
+                seen.add((cid, REEVALUATE))
+                self._stop(cid, None)
+                self._size_reevaluations(cid)
+
+    @property
+    def _converging(self) -> bool:
+        if not hasattr(self, "_any_conv"):
+            self._any_conv = any(self.conv(c) is not None for c in self.cells)
+        return self._any_conv
+
+    def _drop(self, cell_id: str, stage: str, keep: int = 0) -> int:
+        """Remove the cell's new slots of ``stage`` from the queue but the first ``keep`` -> slots removed."""
+        mine = [s for s in self.queue if s.cell_id == cell_id and s.stage == stage and s.number is None][keep:]
+        gone = {id(s) for s in mine}
+        self.queue[:] = [s for s in self.queue if id(s) not in gone]
+        for s in mine:
+            self._unasked_add(s, -1)
+        return len(mine)
+
+    def _in_wave(self, slot: _Slot) -> bool:
+        """A later slot of a wave whose first slot was asked already (the wave's points were decided together)."""
+        n = len(self.study(slot.cell_id).get_trials(deepcopy=False))
+        return self.wave_start(slot.cell_id, slot.wave) < n < self.wave_start(slot.cell_id, slot.wave + 1)
+
+    def _stop(self, cell_id: str, reason: str | None) -> None:
+        """Record why the cell's search stopped (once); None: it ran out of slots (the cap)."""
+        if cell_id in self.stops:
+            return
+        self._drop(cell_id, SEARCH)
+        study = self.study(cell_id)
+        n = len(study.get_trials(deepcopy=False))
+        self.stops[cell_id] = reason or (f"{CAP} ({n} trials)" if any(
+            t.state == TrialState.COMPLETE for t in study.get_trials(deepcopy=False)) else NO_RESULT)
+        lrs = [self.index(cell_id, t.params)[0] for t in study.get_trials(deepcopy=False) if t.params]
+        study.set_user_attr("stop_reason", self.stops[cell_id])
+        study.set_user_attr("search_trials", n)
+        if lrs:
+            study.set_user_attr("lr_range", [self.lr_at(cell_id, min(lrs)), self.lr_at(cell_id, max(lrs))])
+
+    def _size_reevaluations(self, cell_id: str) -> None:
+        """Once the first ``reevaluate`` re-evaluations are told: keep as many extra slots as the SE target needs."""
+        if cell_id in self.reeval_target:
+            return
+        base = super().reevaluations_of(cell_id)
+        study = self.study(cell_id, REEVALUATE)
+        trials = study.get_trials(deepcopy=False)
+        if len(trials) < base or any(t.state not in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
+                                     for t in trials) or not self.counts.settled((cell_id, REEVALUATE)):
+            return  # the first seeds are not all told yet
+        vals = [t.value for t in trials if t.state == TrialState.COMPLETE]
+        c = self.conv(cell_id)
+        sd = float(np.std(vals, ddof=1)) if len(vals) > 1 else math.inf
+        want = c.reevaluate_max if not math.isfinite(sd) else math.ceil((sd / c.se_target) ** 2)
+        target = min(max(want, base), c.reevaluate_max)
+        self.reeval_target[cell_id] = target
+        self._drop(cell_id, REEVALUATE, keep=max(0, target - len(trials)))
+        study.set_user_attr("reevaluate_target", target)
+
+    def ready(self, slot: _Slot) -> bool:
+        if slot.stage == SEARCH and slot.number is None and slot.wave >= 1 and self.conv(slot.cell_id) is not None:
+            return self.can_decide(slot.cell_id, slot.wave) or self._in_wave(slot)
+        if (slot.stage == REEVALUATE and slot.number is None and self.conv(slot.cell_id) is not None
+                and slot.cell_id not in self.reeval_target
+                and len(self.study(slot.cell_id, REEVALUATE).get_trials(deepcopy=False))
+                >= super().reevaluations_of(slot.cell_id)):
+            return False  # an extra seed waits for the first ones (how many it takes depends on their spread)
+        return super().ready(slot)

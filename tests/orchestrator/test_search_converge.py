@@ -1,0 +1,200 @@
+"""search.converge: a search that stops when the family surface predicts nothing better than the winner's noise,
+widens the lr box when its winner sits on the lr cap, and re-evaluations that follow their spread. No Ray: the
+Tune ``Searcher`` is driven by hand (tests/orchestrator/test_search_contract.py's driver) on known landscapes."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from orchestrator.search import Budget, make_searcher
+from orchestrator.search.converge import Converge, converge_of
+from tests.orchestrator.test_search_contract import _cells
+
+pytestmark = pytest.mark.timeout(60)
+CONV = Converge(se_target=0.005, reevaluate_max=6, min_noise=0.005, widen_steps=3)
+BUDGET = Budget(trials=8, lr=(1e-4, 1e-2), length=("steps", (4, 64)), reevaluate=2, explore=2, lattice=(5, 3),
+                converge=CONV)
+
+
+def drive(searcher, objective):
+    """Ask until FINISHED; finish the oldest live trial whenever nothing is ready. -> every config asked."""
+    got, live, i = [], [], 0
+    while True:
+        cfg = searcher.suggest(f"t{i}")
+        if cfg == "FINISHED":
+            break
+        if cfg is None:
+            assert live, "the design waits with nothing running"
+            tid, c = live.pop(0)
+            searcher.on_trial_complete(tid, {"selection_acc": objective(c), "final": True, "epoch": c["epochs"]})
+            continue
+        got.append(cfg)
+        live.append((f"t{i}", cfg))
+        i += 1
+    for tid, c in live:
+        searcher.on_trial_complete(tid, {"selection_acc": objective(c), "final": True, "epoch": c["epochs"]})
+    return got
+
+
+def make(tmp_path, cells, budget=BUDGET, seed=0):
+    return make_searcher(cells, {c["cell_id"]: budget for c in cells}, "shared", seed, tmp_path / f"j{seed}")
+
+
+def searched(got, cid):
+    return [g for g in got if g["cell_id"] == cid and g["stage"] == "search"]
+
+
+def test_a_flat_surface_stops_every_cell_at_the_first_wave(tmp_path):
+    cells = _cells(6)  # 12 points, 6 cell levels, 4 surface terms: 2 residual dof, so the noise is measured
+    s = make(tmp_path, cells)
+    got = drive(s, lambda c: 0.9 if c["stage"] == "search" else 0.9 + 0.001 * (c["heal_seed"] % 3))
+    for c in cells:
+        assert len(searched(got, c["cell_id"])) == BUDGET.explore  # the minimum: easy cells stop early
+        assert s.design.stops[c["cell_id"]].startswith("converged")
+        again = [g for g in got if g["cell_id"] == c["cell_id"] and g["stage"] == "reevaluate"]
+        assert len(again) == 2  # spread 0.1 pp < the SE target: no extra seed
+
+
+def test_a_winner_on_the_lr_cap_widens_the_box(tmp_path):
+    cells = _cells(3)
+    s = make(tmp_path, cells)
+    got = drive(s, lambda c: 0.2 + 0.1 * math.log10(c["lr"] / 1e-4))  # better with every lr step: no optimum inside
+    for c in cells:
+        lrs = [g["lr"] for g in searched(got, c["cell_id"])]
+        assert max(lrs) > 1e-2 * 1.5  # past the declared cap
+        assert max(lrs) <= 1e-2 * 10 ** (0.5 * CONV.widen_steps) * 1.01  # at most widen_steps lattice steps past it
+    assert all(len(searched(got, c["cell_id"])) <= BUDGET.trials for c in cells)
+
+
+def test_an_interior_optimum_is_found_and_the_search_stops_before_the_cap(tmp_path):
+    cells = _cells(4)
+    s = make(tmp_path, cells)
+
+    def peak(c):
+        u, v = math.log10(c["lr"]) + 3, math.log2(c["steps"] / 16)  # optimum at lr 1e-3, 16 steps
+        return 0.9 - 0.05 * u * u - 0.02 * v * v - 0.02 * int(c["cell_id"][-1])
+    got = drive(s, peak)
+    for c in cells:
+        mine = searched(got, c["cell_id"])
+        best = max(mine, key=peak)
+        assert (best["lr"], best["steps"]) == (1e-3, 16)
+        assert len(mine) < BUDGET.trials and s.design.stops[c["cell_id"]].startswith("converged")
+
+
+def test_large_spread_gets_more_seeds_up_to_the_cap(tmp_path):
+    cells = _cells(2)
+    s = make(tmp_path, cells)
+    noisy = {cells[0]["cell_id"]}
+
+    def obj(c):
+        if c["stage"] == "reevaluate" and c["cell_id"] in noisy:
+            return 0.5 + 0.05 * ((c["heal_seed"] // 1000) % 2)  # sd ~3.5 pp over the first two seeds
+        return 0.8
+    got = drive(s, obj)
+    n = {c["cell_id"]: sum(g["stage"] == "reevaluate" and g["cell_id"] == c["cell_id"] for g in got) for c in cells}
+    assert n[cells[0]["cell_id"]] == CONV.reevaluate_max and n[cells[1]["cell_id"]] == 2
+    assert s.design.reeval_target == n
+    seeds = [g["heal_seed"] for g in got if g["stage"] == "reevaluate" and g["cell_id"] == cells[0]["cell_id"]]
+    assert len(set(seeds)) == len(seeds)
+
+
+def test_without_converge_the_fixed_count_stays(tmp_path):
+    fixed = Budget(trials=3, lr=(1e-4, 1e-2), length=("steps", (4, 64)), reevaluate=2, explore=2, lattice=(5, 3))
+    cells = _cells(3)
+    got = drive(make(tmp_path, cells, fixed), lambda c: 0.9)
+    assert all(len(searched(got, c["cell_id"])) == 3 for c in cells)
+    assert len(got) == 3 * 5
+
+
+def test_same_results_give_the_same_asks_in_any_finish_order(tmp_path):
+    cells = _cells(4)
+
+    def peak(c):
+        return 0.9 - 0.05 * (math.log10(c["lr"]) + 2.5) ** 2 + 0.001 * ((c.get("heal_seed") or 0) // 1000)
+    a = drive(make(tmp_path, cells), peak)
+    b = drive(make(tmp_path / "b", cells), peak) if (tmp_path / "b").mkdir() is None else None
+    key = (lambda g: (g["trial_id"], g["lr"], g["steps"]))
+    assert sorted(map(key, a)) == sorted(map(key, b))
+
+
+def test_converge_settings_parse():
+    assert converge_of(None) is None and converge_of({}) == Converge()
+    assert converge_of({"se_target": 0.01}).se_target == 0.01
+
+
+def test_spec_converge_is_parsed_checked_and_reaches_every_grid_budget():
+    import copy
+    from pathlib import Path
+
+    import yaml
+
+    from orchestrator.spec.plan import grid_searches
+    from orchestrator.search import budget_of
+    from orchestrator.spec import SpecError, parse_spec
+
+    base = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "default.yaml").read_text())
+    d = copy.deepcopy(base)
+    d["search"]["converge"] = {"se_target": 0.004, "reevaluate_max": 5}
+    spec = parse_spec(d)
+    budgets = {g: budget_of(s) for g, s in grid_searches(spec).items()}
+    assert all(b.converge == Converge(se_target=0.004, reevaluate_max=5) for b in budgets.values())
+    d["search"]["converge"] = {"se_target": -1}
+    with pytest.raises(SpecError, match="search.converge.se_target"):
+        parse_spec(d)
+    d["search"]["converge"] = {"typo": 1}
+    with pytest.raises(SpecError, match="search.converge"):
+        parse_spec(d)
+    d = copy.deepcopy(base)
+    d["search"].pop("converge", None)
+    assert all(budget_of(s).converge is None for s in grid_searches(parse_spec(d)).values())  # the fixed count
+
+
+def test_an_edge_winner_gets_a_wave_of_points_further_out(tmp_path):
+    b = Budget(trials=8, lr=(1e-4, 1e-2), length=("steps", (4, 64)), reevaluate=2, explore=2, lattice=(5, 3),
+               converge=Converge(batch=3, widen_steps=3))
+    cells = _cells(6)
+    s = make(tmp_path, cells, b)
+    got = drive(s, lambda c: 0.2 + 0.1 * math.log10(c["lr"] / 1e-4) + 0.001 * int(c["cell_id"][-1]))
+    waves = []
+    for c in cells:
+        mine = searched(got, c["cell_id"])
+        past = sorted({g["lr"] for g in mine if g["lr"] > 1.01e-2})
+        assert past and past[-1] == pytest.approx(1e-2 * 10 ** 1.5, rel=1e-4)  # up to the widening limit
+        waves.append([round(g["lr"], 6) for g in mine[2:5]])
+    # a cell whose first-wave winner sat on the cap: its next wave is 1, 2 and 3 lattice steps past it, same length
+    assert [0.031623, 0.1, 0.316228] in waves
+
+
+def test_the_report_does_not_flag_an_lr_edge_its_search_tried_past():
+    from analysis.search_space import searched_edges
+
+    box = {"lr": [1e-4, 1e-2], "steps": [4, 64]}
+    row = {"lr": 1.78e-2, "steps": 64}
+    assert set(searched_edges(row, box, (1e-4, 1.78e-2))) == {"lr_cap", "length_cap"}  # nothing tried above it
+    assert set(searched_edges(row, box, (1e-4, 3.16e-2))) == {"length_cap"}  # a worse lr above it was tried
+
+
+def test_a_resumed_converging_search_asks_what_an_uninterrupted_one_asks(tmp_path):
+    cells = _cells(4)
+
+    def peak(c):
+        return 0.9 - 0.05 * (math.log10(c["lr"]) + 2.5) ** 2 + 0.002 * ((c.get("heal_seed") or 0) // 1000 % 3)
+    whole = drive(make(tmp_path / "a", cells) if (tmp_path / "a").mkdir() is None else None, peak)
+    (tmp_path / "b").mkdir()
+    first = make(tmp_path / "b", cells)
+    done, live, i = [], [], 0
+    while len(done) < 14:  # stop mid-sweep with trials still running (asked, never told)
+        cfg = first.suggest(f"t{i}")
+        if cfg is None or cfg == "FINISHED":
+            tid, c = live.pop(0)
+            first.on_trial_complete(tid, {"selection_acc": peak(c), "final": True, "epoch": c["epochs"]})
+            done.append(c)
+            continue
+        live.append((f"t{i}", cfg))
+        i += 1
+    again = make(tmp_path / "b", cells)
+    assert again.rerun  # the untold trials run again with their parameters
+    rest = drive(again, peak)
+    key = (lambda g: (g["trial_id"], g["lr"], g["steps"], g.get("heal_seed")))
+    assert sorted(map(key, done + rest)) == sorted(map(key, whole))
