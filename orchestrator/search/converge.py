@@ -193,7 +193,8 @@ class Converging:
 
     def _may_stop(self, cell_id: str, c: Converge) -> bool:
         """A cell stops on the surface only after a wave the surface chose, or when its own first-wave results are
-        flat (within 2 ``min_noise``) and as good as the family's best first-wave result (every point recovers). Measured 2026-11-26 on the default spec: the family
+        flat (within 2 ``min_noise``) and as good as the family's best first-wave result (every point recovers).
+        Measured 2026-11-26 on the default spec: the family
         surface, pooled over sparsities whose optima differ, let hard cells stop after 2 bad first-wave points
         (ResNet uniform 0.95: 17 % and 8 %, where a third point gave 85 %)."""
         sign = 1.0 if self.direction == "maximize" else -1.0
