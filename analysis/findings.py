@@ -237,6 +237,8 @@ def headline(rows: list[dict]) -> str:
 def _warnings(mb: pd.DataFrame, failed: list[str]) -> list[str]:
     out = []
     edge = mb[mb["search_boundary"].astype(bool)] if "search_boundary" in mb.columns else mb.iloc[:0]
+    at_budget = edge["search_boundary"].astype(str).str.fullmatch(r"\d+ of \d+ (steps|epochs)")
+    edge = edge[~at_budget]  # on the length cap only: the declared budget (the first screen's budget line), not under-tuned
     if len(edge):
         cells = ", ".join(f"{r.pruner}/{r.healer} {r.pattern} n={r.calib_size} seed {r.seed} ({r.search_boundary})"
                           for r in edge.head(6).itertuples(index=False))

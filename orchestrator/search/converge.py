@@ -186,10 +186,24 @@ class Converging:
         if not free:
             return CONVERGED + ": every lattice point tried", None
         gain = float(surf[free[0][0] - lo, free[0][1]] - surf[w[0] - lo, w[1]])
-        if gain <= noise and not math.isnan(sd):  # no residual dof: the surface is not yet checked by the data
+        if gain <= noise and not math.isnan(sd) and self._may_stop(cell_id, c):
             return (f"{CONVERGED}: no untried point predicted better than the winner by more than its noise "
                     f"(+{100 * max(gain, 0):.2f} <= {100 * noise:.2f} pp)"), None
         return None, free[:max(1, c.batch)]
+
+    def _may_stop(self, cell_id: str, c: Converge) -> bool:
+        """A cell stops on the surface only after a wave the surface chose, or when its own first-wave results are
+        flat (within 2 ``min_noise``) and as good as the family's best first-wave result (every point recovers).
+        Measured 2026-11-26 on the default spec: the family
+        surface, pooled over sparsities whose optima differ, let hard cells stop after 2 bad first-wave points
+        (ResNet uniform 0.95: 17 % and 8 %, where a third point gave 85 %)."""
+        sign = 1.0 if self.direction == "maximize" else -1.0
+        own = [sign * t.value for t in self.study(cell_id).get_trials(deepcopy=False) if t.value is not None]
+        if len(own) > self.explore(cell_id):
+            return True
+        _, vals, _ = self.evidence(cell_id, 1)  # the family's first wave (told: deterministic)
+        top = max(vals, default=-math.inf)
+        return bool(own) and max(own) - min(own) <= 2 * c.min_noise and max(own) >= top - 2 * c.min_noise
 
     def _outward(self, cell_id: str, w: tuple[int, int], tried: set, noise: float) -> list[tuple[int, int]]:
         """The ``batch`` points 1, 2, … lr steps past the winner ``w`` (same length, within ``widen_steps`` of the

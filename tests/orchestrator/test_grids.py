@@ -125,10 +125,10 @@ def test_default_sweep_holds_the_healer_comparison(capsys):
     assert {(c.model, c.pruner, c.calib_size) for c in cells} == {("vit_digits", "magnitude", 128)}
     assert main(["validate", str(REPO / "configs" / "default.yaml")]) == 0
     out = capsys.readouterr().out
-    # search.converge: trials_per_cell is a per-cell cap: main: 50 starfish cells x (5 + 2 re-evaluations) + 50 crbn
-    # cells; healers: 45 training cells x (8 + 2) + 9 `none` cells (the re-evaluations' minimum)
-    assert "154 cells, 859 trials (59 cells whose healer does not train run 1 trial)" in out
-    assert "grid main: 100 cells, 400 trials; grid healers: 54 cells, 459 trials" in out
+    # main: 50 starfish cells x (3 search + 2 re-evaluations) + 50 crbn cells; healers: 45 training cells x (3 + 2)
+    # + 9 `none` cells
+    assert "154 cells, 534 trials (59 cells whose healer does not train run 1 trial)" in out
+    assert "grid main: 100 cells, 300 trials; grid healers: 54 cells, 234 trials" in out
 
 
 def test_a_grid_on_fewer_models_narrows_inherited_entries_and_scopes():

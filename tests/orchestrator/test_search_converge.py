@@ -198,3 +198,19 @@ def test_a_resumed_converging_search_asks_what_an_uninterrupted_one_asks(tmp_pat
     rest = drive(again, peak)
     key = (lambda g: (g["trial_id"], g["lr"], g["steps"], g.get("heal_seed")))
     assert sorted(map(key, done + rest)) == sorted(map(key, whole))
+
+
+def test_a_hard_cell_does_not_stop_on_two_bad_first_wave_points(tmp_path):
+    """Easy cells (flat, high) and one hard cell whose best lr lies elsewhere: the pooled surface says 'nothing
+    better' for everyone after the first wave, but the hard cell, whose two points differ, gets a surface wave."""
+    cells = _cells(6)
+    hard = cells[0]["cell_id"]
+
+    def obj(c):
+        if c["cell_id"] != hard:
+            return 0.97
+        return 0.1 + 0.8 * math.exp(-(math.log10(c["lr"]) + 2) ** 2) * (c["steps"] / 64)
+    s = make(tmp_path, cells)
+    got = drive(s, obj)
+    assert len(searched(got, hard)) > BUDGET.explore
+    assert all(len(searched(got, c["cell_id"])) == BUDGET.explore for c in cells[1:])

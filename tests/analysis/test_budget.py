@@ -1,0 +1,25 @@
+"""The budget the report's claims hold within (issue 34): stated on the first screen, and a winner that uses the
+whole budget is not warned about as under-tuned (only an lr edge is)."""
+from __future__ import annotations
+
+import pandas as pd
+
+from analysis.budget import budget_line
+from analysis.findings import _warnings
+
+
+def test_budget_line_states_steps_or_the_steps_epochs_give():
+    gb = pd.DataFrame({"calib_size": [128, 128], "batch_size": [32, 32]})
+    assert budget_line(gb, {"lr": [1e-4, 1e-2], "steps": [4, 64]}) == (
+        "Budget: bands and leads hold within 64 optimizer steps per trial (search.steps 4–64; lr 0.0001–0.01).")
+    line = budget_line(gb, {"lr": [1e-3, 1.5e-2], "epochs": [3, 8]})
+    assert "within 8 epochs per trial (32 optimizer steps at 128 images, batch 32)" in line and "0.015" in line
+    assert budget_line(gb, None) == ""
+
+
+def test_only_non_budget_edges_are_warned_about():
+    mb = pd.DataFrame({"pruner": ["m", "m"], "healer": ["s", "s"], "pattern": ["0.9", "0.95"], "calib_size": [64, 64],
+                       "seed": [0, 0], "lr": [1e-3, 1e-2], "batch_size": [32, 32], "steps": [64, 64],
+                       "search_boundary": ["64 of 64 steps", "lr 0.01 at the 0.01 cap; 64 of 64 steps"]})
+    (w,) = [x for x in _warnings(mb, []) if "search boundary" in x]
+    assert w.startswith("1 of 2 winning trials sit on the search boundary") and "0.95" in w
