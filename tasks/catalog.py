@@ -151,7 +151,12 @@ def _corp_rank(s):
 
 def _snapvit(settings):
     raw = {**SNAPVIT_DEFAULTS, **settings}
-    s = {**raw, "grad_batch": raw["grad_batch"] or 1}
+    check_snapvit({**raw, "grad_batch": raw["grad_batch"] or 1})
+
+
+def check_snapvit(s: Mapping[str, Any]) -> None:
+    """SnapViT's settings (defaults filled in) checked: the one copy of these rules (tasks/pruning/snapvit_math.py
+    uses it too)."""
     sp = s["fitness_sparsities"]
     if not isinstance(sp, (list, tuple)) or not sp or not all(
             isinstance(x, (int, float)) and not isinstance(x, bool) and 0.0 < x < 1.0 for x in sp):

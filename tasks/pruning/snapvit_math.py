@@ -30,7 +30,6 @@ groups for the full scope; B = depth when the scope holds only attention or only
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -38,8 +37,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tasks.models.params import bias_name
+from tasks.catalog import SNAPVIT_VARIANTS, check_snapvit
 from tasks.models.adapter import ModelAdapter, ScopeEntry
+from tasks.models.params import bias_name
 from tasks.pruning.snapvit_authors import authors_ranking
 from tasks.pruning.xnes import xnes
 
@@ -48,7 +48,7 @@ DEFAULTS: dict[str, Any] = {"variant": "authors", "evaluations": 50, "min_head_k
                             "iterations": 50, "popsize": 0, "sigma0": 1.0, "pca_dim": 192, "fitness_images": 128,
                             "fitness_sparsities": [0.1, 0.25, 0.4, 0.6], "grad_batch": None, "tau_t": 0.04,
                             "tau_s": 0.1}
-VARIANTS = ("authors", "joint")  # authors: snapvit_authors.py; joint: this module (the project's earlier method)
+VARIANTS = SNAPVIT_VARIANTS  # ("authors", "joint"); authors: snapvit_authors.py; joint: this module (the project's earlier method)
 
 
 @dataclass(frozen=True)
@@ -363,21 +363,4 @@ def resolve_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def check_settings(s: Mapping[str, Any]) -> None:
-    sp = s["fitness_sparsities"]
-    if not isinstance(sp, (list, tuple)) or not sp or not all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and 0.0 < x < 1.0 for x in sp):
-        raise ValueError("pruner 'snapvit' setting 'fitness_sparsities' must be a non-empty list of values in (0, 1)")
-    if s["variant"] not in VARIANTS:
-        raise ValueError(f"pruner 'snapvit' setting 'variant' must be one of {VARIANTS}, got {s['variant']!r}")
-    for k in ("min_head_keep", "min_neuron_keep"):
-        if not 0.0 <= s[k] <= 1.0:
-            raise ValueError(f"pruner 'snapvit' setting {k!r} must be in [0, 1], got {s[k]}")
-    for k in ("iterations", "pca_dim", "fitness_images", "grad_batch", "evaluations", "global_crops"):
-        if s[k] < 1:
-            raise ValueError(f"pruner 'snapvit' setting {k!r} must be >= 1, got {s[k]}")
-    if s["popsize"] < 0 or s["popsize"] == 1:
-        raise ValueError("pruner 'snapvit' setting 'popsize' must be 0 (auto) or >= 2")
-    for k in ("sigma0", "tau_t", "tau_s"):
-        if not (s[k] > 0 and math.isfinite(s[k])):
-            raise ValueError(f"pruner 'snapvit' setting {k!r} must be a positive number")
+check_settings = check_snapvit  # the rules live in the torch-free table (validate checks them without torch)
