@@ -113,18 +113,7 @@ class Converging:
     def evidence(self, cell_id: str, before_wave: int):
         """The family's told trials of its pooled waves, and the cell's own of every wave before ``before_wave``."""
         c = self.conv(cell_id)
-        if c is None:
-            return super().evidence(cell_id, before_wave)
-        sign = 1.0 if self.direction == "maximize" else -1.0
-        pts, vals, groups = [], [], []
-        for m in self.members(self.family(cell_id)):
-            limit = before_wave if m == cell_id else min(before_wave, c.family_waves)
-            for t in self.study(m).get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-                if self.wave_of(m, t.number) < limit:
-                    pts.append(self.index(m, t.params))
-                    vals.append(sign * float(t.value))
-                    groups.append(m)
-        return pts, vals, groups
+        return super().evidence(cell_id, before_wave, None if c is None else c.family_waves)
 
     # ------------------------------------------------------------------ lattice past the declared box
     def lr_at(self, cell_id: str, i: int) -> float:

@@ -131,14 +131,17 @@ class _Shared(_LatticeDesign):
                                 for i, c in enumerate(cells)}
         return self._first[fam][cell_id]
 
-    def evidence(self, cell_id: str, before_wave: int) -> tuple[list[tuple[int, int]], list[float], list[str]]:
-        """The family's completed search trials of waves before ``before_wave``: lattice points, objective values
-        (signed so that larger is better) and their cells."""
+    def evidence(self, cell_id: str, before_wave: int,
+                 others_before: int | None = None) -> tuple[list[tuple[int, int]], list[float], list[str]]:
+        """The family's completed search trials of waves before ``before_wave`` (the family's other cells: before
+        ``others_before`` when given, e.g. only the pooled waves of ``search.converge``): lattice points, objective
+        values (signed so that larger is better) and their cells."""
         sign = 1.0 if self.direction == "maximize" else -1.0
         pts, vals, groups = [], [], []
         for c in self.members(self.family(cell_id)):
+            limit = before_wave if c == cell_id or others_before is None else min(before_wave, others_before)
             for t in self.study(c).get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-                if self.wave_of(c, t.number) < before_wave:
+                if self.wave_of(c, t.number) < limit:
                     pts.append(self.index(c, t.params))
                     vals.append(sign * float(t.value))
                     groups.append(c)
