@@ -198,8 +198,8 @@ img{max-width:100%;border:1px solid #eee}figure{margin:1em 0}
 figcaption{color:#555;max-width:75em}.note{color:#555}dl{display:grid;
 grid-template-columns:max-content auto;gap:.2em 1em}dt{font-weight:bold}
 #findings .models{display:grid;grid-template-columns:repeat(auto-fit,minmax(640px,1fr));gap:.2em 1.5em}
-#findings .models>*{min-width:0;overflow-x:auto}#findings table{font-size:.78em}#findings table.ranges td{white-space:nowrap;padding:.1em .35em}
-#findings td{text-align:left}#findings small{color:#555}
+#findings .models>*{min-width:0;overflow-x:auto}#findings table{font-size:.78em}
+#findings table.ranges td{white-space:nowrap;padding:.1em .35em}#findings td{text-align:left}#findings small{color:#555}
 #findings p.warn{background:#fff3e0;border-left:4px solid #ff7f0e;margin:.2em 0;padding:.15em .5em;font-size:.8em}
 #findings p.note{font-size:.8em}#findings p.headline{font-size:.85em;margin:.2em 0}
 #findings p.flags{font-size:.8em;color:#a04000;margin:.2em 0}#findings caption{font-size:.9em;text-align:left;color:#444}
