@@ -51,6 +51,7 @@ class TrialParams:
     device: str = "cpu"
     pruner: str = ""  # registered pruner of the mask (structured pruners add efficiency metrics)
     efficiency_batch: int = 64  # evaluation images per timed forward pass (structured pruners)
+    latency_rounds: int = 20  # timed rounds of that pass, dense and shrunk (heal.latency_rounds)
     target_mode: str = "store"  # "store": stream from the target store | "recompute": dense pass per batch
     target_dtype: str = "float16"  # dtype of recomputed targets (the store's dtype)
     load_kw: Mapping[str, Any] = field(default_factory=dict)  # model source + dataset (tasks.models.load_model)
@@ -295,7 +296,8 @@ def final_metrics(p: TrialParams, st: _Setup, last: dict, heal_seconds: float) -
     final.update(model_digest=lm.digest, calib_digest=lm.dataset.split_digest("calibration", p.calib_size),
                  selection_digest=lm.dataset.split_digest("selection"), eval_digest=lm.dataset.split_digest("evaluation"))
     if p.pruner:  # structured pruners: params/flops/latency/throughput of the dense vs physically shrunk model
-        final.update(PRUNERS.get(p.pruner).structured_metrics(model, masks, ev.images[: p.efficiency_batch].to(p.device)))
+        example = ev.images[: p.efficiency_batch].to(p.device)
+        final.update(PRUNERS.get(p.pruner).structured_metrics(model, masks, example, rounds=p.latency_rounds))
     if p.out_dir and p.trial_id:
         save_healed(Path(p.out_dir) / "trials" / p.trial_id, model, entries, asdict(p), final, extra=allowed)
     return final

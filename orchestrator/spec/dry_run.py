@@ -10,7 +10,8 @@ pretrained weights and GPUs; its dry run needs none of them. The spec mapping is
   size, written by the caller to ``data_root``) with ``DRY_SIZES`` images per split; the digits set is kept;
 - ``calib_sizes`` capped at ``DRY_CALIB`` (every grid), the first seed only, ``search``: one trial per cell with
   one epoch (or ``DRY_STEPS`` optimizer steps), no re-evaluation, no widening, design ``shared``, objective
-  ``selection_acc``; ``heal.batch_size`` at most ``DRY_CALIB``;
+  ``selection_acc``; ``heal.batch_size`` at most ``DRY_CALIB``, ``heal.latency_rounds`` 1 (CORP's efficiency
+  figures are computed, once: timing a random-init model on a CPU 3 + 3 times per trial cost a DeiT-B trial 16 s);
 - ``resources``: one CPU per trial and per dense task, no GPU, no retry (a failure shows at once); ``store``: the
   run's own (``--store``, default DIR/store), shards of ``DRY_CALIB`` rows; ``mlflow``: SQLite in the run
   directory; ``offline: true``; ``name``: ``<name>-dry-run``.
@@ -61,6 +62,7 @@ def dry_run_spec(raw: Any, data_root: str | None) -> dict:
                 g["search"] = _grid_search(g["search"])
     heal = dict(d.get("heal") or {})
     heal["batch_size"] = min(int(heal.get("batch_size", 32)), DRY_CALIB)
+    heal["latency_rounds"] = 1  # a structured pruner's latency timing: one round (a stand-in's speed means nothing)
     d["heal"] = heal
     d["resources"] = {"cpus_per_trial": 1, "gpus_per_trial": 0, "cpus_per_dense_task": 1, "gpus_per_dense_task": 0,
                       "max_failures": 0}

@@ -221,7 +221,8 @@ def parse_heal(v: Any) -> HealSpec:
         raise SpecError("heal.channels_last", f"must be auto, true or false, got {excerpt(h.channels_last)}")
     return HealSpec(check_num(h.batch_size, "heal.batch_size", int, 1, 1 << 20),
                     check_num(h.weight_decay, "heal.weight_decay", float, 0.0),
-                    check_num(h.lr_min, "heal.lr_min", float, 0.0), h.precision, h.channels_last)
+                    check_num(h.lr_min, "heal.lr_min", float, 0.0), h.precision, h.channels_last,
+                    check_num(h.latency_rounds, "heal.latency_rounds", int, 1, 1000))
 
 
 def parse_resources(v: Any) -> ResourceSpec:

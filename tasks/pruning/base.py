@@ -70,9 +70,10 @@ class Pruner:
         (structured pruners round per channel group and override this)."""
         return 0.5 * len(entries)
 
-    def structured_metrics(self, model: nn.Module, masks: Mapping[str, torch.Tensor], example: torch.Tensor
-                           ) -> dict[str, float]:
-        """Efficiency figures of the physically shrunk model (structured pruners); default: none."""
+    def structured_metrics(self, model: nn.Module, masks: Mapping[str, torch.Tensor], example: torch.Tensor,
+                           rounds: int = 20) -> dict[str, float]:
+        """Efficiency figures of the physically shrunk model (structured pruners; ``rounds``: timed latency
+        rounds at most); default: none."""
         return {}
 
     def pattern(self, sparsity: float, settings: Mapping[str, Any]) -> str:

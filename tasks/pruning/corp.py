@@ -138,9 +138,9 @@ class CORPPruner(Pruner):
             tol += 0.5 * 2 * blk.dim * (mlp + qk * blk.num_heads)
         return tol
 
-    def structured_metrics(self, model: nn.Module, masks: Mapping[str, torch.Tensor], example: torch.Tensor
-                           ) -> dict[str, float]:
-        return efficiency_metrics(model, masks, example)
+    def structured_metrics(self, model: nn.Module, masks: Mapping[str, torch.Tensor], example: torch.Tensor,
+                           rounds: int = 20) -> dict[str, float]:
+        return efficiency_metrics(model, masks, example, repeats=rounds)
 
     def __call__(self, weights, sparsity, *, seed, ctx=None, rank: str = "activation"):
         if ctx is None:

@@ -126,7 +126,9 @@ def latencies_ms(models: list[nn.Module], example: torch.Tensor, repeats: int = 
 def efficiency_metrics(model: nn.Module, masks: Mapping[str, torch.Tensor], example: torch.Tensor,
                        repeats: int = 20) -> dict[str, float]:
     """Dense-shape (masked) vs shrunk: params, flops, p50 latency, throughput (images/s), speedup, and the
-    largest |output difference| between the two (the shrink is exact up to float rounding)."""
+    largest |output difference| between the two (the shrink is exact up to float rounding). ``repeats``: timed
+    rounds at most, after min(3, repeats - 1) warm-up passes of each model (``heal.latency_rounds``; a dry run
+    times one round without warm-up: its figures only show that the stage runs)."""
     from timm.models.vision_transformer import VisionTransformer
 
     if not isinstance(model, VisionTransformer):
@@ -134,7 +136,7 @@ def efficiency_metrics(model: nn.Module, masks: Mapping[str, torch.Tensor], exam
     model.eval()
     small = shrink_vit(model, masks)
     diff = float((model(example) - small(example)).abs().max())
-    lat = latencies_ms([model, small], example, repeats)
+    lat = latencies_ms([model, small], example, repeats, warmup=min(3, repeats - 1), min_repeats=min(3, repeats))
     out: dict[str, float] = {}
     for tag, m, ms in (("dense", model, lat[0]), ("shrunk", small, lat[1])):
         out.update({f"{tag}_params": float(n_params(m)), f"{tag}_flops": float(flops(m, example)),

@@ -44,7 +44,7 @@ def test_the_deit_recipe_keeps_its_grid_with_random_weights_and_generated_data(f
     r = spec.resources
     assert (r.gpus_per_trial, r.gpus_per_dense_task, r.cpus_per_trial, r.max_failures) == (0, 0, 1, 0)
     assert spec.store.uri is None and spec.store.shard_size == DRY_CALIB and spec.mlflow.tracking_uri is None
-    assert spec.heal.batch_size == DRY_CALIB and spec.heal.lr_min == 1e-6
+    assert spec.heal.batch_size == DRY_CALIB and spec.heal.lr_min == 1e-6 and spec.heal.latency_rounds == 1
     cells = expand_cells(spec, {m: spec.scope[m] for m in spec.models})
     assert len(cells) == 9 * 3  # every model entry x healer, once (the 3 calibration sizes capped to one)
     assert raw == _recipe("deit_imagenet_starfish")  # the caller's mapping is not changed

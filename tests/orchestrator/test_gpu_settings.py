@@ -29,8 +29,20 @@ def test_precision_parsed_and_carried_to_every_trial(prec, tmp_path):
     assert cfg["precision"] == prec and cfg["channels_last"] is False
 
 
+def test_latency_rounds_parsed_and_carried_to_every_trial():
+    assert parse_spec(BASE).heal.latency_rounds == 20
+    spec = parse_spec({**BASE, "heal": {"latency_rounds": 3}})
+    from orchestrator.spec.plan import expand_cells
+
+    cell = expand_cells(spec, {"vit_digits": "qkv_out_mlp"})[0]
+    cfg = trial_config(cell, spec, {"targets": "t", "masks": "m", "cache": "c"}, "k", "mk", "token", 1, "cpu")
+    assert spec.heal.latency_rounds == 3 and cfg["latency_rounds"] == 3
+
+
 @pytest.mark.parametrize("heal,match", [({"precision": "fp16"}, "heal.precision"),
-                                        ({"channels_last": "yes"}, "heal.channels_last")])
+                                        ({"channels_last": "yes"}, "heal.channels_last"),
+                                        ({"latency_rounds": 0}, "heal.latency_rounds"),
+                                        ({"latency_rounds": 2.5}, "heal.latency_rounds")])
 def test_bad_heal_settings_refused_in_one_line(heal, match):
     with pytest.raises(SpecError, match=match) as e:
         parse_spec({**BASE, "heal": heal})

@@ -334,6 +334,15 @@ def test_efficiency_metrics_on_digits(digits_vit):
     assert m["shrunk_flops"] < 0.7 * m["dense_flops"]
     assert m["speedup"] == pytest.approx(m["shrunk_throughput"] / m["dense_throughput"])
     assert CORPPruner.__mro__[1].structured_metrics(CORP_P, model, masks, None) == {}  # base default: none
+    calls = []  # heal.latency_rounds 1 (a dry run): each model timed once, no warm-up; figures still complete
+    hook = torch.nn.modules.module.register_module_forward_hook(
+        lambda mod, args, out: calls.append(1) if type(mod).__name__ == "VisionTransformer" else None)
+    try:
+        one = CORP_P.structured_metrics(model, masks, digits_vit.dataset["evaluation"].images[:32], rounds=1)
+    finally:
+        hook.remove()
+    assert len(calls) == 2 + 2 + 2 and set(one) == set(m)  # output check, one timed pass each, one FLOP count each
+    assert one["dense_params"] == m["dense_params"] and one["shrunk_flops"] == m["shrunk_flops"]
 
 
 def _masks_digits(lm, model, s):
