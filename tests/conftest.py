@@ -141,3 +141,9 @@ def _session_caches(tmp_path_factory):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``long`` (minutes each) first, in their order, then the rest in theirs: with pytest-xdist
+    (``.ci/test``), work is handed out in collection order, and a long test handed out last would run alone."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)

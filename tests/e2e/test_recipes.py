@@ -79,6 +79,7 @@ def _shapes(out: Path, run) -> dict:
     return {k: list(v) for k, v in man["block_shapes"].items()}
 
 
+@pytest.mark.long
 @pytest.mark.timeout(1800)
 def test_deit_recipe_dry_run(tmp_path):
     # One trial at a time: a DeiT-B trial process peaks at 4-5 GB on the CPU (weights, the dense copy CORP and
@@ -105,6 +106,7 @@ def test_deit_recipe_dry_run(tmp_path):
                 assert torch.equal(q, k) and bool(v.all()) and int(q.sum()) == width // 2
 
 
+@pytest.mark.long
 @pytest.mark.timeout(1200)
 def test_resnet50_recipe_dry_run(tmp_path):
     out, trials = _dry_run("resnet50_imagenet_starfish", tmp_path)
