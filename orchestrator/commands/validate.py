@@ -26,13 +26,18 @@ def main(args) -> int:
     trials, fixed, per = Counter(), 0, Counter()
     searches = {name: view.search for name, view in views(spec)}
     for grid, healer in cells:
-        trials[grid] += searches[grid].per_cell if healer.trains else 1  # no training: 1 trial
+        trials[grid] += searches[grid].max_per_cell if healer.trains else 1  # no training: 1 trial
         fixed += not healer.trains
         per[grid] += 1
-    note = f" ({fixed} cells whose healer does not train run 1 trial)" if fixed else ""
-    print(f"{args.spec}: ok: {len(cells)} cells, {sum(trials.values())} trials{note}")
+    notes = [f"{fixed} cells whose healer does not train run 1 trial"] if fixed else []
+    upto = {g: "up to " if s.converge is not None else "" for g, s in searches.items()}
+    if any(upto.values()):  # search.converge: trials_per_cell and the re-evaluations are caps
+        notes.append("search.converge: a cell stops when its search converges, so these are caps")
+    note = f" ({'; '.join(notes)})" if notes else ""
+    total = "up to " if any(upto.values()) else ""
+    print(f"{args.spec}: ok: {len(cells)} cells, {total}{sum(trials.values())} trials{note}")
     if spec.grids:
-        print("  " + "; ".join(f"grid {g}: {per[g]} cells, {trials[g]} trials" for g in searches))
+        print("  " + "; ".join(f"grid {g}: {per[g]} cells, {upto[g]}{trials[g]} trials" for g in searches))
     return 0
 
 

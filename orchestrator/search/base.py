@@ -135,6 +135,8 @@ class SearchDesign:
 
     name = ""
     ordered = True  # asks wait for the results they depend on (reproducible); False only under ASHA
+    converging = False  # True: some cell's count is a cap (search.converge), and ``dropped`` grows as cells stop
+    dropped = 0  # planned slots a converging design removed from the queue (a stopped search, fewer seeds)
 
     def __init__(self, cells: list[Mapping[str, Any]], budgets: Mapping[str, Budget], sampler_seed: int,
                  journal: Path, *, direction: str = "maximize", asha: bool = False) -> None:

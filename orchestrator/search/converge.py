@@ -28,7 +28,6 @@ chain). Every decision is written to the cell's study (user attrs ``stop_reason`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 from optuna.distributions import FloatDistribution
@@ -36,19 +35,9 @@ from optuna.trial import TrialState
 
 from orchestrator.search import lattice
 from orchestrator.search.base import REEVALUATE, SEARCH, _Slot
+from orchestrator.spec.schema import Converge
 
 CONVERGED, CAP, NO_RESULT = "converged", "cap", "no finished trial"
-
-
-@dataclass(frozen=True)
-class Converge:
-    """``search.converge``: the per-cell stopping rule and the adaptive re-evaluations."""
-    se_target: float = 0.005  # standard error of the quoted mean the re-evaluations aim at (accuracy units)
-    reevaluate_max: int = 6  # cap on re-evaluations per cell
-    min_noise: float = 0.005  # floor of a single draw's noise in the stopping rule
-    widen_steps: int = 4  # lattice steps the lr axis may grow past the declared box, each side
-    batch: int = 2  # points a continuing cell tries per wave after the first (fewer waves: fewer waits)
-    family_waves: int = 2  # waves whose family-wide results the surface pools; later ones: the cell's own only
 
 
 def converge_of(raw) -> Converge | None:
@@ -226,7 +215,7 @@ class Converging:
     # ------------------------------------------------------------------ the queue: dropping what is not needed
     def settle(self) -> None:
         """Decide what the waits that are over allow: stop cells whose search converged, size re-evaluations."""
-        if not self._converging:
+        if not self.converging:
             return
         seen: set = set()
         for slot in list(self.queue):
@@ -244,7 +233,7 @@ class Converging:
                 self._size_reevaluations(cid)
 
     @property
-    def _converging(self) -> bool:
+    def converging(self) -> bool:
         if not hasattr(self, "_any_conv"):
             self._any_conv = any(self.conv(c) is not None for c in self.cells)
         return self._any_conv
@@ -256,6 +245,7 @@ class Converging:
         self.queue[:] = [s for s in self.queue if id(s) not in gone]
         for s in mine:
             self._unasked_add(s, -1)
+        self.dropped += len(mine)
         return len(mine)
 
     def _in_wave(self, slot: _Slot) -> bool:

@@ -62,6 +62,16 @@ class DesignSearcher(Searcher):
         return self.design.total
 
     @property
+    def converging(self) -> bool:
+        """Some cell's trial count is a cap (``search.converge``): ``total`` and ``per_cell`` are upper bounds."""
+        return self.design.converging
+
+    @property
+    def dropped(self) -> int:
+        """Planned trials the design will not run after all (cells whose search converged, fewer seeds)."""
+        return self.design.dropped
+
+    @property
     def rerun(self) -> list[str]:
         return self.design.rerun
 

@@ -19,6 +19,17 @@ class MethodRef:
 
 
 @dataclass(frozen=True)
+class Converge:
+    """``search.converge``: the per-cell stopping rule and the adaptive re-evaluations."""
+    se_target: float = 0.005  # standard error of the quoted mean the re-evaluations aim at (accuracy units)
+    reevaluate_max: int = 6  # cap on re-evaluations per cell
+    min_noise: float = 0.005  # floor of a single draw's noise in the stopping rule
+    widen_steps: int = 4  # lattice steps the lr axis may grow past the declared box, each side
+    batch: int = 2  # points a continuing cell tries per wave after the first (fewer waves: fewer waits)
+    family_waves: int = 2  # waves whose family-wide results the surface pools; later ones: the cell's own only
+
+
+@dataclass(frozen=True)
 class SearchSpec:
     trials_per_cell: int = 4
     lr: tuple[float, float] = (1e-4, 3e-3)  # log-uniform bounds
@@ -47,6 +58,13 @@ class SearchSpec:
         re-evaluations of its winner."""
         search = self.lattice[0] * self.lattice[1] if self.design == "grid" else self.trials_per_cell
         return search + self.reevaluate
+
+    @property
+    def max_per_cell(self) -> int:
+        """``per_cell``, or under ``converge`` its cap: every search trial and the most re-evaluations."""
+        if self.converge is None or not self.reevaluate:
+            return self.per_cell
+        return self.trials_per_cell + max(self.reevaluate, Converge(**dict(self.converge)).reevaluate_max)
 
     @property
     def length(self) -> tuple[str, tuple[int, int]]:

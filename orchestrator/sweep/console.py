@@ -8,6 +8,7 @@ import sys
 import time
 import warnings
 from contextlib import contextmanager
+from typing import Callable
 
 # Stage names, in the order a sweep runs them (docs/usage.md, "What a sweep does").
 STAGES = ("imports", "spec", "models", "ray", "dense", "diagnostics", "masks", "parent", "tune_start", "trials",
@@ -99,13 +100,17 @@ class StageClock:
 
 class TrialProgress:
     """Tune callback: one bar over every trial; its postfix is the last finished trial's cell, with that cell's
-    finished/total trials and best selection accuracy (per cell, never a max over the sweep)."""
+    finished/total trials and best selection accuracy (per cell, never a max over the sweep). ``dropped``
+    (``search.converge``: the counts are caps): planned trials the search has dropped so far; the bar's total
+    shrinks by them, and a cell's count reads "3/≤8"."""
 
-    def __init__(self, per_cell: dict[str, int], enabled: bool) -> None:
+    def __init__(self, per_cell: dict[str, int], enabled: bool, dropped: Callable[[], int] | None = None) -> None:
         from ray.tune import Callback
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=sum(per_cell.values()), desc="trials", unit="trial", disable=not enabled)
+        planned = sum(per_cell.values())
+        bar = tqdm(total=planned, desc="trials", unit="trial", disable=not enabled)
+        cap = "≤" if dropped is not None else ""
         done: dict[str, int] = {}
         best: dict[str, float] = {}
 
@@ -115,12 +120,14 @@ class TrialProgress:
             sel = (trial.last_result or {}).get("selection_acc") if ok else None
             if sel is not None:
                 best[cell] = max(best.get(cell, float("-inf")), float(sel))
+            if dropped is not None and planned - dropped() != bar.total:
+                bar.total = planned - dropped()
             bar.update(1)
             shown = f"{best[cell]:.3f}" if cell in best else "-"
             c = trial.config
             where = f"{c.get('model', '')} {c.get('pruner', '')} sparsity {c.get('sparsity', '?')} " \
                     f"calib {c.get('calib_size', '?')} {c.get('healer', '')}"
-            bar.set_postfix_str(f"{where}: {done[cell]}/{per_cell.get(cell, '?')} trials, best selection_acc {shown}")
+            bar.set_postfix_str(f"{where}: {done[cell]}/{cap}{per_cell.get(cell, '?')} trials, best selection_acc {shown}")
 
         class Cb(Callback):
             def on_trial_complete(self, iteration, trials, trial, **info):

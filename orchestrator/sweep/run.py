@@ -185,10 +185,11 @@ def tune_stage(s: SweepState, progress: bool) -> None:
         grids: dict[str, int] = {}
         for c in s.cells:
             grids[c.grid or "main"] = grids.get(c.grid or "main", 0) + per_cell.get(c.cell_id, 0)
-        clock.say("[trials] " + ", ".join(f"grid {g}: {n} trials" for g, n in grids.items())
+        upto = "up to " if searcher.converging else ""  # search.converge: each cell's count is a cap
+        clock.say("[trials] " + ", ".join(f"grid {g}: {upto}{n} trials" for g, n in grids.items())
                   + f" over {len(per_cell)} cells, {t.concurrency} at a time")
         t.planned = searcher.already_done + searcher.total
-        prog = TrialProgress(per_cell, progress)
+        prog = TrialProgress(per_cell, progress, dropped=(lambda: searcher.dropped) if upto else None)
         name = f"{spec.name}-{s.info['sweep_id']}-s{s.session}"
         tuner = make_tuner(s.spec, s.out_dir, name, searcher, t.max_concurrent, [logger_cb, prog.callback],
                            stop=InterruptStopper())

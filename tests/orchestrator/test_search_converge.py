@@ -214,3 +214,58 @@ def test_a_hard_cell_does_not_stop_on_two_bad_first_wave_points(tmp_path):
     got = drive(s, obj)
     assert len(searched(got, hard)) > BUDGET.explore
     assert all(len(searched(got, c["cell_id"])) == BUDGET.explore for c in cells[1:])
+
+
+@pytest.mark.parametrize("converge", [None, {}, {"reevaluate_max": 3}])
+def test_validate_counts_are_the_planned_queue_and_say_up_to_under_converge(converge, tmp_path, capsys):
+    """``healsweep validate`` counts what the search plans per cell: under converge its cap (every search trial,
+    the most re-evaluations), said as "up to"; the Tune searcher's total and per-cell plan are the same numbers."""
+    from argparse import Namespace
+
+    import yaml
+
+    from orchestrator.commands import validate
+    from orchestrator.search import budget_of
+    from orchestrator.spec import parse_spec
+
+    raw = {"name": "t", "models": ["vit_digits"], "sparsities": [0.5, 0.9], "calib_sizes": [128], "pruners": ["magnitude"],
+           "healers": ["starfish", "crbn"], "search": {"trials_per_cell": 4, "reevaluate": 2,
+                                                        **({"converge": converge} if converge is not None else {})}}
+    spec = parse_spec(raw)
+    cells = _cells(2)
+    s = make_searcher(cells, {c["cell_id"]: budget_of(spec.search) for c in cells}, "shared", 0, tmp_path / "j")
+    cap = 4 + (2 if converge is None else max(2, converge.get("reevaluate_max", Converge().reevaluate_max)))
+    assert spec.search.max_per_cell == cap and s.per_cell() == {c["cell_id"]: cap for c in cells}
+    assert s.total == 2 * cap and s.converging == (converge is not None) and s.dropped == 0
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(raw))
+    assert validate.main(Namespace(spec=str(tmp_path / "s.yaml"))) == 0
+    upto = "up to " if converge is not None else ""
+    # 2 starfish cells at the cap, 2 CR+BN cells (no training) at 1 trial
+    assert f": ok: 4 cells, {upto}{2 * cap + 2} trials (2 cells whose healer does not train run 1 trial" in capsys.readouterr().out
+
+
+def test_a_converging_search_drops_what_it_does_not_run(tmp_path):
+    """``dropped`` counts the planned slots a converging search removed: planned - dropped is what it asked."""
+    cells = _cells(6)
+    s = make(tmp_path, cells)
+    planned = s.total
+    got = drive(s, lambda c: 0.9 if c["stage"] == "search" else 0.9 + 0.001 * (c["heal_seed"] % 3))
+    assert s.dropped > 0 and planned - s.dropped == len(got)
+
+
+def test_the_progress_bar_total_shrinks_by_what_the_search_dropped():
+    from types import SimpleNamespace
+
+    from orchestrator.sweep.console import TrialProgress
+
+    dropped = [0]
+    prog = TrialProgress({"a": 9, "b": 9}, enabled=True, dropped=lambda: dropped[0])  # (a disabled bar counts nothing)
+    trial = SimpleNamespace(config={"cell_id": "a", "model": "m"}, last_result={"selection_acc": 0.5})
+    prog.callback.on_trial_complete(0, [], trial)
+    assert (prog.bar.n, prog.bar.total) == (1, 18)
+    dropped[0] = 7  # cell a converged after 2 of its 9, so did b's re-evaluations
+    prog.callback.on_trial_complete(0, [], trial)
+    assert (prog.bar.n, prog.bar.total) == (2, 11)
+    fixed = TrialProgress({"a": 9}, enabled=True)
+    fixed.callback.on_trial_complete(0, [], trial)
+    assert fixed.bar.total == 9
