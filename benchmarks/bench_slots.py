@@ -11,6 +11,7 @@ authors' fixed trial count) and with ``search.converge`` (``converge``).
 
 This is not a Ray run: Tune's own overheads (its 1 s wait when a searcher has nothing to suggest, scheduling
 latency) are left out; what it measures is the design's waits (waves, re-evaluations after the search).
+benchmarks/bench_slots_ray.py runs the same replay on a local Ray Tune (sleeping trials) and prints both figures.
 
     python benchmarks/bench_slots.py --from runs/retest/A runs/retest/B --slots 64
 """
@@ -117,18 +118,22 @@ class Replay:
         return v
 
 
-def simulate(spec, records: list[dict], slots: int, per_cell: bool = False, cell_records=None) -> dict:
-    """``records``: every recorded trial (values, durations); ``cell_records``: those whose cells are simulated
-    (the first run directory: runs with shifted seeds hold other cells)."""
+def design_searcher(spec, cells: list[dict], journal: Path):
+    """The sweep's searcher (``DesignSearcher``) over ``cells`` with the spec's per-grid budgets; tells run at once."""
     from orchestrator.spec.plan import grid_searches
     from orchestrator.search import budget_of, make_searcher
 
-    replay, cells = Replay(records, per_cell), cells_of(cell_records or records)
     grids = {g: budget_of(s) for g, s in grid_searches(spec).items()}
     budgets = {c["cell_id"]: grids.get(c["grid"], grids["main"]) for c in cells}
+    return make_searcher(cells, budgets, spec.search.design or "shared", spec.search.sampler_seed, journal)
+
+
+def simulate(spec, records: list[dict], slots: int, per_cell: bool = False, cell_records=None) -> dict:
+    """``records``: every recorded trial (values, durations); ``cell_records``: those whose cells are simulated
+    (the first run directory: runs with shifted seeds hold other cells)."""
+    replay, cells = Replay(records, per_cell), cells_of(cell_records or records)
     with tempfile.TemporaryDirectory() as tmp:
-        s = make_searcher(cells, budgets, spec.search.design or "shared", spec.search.sampler_seed,
-                          Path(tmp) / "journal")
+        s = design_searcher(spec, cells, Path(tmp) / "journal")
         t, live, busy, n, first, i = 0.0, [], 0.0, 0, None, 0
         while True:
             finished = False

@@ -62,22 +62,25 @@ def scheduler(spec: SweepSpec):
 
 
 def make_tuner(spec: SweepSpec, out_dir: Path, name: str, searcher, max_concurrent: int | None, callbacks: list,
-               stop=None):
+               stop=None, trainable=None):
     """The sweep's one ``tune.Tuner``: the per-cell searcher, ASHA when asked, trials named by their trial id,
     results and checkpoints under ``out_dir/tune/name`` (one checkpoint kept per trial, for retries); ``stop``:
-    a ``tune.Stopper`` (the interrupted sweep's, orchestrator/raytune/tune_stop.py)."""
+    a ``tune.Stopper`` (the interrupted sweep's, orchestrator/raytune/tune_stop.py). ``trainable``: None for the
+    sweep's own (``tune_trainable``); a benchmark passes its own (benchmarks/bench_slots_ray.py), run with the
+    same resources and Tuner settings."""
     from ray import tune
 
     from orchestrator.raytune import trial_faults
     from orchestrator.raytune.actor_reuse import spare_starting_actors
-    from orchestrator.raytune.trainable import tune_trainable
 
+    if trainable is None:
+        from orchestrator.raytune.trainable import tune_trainable as trainable  # imports torch
     spare_starting_actors()  # a freed actor never takes a trial whose own actor is starting (a node that just joined)
     trial_faults.install()  # a trial whose node dies is retried elsewhere (orchestrator/raytune/trial_faults.py)
 
     return tune.Tuner(
-        tune.with_resources(tune_trainable, {"cpu": spec.resources.cpus_per_trial,
-                                             "gpu": spec.resources.gpus_per_trial}),
+        tune.with_resources(trainable, {"cpu": spec.resources.cpus_per_trial,
+                                        "gpu": spec.resources.gpus_per_trial}),
         tune_config=tune.TuneConfig(search_alg=searcher, scheduler=scheduler(spec), num_samples=searcher.total,
                                     max_concurrent_trials=max_concurrent,
                                     reuse_actors=spec.resources.reuse_actors,
