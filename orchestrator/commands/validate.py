@@ -31,10 +31,10 @@ def main(args) -> int:
         per[grid] += 1
     notes = [f"{fixed} cells whose healer does not train run 1 trial"] if fixed else []
     upto = {g: "up to " if s.converge is not None else "" for g, s in searches.items()}
-    if any(upto.values()):  # search.converge: trials_per_cell and the re-evaluations are caps
+    total = "up to " if any(upto.values()) else ""  # search.converge: trials_per_cell and re-evaluations are caps
+    if total:
         notes.append("search.converge: a cell stops when its search converges, so these are caps")
     note = f" ({'; '.join(notes)})" if notes else ""
-    total = "up to " if any(upto.values()) else ""
     print(f"{args.spec}: ok: {len(cells)} cells, {total}{sum(trials.values())} trials{note}")
     if spec.grids:
         print("  " + "; ".join(f"grid {g}: {per[g]} cells, {upto[g]}{trials[g]} trials" for g in searches))

@@ -69,7 +69,7 @@ class Converging:
     def reevaluations_of(self, cell_id: str) -> int:
         c = self.conv(cell_id)
         base = super().reevaluations_of(cell_id)
-        return max(base, c.reevaluate_max) if c is not None and base else base
+        return base if c is None else c.reevaluations(base)
 
     # ------------------------------------------------------------------ waves
     def wave_of(self, cell_id: str, number: int) -> int:

@@ -28,6 +28,10 @@ class Converge:
     batch: int = 2  # points a continuing cell tries per wave after the first (fewer waves: fewer waits)
     family_waves: int = 2  # waves whose family-wide results the surface pools; later ones: the cell's own only
 
+    def reevaluations(self, base: int) -> int:
+        """Re-evaluation slots a cell plans (its cap): ``reevaluate_max``, unless re-evaluation is off (0)."""
+        return max(base, self.reevaluate_max) if base else base
+
 
 @dataclass(frozen=True)
 class SearchSpec:
@@ -62,9 +66,9 @@ class SearchSpec:
     @property
     def max_per_cell(self) -> int:
         """``per_cell``, or under ``converge`` its cap: every search trial and the most re-evaluations."""
-        if self.converge is None or not self.reevaluate:
+        if self.converge is None:
             return self.per_cell
-        return self.trials_per_cell + max(self.reevaluate, Converge(**dict(self.converge)).reevaluate_max)
+        return self.trials_per_cell + Converge(**dict(self.converge)).reevaluations(self.reevaluate)
 
     @property
     def length(self) -> tuple[str, tuple[int, int]]:

@@ -189,7 +189,7 @@ def tune_stage(s: SweepState, progress: bool) -> None:
         clock.say("[trials] " + ", ".join(f"grid {g}: {upto}{n} trials" for g, n in grids.items())
                   + f" over {len(per_cell)} cells, {t.concurrency} at a time")
         t.planned = searcher.already_done + searcher.total
-        prog = TrialProgress(per_cell, progress, dropped=(lambda: searcher.dropped) if upto else None)
+        prog = TrialProgress(per_cell, progress, dropped=(lambda: searcher.dropped) if searcher.converging else None)
         name = f"{spec.name}-{s.info['sweep_id']}-s{s.session}"
         tuner = make_tuner(s.spec, s.out_dir, name, searcher, t.max_concurrent, [logger_cb, prog.callback],
                            stop=InterruptStopper())

@@ -136,7 +136,7 @@ def efficiency_metrics(model: nn.Module, masks: Mapping[str, torch.Tensor], exam
     model.eval()
     small = shrink_vit(model, masks)
     diff = float((model(example) - small(example)).abs().max())
-    lat = latencies_ms([model, small], example, repeats, warmup=min(3, repeats - 1), min_repeats=min(3, repeats))
+    lat = latencies_ms([model, small], example, repeats, warmup=min(3, repeats - 1))
     out: dict[str, float] = {}
     for tag, m, ms in (("dense", model, lat[0]), ("shrunk", small, lat[1])):
         out.update({f"{tag}_params": float(n_params(m)), f"{tag}_flops": float(flops(m, example)),
