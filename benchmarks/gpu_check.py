@@ -172,7 +172,8 @@ def install_section(a, out: Path) -> tuple[dict, dict]:
 
 
 def throughput_section(a, env: dict, out: Path) -> dict:
-    cmd = [sys.executable, "benchmarks/gpu_throughput.py", "--device", a.device, "--json", str(out / "throughput.json")]
+    cmd = [sys.executable, "benchmarks/gpu_throughput.py", "--device", a.device, "--json", str(out / "throughput.json"),
+           *a.throughput_args.split()]
     res = sh(cmd + (["--tiny"] if a.tiny else []), a.throughput_timeout, env=env, log=out / "logs" / "throughput.log")
     if (out / "throughput.json").is_file():
         res["results"] = json.loads((out / "throughput.json").read_text())
@@ -239,6 +240,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     ap.add_argument("--gpu-share", type=float, default=0.125, help="GPU per trial (default 1/8: 8 trials share it)")
     ap.add_argument("--heal-precision", choices=("fp32", "tf32", "bf16"), help="sweep: override heal.precision")
+    ap.add_argument("--throughput-args", default="", help="more arguments of benchmarks/gpu_throughput.py, e.g. "
+                    "'--models deit_b16 --extra-batches 128'")
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=("fp32", "tf32", "bf16"))
     ap.add_argument("--procs", type=int, default=8, help="precision section: trials at a time on the GPU")
     ap.add_argument("--install-timeout", type=float, default=90)

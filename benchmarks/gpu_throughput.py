@@ -6,7 +6,11 @@ Per model it prints and returns:
 - STARFISH heal images/s per ``heal.precision`` (fp32 as the authors run it, tf32, bf16 autocast), targets streamed
   from the store, and the model FLOP utilisation: FLOPs of one step (forward + backward, ``torch.utils.
   flop_counter``) x images/s over the chip's dense bf16 peak, measured here with a large bf16 matrix product;
-- store-streamed vs in-RAM (targets already on the device) epoch, bf16, median of interleaved repeats;
+- the same with ``heal.compile: blocks`` (``--compiled``, default bf16; its first epoch, compilation included, as
+  ``warmup_s``), and at other batch sizes (``--extra-batches``), eager and compiled, targets in RAM;
+- store-streamed vs in-RAM (targets already on the device) epoch, bf16, median of interleaved repeats, eager and
+  compiled; the store's stream alone (no step; on an H100 it took 2.59 s against 1.08 s with a step: not a ceiling,
+  not understood yet);
 - recompute (dense forward per batch) epoch, the planner's pick (tasks/healing/planner.py) and the pick's epoch
   over the faster of the two measured;
 - peak GPU memory.
@@ -110,7 +114,7 @@ class Healer:
         self.scope = adapter.default_scope
         self.masks = make_masks(dense, adapter.scope(dense, self.scope), "magnitude", 0.5, seed=0)
 
-    def run(self, batches, epochs: int, precision: str) -> tuple[float, torch.nn.Module]:
+    def run(self, batches, epochs: int, precision: str, compile_mode: str = "off") -> tuple[float, torch.nn.Module]:
         model = copy.deepcopy(self.dense)
         apply_masks(model, self.masks)
         ctx = HealContext(model, self.adapter.blocks(model), self.adapter.scope(model, self.scope), self.masks,
@@ -120,19 +124,23 @@ class Healer:
         sync(dev)
         t = time.perf_counter()
         HEALERS.get("starfish").heal(ctx, HealConfig(lr=1e-4, epochs=epochs, batch_size=self.batch, seed=0,
-                                                     precision=precision))
+                                                     precision=precision, compile=compile_mode))
         sync(dev)
         return time.perf_counter() - t, model
 
 
-def precisions(h: Healer, feeds: dict, epochs: int, flops: dict, peak: float, which=("fp32", "tf32", "bf16")) -> dict:
+def precisions(h: Healer, feeds: dict, epochs: int, flops: dict, peak: float, which=("fp32", "tf32", "bf16"),
+               compiled=("bf16",)) -> dict:
+    """Heal rate per precision, eager (``heal.compile: off``), and per precision in ``compiled`` with ``heal.compile:
+    blocks`` too (key ``<precision>+blocks``; ``warmup_s``: its first epoch, compilation included)."""
     out = {}
-    for prec in which:
-        h.run(feeds["store"], 1, prec)  # warm-up: kernels, allocator, page cache
-        secs, model = h.run(feeds["store"], epochs, prec)
+    for prec, mode in [(p, "off") for p in which] + [(p, "blocks") for p in compiled]:
+        warm, _ = h.run(feeds["store"], 1, prec, mode)  # warm-up: kernels, allocator, page cache, compilation
+        secs, model = h.run(feeds["store"], epochs, prec, mode)
         rate = len(h.images) * epochs / secs
-        out[prec] = {"heal_images_per_s": rate, "mfu": flops[prec] * rate / peak,
-                     "mask_violations": mask_violations(model, h.masks)}
+        out[prec if mode == "off" else f"{prec}+{mode}"] = {
+            "heal_images_per_s": rate, "mfu": flops[prec] * rate / peak, "warmup_s": warm,
+            "mask_violations": mask_violations(model, h.masks)}
     return out
 
 
@@ -144,14 +152,14 @@ def feeds_for(reader, in_ram, h: Healer, dev) -> dict:
             "recompute": lambda e: recompute_batches(h.dense, blocks, h.images, h.batch, 0, e)}
 
 
-def modes(h: Healer, feeds: dict, repeats: int, prec: str) -> dict:
+def modes(h: Healer, feeds: dict, repeats: int, prec: str, compile_mode: str = "off") -> dict:
     """Interleaved epochs of each feed (median), the planner's pick and how it compares with the faster."""
     t = {m: [] for m in ("store", "ram", "recompute")}
     for m in t:
-        h.run(feeds[m], 1, prec)
+        h.run(feeds[m], 1, prec, compile_mode)
     for _ in range(repeats):
         for m in t:
-            t[m].append(h.run(feeds[m], 1, prec)[0])
+            t[m].append(h.run(feeds[m], 1, prec, compile_mode)[0])
     med = {m: statistics.median(v) for m, v in t.items()}
     probe = time_target_modes(h.dense, h.adapter, h.scope, h.images, h.batch, precision=prec)
     chosen = pick(probe)
@@ -179,11 +187,40 @@ def measure(name: str, a, dev: torch.device, peak: float) -> dict:
         in_ram = {k: v.to(dev) for k, v in reader.load_all().items()}
         h = Healer(dense, adapter, images_dev, a.batch)
         feeds = feeds_for(reader, in_ram, h, dev)
-        res["precision"] = precisions(h, feeds, a.epochs, flops, peak, a.precisions)
+        res["precision"] = precisions(h, feeds, a.epochs, flops, peak, a.precisions, a.compiled)
         res["modes_bf16"] = modes(h, feeds, a.repeats, "bf16")
+        if a.compiled:  # the store's stream behind a compiled step (heal.compile: blocks)
+            res["modes_bf16_blocks"] = modes(h, feeds, a.repeats, "bf16", "blocks")
+        res["batches_bf16"] = {f"{b}{'+blocks' if mode == 'blocks' else ''}": by_batch(h, in_ram, b, flops["bf16"], peak, mode)
+                               for b in a.extra_batches for mode in ("off", "blocks")}
+        res["store_stream_only_epoch_s"] = stream_only(feeds["store"], a.repeats, dev)
         reader.close()
     res["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     return res
+
+
+def by_batch(h: Healer, in_ram: dict, batch: int, flops: float, peak: float, mode: str = "blocks") -> dict:
+    """bf16 (heal.compile ``mode``) at another batch size, targets in RAM: what the step does when the batch (not
+    the paper's 32) amortises per-step work. -> images/s, MFU."""
+    other = Healer(h.dense, h.adapter, h.images, batch)
+    feed = in_memory_batches(in_ram, batch, 0)
+    other.run(feed, 1, "bf16", mode)
+    secs, _ = other.run(feed, 2, "bf16", mode)
+    rate = 2 * len(h.images) / secs
+    return {"heal_images_per_s": rate, "mfu": flops * rate / peak}
+
+
+def stream_only(feed, repeats: int, dev: torch.device) -> float:
+    """Median seconds of one epoch of the store's stream with no consumer work (the reader's own ceiling)."""
+    times = []
+    for e in range(repeats + 1):
+        sync(dev)
+        t = time.perf_counter()
+        for _rows, tgt in feed(e):
+            pass
+        sync(dev)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
 
 
 def profile(name: str, a, dev: torch.device) -> str:
@@ -197,14 +234,15 @@ def profile(name: str, a, dev: torch.device) -> str:
     targets = dense_targets(dense, adapter.blocks(dense), images, out=None)
     h = Healer(dense, adapter, images, a.batch)
     feed = in_memory_batches(targets, a.batch, 0)
-    h.run(feed, 1, "bf16")
+    h.run(feed, 1, "bf16", a.profile_compile)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with torch_profile(activities=acts) as prof:
-        secs, _ = h.run(feed, 2, "bf16")
+        secs, _ = h.run(feed, 2, "bf16", a.profile_compile)
     key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     ev = prof.key_averages()
     busy = sum(getattr(e, "self_device_time_total", 0) for e in ev) / 1e6
-    head = (f"{name}: {2 * len(images) // a.batch} bf16 steps, batch {a.batch}: wall {secs:.3f} s, device kernels "
+    head = (f"{name}: {2 * len(images) // a.batch} bf16 steps (heal.compile {a.profile_compile}), batch {a.batch}: "
+            f"wall {secs:.3f} s, device kernels "
             f"{busy:.3f} s ({100 * busy / secs:.0f} % busy), {sum(e.count for e in ev if e.key.startswith('cuda'))} "
             "CUDA runtime calls")
     return "\n".join([head, ev.table(sort_by=key, row_limit=22),
@@ -218,6 +256,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--batch", type=int, default=32, help="the paper's batch size (default 32)")
     ap.add_argument("--precisions", nargs="+", default=["fp32", "tf32", "bf16"], choices=("fp32", "tf32", "bf16"))
+    ap.add_argument("--compiled", nargs="*", default=["bf16"], choices=("fp32", "tf32", "bf16"),
+                    help="precisions also measured with heal.compile: blocks (default bf16; none: eager only)")
+    ap.add_argument("--extra-batches", nargs="*", type=int, default=[], metavar="B",
+                    help="bf16 + heal.compile blocks also at these batch sizes (targets in RAM)")
+    ap.add_argument("--profile-compile", default="off", choices=("off", "blocks"), help="--profile: heal.compile")
     ap.add_argument("--epochs", type=int, default=2, help="timed store-streamed epochs per precision")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved epochs per target feed")
     ap.add_argument("--shard", type=int, default=64, help="store shard size (rows)")
@@ -246,15 +289,18 @@ def run(a: argparse.Namespace) -> dict:
 
 
 def summary(name: str, r: dict) -> str:
-    p, m = r["precision"], r["modes_bf16"]
-    heal = ", ".join(f"{k} {v['heal_images_per_s']:.0f} img/s (MFU {100 * v['mfu']:.1f} %)" for k, v in p.items())
+    p, m = r["precision"], r.get("modes_bf16_blocks", r["modes_bf16"])
+    heal = ", ".join(f"{k} {v['heal_images_per_s']:.0f} img/s (MFU {100 * v['mfu']:.1f} %)" for k, v in
+                     [*p.items(), *((f"bf16 batch {b}", v) for b, v in r["batches_bf16"].items())])
     return (f"{name} ({r['image_size']} px, {r['images']} images, batch {r['batch']}, "
             f"{r['gflops_per_image_step']:.1f} GFLOP/image-step)\n"
             f"  dense pass {r['dense_images_per_s']:.0f} img/s, writes {r['dense_write_gb_per_s']:.2f} GB/s "
             f"({r['targets_gb']:.2f} GB of targets)\n  heal: {heal}\n"
-            f"  bf16 epoch: store {m['epoch_s']['store']:.3f} s, RAM {m['epoch_s']['ram']:.3f} s "
+            f"  bf16{'+blocks' if 'modes_bf16_blocks' in r else ''} epoch: store {m['epoch_s']['store']:.3f} s, "
+            f"RAM {m['epoch_s']['ram']:.3f} s "
             f"(store/RAM {m['store_vs_ram']:.3f}), recompute {m['epoch_s']['recompute']:.3f} s; planner picks "
-            f"{m['planner_pick']}, faster measured {m['faster_measured']} (pick/best {m['pick_vs_best']:.3f})")
+            f"{m['planner_pick']}, faster measured {m['faster_measured']} (pick/best {m['pick_vs_best']:.3f}); "
+            f"the store's stream alone {r['store_stream_only_epoch_s']:.3f} s")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ class TrialParams:
     heal_seed: int | None = None  # re-evaluations: this healing seed (batch order, init) instead of ``seed``
     precision: str = "fp32"  # heal.precision: fp32 (the authors') | tf32 | bf16 (tasks/healing/precision.py)
     channels_last: Any = "auto"  # heal.channels_last: auto (a CNN on a GPU) | True | False
+    compile: str = "off"  # heal.compile: off (the authors': eager) | blocks (tasks/healing/compiled.py)
 
     @property
     def healing_seed(self) -> int:
@@ -241,7 +242,7 @@ def heal_trial(p: TrialParams, st: _Setup, report: Callable[[dict], None], start
         ctx.checkpoint = lambda epoch, s: loop_state.update(s)
     cfg = HealConfig(lr=p.lr, epochs=p.epochs, batch_size=p.batch_size, weight_decay=p.weight_decay,
                      lr_min=p.lr_min, seed=p.healing_seed, settings=dict(p.healer_settings), steps=p.steps,
-                     precision=p.precision)
+                     precision=p.precision, compile=p.compile)
     n_epochs = healer.epochs(cfg)  # 0 for closed-form / no-op healers: only the final report below
     last: dict = dict(start["last"]) if start is not None else {}
 

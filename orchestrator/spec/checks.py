@@ -25,6 +25,8 @@ DESIGNS = ("shared", "tpe", "grid")
 # heal.precision: the names of tasks.healing.precision.PRECISIONS, here so that checking a spec imports no torch
 # (tests/orchestrator/test_precision_spec.py holds the two equal)
 PRECISIONS = ("fp32", "tf32", "bf16")
+# heal.compile: tasks.healing.compiled.COMPILE_MODES (held equal by tests/orchestrator/test_gpu_settings.py)
+COMPILE_MODES = ("off", "blocks")
 DEVICES = ("auto", "cpu", "cuda")  # resources.device
 MAX_REEVALUATE = 8  # fresh healing seeds per winner
 MAX_LATTICE = 64  # points on one lattice axis

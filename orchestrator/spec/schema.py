@@ -83,6 +83,7 @@ class HealSpec:
     lr_min: float = 1e-6
     precision: str = "fp32"  # fp32 (the authors') | tf32 | bf16 (autocast): tasks/healing/precision.py
     channels_last: Any = "auto"  # auto (CNNs on a GPU) | true | false: the memory format of healed CNNs
+    compile: str = "off"  # off (the authors': eager) | blocks (regional torch.compile): tasks/healing/compiled.py
     latency_rounds: int = 20  # timed rounds of a structured pruner's dense-vs-shrunk latency (CORP); dry run: 1
 
 

@@ -113,6 +113,7 @@ class MlflowTrialLogger(Callback):
                    Param("optuna_trial", str(c["optuna_trial"])), Param("device", str(c.get("device", "cpu"))),
                    Param("precision", str(c.get("precision", "fp32"))),  # heal.precision: a named numeric setting
                    Param("channels_last", str(c.get("channels_last", "auto"))),
+                   Param("compile", str(c.get("compile", "off"))),  # heal.compile: eager (the authors') or compiled
                    Param("latency_rounds", str(c.get("latency_rounds", 20)))]  # heal.latency_rounds (CORP's timing)
         if c.get("heal_seed") is not None:  # a re-evaluation: the healing seed (``seed`` stays the cell's: its mask)
             params.append(Param("heal_seed", str(c["heal_seed"])))

@@ -65,4 +65,4 @@ class DivergenceGuard:
 def keep_or_restore(undo: torch.Tensor, current: Sequence[torch.Tensor], before: Sequence[torch.Tensor]) -> None:
     """In place: each tensor of ``current`` keeps its value, or takes ``before``'s when ``undo`` (() bool) is True."""
     for cur, old in zip(current, before):
-        cur.copy_(torch.where(undo, old, cur))
+        torch.where(undo, old, cur, out=cur)  # in place: one kernel, no temporary

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from tasks.healing.base import Batches, EpochCallback, HealConfig, HealContext, Healer, HealResult
+from tasks.healing.compiled import compiled_blocks, compiled_fn
 from tasks.healing.guard import DivergenceGuard, finite_norms, keep_or_restore
 from tasks.healing.precision import as_f32, dict_f32, forward_context, precision_flags
 from tasks.healing.targets import block_tap, device_index
@@ -119,15 +120,20 @@ class GradientHealer(Healer):
             _load_buffers(model, ctx.resume.get("buffers", {}))
         r.guard = DivergenceGuard(r.dev, first_step=steps)
         lowp = cfg.precision == "bf16"
+
+        def batch_objective(cap: dict, lg: torch.Tensor, tgt: dict) -> torch.Tensor:  # one batch's scalar loss
+            return self.objective(dict_f32(cap) if lowp else cap, as_f32(lg), tgt, block_names, settings)
+
+        batch_objective = compiled_fn(batch_objective, cfg.compile)  # heal.compile (tasks/healing/compiled.py)
         try:
-            with (block_tap(ctx.blocks) if self.uses_blocks else nullcontext({})) as cap, precision_flags(cfg.precision):
+            with (block_tap(ctx.blocks) if self.uses_blocks else nullcontext({})) as cap, precision_flags(cfg.precision), \
+                    compiled_blocks(ctx.blocks if self.uses_blocks else [], cfg.compile):
                 for epoch in range(start, cfg.epochs):
                     run, n = torch.zeros((), dtype=torch.float64, device=r.dev), 0  # the epoch's loss sum, on device
                     for x, tgt in self.stream(ctx, cfg, epoch):
                         if cfg.steps and steps >= cfg.steps:  # a steps budget ends mid-epoch
                             break
-                        loss = self._step(r, model, lambda lg: self.objective(dict_f32(cap) if lowp else cap, as_f32(lg),
-                                                                              tgt, block_names, settings), x, cfg.precision)
+                        loss = self._step(r, model, lambda lg: batch_objective(cap, lg, tgt), x, cfg.precision)
                         run += loss.double() * len(x)
                         n += len(x)
                         steps += 1
@@ -170,8 +176,8 @@ class GradientHealer(Healer):
         r.opt.step()
         r.sched.step()
         with torch.no_grad():
-            for name in names:
-                params[name].copy_(torch.where(r.keep[name], params[name], r.frozen[name]))
+            for name in names:  # in place (out= the parameter itself): one kernel, no temporary
+                torch.where(r.keep[name], params[name], r.frozen[name], out=params[name])
             undo = r.guard.record(torch.isfinite(loss), grad_ok, bad_grad, finite_norms(current, r.dev)[0], loss)
             keep_or_restore(undo, current, r.before)  # never leave NaN/Inf weights
             keep_or_restore(undo, list(r.bn_bufs.values()), [saved[k] for k in r.bn_bufs])

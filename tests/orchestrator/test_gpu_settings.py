@@ -4,7 +4,7 @@ import pytest
 
 from orchestrator.raytune.resources import task_device, task_gpus, trial_device
 from orchestrator.spec import SpecError, parse_spec
-from orchestrator.spec.checks import DEVICES, PRECISIONS
+from orchestrator.spec.checks import COMPILE_MODES, DEVICES, PRECISIONS
 from orchestrator.raytune.tune_setup import trial_config
 
 BASE = {"name": "t", "models": ["vit_digits"], "sparsities": [0.5], "calib_sizes": [64], "pruners": ["magnitude"],
@@ -16,6 +16,18 @@ def test_precision_names_are_the_tasks_registry():
     from tasks.healing.precision import PRECISIONS as LIVE
 
     assert PRECISIONS == LIVE
+
+
+def test_compile_names_are_the_tasks_registry_and_carried_to_every_trial():
+    from tasks.healing.compiled import COMPILE_MODES as LIVE
+    from orchestrator.spec.plan import expand_cells
+
+    assert COMPILE_MODES == LIVE
+    assert parse_spec(BASE).heal.compile == "off"  # the authors run eagerly
+    spec = parse_spec({**BASE, "heal": {"compile": "blocks"}})
+    cell = expand_cells(spec, {"vit_digits": "qkv_out_mlp"})[0]
+    cfg = trial_config(cell, spec, {"targets": "t", "masks": "m", "cache": "c"}, "k", "mk", "token", 1, "cpu")
+    assert cfg["compile"] == "blocks"
 
 
 @pytest.mark.parametrize("prec", PRECISIONS)
@@ -41,6 +53,7 @@ def test_latency_rounds_parsed_and_carried_to_every_trial():
 
 @pytest.mark.parametrize("heal,match", [({"precision": "fp16"}, "heal.precision"),
                                         ({"channels_last": "yes"}, "heal.channels_last"),
+                                        ({"compile": "max-autotune"}, "heal.compile"),
                                         ({"latency_rounds": 0}, "heal.latency_rounds"),
                                         ({"latency_rounds": 2.5}, "heal.latency_rounds")])
 def test_bad_heal_settings_refused_in_one_line(heal, match):
