@@ -1,8 +1,7 @@
 """Read sweep results back from MLflow and write reports (never recomputes results).
 
 Depends on MLflow, pandas and matplotlib; ``analysis.rr`` (the RR and ERK allocations of the report's CTS section)
-also on ``tasks.pruning.allocation_math``, hence torch, imported only when that section is built. Never imports
-``orchestrator``.
+also on ``tasks.allocation_rules`` (numbers alone: the report imports no torch). Never imports ``orchestrator``.
 """
 
 from .report import write_report, write_report_from

@@ -2,7 +2,7 @@
 
 Contract (written by the sweep): the parent run holds ``diagnostics/<model>.parquet`` with columns
 model, layer, n_weights, shape (JSON list), sparsity (candidate grid), D_raw, D_repair, R.
-Allocations come from ``tasks.allocation`` (imported lazily): RR = greedy on R, ERK from the layer
+Allocations come from ``tasks.allocation_rules`` (numbers alone, no torch): RR = greedy on R, ERK from the layer
 shapes. LAMP needs the weights, which the analysis side never loads: the sweep logs LAMP's per-layer allocations
 at the CTS targets as ``diagnostics/<model>.lamp.json`` ({target "0.9500": {layer: s}}), read back here.
 """
@@ -18,7 +18,7 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from .cts import CTSSettings, compute_cts
-from tasks.pruning.allocation_math import erk_sparsities, greedy_allocate
+from tasks.allocation_rules import erk_sparsities, greedy_allocate
 
 __all__ = ["RRCurves", "curves_from_frame", "load_diagnostics", "load_lamp", "allocations", "model_cts", "jrr_table"]
 

@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         code = 130
     except Exception as e:  # a full disk, a damaged database: one line (orchestrator/rundir/faults.py); else a bug
         code = fault_exit(e, args)
-    if argv is None and "torch" in sys.modules:  # the console script, after a command that loaded torch/Ray
-        exit_now(code)
+    if argv is None and ("torch" in sys.modules or "ray" in sys.modules):  # the console script, after a command that
+        exit_now(code)  # loaded torch or Ray (a sweep on a warm store loads Ray, MLflow and no torch)
     return code
 
 

@@ -20,6 +20,9 @@ REFERENCE_MODELS = {"resnet_digits": "digits", "vit_digits": "digits"}  # name -
 MODEL_SOURCES = ("checkpoint", "timm", "torchvision")  # external sources; "reference" is the registry MODELS
 ADAPTERS = ("mobilenet", "resnet", "timm_vit", "torchvision_vit", "vgg")  # architecture families
 DATA_SEED = 0  # tasks.models.weights.DATA_SEED: the data seed the shipped weights were trained on
+# tasks.models.weights.SHIPPED[name].sha256: the shipped weights' digests (the cached model facts' key, no torch)
+SHIPPED_SHA256 = {"vit_digits": "a82e66177bd68dc0f206f5ed34d5622e1bf3d3624557c89de545865ca1039399",
+                  "resnet_digits": "03f3c57ecfd0bf020dab8097d56f2d8ac7fa96d879c47b39edee06fea4b25998"}
 # name -> True when the dataset takes settings and checks them itself (image folders, tables, hub sets: it reads
 # files or an index to know its size, so checking it imports tasks.data)
 DATASETS = {"cifar10": True, "cifar100": True, "digits": False, "hf": True, "image_table": True, "imagefolder": True,
@@ -84,6 +87,14 @@ class Method:
         if self.name == "nm":
             return f"{settings.get('n', 2)}:{settings.get('m', 4)}"
         return f"{sparsity:g}-structured" if self.name == "corp" else f"{sparsity:g}"
+
+    def diagnostic_settings(self, settings: Mapping[str, Any]) -> dict[str, Any] | None:
+        """What determines its RR diagnostics table (part of the table's key): the RR pruners' (those with a candidate
+        grid); None for every other method, which reads none (the live pruner has no ``diagnostic_settings``)."""
+        if not self.has_grid:
+            return None
+        resolved = self.resolved_settings(settings)
+        return {k: resolved[k] for k in _RR_SCHEMA}
 
     def check_sparsity(self, sparsity: float, settings: Mapping[str, Any]) -> None:
         if not self.has_grid:

@@ -26,7 +26,7 @@ from tasks.models.adapter import get_adapter
 from tasks.models.base import MODEL_SOURCES, MODELS, ModelRef
 from tasks.models.load import load_model
 from tasks.pruning.base import achieved_sparsity, mask_violations
-from tasks.pruning.masks import MaskStore
+from tasks.store.masks import MaskStore
 
 HEALED = "healed.safetensors"
 TRIAL_JSON = "trial.json"

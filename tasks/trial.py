@@ -24,8 +24,8 @@ from tasks.healing.targets import recompute_batches
 from tasks.models.adapter import get_adapter
 from tasks.models.load import load_model
 from tasks.pruning.base import PRUNERS, achieved_sparsity, apply_masks, mask_violations
-from tasks.pruning.masks import MaskStore
 from tasks.store import TargetStore
+from tasks.store.masks import MaskStore
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from tasks import catalog
 from tasks.data import DATASETS, DIGITS_SPLIT_SIZES
 from tasks.healing import HEALERS, resolve_healer
 from tasks.models import ADAPTERS, MODEL_SOURCES, MODELS, parse_ref
-from tasks.models.weights import DATA_SEED
+from tasks.models.weights import DATA_SEED, SHIPPED
 from tasks.pruning import PRUNERS
 
 # values each setting is tried with, alone and in pairs: valid ones, bounds, wrong types, non-finite numbers
@@ -47,6 +47,7 @@ def test_every_registry_lists_the_same_names_both_ways():
     assert list(catalog.ADAPTERS) == ADAPTERS.names()
     assert catalog.DATASETS == {n: getattr(DATASETS.get(n), "check", None) is not None for n in DATASETS.names()}
     assert catalog.DIGITS_SPLIT_SIZES == DIGITS_SPLIT_SIZES and catalog.DATA_SEED == DATA_SEED
+    assert catalog.SHIPPED_SHA256 == {n: w.sha256 for n, w in SHIPPED.items()}
 
 
 def test_search_designs_are_the_search_registry():
@@ -73,6 +74,7 @@ def test_each_method_is_its_registered_method(kind, name):
         assert outcome(table.resolved_settings, s) == outcome(live.resolved_settings, s), (name, s)
         if kind == "pruner":
             assert table.fixed_sparsity(s) == live.fixed_sparsity(s), (name, s)
+            assert registries.diagnostic_settings(table, s) == registries.diagnostic_settings(live, s), (name, s)
             for sp in (0.5, 0.9, 0.97, 0.98):
                 assert table.pattern(sp, s) == live.pattern(sp, s), (name, s, sp)
                 if table.has_grid:

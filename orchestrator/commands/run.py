@@ -17,6 +17,7 @@ from orchestrator.rundir import faults
 from orchestrator.rundir.files import ResumeError, probe_run_dir, read_sweep
 from orchestrator.sweep.background import background
 from orchestrator.sweep.console import StageClock, process_age, quiet_libraries
+from tasks.errors import DatasetError, ModelSourceError  # no torch: a warm sweep loads no model and no dataset
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -115,8 +116,6 @@ def _models(spec, store: Path, cache: Path, clock, progress: bool) -> dict:
     """The models stage of a sweep on a local instance (orchestrator/sweep/run.py takes them as ``models``)."""
     from orchestrator.sweep.run import models_line
     from orchestrator.sweep.stages import prepare_models, store_paths
-    from tasks.data import DatasetError
-    from tasks.models import ModelSourceError
 
     try:
         with clock.stage("models", models_line(spec, on_cluster=False)):
@@ -252,8 +251,6 @@ def _run(args, spec, out: Path, store: Path, cache: Path, clock, owns_ray: bool 
     """The sweep, then its widening rounds when the spec asks for them (orchestrator/lifecycle/widen.py)."""
     from orchestrator.sweep.dense import StoreBudgetError
     from orchestrator.sweep.run import run_sweep
-    from tasks.data import DatasetError
-    from tasks.models import ModelSourceError
 
     try:
         widen = spec.search.widen  # extra rounds past the search boundary

@@ -6,6 +6,7 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
+from orchestrator.raytune.trial_entry import tune_trainable
 from orchestrator.spec import SweepSpec
 from orchestrator.spec.plan import Cell
 
@@ -74,7 +75,7 @@ def make_tuner(spec: SweepSpec, out_dir: Path, name: str, searcher, max_concurre
     from orchestrator.raytune.actor_reuse import spare_starting_actors
 
     if trainable is None:
-        from orchestrator.raytune.trainable import tune_trainable as trainable  # imports torch
+        trainable = tune_trainable  # torch-free: the trial's actor imports torch (orchestrator/raytune/trial_entry.py)
     spare_starting_actors()  # a freed actor never takes a trial whose own actor is starting (a node that just joined)
     trial_faults.install()  # a trial whose node dies is retried elsewhere (orchestrator/raytune/trial_faults.py)
 

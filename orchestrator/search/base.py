@@ -31,6 +31,7 @@ from optuna.distributions import FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
 from orchestrator.spec.checks import MAX_REEVALUATE  # noqa: F401 - the bound lives with the spec's checks
+from orchestrator.spec.registries import resolve_healer
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 DONE = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
@@ -73,9 +74,8 @@ class _Slot:
 
 
 def fixed_cell(cell: Mapping[str, Any]) -> bool:
-    """True when the cell's healer (or every step of its chain) uses no lr/epochs."""
-    from tasks.healing import resolve_healer
-
+    """True when the cell's healer (or every step of its chain) uses no lr/epochs (the registries' table: no
+    torch)."""
     return "healer" in cell and not resolve_healer(cell["healer"], cell.get("healer_settings")).trains
 
 

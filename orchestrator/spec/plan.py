@@ -1,10 +1,13 @@
-"""Expand a spec into grid cells and the distinct jobs they need (dense targets, masks)."""
+"""Expand a spec into grid cells and the distinct jobs they need (dense targets, masks).
+
+Without torch: pruners and healers are asked through orchestrator/spec/registries.py (the static table, the live
+registry only for a plugin's method) and keys come from tasks.store's torch-free face."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-from orchestrator.spec import SweepSpec
+from orchestrator.spec import SweepSpec, registries
 from tasks.store import content_key
 
 TARGETS_FORMAT = "healsweep-targets/1"
@@ -35,12 +38,10 @@ class Cell:
 
     def mask_identity(self, model_digest: str, calib_digest: str) -> dict:
         """What determines this cell's mask; calibration data only for pruners that read it."""
-        from tasks.pruning import PRUNERS
-
         ident = {"kind": "mask/1", "model_digest": model_digest, "pruner": self.pruner,
                  "settings": dict(self.pruner_settings), "sparsity": self.sparsity, "scope": self.scope,
                  "seed": self.seed}
-        if PRUNERS.get(self.pruner).uses_calibration:
+        if registries.get("pruner", self.pruner).uses_calibration:
             ident.update(calibration=calib_digest, calib_size=self.calib_size)
         return ident
 
@@ -48,14 +49,11 @@ class Cell:
 def grid(spec: SweepSpec, scopes: Mapping[str, str]):
     """Yield every cell's fields in a stable order (pruner/healer entries may be restricted to some models,
     a pruner entry may bring its own sparsities and scope)."""
-    from tasks.healing import resolve_healer
-    from tasks.pruning import PRUNERS
-
     for model in spec.models:
         for p in spec.pruners:
             if not p.applies_to(model):
                 continue
-            pruner = PRUNERS.get(p.name)
+            pruner = registries.get("pruner", p.name)
             fixed = pruner.fixed_sparsity(p.settings)
             for s in ([fixed] if fixed is not None else list(p.sparsities or spec.sparsities)):
                 for n in spec.calib_sizes:
@@ -67,7 +65,7 @@ def grid(spec: SweepSpec, scopes: Mapping[str, str]):
                             # (cell, mask, diagnostics) and the logged params (docs/methods.md#run-identity)
                             yield (model, p.name, pruner.resolved_settings(p.settings), float(s),
                                    pruner.pattern(s, p.settings), p.scope or scopes[model], n, h.name,
-                                   resolve_healer(h.name, h.settings).resolved_settings(h.settings), seed)
+                                   registries.resolve_healer(h.name, h.settings).resolved_settings(h.settings), seed)
 
 
 def expand_cells(spec: SweepSpec, scopes: Mapping[str, str]) -> list[Cell]:

@@ -54,6 +54,13 @@ def get(kind: str, name: str):
     return _table(kind).get(name) or live(kind).get(name)
 
 
+def diagnostic_settings(pruner, settings: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What determines a pruner's RR diagnostics table (part of its key), or None when the pruner reads none: the
+    table's answer, or a live (plugin) pruner's own ``diagnostic_settings`` when it has one."""
+    fn = getattr(pruner, "diagnostic_settings", None)
+    return None if fn is None else fn(settings)
+
+
 def sparsity_check(pruner):
     """The pruner's ``check_sparsity`` (a candidate grid that must reach every sparsity), or None."""
     return pruner.check_sparsity if getattr(pruner, "has_grid", True) and hasattr(pruner, "check_sparsity") else None

@@ -1,10 +1,11 @@
-"""The sharded dense stage: Ray tasks, one per missing target shard (model loaded once per worker process),
-compute them in parallel on every node present (nodes that join mid-stage included);
-``tasks.store.ensure_targets`` decides which (verify, repair, resume, append) under a key lock.
-Also the store's disk budget policy (refuse | recompute)."""
+"""The sharded dense stage: which target shards each model's key lacks (``tasks.store.ensure_targets`` decides:
+verify, repair, resume, append, under a key lock), and the store's disk budget policy (refuse | recompute).
+Computing shards (Ray tasks, one per missing shard, in parallel on every node present, nodes that join mid-stage
+included; or in this process when the work is small) is orchestrator/sweep/dense_work.py: torch and the models,
+imported only when a key lacks rows or a budget is priced (``_work``). Over a warm store this stage checks every
+shard's sha256 and imports no torch."""
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from functools import partial
@@ -12,49 +13,17 @@ from pathlib import Path
 from typing import Mapping
 
 import ray
-import torch
-from tqdm.auto import tqdm
 
-from orchestrator.raytune.resources import task_device, task_gpus
-from tasks.healing import dense_targets
-from tasks.models import get_adapter, load_model
 from tasks.store import StoreError, TargetStore, ensure_targets
 
 log = logging.getLogger("healsweep.store")
-# Dense work up to this many (images x model parameters) runs in the driver: starting tasks (a process and a
-# model load each, seconds) costs more than the forward passes themselves (128 images of vit_digits: 0.03 s).
-LOCAL_MAX_IMAGE_PARAMS = 5e9
 
 
-DENSE_BATCH = {"cpu": 64, "cuda": 256}  # images per forward pass of a dense task (a GPU wants larger batches)
-_LOADED: dict = {}  # per worker process: the last model a dense task loaded (Ray reuses worker processes)
+def _work():
+    """orchestrator/sweep/dense_work.py (torch, the models), imported where the dense stage has work to do."""
+    from orchestrator.sweep import dense_work
 
-
-def _loaded(model: str, cache_dir: str, data_seed: int, load_kw: dict, device: str):
-    """(model, calibration images, blocks) of ``model``, loaded once per process (one model kept)."""
-    k = (model, cache_dir, data_seed, json.dumps(load_kw, sort_keys=True, default=str), device)
-    if k not in _LOADED:
-        _LOADED.clear()
-        lm = load_model(model, cache_dir, data_seed=data_seed, progress=False, **load_kw)
-        lm.model.to(device)
-        _LOADED[k] = (lm.model, lm.dataset["calibration"].images, get_adapter(lm.model).blocks(lm.model))
-    return _LOADED[k]
-
-
-@ray.remote
-def dense_shard(store_uri: str, key: str, index: int, start: int, stop: int, dtype: str, model: str,
-                cache_dir: str, data_seed: int, threads: int, load_kw: dict, device_setting: str = "auto"
-                ) -> tuple[dict, str]:
-    """One Ray task: calibration rows [start, stop) of ``model`` written as one shard. Tasks (not a fixed actor
-    pool) so queued shards go to whatever node has room, including nodes that join mid-stage; the model is loaded
-    once per worker process (``_loaded``). -> (shard info, Ray node id)."""
-    torch.set_num_threads(max(1, threads))
-    device = task_device(device_setting, ray.get_gpu_ids())  # a GPU only when the task was given one
-    net, images, blocks = _loaded(model, cache_dir, data_seed, load_kw or {}, device)
-    targets = dense_targets(net, blocks, images[start:stop].to(device), dtype=getattr(torch, dtype),
-                            batch_size=DENSE_BATCH[device])
-    info = TargetStore(store_uri).write_shard(key, index, start, {k: v.cpu() for k, v in targets.items()})
-    return info, ray.get_runtime_context().get_node_id()
+    return dense_work
 
 
 @dataclass
@@ -71,7 +40,7 @@ def dense_stage(spec, models: Mapping, rows: Mapping[str, int], store_uri: str |
     """Make every model's key (except ``skip``) hold at least ``rows[model]`` rows; compute only what is
     missing or damaged. Returns {model: dense forward images computed now}; ``report`` gets the details.
     ``in_driver``: compute in this process (True) or as Ray tasks (False); default: in this process
-    when the work is small (``LOCAL_MAX_IMAGE_PARAMS``) and no GPU is asked for dense tasks."""
+    when the work is small (``dense_work.LOCAL_MAX_IMAGE_PARAMS``) and no GPU is asked for dense tasks."""
     store = TargetStore(store_uri)
     rep = report if report is not None else DenseReport()
     cpus = int(ray.cluster_resources().get("CPU", 1)) if ray.is_initialized() else 1
@@ -86,81 +55,24 @@ def dense_stage(spec, models: Mapping, rows: Mapping[str, int], store_uri: str |
         res = ensure_targets(store, info.store_key, rows[m], spec.store.shard_size, run_shards,
                              meta={"model": m, "model_digest": info.digest, "calibration": info.calib_digest,
                                    "shard_size": spec.store.shard_size, "blocks": list(info.blocks)},
-                             dtype=spec.store.dtype,
-                             calibration_rows=_calibration_rows(m, cache_dir, spec.data_seed, spec.load_kwargs(m)))
+                             dtype=spec.store.dtype,  # the calibration order: read only when a manifest is written
+                             calibration_rows=partial(_calibration_rows, m, cache_dir, spec.data_seed,
+                                                      spec.load_kwargs(m)))
         rep.computed[m], rep.shards[m] = res.computed_rows, len(res.computed_shards)
         rep.events += res.events
     return dict(rep.computed)
 
 
-def _run_shards(plan, *, in_driver: bool | None, n_rows: int, **kw):
-    """Called by ensure_targets only when shards are missing: small work in this process, else Ray tasks."""
-    local = in_driver
-    if local is None:
-        spec = kw["spec"]
-        lm = load_model(kw["model"], kw["cache_dir"], data_seed=spec.data_seed, progress=False,
-                        **spec.load_kwargs(kw["model"]))
-        size = n_rows * sum(p.numel() for p in lm.model.parameters())
-        local = task_gpus(spec.resources) == 0 and size <= LOCAL_MAX_IMAGE_PARAMS
-    yield from (_local_shards if local else _task_shards)(plan, **kw)
-
-
-def _local_shards(plan, *, spec, model, key, store_uri, cache_dir, cpus, max_workers, progress, nodes):
-    """The shards of ``plan`` computed one after another in this process (same code as ``dense_shard``)."""
-    lm = load_model(model, cache_dir, data_seed=spec.data_seed, progress=False, **spec.load_kwargs(model))
-    blocks, images, store = get_adapter(lm.model).blocks(lm.model), lm.dataset["calibration"].images, \
-        TargetStore(store_uri)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, int(spec.resources.cpus_per_dense_task)))  # as a dense task: same numbers
-    try:
-        with tqdm(total=sum(b - a for _, a, b in plan), desc=f"dense targets {model} (in-process)", unit="img",
-                  disable=not progress, leave=False) as bar:
-            for index, start, stop in plan:
-                targets = dense_targets(lm.model, blocks, images[start:stop], dtype=getattr(torch, spec.store.dtype))
-                shard = store.write_shard(key, index, start, targets)
-                bar.update(stop - start)
-                yield shard
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _task_shards(plan, *, spec, model, key, store_uri, cache_dir, cpus, max_workers, progress, nodes):
-    """The shards of ``plan`` as Ray tasks (``dense_shard``): every shard is queued at once (at most
-    ``max_workers`` in flight when given), so the stage uses every node present while it runs and an autoscaler
-    sees the demand; results come back in completion order."""
-    per_task, gpus = spec.resources.cpus_per_dense_task, task_gpus(spec.resources)
-    task = dense_shard.options(num_cpus=per_task, num_gpus=gpus)
-    args = (spec.store.dtype, model, str(cache_dir), spec.data_seed, max(1, int(per_task)), spec.load_kwargs(model),
-            spec.resources.device)
-    todo, running = list(plan), []
-    limit = max_workers or len(todo)
-    with tqdm(total=sum(b - a for _, a, b in plan), desc=f"dense targets {model} (Ray tasks)", unit="img",
-              disable=not progress, leave=False) as bar:
-        while todo or running:
-            while todo and len(running) < limit:
-                index, start, stop = todo.pop(0)
-                running.append(task.remote(store_uri, key, index, start, stop, *args))
-            ready, running = ray.wait(running, num_returns=1)
-            shard, node = ray.get(ready[0])
-            nodes[node] = nodes.get(node, 0) + 1
-            bar.update(shard["row_stop"] - shard["row_start"])
-            yield shard
+def _run_shards(plan, **kw):
+    """Called by ensure_targets only when shards are missing: ``dense_work.run_shards`` (small work in this
+    process, else Ray tasks)."""
+    yield from _work().run_shards(plan, **kw)
 
 
 def _calibration_rows(model: str, cache_dir: Path, data_seed: int, load_kw: dict | None = None) -> list[int]:
-    """Dataset index of each calibration item (row i of the store = calibration item i). A reference model's
-    dataset (shipped weights or a checkpoint) is loaded without the model (no timm import on a warm sweep): the
-    same splits load_model gives it. An external model (timm, torchvision, checkpoint) is loaded as its spec
-    entry says (``load_kw``: ``spec.load_kwargs(model)``): its dataset is the spec's, preprocessed its way."""
-    from tasks.data import load_dataset
-    from tasks.models import MODELS
-
-    source = (load_kw or {}).get("source") or {}
-    if model in MODELS and source.get("source", "reference") == "reference":
-        data = load_dataset(MODELS.get(model).dataset, seed=data_seed)
-    else:
-        data = load_model(model, cache_dir, data_seed=data_seed, progress=False, **(load_kw or {})).dataset
-    return [int(i) for i in data["calibration"].indices]
+    """Dataset index of each calibration item (``dense_work.calibration_rows``: a reference model's dataset without
+    the model); asked for only when a key's manifest is written."""
+    return _work().calibration_rows(model, cache_dir, data_seed, load_kw)
 
 
 # ---------------------------------------------------------------------------------------------- budget
@@ -168,18 +80,11 @@ class StoreBudgetError(Exception):
     """The targets a sweep needs do not fit ``store.budget_gb`` and ``store.on_budget`` is refuse."""
 
 
-def row_bytes(model: str, cache_dir: Path, data_seed: int, dtype: str, load_kw: dict | None = None) -> int:
-    """Bytes of one calibration row of dense targets (every block + logits)."""
-    lm = load_model(model, cache_dir, data_seed=data_seed, progress=False, **(load_kw or {}))
-    t = dense_targets(lm.model, get_adapter(lm.model).blocks(lm.model), lm.dataset["calibration"].images[:1],
-                      dtype=getattr(torch, dtype))
-    return sum(v[0].numel() * v.element_size() for v in t.values())
-
-
 def budget_modes(spec, models: Mapping, rows: Mapping[str, int], store_uri: str | Path, cache_dir: Path
                  ) -> dict[str, str]:
     """{model: "store" | "recompute"} under ``spec.store.budget_gb``; StoreBudgetError (one line) when over
-    budget and ``on_budget`` is refuse. Keys already holding enough rows cost nothing new."""
+    budget and ``on_budget`` is refuse. Keys already holding enough rows cost nothing new. A budget prices a row
+    with the model (``dense_work.row_bytes``); without one nothing is loaded."""
     modes = {m: "store" for m in models}
     budget = spec.store.budget_gb
     if budget is None:
@@ -192,8 +97,8 @@ def budget_modes(spec, models: Mapping, rows: Mapping[str, int], store_uri: str 
             man = store.manifest(info.store_key)
         except StoreError:  # damaged: the dense stage quarantines and rebuilds it (counted as all new)
             man = None
-        need = max(rows[m], man["num_rows"] if man else 0) * row_bytes(m, cache_dir, spec.data_seed, spec.store.dtype,
-                                                                       spec.load_kwargs(m))
+        need = max(rows[m], man["num_rows"] if man else 0) * _work().row_bytes(m, cache_dir, spec.data_seed,
+                                                                               spec.store.dtype, spec.load_kwargs(m))
         if (used + need) / 1e9 <= budget:
             used += need
             continue

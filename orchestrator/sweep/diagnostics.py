@@ -21,10 +21,11 @@ from typing import Any, Mapping
 import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
-import torch
 
+from orchestrator.spec import registries
 from orchestrator.spec.plan import Cell
 from tasks.store import KEY_RE, StoreError, content_key
+from tasks.store.fs import StoreFS
 
 SCHEMA = pa.schema([("model", pa.string()), ("layer", pa.string()), ("n_weights", pa.int64()),
                     ("shape", pa.string()), ("sparsity", pa.float64()), ("D_raw", pa.float64()),
@@ -55,9 +56,7 @@ def table_path(root: Path, key: str) -> Path:
     return Path(root) / table_name(key)
 
 
-def _fs(root: str | Path):
-    from tasks.store.fs import StoreFS
-
+def _fs(root: str | Path) -> StoreFS:
     return StoreFS(root)
 
 
@@ -77,14 +76,13 @@ def load_table(root: str | Path, key: str) -> dict[str, list]:
 
 
 def diagnostics_identity(cell: Cell, model_digest: str, calib_digest: str) -> dict[str, Any] | None:
-    """What determines a cell's diagnostics table, or None when its pruner reads none."""
-    from tasks.pruning import PRUNERS
-
-    p = PRUNERS.get(cell.pruner)
-    if not hasattr(p, "diagnostic_settings"):
+    """What determines a cell's diagnostics table, or None when its pruner reads none (no torch: the registries'
+    table, orchestrator/spec/registries.py)."""
+    settings = registries.diagnostic_settings(registries.get("pruner", cell.pruner), cell.pruner_settings)
+    if settings is None:
         return None
     return {"kind": "rr-diagnostics/1", "model": cell.model, "model_digest": model_digest,
-            "calibration": calib_digest, "scope": cell.scope, **p.diagnostic_settings(cell.pruner_settings)}
+            "calibration": calib_digest, "scope": cell.scope, **settings}
 
 
 @ray.remote
@@ -93,6 +91,8 @@ def diagnostics_layer(model: str, cache_dir: str, data_seed: int, scope: str, in
                       ) -> list[dict]:
     """One Ray task: every candidate sparsity of one prunable layer (layer input captured once). Each row carries
     the Ray node id that computed it (``node_id``, dropped before writing; recorded in the table's metadata)."""
+    import torch
+
     from tasks.models import get_adapter, load_model
     from tasks.pruning.rr import layer_diagnostics
 
@@ -114,15 +114,22 @@ def _write(root: str | Path, key: str, rows: list[dict], ident: Mapping[str, Any
     _fs(root).write_atomic(table_name(key), buf.getvalue())  # atomic: a table is complete or absent
 
 
+def _layer_count(model: str, scope: str) -> int:
+    """Prunable layers of ``model``'s ``scope``, from its untrained skeleton (no weights needed in the driver)."""
+    from tasks.models import MODELS, get_adapter
+
+    src = MODELS.get(model)
+    skeleton = src.build(src.arch)
+    return len(get_adapter(skeleton).scope(skeleton, scope))
+
+
 def diagnostics_stage(cells: list[Cell], models: Mapping[str, Any], root: str | Path, cache_dir: str | Path,
                       data_seed: int, threads: int = 1, gpus: float = 0.0,
                       load_kw: Mapping[str, dict] | None = None) -> DiagnosticsResult:
     """Make sure every diagnostics table the cells need exists under ``root`` (a directory or a store URI);
     compute only missing ones, one Ray task per layer (``gpus`` per task: placement only, the layer statistics
-    are computed on the CPU). ``load_kw``: {model: load_model kwargs} (a reference model's checkpoint path)."""
-
-    from tasks.models import MODELS, get_adapter
-
+    are computed on the CPU). ``load_kw``: {model: load_model kwargs} (a reference model's checkpoint path).
+    Tables already there are found without torch; a model skeleton is built only for a missing one."""
     t0 = time.perf_counter()
     res = DiagnosticsResult()
     idents: dict[str, tuple[Cell, dict]] = {}
@@ -139,17 +146,14 @@ def diagnostics_stage(cells: list[Cell], models: Mapping[str, Any], root: str | 
     for key, (c, ident) in idents.items():
         if has_table(root, key):
             continue
-        src = MODELS.get(c.model)
-        skeleton = src.build(src.arch)  # only the layer list: no weights needed in the driver
-        n_layers = len(get_adapter(skeleton).scope(skeleton, c.scope))
-        for i in range(n_layers):
+        for i in range(_layer_count(c.model, c.scope)):
             ref = diagnostics_layer.options(num_cpus=threads, num_gpus=gpus).remote(
                 c.model, str(cache_dir), data_seed, c.scope, i, ident["grid"], ident["diag_images"], ident["tau"],
                 threads, ident["at"], dict((load_kw or {}).get(c.model, {})))
             jobs[ref] = key
     rows: dict[str, list[list[dict]]] = {}
     order = list(jobs)
-    for ref, out in zip(order, ray.get(order)):  # re-raises a task's error here; keeps layer order
+    for ref, out in zip(order, ray.get(order) if order else []):  # re-raises a task's error; keeps layer order
         rows.setdefault(jobs[ref], []).append(out)
     for key, parts in rows.items():
         _write(root, key, [r for part in parts for r in part], idents[key][1])

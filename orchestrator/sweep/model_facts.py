@@ -10,10 +10,10 @@ compatibility verdicts (orchestrator/spec/verdicts.py), in the same directory (`
 
 ``ModelInfo`` is a pure function of the checkpoint's bytes, the data seed, the store dtype, the model's scope
 and the code that loads, hashes and names things; the key is made of exactly those: the shipped weights' sha256
-(tasks/models/weights, verified by every load that builds the model), the spec values, and
-``verdicts.code_digest()`` (every source file under ``tasks/`` and ``orchestrator/spec/`` and the torch, timm
-and torchvision versions). Only reference models' shipped weights are cached; other checkpoints, external models
-(timm pretrained, checkpoints) and specs with plugins are loaded as before.
+(tasks/models/weights, verified by every load that builds the model; its copy in tasks/catalog.py is read here, so a
+hit imports no torch), the spec values, and ``verdicts.code_digest()`` (every source file under ``tasks/`` and
+``orchestrator/spec/`` and the torch, timm and torchvision versions). Only reference models' shipped weights are
+cached; other checkpoints, external models (timm pretrained, checkpoints) and specs with plugins are loaded as before.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from orchestrator.spec.verdicts import cache_dir, code_digest, write_entry
+from tasks.catalog import SHIPPED_SHA256
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,10 @@ class ModelInfo:
 def cached_model_info(spec, name: str, compute: Callable[[], ModelInfo]) -> ModelInfo:
     """``compute()`` (stages.model_info) unless the facts of the same weights and settings are cached; a
     computed one is cached."""
-    from tasks.models.weights import SHIPPED
-
     root = cache_dir()
-    if root is None or spec.plugins or spec.load_kwargs(name) or name not in SHIPPED:
+    if root is None or spec.plugins or spec.load_kwargs(name) or name not in SHIPPED_SHA256:
         return compute()
-    path = root / f"model-{_key(spec, name, SHIPPED[name].sha256)}.json"
+    path = root / f"model-{_key(spec, name, SHIPPED_SHA256[name])}.json"
     hit = _read(path)
     if hit is not None:
         return hit

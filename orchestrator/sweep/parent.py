@@ -74,7 +74,7 @@ def parent_run(s: SweepState) -> ParentRun:
 def log_stages(s: SweepState, client, parent: str) -> None:
     """What the stages before the trials leave on the parent run: mask and dense placement, RR diagnostics,
     LAMP allocations, store integrity events."""
-    from orchestrator.sweep.diagnostics import log_diagnostics  # torch, ray: imported in this thread
+    from orchestrator.sweep.diagnostics import log_diagnostics  # ray, pyarrow: imported in this thread
 
     diag_root = s.paths["diagnostics"]
     if s.mask_keys.computed:  # where this session's masks were computed (node ids; "driver" in-process)

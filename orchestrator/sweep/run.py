@@ -6,8 +6,10 @@ sequence of named stages below, each timed (``StageClock``): the times go to the
 
 Lifecycle commands call ``run_sweep`` (orchestrator/lifecycle/: resume, refine, widen); a resumed sweep's run
 directory is checked and prepared by its caller (``lifecycle.resume.prepare_resume``) before ``run_sweep`` opens it.
-Modules imported inside functions here are the heavy ones (Ray, Tune, MLflow, torch through the stages), imported
-where the work starts so that they overlap Ray's start (tests/test_imports.py holds every other import at the top).
+Modules imported inside functions here are the heavy ones (Ray, Tune, MLflow through the stages), imported where the
+work starts so that they overlap Ray's start (tests/test_imports.py holds every other import at the top). Torch is
+imported only by a stage with work to do (a model or mask to compute): a sweep over a warm store and model cache
+never imports it in the driver (tests/orchestrator/test_warm_driver.py).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def open_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path,
                refine_round: int | None, clock: StageClock) -> SweepState:
     """A new sweep (fresh sweep id, tracking URI) or the one recorded in ``out_dir`` (resume / refine: the caller
     prepared the directory, ``lifecycle.resume.prepare_resume``)."""
-    from orchestrator.sweep.stages import store_paths  # torch (the stages' tasks)
+    from orchestrator.sweep.stages import store_paths  # Ray (the stages' tasks)
 
     out_dir, store_dir, cache_dir = (Path(p).resolve() for p in (out_dir, store_dir, cache_dir))
     lock_run_dir(out_dir)  # one driver per run directory (RunLockedError while another live driver holds it)
@@ -65,7 +67,7 @@ def open_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path,
 def models_stage(s: SweepState, progress: bool) -> ModelsPart:
     """The models (verified weights; on a cluster loaded by one Ray task each), the cells, rows per model and the
     store budget's modes. Reads the state, writes nothing into it (it may run in a thread: see state.py)."""
-    from orchestrator.sweep.dense import budget_modes  # torch: imported in the models thread while Ray starts
+    from orchestrator.sweep.dense import budget_modes  # Ray: imported in the models thread while Ray starts
     from orchestrator.sweep.stages import prepare_models
 
     models = s.preloaded or prepare_models(s.spec, s.paths["cache"], progress=progress, on_workers=s.on_cluster)

@@ -1,4 +1,8 @@
-"""Stages that run before the trials: models, the sharded dense pass (orchestrator.sweep.dense), masks."""
+"""Stages that run before the trials: models, the sharded dense pass (orchestrator.sweep.dense), masks.
+
+A warm sweep (model facts cached, targets and masks in the store) needs no model here and imports no torch: the
+model and mask computations import tasks.models, tasks.healing and tasks.pruning where they start (``model_info``,
+``compute_masks``); what a warm driver does (content keys, ``MaskStore.has``) is torch-free."""
 from __future__ import annotations
 
 import time
@@ -12,14 +16,14 @@ from orchestrator.spec import SweepSpec
 from orchestrator.spec.plan import Cell, targets_identity
 from orchestrator.sweep.dense import dense_stage  # noqa: F401  (re-exported: the sharded dense stage)
 from orchestrator.sweep.model_facts import ModelInfo, cached_model_info
-from tasks.healing import LOGITS
-from tasks.models import get_adapter, load_model
-from tasks.pruning import MaskStore, PruneContext, make_masks
-from tasks.store import content_key
+from tasks.store import MaskStore, content_key
 
 
 def model_info(spec: SweepSpec, name: str, cache: str, progress: bool = False) -> ModelInfo:
     """Load one model of the sweep (verified weights; nothing is trained); derive its target-store key."""
+    from tasks.healing import LOGITS
+    from tasks.models import get_adapter, load_model
+
     lm = load_model(name, cache, data_seed=spec.data_seed, progress=progress, **spec.load_kwargs(name))
     adapter = get_adapter(lm.model)
     blocks = [b for b, _ in adapter.blocks(lm.model)] + [LOGITS]
@@ -68,7 +72,8 @@ def compute_masks(model: str, cache: str, data_seed: int, load_kw: dict, jobs: l
                   ranking_dir: str, node: str = "driver", device: str = "cpu") -> list[dict]:
     """Load ``model`` once, compute every job's masks and write them to the mask store (a directory or a URI),
     each with its provenance (node id, seconds). The same code in the driver and in a mask task."""
-
+    from tasks.models import get_adapter, load_model
+    from tasks.pruning import PruneContext, make_masks
 
     masks = MaskStore(mask_root)
     lm = load_model(model, cache, data_seed=data_seed, progress=False, **load_kw)

@@ -14,14 +14,10 @@ from typing import Callable
 import numpy as np
 import torch
 
+from tasks.errors import DatasetError  # noqa: F401 - re-exported (raised by every dataset)
 from tasks.registry import Registry
 
 SPLITS = ("train", "calibration", "selection", "evaluation")
-
-
-class DatasetError(ValueError):
-    """A user-facing, one-line error about a dataset's files (missing folder, table column or split, too few
-    items, unreadable file): the CLI prints it as ``healsweep: error: ...`` (exit 2), never a traceback."""
 
 
 @dataclass(frozen=True)

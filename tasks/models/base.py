@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from tasks.registry import Registry
 from tasks.data.splits import DatasetSplits
+from tasks.errors import ModelSourceError  # noqa: F401 - re-exported (raised by every model source)
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,6 @@ MODELS: Registry[ReferenceModel] = Registry("model")
 
 REF_KEYS = ("name", "source", "arch", "pretrained", "weights", "path", "num_classes", "offline", "init_seed",
             "model_args", "sha256")
-
-
-class ModelSourceError(ValueError):
-    """A user-facing, one-line error about a model source (unknown name, missing weights, offline cache miss)."""
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from tasks.pruning import allocation, corp, magnitude, snapvit  # noqa: F401 - r
 from tasks.pruning.base import (PRUNERS, PruneContext, Pruner, achieved_sparsity, apply_masks, expand_masks, make_masks,
                                 mask_violations, region, train_masks)
 from tasks.pruning.allocation_math import n_pruned
-from tasks.pruning.masks import MaskStore
+from tasks.store.masks import MaskStore  # the mask files live beside the target store (no torch to check one)
 
 __all__ = ["PRUNERS", "PruneContext", "Pruner", "achieved_sparsity", "apply_masks", "expand_masks", "make_masks",
            "mask_violations", "n_pruned", "region", "train_masks", "MaskStore"]

@@ -21,11 +21,15 @@ be readable and its shards must tile exactly [0, num_rows). A damaged shard or m
 is moved to ``<root>/.quarantine/`` and recomputed (an integrity event for MLflow); ``healsweep store verify``
 runs the same checks over every key. A reader also refuses an epoch that streams fewer rows than it was opened
 for (``TargetReader.rows_streamed`` records each epoch's count).
+
+This face imports no torch: keys, checks, verification and ``ensure_targets`` on a complete key need none, so a
+driver over a warm store stays light. Torch is imported where values are: ``TargetStore.write_shard`` and
+``TargetStore.open`` (its ``tasks.store.reader.TargetReader`` hands out tensors; ``tasks.store.codec``).
 """
 from tasks.store.build import EnsureResult, ensure_targets
 from tasks.store.core import TargetStore
 from tasks.store.format import FORMAT, KEY_RE, StoreError, canonical_json, content_key, producer_versions
-from tasks.store.reader import TargetReader
+from tasks.store.masks import MaskStore
 
 __all__ = ["FORMAT", "KEY_RE", "canonical_json", "content_key", "producer_versions", "StoreError", "TargetStore",
-           "TargetReader", "EnsureResult", "ensure_targets"]
+           "EnsureResult", "ensure_targets", "MaskStore"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from tasks.atomic import TMP_PREFIX
 from tasks.store.core import TargetStore
@@ -29,7 +29,8 @@ class EnsureResult:
 
 
 def ensure_targets(store: TargetStore, key: str, num_rows: int, shard_size: int, run_shards: RunShards, *,
-                   meta: dict, dtype: str, calibration_rows: list[int] | None = None) -> EnsureResult:
+                   meta: dict, dtype: str, calibration_rows: Sequence[int] | Callable[[], Sequence[int]] | None = None
+                   ) -> EnsureResult:
     """Under the key's writer lock: keep sound shards, compute only what is missing or damaged, finalize.
 
     - complete key with >= num_rows rows: every shard is checked (size and sha256); damaged ones are moved to
@@ -38,7 +39,8 @@ def ensure_targets(store: TargetStore, key: str, num_rows: int, shard_size: int,
     - no manifest (first build or a crashed one): shards whose sidecar, size and sha256 match are kept (resume).
     - unreadable or inconsistent manifest (e.g. it claims rows no shard holds): quarantined, then as above.
     Each damaged file found is an integrity event (``EnsureResult.events``).
-    ``calibration_rows`` (dataset index of every row, at least num_rows long) goes into the manifest.
+    ``calibration_rows`` (dataset index of every row, at least num_rows long) goes into the manifest; given as a
+    function, it is called only when the manifest is written (a complete, sound key asks for nothing).
     """
     res = EnsureResult(key, num_rows)
     with store.lock(key):
@@ -74,7 +76,8 @@ def ensure_targets(store: TargetStore, key: str, num_rows: int, shard_size: int,
         if len(infos) != len(todo):
             raise StoreError(f"store key {key}: {len(todo)} shards planned, {len(infos)} written")
         allinfo = keep + infos
-        cal = None if calibration_rows is None else list(calibration_rows)[:total]
+        cal = calibration_rows() if callable(calibration_rows) else calibration_rows
+        cal = None if cal is None else list(cal)[:total]
         if cal is not None and len(cal) < total:
             raise StoreError(f"calibration_rows has {len(cal)} entries, need {total}")
         store.finalize(key, meta=meta, block_shapes=allinfo[0]["block_shapes"], dtype=dtype, num_rows=total,

@@ -8,15 +8,19 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import pyarrow as pa
 import pyarrow.ipc as ipc
-import torch
 
 from tasks.store.fs import StoreFS
-from tasks.store.format import (_DTYPE_NAMES, _FILE_RE, BATCH_ROWS, DTYPES, FORMAT, KEY_RE, LAST_USE, LOCK, MANIFEST,
-                                QUARANTINE, VERIFIED, StoreError, canonical_json, log, producer_versions, shard_name,
-                                sidecar_name, to_u16)
-from tasks.store.reader import TargetReader
+from tasks.store.format import (_FILE_RE, BATCH_ROWS, DTYPE_NAMES, FORMAT, KEY_RE, LAST_USE, LOCK, MANIFEST, QUARANTINE,
+                                VERIFIED, StoreError, canonical_json, log, producer_versions, shard_name, sidecar_name)
+
+if TYPE_CHECKING:
+    import torch
+
+    from tasks.store.reader import TargetReader
 
 
 class TargetStore:
@@ -230,6 +234,8 @@ class TargetStore:
         blocks: name -> (rows, *shape) float16 or bfloat16 tensor; same rows and dtype for all blocks.
         Rewriting a shard with the same rows is idempotent (last rename wins, the sidecar follows it).
         """
+        from tasks.store.codec import NAMES, to_u16  # torch: only a writer of values needs it
+
         self._check_key(key)
         if not blocks:
             raise StoreError("write_shard needs at least one block")
@@ -237,12 +243,12 @@ class TargetStore:
             raise StoreError(f"negative shard_index/row_start: {shard_index}, {row_start}")
         dtypes = {t.dtype for t in blocks.values()}
         rows = {t.shape[0] if t.dim() else -1 for t in blocks.values()}
-        if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPE_NAMES:
+        if len(dtypes) != 1 or next(iter(dtypes)) not in NAMES:
             raise StoreError(f"blocks must all be float16 or all bfloat16, got {sorted(map(str, dtypes))}")
         if len(rows) != 1 or next(iter(rows)) < 1:
             raise StoreError(f"blocks must share a positive row count, got {sorted(rows)}")
         n = rows.pop()
-        dtype = _DTYPE_NAMES[dtypes.pop()]
+        dtype = NAMES[dtypes.pop()]
 
         fields, arrays = [], []
         for name, t in blocks.items():
@@ -274,8 +280,8 @@ class TargetStore:
 
         ``calibration_rows``: the dataset index of each row (row i = calibration item i); default 0..n-1.
         """
-        if dtype not in DTYPES:
-            raise StoreError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if dtype not in DTYPE_NAMES:
+            raise StoreError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {dtype!r}")
         if num_rows < 1 or not block_shapes:
             raise StoreError(f"need num_rows >= 1 and at least one block (num_rows={num_rows})")
         shards = sorted((dict(s) for s in shard_infos), key=lambda s: s["row_start"])
@@ -318,7 +324,8 @@ class TargetStore:
                              f"(want {shapes}, {dtype}, {want_rows} from {info['row_start']})")
 
     # ------------------------------------------------------------------------------------------ reads
-    def open(self, key: str, num_rows: int | None = None, *, verify: bool | str = True, touch: bool = True):
+    def open(self, key: str, num_rows: int | None = None, *, verify: bool | str = True, touch: bool = True
+             ) -> TargetReader:
         """Reader over rows [0, num_rows) (default: all); only shards covering that prefix are touched.
 
         ``verify`` (default True; "first" is an old spelling of it): every needed shard's size and sha256 are
@@ -340,6 +347,8 @@ class TargetStore:
             raise StoreError(f"shard {s['file']} of key {key} {problem}")
         if touch:
             self.touch(key)
+        from tasks.store.reader import TargetReader  # torch: a reader hands out tensors
+
         return TargetReader(self, key, m, needed, n)
 
 
@@ -364,8 +373,8 @@ def check_manifest(m: dict) -> str | None:
         n, shards, shapes = m["num_rows"], m["shards"], m["block_shapes"]
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             return f"num_rows {n!r} is not a positive integer"
-        if m.get("dtype") not in DTYPES:
-            return f"dtype {m.get('dtype')!r} is not one of {sorted(DTYPES)}"
+        if m.get("dtype") not in DTYPE_NAMES:
+            return f"dtype {m.get('dtype')!r} is not one of {sorted(DTYPE_NAMES)}"
         if not isinstance(shapes, dict) or not shapes or list(m["block_names"]) != list(shapes):
             return "block_names / block_shapes disagree"
         for s in shards:

@@ -1,5 +1,6 @@
-"""The target store's format: key and file names, constants, the canonical JSON/key codec, errors and the
-16-bit tensor codec. A leaf module: the writer (core), reader and builder import it; nothing here imports them."""
+"""The target store's format: key and file names, constants, the canonical JSON/key codec and errors. A leaf
+module without torch (a driver checks a warm store without importing it): the writer (core), reader and builder
+import it; nothing here imports them. The 16-bit tensor codec is ``tasks.store.codec``."""
 from __future__ import annotations
 
 import hashlib
@@ -11,7 +12,6 @@ from importlib.metadata import version
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 log = logging.getLogger("healsweep.store")
 
@@ -24,8 +24,7 @@ LOCK = "lock"  # flock target of writers (local filesystems)
 QUARANTINE = ".quarantine"  # <root>/.quarantine/<key>-<utc time>-<file>: damaged files moved aside, kept for inspection
 BATCH_ROWS = 256  # max rows per Arrow record batch inside a shard file
 _FILE_RE = re.compile(r"^(shard-\d{5,}\.(arrow|json)|manifest\.json|verified\.json|last_use|lock)$")
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+DTYPE_NAMES = ("float16", "bfloat16")  # the 16-bit dtypes a key may hold (tasks.store.codec.DTYPES: as torch dtypes)
 
 
 def canonical_json(obj) -> str:
@@ -46,23 +45,14 @@ class StoreError(Exception):
 
 
 def producer_versions() -> dict[str, str]:
+    import torch  # only where a manifest is written (after a shard was computed): a warm store's check needs none
+
     try:
         hs = version("healsweep")
     except Exception:  # noqa: BLE001 - not installed as a distribution
         hs = "unknown"
     return {"healsweep": hs, "torch": torch.__version__, "pyarrow": pa.__version__, "numpy": np.__version__,
             "python": platform.python_version()}
-
-
-def to_u16(t: torch.Tensor) -> np.ndarray:
-    """(rows, *shape) float16/bfloat16 tensor -> (rows, prod(shape)) uint16 raw bit patterns."""
-    a = t.detach().to("cpu").contiguous().view(torch.int16).numpy().view(np.uint16)
-    return a.reshape(t.shape[0], -1)
-
-
-def from_u16(a: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """(B, prod(shape)) uint16 -> (B, *shape) tensor of ``dtype`` sharing ``a``'s memory."""
-    return torch.from_numpy(a.view(np.int16)).view(dtype).reshape(a.shape[0], *shape)
 
 
 def shard_name(index: int) -> str:

@@ -11,7 +11,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
 
-from tasks.store.format import DTYPES, StoreError, from_u16
+from tasks.store.codec import DTYPES, from_u16
+from tasks.store.format import StoreError
 from tasks.store.stream import DeviceCopier, gathered_batches
 
 Batch = tuple[np.ndarray, dict[str, torch.Tensor]]  # rows (B,) int64, {block: (B, *shape)}

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.sweep.dense import LOCAL_MAX_IMAGE_PARAMS, DenseReport, dense_stage
+from orchestrator.sweep.dense import DenseReport, dense_stage
+from orchestrator.sweep.dense_work import LOCAL_MAX_IMAGE_PARAMS
 from orchestrator.spec import load_spec
 from orchestrator.sweep.stages import prepare_models
 from tasks.models import load_model

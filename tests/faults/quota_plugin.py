@@ -12,7 +12,7 @@ from pathlib import Path
 
 import tasks.atomic
 import tasks.export
-import tasks.pruning.masks
+import tasks.store.masks
 
 _real = tasks.atomic.atomic_write
 
@@ -39,5 +39,5 @@ def limited_write(path, write, *args, **kwargs):
     return _real(path, write_then_check, *args, **kwargs)
 
 
-for module in (tasks.atomic, tasks.export, tasks.pruning.masks):
+for module in (tasks.atomic, tasks.export, tasks.store.masks):
     module.atomic_write = limited_write

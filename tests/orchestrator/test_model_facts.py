@@ -78,17 +78,17 @@ def test_warm_models_and_dense_stages_build_no_model(tmp_path):
 
 
 def test_calibration_rows_without_the_model_are_load_models():
-    from orchestrator.sweep.dense import _calibration_rows
+    from orchestrator.sweep.dense_work import calibration_rows
     from tasks.models import load_model
 
     lm = load_model("vit_digits", CACHE, progress=False)  # data seed 0: the shipped weights
-    assert _calibration_rows("vit_digits", CACHE, 0) == [int(i) for i in lm.dataset["calibration"].indices]
+    assert calibration_rows("vit_digits", CACHE, 0) == [int(i) for i in lm.dataset["calibration"].indices]
 
 
 def test_calibration_rows_of_an_external_model_follow_its_spec_entry(tmp_path):
     """An external model is loaded as its entry says (issue 33: loading it by name alone was a KeyError that ended
     every external sweep in the dense stage)."""
-    from orchestrator.sweep.dense import _calibration_rows
+    from orchestrator.sweep.dense_work import calibration_rows
     from orchestrator.spec import parse_spec
     from tasks.data.synthetic import write_image_folder
 
@@ -98,7 +98,7 @@ def test_calibration_rows_of_an_external_model_follow_its_spec_entry(tmp_path):
     spec = parse_spec({"name": "x", "models": [entry], "dataset": {"name": "imagefolder", "root": str(root),
                        "sizes": sizes}, "sparsities": [0.5], "calib_sizes": [4], "pruners": ["magnitude"],
                        "healers": ["starfish"]})
-    rows = [_calibration_rows("r18", CACHE, s, spec.load_kwargs("r18")) for s in (0, 1)]
+    rows = [calibration_rows("r18", CACHE, s, spec.load_kwargs("r18")) for s in (0, 1)]
     assert len(rows[0]) == 5 and len(set(rows[0])) == 5 and max(rows[0]) < 12 and rows[0] != rows[1]  # seeded
     with pytest.raises(KeyError, match="unknown model 'r18'"):  # by its name alone: not a reference model
-        _calibration_rows("r18", CACHE, 0)
+        calibration_rows("r18", CACHE, 0)

@@ -88,7 +88,8 @@ def test_spec_store_fields():
 
 
 def test_budget_refuse_and_recompute(tmp_path):
-    from orchestrator.sweep.dense import StoreBudgetError, budget_modes, row_bytes
+    from orchestrator.sweep.dense import StoreBudgetError, budget_modes
+    from orchestrator.sweep.dense_work import row_bytes
 
     cache = Path(os.environ.get("HEALSWEEP_TEST_CACHE", REPO / ".healsweep" / "models"))
     rb = row_bytes("vit_digits", cache, 0, "float16")

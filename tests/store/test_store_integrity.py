@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.store import StoreError, TargetReader, TargetStore, content_key, ensure_targets
+from tasks.store import StoreError, TargetStore, content_key, ensure_targets
+from tasks.store.reader import TargetReader
 from tests.store_helpers import SHAPES, Runner, fake_targets
 
 K1, K2 = content_key({"integrity": 1}), content_key({"integrity": 2})

@@ -1,15 +1,20 @@
-"""Mask artifacts: content-addressed safetensors files (never pickle), shared by every healer of a cell."""
+"""Mask artifacts: content-addressed safetensors files (never pickle), shared by every healer of a cell.
+
+Beside the target store (``<store>/masks``) and without torch until a mask is written or read: a driver whose
+masks already exist checks them with ``MaskStore.has`` alone (orchestrator/sweep/stages.py's mask stage)."""
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-
-import torch
-from safetensors.torch import load, load_file, save, save_file
+from typing import TYPE_CHECKING
 
 from tasks.atomic import atomic_write
-from tasks.store import KEY_RE, StoreError
+from tasks.store.fs import StoreFS
+from tasks.store.format import KEY_RE, StoreError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class MaskStore:
@@ -20,8 +25,6 @@ class MaskStore:
         s = os.fspath(root)
         self.fs = None
         if "://" in s and not s.startswith("file://"):
-            from tasks.store.fs import StoreFS
-
             self.fs, self.root = StoreFS(s), s
         else:
             self.root = Path(s[len("file://"):] if s.startswith("file://") else s).resolve()
@@ -44,6 +47,8 @@ class MaskStore:
         return self.path(key).is_file()
 
     def save(self, key: str, masks: dict[str, torch.Tensor], meta: dict) -> Path | str:
+        from safetensors.torch import save, save_file
+
         data = {k: v.contiguous() for k, v in masks.items()}
         info = {"meta": json.dumps(meta)}
         if self.fs is not None:
@@ -52,6 +57,8 @@ class MaskStore:
         return atomic_write(self.path(key), lambda tmp: save_file(data, tmp, metadata=info))
 
     def load(self, key: str) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load, load_file
+
         if self.fs is not None:
             raw = self.fs.read_bytes(self._name(key))
             if raw is None:

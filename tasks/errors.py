@@ -1,0 +1,13 @@
+"""The user-facing errors of tasks/ that a driver catches (a leaf, standard library only): a driver that never loads a
+model or a dataset (a warm store and model cache) names them in its ``except`` clauses without importing
+tasks.models or tasks.data, whose package faces import torch. Each is re-exported where it is raised."""
+from __future__ import annotations
+
+
+class ModelSourceError(ValueError):
+    """A user-facing, one-line error about a model source (unknown name, missing weights, offline cache miss)."""
+
+
+class DatasetError(ValueError):
+    """A user-facing, one-line error about a dataset's files (missing folder, table column or split, too few
+    items, unreadable file): the CLI prints it as ``healsweep: error: ...`` (exit 2), never a traceback."""
