@@ -39,9 +39,10 @@ def compiled_blocks(blocks: list[tuple[str, nn.Module]], mode: str) -> Iterator[
         m.forward = torch.compile(m.forward, dynamic=False)  # static shapes: an instance attribute: hooks still run around it (eagerly)
     # Blocks of one class share a compiled code object: a CNN's stages (other shapes, a downsample or not) each add a
     # graph, past Dynamo's default of 8, after which it would run the rest eagerly without saying so.
-    limit = max(int(torch._dynamo.config.recompile_limit), 4 * len(blocks))
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # the name before torch 2.6
     try:
-        with torch._dynamo.config.patch(recompile_limit=limit):
+        with cfg.patch(**{name: max(int(getattr(cfg, name)), 4 * len(blocks))}):
             yield
     finally:
         for m, own in saved:
