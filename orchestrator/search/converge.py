@@ -208,7 +208,7 @@ class Converging:
         for d, edge, past in ((1, same[-1], w[0] >= a - 1), (-1, same[0], w[0] <= 0)):
             if w[0] != edge or (len(same) < 2 and not past):
                 continue  # not on that edge; or alone at its length inside the box: no trend to follow (the surface)
-            # past the box: ``batch`` steps out (widen fast); inside it, one (the surface fills the wave)
+            # past the box: ``batch`` steps out (widen fast), the surface filling the wave; inside it, one step alone
             steps = [(w[0] + k * d, w[1]) for k in range(1, (max(1, c.batch) if past else 1) + 1)]
             return [p for p in steps if lo <= p[0] <= hi and p not in tried], past
         return [], False
