@@ -23,7 +23,8 @@ from tasks.atomic import atomic_write_text
 
 from .accuracy_figure import healer_colors, model_figure
 from .figures import healers_figure
-from .findings import FINDINGS_HOW, findings, findings_html, findings_md
+from .findings import findings
+from .findings_render import FINDINGS_HOW, findings_html, findings_md
 from .layout import save_png
 from .paired import healer_panels, paired_sections
 from .reported import reported

@@ -233,14 +233,14 @@ def _dry_run(args) -> tuple:
     """(the dry run's spec, its run directory): the generated image folder is written to DIR/data at the models'
     input size, then the rewritten spec gets every check of a real one. SpecError when it is refused."""
     from orchestrator.spec import check_tracking, parse_spec
-    from orchestrator.spec.dry_run import DRY_CLASSES, DRY_SIZES, input_size, keeps_digits
+    from orchestrator.spec.dry_run import DRY_CALIB, DRY_CLASSES, DRY_SIZES, input_size, keeps_digits
     from tasks.data.synthetic import write_image_folder
 
     draft = _spec_mapping(args, data_root=None)
     out = Path(args.out or Path("runs") / draft["name"])
     data = out / "data"
     if not keeps_digits(draft):
-        per_class = -(-(sum(DRY_SIZES.values()) + 8) // DRY_CLASSES)  # room for a train split of 8
+        per_class = -(-(sum(DRY_SIZES.values()) + DRY_CALIB) // DRY_CLASSES)  # room for a train split
         write_image_folder(data, DRY_CLASSES, per_class, input_size(draft))
     spec = parse_spec(_spec_mapping(args, str(data.resolve())), base_dir=Path(args.spec).resolve().parent)
     check_tracking(spec)

@@ -26,8 +26,8 @@ from typing import Any, Mapping
 
 from orchestrator.spec.checks import SpecError
 
-DRY_CALIB = 8  # calibration images (the largest calibration size of the dry run)
-DRY_SIZES = {"train": 0, "calibration": DRY_CALIB, "selection": 4, "evaluation": 4}
+DRY_CALIB = 4  # calibration images (the largest calibration size of the dry run; also a batch, and a train split)
+DRY_SIZES = {"train": 0, "calibration": DRY_CALIB, "selection": 2, "evaluation": 2}
 DRY_STEPS = 2  # optimizer steps per trial when the recipe searches steps instead of epochs
 DRY_CLASSES = 10
 SUFFIX = "-dry-run"
@@ -41,7 +41,7 @@ def dry_run_spec(raw: Any, data_root: str | None) -> dict:
     d = copy.deepcopy(dict(raw))
     d["name"] = (d["name"][: 64 - len(SUFFIX)] + SUFFIX)
     if not keeps_digits(d):
-        train = DRY_SIZES["train"] or (8 if _dataset_train(d.get("dataset")) else 0)
+        train = DRY_SIZES["train"] or (DRY_CALIB if _dataset_train(d.get("dataset")) else 0)
         d["dataset"] = {"name": "imagefolder", "root": data_root, "sizes": {**DRY_SIZES, "train": train}}
     if isinstance(d.get("models"), list):
         d["models"] = [random_init(m) for m in d["models"]]

@@ -118,7 +118,8 @@ def test_heldout_agreement_spearman_and_accuracy_lost():
 
 
 def test_first_screen_summaries_headline_flags_and_folded_columns():
-    from analysis.findings import Range, _folded, flag_of, headline
+    from analysis.findings import Range, flag_of, headline
+    from analysis.findings_render import _folded
 
     rows = [dict(pattern="0.5", calib_size="64", best="magnitude × crbn", healed=0.972),
             dict(pattern="0.5", calib_size="256", best="magnitude × starfish", healed=0.9717),

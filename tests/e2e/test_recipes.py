@@ -12,6 +12,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from orchestrator.spec.dry_run import DRY_CALIB
 from tasks.pruning import MaskStore
 from tasks.store import TargetStore
 from tests.orchestrator.run_cli import healsweep
@@ -64,7 +65,7 @@ def _dry_run(recipe: str, tmp: Path, cpus: int = 2) -> tuple[Path, list]:
     report = (out / "report.md").read_text()
     for r in trials:
         assert r.data.metrics["mask_violations"] == 0 and r.data.metrics["changed_outside_scope"] == 0
-        assert r.data.params["calib_size"] == "8" and f"### {r.data.params['model']} — grid `main`" in report
+        assert r.data.params["calib_size"] == str(DRY_CALIB) and f"### {r.data.params['model']} — grid `main`" in report
     _nothing_cached(tmp)
     from PIL import Image
 
@@ -75,7 +76,7 @@ def _dry_run(recipe: str, tmp: Path, cpus: int = 2) -> tuple[Path, list]:
 
 def _shapes(out: Path, run) -> dict:
     man = TargetStore(out / "store" / "targets").manifest(run.data.tags["store_key"])
-    assert man["num_rows"] == 8
+    assert man["num_rows"] == DRY_CALIB
     return {k: list(v) for k, v in man["block_shapes"].items()}
 
 

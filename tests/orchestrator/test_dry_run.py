@@ -73,16 +73,16 @@ def test_checkpoints_chains_grids_and_the_digits_set():
     assert d["models"] == [{"name": "r", "source": "torchvision", "arch": "resnet18", "num_classes": 100,
                             "pretrained": False},
                            {"name": "resnet34", "source": "timm", "arch": "resnet34", "pretrained": False}]
-    assert d["dataset"] == {"name": "imagefolder", "root": "/data", "sizes": {**DRY_SIZES, "train": 8}}
-    assert d["calib_sizes"] == [8] and d["seeds"] == [3]
+    assert d["dataset"] == {"name": "imagefolder", "root": "/data", "sizes": {**DRY_SIZES, "train": DRY_CALIB}}
+    assert d["calib_sizes"] == [DRY_CALIB] and d["seeds"] == [3]
     assert d["pruners"] == [{"name": "rr", "settings": {"diag_images": 8, "tau": "median"}}]
     assert d["healers"] == [{"chain": [{"name": "crbn", "settings": {"bn_batches": 2, "bn_batch_size": 8}},
                                        {"name": "starfish", "settings": {"bn": "train"}}]}]
-    assert d["grids"] == [{"name": "g", "calib_sizes": [8], "seeds": [1],
+    assert d["grids"] == [{"name": "g", "calib_sizes": [DRY_CALIB], "seeds": [1],
                            "search": {"trials_per_cell": 1, "steps": [2, 2], "reevaluate": 0}}]
     tiny = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
     d = dry_run_spec(tiny, None)  # reference models on the digits set: both kept
-    assert d["models"] == ["vit_digits"] and "dataset" not in d and d["calib_sizes"] == [8]
+    assert d["models"] == ["vit_digits"] and "dataset" not in d and d["calib_sizes"] == [DRY_CALIB]
     assert random_init({"name": "vit_digits", "path": "ckpt.safetensors", "sha256": "0" * 16}) == {"name": "vit_digits"}
     assert parse_spec(d).search.epochs == (1, 1)
 
