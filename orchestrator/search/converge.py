@@ -13,11 +13,16 @@ same results give the same decisions whatever order trials finish in. A wave's p
    point lies beyond it, so the wave is the winner's lr one lattice step further out, same length, alone (its
    result decides the next wave; a winner alone at its length inside the box has no trend to follow). At or past the
    declared box's cap (floor) the wave is 1, 2, …, ``batch`` steps out: the box widens automatically, at most
-   ``widen_steps`` lattice steps; points past that limit are replaced as in 2. (Measured 2026-11-26 on grid
+   ``widen_steps`` lattice steps; points past that limit are replaced as in 2. The same holds for a plateau: when
+   every point the cell tried past its winner on one side, at the winner's length, lies within 2 noise units of the
+   winner (none resolved worse) and the cell is not flat (some trial is resolved worse), the wave is one step past
+   the plateau's far end: a tie is not evidence of an optimum either. (Measured 2026-11-26 on grid
    ``healers`` alone, sampler seed 0 vs 1: while this walk needed the edge to be the box's, a KL cell at 0.95
    stopped "converged" at lr 5.4e-3 (51 %) where the other seed's search found 2.1e-2 (71 %): the family surface,
    pooled over sparsities, put the optimum at a moderate lr. With the walk, the p90 of |delta| between the two
-   seeds fell from 10.5 to 4.9 pp; the max (20.8 pp, that cell: a single draw there moves by 5-10 pp) did not.)
+   seeds fell from 10.5 to 4.9 pp; the max (20.8 pp, that cell: a single draw there moves by 5-10 pp) did not: run A
+   stopped at 5.4e-3 (57 %) because 7.6e-3 at the same length gave 55 %, a tie within the noise, with nothing
+   tried past it; hence the plateau rule.)
 2. otherwise the family surface (``lattice.surface``) is fitted to the family's told trials over the declared
    lattice and every lr the family tried past it; the best untried point's predicted gain over the winner's point
    is compared with the winner's noise (the fit's residual std of one draw, at least ``min_noise``): no gain
@@ -191,26 +196,43 @@ class Converging:
 
     def _outward(self, cell_id: str, w: tuple[int, int], tried: set, noise: float
                  ) -> tuple[list[tuple[int, int]], bool]:
-        """Up to ``batch`` points lr steps past the winner ``w`` (same length, within ``widen_steps`` of the box)
-        when it sits on the lr edge of what the cell tried at its length (with another trial at that length, or at
-        the declared box's cap or floor) and beats every other trial of the cell (a tie does not walk): past the box
-        1, 2, …, ``batch`` steps out, inside it one step. -> (points, whether past the box). ``noise``: unused
-        (kept for designs that would ask for a lead beyond it)."""
+        """Points lr steps past the winner ``w`` (same length, within ``widen_steps`` of the box) -> (points, whether
+        past the box). Two cases (module docstring, rule 1):
+
+        - ``w`` sits on the lr edge of what the cell tried at its length (with another trial at that length, or at
+          the declared box's cap or floor) and beats every other trial of the cell (a tie does not walk): past the
+          box 1, 2, …, ``batch`` steps out, inside it one step;
+        - a plateau: every point the cell tried past ``w`` on one side at its length is within 2 ``noise`` of it
+          (none resolved worse) while some trial of the cell is resolved worse (the cell is not flat): one step
+          past the farthest of them."""
         c, a = self.conv(cell_id), self.sizes(cell_id)[0]
         sign = 1.0 if self.direction == "maximize" else -1.0
         done = [t for t in self.study(cell_id).get_trials(deepcopy=False) if t.value is not None and t.params]
-        others = [sign * t.value for t in done if self.index(cell_id, t.params) != w]
-        best = max(sign * t.value for t in done)
-        if a < 2 or (others and best - max(others) <= 0.0):
-            return [], False  # a tie (a flat cell): being on the edge is not what makes the winner
+        at: dict[tuple[int, int], list[float]] = {}
+        for t in done:
+            at.setdefault(self.index(cell_id, t.params), []).append(sign * t.value)
+        others = [v for p, vs in at.items() if p != w for v in vs]
+        best = max(at[w])
+        if a < 2:
+            return [], False
         same = sorted({p[0] for p in tried if p[1] == w[1]})  # lr indices the cell tried at the winner's length
         lo, hi = -c.widen_steps, a - 1 + c.widen_steps
         for d, edge, past in ((1, same[-1], w[0] >= a - 1), (-1, same[0], w[0] <= 0)):
+            if others and best - max(others) <= 0.0:
+                break  # a tie (a flat cell): being on the edge is not what makes the winner
             if w[0] != edge or (len(same) < 2 and not past):
                 continue  # not on that edge; or alone at its length inside the box: no trend to follow (the surface)
             # past the box: ``batch`` steps out (widen fast), the surface filling the wave; inside it, one step alone
             steps = [(w[0] + k * d, w[1]) for k in range(1, (max(1, c.batch) if past else 1) + 1)]
             return [p for p in steps if lo <= p[0] <= hi and p not in tried], past
+        if not any(best - v > 2 * noise for v in others):
+            return [], False  # nothing resolved worse anywhere: a flat cell, the surface decides
+        for d in (1, -1):
+            side = [i for i in same if (i - w[0]) * d > 0 and (i, w[1]) in at]
+            if side and all(best - float(np.mean(at[(i, w[1])])) <= 2 * noise for i in side):
+                step = (max(side, key=lambda i: i * d) + d, w[1])  # past the plateau's far end
+                if lo <= step[0] <= hi and step not in tried:
+                    return [step], not 0 <= step[0] <= a - 1
         return [], False
 
     def propose(self, cell_id: str, number: int, wave: int) -> dict:
