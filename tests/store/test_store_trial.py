@@ -166,14 +166,15 @@ def test_a_process_loads_each_model_once_and_a_warm_trial_equals_a_cold_one(setu
 def test_heal_seconds_is_the_healing_alone(setup, monkeypatch):
     """``heal_seconds`` times the healer, not the trial's evaluation passes (the final selection accuracy, the
     search objective, is measured after healing): the per-heal comparison with the authors' loop compares heals.
-    Every accuracy pass made 1 s slower: the trial takes >= 2 s longer (selection + evaluation), the heal does not."""
+    Every accuracy pass made 2 s slower: the trial's time outside the heal holds both sleeps (selection +
+    evaluation), the heal holds none (a margin of 1 s: a loaded machine moved a tiny heal by a few tenths)."""
     import time
 
     import tasks.trial as trial_mod
 
     st, run_shards, params, _, _ = setup
     build(st, run_shards)
-    real, slow = trial_mod.accuracy, 1.0
+    real, slow = trial_mod.accuracy, 2.0
     params = replace(params, epoch_selection=False)  # as a sweep runs (per-epoch selection only under ASHA)
     run_trial(params, lambda m: None)  # warm: model, accuracies, held-out reference cached in this process
     base = run_trial(params, lambda m: None)
@@ -185,7 +186,7 @@ def test_heal_seconds_is_the_healing_alone(setup, monkeypatch):
     monkeypatch.setattr(trial_mod, "accuracy", slow_accuracy)
     final = run_trial(params, lambda m: None)
     assert final["heal_seconds"] < base["heal_seconds"] + slow / 2  # no evaluation pass inside the heal
-    assert final["trial_seconds"] >= base["trial_seconds"] + 2 * slow - 0.2  # both passes are the trial's
+    assert final["trial_seconds"] - final["heal_seconds"] >= 2 * slow  # both passes are the trial's
     assert final["selection_acc"] == base["selection_acc"] == real(*_healed_selection(params))
 
 
