@@ -25,6 +25,7 @@ from .accuracy_figure import healer_colors, model_figure
 from .figures import healers_figure
 from .findings import findings
 from .findings_render import FINDINGS_HOW, findings_html, findings_md
+from .report_style import REPORT_CSS
 from .layout import save_png
 from .paired import healer_panels, paired_sections
 from .reported import reported
@@ -190,23 +191,6 @@ def _html_table(t: Table, tracking_uri: str) -> str:
 
 
 # ----------------------------------------------------------------------------- report
-_CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:1em 1.5em;
-color:#222;max-width:1400px}h1{font-size:1.3em;margin:.2em 0}h2{font-size:1.15em}h3{font-size:1em;margin:.4em 0}
-table{border-collapse:collapse;margin:.5em 0;font-size:.9em}
-th,td{border:1px solid #ccc;padding:.2em .5em;text-align:right}th{background:#f2f2f2}
-td.l,th{text-align:left}code{font-size:.9em}p.sum{margin:.2em 0;color:#444;font-size:.85em}
-img{max-width:100%;border:1px solid #eee}figure{margin:1em 0}
-figcaption{color:#555;max-width:75em}.note{color:#555}dl{display:grid;
-grid-template-columns:max-content auto;gap:.2em 1em}dt{font-weight:bold}
-#findings .models{display:grid;grid-template-columns:repeat(auto-fit,minmax(640px,1fr));gap:.2em 1.5em}
-#findings .models>*{min-width:0;overflow-x:auto}#findings table{font-size:.78em}
-#findings table.ranges td{white-space:nowrap;padding:.1em .35em}#findings td{text-align:left}#findings small{color:#555}
-#findings p.warn{background:#fff3e0;border-left:4px solid #ff7f0e;margin:.2em 0;padding:.15em .5em;font-size:.8em}
-#findings p.note{font-size:.8em}#findings p.headline{font-size:.85em;margin:.2em 0}
-#findings p.flags{font-size:.8em;color:#a04000;margin:.2em 0}#findings caption{font-size:.9em;text-align:left;color:#444}
-p.partial{background:#fdecea;border-left:4px solid #d62728;padding:.3em .6em;font-weight:bold}
-span.grid{font-weight:normal;color:#666;font-size:.85em}
-details{margin:1em 0}summary{font-weight:bold;cursor:pointer;font-size:1.1em}"""
 
 
 def _summary(trials: pd.DataFrame, name: str, sweep_id: str, tracking_uri: str) -> list[tuple]:
@@ -371,7 +355,7 @@ def _write_pages(out: Path, name: str, md: list[str], ht: list[str], bands_json:
     atomic_write_text(paths["bands"], json.dumps(bands_json, indent=1, allow_nan=False))
     atomic_write_text(paths["md"], "\n".join(md) + "\n")
     page = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-            f"<title>Sweep report: {html.escape(name)}</title>", f"<style>{_CSS}</style></head><body>",
+            f"<title>Sweep report: {html.escape(name)}</title>", f"<style>{REPORT_CSS}</style></head><body>",
             *ht, "</body></html>"]
     atomic_write_text(paths["html"], "\n".join(page) + "\n")
     return paths
