@@ -25,9 +25,9 @@ from .accuracy_figure import healer_colors, model_figure
 from .figures import healers_figure
 from .findings import findings
 from .findings_render import FINDINGS_HOW, findings_html, findings_md
-from .report_style import REPORT_CSS
 from .layout import save_png
 from .paired import healer_panels, paired_sections
+from .report_style import REPORT_CSS
 from .reported import reported
 from .runs import grid_names, load_sweep_info, load_trials, pattern_sort_key
 from .search_space import _box, flag_boundary, search_bounds, widened_cells

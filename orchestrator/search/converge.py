@@ -217,9 +217,8 @@ class Converging:
             return [], False
         same = sorted({p[0] for p in tried if p[1] == w[1]})  # lr indices the cell tried at the winner's length
         lo, hi = -c.widen_steps, a - 1 + c.widen_steps
-        for d, edge, past in ((1, same[-1], w[0] >= a - 1), (-1, same[0], w[0] <= 0)):
-            if others and best - max(others) <= 0.0:
-                break  # a tie (a flat cell): being on the edge is not what makes the winner
+        beats = not others or best > max(others)  # a tie (a flat cell): being on the edge is not what makes the winner
+        for d, edge, past in ((1, same[-1], w[0] >= a - 1), (-1, same[0], w[0] <= 0)) if beats else ():
             if w[0] != edge or (len(same) < 2 and not past):
                 continue  # not on that edge; or alone at its length inside the box: no trend to follow (the surface)
             # past the box: ``batch`` steps out (widen fast), the surface filling the wave; inside it, one step alone
