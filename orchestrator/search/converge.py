@@ -195,8 +195,7 @@ class Converging:
         Measured 2026-11-26 on the default spec: the family
         surface, pooled over sparsities whose optima differ, let hard cells stop after 2 bad first-wave points
         (ResNet uniform 0.95: 17 % and 8 %, where a third point gave 85 %)."""
-        sign = 1.0 if self.direction == "maximize" else -1.0
-        own = [sign * t.value for t in self.study(cell_id).get_trials(deepcopy=False) if t.value is not None]
+        own = self._values(cell_id)
         if len(own) > self.explore(cell_id):
             return True
         _, vals, _ = self.evidence(cell_id, 1)  # the family's first wave (told: deterministic)
@@ -243,15 +242,19 @@ class Converging:
                     return [step], not 0 <= step[0] <= a - 1
         return [], False
 
+    def _values(self, cell_id: str) -> list[float]:
+        """The cell's told search results, larger = better whatever the direction."""
+        sign = 1.0 if self.direction == "maximize" else -1.0
+        return [sign * t.value for t in self.study(cell_id).get_trials(deepcopy=False) if t.value is not None]
+
     def _longer(self, cell_id: str, w: tuple[int, int], tried: set, noise: float) -> list[tuple[int, int]]:
         """Rule 1b: the winner ``w`` short of the declared healing budget (the length axis's cap), nothing tried
-        longer within one lr lattice step of it, in a cell that is not flat (some trial resolved worse than ``w`` by > 2 ``noise``) ->
-        [the winner's lr at the budget]; else []."""
+        longer within one lr lattice step of it, in a cell that is not flat (some trial resolved worse than ``w``
+        by > 2 ``noise``) -> [the winner's lr at the budget]; else []."""
         b = self.sizes(cell_id)[1]
         if w[1] >= b - 1 or any(abs(p[0] - w[0]) <= 1 and p[1] > w[1] for p in tried):
             return []
-        sign = 1.0 if self.direction == "maximize" else -1.0
-        vals = [sign * t.value for t in self.study(cell_id).get_trials(deepcopy=False) if t.value is not None]
+        vals = self._values(cell_id)
         return [(w[0], b - 1)] if vals and any(max(vals) - v > 2 * noise for v in vals) else []
 
     def propose(self, cell_id: str, number: int, wave: int) -> dict:
