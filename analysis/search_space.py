@@ -8,6 +8,7 @@ import pandas as pd
 
 from .findings import edges
 from .runs import grid_names
+from .search_stops import RECOVERED
 
 
 def flag_boundary(best: pd.DataFrame, search: dict | None, tracking_uri: str | None = None,
@@ -15,11 +16,14 @@ def flag_boundary(best: pd.DataFrame, search: dict | None, tracking_uri: str | N
     """Add ``search_boundary`` ('' or the reason) to each winner; with ``tracking_uri``, tag every gradient
     winner's MLflow run ``search_boundary`` = "true"/"false" (+ ``search_boundary_reason``). ``widened``: cell
     id -> its widened search box, which replaces its grid's. ``explored``: cell id -> (lowest, highest) lr its
-    search tried (``search_stops.explored_lr``): an lr edge the search tried past is no edge (``searched_edges``)."""
+    search tried (``search_stops.explored_lr``): an lr edge the search tried past is no edge (``searched_edges``).
+    A winner whose search stopped "recovered" (``search_stop``: not resolved worse than the dense model) is not
+    flagged: nothing better lies past its edge beyond the noise."""
     if not search or best.empty:
         return best.assign(search_boundary="")
     grids, widened = grid_names(best), widened or {}
-    reasons = ["; ".join(searched_edges(r, widened.get(r["cell_id"]) or search.get(g) or search.get("main"),
+    reasons = ["" if str(r.get("search_stop", "")).startswith(RECOVERED) else
+               "; ".join(searched_edges(r, widened.get(r["cell_id"]) or search.get(g) or search.get("main"),
                                         (explored or {}).get(r["cell_id"])).values())
                for (_, r), g in zip(best.iterrows(), grids)]
     best = best.assign(search_boundary=reasons)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 JOURNAL = "optuna.journal"  # orchestrator/rundir/files.py JOURNAL_FILE
+RECOVERED = "recovered"  # orchestrator/search/converge.py RECOVERED: a winner at the dense model's accuracy
 
 
 def search_stops(run_dir: str | Path) -> dict[str, dict]:

@@ -112,9 +112,11 @@ def best(a: pd.DataFrame, b: pd.DataFrame, grid: str) -> dict:
             "examples": differ[:5]}
 
 
-def edge_share(q: pd.DataFrame, grid: str, bounds: dict | None, widened: dict, explored: dict | None = None) -> dict:
+def edge_share(q: pd.DataFrame, grid: str, bounds: dict | None, widened: dict, explored: dict | None = None,
+               recovered: set | None = None) -> dict:
     """Searched winners on an edge other than the length cap (the declared healing budget), as the report flags
-    them: the declared (or widened) box, less lr edges the cell's search tried past (``explored``)."""
+    them: the declared (or widened) box, less lr edges the cell's search tried past (``explored``), less cells
+    whose search stopped at the dense model's accuracy (``recovered``: the report does not flag them)."""
     from analysis.findings import edges
 
     g = q[(q["grid"] == grid) & (q["lr"] > 0)]
@@ -126,5 +128,6 @@ def edge_share(q: pd.DataFrame, grid: str, bounds: dict | None, widened: dict, e
     except ImportError:  # the analysis of a sweep from before search.converge
         searched_edges = (lambda r, b, e: edges(r, b))
     on = [r for _, r in g.iterrows()
-          if set(searched_edges(r, box(r), (explored or {}).get(r["cell_id"]))) - {"length_cap"}]
+          if r["cell_id"] not in (recovered or set())
+          and set(searched_edges(r, box(r), (explored or {}).get(r["cell_id"]))) - {"length_cap"}]
     return {"winners": len(g), "edge": len(on), "share": len(on) / len(g) if len(g) else math.nan}

@@ -50,10 +50,12 @@ def variant(spec: dict, run: str, seed_step: int, shift_main: int) -> dict:
     return s
 
 
-def bounds_of(run_dir: Path) -> tuple[dict | None, dict, dict]:
-    """(search bounds per grid, widened boxes per cell, lr range each cell's search tried)."""
+def bounds_of(run_dir: Path) -> tuple[dict | None, dict, dict, set]:
+    """(search bounds per grid, widened boxes per cell, lr range each cell's search tried, cells whose search
+    stopped at the dense model's accuracy)."""
     from analysis.runs import load_trials
     from analysis.search_space import search_bounds, widened_cells
+    from analysis.search_stops import RECOVERED, search_stops
 
     meta = json.loads((run_dir / "sweep.json").read_text())
     trials = load_trials(meta["tracking_uri"], meta["sweep_id"], meta.get("experiment") or "healsweep")
@@ -62,7 +64,8 @@ def bounds_of(run_dir: Path) -> tuple[dict | None, dict, dict]:
     g = t.groupby("cell_id")["lr"]
     explored = {c: (float(lo), float(hi)) for c, lo, hi in zip(g.min().index, g.min().astype(float),
                                                                 g.max().astype(float))}
-    return search_bounds(meta.get("spec")), widened_cells(meta), explored
+    recovered = {c for c, r in search_stops(run_dir).items() if str(r["reason"]).startswith(RECOVERED)}
+    return search_bounds(meta.get("spec")), widened_cells(meta), explored, recovered
 
 
 def compare_grid(a, b, grid: str) -> dict:

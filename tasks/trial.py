@@ -88,6 +88,7 @@ class _Setup:
     dense_acc: float
     pruned_acc: float
     reader: Any = None
+    dense_selection_acc: float = float("nan")  # the search objective's ceiling (orchestrator/search/converge.py)
 
 
 _ACCURACIES: dict[tuple, float] = {}  # this process's dense/pruned accuracies (a Tune actor runs many trials)
@@ -188,9 +189,12 @@ def setup_trial(p: TrialParams) -> _Setup:
     entries = adapter.scope(model, p.scope)
     masks = {k: v.to(p.device) for k, v in MaskStore(p.mask_root).load(p.mask_key).items()}  # where the model is
     ev = lm.dataset["evaluation"]
-    same = (p.model, repr(sorted(p.load_kw.items())), lm.digest, lm.dataset.split_digest("evaluation"),
-            str(p.device), p.threads)  # this model, these weights, these images, this device
+    weights, where = (p.model, repr(sorted(p.load_kw.items())), lm.digest), (str(p.device), p.threads)
+    same = (*weights, lm.dataset.split_digest("evaluation"), *where)  # this model, these weights, images, device
     dense_acc = _remembered(same, lambda: accuracy(model, ev.images, ev.labels))
+    sel = lm.dataset["selection"]  # the search objective's ceiling: the dense model on the selection split
+    dense_sel = _remembered((*weights, lm.dataset.split_digest("selection"), *where),
+                            lambda: accuracy(model, sel.images, sel.labels))
     apply_masks(model, masks)
     pruned_acc = _remembered((*same, p.mask_key), lambda: accuracy(model, ev.images, ev.labels))
     healer = resolve_healer(p.healer, p.healer_settings)  # a chain too; may_change: state it may touch
@@ -220,7 +224,8 @@ def setup_trial(p: TrialParams) -> _Setup:
         # Supervised baselines get a budget-matched labeled set: the first calib_size items of the train split.
         labeled=(lm.dataset["train"].images[: p.calib_size], lm.dataset["train"].labels[: p.calib_size]),
     )
-    return _Setup(lm, model, adapter, entries, masks, healer, untouched, ctx, dense_acc, pruned_acc, reader)
+    return _Setup(lm, model, adapter, entries, masks, healer, untouched, ctx, dense_acc, pruned_acc, reader,
+                  dense_sel)
 
 
 def heal_trial(p: TrialParams, st: _Setup, report: Callable[[dict], None], start: Mapping[str, Any] | None,
@@ -289,7 +294,8 @@ def final_metrics(p: TrialParams, st: _Setup, last: dict, heal_seconds: float) -
     heldout = heldout_score(model, st.ctx.blocks, lambda rows: _heldout_reference(p, lm, rows),
                             lm.dataset["calibration"].images, p.calib_size, st.adapter.default_granularity)
     dense_acc = st.dense_acc
-    final = dict(last, final=True, dense_acc=dense_acc, pruned_acc=st.pruned_acc, healed_acc=healed_acc,
+    final = dict(last, final=True, dense_acc=dense_acc, dense_selection_acc=st.dense_selection_acc,
+                 pruned_acc=st.pruned_acc, healed_acc=healed_acc,
                  retention=healed_acc / dense_acc if dense_acc > 0 else 0.0, heal_seconds=heal_seconds,
                  mask_violations=mask_violations(model, masks), achieved_sparsity=achieved_sparsity(entries, masks),
                  changed_outside_scope=changed_outside, n_eval=len(ev),

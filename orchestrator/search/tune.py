@@ -131,14 +131,16 @@ class DesignSearcher(Searcher):
             self._tell(lambda: self._told(a, None, TrialState.PRUNED))
         else:
             value = float(result[self.metric])
-            self._tell(lambda: self._told(a, value, TrialState.COMPLETE))
+            ceiling = result.get("dense_selection_acc") if self.metric == "selection_acc" else None
+            self._tell(lambda: self._told(a, value, TrialState.COMPLETE, ceiling))
 
-    def _told(self, a: Ask, value: float | None, state: TrialState) -> None:
+    def _told(self, a: Ask, value: float | None, state: TrialState, ceiling: float | None = None) -> None:
         """The trial's record (DIR/trials.jsonl, the commit point: a record that cannot be written raises, and
-        the tell is not written either), then the design's tell."""
+        the tell is not written either), then the design's tell (``ceiling``: the dense model's value of the
+        objective, when the objective has one: selection accuracy)."""
         if self.record is not None:
             self.record(a, value, state)
-        self.design.tell(a, value, state)
+        self.design.tell(a, value, state, ceiling=ceiling)
 
     def _tell(self, fn: Callable[[], None]) -> None:
         """``fn`` (a tell) through ``defer``, counted until it has run."""

@@ -42,8 +42,16 @@ def test_a_converging_sweep_stops_its_cells_and_the_report_says_why(tmp_path):
     for cid, rec in stops.items():
         n = sum(r.data.tags["cell_id"] == cid and r.data.tags["stage"] == "search" for r in trials)
         assert 2 <= n <= 5 and rec["trials"] == n
-        assert rec["reason"].startswith(("converged", "cap"))
+        assert rec["reason"].startswith(("converged", "cap", "recovered"))
+        mine = [r for r in trials if r.data.tags["cell_id"] == cid and r.data.tags["stage"] == "search"]
+        dense = {r.data.metrics["dense_selection_acc"] for r in mine}  # every trial reports the dense model's
+        assert len(dense) == 1 and 0.9 < dense.pop() <= 1
+        if rec["reason"].startswith("recovered"):  # rule 0: stopped after the first wave, at the dense accuracy
+            top = max(r.data.metrics["selection_acc"] for r in mine)
+            assert n == 2 and top >= mine[0].data.metrics["dense_selection_acc"] - 0.02, rec
         again = sum(r.data.tags["cell_id"] == cid and r.data.tags["stage"] == "reevaluate" for r in trials)
         assert 2 <= again <= 3 and again == rec["reevaluate_target"]
+    assert any(r["reason"].startswith("recovered") for r in stops.values())  # sparsity 0.5 recovers
+    assert not all(r["reason"].startswith("recovered") for r in stops.values())  # 0.95 does not
     md = (run_dir / "report.md").read_text()
     assert "Why each cell's search stopped" in md and "Budget: bands and leads hold within 16 optimizer steps" in md

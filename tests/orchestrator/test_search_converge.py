@@ -17,9 +17,14 @@ BUDGET = Budget(trials=8, lr=(1e-4, 1e-2), length=("steps", (4, 64)), reevaluate
                 converge=CONV)
 
 
-def drive(searcher, objective):
-    """Ask until FINISHED; finish the oldest live trial whenever nothing is ready. -> every config asked."""
+def drive(searcher, objective, dense=None):
+    """Ask until FINISHED; finish the oldest live trial whenever nothing is ready. -> every config asked.
+    ``dense``: config -> the dense model's selection accuracy the trial reports (None: not reported)."""
     got, live, i = [], [], 0
+
+    def result(c):
+        top = {} if dense is None else {"dense_selection_acc": dense(c)}
+        return {"selection_acc": objective(c), "final": True, "epoch": c["epochs"], **top}
     while True:
         cfg = searcher.suggest(f"t{i}")
         if cfg == "FINISHED":
@@ -27,13 +32,13 @@ def drive(searcher, objective):
         if cfg is None:
             assert live, "the design waits with nothing running"
             tid, c = live.pop(0)
-            searcher.on_trial_complete(tid, {"selection_acc": objective(c), "final": True, "epoch": c["epochs"]})
+            searcher.on_trial_complete(tid, result(c))
             continue
         got.append(cfg)
         live.append((f"t{i}", cfg))
         i += 1
     for tid, c in live:
-        searcher.on_trial_complete(tid, {"selection_acc": objective(c), "final": True, "epoch": c["epochs"]})
+        searcher.on_trial_complete(tid, result(c))
     return got
 
 
@@ -205,6 +210,23 @@ def test_the_report_does_not_flag_an_lr_edge_its_search_tried_past():
     assert set(searched_edges(row, box, (1e-4, 3.16e-2))) == {"length_cap"}  # a worse lr above it was tried
 
 
+def test_the_report_does_not_flag_the_edge_of_a_recovered_cell():
+    """A winner at the dense model's accuracy (its search stopped "recovered", rule 0) sits on the lr cap: the
+    report flags no edge there (nothing better lies past it); a cell stopped at the cap on that edge is flagged."""
+    import pandas as pd
+
+    from analysis.search_space import flag_boundary
+    from analysis.search_stops import RECOVERED
+    from orchestrator.search import converge
+
+    assert RECOVERED == converge.RECOVERED  # analysis reads the reason the search design writes
+    best = pd.DataFrame([{"cell_id": c, "grid": "main", "lr": 1e-2, "steps": 16, "search_stop": why}
+                         for c, why in (("a", "recovered: the winner (99.44 %) is within 2 x min_noise (1.00 pp) of "
+                                               "the dense model (100.00 %)"), ("b", "cap (8 trials)"))])
+    out = flag_boundary(best, {"main": {"lr": [1e-4, 1e-2], "steps": [4, 64]}})
+    assert list(out["search_boundary"]) == ["", "lr 0.01 at the 0.01 cap"]
+
+
 def test_a_resumed_converging_search_asks_what_an_uninterrupted_one_asks(tmp_path):
     cells = _cells(4)
 
@@ -348,3 +370,25 @@ def test_a_winner_short_of_the_budget_tries_the_budget_at_its_lr(tmp_path):
     best = max(mine, key=obj)  # (before: six more trials at 16 steps first, the budget tried 8th)
     assert best["steps"] == 64 and obj(best) >= 0.78, seen
     assert len(mine) < 10 and s.design.stops[hard].startswith("converged"), seen  # found, confirmed, stopped
+
+
+def test_a_cell_at_the_dense_models_accuracy_stops_after_its_first_wave_on_any_edge(tmp_path):
+    """Rule 0: a winner at the dense model's accuracy (within 2 min_noise of the selection accuracy every trial
+    reports) ends its cell's search, although it sits on the lr cap, where rule 1 would walk on; a cell far
+    below the dense model walks as before; the ceiling is in the journal (a resumed search sees it)."""
+    cells = _cells(3)
+    easy = cells[0]["cell_id"]
+
+    def obj(c):  # both rise with lr up to the cap: no optimum inside the box
+        u = math.log10(c["lr"] / 1e-4)
+        return 0.97 + 0.002 * u if c["cell_id"] == easy else 0.2 + 0.1 * u
+    s = make(tmp_path / "a", cells) if (tmp_path / "a").mkdir() is None else None
+    got = drive(s, obj, dense=lambda c: 0.975)
+    assert len(searched(got, easy)) == BUDGET.explore and s.design.stops[easy].startswith("recovered")
+    for c in cells[1:]:
+        assert max(g["lr"] for g in searched(got, c["cell_id"])) > 1e-2 * 1.5  # walked past the cap
+        assert not s.design.stops[c["cell_id"]].startswith("recovered")
+    assert make(tmp_path / "a", cells).design._ceiling(easy) == 0.975
+    (tmp_path / "b").mkdir()
+    alone = drive(make(tmp_path / "b", cells), obj)  # no dense accuracy reported: the easy cell walks too
+    assert len(searched(alone, easy)) > BUDGET.explore

@@ -101,8 +101,9 @@ def test_selection_accuracy_only_after_the_last_epoch_changes_no_result(setup):
 
 
 def test_dense_and_pruned_accuracy_measured_once_per_process_and_per_mask(setup):
-    """A Tune actor runs many trials: the dense accuracy is measured once per model and the pruned accuracy once
-    per mask (tasks/trial.py _remembered), and both equal a fresh measurement; another mask is measured anew."""
+    """A Tune actor runs many trials: the dense accuracies (evaluation split; selection split, the search
+    objective's ceiling) are measured once per model and the pruned accuracy once per mask (tasks/trial.py
+    _remembered), and all equal a fresh measurement; another mask is measured anew."""
     import tasks.trial as trial_mod
     from tasks.evaluate import accuracy
     from tasks.pruning import apply_masks
@@ -115,14 +116,16 @@ def test_dense_and_pruned_accuracy_measured_once_per_process_and_per_mask(setup)
     MaskStore(root).save("1" * 32, sparse, {"test": True})
     trial_mod._ACCURACIES.clear()
     first, _ = trial(params)
-    assert len(trial_mod._ACCURACIES) == 2  # dense, pruned at 0.5
+    assert len(trial_mod._ACCURACIES) == 3  # dense on evaluation and on selection, pruned at 0.5
     again, _ = trial(params, seed=4)
-    assert len(trial_mod._ACCURACIES) == 2 and again["pruned_acc"] == first["pruned_acc"]
+    assert len(trial_mod._ACCURACIES) == 3 and again["pruned_acc"] == first["pruned_acc"]
     other, _ = trial(params, mask_key="1" * 32)
-    assert len(trial_mod._ACCURACIES) == 3 and other["dense_acc"] == first["dense_acc"]
-    ev = lm.dataset["evaluation"]
+    assert len(trial_mod._ACCURACIES) == 4 and other["dense_acc"] == first["dense_acc"]
+    assert other["dense_selection_acc"] == again["dense_selection_acc"] == first["dense_selection_acc"]
+    ev, sel = lm.dataset["evaluation"], lm.dataset["selection"]
     fresh = load_model(MODEL, params.cache_dir, progress=False).model
     assert first["dense_acc"] == accuracy(fresh, ev.images, ev.labels)
+    assert first["dense_selection_acc"] == accuracy(fresh, sel.images, sel.labels)
     apply_masks(fresh, sparse)
     assert other["pruned_acc"] == accuracy(fresh, ev.images, ev.labels) < first["pruned_acc"]
 
