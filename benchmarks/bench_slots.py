@@ -70,8 +70,11 @@ class Replay:
         fits: dict[tuple, list[tuple[float, float]]] = {}
         self.again: dict[str, list[float]] = {}
         self.by_length: dict[tuple, list[float]] = {}
+        self.dense: dict[str, float] = {}  # cell -> the dense model's selection accuracy its trials reported
         for r in records:
             p, m = r["mlflow"]["params"], r["mlflow"]["metrics"]
+            if m.get("dense_selection_acc") is not None:
+                self.dense[r["cell_id"]] = float(m["dense_selection_acc"])
             cfg = {**p, "steps": p.get("steps")}
             s = steps_of(cfg)
             fits.setdefault((p["model"], p["healer"]), []).append((s, float(m["trial_seconds"])))
@@ -104,6 +107,12 @@ class Replay:
             return float(np.median(same))
         a, b = self.fit.get((cfg["model"], cfg["healer"]), (5.0, 0.1))
         return max(0.5, a + b * s)
+
+    def result(self, cfg: dict) -> dict:
+        """The final result a trial of ``cfg`` reports to Tune: the objective, and the dense model's selection
+        accuracy when the recorded sweep logged it (converge's rule 0 reads it)."""
+        top = {"dense_selection_acc": self.dense[cfg["cell_id"]]} if cfg["cell_id"] in self.dense else {}
+        return {"selection_acc": self.value(cfg), "final": True, "epoch": cfg["epochs"], **top}
 
     def value(self, cfg: dict) -> float:
         seen = self.seen.get(cfg["cell_id"]) or [(0.0, 0.0, 0.5, 1.0)]
@@ -152,7 +161,7 @@ def simulate(spec, records: list[dict], slots: int, per_cell: bool = False, cell
                     raise RuntimeError("the design waits with nothing running")
                 break
             t, k, cfg = heapq.heappop(live)
-            s.on_trial_complete(f"t{k}", {"selection_acc": replay.value(cfg), "final": True, "epoch": cfg["epochs"]})
+            s.on_trial_complete(f"t{k}", replay.result(cfg))
     span = t - (first or 0.0)
     return {"trials": n, "makespan_s": round(span, 1), "work_s": round(busy, 1),
             "busy_share": busy / (slots * span) if span else math.nan}

@@ -48,8 +48,7 @@ def sleeper(config: dict, replay: Replay, scale: float = 1.0) -> None:
     t_start = time.time()
     time.sleep(seconds)
     t_end = time.time()
-    tune.report({"selection_acc": replay.value(config), "final": True, "epoch": config["epochs"],
-                 "t_start": t_start, "t_end": t_end})
+    tune.report({**replay.result(config), "t_start": t_start, "t_end": t_end})
 
 
 class MemoryLow:
