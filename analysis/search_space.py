@@ -17,8 +17,8 @@ def flag_boundary(best: pd.DataFrame, search: dict | None, tracking_uri: str | N
     winner's MLflow run ``search_boundary`` = "true"/"false" (+ ``search_boundary_reason``). ``widened``: cell
     id -> its widened search box, which replaces its grid's. ``explored``: cell id -> (lowest, highest) lr its
     search tried (``search_stops.explored_lr``): an lr edge the search tried past is no edge (``searched_edges``).
-    A winner whose search stopped "recovered" (``search_stop``: not resolved worse than the dense model) is not
-    flagged: nothing better lies past its edge beyond the noise."""
+    A winner whose search stopped "recovered" (``search_stop``: at the dense model's accuracy, within the noise
+    floor) is not flagged: nothing better lies past its edge beyond the noise."""
     if not search or best.empty:
         return best.assign(search_boundary="")
     grids, widened = grid_names(best), widened or {}

@@ -354,16 +354,19 @@ class SearchDesign:
         number = study.ask(self.space(slot.cell_id)).number
         return Ask(slot.cell_id, number, self._params(slot.cell_id, best.params), REEVALUATE, seed)
 
-    def tell(self, ask: Ask, value: float | None, state: TrialState = TrialState.COMPLETE,
-             ceiling: float | None = None) -> None:
-        """Record a trial's objective (``value`` None or ``state`` FAIL: a failed trial, ignored by the search);
-        ``ceiling``: the dense model's value of the objective, kept as the trial's user attr ``CEILING`` (in the
-        journal: a resumed search decides as the first one did)."""
+    def remember_ceiling(self, ask: Ask, ceiling: float) -> None:
+        """Keep the dense model's value of the objective a trial reported as its user attr ``CEILING``, before the
+        trial's record is written (the record carries its attrs: a journal rebuilt from trials.jsonl keeps it, and
+        a resumed search decides as the first one did)."""
+        if math.isfinite(ceiling):
+            study = self.study(ask.cell_id, ask.stage)
+            trial_id = study.get_trials(deepcopy=False)[ask.number]._trial_id
+            study._storage.set_trial_user_attr(trial_id, CEILING, float(ceiling))
+
+    def tell(self, ask: Ask, value: float | None, state: TrialState = TrialState.COMPLETE) -> None:
+        """Record a trial's objective (``value`` None or ``state`` FAIL: a failed trial, ignored by the search)."""
         study = self.study(ask.cell_id, ask.stage)
         try:
-            if ceiling is not None and math.isfinite(ceiling) and state == TrialState.COMPLETE:
-                trial_id = study.get_trials(deepcopy=False)[ask.number]._trial_id
-                study._storage.set_trial_user_attr(trial_id, CEILING, float(ceiling))
             if state == TrialState.COMPLETE and value is not None and math.isfinite(value):
                 study.tell(ask.number, float(value))
             else:

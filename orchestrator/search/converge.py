@@ -13,10 +13,9 @@ same results give the same decisions whatever order trials finish in. A wave's p
    nothing left to find beyond the noise floor, whatever edge the winner sits on. Easy cells stop after their
    first wave and the sweep spends its trials on hard ones. The floor, not the fit's noise: the fit's residual
    pools the family's misfit (6.6 pp in tests/e2e/test_converge_e2e.py's sweep), and a winner 8 pp below the
-   dense model is not "recovered". (Measured 2026-11-27 on the retest runs of the
-   default spec, read back: 26 of 154 cells, all but 3 ResNet cells of the main grid at 99-100 %, would have
-   stopped after their first wave, 107 of 765 search trials not run, the winners' search values lower by at most
-   0.56 pp.)
+   dense model is not "recovered". (Measured 2026-11-27 on the default spec with ``converge``, cap 8: 26 of 154
+   cells stop "recovered", 25 of them ResNet cells of the main grid; 973 trials instead of 1,069; the main grid's
+   winners on a non-budget edge 4 / 8 / 1 of 50 in runs A/B/C instead of 7 / 13 / 4: docs/methods.md.)
 1. the cell's winner (its best told trial) sits on the lr edge of what the cell has tried *at the winner's length*
    and beats the cell's other trials (a tie does not count): nothing says its lr is an optimum until a worse
    point lies beyond it, so the wave is the winner's lr one lattice step further out, same length, alone (its

@@ -136,11 +136,13 @@ class DesignSearcher(Searcher):
 
     def _told(self, a: Ask, value: float | None, state: TrialState, ceiling: float | None = None) -> None:
         """The trial's record (DIR/trials.jsonl, the commit point: a record that cannot be written raises, and
-        the tell is not written either), then the design's tell (``ceiling``: the dense model's value of the
-        objective, when the objective has one: selection accuracy)."""
+        the tell is not written either), then the design's tell. ``ceiling``: the dense model's value of the
+        objective, when the objective has one (selection accuracy), kept with the trial before its record."""
+        if ceiling is not None:
+            self.design.remember_ceiling(a, float(ceiling))
         if self.record is not None:
             self.record(a, value, state)
-        self.design.tell(a, value, state, ceiling=ceiling)
+        self.design.tell(a, value, state)
 
     def _tell(self, fn: Callable[[], None]) -> None:
         """``fn`` (a tell) through ``defer``, counted until it has run."""

@@ -375,7 +375,8 @@ def test_a_winner_short_of_the_budget_tries_the_budget_at_its_lr(tmp_path):
 def test_a_cell_at_the_dense_models_accuracy_stops_after_its_first_wave_on_any_edge(tmp_path):
     """Rule 0: a winner at the dense model's accuracy (within 2 min_noise of the selection accuracy every trial
     reports) ends its cell's search, although it sits on the lr cap, where rule 1 would walk on; a cell far
-    below the dense model walks as before; the ceiling is in the journal (a resumed search sees it)."""
+    below the dense model walks as before; the ceiling is in the journal and in each trial's record before it is
+    written (a resumed search sees it, also from a journal rebuilt from the records)."""
     cells = _cells(3)
     easy = cells[0]["cell_id"]
 
@@ -383,7 +384,10 @@ def test_a_cell_at_the_dense_models_accuracy_stops_after_its_first_wave_on_any_e
         u = math.log10(c["lr"] / 1e-4)
         return 0.97 + 0.002 * u if c["cell_id"] == easy else 0.2 + 0.1 * u
     s = make(tmp_path / "a", cells) if (tmp_path / "a").mkdir() is None else None
+    seen = []  # what each trial's record (trials.jsonl) holds of its attrs: a rebuilt journal is made from it
+    s.record = lambda a, v, st: seen.append(dict(s.design.study(a.cell_id, a.stage).trials[a.number].user_attrs))
     got = drive(s, obj, dense=lambda c: 0.975)
+    assert len(seen) == len(got) and all(u["dense_selection_acc"] == 0.975 for u in seen)
     assert len(searched(got, easy)) == BUDGET.explore and s.design.stops[easy].startswith("recovered")
     for c in cells[1:]:
         assert max(g["lr"] for g in searched(got, c["cell_id"])) > 1e-2 * 1.5  # walked past the cap
