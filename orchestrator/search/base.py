@@ -37,7 +37,7 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 DONE = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 FINISHED = "FINISHED"  # == ray.tune.search.Searcher.FINISHED
 SEARCH, REEVALUATE = "search", "reevaluate"
-CEILING = "dense_selection_acc"  # a trial's user attr: the dense model's value of the objective (tell)
+CEILING = "dense_selection_acc"  # the trial metric (tasks/trial.py) and user attr: the dense model's objective
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 from optuna.trial import TrialState
 from ray.tune.search import Searcher
 
-from orchestrator.search.base import FINISHED, SEARCH, Ask, Budget, SearchDesign
+from orchestrator.search.base import CEILING, FINISHED, SEARCH, Ask, Budget, SearchDesign
 from orchestrator.search.converge import converge_of
 from orchestrator.search.registry import DESIGNS
 from tasks.atomic import DiskFullError
@@ -131,7 +131,7 @@ class DesignSearcher(Searcher):
             self._tell(lambda: self._told(a, None, TrialState.PRUNED))
         else:
             value = float(result[self.metric])
-            ceiling = result.get("dense_selection_acc") if self.metric == "selection_acc" else None
+            ceiling = result.get(CEILING) if self.metric == "selection_acc" else None
             self._tell(lambda: self._told(a, value, TrialState.COMPLETE, ceiling))
 
     def _told(self, a: Ask, value: float | None, state: TrialState, ceiling: float | None = None) -> None:
