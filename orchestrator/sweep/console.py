@@ -2,6 +2,7 @@
 MLflow unless ``--verbose``. Stage times are kept for the parent run (metrics ``stage_<name>_seconds``)."""
 from __future__ import annotations
 
+import concurrent.futures.thread as cft
 import logging
 import os
 import sys
@@ -73,8 +74,6 @@ def fork_race_to_log(previous: Callable) -> Callable:
     ignored in ... RuntimeError: release unlocked lock" with a traceback on stderr. The lock ends unlocked,
     as it should; nothing is lost. Seen once in 82 e2e tests (2026-11-27, tests/e2e/test_model_sources.py);
     reproduced in tests/orchestrator/test_console.py."""
-    import concurrent.futures.thread as cft
-
     def hook(u) -> None:
         if isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "release unlocked lock" \
                 and u.object == cft._global_shutdown_lock.release:
