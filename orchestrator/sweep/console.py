@@ -58,6 +58,9 @@ def quiet_libraries(verbose: bool) -> None:
     env.setdefault("PYTHONWARNINGS", "ignore")
     for name in loggers:
         logging.getLogger(name).setLevel(logging.ERROR)
+    # Tune's "Saving experiment state failed" traceback (e.g. a full disk, which the sweep reports in one line):
+    # a sweep resumes from its own files, never from Tune's experiment state (orchestrator/rundir/files.py).
+    logging.getLogger("ray.tune.execution.experiment_state").setLevel(logging.CRITICAL)
 
     warnings.filterwarnings("ignore")
     if not getattr(sys.unraisablehook, "healsweep", False):  # once per process (quiet_libraries may run again)

@@ -113,9 +113,11 @@ class AsyncMlflowWriter:
             return fn()
         except Exception as e:  # noqa: BLE001 - a logging failure must not stop the sweep
             self.errors += 1
-            log.warning("mlflow write failed: %s", e)
             if faults.one_line(e) is not None:  # a full disk, a damaged database: the sweep stops (one line);
+                log.debug("mlflow write failed: %s", e)  # that line says it: not a second one on stderr
                 faults.stop(e)  # the trial record is not written, so the trial runs again on resume
+            else:
+                log.warning("mlflow write failed: %s", e)
             return None
         finally:
             self.write_seconds += time.perf_counter() - t0

@@ -2,6 +2,7 @@
 MLflow writer, resource overrides and the scheduler (the real sweeps are in tests/e2e/test_cluster_faults.py)."""
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -163,6 +164,39 @@ def test_async_writer_batches_in_order_and_never_blocks(tmp_path):
     assert sorted(h.step for h in hist) == list(range(2500)) and w.errors == 0
     assert w.batches <= 2500 // 1000 + 3  # coalesced, not one call per metric
     assert client.get_run(runs["a"]).info.status == "FINISHED"
+
+
+def test_async_writer_stops_the_sweep_on_a_full_database_without_a_second_stderr_line(caplog):
+    """A full disk under the tracking database: the writer hands the error to the sweep (which prints one line,
+    orchestrator/rundir/faults.py) and logs it at DEBUG only; any other failed write stays a WARNING. Before
+    2026-11-27 the full database also printed "mlflow write failed: ..." through logging's last-resort handler:
+    tests/faults/test_disk_full_e2e.py failed whenever MLflow, not the trial, hit the full disk first."""
+    import sqlite3
+
+    from orchestrator.rundir import faults
+    from orchestrator.tracking.writer import AsyncMlflowWriter
+
+    def full():
+        raise sqlite3.OperationalError("database or disk is full")
+
+    def other():
+        raise RuntimeError("tracking server said 503")
+
+    faults.clear()
+    w = AsyncMlflowWriter(lambda: None)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="orchestrator.tracking.writer"):
+            w.submit(full)
+            w.flush()
+            assert isinstance(faults.stopped(), sqlite3.OperationalError)
+            assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+            faults.clear()
+            w.submit(other)
+            w.close()
+        assert faults.stopped() is None and w.errors == 2
+        assert [r.levelno for r in caplog.records] == [logging.DEBUG, logging.WARNING]
+    finally:
+        faults.clear()
 
 
 def _trial(trial_id: str, key: str):
