@@ -34,6 +34,9 @@ def quiet_libraries(verbose: bool) -> None:
     table-creation INFO, "View run ... at http://" and "Downloading artifacts" bars."""
     env = os.environ
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # MLflow's usage telemetry (on by default outside CI: a thread posting usage events to mlflow-telemetry.io): a
+    # sweep sends nothing anywhere, as with Ray's usage stats above. MLFLOW_DISABLE_TELEMETRY=false opts in.
+    env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     # No TensorBoard/CSV/JSON result files per trial: nothing reads them (MLflow holds every metric).
     env.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     # Intermediate results may omit selection_acc when no scheduler needs it (tasks/trial.py, epoch_selection).

@@ -48,3 +48,16 @@ def test_quiet_libraries_installs_the_hook_once():
             "print(first is not base, sys.unraisablehook is first, first.healsweep)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, cwd=REPO)
     assert proc.stdout.split() == ["True", "True", "True"], proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_sweep_sends_no_mlflow_telemetry(tmp_path):
+    """MLflow reports usage to its servers unless told not to (it stays quiet on its own only under CI or pytest,
+    whose variables are left out of the child's environment here, so the first run is the control)."""
+    code = ("import sys; from orchestrator.sweep.console import quiet_libraries\n"
+            "if sys.argv[1] == 'quiet': quiet_libraries(False)\n"
+            "from mlflow.telemetry.utils import is_telemetry_disabled; print(is_telemetry_disabled())")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
+    out = {mode: subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=50,
+                                cwd=REPO, env=env).stdout.strip() for mode in ("bare", "quiet")}
+    assert out == {"bare": "False", "quiet": "True"}, out
