@@ -79,7 +79,7 @@ def fork_race_to_log(previous: Callable) -> Callable:
     ``_global_shutdown_lock.release`` on a lock its before-fork hook did not take: Python prints "Exception
     ignored in ... RuntimeError: release unlocked lock" with a traceback on stderr. The lock ends unlocked,
     as it should; nothing is lost. Seen once in 82 e2e tests (2026-11-27, tests/e2e/test_model_sources.py);
-    reproduced in tests/orchestrator/test_console.py."""
+    not reproducible at will (1 of ~20 tries of a script); the hook is tested in tests/orchestrator/test_console.py."""
     def hook(u) -> None:
         if isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "release unlocked lock" \
                 and u.object == cft._global_shutdown_lock.release:
