@@ -31,9 +31,14 @@ same results give the same decisions whatever order trials finish in. A wave's p
    seeds fell from 10.5 to 4.9 pp; the max (20.8 pp, that cell: a single draw there moves by 5-10 pp) did not: run A
    stopped at 5.4e-3 (57 %) because 7.6e-3 at the same length gave 55 %, a tie within the noise, with nothing
    tried past it; hence the plateau rule.)
-1b. otherwise, a winner short of the declared healing budget (its length below the length axis's cap) with nothing
-   tried longer at its lr or one lattice step from it, in a cell that is not flat (some trial resolved worse): the
-   wave is the winner's lr at the budget, alone. The family surface pools easy cells, whose optimum length may be
+1b. (decided *before* rule 1) a winner short of the declared healing budget (its length below the length axis's cap)
+   with nothing tried longer at its lr or one lattice step from it, in a cell that is not flat (some trial resolved
+   worse): the wave is the winner's lr at the budget, alone; the lr walk of rule 1 follows at the budget's length.
+   (Measured 2026-11-27, default spec with ``converge``, sampler seed 0 vs 1: with rule 1 first, grid ``healers``'
+   KL-family cells at 0.95 walked the lr of a short first-wave winner far out at 5-6 epochs and met the cap before
+   trying 8, so one seed found 78 % where the other stayed at 68 %; with 1b first grid ``healers``' max move fell
+   from 9.72 to 4.95 pp, its verdicts and best lines became identical, the main grid's unchanged: docs/methods.md.)
+   The family surface pools easy cells, whose optimum length may be
    short, and would not ask a hard cell for a longer trial. (Measured 2026-11-26 on the default spec, sampler
    seed 0 vs 1: ViT magnitude 0.95 at calibration 256 walked its lr at 16 steps to an optimum there, 83 %, and
    stopped "converged" where the other seed's search found 95 % at 64 steps, a 16.5 pp move; grid healers' MSE
@@ -188,9 +193,9 @@ class Converging:
         if top is not None and best.value >= top - 2 * c.min_noise:  # rule 0 (the floor: not the fit's noise)
             return (f"{RECOVERED}: the winner ({100 * best.value:.2f} %) is within 2 x min_noise "
                     f"({200 * c.min_noise:.2f} pp) of the dense model ({100 * top:.2f} %)"), None
-        out, widening = self._outward(cell_id, w, tried, noise)
+        out, widening = self._longer(cell_id, w, tried, noise), False  # rule 1b first: the budget, then the lr walk
         if not out:
-            out = self._longer(cell_id, w, tried, noise)
+            out, widening = self._outward(cell_id, w, tried, noise)
         if out:  # widening the box: a full wave; a step inside it: that step alone (its result decides the next)
             return None, out + ([p for p in free if p not in out][:max(1, c.batch) - len(out)] if widening else [])
         if not free:
