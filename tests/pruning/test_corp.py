@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+import timm
 import torch
 
 from tasks.healing import HEALERS, HealConfig, HealContext, dense_targets, in_memory_batches, steps_per_epoch
@@ -221,13 +222,55 @@ def test_efficiency_metrics_on_digits(digits_vit):
     assert CORPPruner.__mro__[1].structured_metrics(CORP_P, model, masks, None) == {}  # base default: none
     calls = []  # heal.latency_rounds 1 (a dry run): each model timed once, no warm-up; figures still complete
     hook = torch.nn.modules.module.register_module_forward_hook(
-        lambda mod, args, out: calls.append(1) if type(mod).__name__ == "VisionTransformer" else None)
+        lambda mod, args, out: calls.append(args[0].device.type) if type(mod).__name__ == "VisionTransformer" else None)
     try:
         one = CORP_P.structured_metrics(model, masks, digits_vit.dataset["evaluation"].images[:32], rounds=1)
     finally:
         hook.remove()
-    assert len(calls) == 2 + 2 + 2 and set(one) == set(m)  # output check, one timed pass each, one FLOP count each
+    # one timed pass each on real tensors (the output check reuses their outputs), one FLOP count each on meta ones
+    assert sorted(calls) == ["cpu", "cpu", "meta", "meta"] and set(one) == set(m)
     assert one["dense_params"] == m["dense_params"] and one["shrunk_flops"] == m["shrunk_flops"]
+    assert one["shrink_max_abs_diff"] <= 1e-5
+
+
+def test_flops_on_meta_tensors_count_every_matmul_attention_included(digits_vit):
+    """The FLOP count runs on meta tensors (shapes only). A real pass on the CPU missed attention: timm's ViT calls
+    SDPA, whose CPU kernel has no formula in torch's FlopCounterMode, while the shrunk model's CPU attention (plain
+    matmuls) was counted, so dense and shrunk FLOPs were counted differently. On meta tensors SDPA decomposes into
+    matmuls: a 224-px DeiT-T's count equals the hand-computed one, attention included."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tasks.pruning.shrink import flops
+
+    def real(m, x):
+        with torch.no_grad(), FlopCounterMode(display=False) as fc:
+            m(x)
+        return int(fc.get_total_flops())
+
+    deit = timm.create_model("deit_tiny_patch16_224", pretrained=False, num_classes=10).eval()
+    b, n, d, heads, blocks = 2, 197, 192, 3, 12  # 2 images, 14 x 14 patches + CLS, width 192, 3 heads of 64
+    macs = (b * 196 * d * 3 * 16 * 16  # patch embedding (a 16 x 16 stride-16 conv)
+            + b * blocks * n * (d * 3 * d + d * d + 2 * d * 4 * d)  # qkv, proj, fc1, fc2
+            + b * blocks * 2 * heads * n * n * (d // heads)  # attention: Q K^T and A V
+            + b * d * 10)  # the head, on the CLS token
+    x = torch.randn(b, 3, 224, 224)
+    assert flops(deit, x) == 2 * macs
+    assert real(deit, x) == 2 * macs - 2 * b * blocks * 2 * heads * n * n * (d // heads)  # the CPU pass: no attention
+    model = copy.deepcopy(digits_vit.model).eval()
+    _, masks = _masks_digits(digits_vit, model, 0.5)
+    apply_masks(model, masks)
+    small, x = shrink_vit(model, masks), digits_vit.dataset["evaluation"].images[:8]
+    assert flops(small, x) == real(small, x) < flops(model, x)  # plain-matmul attention: counted either way
+
+    class MadeOnTheCPU(torch.nn.Module):  # a forward that makes a CPU tensor: meta cannot mix it in
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, z):
+            return self.lin(z) + torch.ones(z.shape[0], 3)
+
+    assert flops(MadeOnTheCPU(), torch.randn(5, 4)) == 2 * 5 * 4 * 3  # counted on a real pass instead
 
 
 def _masks_digits(lm, model, s):
