@@ -136,50 +136,67 @@ def _values(g: pd.DataFrame, by: str, key: str) -> tuple[dict[str, dict[tuple, f
     return out, noise
 
 
-def _winner(vn: tuple[dict[str, dict[tuple, float]], dict[str, float]]) -> tuple[str, float, str]:
-    """(label of the best mean, its mean, 'lead over runner-up' text): the lead is *resolved* only when it
-    exceeds the measured noise (analysis/reported.py: search + seed noise) and, with several seeds, its paired
-    95 % CI excludes 0; otherwise it says "not resolved"."""
+def _lead(vn: tuple[dict[str, dict[tuple, float]], dict[str, float]], a: str, b: str) -> tuple[bool, str]:
+    """(whether ``a``'s lead over ``b`` is resolved, its text): resolved only when it exceeds the measured noise
+    (analysis/reported.py: search + seed noise) and, with several seeds, its paired 95 % CI excludes 0."""
     from .reported import Z, resolved
 
     values, noise = vn
     means = {k: sum(v.values()) / len(v) for k, v in values.items() if v}
-    order = sorted(means, key=lambda k: (-means[k], k))
+    band = Z * math.hypot(noise.get(a, math.nan), noise.get(b, math.nan))
+    measured = not math.isnan(band)  # no re-evaluations (reevaluate: 0, older sweeps): the seeds' CI alone
+    ok = resolved(means[a], noise[a], means[b], noise[b]) if measured else None
+    within = f"noise ±{100 * band:.2f} pp" if measured else "noise not measured"
+    ci = paired_ci(values[a], values[b])
+    if ci is None:
+        return False, f"vs {b}: no shared seed"
+    lead = f"+{100 * ci.mean:.2f} pp vs {b}"
+    if ci.half is None:
+        return bool(ok), f"{lead} ({'resolved' if ok else 'not resolved'}: {within})"
+    lo, hi = 100 * (ci.mean - ci.half), 100 * (ci.mean + ci.half)
+    ok = ci.mean - ci.half > 0 and ok is not False
+    return ok, (f"{lead} [95 % CI {lo:+.2f}, {hi:+.2f}], n={ci.n} "
+                f"({'resolved' if ok else 'not resolved'}: {within})")
+
+
+def _ranked(vn: tuple[dict[str, dict[tuple, float]], dict[str, float]]) -> tuple[list[str], dict[str, float]]:
+    """(labels by mean, best first; ties by name), label -> mean."""
+    means = {k: sum(v.values()) / len(v) for k, v in vn[0].items() if v}
+    return sorted(means, key=lambda k: (-means[k], k)), means
+
+
+def _winner(vn: tuple[dict[str, dict[tuple, float]], dict[str, float]]) -> tuple[str, float, str]:
+    """(label of the best mean, its mean, 'lead over runner-up' text; ``_lead``)."""
+    order, means = _ranked(vn)
     best = order[0]
     if len(order) == 1:
         return best, means[best], "(the only one)"
-    second = order[1]
-    band = Z * math.hypot(noise.get(best, math.nan), noise.get(second, math.nan))
-    measured = not math.isnan(band)  # no re-evaluations (reevaluate: 0, older sweeps): the seeds' CI alone
-    ok = resolved(means[best], noise[best], means[second], noise[second]) if measured else None
-    within = f"noise ±{100 * band:.2f} pp" if measured else "noise not measured"
-    ci = paired_ci(values[best], values[second])
-    if ci is None:
-        return best, means[best], f"vs {second}: no shared seed"
-    lead = f"+{100 * ci.mean:.2f} pp vs {second}"
-    if ci.half is None:
-        return best, means[best], f"{lead} ({'resolved' if ok else 'not resolved'}: {within})"
-    lo, hi = 100 * (ci.mean - ci.half), 100 * (ci.mean + ci.half)
-    ok = ci.mean - ci.half > 0 and ok is not False
-    return best, means[best], (f"{lead} [95 % CI {lo:+.2f}, {hi:+.2f}], n={ci.n} "
-                               f"({'resolved' if ok else 'not resolved'}: {within})")
+    return best, means[best], _lead(vn, best, order[1])[1]
+
+
+def tied_with(vn: tuple[dict[str, dict[tuple, float]], dict[str, float]], best: str) -> list[str]:
+    """The labels whose gap to ``best`` is not resolved (``_lead``), by name: the report cannot tell them from the
+    best, so a best line names them beside it (a different argmax among them on a rerun is not a different claim)."""
+    return sorted(k for k in _ranked(vn)[0] if k != best and not _lead(vn, best, k)[0])
 
 
 def best_rows(best: pd.DataFrame) -> list[dict]:
-    """Per sparsity × calib size: the best pruner × healer, and its lead over the runner-up healer (same pruner,
-    identical masks) and runner-up pruner (same healer, paired on the seed)."""
+    """Per sparsity × calib size: the best pruner × healer, the combos it is not resolved from (``tied``: named
+    beside it), and its lead over the runner-up healer (same pruner, identical masks) and runner-up pruner (same
+    healer, paired on the seed)."""
     df = best[best["healed_acc"].notna()].copy()
     df["_combo"] = df["pruner"].astype(str) + " × " + df["healer"].astype(str)
     out = []
     for (pat, n), g in sorted(df.groupby(["pattern", "calib_size"], dropna=False),
                               key=lambda kv: (pattern_sort_key(kv[0][0]), float(kv[0][1]) if pd.notna(kv[0][1])
                                               else math.inf)):
-        combo, acc, lead = _winner(_values(g, "_combo", "seed"))
+        combos = _values(g, "_combo", "seed")
+        combo, acc, lead = _winner(combos)
         pruner, healer = combo.split(" × ", 1)
         _, _, vs_healer = _winner(_values(g[g["pruner"] == pruner], "healer", "mask"))
         _, _, vs_pruner = _winner(_values(g[g["healer"] == healer], "pruner", "seed"))
         out.append(dict(pattern=str(pat), calib_size="–" if pd.isna(n) else str(int(n)), best=combo,
-                        healed=acc, vs_healer=vs_healer, vs_pruner=vs_pruner,
+                        healed=acc, vs_healer=vs_healer, vs_pruner=vs_pruner, tied=tied_with(combos, combo),
                         resolved="not resolved" not in lead and "no shared seed" not in lead))
     return out
 
@@ -223,14 +240,24 @@ def _unbracket(text: str) -> str:
 
 
 def headline(rows: list[dict]) -> str:
-    """The best pruner × healer at each sparsity over calibration sizes: '0.5: magnitude × crbn 97.2 % · …'."""
+    """The best pruner × healer at each sparsity over calibration sizes: '0.5: magnitude × crbn 97.2 % · …'; a lead
+    that is not resolved names what the best is tied with: '0.9: lamp × starfish 91.2 % (≈ erk × starfish: lead not
+    resolved)'."""
     top: dict[str, dict] = {}
     for r in rows:  # best_rows is ordered by sparsity, then calibration size
         if r["pattern"] not in top or r["healed"] > top[r["pattern"]]["healed"]:
             top[r["pattern"]] = r
     calibs = len({r["calib_size"] for r in rows}) > 1
     return " · ".join(f"{p}: {r['best']} {100 * r['healed']:.1f} %" + (f" (calib {r['calib_size']})" if calibs else "")
-                      + ("" if r.get("resolved", True) else " (lead not resolved)") for p, r in top.items())
+                      + ("" if r.get("resolved", True) else f" ({_tied_text(r.get('tied', []))}lead not resolved)")
+                      for p, r in top.items())
+
+
+def _tied_text(tied: list[str]) -> str:
+    """'≈ a, b: ' (at most two named), '≈ 3 others: ', or ''."""
+    if not tied:
+        return ""
+    return f"≈ {', '.join(tied)}: " if len(tied) <= 2 else f"≈ {len(tied)} others: "
 
 
 def _warnings(mb: pd.DataFrame, failed: list[str]) -> list[str]:

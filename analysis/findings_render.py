@@ -14,7 +14,8 @@ FINDINGS_HOW = ("Ranges are the repairability bands of the seed-mean quoted heal
                 "edge is only known to lie between two tested sparsities (the grid step). Best: highest mean healed "
                 "accuracy; the lead over the runner-up healer (same pruner, identical masks) and pruner (same "
                 "healer, same seed) is a paired 95 % interval, or n=1 with a single seed; a lead is resolved only when it "
-                "exceeds 2 noise units (search + seed noise, docs/methods.md#reading-the-noise). CTS: the "
+                "exceeds 2 noise units (search + seed noise, docs/methods.md#reading-the-noise); the combos the best is not "
+                "resolved from are named beside it (≈). CTS: the "
                 "calibration-only broad band, computed without any accuracy.")
 _RANGE_HEADS = ["pruner", "healer", "calib", "recoverable", "transition", "collapse", "resolution", "seeds",
                 "class not resolved at", "CTS band"]
@@ -28,7 +29,7 @@ def _folded(ranges: list[Range]) -> dict[str, str]:
 
 
 def _best_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """rows = patterns, columns = calibration sizes; cell = best combo, accuracy, leads."""
+    """rows = patterns, columns = calibration sizes; cell = best combo, accuracy, what it is tied with, leads."""
     calibs = list(dict.fromkeys(r["calib_size"] for r in rows))
     pats = list(dict.fromkeys(r["pattern"] for r in rows))
     at = {(r["pattern"], r["calib_size"]): r for r in rows}
@@ -37,7 +38,8 @@ def _best_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         cells = [p]
         for n in calibs:
             r = at.get((p, n))
-            cells.append("–" if r is None else f"{r['best']} {100 * r['healed']:.2f} %\n"
+            tied = f"≈ {', '.join(r['tied'])} (not resolved)\n" if r is not None and r.get("tied") else ""
+            cells.append("–" if r is None else f"{r['best']} {100 * r['healed']:.2f} %\n{tied}"
                          f"healer {r['vs_healer']}; pruner {r['vs_pruner']}")
         body.append(cells)
     return ["sparsity", *(f"calib {n}" for n in calibs)], body

@@ -10,7 +10,9 @@ For every grid:
   calls resolved (``analysis.reported.resolved``), and those the other run resolves the opposite way;
 - ``verdicts``: the paper-claim lines (``analysis.paired``), per group and pair, in both runs; "holds" in one and
   "reversed" in the other counts as a reversal;
-- ``best``: the best pruner x healer lines (``analysis.findings.best_rows``) and whether they agree;
+- ``best``: the best pruner x healer lines (``analysis.findings.best_rows``) and whether they agree: a line claims
+  its best combo with those it is not resolved from (``claim``), so a different argmax among tied combos is not a
+  different claim;
 - ``edges``: winners on a search-box edge other than the healing budget (length cap), per run.
 """
 from __future__ import annotations
@@ -95,6 +97,11 @@ def verdicts(a: pd.DataFrame, b: pd.DataFrame, grid: str) -> dict:
     return {"verdicts": len(common), "changed": len(changed), "holds_vs_reversed": len(flips), "examples": changed[:9]}
 
 
+def claim(row: dict) -> str:
+    """What a best line claims: its best combo, with those it is not resolved from ('a ≈ b', by name)."""
+    return " ≈ ".join(sorted([row["best"], *row.get("tied", [])]))
+
+
 def best(a: pd.DataFrame, b: pd.DataFrame, grid: str) -> dict:
     from analysis.findings import best_rows
 
@@ -102,7 +109,7 @@ def best(a: pd.DataFrame, b: pd.DataFrame, grid: str) -> dict:
         out = {}
         for model, g in q[q["grid"] == grid].reset_index(drop=True).groupby("model"):
             for r in best_rows(g):
-                out[(model, r["calib_size"], r["pattern"])] = (r["best"], r["resolved"])
+                out[(model, r["calib_size"], r["pattern"])] = (claim(r), r["resolved"])
         return out
     ca, cb = claims(a), claims(b)
     common = sorted(set(ca) & set(cb))

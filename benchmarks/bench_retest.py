@@ -123,7 +123,7 @@ def best_claims(df, grids) -> dict:
     out = {}
     for (grid, model), g in df[df["grid"].isin(grids)].reset_index().groupby(["grid", "model"]):
         for r in best_rows(g):
-            out[(grid, model, r["calib_size"], r["pattern"])] = (r["best"], r["resolved"])
+            out[(grid, model, r["calib_size"], r["pattern"])] = (_retest.claim(r), r["resolved"])
     return out
 
 

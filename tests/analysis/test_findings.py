@@ -75,7 +75,31 @@ def test_a_lead_is_resolved_only_beyond_the_measured_noise():
     assert r["vs_healer"] == "+10.00 pp vs mse (resolved: noise ±7.21 pp)" and r["resolved"]
     (r,) = best_rows(rows(0.04, 0.04))
     assert r["vs_healer"] == "+10.00 pp vs mse (not resolved: noise ±11.31 pp)" and not r["resolved"]
-    assert headline([r]) == "0.9: magnitude × starfish 90.0 % (lead not resolved)"
+    assert r["tied"] == ["magnitude × mse"]
+    assert headline([r]) == "0.9: magnitude × starfish 90.0 % (≈ magnitude × mse: lead not resolved)"
+
+
+def test_a_best_line_names_every_combo_it_is_not_resolved_from():
+    """Four healers on one mask, single seed, each quoted with noise 1 pp (2 noise units of a difference: 2.83 pp):
+    starfish 90 %, mse 88 % (2 pp behind: tied), kl 87.5 % (2.5 pp: tied), ce 80 % (10 pp: resolved worse)."""
+    from analysis.findings_render import findings_md
+    from analysis.findings import Findings
+
+    df = pd.DataFrame([dict(pruner="magnitude", healer=h, pattern="0.9", calib_size=64, seed=0, mask_key="x",
+                            healed_acc=a, noise=0.01)
+                       for h, a in (("starfish", 0.90), ("mse", 0.88), ("kl", 0.875), ("ce", 0.80))])
+    (r,) = best_rows(df)
+    assert r["best"] == "magnitude × starfish" and r["tied"] == ["magnitude × kl", "magnitude × mse"]
+    assert not r["resolved"]
+    assert headline([r]) == ("0.9: magnitude × starfish 90.0 % (≈ magnitude × kl, magnitude × mse: lead not "
+                             "resolved)")
+    md = "\n".join(findings_md([Findings("vit_digits", "healers", [], [r])], ""))
+    assert "magnitude × starfish 90.00 %<br>≈ magnitude × kl, magnitude × mse (not resolved)<br>" in md
+    (r,) = best_rows(df[df["healer"].isin(["starfish", "ce"])])  # a resolved lead: nothing tied
+    assert r["tied"] == [] and r["resolved"] and headline([r]) == "0.9: magnitude × starfish 90.0 %"
+    five = pd.concat([df, df.assign(healer=lambda d: d["healer"] + "2", healed_acc=lambda d: d["healed_acc"] - 0.001)])
+    (r,) = best_rows(five)
+    assert len(r["tied"]) == 5 and "(≈ 5 others: lead not resolved)" in headline([r])
 
 
 def test_closed_form_rows_show_no_lr_or_epochs():
