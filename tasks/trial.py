@@ -295,6 +295,7 @@ def final_metrics(p: TrialParams, st: _Setup, last: dict, heal_seconds: float) -
                             lm.dataset["calibration"].images, p.calib_size, st.adapter.default_granularity)
     dense_acc = st.dense_acc
     final = dict(last, final=True, dense_acc=dense_acc, dense_selection_acc=st.dense_selection_acc,
+                 n_selection=len(lm.dataset["selection"]),  # the objective's binomial noise (search.converge)
                  pruned_acc=st.pruned_acc, healed_acc=healed_acc,
                  retention=healed_acc / dense_acc if dense_acc > 0 else 0.0, heal_seconds=heal_seconds,
                  mask_violations=mask_violations(model, masks), achieved_sparsity=achieved_sparsity(entries, masks),

@@ -38,6 +38,7 @@ DONE = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 FINISHED = "FINISHED"  # == ray.tune.search.Searcher.FINISHED
 SEARCH, REEVALUATE = "search", "reevaluate"
 CEILING = "dense_selection_acc"  # the trial metric (tasks/trial.py) and user attr: the dense model's objective
+N_SELECTION = "n_selection"  # the trial metric and user attr: images the objective (selection accuracy) counts
 
 
 @dataclass(frozen=True)
@@ -354,14 +355,16 @@ class SearchDesign:
         number = study.ask(self.space(slot.cell_id)).number
         return Ask(slot.cell_id, number, self._params(slot.cell_id, best.params), REEVALUATE, seed)
 
-    def remember_ceiling(self, ask: Ask, ceiling: float) -> None:
-        """Keep the dense model's value of the objective a trial reported as its user attr ``CEILING``, before the
-        trial's record is written (the record carries its attrs: a journal rebuilt from trials.jsonl keeps it, and
-        a resumed search decides as the first one did)."""
-        if math.isfinite(ceiling):
-            study = self.study(ask.cell_id, ask.stage)
-            trial_id = study.get_trials(deepcopy=False)[ask.number]._trial_id
-            study._storage.set_trial_user_attr(trial_id, CEILING, float(ceiling))
+    def remember_ceiling(self, ask: Ask, ceiling: float, n_selection: float = math.nan) -> None:
+        """Keep the dense model's value of the objective a trial reported as its user attr ``CEILING`` (and the
+        number of images the objective counts, ``N_SELECTION``), before the trial's record is written (the record
+        carries its attrs: a journal rebuilt from trials.jsonl keeps them, and a resumed search decides as the
+        first one did)."""
+        study = self.study(ask.cell_id, ask.stage)
+        for name, v in ((CEILING, float(ceiling)), (N_SELECTION, float(n_selection))):
+            if math.isfinite(v):
+                trial_id = study.get_trials(deepcopy=False)[ask.number]._trial_id
+                study._storage.set_trial_user_attr(trial_id, name, v)
 
     def tell(self, ask: Ask, value: float | None, state: TrialState = TrialState.COMPLETE) -> None:
         """Record a trial's objective (``value`` None or ``state`` FAIL: a failed trial, ignored by the search)."""

@@ -21,7 +21,13 @@ same results give the same decisions whatever order trials finish in. A wave's p
    point lies beyond it, so the wave is the winner's lr one lattice step further out, same length, alone (its
    result decides the next wave; a winner alone at its length inside the box has no trend to follow). At or past the
    declared box's cap (floor) the wave is 1, 2, …, ``batch`` steps out: the box widens automatically, at most
-   ``widen_steps`` lattice steps; points past that limit are replaced as in 2. The same holds for a plateau: when
+   ``widen_steps`` lattice steps; points past that limit are replaced as in 2. There a tie walks too (nothing
+   tried past the box is no evidence of an optimum), unless the cell is flat. "Resolved worse", "a tie" and
+   "flat" compare the cell's own draws by their binomial noise (sqrt(p (1 - p) / n) of a selection accuracy
+   over n images), not by the fit's residual, which pools the family's misfit. (Measured 2026-11-27, default spec,
+   run A: grid ``healers``' KL cell at 0.9 stopped "converged" at the declared cap, 0.015, tied with 0.0107 at
+   93.3 %; its other trials 84 % and 76 % were "within noise" of it because the fit's residual was 8.8 pp.
+   ``widen_steps`` 4 -> 6: 6 of 12 edge winners of runs A's two grids sat on the 4-step limit.) The same holds for a plateau: when
    every point the cell tried past its winner on one side, at the winner's length, lies within 2 noise units of the
    winner (none resolved worse) and the cell is not flat (some trial is resolved worse), the wave is one step past
    the plateau's far end: a tie is not evidence of an optimum either. (Measured 2026-11-26 on grid
@@ -65,7 +71,7 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState
 
 from orchestrator.search import lattice
-from orchestrator.search.base import CEILING, REEVALUATE, SEARCH, _Slot
+from orchestrator.search.base import CEILING, N_SELECTION, REEVALUATE, SEARCH, _Slot
 from orchestrator.spec.schema import Converge
 
 CONVERGED, RECOVERED, CAP, NO_RESULT = "converged", "recovered", "cap", "no finished trial"
@@ -225,8 +231,9 @@ class Converging:
         past the box). Two cases (module docstring, rule 1):
 
         - ``w`` sits on the lr edge of what the cell tried at its length (with another trial at that length, or at
-          the declared box's cap or floor) and beats every other trial of the cell (a tie does not walk): past the
-          box 1, 2, …, ``batch`` steps out, inside it one step;
+          the declared box's cap or floor) and beats every other trial of the cell (a tie does not walk; on the
+          box's cap or floor with nothing tried past it, a tie walks too unless the cell is flat): past the box
+          1, 2, …, ``batch`` steps out, inside it one step;
         - a plateau: every point the cell tried past ``w`` on one side at its length is within 2 ``noise`` of it
           (none resolved worse) while some trial of the cell is resolved worse (the cell is not flat): one step
           past the farthest of them."""
@@ -240,20 +247,24 @@ class Converging:
         best = max(at[w])
         if a < 2:
             return [], False
+        worse = self._worse(cell_id, noise)
         same = sorted({p[0] for p in tried if p[1] == w[1]})  # lr indices the cell tried at the winner's length
         lo, hi = -c.widen_steps, a - 1 + c.widen_steps
         beats = not others or best > max(others)  # a tie (a flat cell): being on the edge is not what makes the winner
-        for d, edge, past in ((1, same[-1], w[0] >= a - 1), (-1, same[0], w[0] <= 0)) if beats else ():
+        shaped = any(worse(best, v) for v in others)  # not flat: some trial resolved worse than the winner
+        for d, edge, past in ((1, same[-1], w[0] >= a - 1), (-1, same[0], w[0] <= 0)):
+            if not (beats or (past and shaped and not any((p[0] - w[0]) * d > 0 for p in tried))):
+                continue  # a tie inside the box; on the box's edge a tie walks too, unless the cell is flat
             if w[0] != edge or (len(same) < 2 and not past):
                 continue  # not on that edge; or alone at its length inside the box: no trend to follow (the surface)
             # past the box: ``batch`` steps out (widen fast), the surface filling the wave; inside it, one step alone
             steps = [(w[0] + k * d, w[1]) for k in range(1, (max(1, c.batch) if past else 1) + 1)]
             return [p for p in steps if lo <= p[0] <= hi and p not in tried], past
-        if not any(best - v > 2 * noise for v in others):
+        if not shaped:
             return [], False  # nothing resolved worse anywhere: a flat cell, the surface decides
         for d in (1, -1):
             side = [i for i in same if (i - w[0]) * d > 0 and (i, w[1]) in at]
-            if side and all(best - float(np.mean(at[(i, w[1])])) <= 2 * noise for i in side):
+            if side and not any(worse(best, float(np.mean(at[(i, w[1])]))) for i in side):
                 step = (max(side, key=lambda i: i * d) + d, w[1])  # past the plateau's far end
                 if lo <= step[0] <= hi and step not in tried:
                     return [step], not 0 <= step[0] <= a - 1
@@ -277,8 +288,28 @@ class Converging:
         b = self.sizes(cell_id)[1]
         if w[1] >= b - 1 or any(abs(p[0] - w[0]) <= 1 and p[1] > w[1] for p in tried):
             return []
-        vals = self._values(cell_id)
-        return [(w[0], b - 1)] if vals and any(max(vals) - v > 2 * noise for v in vals) else []
+        vals, worse = self._values(cell_id), self._worse(cell_id, noise)
+        return [(w[0], b - 1)] if vals and any(worse(max(vals), v) for v in vals) else []
+
+    def _worse(self, cell_id: str, noise: float):
+        """-> worse(a, b): ``b`` resolved worse than ``a`` (a - b > 2 noise units of the difference), two of the
+        cell's own results (larger = better). A draw's noise is the binomial std of a selection accuracy over
+        the images it counts (``N_SELECTION``, the trials' record), sqrt(p (1 - p) / n) at each value, at least
+        ``min_noise``; without that record (another objective, an older sweep) the fit's ``noise`` for both.
+        Not the fit's residual: that pools the family's misfit (8.8 pp in grid healers' KL family, where
+        the cell's own draws spread 1-2 pp), and a cell whose winner led its other points by 17 pp counted as flat
+        (docs/methods.md#search-design)."""
+        c = self.conv(cell_id)
+        ns = [t.user_attrs[N_SELECTION] for t in self.study(cell_id).get_trials(deepcopy=False)
+              if N_SELECTION in t.user_attrs]
+        if not ns or self.direction != "maximize":
+            return lambda a, b: a - b > 2 * noise
+        n = float(max(ns))
+
+        def sd(p: float) -> float:
+            p = min(max(p, 0.0), 1.0)
+            return max(c.min_noise, math.sqrt(p * (1 - p) / n))
+        return lambda a, b: a - b > 2 * math.hypot(sd(a), sd(b))
 
     def propose(self, cell_id: str, number: int, wave: int) -> dict:
         if wave == 0 or self.conv(cell_id) is None:

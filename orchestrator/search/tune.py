@@ -17,6 +17,7 @@ told PRUNED. Errors and diverged trials are told FAIL (ignored by the search).
 """
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -24,7 +25,7 @@ from typing import Any, Callable, Mapping
 from optuna.trial import TrialState
 from ray.tune.search import Searcher
 
-from orchestrator.search.base import CEILING, FINISHED, SEARCH, Ask, Budget, SearchDesign
+from orchestrator.search.base import CEILING, FINISHED, N_SELECTION, SEARCH, Ask, Budget, SearchDesign
 from orchestrator.search.converge import converge_of
 from orchestrator.search.registry import DESIGNS
 from tasks.atomic import DiskFullError
@@ -131,15 +132,18 @@ class DesignSearcher(Searcher):
             self._tell(lambda: self._told(a, None, TrialState.PRUNED))
         else:
             value = float(result[self.metric])
-            ceiling = result.get(CEILING) if self.metric == "selection_acc" else None
+            sel = self.metric == "selection_acc"
+            ceiling = (result.get(CEILING), result.get(N_SELECTION)) if sel else None
             self._tell(lambda: self._told(a, value, TrialState.COMPLETE, ceiling))
 
-    def _told(self, a: Ask, value: float | None, state: TrialState, ceiling: float | None = None) -> None:
+    def _told(self, a: Ask, value: float | None, state: TrialState, ceiling: tuple | None = None) -> None:
         """The trial's record (DIR/trials.jsonl, the commit point: a record that cannot be written raises, and
-        the tell is not written either), then the design's tell. ``ceiling``: the dense model's value of the
-        objective, when the objective has one (selection accuracy), kept with the trial before its record."""
+        the tell is not written either), then the design's tell. ``ceiling``: (the dense model's value of the
+        objective, the images it counts), when the objective has them (selection accuracy), kept with the trial
+        before its record."""
         if ceiling is not None:
-            self.design.remember_ceiling(a, float(ceiling))
+            top, n = (float(x) if x is not None else math.nan for x in ceiling)
+            self.design.remember_ceiling(a, top, n)
         if self.record is not None:
             self.record(a, value, state)
         self.design.tell(a, value, state)

@@ -24,7 +24,7 @@ class Converge:
     se_target: float = 0.005  # standard error of the quoted mean the re-evaluations aim at (accuracy units)
     reevaluate_max: int = 6  # cap on re-evaluations per cell
     min_noise: float = 0.005  # floor of a single draw's noise in the stopping rule
-    widen_steps: int = 4  # lattice steps the lr axis may grow past the declared box, each side
+    widen_steps: int = 6  # lattice steps the lr axis may grow past the declared box, each side
     batch: int = 2  # points a continuing cell tries per wave after the first (fewer waves: fewer waits)
     family_waves: int = 2  # waves whose family-wide results the surface pools; later ones: the cell's own only
 

@@ -126,6 +126,7 @@ def test_dense_and_pruned_accuracy_measured_once_per_process_and_per_mask(setup)
     fresh = load_model(MODEL, params.cache_dir, progress=False).model
     assert first["dense_acc"] == accuracy(fresh, ev.images, ev.labels)
     assert first["dense_selection_acc"] == accuracy(fresh, sel.images, sel.labels)
+    assert first["n_selection"] == len(sel) > 0  # the objective's binomial noise (search.converge)
     apply_masks(fresh, sparse)
     assert other["pruned_acc"] == accuracy(fresh, ev.images, ev.labels) < first["pruned_acc"]
 
