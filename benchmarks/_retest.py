@@ -109,14 +109,15 @@ def best(a: pd.DataFrame, b: pd.DataFrame, grid: str) -> dict:
         out = {}
         for model, g in q[q["grid"] == grid].reset_index(drop=True).groupby("model"):
             for r in best_rows(g):
-                out[(model, r["calib_size"], r["pattern"])] = (claim(r), r["resolved"])
+                out[(model, r["calib_size"], r["pattern"])] = (claim(r), r["resolved"], r["best"])
         return out
     ca, cb = claims(a), claims(b)
     common = sorted(set(ca) & set(cb))
-    differ = [(str(k), ca[k], cb[k]) for k in common if ca[k][0] != cb[k][0]]
-    contradicted = [d for d in differ if d[1][1] or d[2][1]]
-    return {"lines": len(common), "same": len(common) - len(differ), "contradicted_resolved": len(contradicted),
-            "examples": differ[:5]}
+    differ = [(str(k), ca[k][:2], cb[k][:2]) for k in common if ca[k][0] != cb[k][0]]
+    # two claims contradict when they name no combo in common: each says the best is something the other excludes
+    disjoint = [d for d in differ if not set(d[1][0].split(" ≈ ")) & set(d[2][0].split(" ≈ "))]
+    return {"lines": len(common), "same": len(common) - len(differ), "contradicted_resolved": len(disjoint),
+            "same_top": sum(ca[k][2] == cb[k][2] for k in common), "examples": differ[:5]}
 
 
 def edge_share(q: pd.DataFrame, grid: str, bounds: dict | None, widened: dict, explored: dict | None = None,

@@ -81,8 +81,8 @@ def show(name: str, grid: str, r: dict) -> None:
     print(f"    orderings resolved {o['resolved'][0]} / {o['resolved'][1]} of {o['pairs']}; opposite: {o['opposite']} "
           f"{o['examples'][:3]}")
     print(f"    paper-claim verdicts changed {v['changed']} of {v['verdicts']} (holds vs reversed: "
-          f"{v['holds_vs_reversed']}); best lines same {b['same']} of {b['lines']} (a resolved one contradicted: "
-          f"{b['contradicted_resolved']})")
+          f"{v['holds_vs_reversed']}); best lines same {b['same']} of {b['lines']} (the same top combo "
+          f"{b.get('same_top', '?')}; claims naming no combo in common: {b['contradicted_resolved']})")
     for ex in v["examples"][:4]:
         print("      verdict", ex)
     for w in m["worst"][:3]:
