@@ -44,11 +44,9 @@ same results give the same decisions whatever order trials finish in. A wave's p
    KL-family cells at 0.95 walked the lr of a short first-wave winner far out at 5-6 epochs and met the cap before
    trying 8, so one seed found 78 % where the other stayed at 68 %; with 1b first grid ``healers``' max move fell
    from 9.72 to 4.95 pp, its verdicts and best lines became identical, the main grid's unchanged: docs/methods.md.)
-   The family surface pools easy cells, whose optimum length may be
-   short, and would not ask a hard cell for a longer trial. (Measured 2026-11-26 on the default spec, sampler
-   seed 0 vs 1: ViT magnitude 0.95 at calibration 256 walked its lr at 16 steps to an optimum there, 83 %, and
-   stopped "converged" where the other seed's search found 95 % at 64 steps, a 16.5 pp move; grid healers' MSE
-   cell at 0.95 the same, 68 % at 4 epochs vs 90 % at 8, 22.7 pp.)
+   The family surface pools easy cells, whose optimum length may be short, and would not ask a hard cell for a
+   longer trial (two cells of the default spec moved by 16.5 and 22.7 pp between sampler seeds for it, 2026-11-26:
+   docs/methods.md).
 2. otherwise the family surface (``lattice.surface``) is fitted to the family's told trials over the declared
    lattice and every lr the family tried past it; the best untried point's predicted gain over the winner's point
    is compared with the winner's noise (the fit's residual std of one draw, at least ``min_noise``): no gain
@@ -292,13 +290,10 @@ class Converging:
         return [(w[0], b - 1)] if vals and any(worse(max(vals), v) for v in vals) else []
 
     def _worse(self, cell_id: str, noise: float):
-        """-> worse(a, b): ``b`` resolved worse than ``a`` (a - b > 2 noise units of the difference), two of the
-        cell's own results (larger = better). A draw's noise is the binomial std of a selection accuracy over
-        the images it counts (``N_SELECTION``, the trials' record), sqrt(p (1 - p) / n) at each value, at least
-        ``min_noise``; without that record (another objective, an older sweep) the fit's ``noise`` for both.
-        Not the fit's residual: that pools the family's misfit (8.8 pp in grid healers' KL family, where
-        the cell's own draws spread 1-2 pp), and a cell whose winner led its other points by 17 pp counted as flat
-        (docs/methods.md#search-design)."""
+        """-> worse(a, b): result ``b`` of the cell resolved worse than its result ``a`` (a - b > 2 noise units of
+        the difference; larger = better). A draw's noise: the binomial std sqrt(p (1 - p) / n) of a selection
+        accuracy over its ``N_SELECTION`` images, at least ``min_noise``; without that record (another objective,
+        an older sweep) the fit's ``noise``, which pools the family's misfit (module docstring, rule 1)."""
         c = self.conv(cell_id)
         ns = [t.user_attrs[N_SELECTION] for t in self.study(cell_id).get_trials(deepcopy=False)
               if N_SELECTION in t.user_attrs]
