@@ -142,7 +142,7 @@ def _lead(vn: tuple[dict[str, dict[tuple, float]], dict[str, float]], a: str, b:
     from .reported import Z, resolved
 
     values, noise = vn
-    means = {k: sum(v.values()) / len(v) for k, v in values.items() if v}
+    means = _ranked(vn)[1]
     band = Z * math.hypot(noise.get(a, math.nan), noise.get(b, math.nan))
     measured = not math.isnan(band)  # no re-evaluations (reevaluate: 0, older sweeps): the seeds' CI alone
     ok = resolved(means[a], noise[a], means[b], noise[b]) if measured else None
@@ -165,19 +165,20 @@ def _ranked(vn: tuple[dict[str, dict[tuple, float]], dict[str, float]]) -> tuple
     return sorted(means, key=lambda k: (-means[k], k)), means
 
 
-def _winner(vn: tuple[dict[str, dict[tuple, float]], dict[str, float]]) -> tuple[str, float, str]:
-    """(label of the best mean, its mean, 'lead over runner-up' text; ``_lead``)."""
+def _winner(vn: tuple[dict[str, dict[tuple, float]], dict[str, float]]) -> tuple[str, float, str, bool]:
+    """(label of the best mean, its mean, 'lead over runner-up' text, whether that lead is resolved; ``_lead``)."""
     order, means = _ranked(vn)
     best = order[0]
     if len(order) == 1:
-        return best, means[best], "(the only one)"
-    return best, means[best], _lead(vn, best, order[1])[1]
+        return best, means[best], "(the only one)", True
+    ok, text = _lead(vn, best, order[1])
+    return best, means[best], text, ok
 
 
 def tied_with(vn: tuple[dict[str, dict[tuple, float]], dict[str, float]], best: str) -> list[str]:
     """The labels whose gap to ``best`` is not resolved (``_lead``), by name: the report cannot tell them from the
     best, so a best line names them beside it (a different argmax among them on a rerun is not a different claim)."""
-    return sorted(k for k in _ranked(vn)[0] if k != best and not _lead(vn, best, k)[0])
+    return sorted(k for k, v in vn[0].items() if v and k != best and not _lead(vn, best, k)[0])
 
 
 def best_rows(best: pd.DataFrame) -> list[dict]:
@@ -191,13 +192,13 @@ def best_rows(best: pd.DataFrame) -> list[dict]:
                               key=lambda kv: (pattern_sort_key(kv[0][0]), float(kv[0][1]) if pd.notna(kv[0][1])
                                               else math.inf)):
         combos = _values(g, "_combo", "seed")
-        combo, acc, lead = _winner(combos)
+        combo, acc, _, resolved = _winner(combos)
         pruner, healer = combo.split(" × ", 1)
-        _, _, vs_healer = _winner(_values(g[g["pruner"] == pruner], "healer", "mask"))
-        _, _, vs_pruner = _winner(_values(g[g["healer"] == healer], "pruner", "seed"))
+        vs_healer = _winner(_values(g[g["pruner"] == pruner], "healer", "mask"))[2]
+        vs_pruner = _winner(_values(g[g["healer"] == healer], "pruner", "seed"))[2]
         out.append(dict(pattern=str(pat), calib_size="–" if pd.isna(n) else str(int(n)), best=combo,
                         healed=acc, vs_healer=vs_healer, vs_pruner=vs_pruner, tied=tied_with(combos, combo),
-                        resolved="not resolved" not in lead and "no shared seed" not in lead))
+                        resolved=resolved))
     return out
 
 

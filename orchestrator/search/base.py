@@ -361,9 +361,9 @@ class SearchDesign:
         carries its attrs: a journal rebuilt from trials.jsonl keeps them, and a resumed search decides as the
         first one did)."""
         study = self.study(ask.cell_id, ask.stage)
+        trial_id = study.get_trials(deepcopy=False)[ask.number]._trial_id
         for name, v in ((CEILING, float(ceiling)), (N_SELECTION, float(n_selection))):
             if math.isfinite(v):
-                trial_id = study.get_trials(deepcopy=False)[ask.number]._trial_id
                 study._storage.set_trial_user_attr(trial_id, name, v)
 
     def tell(self, ask: Ask, value: float | None, state: TrialState = TrialState.COMPLETE) -> None:
