@@ -41,7 +41,7 @@ def chen_oas_rho(cov_ss: torch.Tensor, n_samples: int) -> float:
     denominator (p = 1, S = c I) gives rho = 1, as the authors' torch code does (min(1, nan/inf) = 1)."""
     s = cov_ss.double()
     p = s.shape[0]
-    tr, tr2 = float(torch.trace(s)), float(torch.trace(s @ s))
+    tr, tr2 = float(torch.trace(s)), float((s * s.T).sum())  # tr(S S) = sum_ij S_ij S_ji: O(p^2), not a matmul
     den = (n_samples + 1 - 2 / p) * (tr2 - tr * tr / p)
     num = (1 - 2 / p) * tr2 + tr * tr
     if den == 0 or not den == den:
