@@ -1,5 +1,5 @@
 """A search that stops when its answer is stable, and re-evaluations that measure what they quote
-(``search.converge``; docs/methods.md#search-design).
+(``search.converge``; docs/methods.md#search-design, which also keeps the measurements behind each rule).
 
 Under ``converge`` the ``shared`` design treats ``search.trials_per_cell`` as a per-cell *cap*, not a count. After
 the first wave (``explore`` space-filling points) each further wave of a cell (``batch`` points) is decided once
@@ -13,37 +13,22 @@ same results give the same decisions whatever order trials finish in. A wave's p
    nothing left to find beyond the noise floor, whatever edge the winner sits on. Easy cells stop after their
    first wave and the sweep spends its trials on hard ones. The floor, not the fit's noise: the fit's residual
    pools the family's misfit (6.6 pp in tests/e2e/test_converge_e2e.py's sweep), and a winner 8 pp below the
-   dense model is not "recovered". (Measured 2026-11-27 on the default spec with ``converge``, cap 8: 26 of 154
-   cells stop "recovered", 25 of them ResNet cells of the main grid; 973 trials instead of 1,069; the main grid's
-   winners on a non-budget edge 4 / 8 / 1 of 50 in runs A/B/C instead of 7 / 13 / 4: docs/methods.md.)
+   dense model is not "recovered".
 1. the cell's winner (its best told trial) sits on the lr edge of what the cell has tried *at the winner's length*
    and beats the cell's other trials (a tie does not count): nothing says its lr is an optimum until a worse
    point lies beyond it, so the wave is the winner's lr one lattice step further out, same length, alone (its
    result decides the next wave; a winner alone at its length inside the box has no trend to follow). At or past the
-   declared box's cap (floor) the wave is 1, 2, …, ``batch`` steps out: the box widens automatically, at most
-   ``widen_steps`` lattice steps; points past that limit are replaced as in 2. There a tie walks too (nothing
+   declared box's cap (floor) the box widens automatically: the wave's ``batch`` points reach (D + 1) 2^j steps
+   past it (D: the winner's distance past it; ``walk_offsets``), at most ``widen_steps``. There a tie walks too (nothing
    tried past the box is no evidence of an optimum), unless the cell is flat. "Resolved worse", "a tie" and
    "flat" compare the cell's own draws by their binomial noise (sqrt(p (1 - p) / n) of a selection accuracy
-   over n images), not by the fit's residual, which pools the family's misfit. (Measured 2026-11-27, default spec,
-   run A: grid ``healers``' KL cell at 0.9 stopped "converged" at the declared cap, 0.015, tied with 0.0107 at
-   93.3 %; its other trials 84 % and 76 % were "within noise" of it because the fit's residual was 8.8 pp.
-   ``widen_steps`` 4 -> 6: 6 of 12 edge winners of runs A's two grids sat on the 4-step limit.) The same holds for a plateau: when
+   over n images), not by the fit's residual, which pools the family's misfit. The same holds for a plateau: when
    every point the cell tried past its winner on one side, at the winner's length, lies within 2 noise units of the
    winner (none resolved worse) and the cell is not flat (some trial is resolved worse), the wave is one step past
-   the plateau's far end: a tie is not evidence of an optimum either. (Measured 2026-11-26 on grid
-   ``healers`` alone, sampler seed 0 vs 1: while this walk needed the edge to be the box's, a KL cell at 0.95
-   stopped "converged" at lr 5.4e-3 (51 %) where the other seed's search found 2.1e-2 (71 %): the family surface,
-   pooled over sparsities, put the optimum at a moderate lr. With the walk, the p90 of |delta| between the two
-   seeds fell from 10.5 to 4.9 pp; the max (20.8 pp, that cell: a single draw there moves by 5-10 pp) did not: run A
-   stopped at 5.4e-3 (57 %) because 7.6e-3 at the same length gave 55 %, a tie within the noise, with nothing
-   tried past it; hence the plateau rule.)
+   the plateau's far end: a tie is not evidence of an optimum either.
 1b. (decided *before* rule 1) a winner short of the declared healing budget (its length below the length axis's cap)
    with nothing tried longer at its lr or one lattice step from it, in a cell that is not flat (some trial resolved
    worse): the wave is the winner's lr at the budget, alone; the lr walk of rule 1 follows at the budget's length.
-   (Measured 2026-11-27, default spec with ``converge``, sampler seed 0 vs 1: with rule 1 first, grid ``healers``'
-   KL-family cells at 0.95 walked the lr of a short first-wave winner far out at 5-6 epochs and met the cap before
-   trying 8, so one seed found 78 % where the other stayed at 68 %; with 1b first grid ``healers``' max move fell
-   from 9.72 to 4.95 pp, its verdicts and best lines became identical, the main grid's unchanged: docs/methods.md.)
    The family surface pools easy cells, whose optimum length may be short, and would not ask a hard cell for a
    longer trial (two cells of the default spec moved by 16.5 and 22.7 pp between sampler seeds for it, 2026-11-26:
    docs/methods.md).
@@ -93,6 +78,17 @@ def residual_sd(points, values, groups, sizes) -> float:
     r = yc - (xc @ beta if x.shape[1] else 0.0)  # (n,)
     dof = len(yc) - len(set(groups)) - x.shape[1]
     return float(math.sqrt(float(r @ r) / dof)) if dof >= 1 else math.nan
+
+
+def walk_offsets(past_by: int, batch: int, limit: int, growth: int) -> list[int]:
+    """Lattice steps from a winner ``past_by`` steps past the declared box (0: on its edge) to the points of its
+    next wave: distances past the box (D + 1) * growth**j, j < batch, clipped at ``limit`` (growth 1: D + 1, …,
+    D + batch, dropped past the limit). E.g. D 0 -> steps 1, 2; D 2 -> 1, 4 (reach 3, 6); the limit in 2 waves."""
+    d, n = past_by, max(1, batch)
+    if growth <= 1:
+        return [k for k in range(1, n + 1) if d + k <= limit]
+    reach = sorted({min((d + 1) * growth**j, limit) for j in range(n)})
+    return [r - d for r in reach if r > d]
 
 
 class Converging:
@@ -255,9 +251,9 @@ class Converging:
                 continue  # a tie inside the box; on the box's edge a tie walks too, unless the cell is flat
             if w[0] != edge or (len(same) < 2 and not past):
                 continue  # not on that edge; or alone at its length inside the box: no trend to follow (the surface)
-            # past the box: ``batch`` steps out (widen fast), the surface filling the wave; inside it, one step alone
-            steps = [(w[0] + k * d, w[1]) for k in range(1, (max(1, c.batch) if past else 1) + 1)]
-            return [p for p in steps if lo <= p[0] <= hi and p not in tried], past
+            # past the box: a wave of ``batch`` points reaching further out (the surface fills it); inside, one step
+            ks = walk_offsets(d * (w[0] - (a - 1 if d > 0 else 0)), c.batch, c.widen_steps, c.widen_growth) if past else [1]
+            return [p for p in ((w[0] + k * d, w[1]) for k in ks) if lo <= p[0] <= hi and p not in tried], past
         if not shaped:
             return [], False  # nothing resolved worse anywhere: a flat cell, the surface decides
         for d in (1, -1):

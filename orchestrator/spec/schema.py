@@ -26,6 +26,7 @@ class Converge:
     min_noise: float = 0.005  # floor of a single draw's noise in the stopping rule
     widen_steps: int = 6  # lattice steps the lr axis may grow past the declared box, each side
     batch: int = 2  # points a continuing cell tries per wave after the first (fewer waves: fewer waits)
+    widen_growth: int = 2  # a walk past the box reaches (D + 1) * growth**j steps out (1: D + 1, …, D + batch)
     family_waves: int = 2  # waves whose family-wide results the surface pools; later ones: the cell's own only
 
     def reevaluations(self, base: int) -> int:

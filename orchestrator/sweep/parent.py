@@ -13,11 +13,13 @@ first trial callback and re-raises its error there).
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from orchestrator.rundir import records
 from orchestrator.rundir.files import reconcile, write_sweep
 from orchestrator.sweep.background import background
+from orchestrator.spec.schema import Converge
 from orchestrator.sweep.state import Handoff, ParentRun, SweepState
 from orchestrator.tracking.rebuild import sync_runs
 from orchestrator.tracking.store import keep_artifacts_inside, open_tracking
@@ -42,6 +44,12 @@ def tracking_inside(uri: str, out_dir: Path, experiment: str):
     return open_tracking(uri, experiment)
 
 
+def converge_param(raw) -> str:
+    """The parent run's ``search_converge`` param: every setting of ``search.converge`` resolved (defaults
+    included, so a run says which walk and noise rules it used), or "null" for a fixed trial count."""
+    return json.dumps(None if raw is None else asdict(Converge(**raw)), sort_keys=True)
+
+
 def parent_run(s: SweepState) -> ParentRun:
     """The sweep's MLflow parent run: created once, reopened on resume/refine; diagnostics logged to it. Works on
     a copy of sweep.json's contents (written to the file here); the caller takes the run id from the result."""
@@ -56,7 +64,7 @@ def parent_run(s: SweepState) -> ParentRun:
             "models": ",".join(spec.models), "objective": spec.search.objective, "store": str(s.store_dir),
             "scheduler": spec.search.scheduler, "grids": ",".join(["main", *(g.name for g in spec.grids)]),
             "search_design": spec.search.design, "reevaluate": spec.search.reevaluate,
-            "sampler_seed": spec.search.sampler_seed, "search_converge": json.dumps(spec.search.converge)})
+            "sampler_seed": spec.search.sampler_seed, "search_converge": converge_param(spec.search.converge)})
         client.log_text(info["parent_run_id"], spec_json, "spec.json")
         write_sweep(s.out_dir, info)
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from mlflow import MlflowClient
 
 from analysis.search_stops import search_stops
 from orchestrator.cli import main as cli_main
+from orchestrator.spec.schema import Converge
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -34,7 +36,8 @@ def test_a_converging_sweep_stops_its_cells_and_the_report_says_why(tmp_path):
     exp = client.get_experiment_by_name("healsweep")
     runs = client.search_runs([exp.experiment_id], f"tags.sweep_id = '{meta['sweep_id']}'")
     parent = [r for r in runs if r.data.tags.get("healsweep.role") == "sweep"][0]
-    assert json.loads(parent.data.params["search_converge"]) == {"batch": 2, "reevaluate_max": 3}
+    logged = json.loads(parent.data.params["search_converge"])  # every setting resolved, the defaults included
+    assert logged == {**asdict(Converge()), "batch": 2, "reevaluate_max": 3} and logged["widen_growth"] == 2
     trials = [r for r in runs if r.data.tags.get("healsweep.role") == "trial"]
     stops = search_stops(run_dir)
     star = {r.data.tags["cell_id"] for r in trials if r.data.params["healer"] == "starfish"}
