@@ -16,8 +16,9 @@ same results give the same decisions whatever order trials finish in. A wave's p
    dense model is not "recovered".
 1. the cell's winner (its best told trial) sits on the lr edge of what the cell has tried *at the winner's length*
    and beats the cell's other trials (a tie does not count): nothing says its lr is an optimum until a worse
-   point lies beyond it, so the wave is the winner's lr one lattice step further out, same length, alone (its
-   result decides the next wave; a winner alone at its length inside the box has no trend to follow). At or past the
+   point lies beyond it, so the wave is the winner's lr one lattice step further out, same length (the wave's other
+   slot runs the design's own pick beside it, ``propose``; a winner alone at its length inside the box has no
+   trend to follow). At or past the
    declared box's cap (floor) the box widens automatically: the wave's ``batch`` points reach (D + 1) 2^j steps
    past it (D: the winner's distance past it; ``walk_offsets``), at most ``widen_steps``. There a tie walks too (nothing
    tried past the box is no evidence of an optimum), unless the cell is flat. "Resolved worse", "a tie" and
@@ -28,7 +29,8 @@ same results give the same decisions whatever order trials finish in. A wave's p
    the plateau's far end: a tie is not evidence of an optimum either.
 1b. (decided *before* rule 1) a winner short of the declared healing budget (its length below the length axis's cap)
    with nothing tried longer at its lr or one lattice step from it, in a cell that is not flat (some trial resolved
-   worse): the wave is the winner's lr at the budget, alone; the lr walk of rule 1 follows at the budget's length.
+   worse): the wave is the winner's lr at the budget (its other slot: the design's own pick); the lr walk of rule
+   1 follows at the budget's length.
    The family surface pools easy cells, whose optimum length may be short, and would not ask a hard cell for a
    longer trial (two cells of the default spec moved by 16.5 and 22.7 pp between sampler seeds for it, 2026-11-26:
    docs/methods.md).
@@ -196,7 +198,7 @@ class Converging:
         out, widening = self._longer(cell_id, w, tried, noise), False  # rule 1b first: the budget, then the lr walk
         if not out:
             out, widening = self._outward(cell_id, w, tried, noise)
-        if out:  # widening the box: a full wave; a step inside it: that step alone (its result decides the next)
+        if out:  # widening the box: the surface fills the wave; a step inside it: the design's pick fills it (propose)
             return None, out + ([p for p in free if p not in out][:max(1, c.batch) - len(out)] if widening else [])
         if not free:
             return CONVERGED + ": every lattice point tried", None
