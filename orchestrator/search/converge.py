@@ -62,13 +62,6 @@ from orchestrator.spec.schema import Converge
 CONVERGED, RECOVERED, CAP, NO_RESULT = "converged", "recovered", "cap", "no finished trial"
 
 
-def converge_of(raw) -> Converge | None:
-    """The spec's ``search.converge`` mapping (None, or {} for the defaults) as a ``Converge``."""
-    if raw is None or raw is False:
-        return None
-    return Converge(**({} if raw is True else dict(raw)))
-
-
 def residual_sd(points, values, groups, sizes) -> float:
     """Std of one draw around the family surface (within-cell residuals; dof: n - cells - terms); NaN if < 1 dof."""
     if not len(points):

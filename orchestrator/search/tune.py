@@ -26,8 +26,8 @@ from optuna.trial import TrialState
 from ray.tune.search import Searcher
 
 from orchestrator.search.base import CEILING, FINISHED, N_SELECTION, SEARCH, Ask, Budget, SearchDesign
-from orchestrator.search.converge import converge_of
 from orchestrator.search.registry import DESIGNS
+from orchestrator.spec.schema import converge_of
 from tasks.atomic import DiskFullError
 
 

@@ -34,6 +34,13 @@ class Converge:
         return max(base, self.reevaluate_max) if base else base
 
 
+def converge_of(raw) -> Converge | None:
+    """The spec's ``search.converge`` mapping (None, or {} for the defaults) as a ``Converge``."""
+    if raw is None or raw is False:
+        return None
+    return Converge(**({} if raw is True else dict(raw)))
+
+
 @dataclass(frozen=True)
 class SearchSpec:
     trials_per_cell: int = 4
@@ -69,7 +76,7 @@ class SearchSpec:
         """``per_cell``, or under ``converge`` its cap: every search trial and the most re-evaluations."""
         if self.converge is None:
             return self.per_cell
-        return self.trials_per_cell + Converge(**dict(self.converge)).reevaluations(self.reevaluate)
+        return self.trials_per_cell + converge_of(self.converge).reevaluations(self.reevaluate)
 
     @property
     def length(self) -> tuple[str, tuple[int, int]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from orchestrator.rundir import records
 from orchestrator.rundir.files import reconcile, write_sweep
 from orchestrator.sweep.background import background
-from orchestrator.spec.schema import Converge
+from orchestrator.spec.schema import converge_of
 from orchestrator.sweep.state import Handoff, ParentRun, SweepState
 from orchestrator.tracking.rebuild import sync_runs
 from orchestrator.tracking.store import keep_artifacts_inside, open_tracking
@@ -47,7 +47,8 @@ def tracking_inside(uri: str, out_dir: Path, experiment: str):
 def converge_param(raw) -> str:
     """The parent run's ``search_converge`` param: every setting of ``search.converge`` resolved (defaults
     included, so a run says which walk and noise rules it used), or "null" for a fixed trial count."""
-    return json.dumps(None if raw is None else asdict(Converge(**raw)), sort_keys=True)
+    c = converge_of(raw)
+    return json.dumps(None if c is None else asdict(c), sort_keys=True)
 
 
 def parent_run(s: SweepState) -> ParentRun:

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from orchestrator.search import Budget, make_searcher
-from orchestrator.search.converge import Converge, converge_of
+from orchestrator.spec.schema import Converge, converge_of
 from tests.orchestrator.test_search_contract import _cells
 
 pytestmark = pytest.mark.timeout(60)
