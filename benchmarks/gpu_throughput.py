@@ -9,8 +9,8 @@ Per model it prints and returns:
 - the same with ``heal.compile: blocks`` (``--compiled``, default bf16; its first epoch, compilation included, as
   ``warmup_s``), and at other batch sizes (``--extra-batches``), eager and compiled, targets in RAM;
 - store-streamed vs in-RAM (targets already on the device) epoch, bf16, median of interleaved repeats, eager and
-  compiled; the store's stream alone (no step; on an H100 it took 2.59 s against 1.08 s with a step: not a ceiling,
-  not understood yet);
+  compiled; the store's stream alone (no step), by gather threads too (``--stream-threads``; on an H100: 2.59 s an
+  epoch of DeiT-B before the pinned ring and kept maps, 0.60 / 0.26 / 0.19 s after with 1 / 4 / 8 threads);
 - recompute (dense forward per batch) epoch, the planner's pick (tasks/healing/planner.py) and the pick's epoch
   over the faster of the two measured;
 - peak GPU memory.
@@ -195,6 +195,10 @@ def measure(name: str, a, dev: torch.device, peak: float) -> dict:
         res["batches_bf16"] = {f"{b}{'+blocks' if mode == 'blocks' else ''}": by_batch(h, in_ram, b, flops["bf16"], peak, mode)
                                for b in a.extra_batches for mode in ("off", "blocks") if mode == "off" or compiled}
         res["store_stream_only_epoch_s"] = stream_only(feeds["store"], a.repeats, dev)
+        res["store_stream_only_by_threads_s"] = {  # the gather's threads (tasks/store/stream.py), no consumer
+            t: stream_only(lambda e, t=t: reader.iter_batches(h.batch, shuffle=True, seed=0, epoch=e, device=dev,
+                                                              gather_threads=t), a.repeats, dev)
+            for t in a.stream_threads}
         reader.close()
     res["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     return res
@@ -267,6 +271,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile-compile", default="off", choices=("off", "blocks"), help="--profile: heal.compile")
     ap.add_argument("--epochs", type=int, default=2, help="timed store-streamed epochs per precision")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved epochs per target feed")
+    ap.add_argument("--stream-threads", nargs="*", type=int, default=[1, 2, 4, 8], metavar="T",
+                    help="the store's stream alone with these gather threads (default 1 2 4 8)")
     ap.add_argument("--shard", type=int, default=64, help="store shard size (rows)")
     ap.add_argument("--store", help="directory for the temporary store (default: the system's temp dir)")
     ap.add_argument("--json", type=Path, help="also write the results here")
@@ -304,7 +310,8 @@ def summary(name: str, r: dict) -> str:
             f"RAM {m['epoch_s']['ram']:.3f} s "
             f"(store/RAM {m['store_vs_ram']:.3f}), recompute {m['epoch_s']['recompute']:.3f} s; planner picks "
             f"{m['planner_pick']}, faster measured {m['faster_measured']} (pick/best {m['pick_vs_best']:.3f}); "
-            f"the store's stream alone {r['store_stream_only_epoch_s']:.3f} s")
+            f"the store's stream alone {r['store_stream_only_epoch_s']:.3f} s; by gather threads "
+            + ", ".join(f"{t}: {v:.3f} s" for t, v in r.get("store_stream_only_by_threads_s", {}).items()))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 from typing import Iterator
@@ -13,9 +14,10 @@ import torch
 
 from tasks.store.codec import DTYPES, from_u16
 from tasks.store.format import StoreError
-from tasks.store.stream import DeviceCopier, gathered_batches
+from tasks.store.stream import DeviceCopier, PinnedRing, StreamMaps, gathered_batches
 
 Batch = tuple[np.ndarray, dict[str, torch.Tensor]]  # rows (B,) int64, {block: (B, *shape)}
+GATHER_THREADS = min(4, os.cpu_count() or 1)  # the accelerator stream's gather threads (tasks/store/stream.py)
 
 
 class TargetReader:
@@ -38,6 +40,8 @@ class TargetReader:
         self._starts = np.array([s["row_start"] for s in self._infos], dtype=np.int64)  # (n_shards,)
         self._random: dict[int, tuple] = {}  # shard -> (file, ipc reader, batch starts) for read_rows
         self.rows_streamed: dict[int, int] = {}  # epoch -> rows yielded by iter_batches (complete epochs)
+        self._maps = StreamMaps(self)  # the accelerator stream's shard maps, kept across epochs until close
+        self._rings: dict[tuple, PinnedRing] = {}  # (device, batch, depth) -> pinned buffers, kept likewise
         self._closed = False
 
     # ------------------------------------------------------------------------------------ raw access
@@ -189,13 +193,15 @@ class TargetReader:
 
     def iter_batches(self, batch_size: int, *, shuffle: bool = False, seed: int = 0, epoch: int = 0,
                      drop_last: bool = False, window: int = 1, prefetch: int = 2,
-                     device: str | torch.device | None = None) -> Iterator[Batch]:
+                     device: str | torch.device | None = None, gather_threads: int = GATHER_THREADS
+                     ) -> Iterator[Batch]:
         """Yield (rows (B,) int64, {name: (B, *shape)}) covering every row exactly once per epoch.
 
         A background thread reads windows and assembles batches into a queue of ``prefetch`` batches
         (0: no thread). On a CUDA ``device`` that thread gathers each batch straight from the memory-mapped shards
         into pinned host memory and copies it to the device on a side stream (tasks/store/stream.py), so the copy
-        overlaps the consumer's work; otherwise batches stay on the CPU.
+        overlaps the consumer's work (``gather_threads`` threads gather; shard maps and pinned buffers are kept
+        across epochs until ``close``); otherwise batches stay on the CPU.
         """
         if batch_size < 1:
             raise StoreError(f"batch_size must be >= 1, got {batch_size}")
@@ -203,8 +209,13 @@ class TargetReader:
         dev = torch.device(device) if device is not None else None
         cuda = dev is not None and dev.type == "cuda"
         if cuda:  # one copy per row into pinned memory, then a side-stream copy to the device (tasks/store/stream.py)
-            copier = DeviceCopier(dev)
-            gen = (copier.send(b) for b in gathered_batches(self, batch_size, drop_last, wins, pin=True))
+            depth = prefetch + 2  # queued + being gathered + being copied
+            ring = self._rings.get((dev, batch_size, depth))
+            if ring is None:
+                ring = self._rings[(dev, batch_size, depth)] = PinnedRing(self._widths, batch_size, depth)
+            copier = DeviceCopier(dev, ring)
+            gen = (copier.send(b) for b in gathered_batches(self, batch_size, drop_last, wins, maps=self._maps,
+                                                             buffers=ring, threads=gather_threads))
         else:
             gen = self._produce(batch_size, drop_last, wins)
         if prefetch > 0:
@@ -227,7 +238,8 @@ class TargetReader:
     def close(self) -> None:
         for f, _, _ in self._random.values():
             f.close()
-        self._random, self._closed = {}, True
+        self._maps.close()
+        self._random, self._rings, self._closed = {}, {}, True
 
     def __enter__(self) -> "TargetReader":
         return self

@@ -5,15 +5,15 @@ import pytest
 import torch
 
 from tasks.store import TargetStore
-from tasks.store.stream import gathered_batches
+from tasks.store.stream import PinnedRing, StreamMaps, gathered_batches
 from tests.store.test_store import KEY, make_blocks, write_all
 
 
-def _pairs(reader, batch, **kw):
+def _pairs(reader, batch, threads=1, **kw):
     wins = reader.windows(shuffle=kw.get("shuffle", False), seed=kw.get("seed", 0), epoch=kw.get("epoch", 0),
                           window=kw.get("window", 1))
     old = list(reader._produce(batch, kw.get("drop_last", False), wins))
-    new = list(gathered_batches(reader, batch, kw.get("drop_last", False), wins, pin=False))
+    new = list(gathered_batches(reader, batch, kw.get("drop_last", False), wins, threads=threads))
     return old, new
 
 
@@ -22,13 +22,16 @@ def _pairs(reader, batch, **kw):
 @pytest.mark.parametrize("num_rows,batch,window,shuffle,drop_last", [
     (23, 4, 1, True, False), (23, 5, 3, True, False), (23, 7, 2, True, True), (17, 4, 1, False, False),
     (23, 32, 1, True, False), (9, 1, 2, True, False)])
-def test_gathered_stream_equals_cpu_stream(tmp_path, dtype, name, num_rows, batch, window, shuffle, drop_last):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_gathered_stream_equals_cpu_stream(tmp_path, dtype, name, num_rows, batch, window, shuffle, drop_last,
+                                           threads):
     st = TargetStore(tmp_path / "s")
     blocks = make_blocks(23, dtype)  # specials, NaN payloads and subnormals: the copy must keep every bit
     write_all(st, KEY, blocks, shard_size=4, dtype=name)  # 6 shards, the last one short
     with st.open(KEY, num_rows=num_rows) as r:
         for epoch in (0, 1):
-            old, new = _pairs(r, batch, shuffle=shuffle, seed=3, epoch=epoch, window=window, drop_last=drop_last)
+            old, new = _pairs(r, batch, threads, shuffle=shuffle, seed=3, epoch=epoch, window=window,
+                              drop_last=drop_last)
             assert len(old) == len(new) > 0
             for (ro, to), (rn, tn) in zip(old, new):
                 assert np.array_equal(ro, rn)
@@ -52,4 +55,32 @@ def test_gathered_stream_refuses_a_short_shard(tmp_path):
     with st.open(KEY) as r:
         r._infos[1] = json.loads(json.dumps({**r._infos[1], "row_stop": r._infos[1]["row_stop"] + 1}))
         with pytest.raises(StoreError, match="holds 4 rows"):
-            list(gathered_batches(r, 3, False, r.windows(), pin=False))
+            list(gathered_batches(r, 3, False, r.windows()))
+
+
+@pytest.mark.timeout(60)
+def test_ring_and_kept_maps_give_every_epoch_its_own_bits(tmp_path):
+    """Buffers from a ring of 2 sets, reused batch after batch, and shard maps kept across three epochs (as the
+    GPU path runs them): each batch, copied out before the next is gathered (what the device copy does), holds its
+    own rows' bits, every epoch in its own order; closing the maps closes every shard file."""
+    st = TargetStore(tmp_path / "s")
+    blocks = make_blocks(23, torch.float16)
+    write_all(st, KEY, blocks, shard_size=4)
+    with st.open(KEY) as r:
+        ring, maps = PinnedRing(r._widths, 5, depth=2, pin=False), StreamMaps(r)
+        orders = []
+        for epoch in range(3):
+            got = [(rows, {k: v.clone() for k, v in tgt.items()})  # the copy, before the ring moves on
+                   for rows, tgt in gathered_batches(r, 5, False, r.windows(shuffle=True, seed=1, epoch=epoch),
+                                                     maps=maps, buffers=ring, threads=2)]
+            assert len(maps._open) == 6  # every shard mapped once, kept
+            rows = np.concatenate([g[0] for g in got])
+            assert sorted(rows.tolist()) == list(range(23))
+            orders.append(rows.tolist())
+            for rw, tgt in got:
+                for k, v in tgt.items():
+                    assert torch.equal(v.view(torch.int16), blocks[k][torch.from_numpy(rw)].view(torch.int16))
+        assert orders[0] != orders[1] != orders[2]
+        files = [f for f, _ in maps._open.values()]
+        maps.close()
+        assert maps._open == {} and all(f.closed for f in files)
