@@ -8,9 +8,10 @@ Per model it prints and returns:
   flop_counter``) x images/s over the chip's dense bf16 peak, measured here with a large bf16 matrix product;
 - the same with ``heal.compile: blocks`` (``--compiled``, default bf16; its first epoch, compilation included, as
   ``warmup_s``), and at other batch sizes (``--extra-batches``), eager and compiled, targets in RAM;
-- store-streamed vs in-RAM (targets already on the device) epoch, bf16, median of interleaved repeats, eager and
-  compiled; the store's stream alone (no step), by gather threads too (``--stream-threads``; on an H100: 2.59 s an
-  epoch of DeiT-B before the pinned ring and kept maps, 0.60 / 0.26 / 0.19 s after with 1 / 4 / 8 threads);
+- store-streamed vs in-RAM (targets already on the device) epoch (per epoch over heals of ``--mode-epochs``),
+  bf16, median of interleaved repeats, eager and compiled; the store's stream alone (no step), by gather threads
+  too (``--stream-threads``; on an H100: 2.59 s an epoch of DeiT-B before the pinned ring and kept maps, 0.60 /
+  0.26 / 0.19 s after with 1 / 4 / 8 threads);
 - recompute (dense forward per batch) epoch, the planner's pick (tasks/healing/planner.py) and the pick's epoch
   over the faster of the two measured;
 - peak GPU memory.
@@ -152,14 +153,16 @@ def feeds_for(reader, in_ram, h: Healer, dev) -> dict:
             "recompute": lambda e: recompute_batches(h.dense, blocks, h.images, h.batch, 0, e)}
 
 
-def modes(h: Healer, feeds: dict, repeats: int, prec: str, compile_mode: str = "off") -> dict:
-    """Interleaved epochs of each feed (median), the planner's pick and how it compares with the faster."""
+def modes(h: Healer, feeds: dict, repeats: int, prec: str, compile_mode: str = "off", epochs: int = 3) -> dict:
+    """Seconds per epoch of each feed over heals of ``epochs`` epochs, interleaved (median of ``repeats``; a trial
+    heals for several epochs, and the store's stream starts each epoch while the one before ends), the planner's
+    pick and how it compares with the faster."""
     t = {m: [] for m in ("store", "ram", "recompute")}
     for m in t:
         h.run(feeds[m], 1, prec, compile_mode)
     for _ in range(repeats):
         for m in t:
-            t[m].append(h.run(feeds[m], 1, prec, compile_mode)[0])
+            t[m].append(h.run(feeds[m], epochs, prec, compile_mode)[0] / epochs)
     med = {m: statistics.median(v) for m, v in t.items()}
     probe = time_target_modes(h.dense, h.adapter, h.scope, h.images, h.batch, precision=prec)
     chosen = pick(probe)
@@ -189,9 +192,9 @@ def measure(name: str, a, dev: torch.device, peak: float) -> dict:
         feeds = feeds_for(reader, in_ram, h, dev)
         compiled = a.compiled if name in a.compile_models else []
         res["precision"] = precisions(h, feeds, a.epochs, flops, peak, a.precisions, compiled)
-        res["modes_bf16"] = modes(h, feeds, a.repeats, "bf16")
+        res["modes_bf16"] = modes(h, feeds, a.repeats, "bf16", epochs=a.mode_epochs)
         if compiled:  # the store's stream behind a compiled step (heal.compile: blocks)
-            res["modes_bf16_blocks"] = modes(h, feeds, a.repeats, "bf16", "blocks")
+            res["modes_bf16_blocks"] = modes(h, feeds, a.repeats, "bf16", "blocks", a.mode_epochs)
         res["batches_bf16"] = {f"{b}{'+blocks' if mode == 'blocks' else ''}": by_batch(h, in_ram, b, flops["bf16"], peak, mode)
                                for b in a.extra_batches for mode in ("off", "blocks") if mode == "off" or compiled}
         res["store_stream_only_epoch_s"] = stream_only(feeds["store"], a.repeats, dev)
@@ -270,7 +273,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="bf16 + heal.compile blocks also at these batch sizes (targets in RAM)")
     ap.add_argument("--profile-compile", default="off", choices=("off", "blocks"), help="--profile: heal.compile")
     ap.add_argument("--epochs", type=int, default=2, help="timed store-streamed epochs per precision")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved epochs per target feed")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved heals per target feed")
+    ap.add_argument("--mode-epochs", type=int, default=3, help="epochs per heal when timing store / RAM / recompute "
+                    "(seconds per epoch; 1 before 2026-11-27)")
     ap.add_argument("--stream-threads", nargs="*", type=int, default=[1, 2, 4, 8], metavar="T",
                     help="the store's stream alone with these gather threads (default 1 2 4 8)")
     ap.add_argument("--shard", type=int, default=64, help="store shard size (rows)")

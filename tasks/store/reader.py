@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import math
 import os
-import queue
-import threading
 from typing import Iterator
 
 import numpy as np
@@ -14,7 +12,7 @@ import torch
 
 from tasks.store.codec import DTYPES, from_u16
 from tasks.store.format import StoreError
-from tasks.store.stream import DeviceCopier, PinnedRing, StreamMaps, gathered_batches
+from tasks.store.stream import DeviceCopier, EpochAhead, PinnedRing, Prefetcher, StreamMaps, gathered_batches
 
 Batch = tuple[np.ndarray, dict[str, torch.Tensor]]  # rows (B,) int64, {block: (B, *shape)}
 GATHER_THREADS = min(4, os.cpu_count() or 1)  # the accelerator stream's gather threads (tasks/store/stream.py)
@@ -42,6 +40,7 @@ class TargetReader:
         self.rows_streamed: dict[int, int] = {}  # epoch -> rows yielded by iter_batches (complete epochs)
         self._maps = StreamMaps(self)  # the accelerator stream's shard maps, kept across epochs until close
         self._rings: dict[tuple, PinnedRing] = {}  # (device, batch, depth) -> pinned buffers, kept likewise
+        self._ahead = EpochAhead()  # the accelerator stream's next epoch, started as the current one ends
         self._closed = False
 
     # ------------------------------------------------------------------------------------ raw access
@@ -209,20 +208,15 @@ class TargetReader:
         dev = torch.device(device) if device is not None else None
         cuda = dev is not None and dev.type == "cuda"
         if cuda:  # one copy per row into pinned memory, then a side-stream copy to the device (tasks/store/stream.py)
-            depth = prefetch + 2  # queued + being gathered + being copied
-            ring = self._rings.get((dev, batch_size, depth))
-            if ring is None:
-                ring = self._rings[(dev, batch_size, depth)] = PinnedRing(self._widths, batch_size, depth)
-            copier = DeviceCopier(dev, ring)
-            gen = (copier.send(b) for b in gathered_batches(self, batch_size, drop_last, wins, maps=self._maps,
-                                                             buffers=ring, threads=gather_threads))
+            gen = self._device_stream(dev, batch_size, shuffle, seed, epoch, drop_last, window, prefetch,
+                                      gather_threads)
         else:
             gen = self._produce(batch_size, drop_last, wins)
-        if prefetch > 0:
-            gen = _prefetched(gen, prefetch)
+            if prefetch > 0:
+                gen = Prefetcher(gen, prefetch)
         streamed = 0
         for item in gen:
-            rows, tgt = copier.ready(item) if cuda else item
+            rows, tgt = DeviceCopier.ready(item) if cuda else item
             streamed += len(rows)
             yield rows, tgt
         self.rows_streamed[epoch] = streamed
@@ -231,6 +225,23 @@ class TargetReader:
             raise StoreError(f"key {self._key} epoch {epoch}: streamed {streamed} rows, expected {want} "
                              f"(calibration size {self.num_rows})")
 
+    def _device_stream(self, dev: torch.device, batch_size: int, shuffle: bool, seed: int, epoch: int,
+                       drop_last: bool, window: int, prefetch: int, threads: int) -> Prefetcher:
+        """Epoch ``epoch`` gathered into the pinned ring and copied to ``dev`` by a prefetch thread (taken over from
+        the one ``EpochAhead`` started when the previous epoch of the same stream ended)."""
+        depth = max(1, prefetch) + 2  # queued + being gathered + being copied
+        key = (dev, batch_size, shuffle, seed, drop_last, window, depth, threads)
+        ring = self._rings.get((dev, batch_size, depth))
+        if ring is None:
+            ring = self._rings[(dev, batch_size, depth)] = PinnedRing(self._widths, batch_size, depth)
+
+        def make(e: int):
+            copier = DeviceCopier(dev, ring)
+            wins = self.windows(shuffle=shuffle, seed=seed, epoch=e, window=window)
+            return (copier.send(b) for b in gathered_batches(self, batch_size, drop_last, wins, maps=self._maps,
+                                                             buffers=ring, threads=threads))
+        return self._ahead.stream(key, epoch, make, max(1, prefetch))
+
     def load_all(self) -> dict[str, torch.Tensor]:
         """Every row in RAM, {name: (num_rows, *shape)}. For benchmarks and small sets only."""
         return self.read_rows(np.arange(self.num_rows, dtype=np.int64))
@@ -238,6 +249,7 @@ class TargetReader:
     def close(self) -> None:
         for f, _, _ in self._random.values():
             f.close()
+        self._ahead.close()  # before the maps its producer reads
         self._maps.close()
         self._random, self._rings, self._closed = {}, {}, True
 
@@ -246,45 +258,3 @@ class TargetReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-_DONE = object()
-
-
-def _prefetched(gen: Iterator, depth: int) -> Iterator:
-    """Run ``gen`` in a daemon thread feeding a queue of ``depth`` items; errors re-raise in the consumer;
-    closing the consumer early stops the thread."""
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def work() -> None:
-        try:
-            for item in gen:
-                if not put(item):
-                    return
-            put(_DONE)
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            put(e)
-
-    t = threading.Thread(target=work, name="healsweep-prefetch", daemon=True)
-    t.start()
-    try:
-        while True:
-            item = q.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        t.join(timeout=5)

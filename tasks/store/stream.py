@@ -3,19 +3,26 @@ host memory (one copy per row), then copied to the device on a side CUDA stream 
 reading, the host-to-device copy and the healing step overlap.
 
 - The gather runs on ``threads`` threads (``np.take`` releases the GIL; a Ray trial's torch has one intra-op
-  thread, so ``torch.index_select`` alone would copy on one core): each block of a batch is one job.
+  thread, so ``torch.index_select`` alone would copy on one core): the blocks are split into ``threads`` jobs of
+  about equal bytes, so a batch costs the producer a handful of hand-offs of the GIL, not one per block.
 - The shards' memory maps are opened once per reader and kept until it closes (``StreamMaps``), not re-opened and
   re-faulted every epoch (the pages are the OS's page cache either way).
-- Pinned buffers come from a ring (``PinnedRing``): a set is rewritten only after the device copy that read it has
-  finished, so no pinned memory is allocated or freed per batch.
+- Pinned buffers come from a ring (``PinnedRing``): one flat buffer per slot holding every block, copied to the
+  device in one piece and rewritten only after that copy has finished, so no pinned memory is allocated or freed
+  per batch and the consumer's host thread (a healing step is often bound by it) shares the GIL with little.
+- ``EpochAhead``: when epoch e's batches are all produced, epoch e + 1's first batches are gathered and copied
+  while the consumer finishes e (a STARFISH epoch on a small calibration set is a few steps: without this, every
+  epoch would start on an empty pipeline).
 
 Same rows, same order, same values as ``TargetReader._produce`` (the CPU path); only where the bytes go differs.
 """
 from __future__ import annotations
 
+import queue
+import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Callable, Hashable, Iterator
 
 import numpy as np
 import torch
@@ -83,25 +90,37 @@ def _take(src: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
     np.take(src, idx, axis=0, out=out, mode="clip")
 
 
-def assemble(reader, segments: list[Segment], buffers: Buffers, pool: ThreadPoolExecutor | None
-             ) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
-    """One batch from its segments: each block gathered into one buffer (a job per block, on ``pool`` if given),
-    viewed as the store dtype and block shape. -> (rows (B,), {block: (B, *shape)})."""
+def balanced_groups(widths: dict[str, int], k: int) -> list[list[str]]:
+    """Block names in ``k`` (or fewer) groups of about equal width: the largest first, each to the lightest group."""
+    groups: list[list[str]] = [[] for _ in range(max(1, min(k, len(widths))))]
+    load = [0] * len(groups)
+    for name in sorted(widths, key=lambda n: -widths[n]):
+        i = load.index(min(load))
+        groups[i].append(name)
+        load[i] += widths[name]
+    return [g for g in groups if g]
+
+
+def assemble(reader, segments: list[Segment], buffers: Buffers, pool: ThreadPoolExecutor | None,
+             groups: list[list[str]]) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
+    """One batch from its segments: each block gathered into one buffer (a job per group of blocks, on ``pool`` if
+    given), viewed as the store dtype and block shape. -> (rows (B,), {block: (B, *shape)})."""
     n = sum(len(idx) for _, idx, _ in segments)
     bufs = buffers(n)
 
-    def gather(name: str) -> None:
-        out, pos = bufs[name].numpy(), 0  # (n, width) int16, sharing the buffer
-        for src, idx, _ in segments:
-            _take(src[name], idx, out[pos:pos + len(idx)])
-            pos += len(idx)
+    def gather(names: list[str]) -> None:
+        for name in names:
+            out, pos = bufs[name].numpy(), 0  # (n, width) int16, sharing the buffer
+            for src, idx, _ in segments:
+                _take(src[name], idx, out[pos:pos + len(idx)])
+                pos += len(idx)
 
     if pool is None:
-        for name in reader.block_names:
-            gather(name)
+        gather(reader.block_names)
     else:
-        for job in [pool.submit(gather, name) for name in reader.block_names]:
-            job.result()
+        done, _ = wait([pool.submit(gather, g) for g in groups])
+        for job in done:
+            job.result()  # re-raises a job's error
     out = {name: bufs[name][:n].view(reader.dtype).reshape(n, *reader.block_shapes[name]) for name in reader.block_names}
     return np.concatenate([rows for _, _, rows in segments]), out
 
@@ -115,6 +134,7 @@ def gathered_batches(reader, batch_size: int, drop_last: bool, wins, *, maps=Non
     maps = StreamMaps(reader) if own else maps
     buffers = buffers or fresh_buffers(reader, pin=False)
     pool = ThreadPoolExecutor(threads, thread_name_prefix="healsweep-gather") if threads > 1 else None
+    groups = balanced_groups(reader._widths, threads)
     try:
         carry: list[Segment] = []
         have = 0
@@ -126,10 +146,10 @@ def gathered_batches(reader, batch_size: int, drop_last: bool, wins, *, maps=Non
                 carry.append((src, local[i:i + take], order[i:i + take]))
                 have, i = have + take, i + take
                 if have == batch_size:
-                    yield assemble(reader, carry, buffers, pool)
+                    yield assemble(reader, carry, buffers, pool, groups)
                     carry, have = [], 0
         if carry and not drop_last:
-            yield assemble(reader, carry, buffers, pool)
+            yield assemble(reader, carry, buffers, pool, groups)
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
@@ -138,48 +158,164 @@ def gathered_batches(reader, batch_size: int, drop_last: bool, wins, *, maps=Non
 
 
 class PinnedRing:
-    """``depth`` sets of pinned (rows, width) int16 buffers, one per block, handed out round-robin; a set is handed
-    out again only after the device copy that last read it has finished (``mark``), so the host never overwrites
-    bytes still in flight and nothing is pinned per batch."""
+    """``depth`` slots, each one flat pinned int16 buffer holding every block of a batch (block b's (rows, width_b)
+    at ``offsets[b]``), handed out round-robin; a slot is handed out again only after the device copy that last read
+    it has finished (``mark``), so the host never overwrites bytes still in flight and nothing is pinned per batch."""
 
     def __init__(self, widths: dict[str, int], rows: int, depth: int, pin: bool = True):
-        self.sets = [{n: torch.empty((rows, w), dtype=torch.int16, pin_memory=pin) for n, w in widths.items()}
-                     for _ in range(depth)]
+        self.widths, self.rows = dict(widths), rows
+        starts = np.concatenate([[0], np.cumsum([rows * w for w in widths.values()])]).tolist()
+        self.offsets = dict(zip(widths, starts[:-1]))  # block -> first element of its (rows, width) region
+        self.slots = [torch.empty(int(starts[-1]), dtype=torch.int16, pin_memory=pin) for _ in range(depth)]
         self.events: list[torch.cuda.Event | None] = [None] * depth
         self.i = -1
 
+    def views(self, flat: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
+        """{block: (n, width) int16} views of one slot's (or its device copy's) flat buffer."""
+        return {b: flat[o:o + n * self.widths[b]].view(n, self.widths[b]) for b, o in self.offsets.items()}
+
     def __call__(self, n: int) -> dict[str, torch.Tensor]:
-        self.i = (self.i + 1) % len(self.sets)
+        self.i = (self.i + 1) % len(self.slots)
         if self.events[self.i] is not None:
-            self.events[self.i].synchronize()  # the copy that read this set is done (producer thread only)
-        return {name: t[:n] for name, t in self.sets[self.i].items()}
+            self.events[self.i].synchronize()  # the copy that read this slot is done (producer thread only)
+        return self.views(self.slots[self.i], n)
+
+    @property
+    def current(self) -> torch.Tensor:
+        return self.slots[self.i]
 
     def mark(self, done: torch.cuda.Event) -> None:
         self.events[self.i] = done
 
 
 class DeviceCopier:
-    """Host-to-device copies of prefetched batches on a side CUDA stream (called from the prefetch thread);
-    ``ready`` (in the consumer) makes the consumer's stream wait for that copy, without blocking the host."""
+    """Host-to-device copies of prefetched batches on a side CUDA stream (called from the prefetch thread): the
+    ring's current slot in one copy; ``ready`` (in the consumer) makes the consumer's stream wait for that copy,
+    without blocking the host."""
 
-    def __init__(self, device: torch.device, ring: PinnedRing | None = None):
+    def __init__(self, device: torch.device, ring: PinnedRing):
         self.device, self.ring = device, ring
         self.stream = torch.cuda.Stream(device=device)
 
     def send(self, batch: tuple[np.ndarray, dict[str, torch.Tensor]]):
-        rows, tgt = batch
+        rows, tgt = batch  # tgt: views of the ring's current slot
+        n = len(rows)
         with torch.cuda.stream(self.stream):
-            out = {n: t.to(self.device, non_blocking=True) for n, t in tgt.items()}
+            flat = self.ring.current.to(self.device, non_blocking=True)  # the whole slot: one copy
             done = torch.cuda.Event()
             done.record(self.stream)
-        if self.ring is not None:
-            self.ring.mark(done)
-        return rows, out, done
+        self.ring.mark(done)
+        out = {b: v.view(tgt[b].dtype).reshape(tgt[b].shape) for b, v in self.ring.views(flat, n).items()}
+        return rows, out, flat, done
 
-    def ready(self, item) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
-        rows, out, done = item
-        current = torch.cuda.current_stream(self.device)
+    @staticmethod
+    def ready(item) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
+        rows, out, flat, done = item
+        current = torch.cuda.current_stream(flat.device)
         current.wait_event(done)
-        for t in out.values():
-            t.record_stream(current)  # the allocator must not reuse this memory before the consumer is done
+        flat.record_stream(current)  # the allocator must not reuse this memory before the consumer is done
         return rows, out
+
+
+_DONE = object()
+
+
+class Prefetcher:
+    """Runs ``gen`` in a daemon thread, from construction on, feeding a queue of ``depth`` items; iterating yields
+    them (errors re-raise in the consumer); ``close`` (also when the consumer stops early) stops the thread.
+    ``arm(callback)``: ``callback`` runs once, in whichever thread comes second, when the producer has produced
+    everything and the stream was armed (and not closed)."""
+
+    def __init__(self, gen: Iterator, depth: int):
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop, self._lock = threading.Event(), threading.Lock()
+        self._produced, self._callback = False, None
+        self._thread = threading.Thread(target=self._work, args=(gen,), name="healsweep-prefetch", daemon=True)
+        self._thread.start()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _work(self, gen: Iterator) -> None:
+        try:
+            for item in gen:
+                if not self._put(item):
+                    return
+            with self._lock:
+                self._produced, callback = True, self._callback
+            if callback is not None and not self._stop.is_set():
+                callback()
+            self._put(_DONE)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self._put(e)
+
+    def arm(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            self._callback, fire = callback, self._produced
+        if fire and not self._stop.is_set():
+            callback()
+
+    def __iter__(self) -> Iterator:
+        try:
+            while True:
+                item = self._q.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+
+class EpochAhead:
+    """At most one epoch streamed ahead. ``stream(key, epoch, make, depth)`` returns epoch ``epoch`` of the stream
+    ``key`` (``make(epoch)``: its batches), taken over from the one started ahead when it matches; once that epoch's
+    batches are all produced, epoch + 1's start (``depth`` of them, then the producer waits). An ahead stream no
+    one asks for is closed by the next ``stream`` call or by ``close``."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._ahead: tuple[Hashable, int, Prefetcher] | None = None
+        self._closed = False
+
+    def _take(self) -> tuple[Hashable, int, Prefetcher] | None:
+        with self._lock:
+            ahead, self._ahead = self._ahead, None
+        return ahead
+
+    def _start_ahead(self, key: Hashable, epoch: int, make: Callable[[int], Iterator], depth: int) -> None:
+        stale = self._take()  # (none unless two consumers share a reader) closed before the next producer starts
+        if stale is not None:
+            stale[2].close()
+        with self._lock:
+            if not self._closed:
+                self._ahead = (key, epoch, Prefetcher(make(epoch), depth))
+
+    def stream(self, key: Hashable, epoch: int, make: Callable[[int], Iterator], depth: int) -> Prefetcher:
+        ahead = self._take()
+        if ahead is not None and ahead[:2] == (key, epoch):
+            p = ahead[2]
+        else:
+            if ahead is not None:
+                ahead[2].close()
+            p = Prefetcher(make(epoch), depth)
+        p.arm(lambda: self._start_ahead(key, epoch + 1, make, depth))
+        return p
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed, ahead, self._ahead = True, self._ahead, None
+        if ahead is not None:
+            ahead[2].close()

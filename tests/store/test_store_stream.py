@@ -84,3 +84,95 @@ def test_ring_and_kept_maps_give_every_epoch_its_own_bits(tmp_path):
         files = [f for f, _ in maps._open.values()]
         maps.close()
         assert maps._open == {} and all(f.closed for f in files)
+
+
+def test_balanced_groups_split_blocks_by_bytes():
+    from tasks.store.stream import balanced_groups
+
+    w = {"a": 10, "b": 7, "c": 5, "d": 3, "e": 1}
+    assert balanced_groups(w, 2) == [["a", "d"], ["b", "c", "e"]]  # 13 and 13: largest first, to the lightest
+    assert balanced_groups(w, 1) == [["a", "b", "c", "d", "e"]]
+    assert sorted(map(len, balanced_groups(w, 9))) == [1, 1, 1, 1, 1]  # never an empty group
+
+
+def _slow(items, started, delay=0.0):
+    import time
+    for x in items:
+        started.append(x)
+        time.sleep(delay)
+        yield x
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("arm_late", [False, True])
+def test_prefetcher_fires_its_callback_once_after_producing_everything(arm_late):
+    import time
+
+    from tasks.store.stream import Prefetcher
+
+    started, fired = [], []
+    p = Prefetcher(_slow(range(3), started), depth=4)  # room for everything: the producer finishes unconsumed
+    if arm_late:
+        deadline = time.time() + 10
+        while len(started) < 3 and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # produced before it is armed: the callback runs in arm, at once
+    p.arm(lambda: fired.append(len(started)))
+    assert list(p) == [0, 1, 2] and fired == [3]
+    assert not p._thread.is_alive()
+
+
+@pytest.mark.timeout(30)
+def test_prefetcher_reraises_in_the_consumer_and_closing_early_stops_the_thread():
+    from tasks.store.stream import Prefetcher
+
+    def boom():
+        yield 1
+        raise ValueError("shard 3 is damaged")
+
+    with pytest.raises(ValueError, match="shard 3"):
+        list(Prefetcher(boom(), depth=1))
+    p, fired = Prefetcher(iter(range(100)), depth=1), []
+    p.arm(lambda: fired.append(1))
+    it = iter(p)
+    assert next(it) == 0
+    it.close()  # the consumer stops early
+    assert not p._thread.is_alive() and fired == []  # stopped, and no next epoch started for a stopped stream
+
+
+@pytest.mark.timeout(60)
+def test_epoch_ahead_streams_each_epoch_as_a_fresh_stream_would_and_starts_the_next_early(tmp_path):
+    """EpochAhead over the gathered stream (as the GPU path runs it, here into plain memory): every epoch holds the
+    rows and bits a fresh stream of that epoch holds; epoch e + 1 is made before the consumer asks for it; a
+    request for another stream closes the one started ahead; close ends every producer."""
+    import time
+
+    from tasks.store.stream import EpochAhead
+
+    st = TargetStore(tmp_path / "s")
+    blocks = make_blocks(23, torch.float16)
+    write_all(st, KEY, blocks, shard_size=4)
+    with st.open(KEY) as r:
+        made = []
+
+        def make(e, seed=1):
+            made.append(e)
+            return gathered_batches(r, 5, False, r.windows(shuffle=True, seed=seed, epoch=e), threads=2)
+
+        ahead = EpochAhead()
+        for epoch in range(4):
+            got = list(ahead.stream("k", epoch, make, depth=2))
+            want = list(make(epoch))
+            made.pop()
+            assert [g[0].tolist() for g in got] == [w[0].tolist() for w in want]
+            for (_, tg), (_, tw) in zip(got, want):
+                assert all(torch.equal(tg[k].view(torch.int16), tw[k].view(torch.int16)) for k in tw)
+            assert made[-1] == epoch + 1 and ahead._ahead[:2] == ("k", epoch + 1)  # started before it was asked for
+        assert made == [0, 1, 2, 3, 4]  # each epoch made once: 1-4 ahead of the consumer
+        stale = ahead._ahead[2]
+        list(ahead.stream("other", 0, lambda e: make(e, seed=2), depth=2))
+        time.sleep(0.2)
+        assert not stale._thread.is_alive()  # the unasked-for epoch 4 of stream "k": closed
+        last = ahead._ahead[2]
+        ahead.close()
+        assert ahead._ahead is None and not last._thread.is_alive()
