@@ -240,14 +240,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     ap.add_argument("--gpu-share", type=float, default=0.125, help="GPU per trial (default 1/8: 8 trials share it)")
     ap.add_argument("--heal-precision", choices=("fp32", "tf32", "bf16"), help="sweep: override heal.precision")
-    ap.add_argument("--throughput-args", default="--extra-batches 128", help="arguments of benchmarks/gpu_throughput.py (default: "
-                    "also batch 128)")
+    ap.add_argument("--throughput-args", default="--extra-batches 128 --repeats 2",
+                    help="arguments of benchmarks/gpu_throughput.py (default: also batch 128; 2 interleaved 3-epoch "
+                         "heals per target feed)")
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=("fp32", "tf32", "bf16"))
     ap.add_argument("--procs", type=int, default=8, help="precision section: trials at a time on the GPU")
     ap.add_argument("--install-timeout", type=float, default=90)
     ap.add_argument("--sweep-timeout", type=float, default=240)
-    ap.add_argument("--throughput-timeout", type=float, default=240, help="DeiT-B with heal.compile and batch 128: "
-                    "~145 s on an H100 (2026-11-26)")
+    ap.add_argument("--throughput-timeout", type=float, default=270, help="both models, DeiT-B with heal.compile "
+                    "and batch 128: 194 s on an H100 with 1-epoch timings (2026-11-27); ~220 s expected with 3")
     ap.add_argument("--precision-timeout", type=float, default=45, help="per precision")
     a = ap.parse_args(argv)
     if a.cmd in ("compare", "reference") and not a.run_dir:
