@@ -22,7 +22,9 @@ class TargetReader:
     """Rows [0, num_rows) of one key (see ``TargetStore.open``).
 
     ``iter_batches`` streams one *window* of shards at a time (read whole, sequentially, then dropped), so
-    memory is bounded by ``window`` shards plus ``prefetch`` batches whatever the calibration size.
+    memory is bounded by ``window`` shards plus ``prefetch`` batches whatever the calibration size. (On a GPU the
+    shards stay memory-mapped until ``close``: their pages are the OS's page cache, reclaimable, not the process's
+    own memory; the pinned ring holds ``prefetch`` + 2 batches.)
     ``read_rows`` serves random access through memory maps (local) or per-record-batch reads (remote).
     """
 
@@ -200,7 +202,8 @@ class TargetReader:
         (0: no thread). On a CUDA ``device`` that thread gathers each batch straight from the memory-mapped shards
         into pinned host memory and copies it to the device on a side stream (tasks/store/stream.py), so the copy
         overlaps the consumer's work (``gather_threads`` threads gather; shard maps and pinned buffers are kept
-        across epochs until ``close``); otherwise batches stay on the CPU.
+        across epochs until ``close``; once an epoch's batches are produced, epoch + 1's start, for the call that
+        asks for it next with the same arguments); otherwise batches stay on the CPU.
         """
         if batch_size < 1:
             raise StoreError(f"batch_size must be >= 1, got {batch_size}")

@@ -299,9 +299,13 @@ class EpochAhead:
         stale = self._take()  # (none unless two consumers share a reader) closed before the next producer starts
         if stale is not None:
             stale[2].close()
+        try:
+            gen = make(epoch)
+        except Exception:  # noqa: BLE001 - not this epoch's error: asked for, epoch + 1 is made again and raises then
+            return
         with self._lock:
             if not self._closed:
-                self._ahead = (key, epoch, Prefetcher(make(epoch), depth))
+                self._ahead = (key, epoch, Prefetcher(gen, depth))
 
     def stream(self, key: Hashable, epoch: int, make: Callable[[int], Iterator], depth: int) -> Prefetcher:
         ahead = self._take()

@@ -176,3 +176,20 @@ def test_epoch_ahead_streams_each_epoch_as_a_fresh_stream_would_and_starts_the_n
         last = ahead._ahead[2]
         ahead.close()
         assert ahead._ahead is None and not last._thread.is_alive()
+
+
+@pytest.mark.timeout(30)
+def test_a_next_epoch_that_cannot_start_fails_when_asked_for_not_before():
+    """Making epoch e + 1 ahead fails (say the reader went away): epoch e still ends normally; asking for e + 1
+    makes it again, and that error reaches the consumer."""
+    from tasks.store.stream import EpochAhead
+
+    def make(e):
+        if e == 1:
+            raise RuntimeError("reader is closed")
+        return iter([10 * e, 10 * e + 1])
+
+    ahead = EpochAhead()
+    assert list(ahead.stream("k", 0, make, depth=1)) == [0, 1] and ahead._ahead is None
+    with pytest.raises(RuntimeError, match="reader is closed"):
+        ahead.stream("k", 1, make, depth=1)
