@@ -5,10 +5,9 @@ train_loss and selection accuracy per epoch -> evaluation accuracy, invariant ch
 """
 from __future__ import annotations
 
-import copy
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -22,7 +21,7 @@ from tasks.healing.heldout import heldout_reference, heldout_score
 from tasks.healing.loop import GradientHealer, steps_per_epoch
 from tasks.healing.targets import recompute_batches
 from tasks.models.adapter import get_adapter
-from tasks.models.load import load_model
+from tasks.models.load import load_model_copy
 from tasks.pruning.base import PRUNERS, achieved_sparsity, apply_masks, mask_violations
 from tasks.store import TargetStore
 from tasks.store.masks import MaskStore
@@ -106,36 +105,16 @@ def _remembered(key: tuple, measure: Callable[[], float]) -> float:
     return _ACCURACIES[key]
 
 
-_MODELS: dict[tuple, Any] = {}  # this process's loaded, verified models, never modified: trials get deep copies
-_MODELS_MAX = 4
+_MODELS_MAX = 4  # models a trial process keeps loaded (tasks.models.load_model_copy)
 _REFERENCES: dict[tuple, list] = {}  # the dense models' held-out block outputs (heldout_score), per model
 _REFERENCES_MAX = 4
-
-
-def _file_stamp(load_kw: Mapping[str, Any]) -> tuple:
-    """(size, mtime) of a checkpoint named by ``path``: a file replaced on disk is loaded (and verified) again."""
-    path = (load_kw.get("source") or {}).get("path")
-    if not path:
-        return ()
-    try:
-        st = os.stat(path)
-    except OSError:
-        return ("missing",)
-    return (st.st_size, st.st_mtime_ns)
 
 
 def fresh_model(p: TrialParams):
     """The trial's ``LoadedModel`` with a model of its own: loaded and verified once per process and source, then a
     deep copy per trial (a Tune actor runs many trials; ~9 ms instead of ~25 ms rebuilding and reloading a reference
     model). The dataset splits are shared: nothing writes to them. The process's torch RNG is left as it was."""
-    key = (p.model, p.data_seed, repr(sorted(p.load_kw.items())), _file_stamp(p.load_kw))
-    if key not in _MODELS:
-        if len(_MODELS) >= _MODELS_MAX:
-            _MODELS.clear()
-        with torch.random.fork_rng(devices=[]):  # building seeds torch's RNG: whether cached or not, no trace
-            _MODELS[key] = load_model(p.model, p.cache_dir, data_seed=p.data_seed, progress=False, **p.load_kw)
-    lm = _MODELS[key]
-    return replace(lm, model=copy.deepcopy(lm.model))
+    return load_model_copy(p.model, p.cache_dir, data_seed=p.data_seed, keep=_MODELS_MAX, **p.load_kw)
 
 
 def _heldout_reference(p: TrialParams, lm, rows: slice) -> list:

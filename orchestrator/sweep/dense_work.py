@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from orchestrator.raytune.resources import task_device, task_gpus
 from tasks.data import load_dataset
 from tasks.healing import dense_targets
-from tasks.models import MODELS, get_adapter, load_model
+from tasks.models import MODELS, get_adapter, load_model, load_model_shared
 from tasks.store import TargetStore
 
 # Dense work up to this many (images x model parameters) runs in the driver: starting tasks (a process and a
@@ -29,7 +29,7 @@ def _loaded(model: str, cache_dir: str, data_seed: int, load_kw: dict, device: s
     k = (model, cache_dir, data_seed, json.dumps(load_kw, sort_keys=True, default=str), device)
     if k not in _LOADED:
         _LOADED.clear()
-        lm = load_model(model, cache_dir, data_seed=data_seed, progress=False, **load_kw)
+        lm = load_model(model, cache_dir, data_seed=data_seed, progress=False, **load_kw)  # kept here, on its device
         lm.model.to(device)
         _LOADED[k] = (lm.model, lm.dataset["calibration"].images, get_adapter(lm.model).blocks(lm.model))
     return _LOADED[k]
@@ -56,7 +56,7 @@ def run_shards(plan, *, in_driver: bool | None, n_rows: int, **kw):
     local = in_driver
     if local is None:
         spec = kw["spec"]
-        lm = load_model(kw["model"], kw["cache_dir"], data_seed=spec.data_seed, progress=False,
+        lm = load_model_shared(kw["model"], kw["cache_dir"], data_seed=spec.data_seed, progress=False,
                         **spec.load_kwargs(kw["model"]))
         size = n_rows * sum(p.numel() for p in lm.model.parameters())
         local = task_gpus(spec.resources) == 0 and size <= LOCAL_MAX_IMAGE_PARAMS
@@ -65,7 +65,7 @@ def run_shards(plan, *, in_driver: bool | None, n_rows: int, **kw):
 
 def _local_shards(plan, *, spec, model, key, store_uri, cache_dir, cpus, max_workers, progress, nodes):
     """The shards of ``plan`` computed one after another in this process (same code as ``dense_shard``)."""
-    lm = load_model(model, cache_dir, data_seed=spec.data_seed, progress=False, **spec.load_kwargs(model))
+    lm = load_model_shared(model, cache_dir, data_seed=spec.data_seed, progress=False, **spec.load_kwargs(model))
     blocks, images, store = get_adapter(lm.model).blocks(lm.model), lm.dataset["calibration"].images, \
         TargetStore(store_uri)
     threads = torch.get_num_threads()
@@ -114,13 +114,13 @@ def calibration_rows(model: str, cache_dir: Path, data_seed: int, load_kw: dict 
     if model in MODELS and source.get("source", "reference") == "reference":
         data = load_dataset(MODELS.get(model).dataset, seed=data_seed)
     else:
-        data = load_model(model, cache_dir, data_seed=data_seed, progress=False, **(load_kw or {})).dataset
+        data = load_model_shared(model, cache_dir, data_seed=data_seed, progress=False, **(load_kw or {})).dataset
     return [int(i) for i in data["calibration"].indices]
 
 
 def row_bytes(model: str, cache_dir: Path, data_seed: int, dtype: str, load_kw: dict | None = None) -> int:
     """Bytes of one calibration row of dense targets (every block + logits)."""
-    lm = load_model(model, cache_dir, data_seed=data_seed, progress=False, **(load_kw or {}))
+    lm = load_model_shared(model, cache_dir, data_seed=data_seed, progress=False, **(load_kw or {}))
     t = dense_targets(lm.model, get_adapter(lm.model).blocks(lm.model), lm.dataset["calibration"].images[:1],
                       dtype=getattr(torch, dtype))
     return sum(v[0].numel() * v.element_size() for v in t.values())

@@ -22,9 +22,9 @@ from tasks.store import MaskStore, content_key
 def model_info(spec: SweepSpec, name: str, cache: str, progress: bool = False) -> ModelInfo:
     """Load one model of the sweep (verified weights; nothing is trained); derive its target-store key."""
     from tasks.healing import LOGITS
-    from tasks.models import get_adapter, load_model
+    from tasks.models import get_adapter, load_model_shared
 
-    lm = load_model(name, cache, data_seed=spec.data_seed, progress=progress, **spec.load_kwargs(name))
+    lm = load_model_shared(name, cache, data_seed=spec.data_seed, progress=progress, **spec.load_kwargs(name))
     adapter = get_adapter(lm.model)
     blocks = [b for b, _ in adapter.blocks(lm.model)] + [LOGITS]
     calib_digest = lm.dataset.split_digest("calibration")
@@ -72,11 +72,11 @@ def compute_masks(model: str, cache: str, data_seed: int, load_kw: dict, jobs: l
                   ranking_dir: str, node: str = "driver", device: str = "cpu") -> list[dict]:
     """Load ``model`` once, compute every job's masks and write them to the mask store (a directory or a URI),
     each with its provenance (node id, seconds). The same code in the driver and in a mask task."""
-    from tasks.models import get_adapter, load_model
+    from tasks.models import get_adapter, load_model_shared
     from tasks.pruning import PruneContext, make_masks
 
     masks = MaskStore(mask_root)
-    lm = load_model(model, cache, data_seed=data_seed, progress=False, **load_kw)
+    lm = load_model_shared(model, cache, data_seed=data_seed, progress=False, **load_kw)
     net = lm.model.to(device)
     adapter = get_adapter(net)
     out = []

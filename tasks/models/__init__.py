@@ -10,10 +10,10 @@ from tasks.models.base import (MODEL_SOURCES, MODELS, ExternalSource, LoadedMode
                                ReferenceModel, TrainRecipe)
 from tasks.models.checkpoint_file import file_digest
 from tasks.models.external import build_untrained, load_external, parse_ref
-from tasks.models.load import load_model
+from tasks.models.load import load_model, load_model_copy, load_model_shared
 from tasks.models.reference import load_reference, train_reference
 
 __all__ = ["ADAPTERS", "VIT_SCOPES", "ModelAdapter", "ScopeEntry", "UnsupportedModelError", "cnn_scope",
            "get_adapter", "MODEL_SOURCES", "MODELS", "ExternalSource", "LoadedModel", "ModelRef", "ModelSourceError",
            "ReferenceModel", "TrainRecipe", "build_untrained", "file_digest", "load_external", "parse_ref",
-           "load_model", "load_reference", "train_reference"]
+           "load_model", "load_model_copy", "load_model_shared", "load_reference", "train_reference"]

@@ -2,7 +2,13 @@
 given by ``path``) and external ones (timm, torchvision, checkpoints)."""
 from __future__ import annotations
 
+import copy
+import json
 import os
+from dataclasses import replace
+from typing import Any, Mapping
+
+import torch
 
 from tasks.models.base import LoadedModel
 from tasks.models.external import load_external
@@ -21,3 +27,48 @@ def load_model(name: str, cache_dir: str | os.PathLike | None = None, *, data_se
         return load_external(source, dataset or {"name": "digits"}, data_seed)
     src = source or {}
     return load_reference(name, data_seed=data_seed, path=src.get("path"), sha256=src.get("sha256"))
+
+
+# ------------------------------------------------------------------------------------------ loaded once per process
+_KEPT: dict[tuple, LoadedModel] = {}  # this process's loaded, verified models, never modified: callers get copies
+
+
+def load_model_copy(name: str, cache_dir: str | os.PathLike | None = None, *, data_seed: int = 0, keep: int = 1,
+                    source: dict | None = None, dataset: dict | None = None) -> LoadedModel:
+    """``load_model`` once per process and arguments (at most ``keep`` models kept; a checkpoint replaced on disk
+    is loaded and verified again), then a deep copy of the model per call: callers may prune, heal or move it.
+    The dataset splits are shared (nothing writes to them). torch's global RNG is left as it was (building seeds
+    it): cached or not, no trace."""
+    key = (name, data_seed, json.dumps(source, sort_keys=True, default=str),
+           json.dumps(dataset, sort_keys=True, default=str), _file_stamp(source))
+    if key not in _KEPT:
+        if len(_KEPT) >= max(1, keep):
+            _KEPT.clear()
+        with torch.random.fork_rng(devices=[]):
+            _KEPT[key] = load_model(name, cache_dir, data_seed=data_seed, progress=False, source=source,
+                                    dataset=dataset)
+    lm = _KEPT[key]
+    return replace(lm, model=copy.deepcopy(lm.model))
+
+
+def load_model_shared(name: str, cache_dir: str | os.PathLike | None = None, *, data_seed: int = 0,
+                      progress: bool = True, source: dict | None = None, dataset: dict | None = None) -> LoadedModel:
+    """``load_model`` for code that loads the same model again and again in one process (the driver's models,
+    dense, masks and planner stages): an external model (timm, torchvision, checkpoint: seconds to build and
+    initialise, its dataset read and preprocessed each time) is loaded once and copied (``load_model_copy``, the
+    last one kept); a reference model (milliseconds) is loaded as ``load_model`` loads it."""
+    if source and source.get("source", "reference") != "reference":
+        return load_model_copy(name, cache_dir, data_seed=data_seed, source=source, dataset=dataset)
+    return load_model(name, cache_dir, data_seed=data_seed, progress=progress, source=source, dataset=dataset)
+
+
+def _file_stamp(source: Mapping[str, Any] | None) -> tuple:
+    """(size, mtime) of a checkpoint named by ``path``: a file replaced on disk is loaded (and verified) again."""
+    path = (source or {}).get("path")
+    if not path:
+        return ()
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ("missing",)
+    return (st.st_size, st.st_mtime_ns)

@@ -233,6 +233,49 @@ def test_external_model_loads_with_its_dataset(tmp_path, sources):
     assert lm.dataset["evaluation"].images[:2].shape == (2, 3, 32, 32)
 
 
+def test_the_driver_builds_an_external_model_once_and_gets_copies(tmp_path, sources, monkeypatch):
+    """``load_model_shared`` (the driver's stages load one model several times): a random-init timm model is built
+    once per process and arguments, every call gets its own deep copy with the first build's weights bit for bit,
+    torch's global RNG is left as it was, and a checkpoint replaced on disk is built (and verified) again."""
+    from tasks.models import load_model_shared
+    from tasks.models import load as load_mod
+    from tasks.models.external import TimmSource
+
+    builds = []
+    real_build = TimmSource.build
+    monkeypatch.setattr(TimmSource, "build", lambda self, ref, pretrained: builds.append(ref.name)
+                        or real_build(self, ref, pretrained))
+    load_mod._KEPT.clear()
+    ds = {"name": "imagefolder", "root": str(sources["folder"]), "sizes": SIZES}
+    source = {"name": "t", "source": "timm", "arch": "deit_tiny_patch16_224", "pretrained": False,
+              "num_classes": N_CLASSES, "model_args": TINY}
+    rng = torch.get_rng_state()
+    a = load_model_shared("t", source=source, dataset=ds)
+    b = load_model_shared("t", source=source, dataset=ds)
+    assert builds == ["t"] and torch.equal(torch.get_rng_state(), rng)
+    assert a.model is not b.model and a.dataset is b.dataset
+    for k, v in a.model.state_dict().items():
+        assert torch.equal(v, b.model.state_dict()[k]), k
+    with torch.no_grad():
+        next(a.model.parameters()).zero_()  # a caller prunes its copy: the next copy is the pristine build
+    assert torch.equal(next(load_model_shared("t", source=source, dataset=ds).model.parameters()),
+                       next(b.model.parameters()))
+    assert builds == ["t"]
+    _, path = _tiny_checkpoint(tmp_path)
+    ck = {"name": "c", "source": "checkpoint", "arch": "deit_tiny_patch16_224", "path": str(path),
+          "num_classes": N_CLASSES, "model_args": TINY}
+    first = load_model_shared("c", source=ck, dataset=ds)
+    assert load_model_shared("c", source=ck, dataset=ds).digest == first.digest
+    m2, _ = _tiny_checkpoint(tmp_path)  # same path, new bytes (seed 3 again: re-save with changed weights)
+    with torch.no_grad():
+        next(m2.parameters()).add_(1.0)
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in m2.state_dict().items()}, str(path))
+    again = load_model_shared("c", source=ck, dataset=ds)
+    assert again.digest == file_digest(path) != first.digest
+    assert torch.equal(next(again.model.parameters()), next(m2.parameters()))
+
+
 @pytest.mark.parametrize("entry, words", [
     ({"name": "a", "source": "hub"}, "source: unknown model source 'hub'; allowed: reference, checkpoint, timm, torchvision"),
     ({"name": "a", "colour": 1}, "colour: unknown key; allowed: name, source"),

@@ -139,20 +139,21 @@ def test_a_process_loads_each_model_once_and_a_warm_trial_equals_a_cold_one(setu
 
     import tasks.trial as trial_mod
     from tasks.healing.heldout import HELDOUT, heldout_align, heldout_reference, heldout_slice
+    from tasks.models import load as load_mod
 
     st, run_shards, params, lm, _ = setup
     build(st, run_shards)
-    for cache in (trial_mod._MODELS, trial_mod._REFERENCES, trial_mod._ACCURACIES):
+    for cache in (load_mod._KEPT, trial_mod._REFERENCES, trial_mod._ACCURACIES):
         cache.clear()
     cold, _ = trial(params)
-    assert len(trial_mod._MODELS) == 1 and len(trial_mod._REFERENCES) == 1
-    (pristine,) = trial_mod._MODELS.values()
+    assert len(load_mod._KEPT) == 1 and len(trial_mod._REFERENCES) == 1
+    (pristine,) = load_mod._KEPT.values()
     dense = load_model(MODEL, params.cache_dir, progress=False)
     for k, v in dense.model.state_dict().items():  # the cached model is still the checkpoint's, bit for bit
         assert torch.equal(pristine.model.state_dict()[k], v), k
     warm, _ = trial(params)
     assert warm == cold  # every metric: accuracies, train_loss, heldout_align, sparsity, digests
-    assert len(trial_mod._MODELS) == 1 and len(trial_mod._REFERENCES) == 1
+    assert len(load_mod._KEPT) == 1 and len(trial_mod._REFERENCES) == 1
     images = dense.dataset["calibration"].images
     rows = heldout_slice(len(images), CALIB)
     assert rows == slice(len(images) - HELDOUT, len(images))
