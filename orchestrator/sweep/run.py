@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -288,11 +289,21 @@ def _before_trials(s: SweepState, models_ready: Handoff[ModelsPart] | None, prog
     try:
         take_models(s, models_ready.get() if models_ready is not None else _timed_models(s, progress))
         dense_and_masks(s, progress)
+        _forget_loaded_models()
     except ray.exceptions.RayError as e:  # a node that joined since the check, without the project: one line
         if s.guard is None or not missing_project_line(e):
             raise
         raise cluster.ClusterError(missing_project_line(e)) from None
     s.parent_stage = parent_stage.start(s)  # while Tune starts the trial actors (see SweepState.tracking())
+
+
+def _forget_loaded_models() -> None:
+    """The driver's kept model copy (tasks.models.load_model_shared: the models, dense and mask stages load each
+    model several times) is dropped once those stages ran, so the driver does not hold a model and its
+    preprocessed dataset through the trials. Nothing to drop (and no torch imported) when no stage loaded one."""
+    load = sys.modules.get("tasks.models.load")
+    if load is not None:
+        load.forget()
 
 
 def check_nodes(s: SweepState) -> None:

@@ -62,6 +62,12 @@ def load_model_shared(name: str, cache_dir: str | os.PathLike | None = None, *, 
     return load_model(name, cache_dir, data_seed=data_seed, progress=progress, source=source, dataset=dataset)
 
 
+def forget() -> None:
+    """Drop this process's kept models (``load_model_copy``): a driver calls it once its stages that load models
+    have run (trials run in processes of their own; a kept model with its preprocessed dataset can be GBs)."""
+    _KEPT.clear()
+
+
 def _file_stamp(source: Mapping[str, Any] | None) -> tuple:
     """(size, mtime) of a checkpoint named by ``path``: a file replaced on disk is loaded (and verified) again."""
     path = (source or {}).get("path")

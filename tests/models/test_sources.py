@@ -261,6 +261,8 @@ def test_the_driver_builds_an_external_model_once_and_gets_copies(tmp_path, sour
     assert torch.equal(next(load_model_shared("t", source=source, dataset=ds).model.parameters()),
                        next(b.model.parameters()))
     assert builds == ["t"]
+    load_mod.forget()  # the driver drops its kept copy before the trials: the next call builds again
+    assert not load_mod._KEPT and load_model_shared("t", source=source, dataset=ds) and builds == ["t", "t"]
     _, path = _tiny_checkpoint(tmp_path)
     ck = {"name": "c", "source": "checkpoint", "arch": "deit_tiny_patch16_224", "path": str(path),
           "num_classes": N_CLASSES, "model_args": TINY}
