@@ -28,7 +28,7 @@ from orchestrator.spec.checks import SpecError
 
 # Calibration images (the largest calibration size of the dry run; also a batch, and a train split). Two, not one:
 # a batch of two still exercises batch statistics (BatchNorm in train mode, CORP's moments over several images).
-# Measured 2026-11-28 (DeiT-B, 3 trials, 1 CPU): 4 / 2 / 2 images -> 2 / 1 / 1 cut the wall ~40 %.
+# Measured 2026-11-28 (DeiT-B, 3 trials, 1 CPU): 4 / 2 / 2 images -> 2 / 1 / 1: 147 -> 120 s wall.
 DRY_CALIB = 2
 DRY_SIZES = {"train": 0, "calibration": DRY_CALIB, "selection": 1, "evaluation": 1}
 DRY_STEPS = 2  # optimizer steps per trial when the recipe searches steps instead of epochs

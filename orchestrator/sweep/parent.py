@@ -113,10 +113,10 @@ def sync_record(s: SweepState, client, parent: str) -> None:
 def log_lamp(s: SweepState, client, parent: str, diag_root: str) -> None:
     from analysis.cts import CTSSettings
     from orchestrator.sweep.diagnostics import log_lamp_allocations
-    from tasks.models import load_model_shared
+    from tasks.models import load_model
 
     def weights_of(m):
-        lm = load_model_shared(m, s.paths["cache"], data_seed=s.spec.data_seed, progress=False, **s.spec.load_kwargs(m))
+        lm = load_model(m, s.paths["cache"], data_seed=s.spec.data_seed, progress=False, **s.spec.load_kwargs(m))
         return {k: v.detach() for k, v in lm.model.named_parameters()}
 
     log_lamp_allocations(client, parent, diag_root, s.diag, weights_of, CTSSettings().targets)

@@ -28,7 +28,7 @@ def _probe_task(model: str, cache: str, data_seed: int, load_kw: dict, scope: st
     import torch
 
     from tasks.healing.planner import pick, time_target_modes
-    from tasks.models import get_adapter, load_model_shared
+    from tasks.models import get_adapter, load_model
     from tasks.store import content_key
 
     device = task_device(device_setting, ray.get_gpu_ids())
@@ -38,7 +38,7 @@ def _probe_task(model: str, cache: str, data_seed: int, load_kw: dict, scope: st
     path = Path(cache_dir) / f"{content_key(ident)}.json"
     if path.exists():
         return {**json.loads(path.read_text()), "cached": True}
-    lm = load_model_shared(model, cache, data_seed=data_seed, progress=False, **load_kw)
+    lm = load_model(model, cache, data_seed=data_seed, progress=False, **load_kw)
     dense = lm.model.to(device)
     secs = time_target_modes(dense, get_adapter(dense), scope, lm.dataset["calibration"].images, batch,
                              precision=precision, dtype=getattr(torch, dtype))

@@ -54,7 +54,7 @@ def load_model_copy(name: str, cache_dir: str | os.PathLike | None = None, *, da
 def load_model_shared(name: str, cache_dir: str | os.PathLike | None = None, *, data_seed: int = 0,
                       progress: bool = True, source: dict | None = None, dataset: dict | None = None) -> LoadedModel:
     """``load_model`` for code that loads the same model again and again in one process (the driver's models,
-    dense, masks and planner stages): an external model (timm, torchvision, checkpoint: seconds to build and
+    dense and mask stages): an external model (timm, torchvision, checkpoint: seconds to build and
     initialise, its dataset read and preprocessed each time) is loaded once and copied (``load_model_copy``, the
     last one kept); a reference model (milliseconds) is loaded as ``load_model`` loads it."""
     if source and source.get("source", "reference") != "reference":
