@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from tasks.atomic import is_disk_full
+from tasks.atomic import DiskFullError, is_disk_full
 from tasks.healing import HealingDiverged
 from tasks.trial import TrialParams, run_trial
 
@@ -41,6 +41,15 @@ DEFAULT_CHECKPOINT_INTERVAL_S = 10.0
 
 def checkpoint_interval() -> float:
     return float(os.environ.get("HEALSWEEP_CHECKPOINT_INTERVAL_S", DEFAULT_CHECKPOINT_INTERVAL_S))
+
+
+def _checkpoint_home(tune) -> str:
+    """Where Tune persists this trial's checkpoints: its directory in the run's Tune storage (DIR/tune/NAME/TRIAL;
+    Ray's StorageContext, a developer API), else the trial's local directory."""
+    try:
+        return tune.get_context().get_storage().trial_fs_path
+    except Exception:  # noqa: BLE001 - only names the path in the full disk's line
+        return tune.get_context().get_trial_dir()
 
 
 def tune_trainable(config: dict) -> None:
@@ -84,7 +93,13 @@ def tune_trainable(config: dict) -> None:
         last.update({k: metrics[k] for k in last if k in metrics})
         with tempfile.TemporaryDirectory(prefix="healsweep-ckpt-") as d:
             torch.save(state, Path(d) / STATE_FILE)
-            send(metrics, checkpoint=tune.Checkpoint.from_directory(d))
+            try:  # Tune copies it into the trial's directory under the run directory (DIR/tune/...)
+                send(metrics, checkpoint=tune.Checkpoint.from_directory(d))
+            except Exception as e:  # noqa: BLE001 - Tune's copy names no path: the full disk's line names it
+                if not is_disk_full(e):
+                    raise
+                size = (Path(d) / STATE_FILE).stat().st_size
+                raise DiskFullError(_checkpoint_home(tune), size, "a trial's Tune checkpoint") from e
 
     last_start = last["epoch"]
     node = ray.get_runtime_context().get_node_id()
@@ -98,4 +113,4 @@ def tune_trainable(config: dict) -> None:
             raise
         send({**last, "final": True, "disk_full": str(e), "failure_reason": f"disk full: {e}",
               "disk_full_path": getattr(e, "path", None) or getattr(e, "filename", None) or "",
-              "disk_full_needed": getattr(e, "needed", 0) or 0})
+              "disk_full_needed": getattr(e, "needed", 0) or 0, "disk_full_what": getattr(e, "what", None) or ""})

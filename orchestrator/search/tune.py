@@ -124,7 +124,8 @@ class DesignSearcher(Searcher):
         self._report(trial_id, result)  # the last result of an early-stopped trial never reached on_trial_result
         a = self._live.pop(trial_id)
         if result and result.get("disk_full"):  # not the trial's fault: the sweep stops, the trial stays untold
-            self.on_fault(DiskFullError(result.get("disk_full_path") or "?", int(result.get("disk_full_needed") or 0)))
+            self.on_fault(DiskFullError(result.get("disk_full_path") or "?", int(result.get("disk_full_needed") or 0),
+                                        result.get("disk_full_what") or None))
             return
         if error or not result or self.metric not in result or result.get("diverged"):
             self._tell(lambda: self._told(a, None, TrialState.FAIL))

@@ -64,6 +64,10 @@ def quiet_libraries(verbose: bool) -> None:
     # Tune's "Saving experiment state failed" traceback (e.g. a full disk, which the sweep reports in one line):
     # a sweep resumes from its own files, never from Tune's experiment state (orchestrator/rundir/files.py).
     logging.getLogger("ray.tune.execution.experiment_state").setLevel(logging.CRITICAL)
+    # MLflow's SQLAlchemy store logs every OperationalError with its traceback (logger.exception) before raising
+    # it again as an MlflowException; a full or damaged tracking database then ends in the sweep's one line
+    # (orchestrator/rundir/faults.py), any other failing write in the writer's one warning line.
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
 
     warnings.filterwarnings("ignore")
     if not getattr(sys.unraisablehook, "healsweep", False):  # once per process (quiet_libraries may run again)

@@ -24,7 +24,7 @@ FINAL_METRICS = ("dense_acc", "pruned_acc", "healed_acc", "retention", "heal_sec
 TUNE_KEYS = {"epoch", "final", "training_iteration", "timestamp", "time_this_iter_s", "time_total_s", "pid",
              "time_since_restore", "iterations_since_restore", "done", "date", "hostname", "node_ip",
              "trial_id", "experiment_id", "config", "should_checkpoint", "checkpoint_dir_name", "diverged",
-             "disk_full", "disk_full_path", "disk_full_needed"}
+             "disk_full", "disk_full_path", "disk_full_needed", "disk_full_what"}
 
 
 def experiment_id(client: MlflowClient, name: str) -> str:

@@ -79,7 +79,8 @@ def test_full_tracking_database_names_it(small_fs):
     wrapped = RuntimeError("API request failed")
     wrapped.__cause__ = e.value
     msg, code = faults.one_line(wrapped, small_fs)
-    assert code == 1 and msg.startswith(f"no space left on device writing the MLflow tracking database {db};")
+    assert code == 1 and msg.startswith(f"no space left on device writing the MLflow tracking database {db} (")
+    assert "free there); free space there, then continue with healsweep run --resume" in msg
 
 
 def _record_all(design: str, journal):
