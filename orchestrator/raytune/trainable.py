@@ -28,6 +28,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -50,6 +51,20 @@ def _checkpoint_home(tune) -> str:
         return tune.get_context().get_storage().trial_fs_path
     except Exception:  # noqa: BLE001 - only names the path in the full disk's line
         return tune.get_context().get_trial_dir()
+
+
+def _send_checkpoint(tune, send: Callable, metrics: dict, state: dict) -> None:
+    """``send`` with ``state`` as a Tune checkpoint, which Tune copies into the trial's directory under the run
+    directory (DIR/tune/...); a full disk there names that directory (Tune's error names no path)."""
+    with tempfile.TemporaryDirectory(prefix="healsweep-ckpt-") as d:
+        torch.save(state, Path(d) / STATE_FILE)
+        try:
+            send(metrics, checkpoint=tune.Checkpoint.from_directory(d))
+        except Exception as e:  # noqa: BLE001 - a full disk gets its line; anything else is raised again
+            if not is_disk_full(e):
+                raise
+            size = (Path(d) / STATE_FILE).stat().st_size
+            raise DiskFullError(_checkpoint_home(tune), size, "a trial's Tune checkpoint") from e
 
 
 def tune_trainable(config: dict) -> None:
@@ -91,15 +106,7 @@ def tune_trainable(config: dict) -> None:
             return
         since[0] = time.monotonic()
         last.update({k: metrics[k] for k in last if k in metrics})
-        with tempfile.TemporaryDirectory(prefix="healsweep-ckpt-") as d:
-            torch.save(state, Path(d) / STATE_FILE)
-            try:  # Tune copies it into the trial's directory under the run directory (DIR/tune/...)
-                send(metrics, checkpoint=tune.Checkpoint.from_directory(d))
-            except Exception as e:  # noqa: BLE001 - Tune's copy names no path: the full disk's line names it
-                if not is_disk_full(e):
-                    raise
-                size = (Path(d) / STATE_FILE).stat().st_size
-                raise DiskFullError(_checkpoint_home(tune), size, "a trial's Tune checkpoint") from e
+        _send_checkpoint(tune, send, metrics, state)
 
     last_start = last["epoch"]
     node = ray.get_runtime_context().get_node_id()
