@@ -60,6 +60,9 @@ def main(args) -> int:
                               num_cpus=args.num_cpus, dry_run=args.dry_run, max_trials=args.max_trials)
     except (RefineError, ResumeError, ClusterError) as e:  # ResumeError: e.g. another live driver holds the run dir
         raise CliError(str(e)) from None
+    except Exception as e:
+        if not faults.follows_fault(e):  # else the fault's line, raised below, names the first write that failed
+            raise
 
     faults.raise_stopped()  # a fault that stopped the round (a full disk): one line, exit 1 (orchestrator/rundir/faults.py)
     lo, hi = plan["interval"]

@@ -65,6 +65,9 @@ def main(args) -> int:
     spec, out, store, cache, models, owns_ray = _resolve_while_ray_starts(args, clock)
     try:
         res = _run(args, spec, out, store, cache, clock, owns_ray, models)
+    except Exception as e:
+        if not faults.follows_fault(e):  # else the fault's line, raised below, names the first write that failed
+            raise
     finally:
         _shutdown_ray(owns_ray)  # run_sweep shuts it down itself unless it failed before its own try
 

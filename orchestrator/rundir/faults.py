@@ -6,11 +6,13 @@
   (a bug: its traceback is shown).
 - ``stop(e)`` / ``stopped()``: a fault met on a thread of the driver (the MLflow writer's, which writes the trial
   record) stops the sweep: Tune's stopper (orchestrator/raytune/tune_stop.py) asks for it, ``healsweep run`` raises it at
-  the end. Module state, like orchestrator/rundir/interrupt.py: Tune pickles its stopper.
+  the end, also when something after it failed too (``follows_fault``: the report on the same full disk). Module
+  state, like orchestrator/rundir/interrupt.py: Tune pickles its stopper.
 """
 from __future__ import annotations
 
 import errno
+import logging
 import sqlite3
 from pathlib import Path
 
@@ -47,6 +49,17 @@ def stopped() -> BaseException | None:
 
 def clear() -> None:
     _state["error"] = None
+
+
+def follows_fault(e: BaseException) -> bool:
+    """Whether ``e`` came after a fault that already stopped the sweep (the report, or a last MLflow write, on the
+    same full disk): the command raises that fault (``raise_stopped``), whose line names the first write that
+    failed, and logs ``e`` at DEBUG."""
+    first = _state["error"]
+    if first is None or first is e:
+        return False
+    logging.getLogger("healsweep").debug("after the fault that stopped the sweep: %r", e)
+    return True
 
 
 def raise_stopped() -> None:

@@ -83,6 +83,26 @@ def test_full_tracking_database_names_it(small_fs):
     assert "free there); free space there, then continue with healsweep run --resume" in msg
 
 
+def test_what_fails_after_the_fault_that_stopped_the_sweep_gives_way_to_it(tmp_path):
+    """The report written after a full disk stopped the trials meets the same full disk: the command's line names
+    the first write that failed (the stopped fault), not the report (orchestrator/commands/run.py)."""
+    first = DiskFullError(tmp_path / "run" / "tune" / "trial_0", 1 << 20, "a trial's Tune checkpoint")
+    later = DiskFullError(tmp_path / "run" / "report.html", 160 << 10)
+    faults.clear()
+    try:
+        assert not faults.follows_fault(later)  # nothing stopped the sweep: the error is the command's own
+        faults.stop(first)
+        faults.stop(later)  # a second fault does not replace the first
+        assert faults.follows_fault(later) and not faults.follows_fault(first)
+        with pytest.raises(DiskFullError) as raised:
+            faults.raise_stopped()
+        assert raised.value is first and faults.stopped() is None
+        msg, code = faults.one_line(raised.value, tmp_path / "run")
+        assert code == 1 and msg.startswith(f"no space left on device writing a trial's Tune checkpoint {first.path} (")
+    finally:
+        faults.clear()
+
+
 def _record_all(design: str, journal):
     searcher = make_searcher(_cells(3), {c["cell_id"]: BUDGET for c in _cells(3)}, design, 7, journal)
     searcher.record = TrialRecorder(journal.parent, searcher.design, lambda: None, lambda key: None, lambda: None)
