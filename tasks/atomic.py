@@ -20,7 +20,8 @@ _KINDS = ((".arrow", "a target-store shard"), ("healed.safetensors", "a trial's 
           ("manifest.json", "a target-store manifest"),
           (".safetensors", "a weights/mask file"), ("mlflow.db", "the MLflow tracking database"),
           ("optuna.journal", "the Optuna journal"), ("trials.jsonl", "the trial record"),
-          ("sweep.json", "the sweep record"), ("report.html", "the report"), (".json", "a JSON file"))
+          ("sweep.json", "the sweep record"), ("report.html", "the report"), ("report.md", "the report"),
+          (".json", "a JSON file"))
 
 
 class DiskFullError(OSError):

@@ -85,8 +85,7 @@ def one_line(e: BaseException, run_dir: Path | str | None = None) -> tuple[str, 
         text = str(x).lower()
         db = Path(run_dir) / "mlflow.db" if run_dir else "the MLflow tracking database"
         if any(m in text for m in DB_FULL):  # the database's path and the space left there, as for any file
-            full = DiskFullError(db, None, "the MLflow tracking database") if run_dir else "no space left on " \
-                f"device writing {db}"
+            full = DiskFullError(db) if run_dir else f"no space left on device writing {db}"
             return f"{full}; free space there, then continue with healsweep run --resume {run_dir or 'DIR'}", 1
         if any(m in text for m in DB_DAMAGED) and _is_db_error(x):
             return str(damaged(db, str(x).splitlines()[0][:100], run_dir)), 2
