@@ -29,7 +29,7 @@ def _loaded(model: str, cache_dir: str, data_seed: int, load_kw: dict, device: s
     k = (model, cache_dir, data_seed, json.dumps(load_kw, sort_keys=True, default=str), device)
     if k not in _LOADED:
         _LOADED.clear()
-        lm = load_model(model, cache_dir, data_seed=data_seed, progress=False, **load_kw)
+        lm = load_model(model, cache_dir, data_seed=data_seed, progress=False, **load_kw)  # kept here, on its device
         lm.model.to(device)
         _LOADED[k] = (lm.model, lm.dataset["calibration"].images, get_adapter(lm.model).blocks(lm.model))
     return _LOADED[k]
