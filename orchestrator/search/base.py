@@ -153,6 +153,8 @@ class SearchDesign:
         self.already_done = 0
         self._known = journal_cells(self.storage)  # studies of a resumed sweep
         self._families: dict[str, tuple] = {}
+        self._told, self._idle_at = 0, -1  # tells written; the value when a scan last found nothing ready (ask)
+        self._counted: dict[tuple[str, str], int] = {}  # trials per study, read once per scan (n_trials)
         self.unasked: dict = {}  # (cell, stage) / (family, wave) -> slots not asked yet
         self.queue = self._plan()
         self.planned = len(self.queue)  # Tune's num_samples: every trial this session runs
@@ -174,6 +176,14 @@ class SearchDesign:
                 study.set_user_attr("sampler_seed", self.sampler_seed)
             self._studies[key] = study
         return self._studies[key]
+
+    def n_trials(self, cell_id: str, stage: str = SEARCH) -> int:
+        """Trials the cell's study of ``stage`` holds. Only ``ask`` creates trials (on the driver's thread), so within
+        one scan of the queue the count holds: read once per scan (each read re-syncs the Optuna journal file)."""
+        key = (cell_id, stage)
+        if key not in self._counted:
+            self._counted[key] = len(self.study(cell_id, stage).get_trials(deepcopy=False))
+        return self._counted[key]
 
     def sampler(self, cell_id: str, number: int) -> optuna.samplers.BaseSampler:
         """The sampler a new search trial of the cell is asked with (designs that propose use no draw)."""
@@ -257,6 +267,23 @@ class SearchDesign:
         """Drop queued trials that results made unnecessary (converge.py); the fixed designs drop none."""
 
     def ask(self):
+        """The next trial (module docstring). Which slot is ready depends only on what was asked and told, so
+        when a scan found none, the same scan is not run again until a tell: Tune asks on every step of its loop
+        while trials run, and each scan reads every queued cell's study (measured 2026-11-28 on the default spec
+        with ``converge``: the scans took a quarter of one of the machine's two cores)."""
+        told = self._told  # read before the scan: a tell during it makes the next ask scan again
+        if told == self._idle_at:
+            return None
+        self._counted = {}
+        try:
+            out = self._ask()
+        finally:
+            self._counted = {}  # this ask may have created a trial
+        if out is None:
+            self._idle_at = told
+        return out
+
+    def _ask(self):
         self.settle()
         if not self.queue:
             return FINISHED
@@ -378,11 +405,13 @@ class SearchDesign:
             self.counts.tell((ask.cell_id, ask.stage))
             if ask.stage == SEARCH:
                 self.counts.tell((self.family(ask.cell_id), self.wave_of(ask.cell_id, ask.number)))
+            self._told += 1  # last: a scan that reads the new count sees the whole tell
 
     def intermediate(self, ask: Ask, step: int, value: float) -> None:
         """A per-epoch objective (ASHA): Optuna's record of how the trial went before a stop."""
         study = self.study(ask.cell_id, ask.stage)
         study._storage.set_trial_intermediate_value(study.trials[ask.number]._trial_id, step, value)
+        self._told += 1
 
     def noise(self) -> dict[str, dict]:
         """Per cell: the winner's search value and trial number, and its re-evaluations' mean, std and count."""

@@ -122,8 +122,7 @@ class Converging:
         fam, c = self.family(cell_id), self.conv(cell_id)
         if not all(self.done((fam, w)) for w in range(min(wave, c.family_waves))):
             return False
-        n = len(self.study(cell_id).get_trials(deepcopy=False))
-        return n >= self.wave_start(cell_id, wave) and self.counts.settled((cell_id, SEARCH))
+        return self.n_trials(cell_id) >= self.wave_start(cell_id, wave) and self.counts.settled((cell_id, SEARCH))
 
     def evidence(self, cell_id: str, before_wave: int):
         """The family's told trials of its pooled waves, and the cell's own of every wave before ``before_wave``."""
@@ -344,7 +343,7 @@ class Converging:
 
     def _in_wave(self, slot: _Slot) -> bool:
         """A later slot of a wave whose first slot was asked already (the wave's points were decided together)."""
-        n = len(self.study(slot.cell_id).get_trials(deepcopy=False))
+        n = self.n_trials(slot.cell_id)
         return self.wave_start(slot.cell_id, slot.wave) < n < self.wave_start(slot.cell_id, slot.wave + 1)
 
     def _stop(self, cell_id: str, reason: str | None) -> None:
@@ -386,7 +385,6 @@ class Converging:
             return self.can_decide(slot.cell_id, slot.wave) or self._in_wave(slot)
         if (slot.stage == REEVALUATE and slot.number is None and self.conv(slot.cell_id) is not None
                 and slot.cell_id not in self.reeval_target
-                and len(self.study(slot.cell_id, REEVALUATE).get_trials(deepcopy=False))
-                >= super().reevaluations_of(slot.cell_id)):
+                and self.n_trials(slot.cell_id, REEVALUATE) >= super().reevaluations_of(slot.cell_id)):
             return False  # an extra seed waits for the first ones (how many it takes depends on their spread)
         return super().ready(slot)

@@ -86,7 +86,7 @@ class TPEDesign(SearchDesign):
     def ready(self, slot: _Slot) -> bool:
         if slot.stage != SEARCH or slot.number is not None or slot.cell_id in self.fixed or self.asha:
             return super().ready(slot)
-        if len(self.study(slot.cell_id).get_trials(deepcopy=False)) < self.startup(slot.cell_id):
+        if self.n_trials(slot.cell_id) < self.startup(slot.cell_id):
             return True  # seeded random start-up: independent of the history
         return self.counts.settled((slot.cell_id, SEARCH))
 
