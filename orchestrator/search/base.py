@@ -20,9 +20,8 @@ results give the same trials whatever order trials finish in (each design's ``re
 """
 from __future__ import annotations
 
-import hashlib
 import math
-from dataclasses import dataclass, field
+import threading
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -31,106 +30,25 @@ from optuna.distributions import FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
 from orchestrator.spec.checks import MAX_REEVALUATE  # noqa: F401 - the bound lives with the spec's checks
-from orchestrator.spec.registries import resolve_healer
-
-optuna.logging.set_verbosity(optuna.logging.WARNING)
-DONE = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-FINISHED = "FINISHED"  # == ray.tune.search.Searcher.FINISHED
-SEARCH, REEVALUATE = "search", "reevaluate"
-CEILING = "dense_selection_acc"  # the trial metric (tasks/trial.py) and user attr: the dense model's objective
-N_SELECTION = "n_selection"  # the trial metric and user attr: images the objective (selection accuracy) counts
-
-
-@dataclass(frozen=True)
-class Budget:
-    """One cell's search settings (the spec's ``search`` section, or its grid's)."""
-    trials: int  # search trials per cell (a fixed cell runs one)
-    lr: tuple[float, float]
-    length: tuple[str, tuple[int, int]]  # ("steps" | "epochs", (lo, hi))
-    startup_trials: int | None = None  # tpe: random trials before TPE
-    reevaluate: int = 0  # fresh healing seeds for the winner
-    explore: int = 2  # shared: first-wave points per cell
-    lattice: tuple[int, int] = (9, 5)  # shared/grid: points on the lr and length axes
-    converge: Any = None  # shared: a ``converge.Converge`` (``trials`` is then a per-cell cap), None: fixed count
-
-
-@dataclass(frozen=True)
-class Ask:
-    cell_id: str
-    number: int  # the trial's number in its study (search, or the cell's reevaluate study)
-    params: Mapping[str, Any]  # lr and epochs/steps
-    stage: str = SEARCH
-    heal_seed: int | None = None  # re-evaluations: the fresh healing seed (None: the cell's seed)
-
-    @property
-    def trial_id(self) -> str:
-        return f"{self.cell_id}-{self.number}" if self.stage == SEARCH else f"{self.cell_id}-r{self.number}"
-
-
-@dataclass
-class _Slot:
-    cell_id: str
-    stage: str
-    number: int | None  # None: a new trial; else a trial asked before a restart, run again
-    wave: int = 0
-
-
-def fixed_cell(cell: Mapping[str, Any]) -> bool:
-    """True when the cell's healer (or every step of its chain) uses no lr/epochs (the registries' table: no
-    torch)."""
-    return "healer" in cell and not resolve_healer(cell["healer"], cell.get("healer_settings")).trains
-
-
-def cell_sampler_seed(sampler_seed: int, key: str, number: int = 0) -> int:
-    return int(hashlib.sha256(f"{sampler_seed}:{key}:{number}".encode()).hexdigest()[:8], 16)
-
-
-def reevaluation_seeds(seed: int, n: int) -> list[int]:
-    """The fresh healing seeds of a cell's re-evaluations: never the cell's own seed (its search trials used it),
-    and the same for every sampler seed, so two searches that find the same winner report the same number."""
-    return [1000 * (k + 1) + seed for k in range(n)]
-
-
-def study_label(cell: Mapping[str, Any]) -> str:
-    """A person's name for a cell's study (optuna-dashboard lists studies by name): model / pruner / sparsity /
-    calibration size / healer / seed, then the cell id (the key everything else uses)."""
-    pattern = cell.get("pattern", cell.get("sparsity", "?"))
-    return (f"{cell.get('model', '?')} / {cell.get('pruner', '?')} {pattern} / calib {cell.get('calib_size', '?')} / "
-            f"{cell.get('healer', '?')} / seed {cell.get('seed', '?')} · {cell['cell_id']}")
-
-
-def open_journal(journal: Path) -> optuna.storages.JournalStorage:
-    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
-
-
-def journal_cells(storage) -> dict[str, dict[str, int]]:
-    """{cell id: {stage: study id}} of every study in a journal (studies of older sweeps are named by the cell id)."""
-    out: dict[str, dict[str, int]] = {}
-    for s in storage.get_all_studies():
-        cid = s.user_attrs.get("cell_id", s.study_name)
-        out.setdefault(cid, {})[s.user_attrs.get("stage", SEARCH)] = s._study_id
-    return out
-
-
-def resolve_epochs(steps: int, calib_size: int, batch_size: int) -> int:
-    """Epochs a trial of ``steps`` optimizer steps needs: ceil(steps / ceil(calib_size / batch_size))."""
-    return math.ceil(steps / math.ceil(calib_size / batch_size))
-
-
-@dataclass
-class _Counts:
-    asked: dict = field(default_factory=dict)  # key -> asks handed out (the driver's thread)
-    told: dict = field(default_factory=dict)  # key -> tells written (the thread that runs deferred tells)
-
-    def ask(self, key) -> None:
-        self.asked[key] = self.asked.get(key, 0) + 1
-
-    def tell(self, key) -> None:
-        self.told[key] = self.told.get(key, 0) + 1
-
-    def settled(self, key) -> bool:
-        return self.asked.get(key, 0) == self.told.get(key, 0)
-
+from orchestrator.search.records import (  # noqa: F401 - the contract's records, re-exported with it
+    CEILING,
+    DONE,
+    FINISHED,
+    N_SELECTION,
+    REEVALUATE,
+    SEARCH,
+    Ask,
+    Budget,
+    _Counts,
+    _Slot,
+    cell_sampler_seed,
+    fixed_cell,
+    journal_cells,
+    open_journal,
+    reevaluation_seeds,
+    resolve_epochs,
+    study_label,
+)
 
 class SearchDesign:
     """The shared machinery; a design overrides ``propose`` (and ``ready`` / ``sampler`` where it needs)."""
@@ -154,10 +72,18 @@ class SearchDesign:
         self._known = journal_cells(self.storage)  # studies of a resumed sweep
         self._families: dict[str, tuple] = {}
         self._told, self._idle_at = 0, -1  # tells written; the value when a scan last found nothing ready (ask)
+        self._lock = threading.RLock()  # an ask sees one state: tells (the writer's thread) wait for it (ask)
         self._counted: dict[tuple[str, str], int] = {}  # trials per study, read once per scan (n_trials)
         self.unasked: dict = {}  # (cell, stage) / (family, wave) -> slots not asked yet
         self.queue = self._plan()
         self.planned = len(self.queue)  # Tune's num_samples: every trial this session runs
+
+    def __getstate__(self) -> dict:  # Tune pickles the searcher with the Tuner
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ studies
     def study(self, cell_id: str, stage: str = SEARCH) -> optuna.Study:
@@ -270,18 +196,23 @@ class SearchDesign:
         """The next trial (module docstring). Which slot is ready depends only on what was asked and told, so
         when a scan found none, the same scan is not run again until a tell: Tune asks on every step of its loop
         while trials run, and each scan reads every queued cell's study (measured 2026-11-28 on the default spec
-        with ``converge``: the scans took a quarter of one of the machine's two cores)."""
-        told = self._told  # read before the scan: a tell during it makes the next ask scan again
-        if told == self._idle_at:
-            return None
-        self._counted = {}
-        try:
-            out = self._ask()
-        finally:
-            self._counted = {}  # this ask may have created a trial
-        if out is None:
-            self._idle_at = told
-        return out
+        with ``converge``: the scans took a quarter of one of the machine's two cores). Tells run on the MLflow
+        writer's thread and wait while an ask runs: a result told between ``settle`` (which stops a cell whose
+        search is over) and the scan made the scan ask a trial of a stopped cell (2026-11-28: a ResNet cell the
+        "recovered" rule had stopped ran 2 more trials in one run of the default spec with ``converge``, not in the
+        next), and asks must depend on the results, never on when they arrive."""
+        with self._lock:  # settle and the scan must see the same results (below)
+            told = self._told  # read before the scan: a tell during it makes the next ask scan again
+            if told == self._idle_at:
+                return None
+            self._counted = {}
+            try:
+                out = self._ask()
+            finally:
+                self._counted = {}  # this ask may have created a trial
+            if out is None:
+                self._idle_at = told
+            return out
 
     def _ask(self):
         self.settle()
@@ -387,31 +318,35 @@ class SearchDesign:
         number of images the objective counts, ``N_SELECTION``), before the trial's record is written (the record
         carries its attrs: a journal rebuilt from trials.jsonl keeps them, and a resumed search decides as the
         first one did)."""
-        study = self.study(ask.cell_id, ask.stage)
-        trial_id = study.get_trials(deepcopy=False)[ask.number]._trial_id
-        for name, v in ((CEILING, float(ceiling)), (N_SELECTION, float(n_selection))):
-            if math.isfinite(v):
-                study._storage.set_trial_user_attr(trial_id, name, v)
+        with self._lock:
+            study = self.study(ask.cell_id, ask.stage)
+            trial_id = study.get_trials(deepcopy=False)[ask.number]._trial_id
+            for name, v in ((CEILING, float(ceiling)), (N_SELECTION, float(n_selection))):
+                if math.isfinite(v):
+                    study._storage.set_trial_user_attr(trial_id, name, v)
 
     def tell(self, ask: Ask, value: float | None, state: TrialState = TrialState.COMPLETE) -> None:
-        """Record a trial's objective (``value`` None or ``state`` FAIL: a failed trial, ignored by the search)."""
-        study = self.study(ask.cell_id, ask.stage)
-        try:
-            if state == TrialState.COMPLETE and value is not None and math.isfinite(value):
-                study.tell(ask.number, float(value))
-            else:
-                study.tell(ask.number, state=TrialState.FAIL if state == TrialState.COMPLETE else state)
-        finally:
-            self.counts.tell((ask.cell_id, ask.stage))
-            if ask.stage == SEARCH:
-                self.counts.tell((self.family(ask.cell_id), self.wave_of(ask.cell_id, ask.number)))
-            self._told += 1  # last: a scan that reads the new count sees the whole tell
+        """Record a trial's objective (``value`` None or ``state`` FAIL: a failed trial, ignored by the search).
+        Waits while an ask runs (``ask``)."""
+        with self._lock:
+            study = self.study(ask.cell_id, ask.stage)
+            try:
+                if state == TrialState.COMPLETE and value is not None and math.isfinite(value):
+                    study.tell(ask.number, float(value))
+                else:
+                    study.tell(ask.number, state=TrialState.FAIL if state == TrialState.COMPLETE else state)
+            finally:
+                self.counts.tell((ask.cell_id, ask.stage))
+                if ask.stage == SEARCH:
+                    self.counts.tell((self.family(ask.cell_id), self.wave_of(ask.cell_id, ask.number)))
+                self._told += 1  # last: a scan that reads the new count sees the whole tell
 
     def intermediate(self, ask: Ask, step: int, value: float) -> None:
         """A per-epoch objective (ASHA): Optuna's record of how the trial went before a stop."""
-        study = self.study(ask.cell_id, ask.stage)
-        study._storage.set_trial_intermediate_value(study.trials[ask.number]._trial_id, step, value)
-        self._told += 1
+        with self._lock:
+            study = self.study(ask.cell_id, ask.stage)
+            study._storage.set_trial_intermediate_value(study.trials[ask.number]._trial_id, step, value)
+            self._told += 1
 
     def noise(self) -> dict[str, dict]:
         """Per cell: the winner's search value and trial number, and its re-evaluations' mean, std and count."""

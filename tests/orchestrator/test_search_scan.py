@@ -3,6 +3,8 @@ an ask that finds nothing ready must be cheap, and must never miss a result told
 Tune ``Searcher`` is driven by hand, as in tests/orchestrator/test_search_converge.py."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from tests.orchestrator.test_search_contract import _cells
@@ -76,3 +78,39 @@ def test_a_result_told_while_the_design_scans_is_not_missed(tmp_path):
     d.ready = lambda slot: real(d, slot)
     nxt = s.suggest("after")
     assert nxt is not None and nxt != "FINISHED" and nxt["stage"] == "search"
+
+
+def test_a_result_told_from_another_thread_waits_for_the_ask_so_a_stopped_cell_gets_no_more_trials(tmp_path):
+    """Every cell recovers at its first wave, so none may run a second. The last first-wave result is told from
+    another thread right after the ask's ``settle`` (which stops finished cells) and before its scan: were the tell
+    to land there, the scan would find the second wave decidable and ask a trial of a stopped cell."""
+    cells = _cells(6)
+    s = make(tmp_path, cells)
+    d = s.design
+    live = until_idle(s)
+    *first, last = live
+    for tid, cfg in first:
+        s.on_trial_complete(tid, result(cfg) | {"selection_acc": 0.99})
+    settle, teller = d.settle, []
+
+    def settle_then_a_tell_arrives():
+        settle()
+        if not teller:
+            t = threading.Thread(target=s.on_trial_complete, args=(last[0], result(last[1]) | {"selection_acc": 0.99}))
+            teller.append(t)
+            t.start()
+            t.join(0.5)  # a tell that does not wait for the ask lands here
+    d.settle = settle_then_a_tell_arrives
+    got = [s.suggest("during")]
+    d.settle = settle
+    teller[0].join(10)
+    assert not teller[0].is_alive()
+    if got[0] is not None:
+        s.on_trial_complete("during", result(got[0]) | {"selection_acc": 0.99})
+    while (cfg := s.suggest(f"r{len(got)}")) != "FINISHED":
+        assert cfg is not None
+        got.append(cfg)
+        s.on_trial_complete(f"r{len(got) - 1}", result(cfg) | {"selection_acc": 0.99})
+    for c in cells:
+        assert d.stops[c["cell_id"]].startswith("recovered")
+        assert len(d.study(c["cell_id"]).get_trials(deepcopy=False)) == 2  # the first wave only
