@@ -5,15 +5,14 @@ the default; ``tpe``; ``grid``). The contract is in ``base``; the sweep only cal
 Tune adapter in ``tune``. Importing this package registers the built-in designs (timm's pattern).
 """
 from orchestrator.search import designs  # noqa: F401 - registers the built-in designs
-from orchestrator.search.base import (
+from orchestrator.search.base import MAX_REEVALUATE, SearchDesign
+from orchestrator.search.records import (
     DONE,
     FINISHED,
-    MAX_REEVALUATE,
     REEVALUATE,
     SEARCH,
     Ask,
     Budget,
-    SearchDesign,
     cell_sampler_seed,
     fixed_cell,
     journal_cells,

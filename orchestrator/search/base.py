@@ -30,7 +30,7 @@ from optuna.distributions import FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
 from orchestrator.spec.checks import MAX_REEVALUATE  # noqa: F401 - the bound lives with the spec's checks
-from orchestrator.search.records import (  # noqa: F401 - the contract's records, re-exported with it
+from orchestrator.search.records import (
     CEILING,
     DONE,
     FINISHED,

@@ -45,7 +45,7 @@ import orchestrator.sweep.end, orchestrator.sweep.parent, orchestrator.tracking.
 import analysis.report, analysis.rr, analysis.transition_report  # noqa: F401, E401  (the report, in the driver)
 from orchestrator.commands.common import load_spec_or_exit
 from orchestrator.raytune.tune_setup import trial_config, tune_trainable
-from orchestrator.search.base import fixed_cell
+from orchestrator.search.records import fixed_cell
 from orchestrator.spec.plan import expand_cells
 from orchestrator.sweep.dense import budget_modes
 from orchestrator.sweep.diagnostics import diagnostics_stage
