@@ -202,7 +202,7 @@ class SearchDesign:
         "recovered" rule had stopped ran 2 more trials in one run of the default spec with ``converge``, not in the
         next), and asks must depend on the results, never on when they arrive."""
         with self._lock:  # settle and the scan must see the same results (below)
-            told = self._told  # read before the scan: a tell during it makes the next ask scan again
+            told = self._told  # before the scan (other threads' tells wait on the lock; one on this thread wakes the next ask)
             if told == self._idle_at:
                 return None
             self._counted = {}
