@@ -163,7 +163,9 @@ def install_section(a, out: Path) -> tuple[dict, dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), a.site]), "RAY_USAGE_STATS_ENABLED": "0",
            "PYTHONUNBUFFERED": "1"}
     if not a.bundle:
-        return {"skipped": "no --bundle: the packages this Python has"}, {**env, "PYTHONPATH": str(REPO)}
+        # no --bundle: this Python's packages, and whatever PYTHONPATH already holds (a site installed by an earlier call)
+        return {"skipped": "no --bundle: the packages this Python has"}, \
+            {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     installer = Path(a.bundle).with_name("install.py")
     res = sh([sys.executable, str(installer), a.bundle, "--target", a.site], a.install_timeout,
              log=out / "logs" / "install.log")

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The device session of issue #33 in two calls of the device tool (each within its 600 s), measured on an H200
+# on 2026-11-28 (benchmarks/results/gpu_h200_2026-11-28_calls.txt):
+#   check (434 s there, the machine's start not counted):
+#     1. tests/gpu (the CUDA store stream and CUDA trials against the CPU's): 39 s;
+#     2. benchmarks/gpu_check.py: the offline bundle installed with no index (30 s), the throughput benchmark at
+#        224 px (bf16 eager and compiled, batch 32 and 128, store / RAM / recompute epochs, the planner's pick; 230 s),
+#        then the default spec through `healsweep run` with 8 trials sharing the GPU, its quoted cells against the
+#        CPU run (165 s);
+#   bf16 (179 s there, on the still-warm machine: call it at once after `check`):
+#     3. the same spec healing in bf16 (`heal.precision: bf16`), 8 trials sharing the GPU; its quoted cells
+#        against the CPU's fp32 run (in its gpu_check.json) and against step 2's fp32 run (compare the two
+#        sweep_quoted.json files here).
+# Usage, from the repository root, the bundle built beforehand on a machine with package access
+# (healsweep bundle --python 3.12 --freeze benchmarks/device/cuda-image-freeze.txt --out .bundle; carry .bundle):
+#   bash benchmarks/device/session.sh OUT_DIR [check|bf16]
+# Files written (the device tool returns at most 8): check: OUT/session.txt, OUT/a/{gpu_check.json,throughput.json,
+# sweep_quoted.json,logs.tar.gz}; bf16: OUT/session.txt, OUT/b/{gpu_check.json,sweep_quoted.json,logs.tar.gz}.
+set -u
+OUT=${1:?usage: session.sh OUT_DIR [check|bf16]}
+PART=${2:-check}
+LIMIT=${SESSION_LIMIT_S:-585}  # seconds this call may use in all (the device tool stops a command at 600)
+T0=$(date +%s)
+mkdir -p "$OUT"
+left() { echo $(( LIMIT - ($(date +%s) - T0) - ${1:-0} )); }
+export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
+SITE=/tmp/healsweep-site BUNDLE=.bundle/healsweep-offline.tar.xz
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; uptime; git log -1 --format='%H %s'; } \
+  > "$OUT/session.txt" 2>&1 || true
+case "$PART" in
+  check)
+    mkdir -p "$OUT/a"
+    { echo "## tests/gpu"; timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -15
+      echo "## check (install, throughput, fp32 sweep) from $(date -u +%T)"; } >> "$OUT/session.txt"
+    timeout "$(left)" python3 benchmarks/gpu_check.py --bundle "$BUNDLE" --site "$SITE" --out "$OUT/a" --work /tmp/gca \
+      --sections throughput sweep --throughput-args "--extra-batches 128 --repeats 2 --precisions bf16" \
+      --throughput-timeout 280 --sweep-timeout 200 >> "$OUT/session.txt" 2>&1 ;;
+  bf16)
+    mkdir -p "$OUT/b"
+    [ -d "$SITE/ray" ] || python3 .bundle/install.py "$BUNDLE" --target "$SITE" >> "$OUT/session.txt" 2>&1
+    PYTHONPATH=$SITE timeout "$(left)" python3 benchmarks/gpu_check.py --out "$OUT/b" --work /tmp/gcb \
+      --sections sweep --heal-precision bf16 --sweep-timeout "$(left 30)" >> "$OUT/session.txt" 2>&1 ;;
+  *) echo "unknown part $PART: check or bf16" >&2; exit 2 ;;
+esac
+echo "## ended $(date -u +%T) ($(( $(date +%s) - T0 )) s)" >> "$OUT/session.txt"
+for d in "$OUT"/a "$OUT"/b; do  # the logs of a check cut before it packed them
+  if [ -d "$d/logs" ]; then tar czf "$d/logs.tar.gz" -C "$d" logs && rm -rf "$d/logs"; fi
+done
+cat "$OUT/session.txt"
