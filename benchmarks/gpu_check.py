@@ -163,9 +163,9 @@ def install_section(a, out: Path) -> tuple[dict, dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), a.site]), "RAY_USAGE_STATS_ENABLED": "0",
            "PYTHONUNBUFFERED": "1"}
     if not a.bundle:
-        # no --bundle: this Python's packages, and whatever PYTHONPATH already holds (a site installed by an earlier call)
-        return {"skipped": "no --bundle: the packages this Python has"}, \
-            {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        if Path(a.site).is_dir():  # installed by an earlier call on this machine
+            return {"skipped": f"no --bundle: the site installed earlier in {a.site}"}, env
+        return {"skipped": "no --bundle: the packages this Python has"}, {**env, "PYTHONPATH": str(REPO)}
     installer = Path(a.bundle).with_name("install.py")
     res = sh([sys.executable, str(installer), a.bundle, "--target", a.site], a.install_timeout,
              log=out / "logs" / "install.log")
@@ -236,7 +236,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default="gpu_check_out", help="where the JSON results and logs go")
     ap.add_argument("--work", default="/tmp/healsweep-gpu-check", help="run directory, store and caches")
     ap.add_argument("--bundle", help="the offline bundle (.tar.xz; install.py next to it); none: use this Python's")
-    ap.add_argument("--site", default="/tmp/healsweep-site", help="where the bundle is installed")
+    ap.add_argument("--site", default="/tmp/healsweep-site",
+                    help="where the bundle is installed (without --bundle: used when an earlier call installed it)")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (checks the script)")
     ap.add_argument("--tiny", action="store_true", help="the tiny spec and small models (checks the script)")
     ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)

@@ -37,8 +37,8 @@ case "$PART" in
       --throughput-timeout 280 --sweep-timeout 200 >> "$OUT/session.txt" 2>&1 ;;
   bf16)
     mkdir -p "$OUT/b"
-    [ -d "$SITE/ray" ] || python3 .bundle/install.py "$BUNDLE" --target "$SITE" >> "$OUT/session.txt" 2>&1
-    PYTHONPATH=$SITE timeout "$(left)" python3 benchmarks/gpu_check.py --out "$OUT/b" --work /tmp/gcb \
+    install=(); [ -d "$SITE" ] || install=(--bundle "$BUNDLE")  # a fresh machine: `check` did not run on it
+    timeout "$(left)" python3 benchmarks/gpu_check.py "${install[@]}" --site "$SITE" --out "$OUT/b" --work /tmp/gcb \
       --sections sweep --heal-precision bf16 --sweep-timeout "$(left 30)" >> "$OUT/session.txt" 2>&1 ;;
   *) echo "unknown part $PART: check or bf16" >&2; exit 2 ;;
 esac
