@@ -11,13 +11,17 @@
 #     3. the same spec healing in bf16 (`heal.precision: bf16`), 8 trials sharing the GPU; its quoted cells
 #        against the CPU's fp32 run (in its gpu_check.json) and against step 2's fp32 run (compare the two
 #        sweep_quoted.json files here).
+#   stream (one call on a fresh machine, ~8 min with its start; first run 2026-11-28, results/gpu_h200_*stream*):
+#     1. tests/gpu; 2. gpu_throughput.py --sections stream: the store's stream behind the bf16 DeiT-B (eager and
+#        compiled) and ResNet-50 step against the in-RAM epoch, by gather threads 1, 2, 4, 5 interleaved rounds;
+#     3. the default sweep in fp32 (install from the bundle, 8 trials sharing the GPU) against the CPU run.
 # Usage, from the repository root, the bundle built beforehand on a machine with package access
 # (healsweep bundle --python 3.12 --freeze benchmarks/device/cuda-image-freeze.txt --out .bundle; carry .bundle):
-#   bash benchmarks/device/session.sh OUT_DIR [check|bf16]
+#   bash benchmarks/device/session.sh OUT_DIR [check|bf16|stream]
 # Files written (the device tool returns at most 8): check: OUT/session.txt, OUT/a/{gpu_check.json,throughput.json,
 # sweep_quoted.json,logs.tar.gz}; bf16: OUT/session.txt, OUT/b/{gpu_check.json,sweep_quoted.json,logs.tar.gz}.
 set -u
-OUT=${1:?usage: session.sh OUT_DIR [check|bf16]}
+OUT=${1:?usage: session.sh OUT_DIR [check|bf16|stream]}
 PART=${2:-check}
 LIMIT=${SESSION_LIMIT_S:-585}  # seconds this call may use in all (the device tool stops a command at 600)
 T0=$(date +%s)
@@ -40,10 +44,19 @@ case "$PART" in
     install=(); [ -d "$SITE" ] || install=(--bundle "$BUNDLE")  # a fresh machine: `check` did not run on it
     timeout "$(left)" python3 benchmarks/gpu_check.py "${install[@]}" --site "$SITE" --out "$OUT/b" --work /tmp/gcb \
       --sections sweep --heal-precision bf16 --sweep-timeout "$(left 30)" >> "$OUT/session.txt" 2>&1 ;;
-  *) echo "unknown part $PART: check or bf16" >&2; exit 2 ;;
+  stream)
+    mkdir -p "$OUT/c"
+    { echo "## tests/gpu"; timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -15
+      echo "## stream (gpu_throughput --sections stream) from $(date -u +%T)"; } >> "$OUT/session.txt"
+    timeout "$(left 200)" python3 benchmarks/gpu_throughput.py --sections stream --models deit_b16 resnet50 \
+      --repeats 5 --mode-threads 1 2 4 --json "$OUT/c/stream.json" >> "$OUT/session.txt" 2>&1
+    echo "## fp32 sweep from $(date -u +%T)" >> "$OUT/session.txt"
+    timeout "$(left)" python3 benchmarks/gpu_check.py --bundle "$BUNDLE" --site "$SITE" --out "$OUT/c" --work /tmp/gcc \
+      --sections sweep --sweep-timeout "$(left 45)" >> "$OUT/session.txt" 2>&1 ;;
+  *) echo "unknown part $PART: check, bf16 or stream" >&2; exit 2 ;;
 esac
 echo "## ended $(date -u +%T) ($(( $(date +%s) - T0 )) s)" >> "$OUT/session.txt"
-for d in "$OUT"/a "$OUT"/b; do  # the logs of a check cut before it packed them
+for d in "$OUT"/a "$OUT"/b "$OUT"/c; do  # the logs of a check cut before it packed them
   if [ -d "$d/logs" ]; then tar czf "$d/logs.tar.gz" -C "$d" logs && rm -rf "$d/logs"; fi
 done
 cat "$OUT/session.txt"

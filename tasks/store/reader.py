@@ -12,7 +12,7 @@ import torch
 
 from tasks.store.codec import DTYPES, from_u16
 from tasks.store.format import StoreError
-from tasks.store.stream import DeviceCopier, EpochAhead, PinnedRing, Prefetcher, StreamMaps, gathered_batches
+from tasks.store.stream import DeviceCopier, EpochAhead, PinnedRing, Prefetcher, StreamMaps, ring_batches
 
 Batch = tuple[np.ndarray, dict[str, torch.Tensor]]  # rows (B,) int64, {block: (B, *shape)}
 GATHER_THREADS = min(4, os.cpu_count() or 1)  # the accelerator stream's gather threads (tasks/store/stream.py)
@@ -239,10 +239,10 @@ class TargetReader:
             ring = self._rings[(dev, batch_size, depth)] = PinnedRing(self._widths, batch_size, depth)
 
         def make(e: int):
-            copier = DeviceCopier(dev, ring)
+            copier = DeviceCopier(dev, ring, self.dtype, self.block_shapes)
             wins = self.windows(shuffle=shuffle, seed=seed, epoch=e, window=window)
-            return (copier.send(b) for b in gathered_batches(self, batch_size, drop_last, wins, maps=self._maps,
-                                                             buffers=ring, threads=threads))
+            return (copier.send(b) for b in ring_batches(self, batch_size, drop_last, wins, maps=self._maps, ring=ring,
+                                                         threads=threads))
         return self._ahead.stream(key, epoch, make, max(1, prefetch))
 
     def load_all(self) -> dict[str, torch.Tensor]:

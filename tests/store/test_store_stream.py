@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tasks.store import TargetStore
-from tasks.store.stream import PinnedRing, StreamMaps, gathered_batches
+from tasks.store.stream import PinnedRing, StreamMaps, gathered_batches, ring_batches
 from tests.store.test_store import KEY, make_blocks, write_all
 
 
@@ -84,6 +84,34 @@ def test_ring_and_kept_maps_give_every_epoch_its_own_bits(tmp_path):
         files = [f for f, _ in maps._open.values()]
         maps.close()
         assert maps._open == {} and all(f.closed for f in files)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_rows,batch,window,drop_last", [(23, 5, 1, False), (23, 4, 3, False), (23, 7, 2, True),
+                                                             (9, 1, 2, False), (23, 32, 1, False)])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_ring_batches_equal_the_cpu_stream(tmp_path, num_rows, batch, window, drop_last, threads):
+    """The accelerator producer (ring_batches: numpy views of the ring's slots, made once) and the consumer's typed
+    views of a slot's copy (PinnedRing.typed, full and short batches) give the CPU stream's rows, shapes and bits,
+    with the ring reused across batches and epochs and the copy taken before the ring moves on (as the device copy)."""
+    st = TargetStore(tmp_path / "s")
+    blocks = make_blocks(23, torch.bfloat16)
+    write_all(st, KEY, blocks, shard_size=4, dtype="bfloat16")
+    with st.open(KEY, num_rows=num_rows) as r:
+        ring, maps = PinnedRing(r._widths, batch, depth=2, pin=False), StreamMaps(r)
+        for epoch in (0, 1):
+            wins = lambda: r.windows(shuffle=True, seed=5, epoch=epoch, window=window)  # noqa: E731
+            old = list(r._produce(batch, drop_last, wins()))
+            new = [(rows, ring.typed(ring.current.clone(), n, r.dtype, r.block_shapes))
+                   for rows, n in ring_batches(r, batch, drop_last, wins(), maps=maps, ring=ring, threads=threads)]
+            assert len(old) == len(new) > 0
+            for (ro, to), (rn, tn) in zip(old, new):
+                assert np.array_equal(ro, rn) and to.keys() == tn.keys()
+                for k in to:
+                    assert tn[k].dtype == torch.bfloat16 and tn[k].shape == to[k].shape
+                    assert torch.equal(to[k].view(torch.int16), tn[k].view(torch.int16))
+        assert len(ring._arrays) <= 2 * 2  # numpy views made once per slot and batch size, not per batch
+        maps.close()
 
 
 def test_balanced_groups_split_blocks_by_bytes():
