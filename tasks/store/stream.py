@@ -11,8 +11,7 @@ reading, the host-to-device copy and the healing step overlap.
   device in one piece and rewritten only after that copy has finished, so no pinned memory is allocated or freed
   per batch. The producer makes no torch call per block (``ring_batches``: numpy views of each slot, made once; the
   device copy's typed views are made by the consumer in ``DeviceCopier.ready``): every call of a background thread
-  is a hand-off of the GIL that a host-bound healing step waits for (2026-11-28, CPU emulation of a host-bound
-  step: 1.32x slower beside the old producer, 1.12x beside this one).
+  is a hand-off of the GIL that a host-bound healing step waits for (benchmarks/bench_stream_gil.py; docs/gpu.md).
 - ``EpochAhead``: when epoch e's batches are all produced, epoch e + 1's first batches are gathered and copied
   while the consumer finishes e (a STARFISH epoch on a small calibration set is a few steps: without this, every
   epoch would start on an empty pipeline).
