@@ -7,9 +7,27 @@ import math
 import pandas as pd
 
 
+PRECISION_WORDS = {"tf32": "TF32 matrix products", "bf16": "bf16 autocast"}
+
+
+def precision_note(gb: pd.DataFrame) -> str:
+    """'Healed in bf16 autocast (heal.precision; the authors heal in fp32).' when any winner of ``gb`` healed in a
+    precision other than fp32 (the precision moves a few cells by more than the cross-machine tolerance:
+    docs/gpu.md), else ''."""
+    used = sorted({str(p) for p in gb.get("precision", pd.Series(dtype=object)).dropna()} - {"fp32"})
+    if not used:
+        return ""
+    return f"Healed in {' and '.join(PRECISION_WORDS.get(p, p) for p in used)} (heal.precision; the authors heal in fp32)."
+
+
 def budget_line(gb: pd.DataFrame, bounds: dict | None) -> str:
     """'Budget: bands and leads hold within 64 optimizer steps per trial (search.steps 4–64; lr 0.0001–0.01).'
-    for one grid's winners ``gb`` and its search bounds ({"lr", "steps" | "epochs"}); '' when unknown."""
+    for one grid's winners ``gb`` and its search bounds ({"lr", "steps" | "epochs"}), followed by the precision
+    note when the winners did not heal in fp32; '' when neither is known."""
+    return " ".join(x for x in (_budget(gb, bounds), precision_note(gb)) if x)
+
+
+def _budget(gb: pd.DataFrame, bounds: dict | None) -> str:
     if not bounds:
         return ""
     lr = bounds.get("lr") or [math.nan, math.nan]

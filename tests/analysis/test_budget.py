@@ -17,6 +17,18 @@ def test_budget_line_states_steps_or_the_steps_epochs_give():
     assert budget_line(gb, None) == ""
 
 
+def test_budget_line_names_a_precision_other_than_the_authors_fp32():
+    bounds = {"lr": [1e-4, 1e-2], "steps": [4, 64]}
+    gb = pd.DataFrame({"calib_size": [128, 128], "batch_size": [32, 32], "precision": ["bf16", "bf16"]})
+    assert budget_line(gb, bounds).endswith(
+        "(search.steps 4–64; lr 0.0001–0.01). Healed in bf16 autocast (heal.precision; the authors heal in fp32).")
+    assert budget_line(gb, None) == "Healed in bf16 autocast (heal.precision; the authors heal in fp32)."
+    mixed = gb.assign(precision=["tf32", "fp32"])
+    assert budget_line(mixed, bounds).endswith("Healed in TF32 matrix products (heal.precision; the authors heal in fp32).")
+    for fp32 in (gb.assign(precision=["fp32", "fp32"]), gb.assign(precision=[None, None]), gb.drop(columns="precision")):
+        assert "Healed" not in budget_line(fp32, bounds)  # the authors' precision, or runs logged before the param
+
+
 def test_only_non_budget_edges_are_warned_about():
     mb = pd.DataFrame({"pruner": ["m", "m"], "healer": ["s", "s"], "pattern": ["0.9", "0.95"], "calib_size": [64, 64],
                        "seed": [0, 0], "lr": [1e-3, 1e-2], "batch_size": [32, 32], "steps": [64, 64],
