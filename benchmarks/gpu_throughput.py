@@ -115,7 +115,8 @@ class Healer:
         self.scope = adapter.default_scope
         self.masks = make_masks(dense, adapter.scope(dense, self.scope), "magnitude", 0.5, seed=0)
 
-    def run(self, batches, epochs: int, precision: str, compile_mode: str = "off") -> tuple[float, torch.nn.Module]:
+    def run(self, batches, epochs: int, precision: str, compile_mode: str = "off", on_epoch=None
+            ) -> tuple[float, torch.nn.Module]:
         model = copy.deepcopy(self.dense)
         apply_masks(model, self.masks)
         ctx = HealContext(model, self.adapter.blocks(model), self.adapter.scope(model, self.scope), self.masks,
@@ -125,7 +126,7 @@ class Healer:
         sync(dev)
         t = time.perf_counter()
         HEALERS.get("starfish").heal(ctx, HealConfig(lr=1e-4, epochs=epochs, batch_size=self.batch, seed=0,
-                                                     precision=precision, compile=compile_mode))
+                                                     precision=precision, compile=compile_mode), on_epoch)
         sync(dev)
         return time.perf_counter() - t, model
 
@@ -193,6 +194,34 @@ def stream_modes(h: Healer, reader, in_ram: dict, dev: torch.device, threads: li
             "store_vs_ram_rounds": {m: [a / b for a, b in zip(t[m], t["ram"])] for m in feeds if m != "ram"}}
 
 
+def alternating(h: Healer, reader, in_ram: dict, dev: torch.device, pairs: int, compile_mode: str = "off",
+                seed: int = 0) -> dict:
+    """Store against RAM epoch by epoch inside one bf16 heal of 2 x (``pairs`` + 1) epochs: even epochs stream the
+    store (its own epoch counter, so each store epoch is started ahead as in a trial), odd epochs take the targets
+    already on the device; each epoch timed between the loop's per-epoch reports (each after its once-per-epoch
+    synchronisation), the first pair (set-up, compilation) dropped. A pair's two epochs run within a second of each
+    other, so a noisy host's drifts cancel in its ratio. -> per-pair store/RAM, median, bootstrap 95 % interval."""
+    import numpy as np
+
+    order = lambda e: reader.epoch_order(shuffle=True, seed=0, epoch=e)  # noqa: E731 - same rows as the store
+    ram = in_memory_batches(in_ram, h.batch, 0, order=order)
+
+    def feed(e: int):
+        if e % 2:
+            return ram(e // 2)
+        return reader.iter_batches(h.batch, shuffle=True, seed=0, epoch=e // 2, device=dev)
+
+    stamps: list[float] = []
+    h.run(feed, 2 * (pairs + 1), "bf16", compile_mode, on_epoch=lambda e, m: stamps.append(time.perf_counter()))
+    ep = np.diff(np.array(stamps))  # (2 * pairs + 1,): epoch e + 1's seconds
+    store, ram_s = ep[1::2], ep[2::2]  # epochs 2, 4, ... and 3, 5, ...
+    ratio = store[: len(ram_s)] / ram_s  # (pairs,)
+    boot = np.median(np.random.default_rng(seed).choice(ratio, (2000, len(ratio))), axis=1)
+    return {"compile": compile_mode, "pairs": int(len(ratio)), "store_epoch_s": store.tolist(),
+            "ram_epoch_s": ram_s.tolist(), "store_vs_ram_pairs": ratio.tolist(), "store_vs_ram": float(np.median(ratio)),
+            "store_vs_ram_ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))]}
+
+
 def measure_stream(name: str, a, dev: torch.device) -> dict:
     """``--sections stream``: only the store's stream behind the bf16 step (eager, and compiled for
     ``--compile-models``), by gather threads, against the in-RAM epoch."""
@@ -213,6 +242,11 @@ def measure_stream(name: str, a, dev: torch.device) -> dict:
                                                        a.mode_epochs)
             print(f"{name} heal.compile {mode}: store/RAM " + ", ".join(
                 f"{m}: {v:.3f}" for m, v in res[f"stream_modes_{mode}"]["store_vs_ram"].items()), flush=True)
+            if a.pairs:
+                alt = res[f"alternating_{mode}"] = alternating(h, reader, in_ram, dev, a.pairs, mode)
+                print(f"{name} heal.compile {mode}: store/RAM epoch by epoch in one heal, {alt['pairs']} pairs: "
+                      f"median {alt['store_vs_ram']:.3f}, 95 % interval {alt['store_vs_ram_ci95'][0]:.3f}–"
+                      f"{alt['store_vs_ram_ci95'][1]:.3f}", flush=True)
         reader.close()
     return res
 
@@ -328,6 +362,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "epoch, by --mode-threads gather threads")
     ap.add_argument("--mode-threads", nargs="+", type=int, default=[1, 2, 4], metavar="T",
                     help="--sections stream: gather threads of the store's stream (default 1 2 4)")
+    ap.add_argument("--pairs", type=int, default=0, metavar="P",
+                    help="--sections stream: also store against RAM epoch by epoch inside one heal, P pairs (default 0: no)")
     ap.add_argument("--shard", type=int, default=64, help="store shard size (rows)")
     ap.add_argument("--store", help="directory for the temporary store (default: the system's temp dir)")
     ap.add_argument("--json", type=Path, help="also write the results here")

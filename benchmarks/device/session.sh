@@ -13,7 +13,8 @@
 #        sweep_quoted.json files here).
 #   stream (one call on a fresh machine, ~8 min with its start; first run 2026-11-28, results/gpu_h200_*stream*):
 #     1. tests/gpu; 2. gpu_throughput.py --sections stream: the store's stream behind the bf16 DeiT-B (eager and
-#        compiled) and ResNet-50 step against the in-RAM epoch, by gather threads 1, 2, 4, 5 interleaved rounds;
+#        compiled) and ResNet-50 step against the in-RAM epoch, by gather threads 1, 2, 4 (3 interleaved rounds of
+#        heals; 5 on 2026-11-28), then epoch by epoch inside one heal (16 store/RAM pairs; added after that run);
 #     3. the default sweep in fp32 (install from the bundle, 8 trials sharing the GPU) against the CPU run.
 # Usage, from the repository root, the bundle built beforehand on a machine with package access
 # (healsweep bundle --python 3.12 --freeze benchmarks/device/cuda-image-freeze.txt --out .bundle; carry .bundle):
@@ -49,7 +50,7 @@ case "$PART" in
     { echo "## tests/gpu"; timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -15
       echo "## stream (gpu_throughput --sections stream) from $(date -u +%T)"; } >> "$OUT/session.txt"
     timeout "$(left 200)" python3 benchmarks/gpu_throughput.py --sections stream --models deit_b16 resnet50 \
-      --repeats 5 --mode-threads 1 2 4 --json "$OUT/c/stream.json" >> "$OUT/session.txt" 2>&1
+      --repeats 3 --mode-threads 1 2 4 --pairs 16 --json "$OUT/c/stream.json" >> "$OUT/session.txt" 2>&1
     echo "## fp32 sweep from $(date -u +%T)" >> "$OUT/session.txt"
     timeout "$(left)" python3 benchmarks/gpu_check.py --bundle "$BUNDLE" --site "$SITE" --out "$OUT/c" --work /tmp/gcc \
       --sections sweep --sweep-timeout "$(left 45)" >> "$OUT/session.txt" 2>&1 ;;
