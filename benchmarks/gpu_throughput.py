@@ -173,84 +173,6 @@ def modes(h: Healer, feeds: dict, repeats: int, prec: str, compile_mode: str = "
             "pick_vs_best": med[chosen] / best}
 
 
-def stream_modes(h: Healer, reader, in_ram: dict, dev: torch.device, threads: list[int], repeats: int,
-                 compile_mode: str = "off", epochs: int = 3) -> dict:
-    """bf16 seconds per epoch with the store's stream at each gather thread count in ``threads`` (feeds
-    ``store_t<T>``) and with the targets already on the device (``ram``), interleaved over ``repeats`` rounds (each a
-    heal of ``epochs`` epochs); -> medians, store/RAM per T (median and per round: a round's feeds run back to back)."""
-    order = lambda e: reader.epoch_order(shuffle=True, seed=0, epoch=e)  # noqa: E731 - same rows as the store
-    feeds = {f"store_t{t}": (lambda e, t=t: reader.iter_batches(h.batch, shuffle=True, seed=0, epoch=e, device=dev,
-                                                                gather_threads=t)) for t in threads}
-    feeds["ram"] = in_memory_batches(in_ram, h.batch, 0, order=order)
-    t = {m: [] for m in feeds}
-    for m in feeds:
-        h.run(feeds[m], 1, "bf16", compile_mode)  # warm-up: kernels, allocator, page cache, compilation
-    for _ in range(repeats):
-        for m in feeds:
-            t[m].append(h.run(feeds[m], epochs, "bf16", compile_mode)[0] / epochs)
-    med = {m: statistics.median(v) for m, v in t.items()}
-    return {"compile": compile_mode, "epochs_per_heal": epochs, "epoch_s": med, "epoch_s_rounds": t,
-            "store_vs_ram": {m: med[m] / med["ram"] for m in feeds if m != "ram"},
-            "store_vs_ram_rounds": {m: [a / b for a, b in zip(t[m], t["ram"])] for m in feeds if m != "ram"}}
-
-
-def alternating(h: Healer, reader, in_ram: dict, dev: torch.device, pairs: int, compile_mode: str = "off",
-                seed: int = 0) -> dict:
-    """Store against RAM epoch by epoch inside one bf16 heal of 2 x (``pairs`` + 1) epochs: even epochs stream the
-    store (its own epoch counter, so each store epoch is started ahead as in a trial), odd epochs take the targets
-    already on the device; each epoch timed between the loop's per-epoch reports (each after its once-per-epoch
-    synchronisation), the first pair (set-up, compilation) dropped. A pair's two epochs run within a second of each
-    other, so a noisy host's drifts cancel in its ratio. -> per-pair store/RAM, median, bootstrap 95 % interval."""
-    import numpy as np
-
-    order = lambda e: reader.epoch_order(shuffle=True, seed=0, epoch=e)  # noqa: E731 - same rows as the store
-    ram = in_memory_batches(in_ram, h.batch, 0, order=order)
-
-    def feed(e: int):
-        if e % 2:
-            return ram(e // 2)
-        return reader.iter_batches(h.batch, shuffle=True, seed=0, epoch=e // 2, device=dev)
-
-    stamps: list[float] = []
-    h.run(feed, 2 * (pairs + 1), "bf16", compile_mode, on_epoch=lambda e, m: stamps.append(time.perf_counter()))
-    ep = np.diff(np.array(stamps))  # (2 * pairs + 1,): epoch e + 1's seconds
-    store, ram_s = ep[1::2], ep[2::2]  # epochs 2, 4, ... and 3, 5, ...
-    ratio = store[: len(ram_s)] / ram_s  # (pairs,)
-    boot = np.median(np.random.default_rng(seed).choice(ratio, (2000, len(ratio))), axis=1)
-    return {"compile": compile_mode, "pairs": int(len(ratio)), "store_epoch_s": store.tolist(),
-            "ram_epoch_s": ram_s.tolist(), "store_vs_ram_pairs": ratio.tolist(), "store_vs_ram": float(np.median(ratio)),
-            "store_vs_ram_ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))]}
-
-
-def measure_stream(name: str, a, dev: torch.device) -> dict:
-    """``--sections stream``: only the store's stream behind the bf16 step (eager, and compiled for
-    ``--compile-models``), by gather threads, against the in-RAM epoch."""
-    dense, adapter, images = build(name, a.tiny, dev)
-    cnn = name == "resnet50" and dev.type == "cuda"
-    images_dev = images.to(dev, memory_format=torch.channels_last if cnn else torch.preserve_format)
-    if cnn:
-        dense = dense.to(memory_format=torch.channels_last)  # heal.channels_last: auto
-    with tempfile.TemporaryDirectory(dir=a.store) as tmp:
-        store = TargetStore(Path(tmp))
-        res = {"model": CASES[name][0], "images": len(images), "image_size": images.shape[-1], "batch": a.batch,
-               **write_targets(store, "7" * 32, dense, adapter.blocks(dense), images_dev, a.shard, dev)}
-        reader = store.open("7" * 32)
-        in_ram = {k: v.to(dev) for k, v in reader.load_all().items()}
-        h = Healer(dense, adapter, images_dev, a.batch)
-        for mode in ["off"] + (["blocks"] if name in a.compile_models and a.compiled else []):
-            res[f"stream_modes_{mode}"] = stream_modes(h, reader, in_ram, dev, a.mode_threads, a.repeats, mode,
-                                                       a.mode_epochs)
-            print(f"{name} heal.compile {mode}: store/RAM " + ", ".join(
-                f"{m}: {v:.3f}" for m, v in res[f"stream_modes_{mode}"]["store_vs_ram"].items()), flush=True)
-            if a.pairs:
-                alt = res[f"alternating_{mode}"] = alternating(h, reader, in_ram, dev, a.pairs, mode)
-                print(f"{name} heal.compile {mode}: store/RAM epoch by epoch in one heal, {alt['pairs']} pairs: "
-                      f"median {alt['store_vs_ram']:.3f}, 95 % interval {alt['store_vs_ram_ci95'][0]:.3f}–"
-                      f"{alt['store_vs_ram_ci95'][1]:.3f}", flush=True)
-        reader.close()
-    return res
-
-
 def measure(name: str, a, dev: torch.device, peak: float) -> dict:
     dense, adapter, images = build(name, a.tiny, dev)
     images_dev = images.to(dev, memory_format=torch.channels_last if name == "resnet50" and dev.type == "cuda"
@@ -357,13 +279,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "(seconds per epoch; 1 before 2026-11-27)")
     ap.add_argument("--stream-threads", nargs="*", type=int, default=[1, 2, 4, 8], metavar="T",
                     help="the store's stream alone with these gather threads (default 1 2 4 8)")
-    ap.add_argument("--sections", default="all", choices=("all", "stream"),
-                    help="all (default) or stream: only the store's stream behind the bf16 step against the in-RAM "
-                         "epoch, by --mode-threads gather threads")
-    ap.add_argument("--mode-threads", nargs="+", type=int, default=[1, 2, 4], metavar="T",
-                    help="--sections stream: gather threads of the store's stream (default 1 2 4)")
-    ap.add_argument("--pairs", type=int, default=0, metavar="P",
-                    help="--sections stream: also store against RAM epoch by epoch inside one heal, P pairs (default 0: no)")
     ap.add_argument("--shard", type=int, default=64, help="store shard size (rows)")
     ap.add_argument("--store", help="directory for the temporary store (default: the system's temp dir)")
     ap.add_argument("--json", type=Path, help="also write the results here")
@@ -382,11 +297,8 @@ def run(a: argparse.Namespace) -> dict:
     out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "bf16_peak_tflops": peak / 1e12, "models": {}}
     for name in a.models:
-        if a.sections == "stream":
-            out["models"][name] = measure_stream(name, a, dev)
-        else:
-            out["models"][name] = measure(name, a, dev, peak)
-            print(summary(name, out["models"][name]), flush=True)
+        out["models"][name] = measure(name, a, dev, peak)
+        print(summary(name, out["models"][name]), flush=True)
         if a.json:  # after each model: a time limit loses only the model it cuts
             a.json.write_text(json.dumps(out, indent=1))
     return out

@@ -12,7 +12,7 @@
 #        against the CPU's fp32 run (in its gpu_check.json) and against step 2's fp32 run (compare the two
 #        sweep_quoted.json files here).
 #   stream (one call on a fresh machine, ~8 min with its start; first run 2026-11-28, results/gpu_h200_*stream*):
-#     1. tests/gpu; 2. gpu_throughput.py --sections stream: the store's stream behind the bf16 DeiT-B (eager and
+#     1. tests/gpu; 2. gpu_stream.py (gpu_throughput.py --sections stream on 2026-11-28): the store's stream behind the bf16 DeiT-B (eager and
 #        compiled) and ResNet-50 step against the in-RAM epoch, by gather threads 1, 2, 4 (3 interleaved rounds of
 #        heals; 5 on 2026-11-28), then epoch by epoch inside one heal (16 store/RAM pairs; added after that run);
 #     3. the default sweep in fp32 (install from the bundle, 8 trials sharing the GPU) against the CPU run.
@@ -48,8 +48,8 @@ case "$PART" in
   stream)
     mkdir -p "$OUT/c"
     { echo "## tests/gpu"; timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -15
-      echo "## stream (gpu_throughput --sections stream) from $(date -u +%T)"; } >> "$OUT/session.txt"
-    timeout "$(left 200)" python3 benchmarks/gpu_throughput.py --sections stream --models deit_b16 resnet50 \
+      echo "## stream (gpu_stream.py) from $(date -u +%T)"; } >> "$OUT/session.txt"
+    timeout "$(left 200)" python3 benchmarks/gpu_stream.py --models deit_b16 resnet50 \
       --repeats 3 --mode-threads 1 2 4 --pairs 16 --json "$OUT/c/stream.json" >> "$OUT/session.txt" 2>&1
     echo "## fp32 sweep from $(date -u +%T)" >> "$OUT/session.txt"
     timeout "$(left)" python3 benchmarks/gpu_check.py --bundle "$BUNDLE" --site "$SITE" --out "$OUT/c" --work /tmp/gcc \
