@@ -127,6 +127,8 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     a.images = {"deit_b16": a.deit_images}
     dev = torch.device(a.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("stream_ab: no CUDA device; check the script on the CPU with --device cpu --tiny")
     out = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "torch": torch.__version__,
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "models": {}}
     for name in a.models:
