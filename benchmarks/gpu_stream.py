@@ -13,7 +13,6 @@ Per model (DeiT-B/16 eager and, with --compile-models, with ``heal.compile: bloc
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: gpu_throughput's models and heals
-from gpu_throughput import CASES, Healer, build, write_targets  # noqa: E402
+from gpu_throughput import CASES, Healer, build, per_model, write_targets  # noqa: E402
 from tasks.healing import in_memory_batches  # noqa: E402
 from tasks.store import TargetStore  # noqa: E402
 
@@ -125,17 +124,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--store", help="directory for the temporary store (default: the system's temp dir)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args(argv)
-    dev = torch.device(a.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("gpu_stream: no CUDA device; check the script on the CPU with --device cpu --tiny")
-    out = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "torch": torch.__version__,
-           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "models": {}}
-    for name in a.models:
-        out["models"][name] = measure_stream(name, a, dev)
-        if a.json:  # after each model: a time limit loses only the model it cuts
-            a.json.write_text(json.dumps(out, indent=1))
-    return out
-
+    return per_model("gpu_stream", a, measure_stream)
 
 if __name__ == "__main__":
     main()

@@ -286,10 +286,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def run(a: argparse.Namespace) -> dict:
-    dev = torch.device(a.device)
+def open_device(script: str, device: str) -> torch.device:
+    """``device`` as a torch device; one line (SystemExit), not a traceback, when it is CUDA and there is none."""
+    dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("gpu_throughput: no CUDA device; check the script on the CPU with --device cpu --tiny")
+        raise SystemExit(f"{script}: no CUDA device; check the script on the CPU with --device cpu --tiny")
+    return dev
+
+
+def per_model(script: str, a: argparse.Namespace, measure_one) -> dict:
+    """``measure_one(name, a, dev)`` for each of ``a.models`` under a header (date, torch, device); with ``a.json``
+    the results are written after each model (a time limit loses only the model it cuts)."""
+    dev = open_device(script, a.device)
+    out = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "models": {}}
+    for name in a.models:
+        out["models"][name] = measure_one(name, a, dev)
+        if a.json:
+            a.json.write_text(json.dumps(out, indent=1))
+    return out
+
+
+def run(a: argparse.Namespace) -> dict:
+    dev = open_device("gpu_throughput", a.device)
     if a.profile:
         a.profile.write_text("\n\n".join(profile(name, a, dev) for name in a.models))
         return {}

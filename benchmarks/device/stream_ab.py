@@ -13,11 +13,9 @@ then each stream alone (no consumer). Prints store/RAM per feed; ``--json`` keep
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -126,17 +124,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     a.images = {"deit_b16": a.deit_images}
-    dev = torch.device(a.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("stream_ab: no CUDA device; check the script on the CPU with --device cpu --tiny")
-    out = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "torch": torch.__version__,
-           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "models": {}}
-    for name in a.models:
-        out["models"][name] = measure(name, a, dev)
-        if a.json:
-            a.json.write_text(json.dumps(out, indent=1))
-    return out
-
+    return gt.per_model("stream_ab", a, measure)
 
 if __name__ == "__main__":
     main()

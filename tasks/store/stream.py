@@ -24,6 +24,7 @@ import queue
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from typing import Callable, Hashable, Iterator
 
 import numpy as np
@@ -152,6 +153,18 @@ def batch_segments(reader, batch_size: int, drop_last: bool, wins, maps) -> Iter
         yield carry
 
 
+@contextmanager
+def gather_pool(reader, threads: int) -> Iterator[tuple[ThreadPoolExecutor | None, list[list[str]]]]:
+    """(pool of ``threads`` gather threads, or None for one; the blocks in that many groups of about equal bytes),
+    the pool shut down on exit."""
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="healsweep-gather") if threads > 1 else None
+    try:
+        yield pool, balanced_groups(reader._widths, threads)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
 def gathered_batches(reader, batch_size: int, drop_last: bool, wins, *, maps=None, buffers: Buffers | None = None,
                      threads: int = 1) -> Iterator[tuple[np.ndarray, dict[str, torch.Tensor]]]:
     """Batches of ``batch_size`` rows over the epoch's windows (a batch may span two windows), like
@@ -160,14 +173,11 @@ def gathered_batches(reader, batch_size: int, drop_last: bool, wins, *, maps=Non
     own = maps is None
     maps = StreamMaps(reader) if own else maps
     buffers = buffers or fresh_buffers(reader, pin=False)
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="healsweep-gather") if threads > 1 else None
-    groups = balanced_groups(reader._widths, threads)
     try:
-        for segments in batch_segments(reader, batch_size, drop_last, wins, maps):
-            yield assemble(reader, segments, buffers, pool, groups)
+        with gather_pool(reader, threads) as (pool, groups):
+            for segments in batch_segments(reader, batch_size, drop_last, wins, maps):
+                yield assemble(reader, segments, buffers, pool, groups)
     finally:
-        if pool is not None:
-            pool.shutdown(wait=True)
         if own:
             maps.close()
 
@@ -178,16 +188,11 @@ def ring_batches(reader, batch_size: int, drop_last: bool, wins, *, maps, ring: 
     (no torch op per block: every torch or numpy call of this thread is a hand-off of the GIL that a host-bound
     healing step waits for) -> (rows (B,), B); the slot is ``ring.current``, its typed views are made by the
     consumer (``DeviceCopier.ready``)."""
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="healsweep-gather") if threads > 1 else None
-    groups = balanced_groups(reader._widths, threads)
-    try:
+    with gather_pool(reader, threads) as (pool, groups):
         for segments in batch_segments(reader, batch_size, drop_last, wins, maps):
             n = sum(len(idx) for _, idx, _ in segments)
             fill(segments, ring.arrays(n), pool, groups)
             yield np.concatenate([rows for _, _, rows in segments]), n
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True)
 
 
 class PinnedRing:
