@@ -27,13 +27,8 @@ same results give the same decisions whatever order trials finish in. A wave's p
    every point the cell tried past its winner on one side, at the winner's length, lies within 2 noise units of the
    winner (none resolved worse) and the cell is not flat (some trial is resolved worse), the wave is one step past
    the plateau's far end: a tie is not evidence of an optimum either.
-1c. (``bracket``, on by default) a walk of rule 1 from a winner alone at its length gives its wave's last slot
-   to the lr halfway between the winner and the declared box's far end, at its length (``bisect_inward``): with
-   nothing tried behind it, nothing says the box's interior is worse. A first-wave winner alone on the box's
-   floor walked outward only, and its cell never tried the interior at its length (grid healers' CE cell at 0.85,
-   run A 2026-11-28: 4 trials below the floor, 92.8 %, while run B found 96.1 % at 5.4e-3 inside the box). With
-   a point tried behind the winner the walk alone goes on: bisecting that gap too cost monotone cells their
-   reach (grid healers' MSE cells at 0.95 ended at 5.8e-2 still rising, 2026-11-29 run A).
+1c. (``bracket``, on) a walk of rule 1 from a winner alone at its length gives its wave's last slot to the lr
+   halfway to the declared box's far end at that length (``bisect_inward``; why: docs/methods.md#search-design).
 1b. (decided *before* rule 1) a winner short of the declared healing budget (its length below the length axis's cap)
    with nothing tried longer at its lr or one lattice step from it, in a cell that is not flat (some trial resolved
    worse): the wave is the winner's lr at the budget (its other slot: the design's own pick); the lr walk of rule
@@ -94,14 +89,10 @@ def walk_offsets(past_by: int, batch: int, limit: int, growth: int) -> list[int]
 
 
 def bisect_inward(w: int, d: int, same: list[int], a: int) -> int | None:
-    """Rule 1c: a winner ``w`` walking in direction ``d`` alone at its length (``same``: the lr indices its cell
-    tried there) -> the lr index halfway between it and the declared box's far end; None when anything else was
-    tried at its length (a point behind it bounds the walk: the walk outward is the bracket's expansion) or the gap
-    is a single lattice step. E.g. w 0, d -1 in a 9-point box -> 4; w 8, d +1 -> 4; w 9 (past the cap) -> 4."""
-    if any(i != w for i in same):
-        return None
+    """Rule 1c: the lr index halfway from a winner ``w`` walking in direction ``d``, alone at its length (``same``:
+    lr indices tried there), to the box's far end; None if anything else was tried there or the gap is one step."""
     gap = abs(w - (a - 1 if d < 0 else 0))
-    return w - d * ((gap + 1) // 2) if gap >= 2 else None
+    return w - d * ((gap + 1) // 2) if gap >= 2 and all(i == w for i in same) else None
 
 
 class Converging:
@@ -266,10 +257,8 @@ class Converging:
             # past the box: a wave of ``batch`` points reaching further out (the surface fills it); inside, one step
             ks = walk_offsets(d * (w[0] - (a - 1 if d > 0 else 0)), c.batch, c.widen_steps, c.widen_growth) if past else [1]
             out = [p for p in ((w[0] + k * d, w[1]) for k in ks) if lo <= p[0] <= hi and p not in tried]
-            back = bisect_inward(w[0], d, same, a) if c.bracket and out and c.batch > 1 else None
-            if back is not None and (back, w[1]) not in tried:  # the gap behind the walk (rule 1c): its last slot
-                out = out[:max(1, c.batch) - 1] + [(back, w[1])]
-            return out, past
+            back = bisect_inward(w[0], d, same, a) if c.bracket and out and c.batch > 1 else None  # rule 1c
+            return (out if back is None else out[:c.batch - 1] + [(back, w[1])]), past
         if not shaped:
             return [], False  # nothing resolved worse anywhere: a flat cell, the surface decides
         for d in (1, -1):

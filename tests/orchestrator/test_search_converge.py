@@ -4,7 +4,6 @@ Tune ``Searcher`` is driven by hand (tests/orchestrator/test_search_contract.py'
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
 
@@ -186,26 +185,6 @@ def test_spec_converge_is_parsed_checked_and_reaches_every_grid_budget():
     assert all(budget_of(s).converge is None for s in grid_searches(parse_spec(d)).values())  # the fixed count
 
 
-@pytest.mark.parametrize("bracket", [0, 1])
-def test_an_edge_winner_gets_a_wave_of_points_further_out(tmp_path, bracket):
-    b = Budget(trials=8, lr=(1e-4, 1e-2), length=("steps", (4, 64)), reevaluate=2, explore=2, lattice=(5, 3),
-               converge=Converge(batch=3, widen_steps=3, bracket=bracket))
-    cells = _cells(6)
-    s = make(tmp_path, cells, b)
-    got = drive(s, lambda c: 0.2 + 0.1 * math.log10(c["lr"] / 1e-4) + 0.001 * int(c["cell_id"][-1]))
-    waves = []
-    for c in cells:
-        mine = searched(got, c["cell_id"])
-        past = sorted({g["lr"] for g in mine if g["lr"] > 1.01e-2})
-        assert past and past[-1] >= 1e-2 * 10 ** 1.0 * 0.999  # at least 2 of the 3 steps the box may widen
-        if not bracket:
-            assert past[-1] == pytest.approx(1e-2 * 10 ** 1.5, rel=1e-4)  # up to the widening limit
-        waves.append([round(g["lr"], 6) for g in mine[2:5]])
-    # a cell whose first-wave winner sat alone at its length on the cap: its next wave is 1, 2 and 3 lattice steps
-    # past it, same length; with rule 1c the last slot is the gap behind it (2 steps into the 5-point box)
-    assert ([0.031623, 0.1, 0.001] if bracket else [0.031623, 0.1, 0.316228]) in waves
-
-
 def test_the_report_does_not_flag_an_lr_edge_its_search_tried_past():
     from analysis.search_space import searched_edges
 
@@ -326,44 +305,6 @@ def test_the_progress_bar_total_shrinks_by_what_the_search_dropped():
     fixed = TrialProgress({"a": 9}, enabled=True)
     fixed.callback.on_trial_complete(0, [], trial)
     assert fixed.bar.total == 9
-
-
-@pytest.mark.parametrize("bracket", [1, 0])
-def test_a_winner_alone_on_the_box_floor_brackets_the_gap_behind_it(tmp_path, bracket):
-    """Rule 1c (grid healers' CE cell at 0.85, run A 2026-11-28: its first-wave winner sat alone at its length on
-    the box's floor; the walk went 4 trials below the floor and never tried the box's interior, where another
-    sampler seed found 3.3 pp more). Every cell peaks inside the box at the budget length: a cell whose first-wave
-    winner sits alone on the floor at that length tries the midpoint of the box next, beside the walk's first step,
-    and has its optimum by its fourth trial; without the rule (``bracket: 0``) that wave lies below the floor."""
-    def obj(c):
-        u = math.log10(c["lr"] / 1e-4) * 2  # lattice index: 0 (floor) .. 4 (cap)
-        return (0.3 if c["steps"] < 64 else 0.85 - 0.04 * (u - 2) ** 2) + 0.001 * int(c["cell_id"][-1])
-    cells = _cells(6)
-    s = make(tmp_path, cells, replace(BUDGET, converge=replace(CONV, bracket=bracket)))
-    got = drive(s, obj)
-    mine = [searched(got, c["cell_id"]) for c in cells]
-    floor = [m for m in mine if (max(m[:2], key=obj)["lr"], max(m[:2], key=obj)["steps"]) == (1e-4, 64)
-             and sum(g["steps"] == 64 for g in m[:2]) == 1]  # the first-wave winner: alone at 64, on the floor
-    assert len(floor) >= 2  # the family's Sobol draws (seed 0) put two cells' first-wave winners there
-    for m in floor:
-        wave = sorted(g["lr"] for g in m[2:4])
-        if bracket:
-            assert wave == [pytest.approx(10 ** -4.5, rel=1e-4), 1e-3], wave  # one step below the floor, and the box's midpoint
-            assert max(obj(g) for g in m[:4]) == max(obj(g) for g in m) >= 0.85  # the optimum, in 2 waves
-        else:
-            assert max(wave) < 1e-4, wave  # the walk alone: both below the floor
-
-
-def test_bisect_inward_hand_values():
-    from orchestrator.search.converge import bisect_inward
-    # (winner, walking direction, lr indices tried at its length, lattice points) -> the lr index to try behind it
-    assert bisect_inward(0, -1, [0], 9) == 4  # alone on the floor of a 9-point box: its middle
-    assert bisect_inward(8, 1, [8], 9) == 4
-    assert bisect_inward(9, 1, [9], 9) == 4  # alone past the cap: halfway back to the floor (rounded outward)
-    assert bisect_inward(6, 1, [3, 6], 9) is None  # a point tried behind it: the walk alone (bracket expansion)
-    assert bisect_inward(1, -1, [1], 9) == 5
-    assert bisect_inward(0, -1, [0], 2) is None  # one step to the far end: nothing untried between
-    assert bisect_inward(0, -1, [0], 3) == 1
 
 
 def test_a_winner_whose_neighbours_tie_walks_past_the_plateau(tmp_path):
