@@ -27,8 +27,6 @@ same results give the same decisions whatever order trials finish in. A wave's p
    every point the cell tried past its winner on one side, at the winner's length, lies within 2 noise units of the
    winner (none resolved worse) and the cell is not flat (some trial is resolved worse), the wave is one step past
    the plateau's far end: a tie is not evidence of an optimum either.
-1c. (``bracket``, on) a walk of rule 1 from a winner alone at its length gives its wave's last slot to the lr
-   halfway to the declared box's far end at that length (``bisect_inward``; why: docs/methods.md#search-design).
 1b. (decided *before* rule 1) a winner short of the declared healing budget (its length below the length axis's cap)
    with nothing tried longer at its lr or one lattice step from it, in a cell that is not flat (some trial resolved
    worse): the wave is the winner's lr at the budget (its other slot: the design's own pick); the lr walk of rule
@@ -36,6 +34,8 @@ same results give the same decisions whatever order trials finish in. A wave's p
    The family surface pools easy cells, whose optimum length may be short, and would not ask a hard cell for a
    longer trial (two cells of the default spec moved by 16.5 and 22.7 pp between sampler seeds for it, 2026-11-26:
    docs/methods.md).
+1c. (``bracket``, on) a walk of rule 1 from a winner alone at its length gives its wave's last slot to the lr
+   halfway to the declared box's far end at that length (``bisect_inward``; why: docs/methods.md#search-design).
 2. otherwise the family surface (``lattice.surface``) is fitted to the family's told trials over the declared
    lattice and every lr the family tried past it; the best untried point's predicted gain over the winner's point
    is compared with the winner's noise (the fit's residual std of one draw, at least ``min_noise``): no gain
