@@ -287,12 +287,17 @@ class SearchDesign:
         sign = -1.0 if self.direction == "maximize" else 1.0
         return min(done, key=lambda t: (sign * t.value, t.params.get("steps", t.params.get("epochs", 0)), t.number))
 
+    def pick(self, cell_id: str):
+        """The search trial whose configuration the cell's re-evaluations heal again (and the report quotes): its
+        ``winner`` here; ``search.converge`` may pick among tied draws (orchestrator/search/pick.py)."""
+        return self.winner(cell_id)
+
     def _ask_reevaluation(self, slot: _Slot) -> Ask | None:
         study = self.study(slot.cell_id, REEVALUATE)
         if slot.number is not None:
             t = study.trials[slot.number]
             if "heal_seed" not in t.user_attrs:  # lost with a rebuilt journal: derived again (winner, seed n)
-                best = self.winner(slot.cell_id)
+                best = self.pick(slot.cell_id)
                 if best is None:
                     return None
                 seed = reevaluation_seeds(int(self.cells[slot.cell_id].get("seed", 0)), slot.number + 1)[slot.number]
@@ -302,7 +307,7 @@ class SearchDesign:
                 t = study.trials[slot.number]
             return Ask(slot.cell_id, slot.number, self._params(slot.cell_id, t.params), REEVALUATE,
                        int(t.user_attrs["heal_seed"]))
-        best = self.winner(slot.cell_id)
+        best = self.pick(slot.cell_id)
         if best is None:
             return None
         self.counts.ask((slot.cell_id, REEVALUATE))
@@ -352,7 +357,7 @@ class SearchDesign:
         """Per cell: the winner's search value and trial number, and its re-evaluations' mean, std and count."""
         out = {}
         for cid in self.cells:
-            best = self.winner(cid)
+            best = self.pick(cid)
             again = self._studies.get((cid, REEVALUATE))
             vals = [] if again is None else [t.value for t in again.get_trials(deepcopy=False)
                                              if t.state == TrialState.COMPLETE]

@@ -58,23 +58,11 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState
 
 from orchestrator.search import lattice
+from orchestrator.search.lattice import residual_sd
 from orchestrator.search.base import CEILING, N_SELECTION, REEVALUATE, SEARCH, _Slot
 from orchestrator.spec.schema import Converge
 
 CONVERGED, RECOVERED, CAP, NO_RESULT = "converged", "recovered", "cap", "no finished trial"
-
-
-def residual_sd(points, values, groups, sizes) -> float:
-    """Std of one draw around the family surface (within-cell residuals; dof: n - cells - terms); NaN if < 1 dof."""
-    if not len(points):
-        return math.nan
-    x = lattice.features(np.asarray(points), sizes)  # (n, k)
-    xc = np.stack([lattice.centred(x[:, k], groups) for k in range(x.shape[1])], axis=1) if x.shape[1] else x
-    yc = lattice.centred(values, groups)  # (n,)
-    beta = np.linalg.solve(xc.T @ xc + 1e-3 * len(yc) * np.eye(x.shape[1]), xc.T @ yc) if x.shape[1] else []
-    r = yc - (xc @ beta if x.shape[1] else 0.0)  # (n,)
-    dof = len(yc) - len(set(groups)) - x.shape[1]
-    return float(math.sqrt(float(r @ r) / dof)) if dof >= 1 else math.nan
 
 
 def walk_offsets(past_by: int, batch: int, limit: int, growth: int) -> list[int]:
@@ -177,19 +165,13 @@ class Converging:
         return self._decisions[key]
 
     def _decide(self, cell_id: str, wave: int) -> tuple[str | None, list[tuple[int, int]] | None]:
-        c, a = self.conv(cell_id), self.sizes(cell_id)[0]
+        c = self.conv(cell_id)
         tried = set(self.tried(cell_id))
         best = self.winner(cell_id)
         if best is None:
             return None, None  # every trial failed so far: the design's own ranking picks (propose)
         w = self.index(cell_id, best.params)
-        pts, vals, groups = self.evidence(cell_id, wave)
-        lo = min([0] + [p[0] for p in pts])
-        hi = max([a - 1] + [p[0] for p in pts])
-        sizes = (hi - lo + 1, self.sizes(cell_id)[1])
-        shifted = [(p[0] - lo, p[1]) for p in pts]
-        surf = lattice.surface(shifted, vals, groups, sizes)
-        sd = residual_sd(shifted, vals, groups, sizes)
+        surf, lo, sd = self.fit(cell_id, *self.evidence(cell_id, wave))
         noise = c.min_noise if math.isnan(sd) else max(sd, c.min_noise)
         free = [(p[0] + lo, p[1]) for p in lattice.ranked(surf) if (p[0] + lo, p[1]) not in tried]
         top = self._ceiling(cell_id)
@@ -208,6 +190,15 @@ class Converging:
             return (f"{CONVERGED}: no untried point predicted better than the winner by more than its noise "
                     f"(+{100 * max(gain, 0):.2f} <= {100 * noise:.2f} pp)"), None
         return None, free[:max(1, c.batch)]
+
+    def fit(self, cell_id: str, pts, vals, groups) -> tuple[np.ndarray, int, float]:
+        """The family surface over the declared lattice and every lr the evidence tried past it -> (surface, the lr
+        index of its first row (<= 0), the std of one draw around it: ``residual_sd``)."""
+        a = self.sizes(cell_id)[0]
+        lo, hi = min([0] + [p[0] for p in pts]), max([a - 1] + [p[0] for p in pts])
+        sizes = (hi - lo + 1, self.sizes(cell_id)[1])
+        shifted = [(p[0] - lo, p[1]) for p in pts]
+        return lattice.surface(shifted, vals, groups, sizes), lo, residual_sd(shifted, vals, groups, sizes)
 
     def _may_stop(self, cell_id: str, c: Converge) -> bool:
         """A cell stops on the surface only after a wave the surface chose, or when its own first-wave results are
@@ -290,22 +281,22 @@ class Converging:
         vals, worse = self._values(cell_id), self._worse(cell_id, noise)
         return [(w[0], b - 1)] if vals and any(worse(max(vals), v) for v in vals) else []
 
-    def _worse(self, cell_id: str, noise: float):
-        """-> worse(a, b): result ``b`` of the cell resolved worse than its result ``a`` (a - b > 2 noise units of
-        the difference; larger = better). A draw's noise: the binomial std sqrt(p (1 - p) / n) of a selection
+    def _worse(self, cell_id: str, noise: float, z: float = 2.0):
+        """-> worse(a, b): result ``b`` of the cell resolved worse than its result ``a`` (a - b > ``z`` noise units
+        of the difference; larger = better). A draw's noise: the binomial std sqrt(p (1 - p) / n) of a selection
         accuracy over its ``N_SELECTION`` images, at least ``min_noise``; without that record (another objective,
         an older sweep) the fit's ``noise``, which pools the family's misfit (module docstring, rule 1)."""
         c = self.conv(cell_id)
         ns = [t.user_attrs[N_SELECTION] for t in self.study(cell_id).get_trials(deepcopy=False)
               if N_SELECTION in t.user_attrs]
         if not ns or self.direction != "maximize":
-            return lambda a, b: a - b > 2 * noise
+            return lambda a, b: a - b > z * noise
         n = float(max(ns))
 
         def sd(p: float) -> float:
             p = min(max(p, 0.0), 1.0)
             return max(c.min_noise, math.sqrt(p * (1 - p) / n))
-        return lambda a, b: a - b > 2 * math.hypot(sd(a), sd(b))
+        return lambda a, b: a - b > z * math.hypot(sd(a), sd(b))
 
     def propose(self, cell_id: str, number: int, wave: int) -> dict:
         if wave == 0 or self.conv(cell_id) is None:

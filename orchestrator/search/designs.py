@@ -18,7 +18,7 @@ from optuna.trial import TrialState
 
 from orchestrator.search import lattice
 from orchestrator.search.base import SEARCH, Budget, SearchDesign, _Slot, cell_sampler_seed
-from orchestrator.search.converge import Converging
+from orchestrator.search.pick import Picking
 from orchestrator.search.registry import DESIGNS
 
 
@@ -159,5 +159,5 @@ class _Shared(_LatticeDesign):
 
 
 @DESIGNS.register("shared")
-class SharedDesign(Converging, _Shared):
+class SharedDesign(Picking, _Shared):
     """``_Shared``; with ``search.converge`` its cells stop when their search converges (converge.py)."""

@@ -113,3 +113,30 @@ def ranked(surf: np.ndarray) -> list[tuple[int, int]]:
     """Lattice points best first; ties to the cheaper length (lower j), then the lower lr (lower i)."""
     a, b = surf.shape
     return sorted(((i, j) for i in range(a) for j in range(b)), key=lambda q: (-round(float(surf[q]), 12), q[1], q[0]))
+
+
+def residual_sd(points, values, groups, sizes) -> float:
+    """Std of one draw around the family surface (within-cell residuals; dof: n - cells - terms); NaN if < 1 dof."""
+    if not len(points):
+        return math.nan
+    x = features(np.asarray(points), sizes)  # (n, k)
+    xc = np.stack([centred(x[:, k], groups) for k in range(x.shape[1])], axis=1) if x.shape[1] else x
+    yc = centred(values, groups)  # (n,)
+    beta = np.linalg.solve(xc.T @ xc + 1e-3 * len(yc) * np.eye(x.shape[1]), xc.T @ yc) if x.shape[1] else []
+    r = yc - (xc @ beta if x.shape[1] else 0.0)  # (n,)
+    dof = len(yc) - len(set(groups)) - x.shape[1]
+    return float(math.sqrt(float(r @ r) / dof)) if dof >= 1 else math.nan
+
+
+def plateau_centre(tied: Sequence[bool], anchor: int) -> tuple[int, int]:
+    """The tried points of one length in lr order, ``tied[k]``: point k is not resolved worse than the cell's best;
+    ``anchor``: the best point's position. -> (position of the centre of the run of tied points around the anchor,
+    the run's length). An even run: of its two middle points the one nearer the anchor (a run of 2 keeps it).
+    E.g. tied [F, T, T, T, T], anchor 4 -> (3, 4): the run 1..4, centre 2.5, 3 is nearer the anchor."""
+    lo = hi = anchor
+    while lo > 0 and tied[lo - 1]:
+        lo -= 1
+    while hi < len(tied) - 1 and tied[hi + 1]:
+        hi += 1
+    mid = (lo + hi) / 2
+    return (int(mid) if mid == int(mid) else (math.ceil(mid) if anchor > mid else math.floor(mid))), hi - lo + 1

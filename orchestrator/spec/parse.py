@@ -149,7 +149,7 @@ def parse_search(v: Any) -> SearchSpec:
 CONVERGE_KEYS = {"se_target": (float, 1e-4, 1.0), "reevaluate_max": (int, 1, MAX_REEVALUATE),
                  "min_noise": (float, 0.0, 1.0), "widen_steps": (int, 0, 16), "batch": (int, 1, 64),
                  "family_waves": (int, 1, 64), "widen_growth": (int, 1, 4),
-                 "bracket": (int, 0, 1)}  # orchestrator/search/converge.py Converge
+                 "bracket": (int, 0, 1), "pick": (int, 0, 1)}  # orchestrator/search/converge.py Converge
 
 
 def parse_converge(v: Any, design: str) -> dict | None:
