@@ -1,6 +1,7 @@
 """The number the report quotes for each cell, its spread, and whether a claim about it is resolved.
 
-A cell's winner is its best search trial on the selection split (``runs.best_per_cell``). Its configuration is
+A cell's winner is its best search trial on the selection split (``runs.best_per_cell``; under search.converge
+the search trial at the configuration the design chose to quote, ``runs.quoted_per_cell``). Its configuration is
 then healed again on fresh healing seeds (``stage`` = reevaluate, search.reevaluate): the report quotes the
 mean evaluation accuracy of those re-evaluations, never the winner's own draw (the maximum of noisy draws is
 biased upwards: the winner's curse). Without re-evaluations (older sweeps, ``reevaluate: 0``, closed-form
@@ -32,7 +33,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from .runs import best_per_cell, grid_names, load_sweep_info, load_trials
+from .runs import grid_names, load_sweep_info, load_trials, quoted_per_cell
 
 __all__ = ["cell_results", "reported", "resolved", "identical_masks", "Z", "SHRINK"]
 
@@ -48,13 +49,13 @@ def _stage(trials: pd.DataFrame) -> pd.Series:
 
 
 def reported(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.DataFrame:
-    """One row per cell with a finished search trial: ``best_per_cell`` of the search trials, then
+    """One row per cell with a finished search trial: ``quoted_per_cell`` of the trials, then
 
     - ``healed_acc``: the re-evaluations' mean (the winner's own accuracy when there are none),
     - ``healed_acc_search``: the winner's own accuracy, ``healed_acc_sd``: the re-evaluations' std,
     - ``n_reevaluated``: finished re-evaluations, ``retention``: ``healed_acc / dense_acc``,
     - ``seed_sd``, ``search_sd``, ``noise``: the noise model of the module docstring (accuracy units)."""
-    best = best_per_cell(trials, objective)  # search trials only
+    best = quoted_per_cell(trials, objective)  # search trials only: the configuration re-evaluated
     again = _of_winners(trials[(_stage(trials) == "reevaluate") & (trials["status"] == "FINISHED")], best)
     stats = again.groupby("cell_id")["healed_acc"].agg(["mean", "std", "size"]) if len(again) else None
     best = best.copy()

@@ -169,6 +169,38 @@ def best_per_cell(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.
     return best.reset_index(drop=True)
 
 
+def quoted_per_cell(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.DataFrame:
+    """``best_per_cell``, except that a cell with re-evaluations gets, as its winner, its best search trial at the
+    configuration they healed again (lr and length of its latest re-evaluation, by ``optuna_trial``): under
+    ``search.converge`` the design quotes the centre of the cell's best plateau of ties, which need not be its best
+    draw (orchestrator/search/pick.py); the fixed designs re-evaluate the best draw itself (the same row). A cell
+    whose re-evaluated configuration no search trial holds keeps ``best_per_cell``'s row."""
+    best = best_per_cell(trials, objective)
+    cols = [c for c in ("lr", "steps", "epochs") if c in trials.columns]
+    if best.empty or "stage" not in trials.columns or "lr" not in cols:
+        return best
+    stage = trials["stage"].astype("object").fillna("search").astype(str)
+    done = trials["status"] == "FINISHED"
+    again = trials[(stage == "reevaluate") & done & trials["cell_id"].notna()]
+    if again.empty:
+        return best
+    order = pd.to_numeric(again["optuna_trial"], errors="coerce") if "optuna_trial" in again.columns else 0
+    last = again.assign(_n=order).sort_values(["cell_id", "_n"]).drop_duplicates("cell_id", keep="last")
+    key = last.set_index("cell_id")[cols]
+    search = trials[(stage != "reevaluate") & trials["cell_id"].isin(key.index)]
+    same = pd.Series(True, index=search.index)
+    for c in cols:
+        w = search["cell_id"].map(key[c])
+        same &= (search[c] == w) | (search[c].isna() & w.isna())
+    at = best_per_cell(search[same.fillna(False).astype(bool)], objective)  # (cells re-evaluated, the quoted row)
+    if at.empty:
+        return best
+    keep = best.set_index("cell_id")[["n_trials", "n_failed"]]
+    at = at.drop(columns=["n_trials", "n_failed"]).join(keep, on="cell_id")
+    out = pd.concat([best[~best["cell_id"].isin(at["cell_id"])], at], ignore_index=True)
+    return out.sort_values("cell_id", kind="stable").reset_index(drop=True)
+
+
 def load_sweep_info(tracking_uri: str, sweep_id: str, experiment: str = "healsweep") -> dict:
     """``{"name", "run_id", "experiment_id", "objective", "partial"}`` of the sweep's parent run (values None if
     absent; ``objective``: the parent run's ``objective`` param, "selection_acc" when absent; ``partial``: None, or

@@ -52,14 +52,14 @@ def plan_widening(run_dir: Path, factor: float) -> dict:
     """{"meta", "round", "cells": {cell id: grid}, "boxes": {grid: widened box}, "parent_run_id",
     "tracking_uri"}; ``cells`` is empty when no winner sits on the boundary."""
     from analysis.findings import edges
-    from analysis.runs import best_per_cell, grid_names
+    from analysis.runs import grid_names, quoted_per_cell
     from analysis.search_space import search_bounds, widened_cells
     from orchestrator.spec.checks import MAX_EPOCHS, MAX_STEPS
 
     if not factor > 1:
         raise RefineError(f"widen factor must be > 1, got {factor}")
     meta, uri, info, trials = read_run(run_dir)
-    best = best_per_cell(trials, info["objective"])
+    best = quoted_per_cell(trials, info["objective"])  # the configuration the report quotes
     search, before = search_bounds(meta["spec"]), widened_cells(meta)
     cells, hits, current = {}, {}, {}
     for (_, row), grid in zip(best.iterrows(), grid_names(best)):

@@ -79,3 +79,24 @@ def test_identical_masks_must_agree_within_noise():
     rows[1]["healed_acc"] = 0.965
     (g,) = identical_masks(pd.DataFrame(rows))
     assert g["agree"]
+
+
+def test_the_quoted_row_is_the_configuration_the_design_reevaluated_not_always_the_best_draw():
+    """search.converge's pick (orchestrator/search/pick.py) may re-evaluate the centre of a plateau of ties rather
+    than the best draw: the report's winner row (its lr, edges, own draw) is the search trial at the configuration
+    healed again, and every one of those re-evaluations counts. A widening round's later re-evaluations (higher
+    ``optuna_trial``) name the configuration quoted then."""
+    def t(stage, acc, sel, lr, n, **kw):
+        return {**_trial("a", stage, acc, sel, lr=lr, **kw), "optuna_trial": n, "run_id": f"{stage}{n}"}
+    rows = [t("search", 0.91, 0.95, 1e-2, 0), t("search", 0.92, 0.94, 5e-3, 1), t("search", 0.5, 0.6, 1e-4, 2),
+            t("reevaluate", 0.90, 0.9, 5e-3, 0, heal_seed=1), t("reevaluate", 0.88, 0.9, 5e-3, 1, heal_seed=2)]
+    (r,) = reported(pd.DataFrame(rows)).to_dict("records")
+    assert r["lr"] == 5e-3 and r["healed_acc_search"] == 0.92 and r["n_trials"] == 3
+    assert r["n_reevaluated"] == 2 and r["healed_acc"] == pytest.approx(0.89)
+    rows += [t("search", 0.93, 0.97, 2e-2, 3), t("reevaluate", 0.8, 0.9, 2e-2, 2, heal_seed=3)]  # a widening round
+    (r,) = reported(pd.DataFrame(rows)).to_dict("records")
+    assert r["lr"] == 2e-2 and r["n_reevaluated"] == 1 and r["healed_acc"] == pytest.approx(0.8) and r["n_trials"] == 4
+    # re-evaluations of the best draw (the fixed designs): the same row as best_per_cell
+    from analysis.runs import best_per_cell, quoted_per_cell
+    fixed = pd.DataFrame(rows[:3] + [t("reevaluate", 0.9, 0.9, 1e-2, 0, heal_seed=1)])
+    assert quoted_per_cell(fixed)["run_id"].tolist() == best_per_cell(fixed)["run_id"].tolist() == ["search0"]
