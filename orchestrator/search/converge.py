@@ -58,7 +58,6 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState
 
 from orchestrator.search import lattice
-from orchestrator.search.lattice import residual_sd
 from orchestrator.search.base import CEILING, N_SELECTION, REEVALUATE, SEARCH, _Slot
 from orchestrator.spec.schema import Converge
 
@@ -198,7 +197,7 @@ class Converging:
         lo, hi = min([0] + [p[0] for p in pts]), max([a - 1] + [p[0] for p in pts])
         sizes = (hi - lo + 1, self.sizes(cell_id)[1])
         shifted = [(p[0] - lo, p[1]) for p in pts]
-        return lattice.surface(shifted, vals, groups, sizes), lo, residual_sd(shifted, vals, groups, sizes)
+        return lattice.surface(shifted, vals, groups, sizes), lo, lattice.residual_sd(shifted, vals, groups, sizes)
 
     def _may_stop(self, cell_id: str, c: Converge) -> bool:
         """A cell stops on the surface only after a wave the surface chose, or when its own first-wave results are
