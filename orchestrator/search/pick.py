@@ -4,7 +4,7 @@ The search's ``winner`` is the cell's best draw. Among draws within noise of eac
 one, and on a plateau of ties it is an edge as often as not. Measured 2026-11-29 (benchmarks/results/
 retest_default_2026-11-29_bracket.*): grid ``healers``' largest move between sampler seeds (STARFISH-KL at 0.85,
 seed 1: 3.29 pp) was a flat cell whose first of two tied 95.0 % draws won (4 epochs, alone at its length) and
-re-evaluated at 86-93 %; and 3 of run B's 7 edge winners in that grid sat at the end of a plateau of ties (KL at
+re-evaluated at 83-94 %; and 3 of run B's 7 edge winners in that grid sat at the end of a plateau of ties (KL at
 0.9, seed 0: lr 7.6e-3 .. 2.1e-2 at 93.3-93.9 %, the winner the last by one draw; it re-evaluated at 88.0 %).
 
 With ``pick`` on (the default) the cell quotes the *centre of its best plateau*: at the length of its best point
