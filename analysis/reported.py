@@ -33,7 +33,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from .runs import grid_names, load_sweep_info, load_trials, quoted_per_cell
+from .runs import at_config, grid_names, load_sweep_info, load_trials, quoted_per_cell
 
 __all__ = ["cell_results", "reported", "resolved", "identical_masks", "Z", "SHRINK"]
 
@@ -76,12 +76,7 @@ def _of_winners(again: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
     cols = [c for c in ("lr", "steps", "epochs") if c in again.columns and c in best.columns]
     if again.empty or not cols:
         return again
-    win = best.set_index("cell_id")[cols]
-    same = pd.Series(True, index=again.index)
-    for c in cols:
-        w = again["cell_id"].map(win[c])
-        same &= (again[c] == w) | (again[c].isna() & w.isna())
-    return again[same.fillna(False).astype(bool)]
+    return at_config(again, best.set_index("cell_id")[cols])
 
 
 def _rivals(best: pd.DataFrame, searched: pd.DataFrame | None, objective: str, pooled: pd.Series) -> pd.Series:

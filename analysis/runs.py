@@ -169,6 +169,16 @@ def best_per_cell(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.
     return best.reset_index(drop=True)
 
 
+def at_config(rows: pd.DataFrame, key: pd.DataFrame) -> pd.DataFrame:
+    """The ``rows`` whose lr and length (``key``'s columns) equal their cell's row of ``key`` (indexed by cell id);
+    two missing values count as equal."""
+    same = pd.Series(True, index=rows.index)
+    for c in key.columns:
+        w = rows["cell_id"].map(key[c])
+        same &= (rows[c] == w) | (rows[c].isna() & w.isna())
+    return rows[same.fillna(False).astype(bool)]
+
+
 def quoted_per_cell(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.DataFrame:
     """``best_per_cell``, except that a cell with re-evaluations gets, as its winner, its best search trial at the
     configuration they healed again (lr and length of its latest re-evaluation, by ``optuna_trial``): under
@@ -188,11 +198,7 @@ def quoted_per_cell(trials: pd.DataFrame, objective: str = "selection_acc") -> p
     last = again.assign(_n=order).sort_values(["cell_id", "_n"]).drop_duplicates("cell_id", keep="last")
     key = last.set_index("cell_id")[cols]
     search = trials[(stage != "reevaluate") & trials["cell_id"].isin(key.index)]
-    same = pd.Series(True, index=search.index)
-    for c in cols:
-        w = search["cell_id"].map(key[c])
-        same &= (search[c] == w) | (search[c].isna() & w.isna())
-    at = best_per_cell(search[same.fillna(False).astype(bool)], objective)  # (cells re-evaluated, the quoted row)
+    at = best_per_cell(at_config(search, key), objective)  # (cells re-evaluated, the quoted row)
     if at.empty:
         return best
     keep = best.set_index("cell_id")[["n_trials", "n_failed"]]
