@@ -291,11 +291,7 @@ class Converging:
         if not ns or self.direction != "maximize":
             return lambda a, b: a - b > z * noise
         n = float(max(ns))
-
-        def sd(p: float) -> float:
-            p = min(max(p, 0.0), 1.0)
-            return max(c.min_noise, math.sqrt(p * (1 - p) / n))
-        return lambda a, b: a - b > z * math.hypot(sd(a), sd(b))
+        return lambda a, b: lattice.resolved_worse(a, b, n, c.min_noise, z)
 
     def propose(self, cell_id: str, number: int, wave: int) -> dict:
         if wave == 0 or self.conv(cell_id) is None:

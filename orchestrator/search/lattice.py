@@ -12,7 +12,7 @@ resolves on these budgets, and makes "the same optimum" a well-defined event.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -140,3 +140,33 @@ def plateau_centre(tied: Sequence[bool], anchor: int) -> tuple[int, int]:
         hi += 1
     mid = (lo + hi) / 2
     return (int(mid) if mid == int(mid) else (math.ceil(mid) if anchor > mid else math.floor(mid))), hi - lo + 1
+
+
+def draw_sd(p: float, n: float, floor: float) -> float:
+    """The noise of one draw of an accuracy ``p`` over ``n`` images: its binomial std sqrt(p (1 - p) / n), at least
+    ``floor``."""
+    p = min(max(p, 0.0), 1.0)
+    return max(floor, math.sqrt(p * (1 - p) / n))
+
+
+def resolved_worse(a: float, b: float, n: float, floor: float, z: float = 2.0) -> bool:
+    """Accuracy ``b`` resolved worse than accuracy ``a`` (both over ``n`` images; larger = better): a - b exceeds
+    ``z`` noise units of the difference, hypot(draw_sd(a), draw_sd(b))."""
+    return a - b > z * math.hypot(draw_sd(a, n, floor), draw_sd(b, n, floor))
+
+
+def plateau_pick(means: Mapping[tuple[Hashable, int], float], first: Mapping[tuple[Hashable, int], int],
+                 tied: Callable[[float, float], bool]) -> tuple[Hashable, int]:
+    """The point a cell quotes (search.converge's ``pick``, orchestrator/search/pick.py): ``means``: tried point
+    (lr key, ordered like the lr; length) -> its mean result over its draws (larger = better); ``first``: point ->
+    the number of its first trial; ``tied(top, v)``: v is not resolved worse than the best mean ``top``.
+    At the length of the best point, the centre of the run of tied points around it in lr order
+    (``plateau_centre``); best points tied exactly at several lengths: the longest run, then the cheaper length,
+    then the earlier trial."""
+    top = max(means.values())
+    runs = []
+    for k in (k for k in means if means[k] >= top - 1e-12):  # the best point(s)
+        row = sorted(p for p in means if p[1] == k[1])  # the points tried at its length, in lr order
+        centre, size = plateau_centre([tied(top, means[p]) for p in row], row.index(k))
+        runs.append((-size, k[1], first[k], row[centre]))
+    return min(runs)[3]

@@ -37,13 +37,8 @@ class Picking(Converging):
         at: dict[tuple[int, int], list] = {}
         for t in done:
             at.setdefault(self.index(cell_id, t.params), []).append(t)
-        mean = {k: sum(t.value for t in ts) / len(ts) for k, ts in at.items()}
-        top = max(mean.values())
         worse = self._worse(cell_id, c.min_noise, z=1.0)  # tied: within one noise unit of the best
-        runs = []
-        for k in (k for k in at if mean[k] >= top - 1e-12):  # the best point(s)
-            row = sorted(p for p in at if p[1] == k[1])  # the points tried at its length, in lr order
-            centre, size = lattice.plateau_centre([not worse(top, mean[p]) for p in row], row.index(k))
-            runs.append((-size, k[1], min(t.number for t in at[k]), row[centre]))
-        chosen = min(runs)[3]
+        chosen = lattice.plateau_pick({k: sum(t.value for t in ts) / len(ts) for k, ts in at.items()},
+                                      {k: min(t.number for t in ts) for k, ts in at.items()},
+                                      lambda top, v: not worse(top, v))
         return max(at[chosen], key=lambda t: (t.value, -t.number))

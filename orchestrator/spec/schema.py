@@ -29,7 +29,7 @@ class Converge:
     widen_growth: int = 2  # a walk past the box reaches (D + 1) * growth**j steps out (1: D + 1, …, D + batch)
     family_waves: int = 2  # waves whose family-wide results the surface pools; later ones: the cell's own only
     bracket: int = 1  # 1: a walk from a winner alone at its length also tries the box's middle (rule 1c); 0: not
-    pick: int = 1  # 1: quote the tied draw the surface shrinks highest (orchestrator/search/pick.py); 0: the best draw
+    pick: int = 1  # 1: quote the centre of the best plateau of tied draws (orchestrator/search/pick.py); 0: the best draw
 
     def reevaluations(self, base: int) -> int:
         """Re-evaluation slots a cell plans (its cap): ``reevaluate_max``, unless re-evaluation is off (0)."""

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from orchestrator.search.converge import Converge
-from orchestrator.search.lattice import plateau_centre
+from orchestrator.search.lattice import draw_sd, plateau_centre, plateau_pick, resolved_worse
 from orchestrator.spec.checks import SpecError
 from orchestrator.spec.parse import parse_converge
 from orchestrator.sweep.parent import converge_param
@@ -26,6 +26,31 @@ def test_plateau_centre_hand_values():
     assert plateau_centre([True] * 6, 5) == (3, 6) and plateau_centre([True] * 6, 0) == (2, 6)
     assert plateau_centre([True], 0) == (0, 1)
 
+
+
+def test_resolved_worse_hand_values():
+    # 90 % over 180 images: sqrt(0.9 * 0.1 / 180) = 2.236 pp; the floor takes over near 0 and 1
+    assert draw_sd(0.9, 180, 0.005) == pytest.approx(0.02236, abs=1e-5) and draw_sd(1.0, 180, 0.005) == 0.005
+    unit = math.hypot(draw_sd(0.9, 180, 0.005), draw_sd(0.85, 180, 0.005))  # 3.48 pp (2.24 and 2.66 pp) for a 5 pp gap
+    assert resolved_worse(0.9, 0.85, 180, 0.005, z=1.0) and not resolved_worse(0.9, 0.85, 180, 0.005, z=2.0)
+    assert 0.05 / unit == pytest.approx(1.438, abs=1e-3)
+    assert not resolved_worse(0.85, 0.9, 180, 0.005, z=0.0)  # better is never worse
+
+
+def test_plateau_pick_hand_values():
+    tied = lambda top, v: top - v <= 0.02  # noqa: E731 (ties within 2 pp, for the hand values)
+    # one length: lr keys 1..5; best 0.91 at lr 5 ends the plateau 2..5 (0.90, 0.895, 0.90, 0.91): centre 3.5 -> 4
+    means = {(1, 64): 0.70, (2, 64): 0.90, (3, 64): 0.895, (4, 64): 0.90, (5, 64): 0.91, (3, 16): 0.60}
+    first = {k: i for i, k in enumerate(means)}
+    assert plateau_pick(means, first, tied) == (4, 64)
+    # the same best at 16 steps with a plateau of one: the longer plateau (64 steps) wins the exact tie
+    assert plateau_pick({**means, (3, 16): 0.91}, first, tied) == (4, 64)
+    # equal plateaus at two lengths: the cheaper length
+    two = {(1, 16): 0.91, (1, 64): 0.91}
+    assert plateau_pick(two, {(1, 16): 1, (1, 64): 0}, tied) == (1, 16)
+    # lr keys may be the lr values themselves: only their order counts
+    assert plateau_pick({(1e-3, 8): 0.5, (3e-3, 8): 0.8, (1e-2, 8): 0.79, (3e-2, 8): 0.2},
+                        dict.fromkeys([(1e-3, 8), (3e-3, 8), (1e-2, 8), (3e-2, 8)], 0), tied) == (3e-3, 8)
 
 # selection accuracy (of 180 images) per lr lattice index at the budget length (64 steps): a plateau from index 1 to
 # the declared cap (index 4), its best draw on the cap by 0.5 pp (one noise unit at 90 %: 3.2 pp), then a drop past
