@@ -13,6 +13,12 @@ run, in the same order. For every grid and cap K it prints:
   draw) would differ, and by how much the full run's pick leads the cut one, in mean selection accuracy over the
   two picks' search draws (pp). Those cells would also get other re-evaluations, which no replay can know.
 
+Per grid with several seeds, the *siblings*: cells that differ only in their seed search the same landscape
+independently (the seed orders the calibration batches), so how often they quote the same configuration measures
+the search's own noise inside one run; and whether one search pooled over the siblings, replayed from its first k
+trials of each, would quote what all of their trials pooled quote (a shared search with fewer trials: a lower bound,
+since a real one would place its trials on the pooled evidence).
+
 And, per grid, the noise the search's rules assume against the noise a draw has: the sample std of each cell's
 re-evaluations (one configuration, different healing seeds) over the binomial std of one draw, sqrt(p (1 - p) / n)
 at least ``min_noise`` (``lattice.draw_sd``), which rules 1-4 use.
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +106,30 @@ def noise(df: pd.DataFrame, min_noise: float) -> dict:
     return out
 
 
+IDENTITY = ["grid", "model", "pruner", "sparsity", "scope", "pattern", "calib_size", "healer"]
+
+
+def siblings(df: pd.DataFrame, min_noise: float, ks=(3, 4, 5, 6)) -> dict:
+    """grid -> {groups of >= 2 sibling cells, how many distinct configurations their re-evaluations heal: count,
+    pooled first-k-each pick == pooled all pick: count per k}."""
+    re = df[df["stage"] == "reevaluate"]
+    s = df[(df["stage"] == "search") & df["cell_id"].isin(set(re["cell_id"]))]
+    out: dict = {}
+    for grid, g in s.groupby("grid"):
+        distinct, same = Counter(), Counter()
+        groups = [x for _, x in g.fillna({"scope": "", "pattern": ""}).groupby(IDENTITY[1:]) if x["seed"].nunique() > 1]
+        for x in groups:
+            r = re[re["cell_id"].isin(set(x["cell_id"]))]
+            distinct[len({(float(lr), int(n)) for lr, n in zip(r["lr"], r["steps"].fillna(r["epochs"]))})] += 1
+            full = quoted_point(x, min_noise, False)
+            for k in ks:
+                same[k] += quoted_point(x[x["optuna_trial"] < k], min_noise, False) == full
+        if groups:
+            out[str(grid)] = {"groups": len(groups), "distinct_quoted": dict(sorted(distinct.items())),
+                              "pooled_first_k_same": {k: same[k] for k in ks}}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", type=Path, help="a finished sweep's run directory (search.converge)")
@@ -110,7 +141,8 @@ def main(argv=None) -> int:
     df = load(a.run_dir)
     total = float(df["trial_seconds"].sum())
     res = {"run_dir": str(a.run_dir), "trials": int(len(df)), "trial_s": round(total, 1),
-           "replay": replay(df, a.caps, a.min_noise, a.best), "noise": noise(df, a.min_noise)}
+           "replay": replay(df, a.caps, a.min_noise, a.best), "siblings": siblings(df, a.min_noise),
+           "noise": noise(df, a.min_noise)}
     print(f"{a.run_dir}: {res['trials']} trials, {total:.0f} trial-s")
     for grid, row in res["replay"].items():
         print(f"grid {grid}: {row['cells']} searched cells, {row['search_trials']} search trials, "
@@ -120,6 +152,10 @@ def main(argv=None) -> int:
             print(f"  cap {k}: saves {r['saved_trials']} trials, {r['saved_trial_s']:.0f} trial-s "
                   f"({100 * r['saved_share']:.1f} % of the sweep); picks changed {r['picks_changed']} of {row['cells']}"
                   f"; full run's pick leads by (pp) {r['lead_pp']}")
+    for grid, sib in res["siblings"].items():
+        print(f"grid {grid}: {sib['groups']} groups of sibling cells (only the seed differs); distinct configurations "
+              f"their re-evaluations heal -> groups: {sib['distinct_quoted']}; one search pooled over the siblings, "
+              f"first k trials of each, quotes what all pooled quote (k -> groups): {sib['pooled_first_k_same']}")
     for grid, n in res["noise"].items():
         print(f"grid {grid}: re-evaluations' seed std / binomial std of a draw, {n['cells']} cells: median "
               f"{n['median']}, p90 {n['p90']}, max {n['max']}; over 2x in {n['over_2x']}")
