@@ -63,15 +63,16 @@ def quoted_point(search: pd.DataFrame, min_noise: float, best: bool) -> tuple:
 
 
 def replay(df: pd.DataFrame, caps: list[int], min_noise: float, best: bool) -> dict:
-    """grid -> cap -> {saved trials, saved trial-s, share of the sweep's trial-s, picks changed, their leads (pp)}."""
+    """grid -> {cells, search trials, search trials per cell -> cells, cap -> {saved trials, saved trial-s, share of
+    the sweep's trial-s, picks changed, their leads (pp)}}."""
     total = float(df["trial_seconds"].sum())
     searched = set(df.loc[df["stage"] == "reevaluate", "cell_id"])
     s = df[(df["stage"] == "search") & df["cell_id"].isin(searched)]
     out: dict = {}
     for grid, g in s.groupby("grid"):
         cells = {cid: c.sort_values("optuna_trial") for cid, c in g.groupby("cell_id")}
-        at_cap = sum(len(c) >= max(len(x) for x in cells.values()) for c in cells.values())
-        row = {"cells": len(cells), "search_trials": int(len(g)), "at_the_run's_cap": int(at_cap)}
+        per = Counter(len(c) for c in cells.values())
+        row = {"cells": len(cells), "search_trials": int(len(g)), "trials_per_cell": dict(sorted(per.items()))}
         for k in caps:
             cut = g[g["optuna_trial"] >= k]
             changed = []
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
     print(f"{a.run_dir}: {res['trials']} trials, {total:.0f} trial-s")
     for grid, row in res["replay"].items():
         print(f"grid {grid}: {row['cells']} searched cells, {row['search_trials']} search trials, "
-              f"{row['at_the_run' + chr(39) + 's_cap']} at the run's cap")
+              f"search trials per cell -> cells: {row['trials_per_cell']}")
         for k in a.caps:
             r = row[k]
             print(f"  cap {k}: saves {r['saved_trials']} trials, {r['saved_trial_s']:.0f} trial-s "
