@@ -27,7 +27,6 @@ def test_plateau_centre_hand_values():
     assert plateau_centre([True], 0) == (0, 1)
 
 
-
 def test_resolved_worse_hand_values():
     # 90 % over 180 images: sqrt(0.9 * 0.1 / 180) = 2.236 pp; the floor takes over near 0 and 1
     assert draw_sd(0.9, 180, 0.005) == pytest.approx(0.02236, abs=1e-5) and draw_sd(1.0, 180, 0.005) == 0.005
@@ -51,6 +50,7 @@ def test_plateau_pick_hand_values():
     # lr keys may be the lr values themselves: only their order counts
     assert plateau_pick({(1e-3, 8): 0.5, (3e-3, 8): 0.8, (1e-2, 8): 0.79, (3e-2, 8): 0.2},
                         dict.fromkeys([(1e-3, 8), (3e-3, 8), (1e-2, 8), (3e-2, 8)], 0), tied) == (3e-3, 8)
+
 
 # selection accuracy (of 180 images) per lr lattice index at the budget length (64 steps): a plateau from index 1 to
 # the declared cap (index 4), its best draw on the cap by 0.5 pp (one noise unit at 90 %: 3.2 pp), then a drop past
