@@ -49,39 +49,60 @@ def load(run_dir: Path) -> pd.DataFrame:
     return df[df["status"] == "FINISHED"]
 
 
+def points(rows: pd.DataFrame) -> list[tuple[float, int]]:
+    """Each trial's (lr, length): optimizer steps, or epochs where the search tried epochs."""
+    return [(float(lr), int(n)) for lr, n in zip(rows["lr"], rows["steps"].fillna(rows["epochs"]))]
+
+
+def by_point(rows: pd.DataFrame, column: str) -> dict[tuple[float, int], list[float]]:
+    """(lr, length) -> ``column`` of the trials tried there."""
+    out: dict[tuple[float, int], list[float]] = {}
+    for k, v in zip(points(rows), rows[column].astype(float)):
+        out.setdefault(k, []).append(float(v))
+    return out
+
+
+def means_of(rows: pd.DataFrame) -> dict[tuple[float, int], float]:
+    """(lr, length) -> mean selection accuracy of the trials tried there."""
+    return {k: float(np.mean(v)) for k, v in by_point(rows, "selection_acc").items()}
+
+
 def quoted_point(search: pd.DataFrame, min_noise: float, best: bool) -> tuple:
     """The (lr, length) a cell with these search trials quotes: rule 4's plateau pick (or its best draw)."""
-    length = "steps" if search["steps"].notna().any() else "epochs"
-    key = [(float(lr), int(n)) for lr, n in zip(search["lr"], search[length])]
-    vals = search["selection_acc"].astype(float).tolist()
-    means = {k: float(np.mean([v for k2, v in zip(key, vals) if k2 == k])) for k in set(key)}
-    first = {k: min(int(t) for k2, t in zip(key, search["optuna_trial"]) if k2 == k) for k in means}
+    means = means_of(search)
+    first = {k: int(min(v)) for k, v in by_point(search, "optuna_trial").items()}
     if best:  # the best draw, ties to the cheaper length, then the first trial (SearchDesign.winner)
-        return min(means, key=lambda k: (-max(v for k2, v in zip(key, vals) if k2 == k), k[1], first[k]))
+        top = {k: max(v) for k, v in by_point(search, "selection_acc").items()}
+        return min(means, key=lambda k: (-top[k], k[1], first[k]))
     n = float(search["n_selection"].max())
     return lattice.plateau_pick(means, first, lambda top, v: not lattice.resolved_worse(top, v, n, min_noise, 1.0))
+
+
+def searched(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(search trials of the cells that were re-evaluated, their re-evaluations)."""
+    again = df[df["stage"] == "reevaluate"]
+    return df[(df["stage"] == "search") & df["cell_id"].isin(set(again["cell_id"]))], again
 
 
 def replay(df: pd.DataFrame, caps: list[int], min_noise: float, best: bool) -> dict:
     """grid -> {cells, search trials, search trials per cell -> cells, cap -> {saved trials, saved trial-s, share of
     the sweep's trial-s, picks changed, their leads (pp)}}."""
     total = float(df["trial_seconds"].sum())
-    searched = set(df.loc[df["stage"] == "reevaluate", "cell_id"])
-    s = df[(df["stage"] == "search") & df["cell_id"].isin(searched)]
+    s, _ = searched(df)
     out: dict = {}
     for grid, g in s.groupby("grid"):
         cells = {cid: c.sort_values("optuna_trial") for cid, c in g.groupby("cell_id")}
+        full = {cid: quoted_point(c, min_noise, best) for cid, c in cells.items()}
         per = Counter(len(c) for c in cells.values())
         row = {"cells": len(cells), "search_trials": int(len(g)), "trials_per_cell": dict(sorted(per.items()))}
         for k in caps:
             cut = g[g["optuna_trial"] >= k]
             changed = []
             for cid, c in cells.items():
-                full, part = quoted_point(c, min_noise, best), quoted_point(c[c["optuna_trial"] < k], min_noise, best)
-                if full != part:
-                    mean = lambda p: 100 * float(np.mean([v for lr, n, v in zip(  # noqa: E731
-                        c["lr"], c["steps"].fillna(c["epochs"]), c["selection_acc"]) if (float(lr), int(n)) == p]))
-                    changed.append(round(mean(full) - mean(part), 2))
+                part = quoted_point(c[c["optuna_trial"] < k], min_noise, best)
+                if full[cid] != part:
+                    m = means_of(c)
+                    changed.append(round(100 * (m[full[cid]] - m[part]), 2))
             row[k] = {"saved_trials": int(len(cut)), "saved_trial_s": round(float(cut["trial_seconds"].sum()), 1),
                       "saved_share": round(float(cut["trial_seconds"].sum()) / total, 3),
                       "picks_changed": len(changed), "lead_pp": sorted(changed, reverse=True)}
@@ -113,15 +134,13 @@ IDENTITY = ["grid", "model", "pruner", "sparsity", "scope", "pattern", "calib_si
 def siblings(df: pd.DataFrame, min_noise: float, ks=(3, 4, 5, 6)) -> dict:
     """grid -> {groups of >= 2 sibling cells, how many distinct configurations their re-evaluations heal: count,
     pooled first-k-each pick == pooled all pick: count per k}."""
-    re = df[df["stage"] == "reevaluate"]
-    s = df[(df["stage"] == "search") & df["cell_id"].isin(set(re["cell_id"]))]
+    s, again = searched(df)
     out: dict = {}
     for grid, g in s.groupby("grid"):
         distinct, same = Counter(), Counter()
         groups = [x for _, x in g.fillna({"scope": "", "pattern": ""}).groupby(IDENTITY[1:]) if x["seed"].nunique() > 1]
         for x in groups:
-            r = re[re["cell_id"].isin(set(x["cell_id"]))]
-            distinct[len({(float(lr), int(n)) for lr, n in zip(r["lr"], r["steps"].fillna(r["epochs"]))})] += 1
+            distinct[len(set(points(again[again["cell_id"].isin(set(x["cell_id"]))])))] += 1
             full = quoted_point(x, min_noise, False)
             for k in ks:
                 same[k] += quoted_point(x[x["optuna_trial"] < k], min_noise, False) == full
