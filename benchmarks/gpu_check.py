@@ -90,12 +90,13 @@ class GpuSampler(threading.Thread):
 
 def sweep_section(a, env: dict, out: Path) -> dict:
     spec = "configs/tiny.yaml" if a.tiny else "configs/default.yaml"
-    if a.heal_precision:  # the same spec healing in another heal.precision
+    heal = {k: v for k, v in (("precision", a.heal_precision), ("graph", a.heal_graph)) if v}
+    if heal:  # the same spec healing in another heal.precision / heal.graph
         import yaml
 
         d = yaml.safe_load((REPO / spec).read_text())
-        d.setdefault("heal", {})["precision"] = a.heal_precision
-        spec = str(Path(a.work) / f"spec-{a.heal_precision}.yaml")
+        d.setdefault("heal", {}).update(heal)
+        spec = str(Path(a.work) / f"spec-{'-'.join(heal.values())}.yaml")
         Path(spec).write_text(yaml.safe_dump(d, sort_keys=False))
     run_dir = Path(a.work) / "sweep"
     cmd = [sys.executable, "-m", "orchestrator.cli", "run", spec, "--out", str(run_dir), "--store",
@@ -243,6 +244,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     ap.add_argument("--gpu-share", type=float, default=0.125, help="GPU per trial (default 1/8: 8 trials share it)")
     ap.add_argument("--heal-precision", choices=("fp32", "tf32", "bf16"), help="sweep: override heal.precision")
+    ap.add_argument("--heal-graph", choices=("off", "step"), help="sweep: override heal.graph")
     ap.add_argument("--throughput-args", default="--extra-batches 128 --repeats 2",
                     help="arguments of benchmarks/gpu_throughput.py (default: also batch 128; 2 interleaved 3-epoch "
                          "heals per target feed)")

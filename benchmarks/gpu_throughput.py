@@ -115,7 +115,7 @@ class Healer:
         self.scope = adapter.default_scope
         self.masks = make_masks(dense, adapter.scope(dense, self.scope), "magnitude", 0.5, seed=0)
 
-    def run(self, batches, epochs: int, precision: str, compile_mode: str = "off", on_epoch=None
+    def run(self, batches, epochs: int, precision: str, compile_mode: str = "off", on_epoch=None, graph: str = "off"
             ) -> tuple[float, torch.nn.Module]:
         model = copy.deepcopy(self.dense)
         apply_masks(model, self.masks)
@@ -126,7 +126,8 @@ class Healer:
         sync(dev)
         t = time.perf_counter()
         HEALERS.get("starfish").heal(ctx, HealConfig(lr=1e-4, epochs=epochs, batch_size=self.batch, seed=0,
-                                                     precision=precision, compile=compile_mode), on_epoch)
+                                                     precision=precision, compile=compile_mode, graph=graph),
+                                       on_epoch)
         sync(dev)
         return time.perf_counter() - t, model
 

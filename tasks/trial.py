@@ -62,6 +62,7 @@ class TrialParams:
     precision: str = "fp32"  # heal.precision: fp32 (the authors') | tf32 | bf16 (tasks/healing/precision.py)
     channels_last: Any = "auto"  # heal.channels_last: auto (a CNN on a GPU) | True | False
     compile: str = "off"  # heal.compile: off (the authors': eager) | blocks (tasks/healing/compiled.py)
+    graph: str = "off"  # heal.graph: off (the authors': eager) | step (tasks/healing/graphed.py)
 
     @property
     def healing_seed(self) -> int:
@@ -226,7 +227,7 @@ def heal_trial(p: TrialParams, st: _Setup, report: Callable[[dict], None], start
         ctx.checkpoint = lambda epoch, s: loop_state.update(s)
     cfg = HealConfig(lr=p.lr, epochs=p.epochs, batch_size=p.batch_size, weight_decay=p.weight_decay,
                      lr_min=p.lr_min, seed=p.healing_seed, settings=dict(p.healer_settings), steps=p.steps,
-                     precision=p.precision, compile=p.compile)
+                     precision=p.precision, compile=p.compile, graph=p.graph)
     n_epochs = healer.epochs(cfg)  # 0 for closed-form / no-op healers: only the final report below
     last: dict = dict(start["last"]) if start is not None else {}
 

@@ -16,13 +16,19 @@
 #        compiled) and ResNet-50 step against the in-RAM epoch, by gather threads 1, 2, 4 (3 interleaved rounds of
 #        heals; 5 on 2026-11-28), then epoch by epoch inside one heal (16 store/RAM pairs; added after that run);
 #     3. the default sweep in fp32 (install from the bundle, 8 trials sharing the GPU) against the CPU run.
+#   graph (one call on a fresh machine; built 2026-11-29 without a GPU, not yet run: estimated 8-9 min):
+#     1. tests/gpu (tests/gpu/test_graph_step.py: the captured step against the same step uncaptured);
+#     2. gpu_graph.py: DeiT-B/16 and ResNet-50 bf16 at batch 32 and 128, heal.compile off/blocks x heal.graph
+#        off/step, targets on the device (OUT/d/graph.json);
+#     3. the default sweep with heal.graph: step (install from the bundle, 8 trials sharing the GPU) against the
+#        CPU run.
 # Usage, from the repository root, the bundle built beforehand on a machine with package access
 # (healsweep bundle --python 3.12 --freeze benchmarks/device/cuda-image-freeze.txt --out .bundle; carry .bundle):
-#   bash benchmarks/device/session.sh OUT_DIR [check|bf16|stream]
+#   bash benchmarks/device/session.sh OUT_DIR [check|bf16|stream|graph]
 # Files written (the device tool returns at most 8): check: OUT/session.txt, OUT/a/{gpu_check.json,throughput.json,
 # sweep_quoted.json,logs.tar.gz}; bf16: OUT/session.txt, OUT/b/{gpu_check.json,sweep_quoted.json,logs.tar.gz}.
 set -u
-OUT=${1:?usage: session.sh OUT_DIR [check|bf16|stream]}
+OUT=${1:?usage: session.sh OUT_DIR [check|bf16|stream|graph]}
 PART=${2:-check}
 LIMIT=${SESSION_LIMIT_S:-585}  # seconds this call may use in all (the device tool stops a command at 600)
 T0=$(date +%s)
@@ -54,10 +60,18 @@ case "$PART" in
     echo "## fp32 sweep from $(date -u +%T)" >> "$OUT/session.txt"
     timeout "$(left)" python3 benchmarks/gpu_check.py --bundle "$BUNDLE" --site "$SITE" --out "$OUT/c" --work /tmp/gcc \
       --sections sweep --sweep-timeout "$(left 45)" >> "$OUT/session.txt" 2>&1 ;;
-  *) echo "unknown part $PART: check, bf16 or stream" >&2; exit 2 ;;
+  graph)
+    mkdir -p "$OUT/d"
+    { echo "## tests/gpu"; timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -15
+      echo "## gpu_graph.py from $(date -u +%T)"; } >> "$OUT/session.txt"
+    timeout "$(left 210)" python3 benchmarks/gpu_graph.py --json "$OUT/d/graph.json" >> "$OUT/session.txt" 2>&1
+    echo "## sweep with heal.graph: step from $(date -u +%T)" >> "$OUT/session.txt"
+    timeout "$(left)" python3 benchmarks/gpu_check.py --bundle "$BUNDLE" --site "$SITE" --out "$OUT/d" --work /tmp/gcd \
+      --sections sweep --heal-graph step --sweep-timeout "$(left 45)" >> "$OUT/session.txt" 2>&1 ;;
+  *) echo "unknown part $PART: check, bf16, stream or graph" >&2; exit 2 ;;
 esac
 echo "## ended $(date -u +%T) ($(( $(date +%s) - T0 )) s)" >> "$OUT/session.txt"
-for d in "$OUT"/a "$OUT"/b "$OUT"/c; do  # the logs of a check cut before it packed them
+for d in "$OUT"/a "$OUT"/b "$OUT"/c "$OUT"/d; do  # the logs of a check cut before it packed them
   if [ -d "$d/logs" ]; then tar czf "$d/logs.tar.gz" -C "$d" logs && rm -rf "$d/logs"; fi
 done
 cat "$OUT/session.txt"

@@ -26,7 +26,7 @@ def trial_config(c: Cell, spec: SweepSpec, paths: dict, store_key: str, mask_key
             "data_seed": spec.data_seed, "batch_size": spec.heal.batch_size, "weight_decay": spec.heal.weight_decay,
             "lr_min": spec.heal.lr_min, "threads": threads, "device": device,
             "precision": spec.heal.precision, "channels_last": spec.heal.channels_last,
-            "compile": spec.heal.compile, "latency_rounds": spec.heal.latency_rounds,
+            "compile": spec.heal.compile, "graph": spec.heal.graph, "latency_rounds": spec.heal.latency_rounds,
             "load_kw": spec.load_kwargs(c.model), "out_dir": paths.get("out", ""),
             # per-epoch selection accuracy only where a scheduler stops trials on it (ASHA); the final one always
             "epoch_selection": spec.search.scheduler == "asha"}

@@ -27,6 +27,7 @@ DESIGNS = ("shared", "tpe", "grid")
 PRECISIONS = ("fp32", "tf32", "bf16")
 # heal.compile: tasks.healing.compiled.COMPILE_MODES (held equal by tests/orchestrator/test_gpu_settings.py)
 COMPILE_MODES = ("off", "blocks")
+GRAPH_MODES = ("off", "step")  # heal.graph: tasks.healing.graphed.GRAPH_MODES (the same test holds them equal)
 DEVICES = ("auto", "cpu", "cuda")  # resources.device
 MAX_REEVALUATE = 8  # fresh healing seeds per winner
 MAX_LATTICE = 64  # points on one lattice axis

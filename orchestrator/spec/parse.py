@@ -27,6 +27,7 @@ from orchestrator.spec.checks import (
     OBJECTIVES,
     PRECISIONS,
     COMPILE_MODES,
+    GRAPH_MODES,
     SpecError,
     check_bool,
     check_choice,
@@ -220,12 +221,13 @@ def parse_heal(v: Any) -> HealSpec:
     h = HealSpec(**({} if v is None else check_keys(v, "heal", set(HealSpec.__dataclass_fields__))))
     check_choice(h.precision, "heal.precision", PRECISIONS)
     check_choice(h.compile, "heal.compile", COMPILE_MODES)
+    check_choice(h.graph, "heal.graph", GRAPH_MODES)
     if h.channels_last not in ("auto", True, False):
         raise SpecError("heal.channels_last", f"must be auto, true or false, got {excerpt(h.channels_last)}")
     return HealSpec(check_num(h.batch_size, "heal.batch_size", int, 1, 1 << 20),
                     check_num(h.weight_decay, "heal.weight_decay", float, 0.0),
                     check_num(h.lr_min, "heal.lr_min", float, 0.0), h.precision, h.channels_last, h.compile,
-                    check_num(h.latency_rounds, "heal.latency_rounds", int, 1, 1000))
+                    check_num(h.latency_rounds, "heal.latency_rounds", int, 1, 1000), h.graph)
 
 
 def parse_resources(v: Any) -> ResourceSpec:

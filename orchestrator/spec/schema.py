@@ -95,6 +95,7 @@ class HealSpec:
     channels_last: Any = "auto"  # auto (CNNs on a GPU) | true | false: the memory format of healed CNNs
     compile: str = "off"  # off (the authors': eager) | blocks (regional torch.compile): tasks/healing/compiled.py
     latency_rounds: int = 20  # timed rounds of a structured pruner's dense-vs-shrunk latency (CORP); dry run: 1
+    graph: str = "off"  # off (the authors': eager) | step (the whole step as one CUDA graph): tasks/healing/graphed.py
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,7 @@ class MlflowTrialLogger(Callback):
                    Param("precision", str(c.get("precision", "fp32"))),  # heal.precision: a named numeric setting
                    Param("channels_last", str(c.get("channels_last", "auto"))),
                    Param("compile", str(c.get("compile", "off"))),  # heal.compile: eager (the authors') or compiled
+                   Param("graph", str(c.get("graph", "off"))),  # heal.graph: eager (the authors') or one CUDA graph
                    Param("latency_rounds", str(c.get("latency_rounds", 20)))]  # heal.latency_rounds (CORP's timing)
         if c.get("heal_seed") is not None:  # a re-evaluation: the healing seed (``seed`` stays the cell's: its mask)
             params.append(Param("heal_seed", str(c["heal_seed"])))

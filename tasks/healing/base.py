@@ -30,6 +30,7 @@ class HealConfig:
     steps: int = 0  # > 0: stop after exactly this many optimizer steps (within ``epochs``); 0: whole epochs
     precision: str = "fp32"  # fp32 (the authors') | tf32 | bf16: tasks/healing/precision.py
     compile: str = "off"  # off (the authors': eager) | blocks (regional torch.compile): tasks/healing/compiled.py
+    graph: str = "off"  # off (the authors': eager) | step (one CUDA graph per step): tasks/healing/graphed.py
 
 
 @dataclass

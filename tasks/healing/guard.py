@@ -46,9 +46,9 @@ class DivergenceGuard:
         first = step_bad & ~self.bad
         reason = torch.where(~loss_ok, 1, torch.where(~grad_ok, 2, 3))
         info = torch.stack([self._step.double(), reason.double(), bad_grad.double(), loss.detach().double()])  # (4,)
-        self._info = torch.where(first, info, self._info)
-        self.bad = self.bad | step_bad
-        self._step = self._step + 1
+        self._info.copy_(torch.where(first, info, self._info))  # in place: a captured step (heal.graph) updates
+        self.bad |= step_bad  # the same tensors on every replay
+        self._step += 1
         return self.bad
 
     def raise_if_bad(self, healer: str, where, param_names: Sequence[str]) -> None:

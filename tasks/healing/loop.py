@@ -29,6 +29,7 @@ import torch
 
 from tasks.healing.base import Batches, EpochCallback, HealConfig, HealContext, Healer, HealResult
 from tasks.healing.compiled import compiled_blocks, compiled_fn
+from tasks.healing.graphed import StepGraphs, capturable_adamw, check_graph, rebind_lr
 from tasks.healing.guard import DivergenceGuard, finite_norms, keep_or_restore
 from tasks.healing.precision import as_f32, dict_f32, forward_context, precision_flags
 from tasks.healing.targets import block_tap, device_index
@@ -116,6 +117,8 @@ class GradientHealer(Healer):
         if ctx.resume is not None:
             r.opt.load_state_dict(ctx.resume["optimizer"])
             r.sched.load_state_dict(ctx.resume["scheduler"])
+            if cfg.graph == "step":
+                rebind_lr(r.opt, r.sched)  # the loaded group's lr is a number again: the device tensor back
             start, steps, losses = int(ctx.resume["epoch"]), int(ctx.resume["steps"]), list(ctx.resume["losses"])
             _load_buffers(model, ctx.resume.get("buffers", {}))
         r.guard = DivergenceGuard(r.dev, first_step=steps)
@@ -125,15 +128,21 @@ class GradientHealer(Healer):
             return self.objective(dict_f32(cap) if lowp else cap, as_f32(lg), tgt, block_names, settings)
 
         batch_objective = compiled_fn(batch_objective, cfg.compile)  # heal.compile (tasks/healing/compiled.py)
+        graphs = StepGraphs(r.dev) if cfg.graph == "step" else None  # heal.graph (tasks/healing/graphed.py)
         try:
             with (block_tap(ctx.blocks) if self.uses_blocks else nullcontext({})) as cap, precision_flags(cfg.precision), \
                     compiled_blocks(ctx.blocks if self.uses_blocks else [], cfg.compile):
+
+                def body(xb: torch.Tensor, tb: dict) -> torch.Tensor:  # one whole step (what heal.graph captures)
+                    return self._step(r, model, lambda lg: batch_objective(cap, lg, tb), xb, cfg.precision)
+
                 for epoch in range(start, cfg.epochs):
                     run, n = torch.zeros((), dtype=torch.float64, device=r.dev), 0  # the epoch's loss sum, on device
                     for x, tgt in self.stream(ctx, cfg, epoch):
                         if cfg.steps and steps >= cfg.steps:  # a steps budget ends mid-epoch
                             break
-                        loss = self._step(r, model, lambda lg: batch_objective(cap, lg, tgt), x, cfg.precision)
+                        loss = body(x, tgt) if graphs is None else graphs(body, x, tgt)
+                        r.sched.step()  # on the host (heal.graph: it writes the device lr the next step reads)
                         run += loss.double() * len(x)
                         n += len(x)
                         steps += 1
@@ -173,8 +182,7 @@ class GradientHealer(Healer):
             r.grad_names = [names[i] for i in present]
             current = [params[name].data for name in names]
             torch._foreach_copy_(r.before, current)  # the weights before the step, into buffers made once
-        r.opt.step()
-        r.sched.step()
+        r.opt.step()  # the schedule steps after the whole step (the loop): the lr of the next one
         with torch.no_grad():
             for name in names:  # in place (out= the parameter itself): one kernel, no temporary
                 torch.where(r.keep[name], params[name], r.frozen[name], out=params[name])
@@ -204,6 +212,7 @@ class _Run:
 
 def _prepare(ctx: HealContext, cfg: HealConfig, common: dict, steps_per_epoch: int) -> _Run:
     """Freeze everything but the scope's parameters; AdamW over them with a cosine schedule over the run's steps."""
+    check_graph(cfg.graph)
     model = ctx.model
     params = dict(model.named_parameters())
     names = sorted({e.param for e in ctx.entries})
@@ -215,12 +224,17 @@ def _prepare(ctx: HealContext, cfg: HealConfig, common: dict, steps_per_epoch: i
     frozen = {n: params[n].detach().clone() for n in names}
     for n in names:
         params[n].requires_grad_(True)
-    # On a GPU the fused AdamW kernel (one launch for every tensor); on the CPU torch's default implementation, as
-    # every CPU figure of this project was measured with.
-    opt = torch.optim.AdamW([params[n] for n in names], lr=cfg.lr, weight_decay=cfg.weight_decay,
-                            fused=True if dev.type == "cuda" else None)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=schedule_steps(cfg, steps_per_epoch),
-                                                       eta_min=cfg.lr_min)
+    def cosine(o: torch.optim.Optimizer):
+        return torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=schedule_steps(cfg, steps_per_epoch),
+                                                          eta_min=cfg.lr_min)
+
+    if cfg.graph == "step":  # fused and capturable, its lr a device tensor the host schedule writes (graphed.py)
+        opt, sched = capturable_adamw([params[n] for n in names], cfg.lr, cfg.weight_decay, dev, cosine)
+    else:  # on a GPU the fused AdamW kernel (one launch for every tensor); on the CPU torch's default
+        # implementation, as every CPU figure of this project was measured with
+        opt = torch.optim.AdamW([params[n] for n in names], lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                fused=True if dev.type == "cuda" else None)
+        sched = cosine(opt)
     sd = model.state_dict()
     bn_bufs = {k: sd[k] for k in bn_state_names(model)} if common["bn"] == "train" else {}
     return _Run(params, names, keep, frozen, opt, sched, bn_bufs, dev,

@@ -2,7 +2,8 @@
 pack trials by ``resources.gpus_per_trial`` while ``resources.device: cpu`` makes them compute on the CPU. With a
 quarter of a GPU each, four trials run at once and never five; with half, two. Dense-target and mask tasks ask for
 the GPU share too (placement only here). Measured from each trial's own clock: [finished_at - trial_seconds,
-finished_at], read back from MLflow."""
+finished_at], read back from MLflow. The trials heal with ``heal.graph: step`` (the optimizer of a captured step;
+nothing to capture on the CPU), logged as the param ``graph``."""
 from __future__ import annotations
 
 import os
@@ -20,6 +21,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 SPEC = {"name": "packing", "models": ["vit_digits"], "sparsities": [0.5, 0.9], "calib_sizes": [64, 128],
         "pruners": ["magnitude"], "healers": ["starfish"],
         "search": {"trials_per_cell": 3, "lr": [1e-3, 3e-3], "epochs": [6, 8], "reevaluate": 0},
+        "heal": {"graph": "step"},
         "resources": {"cpus_per_trial": 0.25, "cpus_per_dense_task": 0.5, "gpus_per_dense_task": 0.25,
                       "device": "cpu"}}
 
@@ -38,11 +40,11 @@ def test_max_overlap():
     assert max_overlap([(0, 2), (1, 3), (2.5, 4)]) == 2 and max_overlap([(0, 1), (1, 2)]) == 1
 
 
-def _intervals(run_dir: Path) -> tuple[list[tuple[float, float]], set[str]]:
+def _intervals(run_dir: Path) -> tuple[list[tuple[float, float]], set[tuple[str, str]]]:
     c = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     runs = c.search_runs([e.experiment_id for e in c.search_experiments()], "tags.`healsweep.role` = 'trial'")
     iv = [(r.data.metrics["finished_at"] - r.data.metrics["trial_seconds"], r.data.metrics["finished_at"]) for r in runs]
-    return iv, {r.data.params["device"] for r in runs}
+    return iv, {(r.data.params["device"], r.data.params["graph"]) for r in runs}
 
 
 @pytest.mark.parametrize("share,most", [(0.25, 4), (0.5, 2)])
@@ -59,7 +61,7 @@ def test_trials_pack_by_their_gpu_share(tmp_path, share, most):
         ray.shutdown()
     assert res.trials_finished == 12 and res.trials_failed == 0
     iv, devices = _intervals(tmp_path / "run")
-    assert len(iv) == 12 and devices == {"cpu"}
+    assert len(iv) == 12 and devices == {("cpu", "step")}
     got = max_overlap(iv)
     assert got <= most  # Ray never placed more trials than the logical GPU holds
     assert got >= most - (1 if most > 2 else 0), f"only {got} trials ran at once with a GPU share of {share}"

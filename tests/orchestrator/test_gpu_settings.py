@@ -1,10 +1,11 @@
-"""Hardware is a setting: heal.precision, heal.channels_last, resources.device and store.targets are parsed,
-checked in one line, carried to every trial and logged; the device each trial and task picks follows them."""
+"""Hardware is a setting: heal.precision, heal.compile, heal.graph, heal.channels_last, resources.device and
+store.targets are parsed, checked in one line, carried to every trial and logged; the device each trial and task
+picks follows them."""
 import pytest
 
 from orchestrator.raytune.resources import task_device, task_gpus, trial_device
 from orchestrator.spec import SpecError, parse_spec
-from orchestrator.spec.checks import COMPILE_MODES, DEVICES, PRECISIONS
+from orchestrator.spec.checks import COMPILE_MODES, DEVICES, GRAPH_MODES, PRECISIONS
 from orchestrator.raytune.tune_setup import trial_config
 
 BASE = {"name": "t", "models": ["vit_digits"], "sparsities": [0.5], "calib_sizes": [64], "pruners": ["magnitude"],
@@ -28,6 +29,18 @@ def test_compile_names_are_the_tasks_registry_and_carried_to_every_trial():
     cell = expand_cells(spec, {"vit_digits": "qkv_out_mlp"})[0]
     cfg = trial_config(cell, spec, {"targets": "t", "masks": "m", "cache": "c"}, "k", "mk", "token", 1, "cpu")
     assert cfg["compile"] == "blocks"
+
+
+def test_graph_names_are_the_tasks_registry_and_carried_to_every_trial():
+    from tasks.healing.graphed import GRAPH_MODES as LIVE
+    from orchestrator.spec.plan import expand_cells
+
+    assert GRAPH_MODES == LIVE
+    assert parse_spec(BASE).heal.graph == "off"  # the authors launch every kernel from Python
+    spec = parse_spec({**BASE, "heal": {"graph": "step", "compile": "blocks"}})
+    cell = expand_cells(spec, {"vit_digits": "qkv_out_mlp"})[0]
+    cfg = trial_config(cell, spec, {"targets": "t", "masks": "m", "cache": "c"}, "k", "mk", "token", 1, "cpu")
+    assert cfg["graph"] == "step" and cfg["compile"] == "blocks"
 
 
 @pytest.mark.parametrize("prec", PRECISIONS)
@@ -54,6 +67,7 @@ def test_latency_rounds_parsed_and_carried_to_every_trial():
 @pytest.mark.parametrize("heal,match", [({"precision": "fp16"}, "heal.precision"),
                                         ({"channels_last": "yes"}, "heal.channels_last"),
                                         ({"compile": "max-autotune"}, "heal.compile"),
+                                        ({"graph": "on"}, "heal.graph"),
                                         ({"latency_rounds": 0}, "heal.latency_rounds"),
                                         ({"latency_rounds": 2.5}, "heal.latency_rounds")])
 def test_bad_heal_settings_refused_in_one_line(heal, match):

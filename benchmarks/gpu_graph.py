@@ -1,0 +1,125 @@
+"""The healing step as one CUDA graph (``heal.graph: step``) against the eager step, bf16 STARFISH at 224 px (issue #33:
+DeiT-B/16 at >= 35 % of the chip's dense bf16 peak; at the paper's batch 32 the eager step is bound by its host
+thread: 14.3 % on an H200 on 2026-11-28). Models, data and heals are gpu_throughput.py's; targets are already on the
+device, so the step alone is timed.
+
+Per model and batch size, every variant of ``heal.compile`` (off, blocks) x ``heal.graph`` (off, step), interleaved
+over ``--repeats`` rounds after one warm-up heal each (compilation; Inductor's cache keeps it for the rounds): each
+round heals ``--epochs`` epochs and times epochs 2.. between the loop's per-epoch reports (each after its one
+synchronisation), so the first epoch's eager warm-up steps and captures are not in the rate. Prints and returns
+images/s and MFU (median of rounds, every round kept), each variant over eager, and the final weights of the captured
+heal against the same heal uncaptured (``graph: off``; they differ by the float32 rounding of the learning rate).
+
+    python benchmarks/gpu_graph.py --json OUT/graph.json             # on the GPU machine (~3 min on an H200, est.)
+    python benchmarks/gpu_graph.py --device cpu --tiny --repeats 1    # checks the script (nothing is captured)
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: gpu_throughput's models and heals
+from gpu_throughput import CASES, Healer, bf16_peak, build, open_device, step_flops, sync  # noqa: E402
+from tasks.healing import dense_targets, in_memory_batches  # noqa: E402
+
+VARIANTS = [("off", "off"), ("off", "step"), ("blocks", "off"), ("blocks", "step")]  # (heal.compile, heal.graph)
+
+
+def steady_rate(h: Healer, feed, epochs: int, compile_mode: str, graph: str) -> tuple[float, torch.nn.Module]:
+    """Images/s over epochs 2..``epochs`` of one bf16 heal (the first holds warm-up steps and captures)."""
+    marks: list[float] = []
+
+    def on_epoch(epoch: int, _m: dict) -> None:
+        marks.append(time.perf_counter())  # after the epoch's one synchronisation (the guard's check)
+
+    _, model = h.run(feed, epochs, "bf16", compile_mode, on_epoch, graph)
+    return len(h.images) * (epochs - 1) / (marks[-1] - marks[0]), model
+
+
+def weight_gap(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    """Largest |w_a - w_b| over every floating-point entry of the two models' state."""
+    sa, sb = a.state_dict(), b.state_dict()
+    return max(float((sa[k].float() - sb[k].float()).abs().max()) for k in sa if sa[k].is_floating_point())
+
+
+def measure(name: str, a: argparse.Namespace, dev: torch.device, peak: float) -> dict:
+    dense, adapter, images = build(name, a.tiny, dev)
+    images = images.to(dev)
+    targets = dense_targets(dense, adapter.blocks(dense), images, batch_size=64)  # {block: (N, ...)} on the device
+    out = {"model": CASES[name][0], "images": len(images), "image_size": images.shape[-1], "batches": {}}
+    variants = [v for v in VARIANTS if v[0] == "off" or name in a.compile_models]
+    for batch in a.batches:
+        flops = step_flops(dense, images[:batch], "bf16")
+        h = Healer(dense, adapter, images, batch)
+        feed = in_memory_batches(targets, batch, 0)
+        for c, g in variants:  # warm-up: kernels, allocator, compilation
+            steady_rate(h, feed, 2, c, g)
+        rounds: dict[str, list[float]] = {f"{c}+{g}": [] for c, g in variants}
+        for _ in range(a.repeats):
+            for c, g in variants:
+                rounds[f"{c}+{g}"].append(steady_rate(h, feed, a.epochs, c, g)[0])
+        med = {k: statistics.median(v) for k, v in rounds.items()}
+        _, eager = steady_rate(h, feed, 2, "off", "off")
+        _, captured = steady_rate(h, feed, 2, "off", "step")
+        out["batches"][batch] = {
+            "gflops_per_image_step": flops / 1e9,
+            "images_per_s": med, "images_per_s_rounds": rounds,
+            "mfu": {k: flops * v / peak for k, v in med.items()},
+            "over_eager": {k: v / med["off+off"] for k, v in med.items()},
+            "captured_vs_eager_max_abs_weight_diff": weight_gap(eager, captured)}
+        print(summary(name, batch, out["batches"][batch]), flush=True)
+        if dev.type == "cuda":
+            out["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+        sync(dev)
+    return out
+
+
+def summary(name: str, batch: int, r: dict) -> str:
+    return (f"{name} batch {batch} bf16 ({r['gflops_per_image_step']:.1f} GFLOP/image-step): "
+            + ", ".join(f"compile {k.split('+')[0]} graph {k.split('+')[1]} {v:.0f} img/s "
+                        f"(MFU {100 * r['mfu'][k]:.1f} %, {r['over_eager'][k]:.2f}x)"
+                        for k, v in r["images_per_s"].items())
+            + f"; captured vs eager weights: max |diff| {r['captured_vs_eager_max_abs_weight_diff']:.2e}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
+    ap.add_argument("--tiny", action="store_true", help="small models at 32 px (checks the script on a CPU)")
+    ap.add_argument("--models", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--batches", nargs="+", type=int, default=[32, 128], help="batch sizes (default 32, the "
+                    "paper's, and 128)")
+    ap.add_argument("--compile-models", nargs="*", default=["deit_b16"], choices=list(CASES),
+                    help="models also measured with heal.compile: blocks (default deit_b16: compiling ResNet-50's "
+                         "block shapes took over 110 s on an H100)")
+    ap.add_argument("--epochs", type=int, default=3, help="epochs per timed heal (epochs 2.. are timed)")
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved rounds")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    a = ap.parse_args(argv)
+    if a.epochs < 2:
+        ap.error("--epochs must be at least 2 (the first epoch is not timed)")
+    return a
+
+
+def run(a: argparse.Namespace) -> dict:
+    import json
+
+    dev = open_device("gpu_graph", a.device)
+    peak = bf16_peak(dev)
+    out = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "torch": torch.__version__,
+           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+           "bf16_peak_tflops": peak / 1e12, "models": {}}
+    for name in a.models:
+        out["models"][name] = measure(name, a, dev, peak)
+        if a.json:  # after each model: a time limit loses only the model it cuts
+            a.json.write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    run(parse_args())

@@ -1,0 +1,94 @@
+"""heal.graph: step on a CUDA device (tasks/healing/graphed.py): the captured and replayed step heals as the same
+step run eagerly (the graph's kernels are the eager step's), for both block kinds, fp32 and bf16, with a last
+batch of another shape (a graph of its own); it keeps every mask; a NaN batch after the capture is undone and named
+as under ``heal.graph: off``. Skipped without CUDA (CI has none): ``python -m pytest tests/gpu`` on a GPU machine."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tasks.healing import HEALERS, HealConfig, HealingDiverged, in_memory_batches
+from tasks.healing import graphed, loop
+from tasks.pruning import mask_violations
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+STARFISH = HEALERS.get("starfish")
+
+
+def _on_cuda(case, batch: int = 8):
+    case.model.cuda()
+    case.ctx.masks = {k: v.cuda() for k, v in case.masks.items()}
+    case.ctx.images = case.ctx.images.cuda()
+    case.targets = {k: v.cuda() for k, v in case.targets.items()}
+    case.ctx.batches = in_memory_batches(case.targets, batch, 0)
+    return case
+
+
+@pytest.fixture
+def seen(monkeypatch):
+    """The StepGraphs of each heal, observed (the loop's own class, recording its instances)."""
+    made = []
+
+    class Recording(graphed.StepGraphs):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(loop, "StepGraphs", Recording)
+    return made
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind,scope", [("timm_vit", "qkv_out_mlp"), ("resnet", "conv")])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_captured_step_heals_as_the_eager_step(heal_case, seen, monkeypatch, kind, scope, precision):
+    cfg = HealConfig(lr=1e-2, epochs=4, batch_size=8, precision=precision, graph="step")
+    eager = _on_cuda(heal_case(kind, scope, sparsity=0.8, n=36))  # 4 batches of 8 and one of 4 an epoch
+    monkeypatch.setattr(graphed, "WARMUP", 10**6)  # the same step, never captured
+    re = STARFISH.heal(eager.ctx, cfg)
+    monkeypatch.setattr(graphed, "WARMUP", 2)
+    cap = _on_cuda(heal_case(kind, scope, sparsity=0.8, n=36))
+    rc = STARFISH.heal(cap.ctx, cfg)
+    assert seen[0].graphs == {} and len(seen[1].graphs) == 2 and seen[1].failed == {}  # both shapes captured
+    assert rc.steps == re.steps == 20
+    assert rc.epoch_losses == pytest.approx(re.epoch_losses, rel=1e-5, abs=1e-7)
+    assert rc.epoch_losses[-1] < rc.epoch_losses[0]
+    assert mask_violations(cap.model, cap.ctx.masks) == 0
+    cap.assert_invariants(allowed=STARFISH.may_change(cap.model, cap.entries, {}))
+    se, sc = eager.model.state_dict(), cap.model.state_dict()
+    for k in se:
+        if se[k].is_floating_point():
+            assert torch.allclose(se[k], sc[k], rtol=1e-4, atol=1e-6), k
+        else:
+            assert torch.equal(se[k], sc[k]), k
+
+
+@pytest.mark.timeout(300)
+def test_captured_step_near_off(heal_case, seen):
+    """Against heal.graph: off (the non-capturable fused AdamW, lr as a number): float32 rounding of the lr only."""
+    off = _on_cuda(heal_case("timm_vit", "qkv_out_mlp", sparsity=0.8, n=36))
+    ro = STARFISH.heal(off.ctx, HealConfig(lr=1e-2, epochs=4, batch_size=8))
+    cap = _on_cuda(heal_case("timm_vit", "qkv_out_mlp", sparsity=0.8, n=36))
+    rc = STARFISH.heal(cap.ctx, HealConfig(lr=1e-2, epochs=4, batch_size=8, graph="step"))
+    assert len(seen[0].graphs) == 2
+    assert rc.epoch_losses == pytest.approx(ro.epoch_losses, rel=1e-3)
+    so, sc = off.model.state_dict(), cap.model.state_dict()
+    assert all(torch.allclose(so[k], sc[k], rtol=1e-3, atol=1e-5) for k in so if so[k].is_floating_point())
+
+
+@pytest.mark.timeout(300)
+def test_nan_after_capture_is_undone_and_named_as_off(heal_case, seen):
+    messages = []
+    for graph in ("off", "step"):
+        case = _on_cuda(heal_case("timm_vit", "qkv_out_mlp", n=36))
+        last = case.ctx.blocks[-1][0]
+        bad_row = int(list(in_memory_batches(case.targets, 8, seed=0)(2))[3][0][0])  # epoch 3, its 4th batch
+        case.targets[last][bad_row].view(-1)[0] = float("nan")
+        case.ctx.batches = in_memory_batches(case.targets, 8, 0)
+        with pytest.raises(HealingDiverged) as e:
+            STARFISH.heal(case.ctx, HealConfig(lr=1e-3, epochs=4, batch_size=8, graph=graph))
+        messages.append(str(e.value))
+        assert mask_violations(case.model, case.ctx.masks) == 0
+        assert all(torch.isfinite(p).all() for p in case.model.parameters())
+    assert len(seen[0].graphs) >= 1  # the bad step was a replay
+    assert messages[0] == messages[1] and "loss became nan at epoch 3" in messages[0], messages
