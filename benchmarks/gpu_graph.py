@@ -19,6 +19,7 @@ import argparse
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,6 +31,9 @@ from tasks.healing import dense_targets, in_memory_batches  # noqa: E402
 VARIANTS = [("off", "off"), ("off", "step"), ("blocks", "off"), ("blocks", "step")]  # (heal.compile, heal.graph)
 
 
+FAILED_CAPTURES: list[str] = []  # heal.graph's warnings (a batch shape whose capture failed heals eagerly)
+
+
 def steady_rate(h: Healer, feed, epochs: int, compile_mode: str, graph: str) -> tuple[float, torch.nn.Module]:
     """Images/s over epochs 2..``epochs`` of one bf16 heal (the first holds warm-up steps and captures)."""
     marks: list[float] = []
@@ -37,7 +41,10 @@ def steady_rate(h: Healer, feed, epochs: int, compile_mode: str, graph: str) -> 
     def on_epoch(epoch: int, _m: dict) -> None:
         marks.append(time.perf_counter())  # after the epoch's one synchronisation (the guard's check)
 
-    _, model = h.run(feed, epochs, "bf16", compile_mode, on_epoch, graph)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, model = h.run(feed, epochs, "bf16", compile_mode, on_epoch, graph)
+    FAILED_CAPTURES.extend(f"{compile_mode}+{graph}: {w.message}" for w in caught if "heal.graph" in str(w.message))
     return len(h.images) * (epochs - 1) / (marks[-1] - marks[0]), model
 
 
@@ -71,7 +78,9 @@ def measure(name: str, a: argparse.Namespace, dev: torch.device, peak: float) ->
             "images_per_s": med, "images_per_s_rounds": rounds,
             "mfu": {k: flops * v / peak for k, v in med.items()},
             "over_eager": {k: v / med["off+off"] for k, v in med.items()},
-            "captured_vs_eager_max_abs_weight_diff": weight_gap(eager, captured)}
+            "captured_vs_eager_max_abs_weight_diff": weight_gap(eager, captured),
+            "failed_captures": sorted(set(FAILED_CAPTURES))}
+        FAILED_CAPTURES.clear()
         print(summary(name, batch, out["batches"][batch]), flush=True)
         if dev.type == "cuda":
             out["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
@@ -84,7 +93,8 @@ def summary(name: str, batch: int, r: dict) -> str:
             + ", ".join(f"compile {k.split('+')[0]} graph {k.split('+')[1]} {v:.0f} img/s "
                         f"(MFU {100 * r['mfu'][k]:.1f} %, {r['over_eager'][k]:.2f}x)"
                         for k, v in r["images_per_s"].items())
-            + f"; captured vs eager weights: max |diff| {r['captured_vs_eager_max_abs_weight_diff']:.2e}")
+            + f"; captured vs eager weights: max |diff| {r['captured_vs_eager_max_abs_weight_diff']:.2e}"
+            + (f"; FAILED CAPTURES: {r['failed_captures']}" if r["failed_captures"] else ""))
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -92,3 +92,16 @@ def test_nan_after_capture_is_undone_and_named_as_off(heal_case, seen):
         assert all(torch.isfinite(p).all() for p in case.model.parameters())
     assert len(seen[0].graphs) >= 1  # the bad step was a replay
     assert messages[0] == messages[1] and "loss became nan at epoch 3" in messages[0], messages
+
+
+@pytest.mark.timeout(300)
+def test_captured_compiled_step(heal_case, seen):
+    """heal.compile: blocks inside the capture: compiled during the eager warm-up steps, then captured (no fallback)."""
+    off = _on_cuda(heal_case("timm_vit", "qkv_out_mlp", sparsity=0.8, n=36))
+    ro = STARFISH.heal(off.ctx, HealConfig(lr=1e-2, epochs=4, batch_size=8, precision="bf16", compile="blocks"))
+    cap = _on_cuda(heal_case("timm_vit", "qkv_out_mlp", sparsity=0.8, n=36))
+    rc = STARFISH.heal(cap.ctx, HealConfig(lr=1e-2, epochs=4, batch_size=8, precision="bf16", compile="blocks",
+                                           graph="step"))
+    assert len(seen[0].graphs) == 2 and seen[0].failed == {}
+    assert rc.epoch_losses == pytest.approx(ro.epoch_losses, rel=1e-2)
+    assert mask_violations(cap.model, cap.ctx.masks) == 0
