@@ -62,7 +62,7 @@ class HostSchedule:
 def capturable_adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float, dev: torch.device,
                      make_schedule: Callable[[torch.optim.Optimizer], Any]) -> tuple[torch.optim.Optimizer, HostSchedule]:
     """AdamW (fused kernel, ``capturable=True``) reading its learning rate from a device tensor, and the host
-    schedule that writes it. ``load_state_dict`` of a checkpoint keeps the device tensor (``rebind``)."""
+    schedule that writes it. After the optimizer's ``load_state_dict`` (a resumed trial), ``rebind_lr``."""
     lr_t = torch.tensor(lr, dtype=torch.float32, device=dev)
     opt = torch.optim.AdamW(params, lr=lr_t, weight_decay=weight_decay, fused=True, capturable=True)
     return opt, HostSchedule(lr_t, lr, make_schedule)
