@@ -56,7 +56,10 @@ def weight_gap(a: torch.nn.Module, b: torch.nn.Module) -> float:
 
 def measure(name: str, a: argparse.Namespace, dev: torch.device, peak: float) -> dict:
     dense, adapter, images = build(name, a.tiny, dev)
-    images = images.to(dev)
+    cnn = name == "resnet50" and dev.type == "cuda"  # heal.channels_last: auto (a CNN on a GPU runs NHWC)
+    images = images.to(dev, memory_format=torch.channels_last if cnn else torch.preserve_format)
+    if cnn:
+        dense = dense.to(memory_format=torch.channels_last)
     targets = dense_targets(dense, adapter.blocks(dense), images, batch_size=64)  # {block: (N, ...)} on the device
     out = {"model": CASES[name][0], "images": len(images), "image_size": images.shape[-1], "batches": {}}
     variants = [v for v in VARIANTS if v[0] == "off" or name in a.compile_models]
