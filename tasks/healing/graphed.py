@@ -110,7 +110,9 @@ class StepGraphs:
     def _side_stream(self, body, x, tgt) -> torch.Tensor:
         s = torch.cuda.Stream(self.dev)
         s.wait_stream(torch.cuda.current_stream(self.dev))
-        with torch.cuda.stream(s):
+        with torch.cuda.stream(s), warnings.catch_warnings():
+            # torch warns once that a capturable optimizer steps uncaptured: these warm-up steps are meant to
+            warnings.filterwarnings("ignore", message=".*capturable=True.*", category=UserWarning)
             loss = body(x, dict(tgt))
         torch.cuda.current_stream(self.dev).wait_stream(s)
         return loss
