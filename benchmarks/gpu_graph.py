@@ -25,17 +25,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: gpu_throughput's models and heals
-from gpu_throughput import CASES, Healer, bf16_peak, build, open_device, step_flops, sync  # noqa: E402
+from gpu_throughput import CASES, Healer, bf16_peak, build, per_model, step_flops, sync  # noqa: E402
 from tasks.healing import dense_targets, in_memory_batches  # noqa: E402
 
 VARIANTS = [("off", "off"), ("off", "step"), ("blocks", "off"), ("blocks", "step")]  # (heal.compile, heal.graph)
 
 
-FAILED_CAPTURES: list[str] = []  # heal.graph's warnings (a batch shape whose capture failed heals eagerly)
-
-
-def steady_rate(h: Healer, feed, epochs: int, compile_mode: str, graph: str) -> tuple[float, torch.nn.Module]:
-    """Images/s over epochs 2..``epochs`` of one bf16 heal (the first holds warm-up steps and captures)."""
+def steady_rate(h: Healer, feed, epochs: int, compile_mode: str, graph: str, failed: list[str]
+                ) -> tuple[float, torch.nn.Module]:
+    """Images/s over epochs 2..``epochs`` of one bf16 heal (the first holds warm-up steps and captures); heal.graph's
+    warnings (a batch shape whose capture failed heals eagerly) are added to ``failed``."""
     marks: list[float] = []
 
     def on_epoch(epoch: int, _m: dict) -> None:
@@ -44,7 +43,7 @@ def steady_rate(h: Healer, feed, epochs: int, compile_mode: str, graph: str) -> 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, model = h.run(feed, epochs, "bf16", compile_mode, on_epoch, graph)
-    FAILED_CAPTURES.extend(f"{compile_mode}+{graph}: {w.message}" for w in caught if "heal.graph" in str(w.message))
+    failed.extend(f"{compile_mode}+{graph}: {w.message}" for w in caught if "heal.graph" in str(w.message))
     return len(h.images) * (epochs - 1) / (marks[-1] - marks[0]), model
 
 
@@ -54,40 +53,42 @@ def weight_gap(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max(float((sa[k].float() - sb[k].float()).abs().max()) for k in sa if sa[k].is_floating_point())
 
 
-def measure(name: str, a: argparse.Namespace, dev: torch.device, peak: float) -> dict:
+def measure(name: str, a: argparse.Namespace, dev: torch.device) -> dict:
+    peak = bf16_peak(dev)
     dense, adapter, images = build(name, a.tiny, dev)
     cnn = name == "resnet50" and dev.type == "cuda"  # heal.channels_last: auto (a CNN on a GPU runs NHWC)
     images = images.to(dev, memory_format=torch.channels_last if cnn else torch.preserve_format)
     if cnn:
         dense = dense.to(memory_format=torch.channels_last)
     targets = dense_targets(dense, adapter.blocks(dense), images, batch_size=64)  # {block: (N, ...)} on the device
-    out = {"model": CASES[name][0], "images": len(images), "image_size": images.shape[-1], "batches": {}}
+    out = {"model": CASES[name][0], "images": len(images), "image_size": images.shape[-1],
+           "bf16_peak_tflops": peak / 1e12, "batches": {}}
     variants = [v for v in VARIANTS if v[0] == "off" or name in a.compile_models]
     for batch in a.batches:
         flops = step_flops(dense, images[:batch], "bf16")
         h = Healer(dense, adapter, images, batch)
         feed = in_memory_batches(targets, batch, 0)
+        failed: list[str] = []
         for c, g in variants:  # warm-up: kernels, allocator, compilation
-            steady_rate(h, feed, 2, c, g)
+            steady_rate(h, feed, 2, c, g, failed)
         rounds: dict[str, list[float]] = {f"{c}+{g}": [] for c, g in variants}
         for _ in range(a.repeats):
             for c, g in variants:
-                rounds[f"{c}+{g}"].append(steady_rate(h, feed, a.epochs, c, g)[0])
+                rounds[f"{c}+{g}"].append(steady_rate(h, feed, a.epochs, c, g, failed)[0])
         med = {k: statistics.median(v) for k, v in rounds.items()}
-        _, eager = steady_rate(h, feed, 2, "off", "off")
-        _, captured = steady_rate(h, feed, 2, "off", "step")
+        _, eager = steady_rate(h, feed, 2, "off", "off", failed)
+        _, captured = steady_rate(h, feed, 2, "off", "step", failed)
         out["batches"][batch] = {
             "gflops_per_image_step": flops / 1e9,
             "images_per_s": med, "images_per_s_rounds": rounds,
             "mfu": {k: flops * v / peak for k, v in med.items()},
             "over_eager": {k: v / med["off+off"] for k, v in med.items()},
             "captured_vs_eager_max_abs_weight_diff": weight_gap(eager, captured),
-            "failed_captures": sorted(set(FAILED_CAPTURES))}
-        FAILED_CAPTURES.clear()
+            "failed_captures": sorted(set(failed))}
         print(summary(name, batch, out["batches"][batch]), flush=True)
-        if dev.type == "cuda":
-            out["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
-        sync(dev)
+    sync(dev)
+    if dev.type == "cuda":
+        out["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
     return out
 
 
@@ -119,20 +120,5 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def run(a: argparse.Namespace) -> dict:
-    import json
-
-    dev = open_device("gpu_graph", a.device)
-    peak = bf16_peak(dev)
-    out = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "torch": torch.__version__,
-           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-           "bf16_peak_tflops": peak / 1e12, "models": {}}
-    for name in a.models:
-        out["models"][name] = measure(name, a, dev, peak)
-        if a.json:  # after each model: a time limit loses only the model it cuts
-            a.json.write_text(json.dumps(out, indent=1))
-    return out
-
-
-if __name__ == "__main__":
-    run(parse_args())
+if __name__ == "__main__":  # header (date, torch, device), each model's results written as it ends
+    per_model("gpu_graph", parse_args(), measure)

@@ -40,14 +40,15 @@ class HostSchedule:
         self.host = torch.optim.SGD([torch.zeros((), requires_grad=True)], lr=base_lr)
         self.sched = make(self.host)
         self.host.step()  # a step of a parameter without a gradient changes nothing; torch then knows it stepped
-        self._write()
+        self.write()
 
-    def _write(self) -> None:
+    def write(self) -> None:
+        """The host schedule's current lr into the device tensor (one fill kernel)."""
         self.lr.fill_(self.host.param_groups[0]["lr"])
 
     def step(self) -> None:
         self.sched.step()
-        self._write()
+        self.write()
 
     def state_dict(self) -> dict:
         return self.sched.state_dict()
@@ -56,7 +57,7 @@ class HostSchedule:
         self.sched.load_state_dict(dict(state))
         lr = state.get("_last_lr", [self.host.param_groups[0]["lr"]])[0]
         self.host.param_groups[0]["lr"] = float(lr)
-        self._write()
+        self.write()
 
 
 def capturable_adamw(params: list[torch.nn.Parameter], lr: float, weight_decay: float, dev: torch.device,
@@ -72,7 +73,7 @@ def rebind_lr(opt: torch.optim.Optimizer, sched: HostSchedule) -> None:
     """After ``opt.load_state_dict``: the group's learning rate is the schedule's device tensor again."""
     for group in opt.param_groups:
         group["lr"] = sched.lr
-    sched._write()
+    sched.write()
 
 
 def _key(x: torch.Tensor, tgt: Mapping[str, torch.Tensor]) -> tuple:
@@ -85,12 +86,12 @@ class StepGraphs:
     Per batch shape: ``WARMUP`` eager steps on a side stream, then a capture into static input buffers (the step
     it captures is run by the first replay), then replays after copying each batch into those buffers. The loss a
     replay returns is the graph's static output: read it before the next step (the loop adds it to the epoch's sum
-    at once). ``capture=False`` (no CUDA): every step eager."""
+    at once). Without CUDA every step is eager."""
 
-    def __init__(self, dev: torch.device, capture: bool | None = None, warmup: int | None = None):
+    def __init__(self, dev: torch.device):
         self.dev = dev
-        self.capture = dev.type == "cuda" if capture is None else capture
-        self.warmup = WARMUP if warmup is None else warmup
+        self.capture = dev.type == "cuda"
+        self.warmup = WARMUP
         self.graphs: dict[tuple, tuple] = {}  # key -> (graph, static x, static targets, static loss)
         self.seen: dict[tuple, int] = {}
         self.failed: dict[tuple, str] = {}  # key -> why its capture failed (it then runs eagerly)
