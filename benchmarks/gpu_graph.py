@@ -3,10 +3,12 @@ DeiT-B/16 at >= 35 % of the chip's dense bf16 peak; at the paper's batch 32 the 
 thread: 14.3 % on an H200 on 2026-11-28). Models, data and heals are gpu_throughput.py's; targets are already on the
 device, so the step alone is timed.
 
-Per model and batch size, every variant of ``heal.compile`` (off, blocks) x ``heal.graph`` (off, step), interleaved
-over ``--repeats`` rounds after one warm-up heal each (compilation; Inductor's cache keeps it for the rounds): each
-round heals ``--epochs`` epochs and times epochs 2.. between the loop's per-epoch reports (each after its one
-synchronisation), so the first epoch's eager warm-up steps and captures are not in the rate. Prints and returns
+Per model and batch size, every variant of ``heal.compile`` (off, blocks) x ``heal.graph`` (off, step), and the
+captured step with the post-step as it was until 2026-11-29 (key ``...+full``: every tensor restored, every weight
+copied for the guard; bench_post_step.py), interleaved over ``--repeats`` rounds after one warm-up heal each
+(compilation; Inductor's cache keeps it for the rounds): each round heals ``--epochs`` epochs and times epochs 2..
+between the loop's per-epoch reports (each after its one synchronisation), so the first epoch's eager warm-up steps
+and captures are not in the rate. Prints and returns
 images/s and MFU (median of rounds, every round kept), each variant over eager, and the final weights of the captured
 heal against the same heal uncaptured (``graph: off``; they differ by the float32 rounding of the learning rate).
 
@@ -20,18 +22,21 @@ import statistics
 import sys
 import time
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: gpu_throughput's models and heals
+from bench_post_step import full_post_step  # noqa: E402
 from gpu_throughput import CASES, Healer, bf16_peak, build, per_model, step_flops, sync  # noqa: E402
 from tasks.healing import dense_targets, in_memory_batches  # noqa: E402
 
-VARIANTS = [("off", "off"), ("off", "step"), ("blocks", "off"), ("blocks", "step")]  # (heal.compile, heal.graph)
+VARIANTS = [("off", "off", ""), ("off", "step", ""), ("blocks", "off", ""), ("blocks", "step", "")]  # (heal.compile,
+# heal.graph, post-step: "" the loop's, "full" as before 2026-11-29); measure() adds the captured step with "full"
 
 
-def steady_rate(h: Healer, feed, epochs: int, compile_mode: str, graph: str, failed: list[str]
+def steady_rate(h: Healer, feed, epochs: int, compile_mode: str, graph: str, failed: list[str], post: str = ""
                 ) -> tuple[float, torch.nn.Module]:
     """Images/s over epochs 2..``epochs`` of one bf16 heal (the first holds warm-up steps and captures); heal.graph's
     warnings (a batch shape whose capture failed heals eagerly) are added to ``failed``."""
@@ -40,7 +45,7 @@ def steady_rate(h: Healer, feed, epochs: int, compile_mode: str, graph: str, fai
     def on_epoch(epoch: int, _m: dict) -> None:
         marks.append(time.perf_counter())  # after the epoch's one synchronisation (the guard's check)
 
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, full_post_step() if post == "full" else nullcontext():
         warnings.simplefilter("always")
         _, model = h.run(feed, epochs, "bf16", compile_mode, on_epoch, graph)
     failed.extend(f"{compile_mode}+{graph}: {w.message}" for w in caught if "heal.graph" in str(w.message))
@@ -64,17 +69,18 @@ def measure(name: str, a: argparse.Namespace, dev: torch.device) -> dict:
     out = {"model": CASES[name][0], "images": len(images), "image_size": images.shape[-1],
            "bf16_peak_tflops": peak / 1e12, "batches": {}}
     variants = [v for v in VARIANTS if v[0] == "off" or name in a.compile_models]
+    variants.append(("blocks" if name in a.compile_models else "off", "step", "full"))
     for batch in a.batches:
         flops = step_flops(dense, images[:batch], "bf16")
         h = Healer(dense, adapter, images, batch)
         feed = in_memory_batches(targets, batch, 0)
         failed: list[str] = []
-        for c, g in variants:  # warm-up: kernels, allocator, compilation
-            steady_rate(h, feed, 2, c, g, failed)
-        rounds: dict[str, list[float]] = {f"{c}+{g}": [] for c, g in variants}
+        for c, g, post in variants:  # warm-up: kernels, allocator, compilation
+            steady_rate(h, feed, 2, c, g, failed, post)
+        rounds: dict[str, list[float]] = {_key(*v): [] for v in variants}
         for _ in range(a.repeats):
-            for c, g in variants:
-                rounds[f"{c}+{g}"].append(steady_rate(h, feed, a.epochs, c, g, failed)[0])
+            for c, g, post in variants:
+                rounds[_key(c, g, post)].append(steady_rate(h, feed, a.epochs, c, g, failed, post)[0])
         med = {k: statistics.median(v) for k, v in rounds.items()}
         _, eager = steady_rate(h, feed, 2, "off", "off", failed)
         _, captured = steady_rate(h, feed, 2, "off", "step", failed)
@@ -92,9 +98,13 @@ def measure(name: str, a: argparse.Namespace, dev: torch.device) -> dict:
     return out
 
 
+def _key(compile_mode: str, graph: str, post: str) -> str:
+    return f"{compile_mode}+{graph}" + (f"+{post}" if post else "")
+
+
 def summary(name: str, batch: int, r: dict) -> str:
     return (f"{name} batch {batch} bf16 ({r['gflops_per_image_step']:.1f} GFLOP/image-step): "
-            + ", ".join(f"compile {k.split('+')[0]} graph {k.split('+')[1]} {v:.0f} img/s "
+            + ", ".join(f"compile {k.split('+')[0]} graph {k.split('+', 1)[1]} {v:.0f} img/s "
                         f"(MFU {100 * r['mfu'][k]:.1f} %, {r['over_eager'][k]:.2f}x)"
                         for k, v in r["images_per_s"].items())
             + f"; captured vs eager weights: max |diff| {r['captured_vs_eager_max_abs_weight_diff']:.2e}"

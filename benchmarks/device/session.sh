@@ -19,7 +19,8 @@
 #   graph (one call on a fresh machine; built 2026-11-29 without a GPU, not yet run: estimated 8-9 min):
 #     1. tests/gpu (tests/gpu/test_graph_step.py: the captured step against the same step uncaptured);
 #     2. gpu_graph.py: DeiT-B/16 and ResNet-50 bf16 at batch 32 and 128, heal.compile off/blocks x heal.graph
-#        off/step, targets on the device (OUT/d/graph.json);
+#        off/step, and the captured step with the post-step as before 2026-11-29 (restore every tensor, copy every
+#        weight), targets on the device (OUT/d/graph.json);
 #     3. the default sweep with heal.graph: step (install from the bundle, 8 trials sharing the GPU) against the
 #        CPU run.
 # Usage, from the repository root, the bundle built beforehand on a machine with package access

@@ -7,6 +7,7 @@ raises ``HealingDiverged`` naming that step: the same weights, buffers and messa
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -14,6 +15,30 @@ import torch
 from tasks.healing.base import HealingDiverged
 
 REASONS = {1: "loss became {loss}", 2: "non-finite gradient for {param}", 3: "weights became non-finite"}
+NORM_SAFE = 1e18  # a weight tensor's L2 norm that stays far below float32's overflow in its norm (~1.8e19)
+
+
+def adam_ratio_bound(betas: tuple[float, float]) -> float | None:
+    """Upper bound of |m̂ / √v̂| per entry for Adam(W) with these betas, any number of steps and any finite gradients
+    (None when β1² ≥ β2: no bound of this form). With m_t = Σ_i (1-β1)β1^(t-i) g_i and v_t = Σ_i (1-β2)β2^(t-i) g_i²,
+    Cauchy-Schwarz gives |m_t| ≤ √(Σ_k (1-β1)²β1^(2k) / ((1-β2)β2^k)) · √v_t ≤ √((1-β1)² / ((1-β2)(1 - β1²/β2))) · √v_t;
+    the bias corrections (1-β1^t) ≥ 1-β1 and (1-β2^t) ≤ 1 add at most a factor 1/(1-β1). Defaults (0.9, 0.999): 72.7."""
+    b1, b2 = betas
+    if not (0 <= b1 < 1 and 0 < b2 < 1) or b1 * b1 >= b2:
+        return None
+    return math.sqrt((1 - b1) ** 2 / ((1 - b2) * (1 - b1 * b1 / b2))) / (1 - b1)
+
+
+def adamw_stays_finite(max_abs: float, numel: int, lr_max: float, weight_decay: float, steps: int,
+                       betas: tuple[float, float]) -> bool:
+    """Whether ``steps`` AdamW steps from weights with |w| ≤ ``max_abs`` (a tensor of at most ``numel`` entries) and
+    a learning rate ≤ ``lr_max`` provably leave every weight tensor's norm under NORM_SAFE whenever each step's
+    gradients are finite: a step moves an entry by at most lr·(ratio bound) (eps only shrinks it) after scaling it by
+    1 - lr·wd, which does not grow it while lr·wd ≤ 2. Then the guard's reason 3 cannot occur."""
+    ratio = adam_ratio_bound(betas)
+    if ratio is None or not math.isfinite(max_abs) or lr_max < 0 or weight_decay < 0 or lr_max * weight_decay > 2:
+        return False
+    return math.sqrt(numel) * (max_abs + steps * lr_max * ratio) < NORM_SAFE
 
 
 def finite_norms(tensors: Sequence[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

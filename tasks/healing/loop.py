@@ -4,7 +4,10 @@ A gradient healer is an objective plus the shared loop: AdamW over the prunable 
 cosine schedule from lr to lr_min over every step of the trial (``epochs`` × steps per epoch, or exactly
 ``HealConfig.steps`` when given: the loop then stops mid-epoch after that many steps, docs/methods.md#search),
 gradients of masked and out-of-region entries zeroed, and after every step every entry a healer may not change
-is restored (masked entries stay exactly 0; the rest of the model is frozen with requires_grad=False).
+is restored (masked entries stay exactly 0; the rest of the model is frozen with requires_grad=False). A tensor
+whose frozen entries are all zeros needs no restore and gets none: AdamW leaves an entry that is ±0 with a zero
+gradient (hence zero moments) exactly as it was, sign bit included (decay 0·(1 - lr·wd), update lr·0/(√0 + eps));
+``_Run.restore`` lists the others (e.g. a fused qkv tensor's V rows under ``qk_train='qk'``).
 
 Settings every gradient healer shares (docs/methods.md#starfish):
 - ``bn: train | frozen`` (default ``train``, the authors' ``pruned_model.train()``): the pruned model runs in
@@ -30,7 +33,7 @@ import torch
 from tasks.healing.base import Batches, EpochCallback, HealConfig, HealContext, Healer, HealResult
 from tasks.healing.compiled import compiled_blocks, compiled_fn
 from tasks.healing.graphed import StepGraphs, capturable_adamw, check_graph, rebind_lr
-from tasks.healing.guard import DivergenceGuard, finite_norms, keep_or_restore
+from tasks.healing.guard import DivergenceGuard, adamw_stays_finite, finite_norms, keep_or_restore
 from tasks.healing.precision import as_f32, dict_f32, forward_context, precision_flags
 from tasks.healing.targets import block_tap, device_index
 from tasks.pruning.base import train_masks
@@ -179,15 +182,20 @@ class GradientHealer(Healer):
             grads = [params[names[i]].grad for i in present]  # after the last target block: untouched
             torch._foreach_mul_(grads, [r.keep_f[i] for i in present])  # = g.mul_(keep): bit for bit, one launch
             grad_ok, bad_grad = finite_norms(grads, r.dev)
+            loss_ok = torch.isfinite(loss)
             r.grad_names = [names[i] for i in present]
             current = [params[name].data for name in names]
-            torch._foreach_copy_(r.before, current)  # the weights before the step, into buffers made once
+            if r.skip is not None:  # fused AdamW skips the step itself when it, or one before, was not finite
+                r.skip.copy_(~(loss_ok & grad_ok) | r.guard.bad)
+            else:
+                torch._foreach_copy_(r.before, current)  # the weights before the step, into buffers made once
         r.opt.step()  # the schedule steps after the whole step (the loop): the lr of the next one
         with torch.no_grad():
-            for name in names:  # in place (out= the parameter itself): one kernel, no temporary
-                torch.where(r.keep[name], params[name], r.frozen[name], out=params[name])
-            undo = r.guard.record(torch.isfinite(loss), grad_ok, bad_grad, finite_norms(current, r.dev)[0], loss)
-            keep_or_restore(undo, current, r.before)  # never leave NaN/Inf weights
+            for i in r.restore:  # in place (out= the parameter itself): one kernel, no temporary
+                torch.where(r.keep[names[i]], current[i], r.frozen[names[i]], out=current[i])
+            undo = r.guard.record(loss_ok, grad_ok, bad_grad, finite_norms(current, r.dev)[0], loss)
+            if r.skip is None:
+                keep_or_restore(undo, current, r.before)  # never leave NaN/Inf weights
             keep_or_restore(undo, list(r.bn_bufs.values()), [saved[k] for k in r.bn_bufs])
         return loss.detach()
 
@@ -205,6 +213,8 @@ class _Run:
     bn_bufs: dict[str, torch.Tensor]
     dev: torch.device
     keep_f: list[torch.Tensor] | None = None  # keep per name (in ``names`` order) as the parameter's float dtype
+    restore: list[int] | None = None  # indices into ``names`` with a nonzero frozen entry: restored every step
+    skip: torch.Tensor | None = None  # () float32, the fused AdamW's ``found_inf``: 1 skips its step (no ``before``)
     before: list[torch.Tensor] | None = None  # per name: the weights before the running step (reused buffers)
     guard: Any = None  # DivergenceGuard of the running heal
     grad_names: list[str] | None = None  # parameters that had a gradient in the last step (the guard's index)
@@ -237,8 +247,35 @@ def _prepare(ctx: HealContext, cfg: HealConfig, common: dict, steps_per_epoch: i
         sched = cosine(opt)
     sd = model.state_dict()
     bn_bufs = {k: sd[k] for k in bn_state_names(model)} if common["bn"] == "train" else {}
+    skip = skip_flag(opt, dev, [frozen[n] for n in names], max(cfg.lr, cfg.lr_min), schedule_steps(cfg, steps_per_epoch))
     return _Run(params, names, keep, frozen, opt, sched, bn_bufs, dev,
-                keep_f=[keep[n].to(params[n].dtype) for n in names], before=[frozen[n].clone() for n in names])
+                keep_f=[keep[n].to(params[n].dtype) for n in names], restore=needs_restore(names, keep, frozen),
+                skip=skip, before=None if skip is not None else [frozen[n].clone() for n in names])
+
+
+def needs_restore(names: list[str], keep: Mapping[str, torch.Tensor], frozen: Mapping[str, torch.Tensor]) -> list[int]:
+    """Indices of ``names`` whose tensor has an entry the loop may not change that is not zero (keep (shape of the
+    tensor) bool, frozen its pruned values): only there can AdamW's weight decay move one. One host sync, at setup."""
+    return [i for i, n in enumerate(names) if bool(torch.any(~keep[n] & (frozen[n] != 0)))]
+
+
+def skip_flag(opt: torch.optim.Optimizer, dev: torch.device, weights: list[torch.Tensor], lr_max: float,
+              steps: int) -> torch.Tensor | None:
+    """For a fused AdamW whose steps provably keep the weights finite (guard.adamw_stays_finite: any learning rate a
+    search would try): a () float32 device flag set as the optimizer's ``found_inf`` (as torch's GradScaler does).
+    A step whose loss or gradients are not finite (or any after one) then leaves the weights and the optimizer's
+    state untouched inside the kernel, and the loop needs no copy of every weight before each step: the only other
+    reason to restore them (the guard's reason 3) cannot occur. Same weights, bit for bit. None (the copy) for torch's
+    other AdamW implementations (the CPU default), which take no flag, and for learning rates beyond the bound."""
+    if not all(g.get("fused") for g in opt.param_groups):
+        return None
+    max_abs = float(torch.stack([w.detach().abs().max() for w in weights]).max())  # one host sync, at setup
+    numel = max(w.numel() for w in weights)
+    if not all(adamw_stays_finite(max_abs, numel, lr_max, g["weight_decay"], steps, g["betas"])
+               for g in opt.param_groups):
+        return None
+    opt.found_inf = torch.zeros((), dtype=torch.float32, device=dev)
+    return opt.found_inf
 
 
 def _bn_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:

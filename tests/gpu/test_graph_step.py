@@ -105,3 +105,34 @@ def test_captured_compiled_step(heal_case, seen):
     assert len(seen[0].graphs) == 2 and seen[0].failed == {}
     assert rc.epoch_losses == pytest.approx(ro.epoch_losses, rel=1e-2)
     assert mask_violations(cap.model, cap.ctx.masks) == 0
+
+
+class _AsBefore(type(STARFISH)):
+    """STARFISH with the post-step as it was until 2026-11-29, set up before its first step (before any capture):
+    every tensor restored after AdamW, every weight copied before it, no found_inf."""
+
+    def _step(self, r, *a, **kw):
+        if r.before is None or len(r.restore) < len(r.names):
+            r.restore = list(range(len(r.names)))
+            r.opt.found_inf, r.skip = None, None
+            r.before = [r.frozen[n].clone() for n in r.names]
+        return super()._step(r, *a, **kw)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("graph", ["off", "step"])
+@pytest.mark.parametrize("kind,scope", [("timm_vit", "qkv_out_mlp"), ("resnet", "conv")])
+def test_lean_post_step_heals_bit_for_bit_as_before(heal_case, seen, kind, scope, graph):
+    """The fused AdamW with found_inf and the skipped restores (tasks/healing/loop.py) against the copy and the
+    restores, on CUDA, eager and captured, with weight decay on: the same bits."""
+    cfg = HealConfig(lr=1e-2, epochs=3, batch_size=8, weight_decay=0.05, precision="bf16", graph=graph)
+    lean = _on_cuda(heal_case(kind, scope, sparsity=0.8, n=36))
+    rl = STARFISH.heal(lean.ctx, cfg)
+    old = _on_cuda(heal_case(kind, scope, sparsity=0.8, n=36))
+    ro = _AsBefore().heal(old.ctx, cfg)
+    assert rl.epoch_losses == ro.epoch_losses
+    sl, so = lean.model.state_dict(), old.model.state_dict()
+    assert all(torch.equal(sl[k], so[k]) for k in sl)
+    assert all(torch.equal(torch.signbit(sl[k]), torch.signbit(so[k])) for k in sl if sl[k].is_floating_point())
+    if graph == "step":
+        assert all(s.failed == {} and len(s.graphs) == 2 for s in seen)
