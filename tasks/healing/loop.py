@@ -256,7 +256,8 @@ def _prepare(ctx: HealContext, cfg: HealConfig, common: dict, steps_per_epoch: i
 def needs_restore(names: list[str], keep: Mapping[str, torch.Tensor], frozen: Mapping[str, torch.Tensor]) -> list[int]:
     """Indices of ``names`` whose tensor has an entry the loop may not change that is not zero (keep (shape of the
     tensor) bool, frozen its pruned values): only there can AdamW's weight decay move one. One host sync, at setup."""
-    return [i for i, n in enumerate(names) if bool(torch.any(~keep[n] & (frozen[n] != 0)))]
+    nonzero = torch.stack([torch.any(~keep[n] & (frozen[n] != 0)) for n in names]).tolist()  # (len(names),) bool
+    return [i for i, flag in enumerate(nonzero) if flag]
 
 
 def skip_flag(opt: torch.optim.Optimizer, dev: torch.device, weights: list[torch.Tensor], lr_max: float,
