@@ -46,9 +46,7 @@ def full_post_step():
     def as_before(*a, **kw):
         r = prepare(*a, **kw)
         r.restore = list(range(len(r.names)))
-        if r.skip is not None:
-            r.opt.found_inf, r.skip = None, None
-            r.before = [r.frozen[n].clone() for n in r.names]
+        r.keep_copies()
         return r
 
     loop._prepare = as_before

@@ -219,6 +219,14 @@ class _Run:
     guard: Any = None  # DivergenceGuard of the running heal
     grad_names: list[str] | None = None  # parameters that had a gradient in the last step (the guard's index)
 
+    def keep_copies(self) -> None:
+        """The guard restores from copies: every weight copied before each step (into buffers made here), no
+        ``found_inf``. For optimizers that take none and learning rates beyond the bound (skip_flag)."""
+        if self.skip is not None:
+            self.opt.found_inf, self.skip = None, None
+        if self.before is None:
+            self.before = [self.frozen[n].clone() for n in self.names]
+
 
 def _prepare(ctx: HealContext, cfg: HealConfig, common: dict, steps_per_epoch: int) -> _Run:
     """Freeze everything but the scope's parameters; AdamW over them with a cosine schedule over the run's steps."""
@@ -248,9 +256,11 @@ def _prepare(ctx: HealContext, cfg: HealConfig, common: dict, steps_per_epoch: i
     sd = model.state_dict()
     bn_bufs = {k: sd[k] for k in bn_state_names(model)} if common["bn"] == "train" else {}
     skip = skip_flag(opt, dev, [frozen[n] for n in names], max(cfg.lr, cfg.lr_min), schedule_steps(cfg, steps_per_epoch))
-    return _Run(params, names, keep, frozen, opt, sched, bn_bufs, dev,
-                keep_f=[keep[n].to(params[n].dtype) for n in names], restore=needs_restore(names, keep, frozen),
-                skip=skip, before=None if skip is not None else [frozen[n].clone() for n in names])
+    r = _Run(params, names, keep, frozen, opt, sched, bn_bufs, dev, keep_f=[keep[n].to(params[n].dtype) for n in names],
+             restore=needs_restore(names, keep, frozen), skip=skip)
+    if skip is None:
+        r.keep_copies()
+    return r
 
 
 def needs_restore(names: list[str], keep: Mapping[str, torch.Tensor], frozen: Mapping[str, torch.Tensor]) -> list[int]:

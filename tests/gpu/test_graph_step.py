@@ -112,10 +112,8 @@ class _AsBefore(type(STARFISH)):
     every tensor restored after AdamW, every weight copied before it, no found_inf."""
 
     def _step(self, r, *a, **kw):
-        if r.before is None or len(r.restore) < len(r.names):
-            r.restore = list(range(len(r.names)))
-            r.opt.found_inf, r.skip = None, None
-            r.before = [r.frozen[n].clone() for n in r.names]
+        r.restore = list(range(len(r.names)))
+        r.keep_copies()
         return super()._step(r, *a, **kw)
 
 
