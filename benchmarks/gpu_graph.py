@@ -5,7 +5,9 @@ device, so the step alone is timed.
 
 Per model and batch size, every variant of ``heal.compile`` (off, blocks) x ``heal.graph`` (off, step), and the
 captured step with the post-step as it was until 2026-11-29 (key ``...+full``: every tensor restored, every weight
-copied for the guard; bench_post_step.py), interleaved over ``--repeats`` rounds after one warm-up heal each
+copied for the guard; bench_post_step.py) and, for DeiT-B, the captured compiled step with its images and patch
+embedding channels_last (key ``...+cl``: ``heal.channels_last: true``; the 2026-11-26 profile spent 0.33 ms a step in
+the NCHW patch-embedding convolution), interleaved over ``--repeats`` rounds after one warm-up heal each
 (compilation; Inductor's cache keeps it for the rounds): each round heals ``--epochs`` epochs and times epochs 2..
 between the loop's per-epoch reports (each after its one synchronisation), so the first epoch's eager warm-up steps
 and captures are not in the rate. Prints and returns
@@ -18,6 +20,7 @@ heal against the same heal uncaptured (``graph: off``; they differ by the float3
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -32,8 +35,9 @@ from bench_post_step import full_post_step  # noqa: E402
 from gpu_throughput import CASES, Healer, bf16_peak, build, per_model, step_flops, sync  # noqa: E402
 from tasks.healing import dense_targets, in_memory_batches  # noqa: E402
 
-VARIANTS = [("off", "off", ""), ("off", "step", ""), ("blocks", "off", ""), ("blocks", "step", "")]  # (heal.compile,
-# heal.graph, post-step: "" the loop's, "full" as before 2026-11-29); measure() adds the captured step with "full"
+VARIANTS = [("off", "off", "", ""), ("off", "step", "", ""), ("blocks", "off", "", ""), ("blocks", "step", "", "")]
+# (heal.compile, heal.graph, post-step: "" the loop's, "full" as before 2026-11-29, layout: "" heal.channels_last auto,
+# "cl" channels_last); measure() adds the captured step with "full" and, for a ViT, with "cl"
 
 
 def steady_rate(h: Healer, feed, epochs: int, compile_mode: str, graph: str, failed: list[str], post: str = ""
@@ -69,19 +73,27 @@ def measure(name: str, a: argparse.Namespace, dev: torch.device) -> dict:
     out = {"model": CASES[name][0], "images": len(images), "image_size": images.shape[-1],
            "bf16_peak_tflops": peak / 1e12, "batches": {}}
     variants = [v for v in VARIANTS if v[0] == "off" or name in a.compile_models]
-    variants.append(("blocks" if name in a.compile_models else "off", "step", "full"))
+    best = "blocks" if name in a.compile_models else "off"
+    variants.append((best, "step", "full", ""))
+    if hasattr(dense, "patch_embed"):  # a timm ViT: its patch embedding is a convolution over the images
+        variants.append((best, "step", "", "cl"))
+        dense_cl = copy.deepcopy(dense).to(memory_format=torch.channels_last)
+        images_cl = images.contiguous(memory_format=torch.channels_last)
     for batch in a.batches:
         flops = step_flops(dense, images[:batch], "bf16")
-        h = Healer(dense, adapter, images, batch)
+        hs = {"": Healer(dense, adapter, images, batch)}
+        if any(v[3] == "cl" for v in variants):
+            hs["cl"] = Healer(dense_cl, adapter, images_cl, batch)
         feed = in_memory_batches(targets, batch, 0)
         failed: list[str] = []
-        for c, g, post in variants:  # warm-up: kernels, allocator, compilation
-            steady_rate(h, feed, 2, c, g, failed, post)
+        for c, g, post, lay in variants:  # warm-up: kernels, allocator, compilation
+            steady_rate(hs[lay], feed, 2, c, g, failed, post)
         rounds: dict[str, list[float]] = {_key(*v): [] for v in variants}
         for _ in range(a.repeats):
-            for c, g, post in variants:
-                rounds[_key(c, g, post)].append(steady_rate(h, feed, a.epochs, c, g, failed, post)[0])
+            for c, g, post, lay in variants:
+                rounds[_key(c, g, post, lay)].append(steady_rate(hs[lay], feed, a.epochs, c, g, failed, post)[0])
         med = {k: statistics.median(v) for k, v in rounds.items()}
+        h = hs[""]
         _, eager = steady_rate(h, feed, 2, "off", "off", failed)
         _, captured = steady_rate(h, feed, 2, "off", "step", failed)
         out["batches"][batch] = {
@@ -98,8 +110,8 @@ def measure(name: str, a: argparse.Namespace, dev: torch.device) -> dict:
     return out
 
 
-def _key(compile_mode: str, graph: str, post: str) -> str:
-    return f"{compile_mode}+{graph}" + (f"+{post}" if post else "")
+def _key(compile_mode: str, graph: str, post: str, layout: str = "") -> str:
+    return f"{compile_mode}+{graph}" + "".join(f"+{x}" for x in (post, layout) if x)
 
 
 def summary(name: str, batch: int, r: dict) -> str:

@@ -92,10 +92,11 @@ def measure_stream(name: str, a, dev: torch.device) -> dict:
         in_ram = {k: v.to(dev) for k, v in reader.load_all().items()}
         h = Healer(dense, adapter, images_dev, a.batch)
         for mode in ["off"] + (["blocks"] if name in a.compile_models and a.compiled else []):
-            res[f"stream_modes_{mode}"] = stream_modes(h, reader, in_ram, dev, a.mode_threads, a.repeats, mode,
-                                                       a.mode_epochs)
-            print(f"{name} heal.compile {mode}: store/RAM " + ", ".join(
-                f"{m}: {v:.3f}" for m, v in res[f"stream_modes_{mode}"]["store_vs_ram"].items()), flush=True)
+            if a.repeats:  # 0: the paired measurement alone
+                res[f"stream_modes_{mode}"] = stream_modes(h, reader, in_ram, dev, a.mode_threads, a.repeats, mode,
+                                                           a.mode_epochs)
+                print(f"{name} heal.compile {mode}: store/RAM " + ", ".join(
+                    f"{m}: {v:.3f}" for m, v in res[f"stream_modes_{mode}"]["store_vs_ram"].items()), flush=True)
             if a.pairs:
                 alt = res[f"alternating_{mode}"] = alternating(h, reader, in_ram, dev, a.pairs, mode)
                 print(f"{name} heal.compile {mode}: store/RAM epoch by epoch in one heal, {alt['pairs']} pairs: "
@@ -114,7 +115,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=True,
                     help="also with heal.compile: blocks for --compile-models (default on)")
     ap.add_argument("--compile-models", nargs="*", default=["deit_b16"], choices=list(CASES))
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds of heals per feed (default 3)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="interleaved rounds of heals per feed (default 3; 0: only the --pairs measurement)")
     ap.add_argument("--mode-epochs", type=int, default=3, help="epochs per heal of those rounds (default 3)")
     ap.add_argument("--mode-threads", nargs="+", type=int, default=[1, 2, 4], metavar="T",
                     help="gather threads of the store's stream (default 1 2 4)")
@@ -124,6 +126,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--store", help="directory for the temporary store (default: the system's temp dir)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args(argv)
+    if a.repeats < 0 or a.pairs < 0 or not (a.repeats or a.pairs):
+        ap.error("--repeats and --pairs must be >= 0, and one of them > 0 (nothing to measure)")
     return per_model("gpu_stream", a, measure_stream)
 
 if __name__ == "__main__":

@@ -23,18 +23,32 @@
 #        weight), targets on the device (OUT/d/graph.json);
 #     3. the default sweep with heal.graph: step (install from the bundle, 8 trials sharing the GPU) against the
 #        CPU run.
+#   open (one call on a fresh machine; built 2026-11-30 without a GPU, not yet run: estimated 5-7 min): only what
+#     decides the two speed bars #33 still has open, the cheapest part first, each step's results kept when a later
+#     one is cut:
+#     1. tests/gpu/test_graph_step.py (is the capture right; lean and old post-step bit-identical on CUDA);
+#     2. gpu_graph.py for DeiT-B/16 at batch 32 and 128 (the MFU bar; OUT/e/graph.json);
+#     3. gpu_stream.py for DeiT-B/16, the paired store/RAM measurement only (16 pairs, eager and compiled; the
+#        store/RAM <= 1.05 bar; OUT/e/stream.json);
+#     4. with the time left, gpu_graph.py for ResNet-50 (OUT/e/graph_resnet50.json).
+#   Call it first in a session with a GPU; `graph` (the sweep with heal.graph: step) and `stream` (gather threads)
+#   are for a session with more time.
+# SESSION_DEVICE_ARGS (default empty) is passed to gpu_graph.py and gpu_stream.py: "--device cpu --tiny" checks the
+# script on a CPU (tests/gpu skip there).
 # Usage, from the repository root, the bundle built beforehand on a machine with package access
 # (healsweep bundle --python 3.12 --freeze benchmarks/device/cuda-image-freeze.txt --out .bundle; carry .bundle):
-#   bash benchmarks/device/session.sh OUT_DIR [check|bf16|stream|graph]
+#   bash benchmarks/device/session.sh OUT_DIR [check|bf16|stream|graph|open]
 # Files written (the device tool returns at most 8): check: OUT/session.txt, OUT/a/{gpu_check.json,throughput.json,
-# sweep_quoted.json,logs.tar.gz}; bf16: OUT/session.txt, OUT/b/{gpu_check.json,sweep_quoted.json,logs.tar.gz}.
+# sweep_quoted.json,logs.tar.gz}; bf16: OUT/session.txt, OUT/b/{gpu_check.json,sweep_quoted.json,logs.tar.gz};
+# open: OUT/session.txt, OUT/e/{graph.json,stream.json,graph_resnet50.json}.
 set -u
-OUT=${1:?usage: session.sh OUT_DIR [check|bf16|stream|graph]}
+OUT=${1:?usage: session.sh OUT_DIR [check|bf16|stream|graph|open]}
 PART=${2:-check}
 LIMIT=${SESSION_LIMIT_S:-585}  # seconds this call may use in all (the device tool stops a command at 600)
 T0=$(date +%s)
 mkdir -p "$OUT"
 left() { echo $(( LIMIT - ($(date +%s) - T0) - ${1:-0} )); }
+read -r -a DEV <<< "${SESSION_DEVICE_ARGS:-}"  # e.g. --device cpu --tiny: the benchmarks on a CPU
 export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 SITE=/tmp/healsweep-site BUNDLE=.bundle/healsweep-offline.tar.xz
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; uptime; git log -1 --format='%H %s'; } \
@@ -56,7 +70,7 @@ case "$PART" in
     mkdir -p "$OUT/c"
     { echo "## tests/gpu"; timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -15
       echo "## stream (gpu_stream.py) from $(date -u +%T)"; } >> "$OUT/session.txt"
-    timeout "$(left 200)" python3 benchmarks/gpu_stream.py --models deit_b16 resnet50 \
+    timeout "$(left 200)" python3 benchmarks/gpu_stream.py "${DEV[@]}" --models deit_b16 resnet50 \
       --repeats 3 --mode-threads 1 2 4 --pairs 16 --json "$OUT/c/stream.json" >> "$OUT/session.txt" 2>&1
     echo "## fp32 sweep from $(date -u +%T)" >> "$OUT/session.txt"
     timeout "$(left)" python3 benchmarks/gpu_check.py --bundle "$BUNDLE" --site "$SITE" --out "$OUT/c" --work /tmp/gcc \
@@ -65,14 +79,29 @@ case "$PART" in
     mkdir -p "$OUT/d"
     { echo "## tests/gpu"; timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -15
       echo "## gpu_graph.py from $(date -u +%T)"; } >> "$OUT/session.txt"
-    timeout "$(left 210)" python3 benchmarks/gpu_graph.py --json "$OUT/d/graph.json" >> "$OUT/session.txt" 2>&1
+    timeout "$(left 210)" python3 benchmarks/gpu_graph.py "${DEV[@]}" --json "$OUT/d/graph.json" >> "$OUT/session.txt" 2>&1
     echo "## sweep with heal.graph: step from $(date -u +%T)" >> "$OUT/session.txt"
     timeout "$(left)" python3 benchmarks/gpu_check.py --bundle "$BUNDLE" --site "$SITE" --out "$OUT/d" --work /tmp/gcd \
       --sections sweep --heal-graph step --sweep-timeout "$(left 45)" >> "$OUT/session.txt" 2>&1 ;;
-  *) echo "unknown part $PART: check, bf16, stream or graph" >&2; exit 2 ;;
+  open)
+    mkdir -p "$OUT/e"
+    { echo "## tests/gpu/test_graph_step.py"; timeout 150 python3 -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_graph_step.py 2>&1 | tail -15
+      echo "## gpu_graph.py deit_b16 from $(date -u +%T)"; } >> "$OUT/session.txt"
+    timeout "$(left 150)" python3 benchmarks/gpu_graph.py "${DEV[@]}" --models deit_b16 --json "$OUT/e/graph.json" \
+      >> "$OUT/session.txt" 2>&1
+    echo "## gpu_stream.py deit_b16, paired, from $(date -u +%T)" >> "$OUT/session.txt"
+    timeout "$(left 10)" python3 benchmarks/gpu_stream.py "${DEV[@]}" --models deit_b16 --repeats 0 --pairs 16 \
+      --json "$OUT/e/stream.json" >> "$OUT/session.txt" 2>&1
+    if [ "$(left)" -gt 120 ]; then
+      echo "## gpu_graph.py resnet50 from $(date -u +%T)" >> "$OUT/session.txt"
+      timeout "$(left)" python3 benchmarks/gpu_graph.py "${DEV[@]}" --models resnet50 \
+        --json "$OUT/e/graph_resnet50.json" >> "$OUT/session.txt" 2>&1
+    fi ;;
+  *) echo "unknown part $PART: check, bf16, stream, graph or open" >&2; exit 2 ;;
 esac
 echo "## ended $(date -u +%T) ($(( $(date +%s) - T0 )) s)" >> "$OUT/session.txt"
-for d in "$OUT"/a "$OUT"/b "$OUT"/c "$OUT"/d; do  # the logs of a check cut before it packed them
+for d in "$OUT"/a "$OUT"/b "$OUT"/c "$OUT"/d "$OUT"/e; do  # the logs of a check cut before it packed them
   if [ -d "$d/logs" ]; then tar czf "$d/logs.tar.gz" -C "$d" logs && rm -rf "$d/logs"; fi
 done
 cat "$OUT/session.txt"
