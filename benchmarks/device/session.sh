@@ -23,7 +23,7 @@
 #        weight), targets on the device (OUT/d/graph.json);
 #     3. the default sweep with heal.graph: step (install from the bundle, 8 trials sharing the GPU) against the
 #        CPU run.
-#   open (one call on a fresh machine; built 2026-11-30 without a GPU, not yet run: estimated 5-7 min): only what
+#   open (one call on a fresh machine; built 2026-11-29 without a GPU, not yet run: estimated 5-7 min): only what
 #     decides the two speed bars #33 still has open, the cheapest part first, each step's results kept when a later
 #     one is cut:
 #     1. tests/gpu/test_graph_step.py (is the capture right; lean and old post-step bit-identical on CUDA);
