@@ -64,9 +64,10 @@ def _mask_key(t: dict) -> str:
                         "sparsity": t["sparsity"], "scope": t["scope"]})
 
 
-def prepare(root: Path, cache: Path, trials: list[dict]) -> tuple[dict[str, str], dict[str, str]]:
-    """Masks (one per model, pruner, sparsity, scope) and each model's dense targets for the largest calibration
-    size, computed here; -> ({mask key: sha256 of the mask tensors}, {model: its adapter's default scope})."""
+def prepare(root: Path, cache: Path, trials: list[dict], models: tuple[str, ...] = MODELS
+            ) -> tuple[dict[str, str], dict[str, str]]:
+    """Masks (one per model, pruner, sparsity, scope) and each of ``models``' dense targets for the largest
+    calibration size, computed here; -> ({mask key: sha256 of the mask tensors}, {model: its default scope})."""
     import torch
 
     from tasks.healing import dense_targets
@@ -76,7 +77,7 @@ def prepare(root: Path, cache: Path, trials: list[dict]) -> tuple[dict[str, str]
 
     torch.set_num_threads(1)
     digests, scopes, store = {}, {}, TargetStore(root / "targets")
-    for m in MODELS:
+    for m in models:
         lm = load_model(m, cache, progress=False)
         adapter, images = get_adapter(lm.model), lm.dataset["calibration"].images
         blocks, scopes[m] = adapter.blocks(lm.model), adapter.default_scope
