@@ -101,18 +101,26 @@ def prepare(root: Path, cache: Path, trials: list[dict], models: tuple[str, ...]
     return digests, scopes
 
 
+def trial_params(t: dict, scope: str, root, cache, device: str, precision: str, epochs: int = EPOCHS, steps: int = 0,
+                 heal_seed: int | None = None):
+    """The TrialParams of trial ``t`` (``scope``: resolved) on the masks and targets ``prepare`` wrote under ``root``."""
+    from tasks.store import content_key
+    from tasks.trial import TrialParams
+
+    return TrialParams(model=t["model"], scope=scope, healer=t["healer"], calib_size=t["calib"], lr=t["lr"],
+                       epochs=epochs, steps=steps, seed=0, heal_seed=heal_seed, batch_size=BATCH,
+                       store_key=content_key({"bench": "cross_machine", "model": t["model"]}), mask_key=_mask_key(t),
+                       store_uri=str(Path(root) / "targets"), mask_root=str(Path(root) / "masks"),
+                       cache_dir=str(cache), pruner=t["pruner"] if t["pruner"] == "corp" else "", device=device,
+                       precision=precision)
+
+
 def one(args: tuple) -> dict:
     """One trial in a worker process (one thread); ``scope``: the trial's scope, resolved."""
     t, scope, root, cache, device, precision = args
-    from tasks.store import content_key
-    from tasks.trial import TrialParams, run_trial
+    from tasks.trial import run_trial
 
-    p = TrialParams(model=t["model"], scope=scope, healer=t["healer"],
-                    calib_size=t["calib"], lr=t["lr"], epochs=EPOCHS, seed=0, batch_size=BATCH,
-                    store_key=content_key({"bench": "cross_machine", "model": t["model"]}), mask_key=_mask_key(t),
-                    store_uri=str(Path(root) / "targets"), mask_root=str(Path(root) / "masks"), cache_dir=str(cache),
-                    pruner=t["pruner"] if t["pruner"] == "corp" else "", device=device, precision=precision)
-    r = run_trial(p, lambda m: None)
+    r = run_trial(trial_params(t, scope, root, cache, device, precision), lambda m: None)
     return {**t, **{k: r[k] for k in ("dense_acc", "pruned_acc", "healed_acc", "n_eval", "mask_violations")}}
 
 

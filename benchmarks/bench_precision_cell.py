@@ -37,15 +37,11 @@ def one(job: tuple) -> dict:
     """One trial in a worker process: (cell, resolved scope, store root, model cache, device, precision, seed, lr,
     steps) -> healed and selection accuracy."""
     t, scope, root, cache, device, precision, seed, lr, steps = job
-    from tasks.store import content_key
-    from tasks.trial import TrialParams, run_trial
+    from tasks.trial import run_trial
 
-    per_epoch = -(-t["calib"] // 32)
-    p = TrialParams(model=t["model"], scope=scope, healer="starfish", calib_size=t["calib"], lr=lr,
-                    epochs=-(-steps // per_epoch), steps=steps, seed=0, heal_seed=seed, batch_size=32,
-                    store_key=content_key({"bench": "cross_machine", "model": t["model"]}), mask_key=bcm._mask_key(t),
-                    store_uri=str(Path(root) / "targets"), mask_root=str(Path(root) / "masks"), cache_dir=str(cache),
-                    device=device, precision=precision)
+    per_epoch = -(-t["calib"] // bcm.BATCH)
+    p = bcm.trial_params({**t, "lr": lr}, scope, root, cache, device, precision, epochs=-(-steps // per_epoch),
+                         steps=steps, heal_seed=seed)
     t0 = time.perf_counter()
     r = run_trial(p, lambda m: None)
     return dict(precision=precision, seed=seed, lr=lr, steps=steps, healed_acc=r["healed_acc"],
