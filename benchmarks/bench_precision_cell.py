@@ -4,9 +4,10 @@ H100 (docs/gpu.md): the ResNet at magnitude 0.9, calibration 64, whose search pi
 steps), and bf16 healed it higher. This asks, on the CPU (bf16 under CPU autocast): is that a property of bf16 or
 of the GPU, and does it hold once the heal has the steps it needs?
 
-Masks and dense targets as bench_cross_machine.py makes them (shipped reference weights, seed 0; the mask is the
-default sweep's); every trial is ``tasks.trial.run_trial`` (STARFISH, batch 32, healing seed ``--seeds``), one thread
-each. Prints per budget (lr:steps) each precision's healed accuracy per seed, their means and bf16 − fp32.
+Masks and dense targets as bench_cross_machine.py makes them (shipped reference weights, seed 0: the magnitude mask
+the default sweep computes for the cell; fp32 seed 0 heals to its search trial's 94.44 %); every trial is
+``tasks.trial.run_trial`` (STARFISH, batch 32, healing seed ``--seeds``), one thread each. Prints per budget
+(lr:steps) each precision's healed accuracy per seed, their means and bf16 − fp32.
 
     python benchmarks/bench_precision_cell.py --out /tmp/cell.json                 # 12 min on 2 cores (2026-11-29)
     python benchmarks/bench_precision_cell.py --budgets 0.01:64 --seeds 0 --out /tmp/p.json   # ~2 min
