@@ -33,16 +33,23 @@
 #     4. with the time left, gpu_graph.py for ResNet-50 (OUT/e/graph_resnet50.json).
 #   Call it first in a session with a GPU; `graph` (the sweep with heal.graph: step) and `stream` (gather threads)
 #   are for a session with more time.
+#   graphsweep (added 2026-11-29, not yet run: est. 3.5-4 min on the machine `open` leaves warm, install included;
+#     it fits the ~8 min a session has left after `open`): the default spec through `healsweep run` in the fast
+#     configuration, bf16 with heal.graph: step, 8 trials sharing the GPU; its quoted cells against the CPU's fp32
+#     run (OUT/f/gpu_check.json) and, back home, OUT/f/sweep_quoted.json against the H200's bf16 eager sweep
+#     (benchmarks/results/gpu_h200_default_bf16_quoted_2026-11-28.json): does the capture heal the digits cells as
+#     the eager bf16 step does. Carry .bundle.
 # SESSION_DEVICE_ARGS (default empty) is passed to gpu_graph.py and gpu_stream.py: "--device cpu --tiny" checks the
 # script on a CPU (tests/gpu skip there).
 # Usage, from the repository root, the bundle built beforehand on a machine with package access
 # (healsweep bundle --python 3.12 --freeze benchmarks/device/cuda-image-freeze.txt --out .bundle; carry .bundle):
-#   bash benchmarks/device/session.sh OUT_DIR [check|bf16|stream|graph|open]
+#   bash benchmarks/device/session.sh OUT_DIR [check|bf16|stream|graph|open|graphsweep]
 # Files written (the device tool returns at most 8): check: OUT/session.txt, OUT/a/{gpu_check.json,throughput.json,
 # sweep_quoted.json,logs.tar.gz}; bf16: OUT/session.txt, OUT/b/{gpu_check.json,sweep_quoted.json,logs.tar.gz};
-# open: OUT/session.txt, OUT/e/{graph.json,stream.json,graph_resnet50.json}.
+# open: OUT/session.txt, OUT/e/{graph.json,stream.json,graph_resnet50.json}; graphsweep: OUT/session.txt,
+# OUT/f/{gpu_check.json,sweep_quoted.json,logs.tar.gz}.
 set -u
-OUT=${1:?usage: session.sh OUT_DIR [check|bf16|stream|graph|open]}
+OUT=${1:?usage: session.sh OUT_DIR [check|bf16|stream|graph|open|graphsweep]}
 PART=${2:-check}
 LIMIT=${SESSION_LIMIT_S:-585}  # seconds this call may use in all (the device tool stops a command at 600)
 T0=$(date +%s)
@@ -98,10 +105,15 @@ case "$PART" in
       timeout "$(left)" python3 benchmarks/gpu_graph.py "${DEV[@]}" --models resnet50 \
         --json "$OUT/e/graph_resnet50.json" >> "$OUT/session.txt" 2>&1
     fi ;;
-  *) echo "unknown part $PART: check, bf16, stream, graph or open" >&2; exit 2 ;;
+  graphsweep)
+    mkdir -p "$OUT/f"
+    install=(); [ -d "$SITE" ] || install=(--bundle "$BUNDLE")  # a fresh machine: nothing installed the site yet
+    timeout "$(left)" python3 benchmarks/gpu_check.py "${install[@]}" --site "$SITE" --out "$OUT/f" --work /tmp/gcf \
+      --sections sweep --heal-precision bf16 --heal-graph step --sweep-timeout "$(left 30)" >> "$OUT/session.txt" 2>&1 ;;
+  *) echo "unknown part $PART: check, bf16, stream, graph, open or graphsweep" >&2; exit 2 ;;
 esac
 echo "## ended $(date -u +%T) ($(( $(date +%s) - T0 )) s)" >> "$OUT/session.txt"
-for d in "$OUT"/a "$OUT"/b "$OUT"/c "$OUT"/d "$OUT"/e; do  # the logs of a check cut before it packed them
+for d in "$OUT"/a "$OUT"/b "$OUT"/c "$OUT"/d "$OUT"/e "$OUT"/f; do  # the logs of a check cut before it packed them
   if [ -d "$d/logs" ]; then tar czf "$d/logs.tar.gz" -C "$d" logs && rm -rf "$d/logs"; fi
 done
 cat "$OUT/session.txt"
