@@ -55,6 +55,14 @@ LIMIT=${SESSION_LIMIT_S:-585}  # seconds this call may use in all (the device to
 T0=$(date +%s)
 mkdir -p "$OUT"
 left() { echo $(( LIMIT - ($(date +%s) - T0) - ${1:-0} )); }
+sweep_only() {  # OUT/$1, work dir $2, gpu_check.py's arguments: the default sweep alone, on a warm or fresh machine
+  local dir=$1 work=$2 install=()
+  shift 2
+  mkdir -p "$OUT/$dir"
+  [ -d "$SITE" ] || install=(--bundle "$BUNDLE")  # a fresh machine: nothing installed the site yet
+  timeout "$(left)" python3 benchmarks/gpu_check.py "${install[@]}" --site "$SITE" --out "$OUT/$dir" --work "$work" \
+    --sections sweep "$@" --sweep-timeout "$(left 30)" >> "$OUT/session.txt" 2>&1
+}
 read -r -a DEV <<< "${SESSION_DEVICE_ARGS:-}"  # e.g. --device cpu --tiny: the benchmarks on a CPU
 export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
 SITE=/tmp/healsweep-site BUNDLE=.bundle/healsweep-offline.tar.xz
@@ -68,11 +76,7 @@ case "$PART" in
     timeout "$(left)" python3 benchmarks/gpu_check.py --bundle "$BUNDLE" --site "$SITE" --out "$OUT/a" --work /tmp/gca \
       --sections throughput sweep --throughput-args "--extra-batches 128 --repeats 2 --precisions bf16" \
       --throughput-timeout 280 --sweep-timeout 200 >> "$OUT/session.txt" 2>&1 ;;
-  bf16)
-    mkdir -p "$OUT/b"
-    install=(); [ -d "$SITE" ] || install=(--bundle "$BUNDLE")  # a fresh machine: `check` did not run on it
-    timeout "$(left)" python3 benchmarks/gpu_check.py "${install[@]}" --site "$SITE" --out "$OUT/b" --work /tmp/gcb \
-      --sections sweep --heal-precision bf16 --sweep-timeout "$(left 30)" >> "$OUT/session.txt" 2>&1 ;;
+  bf16) sweep_only b /tmp/gcb --heal-precision bf16 ;;
   stream)
     mkdir -p "$OUT/c"
     { echo "## tests/gpu"; timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -15
@@ -105,11 +109,7 @@ case "$PART" in
       timeout "$(left)" python3 benchmarks/gpu_graph.py "${DEV[@]}" --models resnet50 \
         --json "$OUT/e/graph_resnet50.json" >> "$OUT/session.txt" 2>&1
     fi ;;
-  graphsweep)
-    mkdir -p "$OUT/f"
-    install=(); [ -d "$SITE" ] || install=(--bundle "$BUNDLE")  # a fresh machine: nothing installed the site yet
-    timeout "$(left)" python3 benchmarks/gpu_check.py "${install[@]}" --site "$SITE" --out "$OUT/f" --work /tmp/gcf \
-      --sections sweep --heal-precision bf16 --heal-graph step --sweep-timeout "$(left 30)" >> "$OUT/session.txt" 2>&1 ;;
+  graphsweep) sweep_only f /tmp/gcf --heal-precision bf16 --heal-graph step ;;
   *) echo "unknown part $PART: check, bf16, stream, graph, open or graphsweep" >&2; exit 2 ;;
 esac
 echo "## ended $(date -u +%T) ($(( $(date +%s) - T0 )) s)" >> "$OUT/session.txt"
