@@ -55,17 +55,18 @@ LIMIT=${SESSION_LIMIT_S:-585}  # seconds this call may use in all (the device to
 T0=$(date +%s)
 mkdir -p "$OUT"
 left() { echo $(( LIMIT - ($(date +%s) - T0) - ${1:-0} )); }
-sweep_only() {  # OUT/$1, work dir $2, gpu_check.py's arguments: the default sweep alone, on a warm or fresh machine
+read -r -a DEV <<< "${SESSION_DEVICE_ARGS:-}"  # e.g. --device cpu --tiny: the benchmarks on a CPU
+export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
+SITE=/tmp/healsweep-site BUNDLE=.bundle/healsweep-offline.tar.xz
+sweep_only() {  # OUT/$1, work dir $2, gpu_check.py's arguments: the default sweep alone (the bundle installed
+  # unless the site is there: a machine an earlier part left warm), 45 s kept for packing its logs
   local dir=$1 work=$2 install=()
   shift 2
   mkdir -p "$OUT/$dir"
   [ -d "$SITE" ] || install=(--bundle "$BUNDLE")  # a fresh machine: nothing installed the site yet
   timeout "$(left)" python3 benchmarks/gpu_check.py "${install[@]}" --site "$SITE" --out "$OUT/$dir" --work "$work" \
-    --sections sweep "$@" --sweep-timeout "$(left 30)" >> "$OUT/session.txt" 2>&1
+    --sections sweep "$@" --sweep-timeout "$(left 45)" >> "$OUT/session.txt" 2>&1
 }
-read -r -a DEV <<< "${SESSION_DEVICE_ARGS:-}"  # e.g. --device cpu --tiny: the benchmarks on a CPU
-export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0
-SITE=/tmp/healsweep-site BUNDLE=.bundle/healsweep-offline.tar.xz
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; uptime; git log -1 --format='%H %s'; } \
   > "$OUT/session.txt" 2>&1 || true
 case "$PART" in
@@ -84,16 +85,14 @@ case "$PART" in
     timeout "$(left 200)" python3 benchmarks/gpu_stream.py "${DEV[@]}" --models deit_b16 resnet50 \
       --repeats 3 --mode-threads 1 2 4 --pairs 16 --json "$OUT/c/stream.json" >> "$OUT/session.txt" 2>&1
     echo "## fp32 sweep from $(date -u +%T)" >> "$OUT/session.txt"
-    timeout "$(left)" python3 benchmarks/gpu_check.py --bundle "$BUNDLE" --site "$SITE" --out "$OUT/c" --work /tmp/gcc \
-      --sections sweep --sweep-timeout "$(left 45)" >> "$OUT/session.txt" 2>&1 ;;
+    sweep_only c /tmp/gcc ;;
   graph)
     mkdir -p "$OUT/d"
     { echo "## tests/gpu"; timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -15
       echo "## gpu_graph.py from $(date -u +%T)"; } >> "$OUT/session.txt"
     timeout "$(left 210)" python3 benchmarks/gpu_graph.py "${DEV[@]}" --json "$OUT/d/graph.json" >> "$OUT/session.txt" 2>&1
     echo "## sweep with heal.graph: step from $(date -u +%T)" >> "$OUT/session.txt"
-    timeout "$(left)" python3 benchmarks/gpu_check.py --bundle "$BUNDLE" --site "$SITE" --out "$OUT/d" --work /tmp/gcd \
-      --sections sweep --heal-graph step --sweep-timeout "$(left 45)" >> "$OUT/session.txt" 2>&1 ;;
+    sweep_only d /tmp/gcd --heal-graph step ;;
   open)
     mkdir -p "$OUT/e"
     { echo "## tests/gpu/test_graph_step.py"; timeout 150 python3 -m pytest -q -p no:cacheprovider \
@@ -113,7 +112,7 @@ case "$PART" in
   *) echo "unknown part $PART: check, bf16, stream, graph, open or graphsweep" >&2; exit 2 ;;
 esac
 echo "## ended $(date -u +%T) ($(( $(date +%s) - T0 )) s)" >> "$OUT/session.txt"
-for d in "$OUT"/a "$OUT"/b "$OUT"/c "$OUT"/d "$OUT"/e "$OUT"/f; do  # the logs of a check cut before it packed them
+for d in "$OUT"/*/; do  # the logs of a check cut before it packed them
   if [ -d "$d/logs" ]; then tar czf "$d/logs.tar.gz" -C "$d" logs && rm -rf "$d/logs"; fi
 done
 cat "$OUT/session.txt"
