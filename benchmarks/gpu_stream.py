@@ -5,7 +5,8 @@ Per model (DeiT-B/16 eager and, with --compile-models, with ``heal.compile: bloc
 - heals of ``--mode-epochs`` epochs fed by the store's stream at each of ``--mode-threads`` gather thread counts and
   by the in-RAM targets, interleaved over ``--repeats`` rounds: medians, store/RAM per thread count, every round;
 - with ``--pairs P``: store against RAM epoch by epoch inside one heal (P pairs; per-pair ratios, their median and a
-  bootstrap 95 % interval): a pair's two epochs run within a second of each other, so a noisy host's drifts cancel.
+  bootstrap 95 % interval): a pair's two epochs run within a second of each other, so a noisy host's drifts cancel;
+  ``--pairs-graph off step`` also with the step captured (``heal.graph: step``; key ``alternating_<compile>+step``).
 
     python benchmarks/gpu_stream.py --pairs 16 --json OUT/stream.json     # on the GPU machine
     python benchmarks/gpu_stream.py --device cpu --tiny --pairs 4          # checks the script (the CPU stream)
@@ -49,7 +50,7 @@ def stream_modes(h: Healer, reader, in_ram: dict, dev: torch.device, threads: li
 
 
 def alternating(h: Healer, reader, in_ram: dict, dev: torch.device, pairs: int, compile_mode: str = "off",
-                seed: int = 0) -> dict:
+                seed: int = 0, graph: str = "off") -> dict:
     """Store against RAM epoch by epoch inside one bf16 heal of 2 x (``pairs`` + 1) epochs: even epochs stream the
     store (its own epoch counter, so each store epoch is started ahead as in a trial), odd epochs take the targets
     already on the device; each epoch timed between the loop's per-epoch reports (each after its once-per-epoch
@@ -66,12 +67,13 @@ def alternating(h: Healer, reader, in_ram: dict, dev: torch.device, pairs: int, 
         return reader.iter_batches(h.batch, shuffle=True, seed=0, epoch=e // 2, device=dev)
 
     stamps: list[float] = []
-    h.run(feed, 2 * (pairs + 1), "bf16", compile_mode, on_epoch=lambda e, m: stamps.append(time.perf_counter()))
+    h.run(feed, 2 * (pairs + 1), "bf16", compile_mode, on_epoch=lambda e, m: stamps.append(time.perf_counter()),
+          graph=graph)
     ep = np.diff(np.array(stamps))  # (2 * pairs + 1,): epoch e + 1's seconds
     store, ram_s = ep[1::2], ep[2::2]  # epochs 2, 4, ... and 3, 5, ...
     ratio = store[: len(ram_s)] / ram_s  # (pairs,)
     boot = np.median(np.random.default_rng(seed).choice(ratio, (2000, len(ratio))), axis=1)
-    return {"compile": compile_mode, "pairs": int(len(ratio)), "store_epoch_s": store.tolist(),
+    return {"compile": compile_mode, "graph": graph, "pairs": int(len(ratio)), "store_epoch_s": store.tolist(),
             "ram_epoch_s": ram_s.tolist(), "store_vs_ram_pairs": ratio.tolist(), "store_vs_ram": float(np.median(ratio)),
             "store_vs_ram_ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))]}
 
@@ -97,11 +99,12 @@ def measure_stream(name: str, a, dev: torch.device) -> dict:
                                                            a.mode_epochs)
                 print(f"{name} heal.compile {mode}: store/RAM " + ", ".join(
                     f"{m}: {v:.3f}" for m, v in res[f"stream_modes_{mode}"]["store_vs_ram"].items()), flush=True)
-            if a.pairs:
-                alt = res[f"alternating_{mode}"] = alternating(h, reader, in_ram, dev, a.pairs, mode)
-                print(f"{name} heal.compile {mode}: store/RAM epoch by epoch in one heal, {alt['pairs']} pairs: "
-                      f"median {alt['store_vs_ram']:.3f}, 95 % interval {alt['store_vs_ram_ci95'][0]:.3f}–"
-                      f"{alt['store_vs_ram_ci95'][1]:.3f}", flush=True)
+            for graph in a.pairs_graph if a.pairs else []:  # key alternating_<compile>[+step]
+                key = f"alternating_{mode}" + ("" if graph == "off" else f"+{graph}")
+                alt = res[key] = alternating(h, reader, in_ram, dev, a.pairs, mode, graph=graph)
+                print(f"{name} heal.compile {mode} heal.graph {graph}: store/RAM epoch by epoch in one heal, "
+                      f"{alt['pairs']} pairs: median {alt['store_vs_ram']:.3f}, 95 % interval "
+                      f"{alt['store_vs_ram_ci95'][0]:.3f}–{alt['store_vs_ram_ci95'][1]:.3f}", flush=True)
         reader.close()
     return res
 
@@ -122,6 +125,9 @@ def main(argv=None) -> dict:
                     help="gather threads of the store's stream (default 1 2 4)")
     ap.add_argument("--pairs", type=int, default=0, metavar="P",
                     help="also store against RAM epoch by epoch inside one heal, P pairs (default 0: no)")
+    ap.add_argument("--pairs-graph", nargs="+", default=["off"], choices=["off", "step"],
+                    help="heal.graph of the --pairs heals (default off; step: the captured step, whose idle host "
+                         "leaves the stream's threads the CPU)")
     ap.add_argument("--shard", type=int, default=64, help="store shard size (rows)")
     ap.add_argument("--store", help="directory for the temporary store (default: the system's temp dir)")
     ap.add_argument("--json", type=Path, help="also write the results here")

@@ -121,6 +121,21 @@ def heal_case():
     return make_heal_case
 
 
+@pytest.fixture
+def step_graphs(monkeypatch):
+    """The StepGraphs of each heal (heal.graph: step), observed: the loop's own class, recording its instances."""
+    from tasks.healing import graphed, loop
+    made = []
+
+    class Recording(graphed.StepGraphs):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(loop, "StepGraphs", Recording)
+    return made
+
+
 # Real components for tests/e2e/test_cluster_*.py (Ray multi-node, moto S3, PostgreSQL + MLflow server)
 from tests.cluster_fixtures import aws_env, mlflow_server, moto_s3, postgres_url  # noqa: E402,F401
 

@@ -23,22 +23,17 @@
 #        weight), targets on the device (OUT/d/graph.json);
 #     3. the default sweep with heal.graph: step (install from the bundle, 8 trials sharing the GPU) against the
 #        CPU run.
-#   open (one call on a fresh machine; built 2026-11-29 without a GPU, not yet run: estimated 5-7 min): only what
-#     decides the two speed bars #33 still has open, the cheapest part first, each step's results kept when a later
-#     one is cut:
-#     1. tests/gpu/test_graph_step.py (is the capture right; lean and old post-step bit-identical on CUDA);
-#     2. gpu_graph.py for DeiT-B/16 at batch 32 and 128 (the MFU bar; OUT/e/graph.json);
-#     3. gpu_stream.py for DeiT-B/16, the paired store/RAM measurement only (16 pairs, eager and compiled; the
-#        store/RAM <= 1.05 bar; OUT/e/stream.json);
-#     4. with the time left, gpu_graph.py for ResNet-50 (OUT/e/graph_resnet50.json).
-#   Call it first in a session with a GPU; `graph` (the sweep with heal.graph: step) and `stream` (gather threads)
-#   are for a session with more time.
-#   graphsweep (added 2026-11-29, not yet run: est. 3.5-4 min on the machine `open` leaves warm, install included;
-#     it fits the ~8 min a session has left after `open`): the default spec through `healsweep run` in the fast
-#     configuration, bf16 with heal.graph: step, 8 trials sharing the GPU; its quoted cells against the CPU's fp32
-#     run (OUT/f/gpu_check.json) and, back home, OUT/f/sweep_quoted.json against the H200's bf16 eager sweep
-#     (benchmarks/results/gpu_h200_default_bf16_quoted_2026-11-28.json): does the capture heal the digits cells as
-#     the eager bf16 step does. Carry .bundle.
+#   open (one call on a fresh machine; what #33 still has open after the H200 calls of 2026-11-30, est. 5-6 min),
+#     each step's results kept when a later one is cut:
+#     1. tests/gpu/test_graph_step.py (its fp32 ResNet case with cuDNN's deterministic algorithms, and 4 captured
+#        heals in one process leaving no memory behind: both added after that run);
+#     2. gpu_stream.py for DeiT-B/16, paired store/RAM (16 pairs), eager and compiled, each with heal.graph off and
+#        step (the store/RAM <= 1.05 bar; the captured step through the store; OUT/e/stream.json);
+#     3. with the time left, gpu_graph.py for ResNet-50, its targets now on the device (OUT/e/graph_resnet50.json).
+#     On 2026-11-30 it ran the graph tests, gpu_graph.py for DeiT-B/16 and the graphsweep sweep (417 s).
+#   graphsweep (added 2026-11-29; run inside `open` on 2026-11-30: 534 trials, 0 failed, 125 s, its 154 quoted cells
+#     equal to the eager bf16 sweep's bit for bit): the default spec through `healsweep run` in bf16 with heal.graph:
+#     step, 8 trials sharing the GPU, against the CPU's fp32 run (OUT/f/gpu_check.json). Carry .bundle.
 # SESSION_DEVICE_ARGS (default empty) is passed to gpu_graph.py and gpu_stream.py: "--device cpu --tiny" checks the
 # script on a CPU (tests/gpu skip there).
 # Usage, from the repository root, the bundle built beforehand on a machine with package access
@@ -46,7 +41,7 @@
 #   bash benchmarks/device/session.sh OUT_DIR [check|bf16|stream|graph|open|graphsweep]
 # Files written (the device tool returns at most 8): check: OUT/session.txt, OUT/a/{gpu_check.json,throughput.json,
 # sweep_quoted.json,logs.tar.gz}; bf16: OUT/session.txt, OUT/b/{gpu_check.json,sweep_quoted.json,logs.tar.gz};
-# open: OUT/session.txt, OUT/e/{graph.json,stream.json,graph_resnet50.json}; graphsweep: OUT/session.txt,
+# open: OUT/session.txt, OUT/e/{stream.json,graph_resnet50.json}; graphsweep: OUT/session.txt,
 # OUT/f/{gpu_check.json,sweep_quoted.json,logs.tar.gz}.
 set -u
 OUT=${1:?usage: session.sh OUT_DIR [check|bf16|stream|graph|open|graphsweep]}
@@ -96,17 +91,14 @@ case "$PART" in
   open)
     mkdir -p "$OUT/e"
     { echo "## tests/gpu/test_graph_step.py"; timeout 150 python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_graph_step.py -W ignore::UserWarning -rA 2>&1 | grep -v "^PASSED" | tail -25
-      echo "## gpu_graph.py deit_b16 from $(date -u +%T)"; } >> "$OUT/session.txt"
-    timeout "$(left 10)" python3 benchmarks/gpu_graph.py "${DEV[@]}" --models deit_b16 --json "$OUT/e/graph.json" \
-      >> "$OUT/session.txt" 2>&1
-    if [ "$(left)" -gt 230 ]; then
-      echo "## sweep, bf16 and heal.graph: step, from $(date -u +%T)" >> "$OUT/session.txt"
-      sweep_only f /tmp/gcf --heal-precision bf16 --heal-graph step
-    elif [ "$(left)" -gt 100 ]; then
-      echo "## gpu_stream.py deit_b16, paired, from $(date -u +%T)" >> "$OUT/session.txt"
-      timeout "$(left 10)" python3 benchmarks/gpu_stream.py "${DEV[@]}" --models deit_b16 --repeats 0 --pairs 16 \
-        --json "$OUT/e/stream.json" >> "$OUT/session.txt" 2>&1
+        tests/gpu/test_graph_step.py -W ignore::UserWarning -s --tb=short -p no:logging 2>&1 | grep -v DEBUG | tail -40
+      echo "## gpu_stream.py deit_b16, paired, heal.graph off and step, from $(date -u +%T)"; } >> "$OUT/session.txt"
+    timeout "$(left 10)" python3 benchmarks/gpu_stream.py "${DEV[@]}" --models deit_b16 --repeats 0 --pairs 16 \
+      --pairs-graph off step --json "$OUT/e/stream.json" >> "$OUT/session.txt" 2>&1
+    if [ "$(left)" -gt 150 ]; then
+      echo "## gpu_graph.py resnet50 from $(date -u +%T)" >> "$OUT/session.txt"
+      timeout "$(left)" python3 benchmarks/gpu_graph.py "${DEV[@]}" --models resnet50 \
+        --json "$OUT/e/graph_resnet50.json" >> "$OUT/session.txt" 2>&1
     fi ;;
   graphsweep) sweep_only f /tmp/gcf --heal-precision bf16 --heal-graph step ;;
   *) echo "unknown part $PART: check, bf16, stream, graph, open or graphsweep" >&2; exit 2 ;;

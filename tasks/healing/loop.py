@@ -6,8 +6,10 @@ cosine schedule from lr to lr_min over every step of the trial (``epochs`` × st
 gradients of masked and out-of-region entries zeroed, and after every step every entry a healer may not change
 is restored (masked entries stay exactly 0; the rest of the model is frozen with requires_grad=False). A tensor
 whose frozen entries are all zeros needs no restore and gets none: AdamW leaves an entry that is ±0 with a zero
-gradient (hence zero moments) exactly as it was, sign bit included (decay 0·(1 - lr·wd), update lr·0/(√0 + eps));
-``_Run.restore`` lists the others (e.g. a fused qkv tensor's V rows under ``qk_train='qk'``).
+gradient (hence zero moments) zero (decay 0·(1 - lr·wd), update lr·0/(√0 + eps)); the CPU keeps its sign bit too,
+CUDA's fused kernel under weight decay turns a −0.0 into +0.0 (measured on an H200, 2026-11-30: equal values, the
+restore's copy differs only there); ``_Run.restore`` lists the others (e.g. a fused qkv tensor's V rows under
+``qk_train='qk'``).
 
 Settings every gradient healer shares (docs/methods.md#starfish):
 - ``bn: train | frozen`` (default ``train``, the authors' ``pruned_model.train()``): the pruned model runs in
@@ -159,6 +161,8 @@ class GradientHealer(Healer):
                     if on_epoch is not None:
                         on_epoch(epoch + 1, {"train_loss": losses[-1]})
         finally:
+            if graphs is not None:
+                graphs.close()  # its graphs and their memory, before the next heal in this process
             model.eval()
             for name in r.names:
                 r.params[name].requires_grad_(False)

@@ -101,6 +101,21 @@ def test_graph_step_names_the_diverged_step_as_off_does(heal_case):
     assert messages[0] == messages[1] and "loss became nan at epoch 1, step 3" in messages[0]
 
 
+@pytest.mark.timeout(120)
+def test_the_loop_closes_its_step_graphs_also_when_the_heal_diverges(heal_case, step_graphs):
+    """A reused trial actor heals again in the same process: each heal's StepGraphs is closed (graphs dropped, memory
+    handed back on CUDA) when the heal ends, whether it ended or raised."""
+    STARFISH.heal(heal_case("timm_vit", "qkv_out_mlp").ctx, _cfg("step", epochs=1))
+    case = heal_case("timm_vit", "qkv_out_mlp")
+    bad_row = int(list(in_memory_batches(case.targets, 8, seed=0)(0))[1][0][0])
+    case.targets[case.ctx.blocks[-1][0]][bad_row].view(-1)[0] = float("nan")
+    case.ctx.batches = in_memory_batches(case.targets, 8, seed=0)
+    with pytest.raises(HealingDiverged):
+        STARFISH.heal(case.ctx, _cfg("step", epochs=1))
+    STARFISH.heal(heal_case("timm_vit", "qkv_out_mlp").ctx, _cfg("off", epochs=1))  # off makes none
+    assert len(step_graphs) == 2 and all(g.closed and g.graphs == {} for g in step_graphs)
+
+
 def test_step_graphs_without_cuda_run_the_body_on_the_batch():
     calls = []
     graphs = StepGraphs(torch.device("cpu"))
