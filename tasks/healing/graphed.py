@@ -144,8 +144,10 @@ class StepGraphs:
         """After the heal (the loop's ``finally``): drop every graph with its static buffers and, on CUDA, collect
         reference cycles and hand the allocator's free blocks back (a destroyed graph's private pool is freed only
         then), so that the next heal in the same process (a reused trial actor) starts without them. On an H200
-        (2026-11-30) gpu_graph.py ran out of memory after 6 DeiT-B heals without this, 125.5 GiB reserved but
-        unallocated; with a collection and an empty cache after each heal, 20 heals stayed within 8 GiB."""
+        (2026-11-30) gpu_graph.py ran out of memory after 6 DeiT-B heals without a collection between heals (125.5 GiB
+        reserved but unallocated); with one and an empty cache after each heal, 40 heals stayed within 8.9 GiB
+        reserved, yet each captured heal left its static batch allocated (0.127 GiB at batch 32), which dropping the
+        graphs here is meant to free (tests/gpu/test_graph_step.py; not yet run on a GPU)."""
         self.graphs.clear()
         self.closed = True
         if self.capture:
