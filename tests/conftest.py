@@ -65,6 +65,14 @@ class HealCase:
     targets: dict
     before: dict  # state_dict of the pruned model before healing (clones)
 
+    def nan_in_batch(self, batch_index: int, batch: int = 8) -> "HealCase":
+        """A NaN in the last block's target at the first row of epoch 1's batch ``batch_index`` (seed 0; every epoch
+        holds that row), the batches rebuilt over the changed targets. -> self"""
+        row = int(list(in_memory_batches(self.targets, batch, seed=0)(0))[batch_index][0][0])
+        self.targets[self.ctx.blocks[-1][0]][row].view(-1)[0] = float("nan")
+        self.ctx.batches = in_memory_batches(self.targets, batch, seed=0)
+        return self
+
     def assert_invariants(self, allowed: set[str] = frozenset()):
         """Mask invariant + nothing outside the trainable region changed (parameters and buffers), except the
         state_dict names in ``allowed`` (a healer's ``may_change``); masks on companion params (biases) hold."""

@@ -76,12 +76,8 @@ def test_captured_step_near_off(heal_case, seen):
 def test_nan_after_capture_is_undone_and_named_as_off(heal_case, seen):
     messages = []
     for graph in ("off", "step"):
-        case = _on_cuda(heal_case("timm_vit", "qkv_out_mlp", n=36))
-        last = case.ctx.blocks[-1][0]
         # every row is in every epoch: one epoch, the NaN in its 4th batch (steps 1-2 eager, 3 captured, 4 a replay)
-        bad_row = int(list(in_memory_batches(case.targets, 8, seed=0)(0))[3][0][0])
-        case.targets[last][bad_row].view(-1)[0] = float("nan")
-        case.ctx.batches = in_memory_batches(case.targets, 8, 0)
+        case = _on_cuda(heal_case("timm_vit", "qkv_out_mlp", n=36).nan_in_batch(3))
         with pytest.raises(HealingDiverged) as e:
             STARFISH.heal(case.ctx, HealConfig(lr=1e-3, epochs=1, batch_size=8, graph=graph))
         messages.append(str(e.value))

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from tasks.healing import HEALERS, HealConfig, HealingDiverged, in_memory_batches
+from tasks.healing import HEALERS, HealConfig, HealingDiverged
 from tasks.healing.graphed import GRAPH_MODES, StepGraphs, capturable_adamw, check_graph, rebind_lr
 from tasks.pruning import mask_violations
 
@@ -88,11 +88,7 @@ def test_graph_step_resumes_from_its_checkpoint_bit_for_bit(heal_case):
 def test_graph_step_names_the_diverged_step_as_off_does(heal_case):
     messages = []
     for graph in ("off", "step"):
-        case = heal_case("timm_vit", "qkv_out_mlp")
-        last = case.ctx.blocks[-1][0]
-        bad_row = int(list(in_memory_batches(case.targets, 8, seed=0)(0))[2][0][0])
-        case.targets[last][bad_row].view(-1)[0] = float("nan")
-        case.ctx.batches = in_memory_batches(case.targets, 8, seed=0)
+        case = heal_case("timm_vit", "qkv_out_mlp").nan_in_batch(2)
         with pytest.raises(HealingDiverged) as e:
             STARFISH.heal(case.ctx, _cfg(graph, lr=1e-3, epochs=1))
         messages.append(str(e.value))
@@ -106,12 +102,8 @@ def test_the_loop_closes_its_step_graphs_also_when_the_heal_diverges(heal_case, 
     """A reused trial actor heals again in the same process: each heal's StepGraphs is closed (graphs dropped, memory
     handed back on CUDA) when the heal ends, whether it ended or raised."""
     STARFISH.heal(heal_case("timm_vit", "qkv_out_mlp").ctx, _cfg("step", epochs=1))
-    case = heal_case("timm_vit", "qkv_out_mlp")
-    bad_row = int(list(in_memory_batches(case.targets, 8, seed=0)(0))[1][0][0])
-    case.targets[case.ctx.blocks[-1][0]][bad_row].view(-1)[0] = float("nan")
-    case.ctx.batches = in_memory_batches(case.targets, 8, seed=0)
     with pytest.raises(HealingDiverged):
-        STARFISH.heal(case.ctx, _cfg("step", epochs=1))
+        STARFISH.heal(heal_case("timm_vit", "qkv_out_mlp").nan_in_batch(1).ctx, _cfg("step", epochs=1))
     STARFISH.heal(heal_case("timm_vit", "qkv_out_mlp").ctx, _cfg("off", epochs=1))  # off makes none
     assert len(step_graphs) == 2 and all(g.closed and g.graphs == {} for g in step_graphs)
 

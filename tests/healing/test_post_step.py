@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from tasks.healing import HEALERS, HealConfig, HealingDiverged, in_memory_batches
+from tasks.healing import HEALERS, HealConfig, HealingDiverged
 from tasks.healing import loop
 from tasks.healing.guard import NORM_SAFE, adam_ratio_bound, adamw_stays_finite
 
@@ -99,14 +99,6 @@ def test_only_tensors_with_nonzero_frozen_entries_are_restored(heal_case, graph,
     case.assert_invariants(HEALERS.get("starfish").may_change(case.model, case.entries, settings))
 
 
-def _nan_case(heal_case, batch_index: int):
-    case = heal_case("timm_vit", "qkv_out_mlp")
-    bad_row = int(list(in_memory_batches(case.targets, 8, seed=0)(0))[batch_index][0][0])
-    case.targets[case.ctx.blocks[-1][0]][bad_row].view(-1)[0] = float("nan")
-    case.ctx.batches = in_memory_batches(case.targets, 8, seed=0)
-    return case
-
-
 @pytest.mark.timeout(120)
 def test_fused_adamw_skips_a_bad_step_inside_the_kernel(heal_case):
     """graph: step (fused AdamW on the CPU too): no copy of the weights; a NaN at step 3 leaves the weights and
@@ -114,7 +106,7 @@ def test_fused_adamw_skips_a_bad_step_inside_the_kernel(heal_case):
     cfg = HealConfig(lr=1e-3, epochs=1, batch_size=8, graph="step")
     ref, bad = _Recording(), _Recording()
     ref.heal(heal_case("timm_vit", "qkv_out_mlp").ctx, cfg)
-    case = _nan_case(heal_case, 2)
+    case = heal_case("timm_vit", "qkv_out_mlp").nan_in_batch(2)
     with pytest.raises(HealingDiverged, match="loss became nan at epoch 1, step 3"):
         bad.heal(case.ctx, cfg)
     r = bad.runs[0]
