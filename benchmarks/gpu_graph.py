@@ -59,25 +59,18 @@ def steady_rate(h: Healer, feed, epochs: int, compile_mode: str, graph: str, fai
     return len(h.images) * (epochs - 1) / (marks[-1] - marks[0]), model
 
 
-MEMORY: list = []  # after each heal: [heal, GiB reserved, GiB allocated, GiB reserved after a Dynamo reset or None]
+MEMORY: list = []  # after each heal: [heal, GiB reserved, GiB allocated]
 
 
 def release(dev: torch.device, what: str) -> None:
     """After a heal: collect cycles and hand the allocator's free blocks back (a destroyed graph's private pool is
-    freed only then), and note what stays. The first H200 run (2026-11-30) ran out of memory in DeiT-B's first timed
-    round with 125.5 GiB reserved but unallocated, 6.4 GiB of it allocated in private pools: while more than half
-    the device stays reserved, Dynamo's caches (which can hold a compiled model's tensors) are reset too."""
+    freed only then), and note what stays. The first H200 run (2026-11-30), without this, ran out of memory in
+    DeiT-B's first timed round with 125.5 GiB reserved but unallocated, 6.4 GiB of it allocated in private pools."""
     if dev.type != "cuda":
         return
     gc.collect()
     torch.cuda.empty_cache()
-    reserved, after = torch.cuda.memory_reserved(dev), None
-    if reserved > 0.5 * torch.cuda.get_device_properties(dev).total_memory:
-        torch._dynamo.reset()
-        gc.collect()
-        torch.cuda.empty_cache()
-        after = torch.cuda.memory_reserved(dev) / 2**30
-    MEMORY.append([what, reserved / 2**30, torch.cuda.memory_allocated(dev) / 2**30, after])
+    MEMORY.append([what, torch.cuda.memory_reserved(dev) / 2**30, torch.cuda.memory_allocated(dev) / 2**30])
 
 
 def weight_gap(a: torch.nn.Module, b: torch.nn.Module) -> float:
