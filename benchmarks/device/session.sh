@@ -90,8 +90,8 @@ case "$PART" in
     sweep_only d /tmp/gcd --heal-graph step ;;
   open)
     mkdir -p "$OUT/e"
-    { echo "## tests/gpu/test_graph_step.py"; timeout 150 python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_graph_step.py -W ignore::UserWarning -s --tb=short -p no:logging 2>&1 | grep -v DEBUG | tail -40
+    { echo "## tests/gpu/test_graph_step.py tests/gpu/test_cuda_streams.py"; timeout 180 python3 -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_graph_step.py tests/gpu/test_cuda_streams.py -W ignore::UserWarning -s --tb=short -p no:logging 2>&1 | grep -v DEBUG | tail -40
       echo "## gpu_stream.py deit_b16, paired, heal.graph off and step, from $(date -u +%T)"; } >> "$OUT/session.txt"
     timeout "$(left 10)" python3 benchmarks/gpu_stream.py "${DEV[@]}" --models deit_b16 --repeats 0 --pairs 16 \
       --pairs-graph off step --json "$OUT/e/stream.json" >> "$OUT/session.txt" 2>&1

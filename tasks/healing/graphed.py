@@ -9,7 +9,8 @@
   device tensor: the cosine schedule runs on the host in float64 as under ``off`` and each step writes its value
   into that tensor (float32: the fused kernel's learning-rate argument), so results agree with ``off`` to that
   rounding, not bit for bit. A batch shape's first ``WARMUP`` steps run eagerly on a side stream (lazy
-  initialisation, compilation under ``heal.compile: blocks``, the optimizer's state), its next one is captured.
+  initialisation, compilation under ``heal.compile: blocks``, the optimizer's state), its next one is captured on
+  the same stream, the process's one for healing (tasks/cuda_streams.py).
   Without CUDA there is nothing to capture: the same optimizer and schedule run eagerly (as ``tf32`` is fp32 there).
 """
 from __future__ import annotations
@@ -19,6 +20,8 @@ import warnings
 from typing import Any, Callable, Mapping
 
 import torch
+
+from tasks.cuda_streams import side_stream
 
 GRAPH_MODES = ("off", "step")
 WARMUP = 2  # eager steps of a batch shape before its capture
@@ -108,11 +111,11 @@ class StepGraphs:
             return self._replay(self.graphs[key], x, tgt)
         self.seen[key] = self.seen.get(key, 0) + 1
         if key in self.failed or self.seen[key] <= self.warmup:
-            return self._side_stream(body, x, tgt)
+            return self._eager(body, x, tgt)
         return self._capture(key, body, x, tgt)
 
-    def _side_stream(self, body, x, tgt) -> torch.Tensor:
-        s = torch.cuda.Stream(self.dev)
+    def _eager(self, body, x, tgt) -> torch.Tensor:
+        s = side_stream(self.dev, "heal")  # the process's one (tasks/cuda_streams.py): the capture's stream too
         s.wait_stream(torch.cuda.current_stream(self.dev))
         with torch.cuda.stream(s), warnings.catch_warnings():
             # torch warns once that a capturable optimizer steps uncaptured: these warm-up steps are meant to
@@ -128,13 +131,15 @@ class StepGraphs:
         g = torch.cuda.CUDAGraph()
         try:
             # thread_local: the store's prefetch thread keeps copying (and waiting on its events) during the capture
-            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            # on the warm-up steps' stream: its cuBLAS workspaces exist before the capture, and no other thread's
+            # work is queued there (tasks/cuda_streams.py)
+            with torch.cuda.graph(g, stream=side_stream(self.dev, "heal"), capture_error_mode="thread_local"):
                 loss = body(sx, st)
         except Exception as e:  # noqa: BLE001 - a shape that cannot be captured heals eagerly, said once
             self.failed[key] = f"{type(e).__name__}: {e}"
             warnings.warn(f"heal.graph: step: capturing batch shape {key[0]} failed ({self.failed[key]}); "
                           f"it runs eagerly", RuntimeWarning, stacklevel=3)
-            return self._side_stream(body, x, tgt)
+            return self._eager(body, x, tgt)
         self.graphs[key] = (g, sx, st, loss)
         self.captured.append(key)
         g.replay()  # the capture recorded the step without running it
@@ -146,8 +151,8 @@ class StepGraphs:
         then), so that the next heal in the same process (a reused trial actor) starts without them. On an H200
         (2026-11-30) gpu_graph.py ran out of memory after 6 DeiT-B heals without a collection between heals (125.5 GiB
         reserved but unallocated); with one and an empty cache after each heal, 40 heals stayed within 8.9 GiB
-        reserved, yet each captured heal left its static batch allocated (0.127 GiB at batch 32), which dropping the
-        graphs here is meant to free (tests/gpu/test_graph_step.py; not yet run on a GPU)."""
+        reserved. What each captured heal still left allocated then (130 MiB, at batch 32 and 128 alike) was the
+        cuBLAS workspaces of two new warm-up streams, which the one side stream of tasks/cuda_streams.py ends."""
         self.graphs.clear()
         self.closed = True
         if self.capture:

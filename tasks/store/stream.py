@@ -7,6 +7,8 @@ reading, the host-to-device copy and the healing step overlap.
   about equal bytes, so a batch costs the producer a handful of hand-offs of the GIL, not one per block.
 - The shards' memory maps are opened once per reader and kept until it closes (``StreamMaps``), not re-opened and
   re-faulted every epoch (the pages are the OS's page cache either way).
+- The copies run on the process's one ``copy`` stream (tasks/cuda_streams.py), not on a stream drawn per epoch from
+  torch's pool: such a stream comes round again as the stream a CUDA-graph capture records on.
 - Pinned buffers come from a ring (``PinnedRing``): one flat buffer per slot holding every block, copied to the
   device in one piece and rewritten only after that copy has finished, so no pinned memory is allocated or freed
   per batch. The producer makes no torch call per block (``ring_batches``: numpy views of each slot, made once; the
@@ -29,6 +31,8 @@ from typing import Callable, Hashable, Iterator
 
 import numpy as np
 import torch
+
+from tasks.cuda_streams import side_stream
 
 Segment = tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]  # (window sources, local index (m,), rows (m,))
 Buffers = Callable[[int], dict[str, torch.Tensor]]  # n -> {block: (n, width) int16}
@@ -257,7 +261,7 @@ class DeviceCopier:
     def __init__(self, device: torch.device, ring: PinnedRing, dtype: torch.dtype, shapes: dict[str, tuple[int, ...]]):
         self.device, self.ring, self.dtype = device, ring, dtype
         self.shapes = {b: tuple(shapes[b]) for b in ring.widths}
-        self.stream = torch.cuda.Stream(device=device)
+        self.stream = side_stream(device, "copy")  # the process's one, never a capture's (tasks/cuda_streams.py)
 
     def send(self, batch: tuple[np.ndarray, int]):
         rows, n = batch  # the batch is in the ring's current slot (ring_batches)
