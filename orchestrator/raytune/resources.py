@@ -58,3 +58,21 @@ def task_device(setting: str, gpu_ids) -> str:
     """Inside a Ray task: cuda when the task was given a GPU (``ray.get_gpu_ids()``) and ``resources.device`` is
     not cpu; else cpu."""
     return "cuda" if setting != "cpu" and len(gpu_ids) > 0 else "cpu"
+
+
+_REMOTE: dict = {}  # (function, given a GPU) -> its Ray remote function, made once per process
+
+
+def ray_task(fn, cpus: float, gpus: float):
+    """``fn`` as a Ray task asking for ``cpus`` and ``gpus``. A task given a GPU runs in a worker process of its own,
+    which exits after it (``max_calls=1``: Ray's default for ``@ray.remote(num_gpus=...)``, which ``.options(num_gpus=
+    ...)`` on a function made remote without GPUs does not carry: ``max_calls`` is fixed when the function is made
+    remote). A reused worker would keep its CUDA context, the model and the allocator's cache on the GPU the trials
+    use, and on a node with several GPUs compute on the GPU its CUDA first saw, not the one Ray now gives it (CUDA
+    reads ``CUDA_VISIBLE_DEVICES`` once). CPU tasks reuse their workers (a warm worker skips the imports)."""
+    import ray
+
+    key = (fn, gpus > 0)
+    if key not in _REMOTE:
+        _REMOTE[key] = ray.remote(max_calls=1)(fn) if gpus > 0 else ray.remote(fn)
+    return _REMOTE[key].options(num_cpus=cpus, num_gpus=gpus)

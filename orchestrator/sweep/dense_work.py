@@ -11,7 +11,7 @@ import ray
 import torch
 from tqdm.auto import tqdm
 
-from orchestrator.raytune.resources import task_device, task_gpus
+from orchestrator.raytune.resources import ray_task, task_device, task_gpus
 from tasks.data import load_dataset
 from tasks.healing import dense_targets
 from tasks.models import MODELS, get_adapter, load_model, load_model_shared
@@ -35,13 +35,13 @@ def _loaded(model: str, cache_dir: str, data_seed: int, load_kw: dict, device: s
     return _LOADED[k]
 
 
-@ray.remote
 def dense_shard(store_uri: str, key: str, index: int, start: int, stop: int, dtype: str, model: str,
                 cache_dir: str, data_seed: int, threads: int, load_kw: dict, device_setting: str = "auto"
                 ) -> tuple[dict, str]:
     """One Ray task: calibration rows [start, stop) of ``model`` written as one shard. Tasks (not a fixed actor
     pool) so queued shards go to whatever node has room, including nodes that join mid-stage; the model is loaded
-    once per worker process (``_loaded``). -> (shard info, Ray node id)."""
+    once per worker process (``_loaded``; a CPU task's worker is reused, a GPU task's is not:
+    orchestrator/raytune/resources.py ``ray_task``). -> (shard info, Ray node id)."""
     torch.set_num_threads(max(1, threads))
     device = task_device(device_setting, ray.get_gpu_ids())  # a GPU only when the task was given one
     net, images, blocks = _loaded(model, cache_dir, data_seed, load_kw or {}, device)
@@ -87,7 +87,7 @@ def _task_shards(plan, *, spec, model, key, store_uri, cache_dir, cpus, max_work
     ``max_workers`` in flight when given), so the stage uses every node present while it runs and an autoscaler
     sees the demand; results come back in completion order."""
     per_task, gpus = spec.resources.cpus_per_dense_task, task_gpus(spec.resources)
-    task = dense_shard.options(num_cpus=per_task, num_gpus=gpus)
+    task = ray_task(dense_shard, per_task, gpus)  # on a GPU, a worker process per task (ray_task)
     args = (spec.store.dtype, model, str(cache_dir), spec.data_seed, max(1, int(per_task)), spec.load_kwargs(model),
             spec.resources.device)
     todo, running = list(plan), []

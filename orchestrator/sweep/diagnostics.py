@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
+from orchestrator.raytune.resources import ray_task
 from orchestrator.spec import registries
 from orchestrator.spec.plan import Cell
 from tasks.store import KEY_RE, StoreError, content_key
@@ -85,7 +86,6 @@ def diagnostics_identity(cell: Cell, model_digest: str, calib_digest: str) -> di
             "calibration": calib_digest, "scope": cell.scope, **settings}
 
 
-@ray.remote
 def diagnostics_layer(model: str, cache_dir: str, data_seed: int, scope: str, index: int, grid: list[float],
                       n_images: int, tau: str, threads: int, at: str = "conv", load_kw: dict | None = None
                       ) -> list[dict]:
@@ -147,7 +147,7 @@ def diagnostics_stage(cells: list[Cell], models: Mapping[str, Any], root: str | 
         if has_table(root, key):
             continue
         for i in range(_layer_count(c.model, c.scope)):
-            ref = diagnostics_layer.options(num_cpus=threads, num_gpus=gpus).remote(
+            ref = ray_task(diagnostics_layer, threads, gpus).remote(
                 c.model, str(cache_dir), data_seed, c.scope, i, ident["grid"], ident["diag_images"], ident["tau"],
                 threads, ident["at"], dict((load_kw or {}).get(c.model, {})))
             jobs[ref] = key

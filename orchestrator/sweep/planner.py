@@ -16,7 +16,7 @@ import platform
 from pathlib import Path
 from typing import Any, Mapping
 
-from orchestrator.raytune.resources import task_device, trial_device
+from orchestrator.raytune.resources import ray_task, task_device, trial_device
 
 CPU_REASON = "CPU trials: the store (a recompute adds a forward pass per step; no probe)"
 
@@ -73,7 +73,7 @@ def plan_target_modes(spec, models: Mapping, modes: dict[str, str], cache: str, 
     if probes:
         import ray
 
-        task = ray.remote(_probe_task).options(num_cpus=res.cpus_per_trial, num_gpus=res.gpus_per_trial)
+        task = ray_task(_probe_task, res.cpus_per_trial, res.gpus_per_trial)
         refs = {m: task.remote(m, str(cache), spec.data_seed, spec.load_kwargs(m), models[m].scope,
                                spec.heal.batch_size, spec.heal.precision, spec.store.dtype, res.device,
                                models[m].digest, str(Path(store_dir) / "planner")) for m in probes}

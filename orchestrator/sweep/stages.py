@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Mapping
 
 from orchestrator.raytune import cluster
-from orchestrator.raytune.resources import task_device, task_gpus
+from orchestrator.raytune.resources import ray_task, task_device, task_gpus
 from orchestrator.spec import SweepSpec
 from orchestrator.spec.plan import Cell, targets_identity
 from orchestrator.sweep.dense import dense_stage  # noqa: F401  (re-exported: the sharded dense stage)
@@ -44,8 +44,7 @@ def prepare_models(spec: SweepSpec, cache: str | Path, progress: bool = True, on
                 for n in spec.models}
     import ray
 
-    task = ray.remote(_model_info_task).options(num_cpus=spec.resources.cpus_per_dense_task,
-                                                num_gpus=spec.resources.gpus_per_dense_task)
+    task = ray_task(_model_info_task, spec.resources.cpus_per_dense_task, spec.resources.gpus_per_dense_task)
     refs = [task.remote(spec, n, str(cache)) for n in spec.models]
     return dict(zip(spec.models, ray.get(refs)))
 
@@ -141,7 +140,7 @@ def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: st
         return MaskResult(keys, [r for a in args for r in compute_masks(*a)], "driver")
     import ray
 
-    task = ray.remote(_mask_task).options(num_cpus=resources[0], num_gpus=resources[1])
+    task = ray_task(_mask_task, resources[0], resources[1])
     done = ray.get([task.remote(device, *a) for a in args])
     missing = [k for part in done for k in (r["key"] for r in part) if not masks.has(k)]
     if missing:

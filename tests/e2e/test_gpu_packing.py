@@ -65,3 +65,28 @@ def test_trials_pack_by_their_gpu_share(tmp_path, share, most):
     got = max_overlap(iv)
     assert got <= most  # Ray never placed more trials than the logical GPU holds
     assert got >= most - (1 if most > 2 else 0), f"only {got} trials ran at once with a GPU share of {share}"
+
+
+def _worker() -> tuple[int, list]:
+    import ray
+
+    return os.getpid(), list(ray.get_gpu_ids())
+
+
+@pytest.mark.timeout(180)
+def test_a_task_given_a_gpu_runs_in_a_worker_of_its_own():
+    """orchestrator/raytune/resources.py ``ray_task``: a task given a (logical) GPU runs in a fresh worker process,
+    which exits after it (a reused one would keep its CUDA context and the GPU its CUDA first saw); a CPU task's
+    worker is reused. One task at a time, each waited for, so that an idle worker is always there to be reused."""
+    import ray
+
+    from orchestrator.raytune.resources import ray_task
+
+    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        gpu = [ray.get(ray_task(_worker, 1, 0.5).remote()) for _ in range(4)]
+        cpu = [ray.get(ray_task(_worker, 1, 0).remote()) for _ in range(4)]
+    finally:
+        ray.shutdown()
+    assert len({pid for pid, _ in gpu}) == 4 and all(ids == [0] for _, ids in gpu), gpu
+    assert len({pid for pid, _ in cpu}) <= 2 and all(ids == [] for _, ids in cpu), cpu
