@@ -146,12 +146,14 @@ IMAGES_ON_DEVICE_MAX = 2 << 30  # calibration images up to this many bytes are k
 
 def on_device(images: torch.Tensor, device: str, fmt: torch.memory_format) -> torch.Tensor:
     """(N, C, H, W) calibration images where the trial reads them without a host synchronisation per step: on the
-    GPU when they fit ``IMAGES_ON_DEVICE_MAX``, else in pinned host memory; unchanged on the CPU."""
+    GPU when they fit ``IMAGES_ON_DEVICE_MAX``, else in host memory, each batch gathered into pinned memory and sent
+    without blocking (tasks/healing/targets.py ``take_rows``; pinning the whole set would lock GBs per trial and did
+    not help: the gathered batch was pageable); unchanged on the CPU."""
     if not str(device).startswith("cuda"):
         return images
     if images.numel() * images.element_size() <= IMAGES_ON_DEVICE_MAX:
         return images.to(device, memory_format=fmt)
-    return images.pin_memory()
+    return images
 
 
 def setup_trial(p: TrialParams) -> _Setup:

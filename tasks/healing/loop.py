@@ -37,7 +37,7 @@ from tasks.healing.compiled import compiled_blocks, compiled_fn
 from tasks.healing.graphed import StepGraphs, capturable_adamw, check_graph, rebind_lr
 from tasks.healing.guard import DivergenceGuard, adamw_stays_finite, finite_norms, keep_or_restore
 from tasks.healing.precision import as_f32, dict_f32, forward_context, precision_flags
-from tasks.healing.targets import block_tap, device_index
+from tasks.healing.targets import block_tap, device_index, take_rows
 from tasks.pruning.base import train_masks
 from tasks.pruning.repair import bn_state_names
 
@@ -95,8 +95,9 @@ class GradientHealer(Healer):
 
     def stream(self, ctx: HealContext, cfg: HealConfig, epoch: int) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         """(images (B, C, H, W), {name: (B, ...)}) for one epoch: calibration images and their dense targets."""
+        dev = next(ctx.model.parameters()).device
         for rows, tgt in ctx.batches(epoch):
-            yield ctx.images[device_index(rows, ctx.images.device)], tgt
+            yield take_rows(ctx.images, rows, dev), tgt
 
     def loss(self, outputs: list[torch.Tensor], targets: list[torch.Tensor], settings: Mapping[str, Any]
              ) -> torch.Tensor:

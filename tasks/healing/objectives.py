@@ -25,7 +25,7 @@ import torch
 from tasks.healing.base import HEALERS, HealContext, Healer, HealResult
 from tasks.healing.loop import GradientHealer
 from tasks.healing.losses import GRANULARITIES, ce_loss, cosine_align_loss, kl_logit_loss, mse_align_loss, weighted_sum
-from tasks.healing.targets import LOGITS
+from tasks.healing.targets import LOGITS, take_rows
 
 LABELED_SPLITS = ("train",)  # splits a supervised healer may train on (selection/evaluation never: docs/methods.md#data-splits)
 
@@ -95,9 +95,10 @@ class CEHealer(GradientHealer):
     def stream(self, ctx, cfg, epoch) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         images, labels = self._labeled(ctx)  # (N, C, H, W), (N,)
         order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
+        dev = next(ctx.model.parameters()).device
         for i in range(0, len(order), cfg.batch_size):
             rows = order[i : i + cfg.batch_size]
-            yield images[rows], {"labels": labels[rows]}
+            yield take_rows(images, rows, dev), {"labels": take_rows(labels, rows, dev)}
 
     def objective(self, blocks, logits, targets, block_names, settings):
         return ce_loss(logits, targets["labels"].to(logits.device))

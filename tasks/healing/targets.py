@@ -38,6 +38,19 @@ def device_index(rows, device: torch.device) -> torch.Tensor:
     return idx.pin_memory().to(device, non_blocking=True)
 
 
+def take_rows(x: torch.Tensor, rows, device: torch.device) -> torch.Tensor:
+    """``x[rows]`` ((B, ...) of (N, ...)) for a step on ``device``, without a host synchronisation: indexed where ``x``
+    is (on a GPU through ``device_index``); from host memory for a GPU, gathered straight into pinned memory and sent
+    without blocking (``.to`` of a pageable tensor would wait for the device's stream at every step; torch's caching
+    host allocator reuses the pinned block only once that copy has read it). On the CPU: ``x[rows]``."""
+    idx = device_index(rows, x.device)
+    if x.device.type != "cpu" or torch.device(device).type != "cuda":
+        return x[idx]
+    out = torch.empty((len(idx), *x.shape[1:]), dtype=x.dtype, pin_memory=True)
+    torch.index_select(x, 0, idx, out=out)
+    return out.to(device, non_blocking=True)
+
+
 @torch.no_grad()
 def dense_targets(model: nn.Module, blocks: list[tuple[str, nn.Module]], images: torch.Tensor,
                   batch_size: int = 64, dtype: torch.dtype = torch.float16, out: str | None = "cpu"
@@ -72,5 +85,6 @@ def recompute_batches(dense_model: nn.Module, blocks: list[tuple[str, nn.Module]
     for i in range(0, order.size, batch_size):
         rows = order[i:i + batch_size]
         # targets stay where the dense model runs (a GPU: no round trip through the host)
-        yield rows, dense_targets(dense_model, blocks, images[device_index(rows, images.device)], batch_size=len(rows),
+        x = take_rows(images, rows, next(dense_model.parameters()).device)
+        yield rows, dense_targets(dense_model, blocks, x, batch_size=len(rows),
                                   dtype=dtype, out=None)

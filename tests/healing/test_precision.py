@@ -2,6 +2,7 @@
 is fp32 bit for bit (the CPU has no TF32 mode); bf16 autocast heals with the invariants intact, its loss computed
 in float32, and lands near fp32; the TF32 flags are restored after a heal. The divergence guard (no host sync per
 step) names the first bad step like a per-step check."""
+import numpy as np
 import pytest
 import torch
 
@@ -9,6 +10,7 @@ from tasks.healing import HEALERS, HealConfig, HealingDiverged
 from tasks.healing.guard import DivergenceGuard, finite_norms
 from tasks.healing.losses import cosine_align_loss
 from tasks.healing.precision import as_f32, precision_flags
+from tasks.healing.targets import take_rows
 from tasks.pruning import mask_violations
 from tasks.trial import memory_format, on_device
 
@@ -109,3 +111,12 @@ def test_memory_format_and_placement_on_the_cpu():
     assert memory_format(True, "cpu", vit_like) == torch.channels_last
     x = torch.randn(2, 3, 4, 4)
     assert on_device(x, "cpu", torch.channels_last) is x  # the CPU path is untouched
+
+
+def test_take_rows_on_the_cpu_is_indexing():
+    """tasks/healing/targets.py ``take_rows``: on the CPU exactly ``x[rows]`` (numpy or torch rows, any order, repeats
+    allowed); the pinned gather for a GPU: tests/gpu/test_cuda_stream.py."""
+    x = torch.arange(6 * 3 * 2, dtype=torch.float32).reshape(6, 3, 2)
+    for rows in (np.array([4, 0, 5]), torch.tensor([1, 1, 3]), np.array([], dtype=np.int64)):
+        out = take_rows(x, rows, torch.device("cpu"))
+        assert torch.equal(out, x[torch.as_tensor(rows, dtype=torch.int64)]) and out.shape[1:] == x.shape[1:]
