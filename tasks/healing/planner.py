@@ -5,8 +5,10 @@ machine that will run the trials, and pick the faster.
   copied on a side stream);
 - ``recompute``: the dense model's forward pass on every batch (one extra forward per step, no store read).
 
-The probe heals with the real loop (STARFISH, a 50 % magnitude mask, the trial's batch size and precision) for a
-few steps each way after a warm-up, on a small probe store it writes itself, and reports seconds per step.
+The probe heals with the real loop (STARFISH, a 50 % magnitude mask, the trial's batch size, precision, compile and
+graph settings: under ``heal.graph: step`` a store step is a replay while recompute adds an eager forward pass, so
+the two compare otherwise than eagerly) for a few steps each way after a warm-up, on a small probe store it writes
+itself, and reports seconds per step.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 
 from tasks.healing.base import HEALERS, HealConfig, HealContext
+from tasks.healing.graphed import WARMUP
 from tasks.healing.loop import GradientHealer, steps_per_epoch
 from tasks.healing.objectives import StarfishHealer  # noqa: F401 - registers starfish
 from tasks.healing.targets import dense_targets, recompute_batches
@@ -50,15 +53,19 @@ def _heal_seconds(dense, adapter, scope: str, images, batches, cfg: HealConfig, 
 
 def time_target_modes(dense, adapter, scope: str, images: torch.Tensor, batch_size: int, *, steps: int = 6,
                       repeats: int = 3, precision: str = "fp32", dtype: torch.dtype = torch.float16,
-                      store_root: str | Path | None = None) -> dict[str, float]:
-    """{"store": s/step, "recompute": s/step}: median over ``repeats`` interleaved runs of ``steps`` steps, each
-    minus a 1-step run (set-up and warm-up cancel out). ``dense`` is on the trial's device; ``images`` (N, C, H,
-    W) with N >= batch_size * steps rows the probe store holds."""
+                      store_root: str | Path | None = None, compile: str = "off", graph: str = "off"
+                      ) -> dict[str, float]:
+    """{"store": s/step, "recompute": s/step}: median over ``repeats`` interleaved runs of ``steps`` - 1 steps more
+    than a baseline run, each minus that run (set-up and warm-up cancel out): 1 step, and under ``graph: step`` also
+    the warm-up steps, the capture and its first replay, so that the difference is replays. ``dense`` is on the
+    trial's device (and memory format); ``images`` (N, C, H, W) with N >= batch_size * steps rows the probe store
+    holds."""
     device = next(dense.parameters()).device
     n = min(len(images), batch_size * steps)
     images = images[:n].to(device)
     blocks = adapter.blocks(dense)
-    epochs = -(-steps * batch_size // n)
+    base = 1 if graph == "off" else WARMUP + 2  # steps of the baseline run
+    epochs = -(-(base + steps - 1) * batch_size // n)
     with tempfile.TemporaryDirectory(prefix="healsweep-probe-", dir=store_root) as tmp:
         store = TargetStore(Path(tmp))
         infos = [store.write_shard(PROBE_KEY, i, a, dense_targets(dense, blocks, images[a:b], dtype=dtype))
@@ -71,10 +78,11 @@ def time_target_modes(dense, adapter, scope: str, images: torch.Tensor, batch_si
         times: dict[str, list[float]] = {m: [] for m in feeds}
         for r in range(repeats + 1):  # the first round warms kernels, allocator and page cache up
             for mode, feed in feeds.items():
-                one = _heal_seconds(dense, adapter, scope, images, feed, HealConfig(
-                    lr=1e-4, epochs=epochs, batch_size=batch_size, steps=1, precision=precision), device)
-                full = _heal_seconds(dense, adapter, scope, images, feed, HealConfig(
-                    lr=1e-4, epochs=epochs, batch_size=batch_size, steps=steps, precision=precision), device)
+                kw = dict(lr=1e-4, epochs=epochs, batch_size=batch_size, precision=precision, compile=compile,
+                          graph=graph)
+                one = _heal_seconds(dense, adapter, scope, images, feed, HealConfig(steps=base, **kw), device)
+                full = _heal_seconds(dense, adapter, scope, images, feed, HealConfig(steps=base + steps - 1, **kw),
+                                     device)
                 if r:
                     times[mode].append(max(full - one, 1e-9) / (steps - 1))
         reader.close()

@@ -131,3 +131,17 @@ def test_planner_decisions_without_a_probe(tmp_path, store, res, budget, want, w
     d = plan_target_modes(spec, _models(spec), modes, str(tmp_path), tmp_path)
     assert modes == {"vit_digits": want} and d["vit_digits"]["pick"] == want
     assert why in d["vit_digits"]["why"] and decision_line("vit_digits", d["vit_digits"]).startswith(f"vit_digits: {want}")
+
+
+def test_a_cached_planner_decision_holds_for_one_heal_configuration():
+    """orchestrator/sweep/planner.py: a probe's decision is cached by every setting that changes a step's cost, so a
+    sweep with ``heal.graph: step`` (or compile, channels_last, precision) never reads one measured without it."""
+    from orchestrator.sweep.planner import heal_settings, probe_identity
+    from tasks.store import content_key
+
+    heal = heal_settings(parse_spec(BASE).heal)
+    assert heal == {"precision": "fp32", "compile": "off", "graph": "off", "channels_last": "auto"}
+    keys = {content_key(probe_identity("d" * 64, "NVIDIA H200", "2.11.0", 32, {**heal, **change}, "float16", "mlp"))
+            for change in ({}, {"graph": "step"}, {"compile": "blocks"}, {"channels_last": True},
+                           {"precision": "bf16"})}
+    assert len(keys) == 5
