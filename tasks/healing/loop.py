@@ -162,12 +162,13 @@ class GradientHealer(Healer):
                     if on_epoch is not None:
                         on_epoch(epoch + 1, {"train_loss": losses[-1]})
         finally:
-            if graphs is not None:
-                graphs.close()  # its graphs and their memory, before the next heal in this process
             model.eval()
             for name in r.names:
                 r.params[name].requires_grad_(False)
-                r.params[name].grad = None
+                r.params[name].grad = None  # (a captured step's gradients live in its graph's pool)
+            if graphs is not None:
+                loss = None  # a replay's loss is the graph's static output
+                graphs.close()  # its graphs and their memory, before the next heal in this process
         return HealResult(losses, time.perf_counter() - t0, steps)
 
     def _step(self, r: _Run, model: torch.nn.Module, objective: Callable[[torch.Tensor], torch.Tensor],

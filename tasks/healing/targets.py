@@ -8,12 +8,16 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from tasks.healing.precision import precision_flags
+
 LOGITS = "logits"  # pseudo-block holding the dense logits (for logit-distillation healers)
 
 
 @contextmanager
 def block_tap(blocks: list[tuple[str, nn.Module]]) -> Iterator[dict[str, torch.Tensor]]:
-    """Forward hooks that record each block's output of the latest forward pass, keyed by block name."""
+    """Forward hooks that record each block's output of the latest forward pass, keyed by block name; emptied on
+    exit (the last outputs, with their autograd graph, are not kept alive: under ``heal.graph: step`` they live in
+    the graph's memory pool)."""
     captured: dict[str, torch.Tensor] = {}
 
     def hook(name):
@@ -28,6 +32,7 @@ def block_tap(blocks: list[tuple[str, nn.Module]]) -> Iterator[dict[str, torch.T
     finally:
         for h in handles:
             h.remove()
+        captured.clear()
 
 
 def device_index(rows, device: torch.device) -> torch.Tensor:
@@ -86,5 +91,6 @@ def recompute_batches(dense_model: nn.Module, blocks: list[tuple[str, nn.Module]
         rows = order[i:i + batch_size]
         # targets stay where the dense model runs (a GPU: no round trip through the host)
         x = take_rows(images, rows, next(dense_model.parameters()).device)
-        yield rows, dense_targets(dense_model, blocks, x, batch_size=len(rows),
-                                  dtype=dtype, out=None)
+        with precision_flags("fp32"):  # the dense tasks' flags (fp32 matmuls), whatever heal.precision the step has
+            tgt = dense_targets(dense_model, blocks, x, batch_size=len(rows), dtype=dtype, out=None)
+        yield rows, tgt

@@ -2,6 +2,8 @@
 is fp32 bit for bit (the CPU has no TF32 mode); bf16 autocast heals with the invariants intact, its loss computed
 in float32, and lands near fp32; the TF32 flags are restored after a heal. The divergence guard (no host sync per
 step) names the first bad step like a per-step check."""
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,8 @@ from tasks.healing import HEALERS, HealConfig, HealingDiverged
 from tasks.healing.guard import DivergenceGuard, finite_norms
 from tasks.healing.losses import cosine_align_loss
 from tasks.healing.precision import as_f32, precision_flags
-from tasks.healing.targets import take_rows
+from tasks.healing.targets import recompute_batches, take_rows
+from tasks.models import get_adapter
 from tasks.pruning import mask_violations
 from tasks.trial import memory_format, on_device
 
@@ -120,3 +123,26 @@ def test_take_rows_on_the_cpu_is_indexing():
     for rows in (np.array([4, 0, 5]), torch.tensor([1, 1, 3]), np.array([], dtype=np.int64)):
         out = take_rows(x, rows, torch.device("cpu"))
         assert torch.equal(out, x[torch.as_tensor(rows, dtype=torch.int64)]) and out.shape[1:] == x.shape[1:]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_recomputed_targets_are_made_as_the_store_makes_them(heal_case, precision):
+    """Recompute mode (tasks/healing/targets.py ``recompute_batches``) runs the dense model between steps under
+    ``heal.precision``'s process-wide flags: its forward passes run with the dense tasks' flags (no TF32 matmuls) and
+    outside autocast, so that recomputed targets equal stored ones whatever mode the planner picked; the healed
+    model's forward passes run under the heal's precision."""
+    case = heal_case("timm_vit", "qkv_out_mlp", n=16)
+    dense = copy.deepcopy(case.model)
+    seen: dict[str, set] = {"dense": set(), "healed": set()}
+
+    def record(who):
+        return lambda *_: seen[who].add((torch.backends.cuda.matmul.allow_tf32, torch.is_autocast_enabled("cpu")))
+
+    dense.register_forward_pre_hook(record("dense"))
+    case.model.register_forward_pre_hook(record("healed"))
+    blocks = get_adapter(dense).blocks(dense)
+    case.ctx.batches = lambda e: recompute_batches(dense, blocks, case.ctx.images, 8, 0, e)
+    HEALERS.get("starfish").heal(case.ctx, HealConfig(lr=1e-3, epochs=1, batch_size=8, precision=precision))
+    assert seen["dense"] == {(False, False)}
+    assert seen["healed"] == {(precision == "tf32", precision == "bf16")}
