@@ -67,7 +67,7 @@ sweep_only() {  # OUT/$1, work dir $2, gpu_check.py's arguments: the default swe
 case "$PART" in
   check)
     mkdir -p "$OUT/a"
-    { echo "## tests/gpu"; timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -15
+    { echo "## tests/gpu"; timeout 180 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
       echo "## check (install, throughput, fp32 sweep) from $(date -u +%T)"; } >> "$OUT/session.txt"
     timeout "$(left)" python3 benchmarks/gpu_check.py --bundle "$BUNDLE" --site "$SITE" --out "$OUT/a" --work /tmp/gca \
       --sections throughput sweep --throughput-args "--extra-batches 128 --repeats 2 --precisions bf16" \
@@ -75,7 +75,7 @@ case "$PART" in
   bf16) sweep_only b /tmp/gcb --heal-precision bf16 ;;
   stream)
     mkdir -p "$OUT/c"
-    { echo "## tests/gpu"; timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -15
+    { echo "## tests/gpu"; timeout 180 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
       echo "## stream (gpu_stream.py) from $(date -u +%T)"; } >> "$OUT/session.txt"
     timeout "$(left 200)" python3 benchmarks/gpu_stream.py "${DEV[@]}" --models deit_b16 resnet50 \
       --repeats 3 --mode-threads 1 2 4 --pairs 16 --json "$OUT/c/stream.json" >> "$OUT/session.txt" 2>&1
@@ -83,15 +83,15 @@ case "$PART" in
     sweep_only c /tmp/gcc ;;
   graph)
     mkdir -p "$OUT/d"
-    { echo "## tests/gpu"; timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -15
+    { echo "## tests/gpu"; timeout 180 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
       echo "## gpu_graph.py from $(date -u +%T)"; } >> "$OUT/session.txt"
     timeout "$(left 210)" python3 benchmarks/gpu_graph.py "${DEV[@]}" --json "$OUT/d/graph.json" >> "$OUT/session.txt" 2>&1
     echo "## sweep with heal.graph: step from $(date -u +%T)" >> "$OUT/session.txt"
     sweep_only d /tmp/gcd --heal-graph step ;;
   open)
     mkdir -p "$OUT/e"
-    { echo "## tests/gpu/test_graph_step.py tests/gpu/test_cuda_streams.py"; timeout 180 python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_graph_step.py tests/gpu/test_cuda_streams.py -W ignore::UserWarning -s --tb=short -p no:logging 2>&1 | grep -v DEBUG | tail -40
+    { echo "## tests/gpu/test_graph_step.py tests/gpu/test_cuda_streams.py tests/gpu/test_cuda_stream.py"; timeout 240 python3 -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_graph_step.py tests/gpu/test_cuda_streams.py tests/gpu/test_cuda_stream.py -W ignore::UserWarning -s --tb=short -p no:logging 2>&1 | grep -v DEBUG | tee "$OUT/e/pytest.txt" | tail -40
       echo "## gpu_stream.py deit_b16, paired, heal.graph off and step, from $(date -u +%T)"; } >> "$OUT/session.txt"
     timeout "$(left 10)" python3 benchmarks/gpu_stream.py "${DEV[@]}" --models deit_b16 --repeats 0 --pairs 16 \
       --pairs-graph off step --json "$OUT/e/stream.json" >> "$OUT/session.txt" 2>&1
