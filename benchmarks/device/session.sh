@@ -62,12 +62,15 @@ sweep_only() {  # OUT/$1, work dir $2, gpu_check.py's arguments: the default swe
   timeout "$(left)" python3 benchmarks/gpu_check.py "${install[@]}" --site "$SITE" --out "$OUT/$dir" --work "$work" \
     --sections sweep "$@" --sweep-timeout "$(left 45)" >> "$OUT/session.txt" 2>&1
 }
+gpu_tests() {  # all of tests/gpu; the whole output kept in OUT/pytest_gpu.txt, its tail in session.txt
+  timeout 180 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
+}
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; uptime; git log -1 --format='%H %s'; } \
   > "$OUT/session.txt" 2>&1 || true
 case "$PART" in
   check)
     mkdir -p "$OUT/a"
-    { echo "## tests/gpu"; timeout 180 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
+    { echo "## tests/gpu"; gpu_tests
       echo "## check (install, throughput, fp32 sweep) from $(date -u +%T)"; } >> "$OUT/session.txt"
     timeout "$(left)" python3 benchmarks/gpu_check.py --bundle "$BUNDLE" --site "$SITE" --out "$OUT/a" --work /tmp/gca \
       --sections throughput sweep --throughput-args "--extra-batches 128 --repeats 2 --precisions bf16" \
@@ -75,7 +78,7 @@ case "$PART" in
   bf16) sweep_only b /tmp/gcb --heal-precision bf16 ;;
   stream)
     mkdir -p "$OUT/c"
-    { echo "## tests/gpu"; timeout 180 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
+    { echo "## tests/gpu"; gpu_tests
       echo "## stream (gpu_stream.py) from $(date -u +%T)"; } >> "$OUT/session.txt"
     timeout "$(left 200)" python3 benchmarks/gpu_stream.py "${DEV[@]}" --models deit_b16 resnet50 \
       --repeats 3 --mode-threads 1 2 4 --pairs 16 --json "$OUT/c/stream.json" >> "$OUT/session.txt" 2>&1
@@ -83,7 +86,7 @@ case "$PART" in
     sweep_only c /tmp/gcc ;;
   graph)
     mkdir -p "$OUT/d"
-    { echo "## tests/gpu"; timeout 180 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
+    { echo "## tests/gpu"; gpu_tests
       echo "## gpu_graph.py from $(date -u +%T)"; } >> "$OUT/session.txt"
     timeout "$(left 210)" python3 benchmarks/gpu_graph.py "${DEV[@]}" --json "$OUT/d/graph.json" >> "$OUT/session.txt" 2>&1
     echo "## sweep with heal.graph: step from $(date -u +%T)" >> "$OUT/session.txt"

@@ -40,7 +40,7 @@ def _probe_task(model: str, cache: str, data_seed: int, load_kw: dict, scope: st
     from tasks.healing.planner import pick, time_target_modes
     from tasks.models import get_adapter, load_model
     from tasks.store import content_key
-    from tasks.trial import memory_format
+    from tasks.trial import memory_format, on_device
 
     device = task_device(device_setting, ray.get_gpu_ids())
     name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
@@ -51,8 +51,7 @@ def _probe_task(model: str, cache: str, data_seed: int, load_kw: dict, scope: st
     lm = load_model(model, cache, data_seed=data_seed, progress=False, **load_kw)
     fmt = memory_format(heal["channels_last"], device, lm.model)  # as the trial lays its model and images out
     dense = lm.model.to(device, memory_format=fmt)
-    images = lm.dataset["calibration"].images
-    images = images if fmt == torch.preserve_format else images.contiguous(memory_format=fmt)
+    images = on_device(lm.dataset["calibration"].images, device, fmt)
     secs = time_target_modes(dense, get_adapter(dense), scope, images, batch, precision=heal["precision"],
                              dtype=getattr(torch, dtype), compile=heal["compile"], graph=heal["graph"])
     out = {**ident, "pick": pick(secs), "seconds_per_step": secs}

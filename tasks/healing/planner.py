@@ -76,10 +76,9 @@ def time_target_modes(dense, adapter, scope: str, images: torch.Tensor, batch_si
         feeds = {"store": lambda e: reader.iter_batches(batch_size, shuffle=True, seed=0, epoch=e, device=device),
                  "recompute": lambda e: recompute_batches(dense, blocks, images, batch_size, 0, e, dtype)}
         times: dict[str, list[float]] = {m: [] for m in feeds}
+        kw = dict(lr=1e-4, epochs=epochs, batch_size=batch_size, precision=precision, compile=compile, graph=graph)
         for r in range(repeats + 1):  # the first round warms kernels, allocator and page cache up
             for mode, feed in feeds.items():
-                kw = dict(lr=1e-4, epochs=epochs, batch_size=batch_size, precision=precision, compile=compile,
-                          graph=graph)
                 one = _heal_seconds(dense, adapter, scope, images, feed, HealConfig(steps=base, **kw), device)
                 full = _heal_seconds(dense, adapter, scope, images, feed, HealConfig(steps=base + steps - 1, **kw),
                                      device)
