@@ -1,8 +1,9 @@
 """Per-epoch time of every gradient healer relative to ``starfish`` on the same cell (same mask, same data).
 
 A reference model (shipped weights, tasks/models/weights), one magnitude mask, dense targets streamed from a target store
-exactly as in a trial (``kl`` / ``ce`` read no block outputs and install no block hooks; ``ce`` iterates the
-labeled set, the first ``calib`` train items). Healers run interleaved (the order rotates every repeat), one
+exactly as in a trial (each reader hands out only the columns its healer reads: ``kl`` the logits; ``kl`` / ``ce``
+install no block hooks; ``ce`` iterates the labeled set, the first ``calib`` train items; "kl, every column" is kl
+with a reader of every column, as before 2026-11-30). Healers run interleaved (the order rotates every repeat), one
 epoch each on a fresh copy of the pruned model; the table shows medians. Prints figures only.
 
     python benchmarks/bench_healers.py [--model vit_digits] [--calib 256] [--repeats 5] [--cache DIR]
@@ -53,16 +54,22 @@ def main() -> None:
                  for i, s, e in store.shard_plan(a.calib, 64)]
         store.finalize(key, meta={}, block_shapes={k: list(v.shape[1:]) for k, v in targets.items()},
                        dtype="float16", num_rows=a.calib, shard_infos=infos)
-        reader = store.open(key)
+        block_names = [b for b, _ in adapter.blocks(lm.model)]
+        # Each healer's reader hands out only the columns it reads, as in a trial; "kl, every column" is kl as it
+        # ran before 2026-11-30 (its reader streamed every block's outputs too).
+        readers = {n: store.open(key, blocks=HEALERS.get(n).reads_targets(block_names, {}) or None) for n in names}
+        readers["kl, every column"] = store.open(key)
+        names.append("kl, every column")
 
-        def one_epoch(name: str) -> float:
+        def one_epoch(label: str) -> float:
             model = copy.deepcopy(lm.model)
             apply_masks(model, masks)
+            reader = readers[label]
             ctx = HealContext(model, adapter.blocks(model), entries, masks, images,
                               lambda e: reader.iter_batches(a.batch, shuffle=True, seed=0, epoch=e),
                               steps_per_epoch(a.calib, a.batch), adapter.default_granularity, labeled=labeled)
             t = time.perf_counter()
-            HEALERS.get(name).heal(ctx, HealConfig(lr=1e-3, epochs=1, batch_size=a.batch))
+            HEALERS.get(label.split(",")[0]).heal(ctx, HealConfig(lr=1e-3, epochs=1, batch_size=a.batch))
             return time.perf_counter() - t
 
         for n in names:  # warm-up
@@ -71,13 +78,14 @@ def main() -> None:
         for r in range(a.repeats):
             for n in names[r % len(names):] + names[: r % len(names)]:
                 times[n].append(one_epoch(n))
-        reader.close()
+        for reader in readers.values():
+            reader.close()
     med = {n: statistics.median(t) for n, t in times.items()}
     print(f"model={a.model} sparsity={a.sparsity} calib={a.calib} batch={a.batch} threads={a.threads}, "
           f"one epoch, median of {a.repeats} interleaved repeats")
-    print(f"{'healer':<14}{'s/epoch':>10}{'vs starfish':>13}{'min':>9}{'max':>9}")
+    print(f"{'healer':<18}{'s/epoch':>10}{'vs starfish':>13}{'min':>9}{'max':>9}")
     for n in names:
-        print(f"{n:<14}{med[n]:>10.4f}{med[n] / med['starfish']:>13.3f}{min(times[n]):>9.4f}{max(times[n]):>9.4f}")
+        print(f"{n:<18}{med[n]:>10.4f}{med[n] / med['starfish']:>13.3f}{min(times[n]):>9.4f}{max(times[n]):>9.4f}")
 
 
 if __name__ == "__main__":

@@ -192,7 +192,9 @@ def setup_trial(p: TrialParams) -> _Setup:
             return recompute_batches(dense, dense_blocks, images, p.batch_size, p.healing_seed, epoch,
                                      getattr(torch, p.target_dtype))
     else:
-        reader = TargetStore(p.store_uri).open(p.store_key, num_rows=p.calib_size)
+        # Only the columns the healer reads (kl: the logits, not every block's outputs); none read: all, as ever.
+        wanted = healer.reads_targets([b for b, _ in adapter.blocks(model)], p.healer_settings) or None
+        reader = TargetStore(p.store_uri).open(p.store_key, num_rows=p.calib_size, blocks=wanted)
 
         def batches(epoch):
             return reader.iter_batches(p.batch_size, shuffle=True, seed=p.healing_seed, epoch=epoch, device=p.device)

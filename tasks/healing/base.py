@@ -97,6 +97,11 @@ class Healer:
     def check_data(self, dataset: Any, settings: Mapping[str, Any]) -> None:
         """Raise ValueError when the sweep's dataset (tasks.data.DatasetSplits) lacks what this healer reads."""
 
+    def reads_targets(self, block_names: list[str], settings: Mapping[str, Any]) -> list[str]:
+        """The target columns (block names, the ``logits`` pseudo-block) heal() reads from ``ctx.batches`` under
+        ``settings``: the trial's store reader hands out only these. Default: none (closed-form healers)."""
+        return []
+
     def epochs(self, cfg: HealConfig) -> int:
         """How many on_epoch reports heal() makes under cfg (0: none; the trial then reports final metrics only)."""
         return 0

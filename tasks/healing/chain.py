@@ -58,6 +58,9 @@ class ChainHealer(Healer):
     def resolved_settings(self, settings):
         return {"chain": [{"name": part.name, "settings": part.resolved_settings(s)} for part, s in self.parts]}
 
+    def reads_targets(self, block_names, settings):
+        return list(dict.fromkeys(n for part, s in self.parts for n in part.reads_targets(block_names, s)))
+
     def epochs(self, cfg):
         return sum(part.epochs(replace(cfg, settings=s)) for part, s in self.parts)
 

@@ -37,7 +37,7 @@ from tasks.healing.compiled import compiled_blocks, compiled_fn
 from tasks.healing.graphed import StepGraphs, capturable_adamw, check_graph, rebind_lr
 from tasks.healing.guard import DivergenceGuard, adamw_stays_finite, finite_norms, keep_or_restore
 from tasks.healing.precision import as_f32, dict_f32, forward_context, precision_flags
-from tasks.healing.targets import block_tap, device_index, take_rows
+from tasks.healing.targets import LOGITS, block_tap, device_index, take_rows
 from tasks.pruning.base import train_masks
 from tasks.pruning.repair import bn_state_names
 
@@ -69,7 +69,11 @@ class GradientHealer(Healer):
 
     trains = True
     uses_blocks = True
+    reads_logits = False  # the objective reads the dense logits (targets[LOGITS])
     settings_schema: dict[str, tuple] = dict(LOOP_SETTINGS)
+
+    def reads_targets(self, block_names, settings):
+        return [*(block_names if self.uses_blocks else []), *([LOGITS] if self.reads_logits else [])]
 
     def resolve(self, ctx: HealContext, settings: Mapping[str, Any]) -> dict[str, Any]:
         return dict(settings)

@@ -61,6 +61,7 @@ class KLHealer(GradientHealer):
     """Logit distillation: KL(dense || pruned), T = 1, batchmean. Reads only the cached dense logits."""
 
     uses_blocks = False
+    reads_logits = True
 
     def objective(self, blocks, logits, targets, block_names, settings):
         return kl_logit_loss(logits, targets[LOGITS].to(logits.device, non_blocking=True))  # (B, K) vs (B, K)
@@ -126,6 +127,10 @@ class StarfishKLHealer(StarfishHealer):
     def resolve(self, ctx, settings):
         return {**super().resolve(ctx, settings), "w_align": float(settings.get("w_align", 0.5)),
                 "w_kl": float(settings.get("w_kl", 0.5))}
+
+    def reads_targets(self, block_names, settings):  # a term weighted 0 reads nothing
+        w_align, w_kl = (float(settings.get(k, 0.5)) for k in ("w_align", "w_kl"))
+        return [*(block_names if w_align else []), *([LOGITS] if w_kl else [])]
 
     def objective(self, blocks, logits, targets, block_names, settings):
         dev = logits.device

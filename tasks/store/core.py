@@ -18,6 +18,8 @@ from tasks.store.format import (_FILE_RE, BATCH_ROWS, DTYPE_NAMES, FORMAT, KEY_R
                                 VERIFIED, StoreError, canonical_json, log, producer_versions, shard_name, sidecar_name)
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
     from tasks.store.reader import TargetReader
@@ -324,9 +326,10 @@ class TargetStore:
                              f"(want {shapes}, {dtype}, {want_rows} from {info['row_start']})")
 
     # ------------------------------------------------------------------------------------------ reads
-    def open(self, key: str, num_rows: int | None = None, *, verify: bool | str = True, touch: bool = True
-             ) -> TargetReader:
-        """Reader over rows [0, num_rows) (default: all); only shards covering that prefix are touched.
+    def open(self, key: str, num_rows: int | None = None, *, verify: bool | str = True, touch: bool = True,
+             blocks: Sequence[str] | None = None) -> TargetReader:
+        """Reader over rows [0, num_rows) (default: all); only shards covering that prefix are touched. ``blocks``:
+        the columns it reads and hands out (default: all; e.g. only ``logits`` for logit distillation).
 
         ``verify`` (default True; "first" is an old spelling of it): every needed shard's size and sha256 are
         checked on every open, i.e. once per reader (per trial); False checks sizes only (benchmarks).
@@ -349,7 +352,7 @@ class TargetStore:
             self.touch(key)
         from tasks.store.reader import TargetReader  # torch: a reader hands out tensors
 
-        return TargetReader(self, key, m, needed, n)
+        return TargetReader(self, key, m, needed, n, blocks)
 
 
 def tiling_problem(shards: list[dict], num_rows: int) -> str | None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -18,8 +18,18 @@ Batch = tuple[np.ndarray, dict[str, torch.Tensor]]  # rows (B,) int64, {block: (
 GATHER_THREADS = min(4, os.cpu_count() or 1)  # the accelerator stream's gather threads (tasks/store/stream.py)
 
 
+def selected_columns(columns: list[str], blocks: Sequence[str] | None, key: str) -> list[str]:
+    """The columns a reader hands out: all (None) or ``blocks``, in file order; unknown or no names refused."""
+    if blocks is None:
+        return list(columns)
+    unknown = sorted(set(blocks) - set(columns))
+    if unknown or not blocks:
+        raise StoreError(f"key {key}: cannot read blocks {unknown or '(none)'}; it holds {', '.join(columns)}")
+    return [c for c in columns if c in set(blocks)]
+
+
 class TargetReader:
-    """Rows [0, num_rows) of one key (see ``TargetStore.open``).
+    """Rows [0, num_rows) of one key (see ``TargetStore.open``), its columns or the ``blocks`` among them.
 
     ``iter_batches`` streams one *window* of shards at a time (read whole, sequentially, then dropped), so
     memory is bounded by ``window`` shards plus ``prefetch`` batches whatever the calibration size. (On a GPU the
@@ -28,14 +38,17 @@ class TargetReader:
     ``read_rows`` serves random access through memory maps (local) or per-record-batch reads (remote).
     """
 
-    def __init__(self, store, key: str, manifest: dict, shard_infos: list[dict], num_rows: int):
+    def __init__(self, store, key: str, manifest: dict, shard_infos: list[dict], num_rows: int,
+                 blocks: Sequence[str] | None = None):
         self._store, self._key = store, key
-        self.block_names: list[str] = list(manifest["block_names"])
+        self.columns: list[str] = list(manifest["block_names"])  # every column a shard holds, in file order
+        self.block_names: list[str] = selected_columns(self.columns, blocks, key)  # the ones this reader hands out
         self.block_shapes: dict[str, tuple[int, ...]] = {
             k: tuple(manifest["block_shapes"][k]) for k in self.block_names}
         self.dtype: torch.dtype = DTYPES[manifest["dtype"]]
         self.num_rows: int = num_rows
-        self._widths = {n: math.prod(self.block_shapes[n]) for n in self.block_names}
+        self._file_widths = {n: math.prod(manifest["block_shapes"][n]) for n in self.columns}
+        self._widths = {n: self._file_widths[n] for n in self.block_names}
         self._infos = sorted(shard_infos, key=lambda s: s["row_start"])
         self._starts = np.array([s["row_start"] for s in self._infos], dtype=np.int64)  # (n_shards,)
         self._random: dict[int, tuple] = {}  # shard -> (file, ipc reader, batch starts) for read_rows
@@ -51,14 +64,15 @@ class TargetReader:
             raise StoreError("reader is closed")
 
     def _columns(self, batch: pa.RecordBatch, where: str) -> dict[str, np.ndarray]:
-        """{block: (rows, width) uint16} views of one record batch, schema checked."""
-        if batch.schema.names != self.block_names:
-            raise StoreError(f"{where} has columns {batch.schema.names}, expected {self.block_names}")
+        """{block: (rows, width) uint16} views of one record batch's selected columns, its whole schema checked."""
+        if batch.schema.names != self.columns:
+            raise StoreError(f"{where} has columns {batch.schema.names}, expected {self.columns}")
         out = {}
-        for name, col in zip(self.block_names, batch.columns):
-            if col.null_count or col.type.list_size != self._widths[name]:
+        for name, col in zip(self.columns, batch.columns):
+            if col.null_count or col.type.list_size != self._file_widths[name]:
                 raise StoreError(f"{where} column {name}: nulls or width {col.type.list_size}")
-            out[name] = col.flatten().to_numpy(zero_copy_only=True).reshape(batch.num_rows, self._widths[name])
+            if name in self._widths:  # an unselected column is never read (its pages stay on disk)
+                out[name] = col.flatten().to_numpy(zero_copy_only=True).reshape(batch.num_rows, self._widths[name])
         return out
 
     def _random_reader(self, si: int):

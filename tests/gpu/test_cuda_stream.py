@@ -16,19 +16,20 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("batch,window", [(4, 1), (5, 3), (32, 1)])
-def test_cuda_stream_equals_cpu_stream(tmp_path, batch, window):
+@pytest.mark.parametrize("batch,window,cols", [(4, 1, None), (5, 3, None), (32, 1, None), (5, 3, ["logits"])])
+def test_cuda_stream_equals_cpu_stream(tmp_path, batch, window, cols):
+    """Every column, or only those a healer reads (``cols``: kl's logits), on the GPU as on the CPU."""
     st = TargetStore(tmp_path / "s")
     blocks = make_blocks(23, torch.float16)
     write_all(st, KEY, blocks, shard_size=4)
-    with st.open(KEY) as r:
+    with st.open(KEY, blocks=cols) as r:
         for epoch in (0, 1):
             kw = dict(shuffle=True, seed=3, epoch=epoch, window=window)
             cpu = list(r.iter_batches(batch, **kw))
             gpu = list(r.iter_batches(batch, device="cuda", **kw))
             assert len(cpu) == len(gpu)
             for (rc, tc), (rg, tg) in zip(cpu, gpu):
-                assert np.array_equal(rc, rg)
+                assert np.array_equal(rc, rg) and list(tg) == list(tc) == (cols or list(blocks))
                 for k in tc:
                     assert tg[k].is_cuda and torch.equal(tc[k].view(torch.int16), tg[k].cpu().view(torch.int16))
 

@@ -222,3 +222,37 @@ def test_ce_check_data_names_dataset_and_split():
     chain, settings = _chain("none", "ce")
     with pytest.raises(ValueError, match=r"chain\[1\] \('ce'\)"):
         chain.check_data(_Toy(train=unl), settings)
+
+
+# --- what each healer reads from the target store ---------------------------------------------------------
+
+def test_each_healer_names_the_target_columns_it_reads():
+    """A trial's store reader hands out only these (tasks/trial.py): block outputs for block objectives, the dense
+    logits for logit distillation, nothing for ce (its labeled set) and the closed-form healers."""
+    b = ["blocks.0", "blocks.1"]
+    assert {n: HEALERS.get(n).reads_targets(b, {}) for n in HEALERS.names()} == {
+        "starfish": b, "mse": b, "kl": [LOGITS], "starfish_kl": [*b, LOGITS],
+        "ce": [], "corp": [], "crbn": [], "none": []}
+    sk = HEALERS.get("starfish_kl")
+    assert sk.reads_targets(b, {"w_kl": 0.0}) == b and sk.reads_targets(b, {"w_align": 0.0}) == [LOGITS]
+    for names, want in ((("kl", "starfish"), [LOGITS, *b]), (("corp", "starfish"), b), (("starfish", "starfish_kl"),
+                                                                                        [*b, LOGITS])):
+        chain, settings = _chain(*names)
+        assert chain.reads_targets(b, settings) == want
+
+
+@pytest.mark.parametrize("name,settings", [("starfish", {}), ("mse", {}), ("kl", {}), ("ce", {}), ("starfish_kl", {}),
+                                           ("starfish_kl", {"w_kl": 0.0}), ("starfish_kl", {"w_align": 0.0}),
+                                           ("kl+starfish", None)])
+def test_a_heal_fed_only_the_columns_it_names_equals_one_fed_every_column(heal_case, name, settings):
+    """The columns ``reads_targets`` names are all a heal needs (a missing one would be a KeyError), and nothing
+    else moves a number: the same losses and healed weights, bit for bit."""
+    a, b = heal_case("timm_vit", "qkv_out_mlp", sparsity=0.8), heal_case("timm_vit", "qkv_out_mlp", sparsity=0.8)
+    healer, settings = (HEALERS.get(name), settings) if settings is not None else _chain(*name.split("+"))
+    cols = healer.reads_targets([n for n, _ in b.ctx.blocks], settings)
+    every = b.ctx.batches
+    b.ctx.batches = lambda e: ((rows, {k: t[k] for k in cols}) for rows, t in every(e))
+    ra = healer.heal(a.ctx, HealConfig(**CFG, settings=settings))
+    rb = healer.heal(b.ctx, HealConfig(**CFG, settings=settings))
+    assert ra.epoch_losses == rb.epoch_losses and ra.steps == rb.steps > 0
+    assert all(torch.equal(v, b.model.state_dict()[k]) for k, v in a.model.state_dict().items())

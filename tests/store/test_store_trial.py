@@ -203,3 +203,27 @@ def _healed_selection(params):
     heal_trial(params, s, lambda m: None, None, None)
     sel = s.lm.dataset["selection"]
     return s.model, sel.images, sel.labels
+
+
+@pytest.mark.parametrize("healer,settings,read", [("kl", {}, "logits"), ("starfish", {"granularity": "auto"}, "blocks"),
+                                                  ("starfish_kl", {}, "all"), ("ce", {}, "all")])
+def test_a_trial_reads_only_the_columns_its_healer_names(setup, healer, settings, read):
+    """kl's trial streams the dense logits and no block output (DeiT-B at 224 px: 2 KB a row instead of 3.6 MB),
+    starfish's the blocks and not the logits; a healer that reads none (ce) opens every column, as before."""
+    from tasks.trial import setup_trial
+
+    st, run_shards, params, _, _ = setup
+    build(st, run_shards)
+    cols = st.manifest(KEY)["block_names"]
+    blocks = [c for c in cols if c != "logits"]
+    p = replace(params, healer=healer, healer_settings=settings)
+    s = setup_trial(p)
+    try:
+        assert s.reader.columns == cols and len(blocks) > 1
+        assert s.reader.block_names == {"logits": ["logits"], "blocks": blocks, "all": cols}[read]
+    finally:
+        s.reader.close()
+    final, epochs = trial(p)
+    assert final["mask_violations"] == 0 and np.isfinite(final["train_loss"]) and len(epochs) == p.epochs
+    if healer != "ce":  # ce streams its labeled set, not the store
+        assert [e["rows_streamed"] for e in epochs[:-1]] == [CALIB] * (p.epochs - 1)
