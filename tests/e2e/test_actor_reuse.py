@@ -37,7 +37,7 @@ def _trainable():
 def ray_2cpu():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         yield
     finally:

@@ -82,7 +82,9 @@ def test_a_task_given_a_gpu_runs_in_a_worker_of_its_own():
 
     from orchestrator.raytune.resources import ray_task
 
-    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    # address="local": a new instance even while another test's cluster runs on this machine (ray.init() alone
+    # would join that one, and refuse num_cpus)
+    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
     try:
         gpu = [ray.get(ray_task(_worker, 1, 0.5).remote()) for _ in range(4)]
         cpu = [ray.get(ray_task(_worker, 1, 0).remote()) for _ in range(4)]

@@ -45,7 +45,7 @@ def test_exit_now_flushes_output_runs_atexit_and_keeps_the_code(tmp_path):
 RELEASE_DURING_SHUTDOWN = textwrap.dedent("""
     import gc, sys, threading, time
     import ray
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
 
     class Cycle:  # cyclic garbage holding an ObjectRef, as a finished Tune fit leaves behind
         def __init__(self, ref):

@@ -185,7 +185,7 @@ def test_diagnostics_stage_is_cached(resnet_digits, tmp_path):
              for s in (0.8, 0.9)] + [Cell("resnet_digits", "erk", {}, 0.9, "0.9", "conv", 64, "crbn", {}, 0, cell_id="e")]
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         first = diagnostics_stage(cells, {"resnet_digits": info}, tmp_path, CACHE, 0)
         n_layers = len(get_adapter(lm.model).scope(lm.model, "conv"))
