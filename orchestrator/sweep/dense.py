@@ -32,6 +32,7 @@ class DenseReport:
     shards: dict[str, int] = field(default_factory=dict)  # model -> shards computed now
     events: list[str] = field(default_factory=list)  # integrity events (damaged shards recomputed)
     nodes: dict[str, int] = field(default_factory=dict)  # Ray node id -> shards its tasks computed now
+    loads: dict[str, int] = field(default_factory=dict)  # model -> times Ray tasks loaded it (and read its data)
 
 
 def dense_stage(spec, models: Mapping, rows: Mapping[str, int], store_uri: str | Path, cache_dir: Path,
@@ -51,7 +52,7 @@ def dense_stage(spec, models: Mapping, rows: Mapping[str, int], store_uri: str |
 
         run_shards = partial(_run_shards, in_driver=in_driver, n_rows=rows[m], spec=spec, model=m,
                              key=info.store_key, store_uri=str(store_uri), cache_dir=cache_dir, cpus=cpus,
-                             max_workers=max_workers, progress=progress, nodes=rep.nodes)
+                             max_workers=max_workers, progress=progress, report=rep)
         res = ensure_targets(store, info.store_key, rows[m], spec.store.shard_size, run_shards,
                              meta={"model": m, "model_digest": info.digest, "calibration": info.calib_digest,
                                    "shard_size": spec.store.shard_size, "blocks": list(info.blocks)},

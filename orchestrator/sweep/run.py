@@ -133,8 +133,9 @@ def dense_and_masks(s: SweepState, progress: bool) -> None:
                               in_driver=False if s.on_cluster else None)  # on a cluster: tasks on the workers
     computed = sum(s.dense.values())
     s.dense_total = record_dense(s.out_dir, s.info, s.session, computed)  # every session's images, kept in sweep.json
-    clock.say(f"[dense] {computed} images computed, {sum(s.rows.values()) - computed} read from the store"
-              if computed <= sum(s.rows.values()) else f"[dense] {computed} images computed")
+    clock.say((f"[dense] {computed} images computed, {sum(s.rows.values()) - computed} read from the store"
+               if computed <= sum(s.rows.values()) else f"[dense] {computed} images computed")
+              + "".join(f"; {m} loaded by {k} Ray task(s)" for m, k in sorted(s.dense_rep.loads.items())))
     diag_root, res = s.paths["diagnostics"], spec.resources
     with clock.stage("diagnostics"):
         s.diag = diagnostics_stage(s.cells, s.models, diag_root, s.paths["cache"], spec.data_seed,

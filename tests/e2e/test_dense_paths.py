@@ -1,7 +1,8 @@
-"""The dense stage's two paths write the same store: small work in the driver, real sizes on Ray actors."""
+"""The dense stage's paths write the same store: small work in the driver, real sizes on Ray tasks (CPU or GPU)."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,29 +17,35 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
 
 
-def test_driver_and_actor_dense_paths_write_identical_shards(tmp_path):
+def test_driver_cpu_task_and_gpu_task_dense_paths_write_identical_shards(tmp_path):
+    """Eight shards of 16 rows, written in the driver, by CPU tasks (one shard each; workers reused, so fewer model
+    loads than shards) and by tasks asking for half of a logical GPU (computing on the CPU: ``device: cpu``): two GPU
+    slots, so four runs of two shards, each run one task and one model load (its worker exits after it)."""
     import ray
 
     cache = Path(os.environ.get("HEALSWEEP_TEST_CACHE", REPO / ".healsweep" / "models"))
     spec = load_spec(REPO / "configs" / "tiny.yaml")
+    spec = replace(spec, store=replace(spec.store, shard_size=16))
+    gpu_spec = replace(spec, resources=replace(spec.resources, gpus_per_dense_task=0.5, device="cpu"))
     models = prepare_models(spec, cache, progress=False)
-    rows = {"vit_digits": 128}  # two shards of 64
+    rows = {"vit_digits": 128}
     n_params = sum(p.numel() for p in load_model("vit_digits", cache, progress=False).model.parameters())
     assert 128 * n_params <= LOCAL_MAX_IMAGE_PARAMS  # the default picks the driver for this size
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
     try:
-        out = {}
-        for name, in_driver in (("driver", True), ("actors", False)):
+        out, loads = {}, {}
+        for name, sp, in_driver in (("driver", spec, True), ("cpu_tasks", spec, False), ("gpu_tasks", gpu_spec, False)):
             rep = DenseReport()
-            done = dense_stage(spec, models, rows, tmp_path / name, cache, progress=False, report=rep,
+            done = dense_stage(sp, models, rows, tmp_path / name, cache, progress=False, report=rep,
                                in_driver=in_driver)
-            assert done == {"vit_digits": 128} and rep.shards == {"vit_digits": 2}
+            assert done == {"vit_digits": 128} and rep.shards == {"vit_digits": 8}
             key_dir = tmp_path / name / models["vit_digits"].store_key
             out[name] = {p.name: p.read_bytes() for p in sorted(key_dir.glob("shard-*"))}
-        assert sorted(out["driver"]) == ["shard-00000.arrow", "shard-00000.json", "shard-00001.arrow",
-                                         "shard-00001.json"]
-        assert out["driver"] == out["actors"]  # same bytes, same checksums
-        # a second pass finds both shards: nothing computed, whichever path
+            loads[name] = rep.loads.get("vit_digits", 0)
+        assert sorted(out["driver"]) == [f"shard-{i:05d}.{ext}" for i in range(8) for ext in ("arrow", "json")]
+        assert out["driver"] == out["cpu_tasks"] == out["gpu_tasks"]  # same bytes, same checksums
+        assert loads["driver"] == 0 and 1 <= loads["cpu_tasks"] < 8 and loads["gpu_tasks"] == 4, loads
+        # a second pass finds every shard: nothing computed, whichever path
         assert dense_stage(spec, models, rows, tmp_path / "driver", cache, progress=False) == {"vit_digits": 0}
     finally:
         ray.shutdown()
