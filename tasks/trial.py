@@ -183,6 +183,7 @@ def setup_trial(p: TrialParams) -> _Setup:
     untouched = _outside_scope_digest(model, {e.param for e in entries} | healer.may_change(model, entries,
                                                                                           p.healer_settings))
     images = on_device(lm.dataset["calibration"].images[: p.calib_size], p.device, fmt)
+    blocks = adapter.blocks(model)  # (name, module) of the target blocks, in store order
     reader = None
     if p.target_mode == "recompute":
         dense = fresh_model(p).model.to(p.device, memory_format=fmt)
@@ -193,13 +194,13 @@ def setup_trial(p: TrialParams) -> _Setup:
                                      getattr(torch, p.target_dtype))
     else:
         # Only the columns the healer reads (kl: the logits, not every block's outputs); none read: all, as ever.
-        wanted = healer.reads_targets([b for b, _ in adapter.blocks(model)], p.healer_settings) or None
+        wanted = healer.reads_targets([b for b, _ in blocks], p.healer_settings) or None
         reader = TargetStore(p.store_uri).open(p.store_key, num_rows=p.calib_size, blocks=wanted)
 
         def batches(epoch):
             return reader.iter_batches(p.batch_size, shuffle=True, seed=p.healing_seed, epoch=epoch, device=p.device)
     ctx = HealContext(
-        model=model, blocks=adapter.blocks(model), entries=entries, masks=masks,
+        model=model, blocks=blocks, entries=entries, masks=masks,
         images=images,
         batches=batches,
         steps_per_epoch=steps_per_epoch(p.calib_size, p.batch_size),

@@ -120,17 +120,20 @@ class StarfishKLHealer(StarfishHealer):
         if not any(w):
             raise ValueError("healer 'starfish_kl' needs w_align or w_kl > 0, got both 0")
 
+    @staticmethod
+    def weights(settings) -> dict[str, float]:
+        """{w_align, w_kl} with their 0.5 defaults."""
+        return {k: float(settings.get(k, 0.5)) for k in ("w_align", "w_kl")}
+
     def resolved_settings(self, settings):
-        return {**super().resolved_settings(settings), "w_align": float(settings.get("w_align", 0.5)),
-                "w_kl": float(settings.get("w_kl", 0.5))}
+        return {**super().resolved_settings(settings), **self.weights(settings)}
 
     def resolve(self, ctx, settings):
-        return {**super().resolve(ctx, settings), "w_align": float(settings.get("w_align", 0.5)),
-                "w_kl": float(settings.get("w_kl", 0.5))}
+        return {**super().resolve(ctx, settings), **self.weights(settings)}
 
     def reads_targets(self, block_names, settings):  # a term weighted 0 reads nothing
-        w_align, w_kl = (float(settings.get(k, 0.5)) for k in ("w_align", "w_kl"))
-        return [*(block_names if w_align else []), *([LOGITS] if w_kl else [])]
+        w = self.weights(settings)
+        return [*(block_names if w["w_align"] else []), *([LOGITS] if w["w_kl"] else [])]
 
     def objective(self, blocks, logits, targets, block_names, settings):
         dev = logits.device

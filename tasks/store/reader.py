@@ -22,10 +22,11 @@ def selected_columns(columns: list[str], blocks: Sequence[str] | None, key: str)
     """The columns a reader hands out: all (None) or ``blocks``, in file order; unknown or no names refused."""
     if blocks is None:
         return list(columns)
-    unknown = sorted(set(blocks) - set(columns))
-    if unknown or not blocks:
+    wanted = set(blocks)
+    unknown = sorted(wanted - set(columns))
+    if unknown or not wanted:
         raise StoreError(f"key {key}: cannot read blocks {unknown or '(none)'}; it holds {', '.join(columns)}")
-    return [c for c in columns if c in set(blocks)]
+    return [c for c in columns if c in wanted]
 
 
 class TargetReader:
