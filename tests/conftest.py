@@ -15,6 +15,23 @@ from tasks.pruning import PruneContext, apply_masks, make_masks, region
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _stream_cache(tmp_path_factory):
+    """Streamed datasets' machine cache (tasks/data/stream_cache.py) in the session's temporary directory, not in
+    ~/.cache: set in the environment, so the CLI's subprocesses and Ray's workers use it too."""
+    import os
+
+    from tasks.data.stream_cache import CACHE_ENV
+
+    old = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("stream-cache"))
+    yield
+    if old is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = old
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     """One intra-op thread: tiny models are ~20x faster without thread hand-offs on a shared 2-core box."""
     old = torch.get_num_threads()

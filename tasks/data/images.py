@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from tasks.data.stream_cache import local_stamp
 from tasks.data.splits import DATASETS, SPLITS, DatasetError, DatasetSplits
 from tasks.data.tables import (ArrowTable, FolderTable, default_transform, hf_splits, hub_by_split, split_sizes,
                                table_splits)
@@ -75,7 +76,8 @@ class ImageDataset:
             data = hf_splits(str(name), by_split, d["sizes"], seed, transform, transform_id,
                              d.get("image_column", "image"), d.get("label_column", "label"),
                              int(d.get("buffer_size", 10_000)), d.get("num_classes"),
-                             ident=f"{d['path']}:{d.get('config')}:{d.get('revision')}:streaming={streaming}")
+                             ident=f"{d['path']}:{d.get('config')}:{d.get('revision')}:streaming={streaming}",
+                             stamp=local_stamp(d["path"]) if streaming else "")
         _MEMO[memo] = data
         return data
 

@@ -17,6 +17,7 @@ import hashlib
 import io
 import json
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -24,6 +25,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
+from tasks.data import stream_cache
 from tasks.data.splits import SPLITS, DatasetError, DatasetSplits, SplitData
 
 # Threads that decode and preprocess the rows of one batch (HEALSWEEP_DECODE_THREADS; default: up to 8).
@@ -146,38 +148,88 @@ class HFTable(ImageTable):
 
 
 class StreamTable(ImageTable):
-    """The first ``n`` items of a streamed dataset after a seeded shuffle buffer, kept encoded in RAM.
+    """The first ``n`` items of a streamed dataset after a seeded shuffle buffer, kept encoded: in a machine-local
+    Arrow file that every process on the machine memory-maps (tasks/data/stream_cache.py; the first one streams),
+    or in this process's RAM when that cache is off (``HEALSWEEP_STREAM_CACHE=off``) or cannot be written.
 
-    ``positions`` are the items' positions in the unshuffled stream (recorded as the split indices)."""
+    ``positions`` are the items' positions in the unshuffled stream (recorded as the split indices); ``source`` says
+    where this process got the items: 'stream' or 'cache'. ``stamp`` (a local dataset's file stamp) keys the cache
+    only: the digest (``ident``) is the same with the cache on or off."""
 
     def __init__(self, stream, n: int, seed: int, buffer_size: int = 10_000, image_column: str = "image",
-                 label_column: str | None = "label", ident: str = "") -> None:
-        from datasets import Image
-
-        if image_column in (stream.features or {}):
-            stream = stream.cast_column(image_column, Image(decode=False))  # keep bytes; decode on access
-        stream = stream.map(lambda ex, i: {"__pos": i}, with_indices=True)
-        stream = stream.shuffle(seed=seed, buffer_size=buffer_size)
-        self.items, pos, lab = [], [], []
-        for ex in stream.take(n):
-            self.items.append(ex[image_column])
-            pos.append(ex["__pos"])
-            lab.append(ex.get(label_column, -1) if label_column else -1)
-        if len(self.items) < n:
-            raise DatasetError(f"stream {ident or 'dataset'} has only {len(self.items)} items, {n} needed")
-        self.positions = np.asarray(pos, dtype=np.int64)
-        self._labels = np.asarray([-1 if v is None else v for v in lab], dtype=np.int64)
-        self.num_classes = int(self._labels.max()) + 1 if n else 0
+                 label_column: str | None = "label", ident: str = "", stamp: str = "") -> None:
         self.ident = f"stream:{ident}:seed={seed}:buffer={buffer_size}"
+        take = lambda: _take(stream, n, seed, buffer_size, image_column, label_column, ident)  # noqa: E731
+        root = stream_cache.cache_root()
+        key = {"ident": ident, "stamp": stamp, "seed": seed, "buffer": buffer_size, "image": image_column,
+               "label": label_column}
+        got, self.source = _cached(stream_cache.cache_file(root, key), n, key, take) if root else (take(), "stream")
+        if isinstance(got, tuple):  # in RAM: (items, positions, labels)
+            self._items, self._cols = got[0], None
+            self.positions, self._labels = np.asarray(got[1], dtype=np.int64), np.asarray(got[2], dtype=np.int64)
+        else:  # a memory-mapped Arrow table (stream_cache.SCHEMA)
+            self._items, self._cols = None, (got.column("bytes"), got.column("path"))
+            self.positions = got.column("pos").to_numpy().astype(np.int64)
+            self._labels = got.column("label").to_numpy().astype(np.int64)
+        self.num_classes = int(self._labels.max()) + 1 if n else 0
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self.positions)
 
     def image(self, i: int):
-        return _pil(self.items[int(i)])
+        if self._cols is None:
+            return _pil(self._items[int(i)])
+        return _pil({"bytes": self._cols[0][int(i)].as_py(), "path": self._cols[1][int(i)].as_py()})
 
     def labels(self, idx: np.ndarray) -> np.ndarray:
         return self._labels[idx]
+
+
+def _take(stream, n: int, seed: int, buffer_size: int, image_column: str, label_column: str | None,
+          ident: str) -> tuple[list, list[int], list[int]]:
+    """The first ``n`` items of ``stream`` after its seeded shuffle buffer: (undecoded image cells, positions in
+    the unshuffled stream, labels; -1 where none). DatasetError when the stream is shorter."""
+    from datasets import Image
+
+    if image_column in (stream.features or {}):
+        stream = stream.cast_column(image_column, Image(decode=False))  # keep bytes; decode on access
+    stream = stream.map(lambda ex, i: {"__pos": i}, with_indices=True)
+    stream = stream.shuffle(seed=seed, buffer_size=buffer_size)
+    items, pos, lab = [], [], []
+    for ex in stream.take(n):
+        items.append(ex[image_column])
+        pos.append(ex["__pos"])
+        v = ex.get(label_column, -1) if label_column else -1
+        lab.append(-1 if v is None else int(v))
+    if len(items) < n:
+        raise DatasetError(f"stream {ident or 'dataset'} has only {len(items)} items, {n} needed")
+    return items, pos, lab
+
+
+def _cached(path: Path, n: int, key: Mapping[str, Any], take: Callable[[], tuple]) -> tuple[Any, str]:
+    """(the first ``n`` items, 'cache' | 'stream') through the machine-local file ``path``: read when it holds
+    them, else streamed (``take``) under the machine lock and written. A cache that cannot be written (read-only
+    or full disk) or items that are not encoded images leave the items in RAM (``take``'s tuple), with a warning."""
+    got, stage = None, "cache"
+    try:
+        with stream_cache.machine_lock(path):
+            table = stream_cache.open_cached(path, n)
+            if table is not None:
+                return table, "cache"
+            stage = "stream"  # the stream's own errors (network ones are OSErrors) propagate
+            got = take()
+            stage = "cache"
+            parts = [stream_cache.cell_parts(x) for x in got[0]]
+            if any(p is None for p in parts):
+                return got, "stream"
+            stream_cache.write_cached(path, stream_cache.items_table(parts, got[1], got[2]), key)
+            return stream_cache.open_cached(path, n), "stream"
+    except OSError as e:
+        if stage == "stream":
+            raise
+        print(f"healsweep: stream cache {path.parent} not usable ({e}); keeping the stream's items in RAM",
+              file=sys.stderr)
+        return (got if got is not None else take()), "stream"
 
 
 class LazyImages:
@@ -277,7 +329,8 @@ def split_sizes(sizes: Mapping[str, int] | None, defaults: Mapping[str, int]) ->
 
 def hf_splits(name: str, by_split: Mapping[str, Any], sizes: Mapping[str, int], seed: int, transform: Callable,
               transform_id: str, image_column: str = "image", label_column: str | None = "label",
-              buffer_size: int = 10_000, num_classes: int | None = None, ident: str = "") -> DatasetSplits:
+              buffer_size: int = 10_000, num_classes: int | None = None, ident: str = "",
+              stamp: str = "") -> DatasetSplits:
     """Hugging Face data (map-style ``Dataset`` or streaming ``IterableDataset``) per hub split -> DatasetSplits.
 
     ``by_split``: our split -> the hub split's dataset object; several of ours may share one hub split (same
@@ -294,7 +347,8 @@ def hf_splits(name: str, by_split: Mapping[str, Any], sizes: Mapping[str, int], 
             key = f"{ident}:{getattr(ds, 'split', None) or len(made)}"
             if isinstance(ds, IterableDataset):
                 need = sum(sizes[t] for t in SPLITS if by_split[t] is ds)
-                made[id(ds)] = (key, StreamTable(ds, need, seed, buffer_size, image_column, label_column, key))
+                made[id(ds)] = (key, StreamTable(ds, need, seed, buffer_size, image_column, label_column, key,
+                                                      stamp))
                 shuffle[key] = False  # the shuffle buffer already fixed a seeded order
             else:
                 made[id(ds)] = (key, HFTable(ds, image_column, label_column, key + f":{ds._fingerprint}"))

@@ -129,13 +129,18 @@ def test_torchvision_model_on_a_parquet_image_table(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_checkpoint_model_on_a_saved_hugging_face_dataset(tmp_path):
-    """A safetensors checkpoint (timm MobileNetV1 weights the test writes) on a ``save_to_disk`` dataset: the
-    sweep's dense targets are that checkpoint's outputs, not a random init's."""
+def test_checkpoint_model_on_a_saved_hugging_face_dataset(tmp_path, monkeypatch):
+    """A safetensors checkpoint (timm MobileNetV1 weights the test writes) on a ``save_to_disk`` dataset read as a
+    stream (the ``imagenet1k`` preset's code path): the sweep's dense targets are that checkpoint's outputs, not a
+    random init's, on the items the sweep's processes wrote once to the machine's stream cache."""
+    import pyarrow as pa
     import timm
     from safetensors.torch import save_file
 
+    from tasks.data.stream_cache import CACHE_ENV
     from tasks.models import load_model
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "streams"))  # inherited by healsweep and its Ray workers
 
     torch.manual_seed(7)
     net = timm.create_model("mobilenetv1_100", pretrained=False, num_classes=10).eval()
@@ -145,13 +150,16 @@ def test_checkpoint_model_on_a_saved_hugging_face_dataset(tmp_path):
     entry = {"name": "mobilenet_ckpt", "source": "checkpoint", "arch": "mobilenetv1_100", "num_classes": 10,
              "path": str(ckpt), "sha256": digest}
     saved = write_hf_dataset(tmp_path / "hf", num_classes=10, per_class=3, size=224)
-    dataset = {"name": "hf", "path": str(saved)}
+    dataset = {"name": "hf", "path": str(saved), "streaming": True, "buffer_size": 16}
     out, store, _ = _sweep(tmp_path, "hf", dataset, [entry])
     run = _check_sweep(out, store, [entry])["mobilenet_ckpt"]
     assert run.data.params["model_digest"] == digest[:16]  # identified by the file's bytes
     shapes = _block_shapes(store, run)
     assert shapes == {**_cnn_shapes(net), "logits": [10]} and len(shapes) == 14  # 13 blocks + logits
+    (cached,) = (tmp_path / "streams").glob("*.arrow")  # one hub split, streamed once for every process
+    assert pa.ipc.open_file(str(cached)).read_all().num_rows == sum(SIZES.values())
     lm = load_model("mobilenet_ckpt", source=entry, dataset={**dataset, "sizes": SIZES})
+    assert lm.dataset["calibration"].images.table.source == "cache"
     with torch.no_grad():
         expected = net(lm.dataset["calibration"].images[:SIZES["calibration"]])  # (8, 10)
     with TargetStore(store / "targets").open(run.data.tags["store_key"]) as reader:
