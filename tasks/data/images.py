@@ -14,8 +14,8 @@ from typing import Any, Callable, Mapping
 
 from tasks.data.stream_cache import local_stamp
 from tasks.data.splits import DATASETS, SPLITS, DatasetError, DatasetSplits
-from tasks.data.tables import (ArrowTable, FolderTable, default_transform, hf_splits, hub_by_split, split_sizes,
-                               table_splits)
+from tasks.data.hub import hf_splits, hub_by_split
+from tasks.data.tables import ArrowTable, FolderTable, default_transform, split_sizes, table_splits
 
 _MEMO: dict[str, DatasetSplits] = {}  # one load per process and (dataset, settings, seed, transform)
 

@@ -1,7 +1,7 @@
 """A machine-local copy of the items a streamed split needs: made once per machine, memory-mapped by every process.
 
 A streamed dataset (the ``imagenet1k`` preset's three hub splits) is materialised to the first ``n`` items after a
-seeded shuffle buffer (``tables.StreamTable``). Every process that loads the model does it: the driver, each trial
+seeded shuffle buffer (``hub.StreamTable``). Every process that loads the model does it: the driver, each trial
 actor, each dense-target run and mask task. Without this cache each of them downloaded the items again and held
 them in its heap (for ImageNet: 5,000 test + 1,000 train + 50,000 validation JPEGs, ~6 GB). With it, the first
 process on a machine streams and writes one Arrow IPC file per split (encoded image bytes, stream positions,

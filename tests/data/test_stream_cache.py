@@ -19,7 +19,7 @@ import torch
 
 from tasks.data import SPLITS, load_dataset
 from tasks.data import images as image_datasets
-from tasks.data import tables
+from tasks.data import hub
 from tasks.data.stream_cache import CACHE_ENV
 from tasks.data.synthetic import write_hf_dataset
 
@@ -67,7 +67,7 @@ def test_the_second_load_reads_the_cache_and_equals_a_load_without_it(data, tmp_
     assert _source(first) == "stream" and len(files) == 1  # one hub split ('train') -> one file
     assert pa.ipc.open_file(str(files[0])).read_all().num_rows == 18
     with monkeypatch.context() as m:  # the stream may be opened, not read: only the cache can serve this load
-        m.setattr(tables, "_take", lambda *a: pytest.fail("streamed again"))
+        m.setattr(hub, "_take", lambda *a: pytest.fail("streamed again"))
         second = _load(data)
     assert _source(second) == "cache"
     _same(first, second)

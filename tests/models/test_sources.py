@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tasks.data import SPLITS, load_dataset
-from tasks.data.tables import ArrowTable, FolderTable, LazyImages, hf_splits, table_splits
+from tasks.data.hub import hf_splits
+from tasks.data.tables import ArrowTable, FolderTable, LazyImages, table_splits
 from tasks.models import MODEL_SOURCES, ModelRef, ModelSourceError, file_digest, load_external, parse_ref
 
 N_CLASSES, PER_CLASS = 3, 12
