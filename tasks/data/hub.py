@@ -13,7 +13,7 @@ import numpy as np
 
 from tasks.data import stream_cache
 from tasks.data.splits import SPLITS, DatasetError, DatasetSplits
-from tasks.data.tables import ImageTable, _pil, assert_disjoint, build_splits
+from tasks.data.tables import ImageTable, to_pil, assert_disjoint, build_splits
 
 
 class HFTable(ImageTable):
@@ -31,7 +31,7 @@ class HFTable(ImageTable):
         return len(self.ds)
 
     def image(self, i: int):
-        return _pil(self.ds[int(i)][self.image_column])
+        return to_pil(self.ds[int(i)][self.image_column])
 
     def labels(self, idx: np.ndarray) -> np.ndarray:
         return self._labels[idx]
@@ -68,8 +68,8 @@ class StreamTable(ImageTable):
 
     def image(self, i: int):
         if self._cols is None:
-            return _pil(self._items[int(i)])
-        return _pil({"bytes": self._cols[0][int(i)].as_py(), "path": self._cols[1][int(i)].as_py()})
+            return to_pil(self._items[int(i)])
+        return to_pil({"bytes": self._cols[0][int(i)].as_py(), "path": self._cols[1][int(i)].as_py()})
 
     def labels(self, idx: np.ndarray) -> np.ndarray:
         return self._labels[idx]

@@ -31,7 +31,7 @@ from tasks.data.splits import SPLITS, DatasetError, DatasetSplits, SplitData
 DECODE_THREADS = int(os.environ.get("HEALSWEEP_DECODE_THREADS", min(8, os.cpu_count() or 1)))
 
 
-def _pil(x: Any):
+def to_pil(x: Any):
     """An HF/Arrow image cell (PIL image, {'bytes','path'} dict, raw bytes or a path) -> RGB PIL image."""
     from PIL import Image
 
@@ -85,7 +85,7 @@ class FolderTable(ImageTable):
         return len(self.samples)
 
     def image(self, i: int):
-        return _pil(self.samples[i][0])
+        return to_pil(self.samples[i][0])
 
     def labels(self, idx: np.ndarray) -> np.ndarray:
         return np.array([self.samples[i][1] for i in idx], dtype=np.int64)
@@ -119,7 +119,7 @@ class ArrowTable(ImageTable):
         return len(self.table)
 
     def image(self, i: int):
-        return _pil(self.table.column(self.image_column)[i].as_py())
+        return to_pil(self.table.column(self.image_column)[i].as_py())
 
     def labels(self, idx: np.ndarray) -> np.ndarray:
         return self._labels[idx]
