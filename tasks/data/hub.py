@@ -13,7 +13,7 @@ import numpy as np
 
 from tasks.data import stream_cache
 from tasks.data.splits import SPLITS, DatasetError, DatasetSplits
-from tasks.data.tables import ImageTable, to_pil, assert_disjoint, build_splits
+from tasks.data.tables import ImageTable, assert_disjoint, build_splits, to_pil
 
 
 class HFTable(ImageTable):
