@@ -1,14 +1,17 @@
 """Atomic file writes: the one temp-file-then-rename helper every writer of the project uses (masks, rankings,
-reference checkpoints, healed weights, diagnostics tables, store files on a local disk), so a reader sees a file
-complete or not at all, and a crash leaves no partial file behind."""
+reference checkpoints, healed weights, diagnostics tables, store files on a local disk, streamed datasets' cached
+items), so a reader sees a file complete or not at all, and a crash leaves no partial file behind; and the one
+local file lock (``file_lock``) writers that must not race take."""
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 FILE_MODE = 0o644  # files are shared artefacts (exports, caches): readable by the group and others
 
@@ -16,7 +19,8 @@ FILE_MODE = 0o644  # files are shared artefacts (exports, caches): readable by t
 TMP_PREFIX = ".tmp-"  # temporary files are ".tmp-<random>-<name>": a crashed writer's leftovers are recognisable
 
 # What a file is, by its name (the one-line message of a full disk says what was being written).
-_KINDS = ((".arrow", "a target-store shard"), ("healed.safetensors", "a trial's healed weights"),
+_KINDS = ((".stream.arrow", "a streamed dataset's cached items"), (".arrow", "a target-store shard"),
+          ("healed.safetensors", "a trial's healed weights"),
           ("manifest.json", "a target-store manifest"),
           (".safetensors", "a weights/mask file"), ("mlflow.db", "the MLflow tracking database"),
           ("optuna.journal", "the Optuna journal"), ("trials.jsonl", "the trial record"),
@@ -112,3 +116,21 @@ def atomic_write_bytes(path: str | os.PathLike, data, fsync: bool = False) -> Pa
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+    """An exclusive ``fcntl.flock`` on ``path`` (created if missing) across this machine's processes; waits for it,
+    calling ``on_wait()`` first when another process holds it. The kernel drops the lock when the block ends or its
+    holder dies (a crash leaves no stale lock)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

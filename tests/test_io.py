@@ -1,12 +1,16 @@
-"""tasks/atomic.atomic_write: complete or absent, never partial; shared files are 0644."""
+"""tasks/atomic.atomic_write: complete or absent, never partial; shared files are 0644. file_lock: one holder at a
+time across processes."""
 from __future__ import annotations
 
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tasks.atomic import atomic_write, atomic_write_text
+from tasks.atomic import atomic_write, atomic_write_text, file_lock
 
 
 def test_atomic_write_replaces_whole_file_with_mode_0644(tmp_path):
@@ -54,3 +58,26 @@ def test_every_local_writer_goes_through_atomic_write(tmp_path, monkeypatch):
     assert (tmp_path / "store/k/shard.arrow").read_bytes() == b"abc"
     assert oct((tmp_path / "store/k/shard.arrow").stat().st_mode & 0o777) == "0o644"
     assert not [p for p in tmp_path.rglob("*") if p.name.startswith(io.TMP_PREFIX)]
+
+
+_LOCKER = """
+import sys, time
+from tasks.atomic import file_lock
+with file_lock(sys.argv[1], lambda: print("waiting", flush=True)):
+    print(f"got {time.time()}", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_file_lock_makes_another_process_wait_until_it_is_released(tmp_path):
+    lock = tmp_path / "x.lock"
+    with file_lock(lock, lambda: pytest.fail("nobody holds it")):
+        child = subprocess.Popen([sys.executable, "-c", _LOCKER, str(lock)], stdout=subprocess.PIPE, text=True,
+                                 cwd=Path(__file__).resolve().parents[1])
+        assert child.stdout.readline().strip() == "waiting"  # it found the lock held and said so
+        time.sleep(0.5)
+        released = time.time()
+    out, _ = child.communicate(timeout=30)
+    assert child.returncode == 0 and float(out.split()[1]) >= released  # it got the lock only after the release
+    with file_lock(lock, lambda: pytest.fail("the child's lock outlived it")):
+        pass

@@ -20,16 +20,16 @@ else ``~/.cache/healsweep/streams``.
 """
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import pyarrow as pa
+
+from tasks.atomic import atomic_write, file_lock
 
 CACHE_ENV = "HEALSWEEP_STREAM_CACHE"
 SCHEMA = pa.schema([("bytes", pa.large_binary()), ("path", pa.string()), ("pos", pa.int64()), ("label", pa.int64())])
@@ -47,9 +47,9 @@ def cache_root() -> Path | None:
 
 
 def cache_file(root: Path, key: Mapping[str, Any]) -> Path:
-    """The file that holds the stream described by ``key`` (JSON-able): ``root/<sha256 of key>.arrow``."""
+    """The file that holds the stream described by ``key`` (JSON-able): ``root/<sha256 of key>.stream.arrow``."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
-    return root / f"{digest}.arrow"
+    return root / f"{digest}.stream.arrow"
 
 
 def local_stamp(path: str | os.PathLike) -> str:
@@ -66,17 +66,13 @@ def local_stamp(path: str | os.PathLike) -> str:
     return h.hexdigest()[:16]
 
 
-@contextlib.contextmanager
-def machine_lock(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path.lock`` across the processes of this machine (POSIX ``flock``; released when the
-    holder exits, even by a crash)."""
+def machine_lock(path: Path):
+    """The lock on ``path``'s items across this machine's processes (``<path>.lock``; ``tasks.atomic.file_lock``):
+    the one that holds it streams, the others wait (saying so once) and then read the file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    lock = path.with_name(path.name + ".lock")
+    return file_lock(lock, lambda: print(f"healsweep: waiting for another process to stream {path.name}",
+                                         file=sys.stderr))
 
 
 def open_cached(path: Path, n: int) -> pa.Table | None:
@@ -97,16 +93,15 @@ def open_cached(path: Path, n: int) -> pa.Table | None:
 
 
 def write_cached(path: Path, table: pa.Table, key: Mapping[str, Any]) -> None:
-    """Write ``table`` (SCHEMA; ``key`` kept as schema metadata, for whoever inspects the file) to a temporary
-    name, then rename it into place (atomic on one filesystem)."""
+    """Write ``table`` (SCHEMA; ``key`` kept as schema metadata, for whoever inspects the file) through the
+    project's temp-file-then-rename (``tasks.atomic.atomic_write``; a full disk is a one-line DiskFullError)."""
     table = table.replace_schema_metadata({"healsweep.stream": json.dumps(key, sort_keys=True, default=str)})
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+
+    def write(tmp: str) -> None:
+        with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table, max_chunksize=4096)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    atomic_write(path, write)
 
 
 def cell_parts(x: Any) -> tuple[bytes | None, str | None] | None:

@@ -4,7 +4,6 @@ SubTreeFileSystem) through the same small set of operations."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import logging
 import os
@@ -14,7 +13,7 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from tasks.atomic import TMP_PREFIX, atomic_write_bytes
+from tasks.atomic import TMP_PREFIX, atomic_write_bytes, file_lock
 
 log = logging.getLogger("healsweep.store")
 _CHUNK = 8 << 20
@@ -128,14 +127,6 @@ class StoreFS:
         if not self.local:
             yield
             return
-
-        fd = os.open(self.path(rel), os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                log.info("waiting for the lock on %s (another sweep is writing this key)", self.path(rel))
-                fcntl.flock(fd, fcntl.LOCK_EX)
+        path = self.path(rel)
+        with file_lock(path, lambda: log.info("waiting for the lock on %s (another sweep is writing this key)", path)):
             yield
-        finally:
-            os.close(fd)  # releases the lock
