@@ -16,6 +16,20 @@ from tasks.data.splits import SPLITS, DatasetError, DatasetSplits
 from tasks.data.tables import ImageTable, assert_disjoint, build_splits, to_pil
 
 
+class LazyStream:
+    """A hub split to be streamed, opened (``datasets.load_dataset(..., streaming=True)``) on first call only: a
+    process whose items are in the machine's stream cache makes no hub call and needs neither network nor
+    credentials. ``split``: the hub split's name (part of the cache key, as ``IterableDataset.split`` is)."""
+
+    def __init__(self, split: str, opener: Callable[[], Any]) -> None:
+        self.split, self._opener, self._ds = split, opener, None
+
+    def __call__(self):
+        if self._ds is None:
+            self._ds = self._opener()
+        return self._ds
+
+
 class HFTable(ImageTable):
     """A map-style ``datasets.Dataset`` (Arrow-backed, memory-mapped: nothing is read until asked)."""
 
@@ -81,6 +95,8 @@ def _take(stream, n: int, seed: int, buffer_size: int, image_column: str, label_
     the unshuffled stream, labels; -1 where none). DatasetError when the stream is shorter."""
     from datasets import Image
 
+    if isinstance(stream, LazyStream):
+        stream = stream()
     if image_column in (stream.features or {}):
         stream = stream.cast_column(image_column, Image(decode=False))  # keep bytes; decode on access
     stream = stream.map(lambda ex, i: {"__pos": i}, with_indices=True)
@@ -140,7 +156,7 @@ def hf_splits(name: str, by_split: Mapping[str, Any], sizes: Mapping[str, int], 
         ds = by_split[s]
         if id(ds) not in made:
             key = f"{ident}:{getattr(ds, 'split', None) or len(made)}"
-            if isinstance(ds, IterableDataset):
+            if isinstance(ds, (IterableDataset, LazyStream)):
                 need = sum(sizes[t] for t in SPLITS if by_split[t] is ds)
                 made[id(ds)] = (key, StreamTable(ds, need, seed, buffer_size, image_column, label_column, key,
                                                       stamp))
@@ -156,7 +172,8 @@ def hf_splits(name: str, by_split: Mapping[str, Any], sizes: Mapping[str, int], 
 
 def hub_by_split(path: str, config: str | None, mapping: Mapping[str, str], streaming: bool,
                  revision: str | None = None) -> dict[str, Any]:
-    """Open each distinct hub split once (``datasets.load_dataset``); our split -> its dataset object."""
+    """Each distinct hub split opened once (``datasets.load_dataset``); our split -> its dataset object. Streamed
+    splits are ``LazyStream``s: opened only if the machine's stream cache lacks their items."""
     try:
         import datasets
     except ImportError:
@@ -164,14 +181,16 @@ def hub_by_split(path: str, config: str | None, mapping: Mapping[str, str], stre
 
     if Path(path).is_dir() and any((Path(path) / f).is_file() for f in SAVED_MARKERS):
         return saved_by_split(path, mapping, streaming)
-    opened = {}
-    for hub_split in sorted(set(mapping.values())):
+
+    def load(hub_split: str):
         try:
-            opened[hub_split] = datasets.load_dataset(path, config, split=hub_split, streaming=streaming,
-                                                      revision=revision)
+            return datasets.load_dataset(path, config, split=hub_split, streaming=streaming, revision=revision)
         except Exception as e:  # noqa: BLE001 - network, auth, cache misses: one line
             msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
             raise DatasetError(f"dataset {path!r} split {hub_split!r}: {msg}") from None
+
+    # a stream is opened only when its items are not in the machine's stream cache (StreamTable)
+    opened = {h: LazyStream(h, lambda h=h: load(h)) if streaming else load(h) for h in sorted(set(mapping.values()))}
     return {s: opened[h] for s, h in mapping.items()}
 
 

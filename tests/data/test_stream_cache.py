@@ -100,6 +100,40 @@ def test_data_rewritten_in_place_is_not_served_from_the_old_copy(data, monkeypat
     _same(after, _off(data, monkeypatch))
 
 
+def test_a_warm_cache_makes_no_hub_call(tmp_path, monkeypatch):
+    """A hub stream (here a local image folder opened by ``datasets.load_dataset``, as a hub id would be) is opened
+    only when the cache lacks its items: a second load with the hub unreachable is served from the cache, equal to
+    the first; with a cold cache the same outage is the one-line DatasetError naming the split."""
+    import datasets
+
+    from tasks.data.splits import DatasetError
+    from tasks.data.synthetic import write_image_folder
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    folder = write_image_folder(tmp_path / "folder", num_classes=4, per_class=5, size=12, seed=5)
+    opened = []
+    real = datasets.load_dataset
+
+    def counting(*a, **k):
+        opened.append(k.get("split"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(datasets, "load_dataset", counting)
+    first = _load(folder)
+    assert _source(first) == "stream" and opened == ["train"]
+
+    def offline(*a, **k):
+        raise ConnectionError("hub unreachable")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    second = _load(folder)
+    assert _source(second) == "cache"
+    _same(first, second)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cold"))
+    with pytest.raises(DatasetError, match="split 'train': hub unreachable"):
+        _load(folder)
+
+
 def test_a_damaged_cache_file_is_streamed_again(data, tmp_path, monkeypatch, capsys):
     first = _load(data)
     (f,) = (tmp_path / "cache").glob("*.arrow")
