@@ -11,9 +11,9 @@ from analysis.reported import SHRINK, identical_masks, reported, resolved
 
 
 def _trial(cell, stage, acc, sel, lr=0.005, steps=64, seed=0, heal_seed=None, pruner="magnitude", mask="m1",
-           status="FINISHED", run=None):
-    return dict(run_id=run or f"{cell}-{stage}-{acc}", experiment_id="1", status=status, cell_id=cell,
-                trial_id=f"{cell}-x", stage=stage, model="vit_digits", pruner=pruner, pattern="0.9", grid="main",
+           status="FINISHED", run=None, pattern="0.9"):
+    return dict(run_id=run or f"{cell}-{stage}-{acc}-{heal_seed}", experiment_id="1", status=status, cell_id=cell,
+                trial_id=f"{cell}-x", stage=stage, model="vit_digits", pruner=pruner, pattern=pattern, grid="main",
                 healer="starfish", calib_size=64, seed=seed, heal_seed=heal_seed, lr=lr, steps=steps, epochs=32,
                 optuna_trial=0, selection_acc=sel, healed_acc=acc, dense_acc=0.95, pruned_acc=0.1, mask_key=mask)
 
@@ -36,6 +36,28 @@ def test_the_quoted_number_is_the_reevaluations_mean_and_the_noise_is_the_docume
     search_sd = statistics_median([abs(0.90 - 0.82), abs(0.70 - 0.68)])
     assert a["seed_sd"] == pytest.approx(math.sqrt(seed_var)) and a["search_sd"] == pytest.approx(search_sd)
     assert a["noise"] == pytest.approx(math.sqrt(seed_var / 2 + search_sd ** 2))
+
+
+def test_a_cell_with_siblings_claims_at_least_their_spread():
+    """Two sparsities x two seeds of one family: the easy siblings (0.85) re-evaluate identically, the hard ones
+    (0.9) spread. The family's pooled variance and median gap are floors; the hard cells take their siblings'
+    larger figures (the family's median alone under-claimed them: docs/methods.md#reading-the-noise)."""
+    rows = []
+    for cell, pattern, seed, own, again in [("e0", "0.85", 0, 0.95, (0.95, 0.95)), ("e1", "0.85", 1, 0.95, (0.95, 0.95)),
+                                            ("h0", "0.9", 0, 0.80, (0.90, 0.84)), ("h1", "0.9", 1, 0.95, (0.86, 0.88))]:
+        rows.append(_trial(cell, "search", own, own, seed=seed, pattern=pattern))
+        rows += [_trial(cell, "reevaluate", a, a, seed=seed, pattern=pattern, heal_seed=1000 * (k + 1) + seed)
+                 for k, a in enumerate(again)]
+    out = reported(pd.DataFrame(rows)).set_index("cell_id")
+    family_pooled, hard_pooled = (0 + 0 + 0.0018 + 0.0002) / 4, (0.0018 + 0.0002) / 2
+    family_gap, hard_gap = statistics_median([0, 0, 0.07, 0.08]), statistics_median([0.07, 0.08])
+    h0_var = (0.0018 + SHRINK * hard_pooled) / (1 + SHRINK)
+    assert out.loc["h0", "seed_sd"] == pytest.approx(math.sqrt(h0_var))
+    assert out.loc["h0", "search_sd"] == pytest.approx(hard_gap)
+    assert out.loc["h0", "noise"] == pytest.approx(math.sqrt(h0_var / 2 + hard_gap ** 2))
+    e_var = SHRINK * family_pooled / (1 + SHRINK)  # the easy siblings' own figures (0) are below the family's
+    assert out.loc["e0", "seed_sd"] == pytest.approx(math.sqrt(e_var))
+    assert out.loc["e0", "noise"] == pytest.approx(math.sqrt(e_var / 2 + family_gap ** 2))
 
 
 def statistics_median(xs):
