@@ -133,19 +133,15 @@ def _noise(best: pd.DataFrame, searched: pd.DataFrame | None = None, objective: 
     s2 = best["healed_acc_sd"].astype(float) ** 2
     fam = best[FAMILY].astype(str).agg("|".join, axis=1)
     dof = (n - 1).clip(lower=0)
-    pooled = {}
-    for f, g in best.groupby(fam):
-        d = dof[g.index]
-        pooled[f] = float((d * s2[g.index].fillna(0)).sum() / d.sum()) if d.sum() > 0 else float("nan")
     sib = best[[c for c in SIBLINGS if c in best.columns]].astype(str).agg("|".join, axis=1)
-    p2 = _at_least(fam.map(pooled), sib.map(_sibling_pooled(sib, dof, s2)))
+    p2 = _at_least(fam.map(_pooled(fam, dof, s2, 1)), sib.map(_pooled(sib, dof, s2, 2)))
     seed_var = (dof * s2.fillna(0) + SHRINK * p2) / (dof + SHRINK)
     best["seed_sd"] = np.sqrt(seed_var)
     gap = (best["healed_acc_search"] - best["healed_acc"]).abs().where(n > 0)
     search = _at_least(gap.groupby(fam).transform("median"), _sibling_median(gap, sib))
     rival = _rivals(best, searched, objective, np.sqrt(p2 + fam.map(_split_var(best, searched, fam, objective))))
     best["rival_sd"] = rival
-    search = pd.concat([search, rival], axis=1).max(axis=1, skipna=True)
+    search = _at_least(search, rival)
     best["search_sd"] = search
     var = seed_var.fillna(0) / n.clip(lower=1) + search.fillna(0) ** 2
     best["noise"] = np.sqrt(var).where(n > 0)  # no re-evaluation: unknown (never "resolved" by default)
@@ -154,13 +150,13 @@ def _noise(best: pd.DataFrame, searched: pd.DataFrame | None = None, objective: 
     return best
 
 
-def _sibling_pooled(sib: pd.Series, dof: pd.Series, s2: pd.Series) -> dict:
-    """Sibling group -> pooled variance of its cells' re-evaluations (dof-weighted), for groups of >= 2 cells
-    with re-evaluations. sib, dof, s2: one entry per cell (same index)."""
+def _pooled(group: pd.Series, dof: pd.Series, s2: pd.Series, min_cells: int) -> dict:
+    """Group (family or siblings) -> the dof-weighted pooled variance of its cells' re-evaluations, for groups
+    with at least ``min_cells`` cells that have a spread (dof > 0). group, dof, s2: one entry per cell."""
     out = {}
-    for key, idx in sib.groupby(sib).groups.items():
+    for key, idx in group.groupby(group).groups.items():
         d = dof[idx]
-        if (d > 0).sum() >= 2:
+        if (d > 0).sum() >= min_cells:
             out[key] = float((d * s2[idx].fillna(0)).sum() / d.sum())
     return out
 
@@ -172,9 +168,9 @@ def _sibling_median(gap: pd.Series, sib: pd.Series) -> pd.Series:
     return gap.groupby(sib).transform("median").where(have >= 2)
 
 
-def _at_least(family: pd.Series, siblings: pd.Series) -> pd.Series:
-    """Elementwise max of the family's figure and the siblings' (NaN siblings: the family's)."""
-    return pd.concat([family, siblings], axis=1).max(axis=1, skipna=True)
+def _at_least(a: pd.Series, b: pd.Series) -> pd.Series:
+    """Elementwise max of two figures, NaN where both are (a NaN one yields to the other)."""
+    return pd.concat([a, b], axis=1).max(axis=1, skipna=True)
 
 
 def _closed_form_noise(fixed: pd.DataFrame) -> pd.Series:
