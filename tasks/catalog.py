@@ -112,7 +112,10 @@ class Method:
         if split not in dataset.splits:
             raise ValueError(f"healer 'ce' needs a labeled {split!r} split but dataset {dataset.name!r} has only "
                              f"{', '.join(dataset.splits)}")
-        if dataset[split].labels is None or len(dataset[split]) == 0:
+        if len(dataset[split]) == 0:
+            raise ValueError(f"healer 'ce' trains on labeled images of split {split!r}, and dataset {dataset.name!r} "
+                             f"gives it none: set dataset.sizes.{split}")
+        if dataset[split].labels is None:
             raise ValueError(f"healer 'ce' needs labels but split {split!r} of dataset {dataset.name!r} is unlabeled")
 
 

@@ -171,3 +171,10 @@ def check_pair(v: Any, path: str, kind: type, lo: float, lo_open: bool = False, 
         raise SpecError(path, f"must be [low, high], got {excerpt(v)}")
     a = check_num(v[0], f"{path}[0]", kind, lo, hi, lo_open=lo_open)
     return a, check_num(v[1], f"{path}[1]", kind, a, hi)
+
+
+def local_path(v: str, base_dir: str | os.PathLike | None) -> str:
+    """A spec's local path made absolute: ``~`` expanded, a relative path taken from ``base_dir`` (the spec
+    file's directory; the working directory for a spec given as a mapping). Trials run in their own working
+    directories (Ray Tune's trial directories) and on other nodes, so a relative path would name another file."""
+    return os.path.abspath(os.path.join(base_dir or os.getcwd(), os.path.expanduser(v)))

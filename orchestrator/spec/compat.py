@@ -15,6 +15,27 @@ def check_models(spec) -> None:
         cached_check(spec, m, lambda m=m: check_model(spec, m))
 
 
+def check_outputs(spec) -> None:
+    """Every external model predicts at least as many classes as a local image folder or table holds (counted from
+    its class folders or label column); the models stage refused it only after Ray had started. Hub datasets are
+    counted when they are loaded."""
+    if not spec.dataset_settings:  # digits, or a preset named alone: no local files to count (and no torch here)
+        return
+    from orchestrator.spec.registries import live
+
+    classes = getattr(live("dataset").get(spec.dataset), "classes", None)
+    n = classes(spec.dataset_settings) if classes else None
+    for i, m in enumerate(spec.models):
+        if n is None or (spec.model_refs.get(m) or {}).get("source", "reference") == "reference":
+            continue
+        from tasks.models import num_outputs
+
+        out = num_outputs(architecture(spec, m))
+        if out is not None and n > out:
+            raise SpecError(f"models[{i}]", f"model {m!r} has {out} outputs but dataset {spec.dataset!r} has {n} "
+                                            f"classes; set num_classes: {n} on the model entry")
+
+
 def check_model(spec, m: str) -> None:
     """The compatibility checks of one model of ``spec``, on its untrained architecture."""
     from tasks.models import ModelSourceError, UnsupportedModelError, get_adapter

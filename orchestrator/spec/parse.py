@@ -9,7 +9,6 @@ architectures, so torch, unless their verdict is cached).
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -39,8 +38,9 @@ from orchestrator.spec.checks import (
     check_str,
     excerpt,
     join,
+    local_path,
 )
-from orchestrator.spec.compat import check_models, check_size
+from orchestrator.spec.compat import check_models, check_outputs, check_size
 from orchestrator.spec.grids import parse_grids, view_raw
 from orchestrator.spec.methods import check_healer_data, parse_healers, parse_methods
 from orchestrator.spec.schema import HealSpec, MlflowSpec, ResourceSpec, SearchSpec, StoreSpec, SweepSpec
@@ -70,15 +70,16 @@ def check_plain(raw: Any, base_dir: str | Path | None = None) -> tuple:
 
 
 def parse_spec(raw: Any, base_dir: str | Path | None = None) -> SweepSpec:
-    """Validate a parsed YAML document. A relative ``store.uri`` is resolved against ``base_dir`` (``load_spec``
-    passes the spec file's directory), else against the current directory, so trials see an absolute path."""
+    """Validate a parsed YAML document. Relative local paths (``store.uri``, a model's checkpoint ``path``, a
+    dataset's ``root`` or ``path``) are resolved against ``base_dir`` (``load_spec`` passes the spec file's
+    directory), else against the current directory, so trials see absolute paths (checks.local_path)."""
     d, name, offline, sparsities, data_seed, calib, seeds, sections = check_plain(raw, base_dir)
     plugins = parse_plugins(d.get("plugins"))  # before the registries: plugins register methods
 
-    dataset, dataset_settings, capacity = parse_dataset(d.get("dataset", "digits"))
-    models, refs = parse_models(d["models"], dataset, offline, data_seed)
-    layout = dataset_layout(dataset, data_seed) if capacity is None else None
-    capacity = capacity if layout is None else len(layout["calibration"])
+    dataset, dataset_settings, capacity = parse_dataset(d.get("dataset", "digits"), base_dir)
+    models, refs = parse_models(d["models"], dataset, offline, data_seed, base_dir)
+    layout = dataset_layout(dataset, data_seed, dataset_settings if capacity is not None else None)
+    capacity = len(layout["calibration"]) if capacity is None else capacity
     for i, n in enumerate(calib):
         check_num(n, f"calib_sizes[{i}]", int, 1, capacity)
     spec = SweepSpec(name, tuple(models), sparsities, calib, parse_methods(d["pruners"], "pruners", "pruner", tuple(models)),
@@ -86,9 +87,10 @@ def parse_spec(raw: Any, base_dir: str | Path | None = None) -> SweepSpec:
                      parse_scope(d.get("scope"), models), plugins=plugins, model_refs=refs,
                      dataset_settings=dataset_settings, offline=offline, **sections)
     check_heldout(spec, capacity)
-    if layout is not None:
+    if layout is not None:  # None: a plugin's dataset that gives no layout
         check_healer_data(spec, layout)
     check_models(spec)
+    check_outputs(spec)
     if d.get("cells"):
         spec = replace(spec, cells=parse_cells(d["cells"]))
     if d.get("grids"):  # [] (what to_dict writes for none) = no extra grids
@@ -271,7 +273,7 @@ def store_uri(v: Any, base_dir: str | Path | None) -> str:
             raise SpecError("store.uri", f"unknown scheme {shown}://; allowed: a local path or "
                                          f"{', '.join(s + '://' for s in STORE_SCHEMES)}")
         return uri
-    return os.path.abspath(os.path.join(base_dir or os.getcwd(), os.path.expanduser(uri)))
+    return local_path(uri, base_dir)
 
 
 def parse_mlflow(v: Any) -> MlflowSpec:

@@ -1,7 +1,8 @@
 """Checks of a parsed spec against the world outside it, run by `validate` and before `run` starts Ray: an
-http(s) MLflow tracking server must accept a connection within a few seconds (MLflow's own client would retry
-for minutes and then print a traceback); a SQLite tracking store's directory must exist and be writable (MLflow
-would fail only once the sweep opens it, with SQLAlchemy's traceback)."""
+http(s) MLflow tracking server or a tracking database must accept a connection within a few seconds (MLflow's own
+client would retry for minutes and then print a traceback); a SQLite tracking store's directory must exist and be
+writable (MLflow would fail only once the sweep opens it, with SQLAlchemy's traceback); a scheme MLflow cannot
+track to, or its file store, is refused."""
 from __future__ import annotations
 
 import os
@@ -12,6 +13,7 @@ from urllib.parse import urlsplit
 from orchestrator.spec.checks import SpecError, excerpt
 
 TIMEOUT_S = 3.0
+PORTS = {"http": 80, "https": 443, "postgresql": 5432, "mysql": 3306, "mssql": 1433}  # default ports by scheme
 
 
 def configured_tracking_uri(spec) -> tuple[str | None, str]:
@@ -30,28 +32,38 @@ def check_tracking(spec, timeout: float = TIMEOUT_S) -> None:
 
 
 def check_tracking_uri(uri: str | None, timeout: float = TIMEOUT_S, field: str = "mlflow.tracking_uri") -> None:
-    """One TCP connection to an http(s) tracking URI's host and port; a sqlite:/// URI's directory checked on
-    disk; other URIs (file, databricks, ...) pass. ``field`` names where the URI came from in the error."""
+    """One TCP connection to the host and port of an http(s) tracking server or a database MLflow's SQLAlchemy
+    store opens (postgresql, mysql, mssql); a sqlite:/// URI's directory checked on disk; databricks passes; any
+    other scheme, a file store and a bare path are refused (the sweep died on them after its dense and mask
+    stages, in a traceback). ``field`` names where the URI came from in the error."""
     if not uri:
         return
     if uri.startswith("sqlite:///"):
         check_sqlite_dir(uri, field)
         return
-    parts = urlsplit(uri)
-    if parts.scheme not in ("http", "https"):
+    if uri == "databricks" or uri.startswith("databricks://"):  # a Databricks workspace (its profile): MLflow's own
         return
+    parts = urlsplit(uri)
+    scheme = parts.scheme.split("+", 1)[0].lower()  # postgresql+psycopg: the database, then its driver
+    if scheme in ("", "file"):
+        raise SpecError(field, f"{excerpt(uri)}: MLflow's file store is not supported; use sqlite:///PATH or an "
+                               f"http(s) tracking server")
+    if scheme not in PORTS:
+        raise SpecError(field, f"{excerpt(uri)}: unknown scheme {excerpt(parts.scheme, 20)}; allowed: sqlite:///PATH, "
+                               f"http(s)://HOST[:PORT], postgresql://, mysql://, mssql:// (SQLAlchemy URLs), databricks")
     try:
-        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+        host, port = parts.hostname, parts.port or PORTS[scheme]
     except ValueError as e:  # a port that is not a number
         raise SpecError(field, f"{excerpt(uri)}: {e}") from None
     if not host:
         raise SpecError(field, f"no host in {excerpt(uri)}")
+    what = "server" if scheme.startswith("http") else "database"
     try:
         socket.create_connection((host, port), timeout=timeout).close()
     except OSError as e:
         why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__)
         raise SpecError(field, f"cannot reach {host if len(host) < 80 else excerpt(host, 80)}:{port} within {timeout:g} s "
-                                               f"({why}); start the tracking server or fix the URI") from None
+                                               f"({why}); start the tracking {what} or fix the URI") from None
 
 
 def check_sqlite_dir(uri: str, field: str = "mlflow.tracking_uri") -> None:

@@ -141,13 +141,20 @@ class SplitLayout:
         return self.n
 
 
-class DigitsLayout:
-    """The digits splits as a DatasetSplits answers ``name``, ``splits`` and ``[split]`` (sizes, labels)."""
+class SplitsLayout:
+    """A dataset's splits as a DatasetSplits answers ``name``, ``splits`` and ``[split]`` (sizes, labels), from
+    their sizes alone: every split but calibration carries labels (the calibration split is unlabeled by contract)."""
 
-    name = "digits"
-
-    def __init__(self) -> None:
-        self.splits = {s: SplitLayout(n, s not in catalog.UNLABELED_SPLITS) for s, n in catalog.DIGITS_SPLIT_SIZES.items()}
+    def __init__(self, name: str, sizes: Mapping[str, int]) -> None:
+        self.name = name
+        self.splits = {s: SplitLayout(n, s not in catalog.UNLABELED_SPLITS) for s, n in sizes.items()}
 
     def __getitem__(self, split: str) -> SplitLayout:
         return self.splits[split]
+
+
+class DigitsLayout(SplitsLayout):
+    """The digits splits (tasks/catalog.py: no torch, no scikit-learn)."""
+
+    def __init__(self) -> None:
+        super().__init__("digits", catalog.DIGITS_SPLIT_SIZES)

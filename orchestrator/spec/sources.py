@@ -9,8 +9,9 @@ import json
 from functools import lru_cache
 from typing import Any, Mapping
 
-from orchestrator.spec.checks import SpecError, check_list, excerpt
-from orchestrator.spec.registries import DigitsLayout, check_shipped_seed, known, live, names, reference_ref
+from orchestrator.spec.checks import SpecError, check_list, excerpt, local_path
+from orchestrator.spec.registries import (DigitsLayout, SplitsLayout, check_shipped_seed, known, live, names,
+                                          reference_ref)
 from tasks import catalog
 
 
@@ -39,9 +40,10 @@ def _entry(name: str, ref: Mapping) -> Any:
     return {k: v for k, v in ref.items() if v is not None and k != "offline"}
 
 
-def parse_dataset(raw: Any) -> tuple[str, dict, int | None]:
+def parse_dataset(raw: Any, base_dir: Any = None) -> tuple[str, dict, int | None]:
     """-> (name, settings, largest calibration size the settings allow; None: load the dataset to know). A dataset
-    that takes settings checks them itself (it reads its files or index): only then is tasks.data imported."""
+    that takes settings checks them itself (it reads its files or index): only then is tasks.data imported. Its
+    local path settings come back absolute (relative ones taken from ``base_dir``: checks.local_path)."""
     settings: dict = {}
     if isinstance(raw, Mapping):
         if "name" not in raw:
@@ -53,24 +55,30 @@ def parse_dataset(raw: Any) -> tuple[str, dict, int | None]:
         raw = raw["name"]
     if not known("dataset", raw):
         raise SpecError("dataset", f"unknown dataset {excerpt(raw)}; allowed: {', '.join(names('dataset'))}")
-    check = None if catalog.DATASETS.get(raw) is False else getattr(live("dataset").get(raw), "check", None)
+    source = None if catalog.DATASETS.get(raw) is False else live("dataset").get(raw)
+    check = getattr(source, "check", None)
     if check is None:
         if settings:
             raise SpecError(f"dataset.{sorted(settings)[0]}", f"dataset {raw!r} takes no settings")
         return raw, settings, None
     try:
+        if hasattr(source, "local_paths"):  # a plugin's dataset may have no local files
+            settings = source.local_paths(settings, lambda v: local_path(v, base_dir))
         return raw, settings, int(check(settings))
     except (ValueError, TypeError) as e:
         raise SpecError("dataset", str(e)) from None
 
 
-def parse_models(raw: Any, dataset: str, offline: bool, data_seed: int = 0) -> tuple[list[str], dict[str, dict]]:
+def parse_models(raw: Any, dataset: str, offline: bool, data_seed: int = 0,
+                 base_dir: Any = None) -> tuple[list[str], dict[str, dict]]:
     """-> (model display names, {name: ModelRef dict}); reference models must be trained on ``dataset`` and, as
     their weights' metadata says, on ``data_seed``'s train split (a checkpoint given by ``path`` is verified now:
-    sha256 pin, complete safetensors file, model and data seed). A reference model given by its name is checked
-    from the static table (no torch); any other entry by tasks.models."""
+    sha256 pin, complete safetensors file, model and data seed; a relative ``path`` is taken from ``base_dir``). A
+    reference model given by its name is checked from the static table (no torch); any other entry by tasks.models."""
     names, refs = [], {}
     for i, item in enumerate(check_list(raw, "models")):
+        if isinstance(item, Mapping) and isinstance(item.get("path"), str) and item["path"]:
+            item = {**item, "path": local_path(item["path"], base_dir)}
         ref = _reference(item, i, dataset, offline, data_seed) if _is_reference_name(item) else \
             _model_ref(item, i, dataset, offline, data_seed)
         if ref["name"] in refs:
@@ -155,10 +163,14 @@ def untrained(spec, name: str):
     return build_untrained(ref, device="cpu" if ref.source == "reference" else "meta")
 
 
-def dataset_layout(name: str, seed: int):
-    """The split layout of a dataset that has no ``check`` (digits): names, sizes and which splits carry labels,
-    without pixels (DigitsLayout: no torch, no scikit-learn). Enough for calibration capacity and
-    healers' ``check_data``; any other dataset is loaded to know its layout."""
+def dataset_layout(name: str, seed: int, settings: Mapping | None = None):
+    """A dataset's split layout: names, sizes and which splits carry labels, without pixels. Enough for calibration
+    capacity and healers' ``check_data`` (e.g. ``ce`` needs a labeled train split). ``settings`` (a dataset that
+    checks its settings): the sizes they give (SplitsLayout); digits: DigitsLayout (no torch, no scikit-learn);
+    any other dataset is loaded to know its layout. None for a plugin's dataset with settings but no sizes."""
+    if settings is not None:
+        source = live("dataset").get(name)
+        return SplitsLayout(name, source.settings(settings, sweep=True)["sizes"]) if hasattr(source, "settings") else None
     if name == "digits":
         return DigitsLayout()
     from tasks.data import load_dataset

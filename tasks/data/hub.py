@@ -40,6 +40,7 @@ class HFTable(ImageTable):
         feat = ds.features.get(label_column) if label_column else None
         self.num_classes = int(getattr(feat, "num_classes", 0) or (self._labels.max() + 1 if len(ds) else 0))
         self.ident = ident or f"hf:{ds._fingerprint}"
+        self.where = f"split {str(ds.split)!r}" if getattr(ds, "split", None) else "the dataset"
 
     def __len__(self) -> int:
         return len(self.ds)

@@ -15,7 +15,8 @@ from typing import Any, Callable, Mapping
 from tasks.data.stream_cache import local_stamp
 from tasks.data.splits import DATASETS, SPLITS, DatasetError, DatasetSplits
 from tasks.data.hub import hf_splits, hub_by_split
-from tasks.data.tables import ArrowTable, FolderTable, default_transform, split_sizes, table_splits
+from tasks.data.tables import (ArrowTable, FolderTable, default_transform, folder_classes, folder_count, split_sizes,
+                               table_classes, table_rows, table_splits, too_few)
 
 _MEMO: dict[str, DatasetSplits] = {}  # one load per process and (dataset, settings, seed, transform)
 
@@ -26,10 +27,21 @@ class ImageDataset:
     sizes: Mapping[str, int]  # default split sizes
     defaults: Mapping[str, Any] = field(default_factory=dict)  # preset settings (hub path, columns, split map)
 
-    def settings(self, settings: Mapping[str, Any]) -> dict:
-        allowed = {"folder": {"root", "image_size"}, "table": {"path", "image_column", "label_column", "image_size"},
-                   "hub": {"path", "config", "splits", "streaming", "image_column", "label_column", "buffer_size",
-                           "num_classes", "revision", "image_size"}}[self.kind] | {"sizes"}
+    def allowed(self, sweep: bool = True) -> set[str]:
+        """The setting names a spec (``sweep``) or a direct caller may give (docs/models-and-data.md#dataset-settings)."""
+        return {"folder": {"root"}, "table": {"path", "image_column", "label_column"},
+                "hub": {"path", "config", "splits", "streaming", "image_column", "label_column", "buffer_size",
+                        "num_classes", "revision"}}[self.kind] | {"sizes"} | (set() if sweep else {"image_size"})
+
+    def settings(self, settings: Mapping[str, Any], sweep: bool = False) -> dict:
+        """``settings`` checked, with the preset's defaults and every split's size. ``sweep``: a spec's settings,
+        where ``image_size`` (the fallback preprocessing's size, for callers that pass no transform) is refused: a
+        sweep always preprocesses with the model's own transform, so it would be ignored."""
+        allowed = self.allowed(sweep)
+        if sweep and "image_size" in settings:
+            raise ValueError("image_size: not a sweep setting: each model preprocesses images its own way (its timm "
+                             "data config or its torchvision weights' transforms), which sets their size; for a timm model set "
+                             "model_args: {pretrained_cfg_overlay: {input_size: [3, N, N]}}")
         unknown = sorted(set(settings) - allowed)
         if unknown:
             raise ValueError(f"{unknown[0]}: unknown dataset setting; allowed: {', '.join(sorted(allowed))}")
@@ -38,6 +50,9 @@ class ImageDataset:
         if not d.get(need):
             raise ValueError(f"{need}: required for a {self.kind} dataset")
         d["sizes"] = split_sizes(settings.get("sizes"), self.sizes)
+        empty = [k for k in ("calibration", "selection", "evaluation") if sweep and d["sizes"][k] < 1]
+        if empty:  # a sweep calibrates, selects its winners and evaluates them: each split needs an item
+            raise ValueError(f"sizes.{empty[0]}: must be >= 1 in a sweep, got 0")
         if self.kind == "hub":
             splits = {**{s: "train" for s in SPLITS}, **dict(d.get("splits") or {})}
             bad = sorted(set(splits) - set(SPLITS))
@@ -46,14 +61,42 @@ class ImageDataset:
             d["splits"] = splits
         return d
 
+    def local_paths(self, settings: Mapping[str, Any], absolute: Callable[[str], str]) -> dict:
+        """``settings`` with its local path made ``absolute`` (the spec's rule): a folder's ``root``, a table's
+        ``path``, a hub dataset's ``path`` when it names a local folder or file (else it is a hub id)."""
+        key = {"folder": "root", "table": "path", "hub": "path"}[self.kind]
+        v = settings.get(key)
+        if not isinstance(v, str) or not v:
+            return dict(settings)  # missing or not a string: settings() says so
+        p = absolute(v)
+        return {**settings, key: p} if self.kind != "hub" or Path(p).exists() else dict(settings)
+
+    def classes(self, settings: Mapping[str, Any]) -> int | None:
+        """Classes of a local image folder (its class folders) or table (largest label + 1, from the label column
+        alone); None for a hub dataset (known when it is loaded)."""
+        d = self.settings(settings, sweep=True)
+        if self.kind == "folder":
+            return folder_classes(d["root"])
+        if self.kind == "table":
+            return table_classes(d["path"], d.get("label_column", "label"))
+        return None
+
     def check(self, settings: Mapping[str, Any]) -> int:
-        """The settings' largest calibration size; a local image folder or table that is not there is refused
-        now (like a checkpoint ``path``), not when the models stage reads it."""
-        d = self.settings(settings)
+        """The settings' largest calibration size; a local image folder or table that is not there, or holds
+        fewer items than the four splits' sizes, is refused now (like a checkpoint ``path``), not when the
+        models stage reads it. (Hub datasets are counted when they are loaded.)"""
+        d = self.settings(settings, sweep=True)
         if self.kind == "folder" and not Path(d["root"]).is_dir():
             raise DatasetError(f"root: image folder {str(d['root'])!r} does not exist")
         if self.kind == "table" and not Path(d["path"]).exists():
             raise DatasetError(f"path: image table {str(d['path'])!r} does not exist")
+        if self.kind in ("folder", "table"):
+            need = sum(d["sizes"].values())
+            have, where = ((folder_count(d["root"], need), f"the image folder {str(d['root'])!r}")
+                           if self.kind == "folder" else (table_rows(d["path"]), f"the table {str(d['path'])!r}"))
+            short = too_few(d["sizes"], have, where)
+            if short:
+                raise DatasetError(f"sizes: {short}")
         return d["sizes"]["calibration"]
 
     def __call__(self, seed: int = 0, *, transform: Callable | None = None, transform_id: str = "",

@@ -53,6 +53,7 @@ def to_pil(x: Any):
 
 class ImageTable:
     ident: str = ""  # stable description (part of the dataset digest)
+    where: str = "the dataset"  # what a message calls it
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -79,6 +80,7 @@ class FolderTable(ImageTable):
         except FileNotFoundError as e:
             raise DatasetError(f"image folder {str(root)!r}: {str(e).splitlines()[0][:300]}") from None
         self.num_classes = len(self.classes)
+        self.where = "the image folder"
         self.ident = f"folder:{root.resolve()}:{len(self.samples)}:" + ",".join(self.classes)
 
     def __len__(self) -> int:
@@ -95,17 +97,8 @@ class ArrowTable(ImageTable):
     """A Parquet or Arrow IPC file (or a directory of them) with an image column and a label column."""
 
     def __init__(self, path: str | Path, image_column: str = "image", label_column: str | None = "label") -> None:
-        import pyarrow.dataset as pads
-
         p = Path(path)
-        if not p.exists():
-            raise DatasetError(f"image table {str(p)!r} does not exist")
-        fmt = "arrow" if p.suffix in (".arrow", ".feather", ".ipc") else "parquet"
-        try:
-            self.table = pads.dataset(str(p), format=fmt).to_table()
-        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid (a ValueError): not Parquet / Arrow IPC
-            raise DatasetError(f"image table {str(p)!r} is not a readable {fmt} file: "
-                               f"{str(e).strip().splitlines()[0][:300]}") from None
+        self.table = _arrow_read(p, lambda ds: ds.to_table())
         for c in (image_column, label_column):
             if c is not None and c not in self.table.column_names:
                 raise DatasetError(f"image table {str(p)!r} has no column {c!r}; columns: {', '.join(self.table.column_names)}")
@@ -113,6 +106,7 @@ class ArrowTable(ImageTable):
         self._labels = (np.asarray(self.table.column(label_column).to_numpy(zero_copy_only=False), dtype=np.int64)
                         if label_column else np.full(len(self.table), -1, dtype=np.int64))
         self.num_classes = int(self._labels.max()) + 1 if len(self._labels) else 0
+        self.where = "the table"
         self.ident = f"arrow:{p.resolve()}:{len(self.table)}:{image_column}:{label_column}"
 
     def __len__(self) -> int:
@@ -152,6 +146,88 @@ class LazyImages:
             return torch.stack(list(pool.map(load, sel)))  # (B, C, H, W), in row order
 
 
+def too_few(sizes: Mapping[str, int], have: int, where: str) -> str:
+    """'' when ``have`` items cover the split ``sizes`` drawn from one source, else why not, in one line: each
+    split's size, the total, what the source holds, and the fix."""
+    need = sum(sizes.values())
+    if need <= have:
+        return ""
+    parts = " + ".join(f"{s} {n}" for s, n in sizes.items() if n)
+    return (f"splits need {parts} = {need} items from {where}, which has {have}; "
+            f"set smaller dataset.sizes (docs/models-and-data.md#dataset-settings) or add items")
+
+
+def folder_count(root: str | Path, stop_at: int) -> int:
+    """Images ``FolderTable(root)`` would hold (torchvision's ImageFolder rules: class folders, files with an image
+    extension, symlinks followed), counted without sorting or keeping them and only up to ``stop_at``; past it,
+    each remaining class folder is only looked into until its first image. A class folder without images is
+    refused as the loader would refuse it."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, has_file_allowed_extension
+
+    try:
+        classes, _ = find_classes(str(root))
+    except FileNotFoundError as e:
+        raise DatasetError(f"image folder {str(root)!r}: {str(e).splitlines()[0][:300]}") from None
+    n, empty = 0, []
+    for c in classes:
+        found = 0
+        for _, _, fnames in os.walk(os.path.join(root, c), followlinks=True):
+            found += sum(has_file_allowed_extension(f, IMG_EXTENSIONS) for f in fnames)
+            if found and n + found >= stop_at:
+                break
+        n += found
+        empty += [] if found else [c]
+    if empty:
+        raise DatasetError(f"image folder {str(root)!r}: Found no valid file for the classes {', '.join(empty[:20])}. "
+                           f"Supported extensions are: {', '.join(IMG_EXTENSIONS)}")
+    return n
+
+
+def folder_classes(root: str | Path) -> int:
+    """Class folders of an image folder (torchvision's ``find_classes``); one-line DatasetError when none."""
+    from torchvision.datasets.folder import find_classes
+
+    try:
+        return len(find_classes(str(root))[0])
+    except FileNotFoundError as e:
+        raise DatasetError(f"image folder {str(root)!r}: {str(e).splitlines()[0][:300]}") from None
+
+
+def table_classes(path: str | Path, label_column: str | None) -> int | None:
+    """Largest label + 1 of an image table, reading its label column alone (``ArrowTable.num_classes``); None
+    without a label column."""
+    import pyarrow.compute as pc
+
+    if not label_column:
+        return None
+    p = Path(path)
+    top = _arrow_read(p, lambda ds: pc.max(ds.to_table(columns=[label_column]).column(0)).as_py()
+                      if label_column in ds.schema.names else -2)
+    if top == -2:
+        raise DatasetError(f"image table {str(p)!r} has no column {label_column!r}")
+    return 0 if top is None else int(top) + 1
+
+
+def _arrow_read(p: Path, read: Callable[[Any], Any]) -> Any:
+    """``read(pyarrow.dataset)`` over a Parquet or Arrow IPC file (or a directory of them); one-line DatasetError
+    when it is missing or unreadable."""
+    import pyarrow.dataset as pads
+
+    if not p.exists():
+        raise DatasetError(f"image table {str(p)!r} does not exist")
+    fmt = "arrow" if p.suffix in (".arrow", ".feather", ".ipc") else "parquet"
+    try:
+        return read(pads.dataset(str(p), format=fmt))
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid (a ValueError): not Parquet / Arrow IPC
+        raise DatasetError(f"image table {str(p)!r} is not a readable {fmt} file: "
+                           f"{str(e).strip().splitlines()[0][:300]}") from None
+
+
+def table_rows(path: str | Path) -> int:
+    """Rows of an image table, from its files' metadata (no image read)."""
+    return _arrow_read(Path(path), lambda ds: ds.count_rows())
+
+
 def build_splits(name: str, tables: Mapping[str, tuple[str, ImageTable]], sizes: Mapping[str, int], seed: int,
                  transform: Callable, transform_id: str, num_classes: int, shuffle: Mapping[str, bool] = {}) -> DatasetSplits:
     """Assemble the four splits. ``tables``: split -> (table key, table); splits sharing a table key get
@@ -163,10 +239,9 @@ def build_splits(name: str, tables: Mapping[str, tuple[str, ImageTable]], sizes:
     rows: dict[str, np.ndarray] = {}
     for key, splits in by_key.items():
         table = tables[splits[0]][1]
-        need = sum(sizes[s] for s in splits)
-        if need > len(table):
-            raise DatasetError(f"dataset {name}: splits {', '.join(splits)} need {need} items from {key!r}, "
-                             f"which has {len(table)}")
+        short = too_few({s: sizes[s] for s in splits}, len(table), table.where)
+        if short:
+            raise DatasetError(f"dataset {name}: {short}")
         order = (np.random.default_rng(seed).permutation(len(table)) if shuffle.get(key, True)
                  else np.arange(len(table)))
         start = 0
@@ -211,6 +286,9 @@ def default_transform(image_size: int = 224) -> tuple[Callable, str]:
 
 def split_sizes(sizes: Mapping[str, int] | None, defaults: Mapping[str, int]) -> dict[str, int]:
     out = dict(defaults)
+    if sizes is not None and not isinstance(sizes, Mapping):
+        raise ValueError(f"sizes: must be a mapping of split -> items, e.g. {{calibration: 64, selection: 32, "
+                         f"evaluation: 64}}, got {type(sizes).__name__}")
     for k, v in (sizes or {}).items():
         if k not in SPLITS:
             raise ValueError(f"sizes.{k}: unknown split; allowed: {', '.join(SPLITS)}")

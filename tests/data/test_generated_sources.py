@@ -2,6 +2,8 @@
 dataset as the ``hf`` source, and the one-line ``DatasetError`` for the bad files a user meets."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -93,7 +95,9 @@ def test_bad_files_are_one_line_dataset_errors(generated, tmp_path):
         _load("image_table", path=str(tmp_path / "junk.parquet"))
     with pytest.raises(DatasetError, match=r"^image table '.*' has no column 'img'; columns: image, label$"):
         _load("image_table", path=str(generated["table"]), image_column="img")
-    with pytest.raises(DatasetError, match=r"need 52 items from 'table', which has 20$"):
+    with pytest.raises(DatasetError, match=r"folder: splits need train 2 \+ calibration 40 \+ selection 4 \+ "
+                                           r"evaluation 6 = 52 items from the image folder, which has 20; set smaller "
+                                           r"dataset.sizes \(docs/models-and-data.md#dataset-settings\) or add items$"):
         _load("imagefolder", root=str(generated["folder"]), sizes={**SIZES, "calibration": 40})
     bad = tmp_path / "bad"
     write_image_folder(bad, num_classes=2, per_class=2, size=4)
@@ -101,3 +105,36 @@ def test_bad_files_are_one_line_dataset_errors(generated, tmp_path):
     with pytest.raises(DatasetError, match=r"^cannot decode image '.*img000.png': cannot identify image file"):
         sizes = {"train": 0, "calibration": 4, "selection": 0, "evaluation": 0}
         _load("imagefolder", root=str(bad), sizes=sizes)["calibration"].images[:]  # at the probe or here
+
+
+@pytest.mark.parametrize("name, key", [("imagefolder", "root"), ("image_table", "path")])
+def test_the_check_counts_a_local_source_against_the_split_sizes(generated, tmp_path, name, key):
+    """``check`` (what ``healsweep validate`` runs) refuses a folder or table with fewer items than the four splits
+    need, with each split's size and what it holds; exactly enough passes. A folder counts what the loader would:
+    files with an image extension in class folders (a text file beside the images is not an item)."""
+    from tasks.data import DATASETS
+
+    where = generated["folder"] if name == "imagefolder" else generated["table"]
+    (generated["folder"] / "c000" / "notes.txt").write_text("not an image")
+    check = DATASETS.get(name).check
+    exactly = {"train": 0, "calibration": 10, "selection": 5, "evaluation": 5}  # 20 = 4 classes x 5
+    assert check({key: str(where), "sizes": exactly}) == 10
+    assert len(_load(name, **{key: str(where)}, sizes=exactly)["evaluation"]) == 5  # the loader agrees
+    what = "image folder" if name == "imagefolder" else "table"
+    with pytest.raises(DatasetError, match=rf"^sizes: splits need calibration 11 \+ selection 5 \+ evaluation 5 = 21 "
+                                           rf"items from the {what} '{re.escape(str(where))}', which has 20; set smaller dataset.sizes"):
+        check({key: str(where), "sizes": {**exactly, "calibration": 11}})
+
+
+def test_the_check_refuses_an_empty_class_folder_as_the_loader_does(tmp_path):
+    from tasks.data import DATASETS
+
+    root = write_image_folder(tmp_path / "f", num_classes=3, per_class=4, size=8)
+    (root / "zebra").mkdir()  # sorted last: counted after the 12 images already cover the splits
+    (root / "zebra" / "notes.txt").write_text("no image here")
+    sizes = {"train": 0, "calibration": 4, "selection": 2, "evaluation": 2}
+    for refuse in (lambda: DATASETS.get("imagefolder").check({"root": str(root), "sizes": sizes}),
+                   lambda: _load("imagefolder", root=str(root), sizes=sizes)):
+        with pytest.raises(DatasetError, match=r"^image folder '.*f': Found no valid file for the classes zebra\. "
+                                               r"Supported extensions are: \.jpg"):
+            refuse()

@@ -34,16 +34,19 @@ BASE = {"sparsities": [0.5], "calib_sizes": [8], "pruners": ["magnitude"], "heal
         "heal": {"batch_size": 8}, "store": {"shard_size": 8}}
 
 
-def _sweep(tmp: Path, name: str, dataset: dict, models: list[dict]) -> tuple[Path, Path, str]:
-    """Write the spec, run ``healsweep run`` on it -> (run dir, store dir, stdout)."""
+def _sweep(tmp: Path, name: str, dataset: dict, models: list[dict], cwd: Path | None = None) -> tuple[Path, Path, str]:
+    """Write the spec to ``tmp``, run ``healsweep run`` on it from ``cwd`` (default ``tmp``) -> (run dir, store
+    dir, stdout)."""
     spec = {"name": name, "dataset": {**dataset, "sizes": SIZES}, "models": models, **copy.deepcopy(BASE)}
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    check = healsweep("validate", path, cwd=tmp, timeout=300)
+    cwd = cwd or tmp
+    cwd.mkdir(exist_ok=True)
+    check = healsweep("validate", path, cwd=cwd, timeout=300)
     assert check.returncode == 0 and f"ok: {len(models)} cells, {len(models)} trials" in check.stdout, check.stderr
     out, store = tmp / "run", tmp / "store"
     proc = healsweep("run", path, "--out", out, "--store", store, "--cache", tmp / "cache", "--num-cpus", "2",
-                     "--quiet", cwd=tmp, timeout=600, HEALSWEEP_CHECK_CACHE="off")
+                     "--quiet", cwd=cwd, timeout=600, HEALSWEEP_CHECK_CACHE="off")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"{len(models)} trials finished, 0 failed" in proc.stdout, proc.stdout
@@ -122,8 +125,11 @@ def test_timm_vit_and_cnn_on_an_image_folder(tmp_path):
 def test_torchvision_model_on_a_parquet_image_table(tmp_path):
     from torchvision.models import resnet18
 
-    table = write_image_table(tmp_path / "images.parquet", num_classes=10, per_class=3, size=224)
-    out, store, _ = _sweep(tmp_path, "table", {"name": "image_table", "path": str(table)}, [TV])
+    write_image_table(tmp_path / "images.parquet", num_classes=10, per_class=3, size=224)
+    # the path relative to the spec file, the sweep started elsewhere: trials (in their own Tune directories)
+    # still find the table (before 2026-11-30 every trial failed: "image table 'images.parquet' does not exist")
+    out, store, _ = _sweep(tmp_path, "table", {"name": "image_table", "path": "images.parquet"}, [TV],
+                           cwd=tmp_path / "elsewhere")
     run = _check_sweep(out, store, [TV])["resnet18_tv"]
     assert _block_shapes(store, run) == {**_cnn_shapes(resnet18(num_classes=10)), "logits": [10]}
 
@@ -148,17 +154,18 @@ def test_checkpoint_model_on_a_saved_hugging_face_dataset(tmp_path, monkeypatch)
     save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(ckpt))
     digest = hashlib.sha256(ckpt.read_bytes()).hexdigest()
     entry = {"name": "mobilenet_ckpt", "source": "checkpoint", "arch": "mobilenetv1_100", "num_classes": 10,
-             "path": str(ckpt), "sha256": digest}
+             "path": ckpt.name, "sha256": digest}  # relative to the spec file, as the hub folder below
     saved = write_hf_dataset(tmp_path / "hf", num_classes=10, per_class=3, size=224)
-    dataset = {"name": "hf", "path": str(saved), "streaming": True, "buffer_size": 16}
-    out, store, _ = _sweep(tmp_path, "hf", dataset, [entry])
+    out, store, _ = _sweep(tmp_path, "hf", {"name": "hf", "path": "hf", "streaming": True, "buffer_size": 16}, [entry],
+                           cwd=tmp_path / "elsewhere")
+    dataset = {"name": "hf", "path": str(saved), "streaming": True, "buffer_size": 16}  # as the sweep resolved it
     run = _check_sweep(out, store, [entry])["mobilenet_ckpt"]
     assert run.data.params["model_digest"] == digest[:16]  # identified by the file's bytes
     shapes = _block_shapes(store, run)
     assert shapes == {**_cnn_shapes(net), "logits": [10]} and len(shapes) == 14  # 13 blocks + logits
     (cached,) = (tmp_path / "streams").glob("*.arrow")  # one hub split, streamed once for every process
     assert pa.ipc.open_file(str(cached)).read_all().num_rows == sum(SIZES.values())
-    lm = load_model("mobilenet_ckpt", source=entry, dataset={**dataset, "sizes": SIZES})
+    lm = load_model("mobilenet_ckpt", source={**entry, "path": str(ckpt)}, dataset={**dataset, "sizes": SIZES})
     assert lm.dataset["calibration"].images.table.source == "cache"
     with torch.no_grad():
         expected = net(lm.dataset["calibration"].images[:SIZES["calibration"]])  # (8, 10)

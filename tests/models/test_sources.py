@@ -90,7 +90,7 @@ def test_splits_are_disjoint_seeded_and_digested(sources):
     a, b = _all_three(sources, seed=0)["parquet"], _all_three(sources, seed=1)["parquet"]
     assert not np.array_equal(a["calibration"].indices, b["calibration"].indices)
     assert a.digest != b.digest and a.split_digest("evaluation") != b.split_digest("evaluation")
-    with pytest.raises(ValueError, match="need 40 items from 'table', which has 36"):
+    with pytest.raises(ValueError, match=r"^dataset p: splits need .* = 40 items from the table, which has 36; set smaller dataset.sizes"):
         t, tid = _transform()
         table_splits("p", ArrowTable(sources["parquet"]), {**SIZES, "evaluation": 18}, 0, t, tid)
 
@@ -138,8 +138,12 @@ def test_registered_loaders_validate_settings(sources):
     assert np.array_equal(d["evaluation"].indices, e["evaluation"].indices)
     from tasks.data import DATASETS
 
-    with pytest.raises(ValueError, match="^colour: unknown dataset setting; allowed: image_size, root, sizes$"):
+    with pytest.raises(ValueError, match="^colour: unknown dataset setting; allowed: root, sizes$"):
         DATASETS.get("imagefolder").check({"root": "x", "colour": 1})
+    with pytest.raises(ValueError, match="^image_size: not a sweep setting: each model preprocesses images its own"):
+        DATASETS.get("imagefolder").check({"root": str(sources["folder"]), "image_size": 32})  # it would be ignored
+    assert load_dataset("imagefolder", root=str(sources["folder"]), sizes=SIZES, image_size=24)["evaluation"] \
+        .images[:1].shape == (1, 3, 24, 24)  # the fallback preprocessing (no transform given) takes it
     with pytest.raises(ValueError, match="^sizes.test: unknown split"):
         DATASETS.get("imagenet1k").check({"sizes": {"test": 3}})
     assert DATASETS.get("imagenet1k").check({"sizes": {"calibration": 2500}}) == 2500

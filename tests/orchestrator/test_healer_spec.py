@@ -46,7 +46,7 @@ def test_ce_without_labeled_train_split_is_rejected(monkeypatch):
     import orchestrator.spec.parse as parse
     from tasks.data import load_dataset
 
-    def unlabeled_train(name, seed=0):  # the real digits data, its train split's labels removed
+    def unlabeled_train(name, seed=0, settings=None):  # the real digits data, its train split's labels removed
         d = load_dataset(name, seed)
         return replace(d, splits={**d.splits, "train": replace(d["train"], labels=None)})
 

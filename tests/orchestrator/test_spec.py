@@ -29,8 +29,9 @@ def spec_with(**changes):
     return d
 
 
-def _unavailable(raw: dict) -> list[str]:
-    """What a shipped config needs that this checkout lacks: unregistered methods, the user's checkpoint files."""
+def _unavailable(raw: dict, where: Path) -> list[str]:
+    """What a shipped config (in the folder ``where``) needs that this checkout lacks: unregistered methods, the
+    user's checkpoint files (a relative path is taken from the spec file's folder)."""
     from tasks.healing import HEALERS
     from tasks.pruning import PRUNERS
 
@@ -42,14 +43,14 @@ def _unavailable(raw: dict) -> list[str]:
                 name = part if isinstance(part, str) else part["name"]
                 out += [f"{key[:-1]} {name!r}"] if name not in reg else []
     for m in raw["models"]:
-        if isinstance(m, dict) and m.get("source") == "checkpoint" and not (REPO / m["path"]).is_file():
+        if isinstance(m, dict) and m.get("source") == "checkpoint" and not (where / m["path"]).is_file():
             out.append(f"checkpoint {m['path']}")
     return out
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_validate(path):
-    missing = _unavailable(yaml.safe_load(path.read_text()))
+    missing = _unavailable(yaml.safe_load(path.read_text()), path.parent)
     if missing:
         with pytest.raises(SpecError):  # rejected before any work, naming what is missing
             load_spec(path)

@@ -119,6 +119,12 @@ def test_bad_plugins(tmp_path, plugins, words):
     ({"mlflow": {"experiment": 7, "tracking_uri": 42}}, "mlflow.experiment", "must be a non-empty string"),
     ({"mlflow": {"tracking_uri": 42}}, "mlflow.tracking_uri", "must be a non-empty string"),
     ({"store": {"uri": "nosuch://bucket/x"}}, "store.uri", "unknown scheme nosuch://"),
+    # tracking stores the sweep could not open: they passed, and the sweep died after its dense and mask stages
+    ({"mlflow": {"tracking_uri": "foo://bar"}}, "mlflow.tracking_uri", "'foo://bar': unknown scheme 'foo'; allowed:"),
+    ({"mlflow": {"tracking_uri": "file:///tmp/m"}}, "mlflow.tracking_uri", "MLflow's file store is not supported"),
+    ({"mlflow": {"tracking_uri": "runs/m"}}, "mlflow.tracking_uri", "MLflow's file store is not supported"),
+    ({"mlflow": {"tracking_uri": "postgresql+psycopg://u:p@127.0.0.1:1/db"}}, "mlflow.tracking_uri",
+     "cannot reach 127.0.0.1:1 within 3 s (Connection refused); start the tracking database"),
     ({"sparsities": [i / 2000 for i in range(1001)]}, "sparsities", "at most 1000 are allowed"),
     ({"search": {"trials_per_cell": 1e9}}, "search.trials_per_cell", "must be an integer"),
     ({"search": {"trials_per_cell": 20_000}}, "search.trials_per_cell", "must be <= 10000"),

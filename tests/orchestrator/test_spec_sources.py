@@ -4,6 +4,7 @@ and datasets (the shipped configs' methods are validated by test_spec.py::test_s
 from __future__ import annotations
 
 import copy
+import re
 import json
 from pathlib import Path
 
@@ -85,8 +86,11 @@ def test_to_dict_round_trip_keeps_sources_and_dataset_settings(tmp_path):
     import timm
     from safetensors.torch import save_file
 
+    from tasks.data.synthetic import write_image_folder
+
     save_file(timm.create_model("resnet18", pretrained=False, num_classes=10).state_dict(), str(tmp_path / "r.safetensors"))
-    d = {**copy.deepcopy(TINY), "dataset": {"name": "imagefolder", "root": str(tmp_path), "sizes": {"calibration": 300}},
+    root = write_image_folder(tmp_path / "images", num_classes=10, per_class=40, size=8)  # 400 images
+    d = {**copy.deepcopy(TINY), "dataset": {"name": "imagefolder", "root": str(root), "sizes": {"calibration": 300}},
          "models": [{"name": "r18", "source": "checkpoint", "arch": "resnet18", "num_classes": 10,
                      "path": str(tmp_path / "r.safetensors")}], "offline": True}
     spec = parse_spec(d)
@@ -94,3 +98,78 @@ def test_to_dict_round_trip_keeps_sources_and_dataset_settings(tmp_path):
     again = parse_spec(as_json(spec))
     assert again.load_kwargs("r18") == spec.load_kwargs("r18") and again.offline
     assert parse_spec(as_json(parse_spec(TINY))).models == ("vit_digits",)
+
+
+def test_relative_local_paths_are_taken_from_the_spec_files_directory(tmp_path, monkeypatch):
+    """A checkpoint ``path`` and a dataset's ``root`` / ``path`` written relative to the spec file name files
+    beside it, from any working directory, and reach the workers absolute (a trial runs in its own Tune
+    directory: a relative path there named nothing and every trial failed). A hub id stays a hub id; ``~`` is
+    the user's home."""
+    import timm
+    from safetensors.torch import save_file
+
+    from orchestrator.spec import load_spec
+    from tasks.data.synthetic import write_hf_dataset, write_image_folder, write_image_table
+
+    here = tmp_path / "project" / "specs"
+    write_image_folder(here / "images", num_classes=10, per_class=20, size=8)  # 200 >= 64 + 32 + 64
+    write_image_table(here / "t.parquet", num_classes=10, per_class=20, size=8)
+    write_hf_dataset(here / "hf", num_classes=10, per_class=20, size=8)
+    save_file(timm.create_model("resnet18", pretrained=False, num_classes=10).state_dict(), str(here / "r.safetensors"))
+    entry = {"name": "r18", "source": "checkpoint", "arch": "resnet18", "num_classes": 10, "path": "r.safetensors"}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("HOME", str(tmp_path / "project"))
+
+    def parsed(dataset: dict):
+        p = here / "s.yaml"
+        p.write_text(yaml.safe_dump({**copy.deepcopy(TINY), "models": [entry], "dataset": dataset, "calib_sizes": [64]}))
+        return load_spec(p)
+
+    spec = parsed({"name": "imagefolder", "root": "images"})
+    assert spec.load_kwargs("r18")["source"]["path"] == str(here / "r.safetensors")
+    assert spec.dataset_settings["root"] == str(here / "images")
+    assert parsed({"name": "imagefolder", "root": "~/specs/images"}).dataset_settings["root"] == str(here / "images")
+    assert parsed({"name": "image_table", "path": "t.parquet"}).dataset_settings["path"] == str(here / "t.parquet")
+    assert parsed({"name": "hf", "path": "hf"}).dataset_settings["path"] == str(here / "hf")
+    assert parsed({"name": "hf", "path": "uoft-cs/cifar10"}).dataset_settings["path"] == "uoft-cs/cifar10"
+    with pytest.raises(SpecError, match=rf"root: image folder '{re.escape(str(here / 'nope'))}' does not exist"):
+        parsed({"name": "imagefolder", "root": "nope"})  # the message names the path it looked at
+
+
+def test_ce_on_an_image_dataset_without_a_train_split_is_refused(tmp_path):
+    """``ce`` trains on the labeled train split; an image dataset's default gives it 0 images. It was accepted and
+    every ce trial 'finished' with 0 optimizer steps, quoted as a healed result (= the pruned model)."""
+    from tasks.data.synthetic import write_image_folder
+
+    root = write_image_folder(tmp_path / "images", num_classes=10, per_class=20, size=8)  # 200 images
+    d = {**copy.deepcopy(TINY), "models": [{"name": "r18", "source": "timm", "arch": "resnet18", "pretrained": False,
+                                            "num_classes": 10}], "calib_sizes": [64], "healers": ["ce"],
+         "dataset": {"name": "imagefolder", "root": str(root)}}
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    assert e.value.path == "healers[0]" and "gives it none: set dataset.sizes.train" in str(e.value)
+    d["dataset"]["sizes"] = {"train": 16}
+    assert parse_spec(d).healers[0].name == "ce"
+
+
+@pytest.mark.parametrize("source", ["imagefolder", "image_table"])
+def test_a_model_with_fewer_outputs_than_the_local_datasets_classes_is_refused(tmp_path, source):
+    """Counted from the class folders or the label column before any work (it was refused by the models stage,
+    after Ray had started)."""
+    from tasks.data.synthetic import write_image_folder, write_image_table
+
+    if source == "imagefolder":
+        dataset = {"name": source, "root": str(write_image_folder(tmp_path / "f", num_classes=4, per_class=40, size=8))}
+    else:
+        dataset = {"name": source, "path": str(write_image_table(tmp_path / "t.parquet", num_classes=4, per_class=40,
+                                                                size=8))}
+    model = {"name": "r18", "source": "timm", "arch": "resnet18", "pretrained": False, "num_classes": 3}
+    d = {**copy.deepcopy(TINY), "models": [model], "calib_sizes": [64], "dataset": dataset}
+    with pytest.raises(SpecError) as e:
+        parse_spec(d)
+    assert e.value.path == "models[0]" and str(e.value).endswith(
+        f"model 'r18' has 3 outputs but dataset '{source}' has 4 classes; set num_classes: 4 on the model entry")
+    d["models"] = [{**model, "num_classes": 4}]
+    assert parse_spec(d).models == ("r18",)
