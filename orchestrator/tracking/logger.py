@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ray.tune import Callback
@@ -230,10 +231,14 @@ def _say(line: str) -> None:
 
 
 def _error_line(trial) -> str:
-    try:
-        err = trial.get_error()
-        if err is not None:
-            return str(err).strip().splitlines()[-1][:5000]
-    except Exception:  # noqa: BLE001 - best effort: the reason must not break logging
-        pass
+    """The last line of the trial's latest error (e.g. ``tasks.errors.DatasetError: ...``): from Tune's error file in
+    the experiment's storage, else from the driver's staging copy, which Tune writes just before it calls
+    ``on_trial_recover`` (the storage copy of a first failure appears only later: it said 'unknown error')."""
+    for read in (trial.get_error, lambda: Path(trial.error_file).read_text() if trial.error_file else None):
+        try:
+            err = read()
+            if err and str(err).strip():
+                return str(err).strip().splitlines()[-1][:5000]
+        except Exception:  # noqa: BLE001 - best effort: the reason must not break logging
+            pass
     return "unknown error"

@@ -103,3 +103,19 @@ def test_worker_killed_mid_write(reference, tmp_path):
     ok(cli("doctor", run, "--repair"))
     assert not left.exists() and not temp_files(run)
     ok(cli("doctor", run))
+
+
+def test_a_trial_that_raises_is_retried_and_its_first_failure_named(reference, tmp_path):
+    """The retry line names the first attempt's error (it said 'failed (unknown error)': Tune's synced error file
+    did not exist yet when it called back), and the retry finishes the trial."""
+    from tests.faults.raise_plugin import MESSAGE
+
+    run = copy_run(reference, tmp_path / "run")
+    tear_last_line(run / "trials.jsonl")
+    _edit_sweep(run, plugins=["tests.faults.raise_plugin"])
+    r = ok(run_cli("run", "--resume", run, "--quiet"))
+    assert (run / "raised-once").is_file() and "8 trials finished, 0 failed" in r.stdout
+    (line,) = [ln for ln in r.stderr.splitlines() if "retrying it" in ln]
+    assert line.endswith(f"failed (RuntimeError: {MESSAGE}); retrying it (attempt 2)"), line
+    assert "unknown error" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert_complete(run, reference)
