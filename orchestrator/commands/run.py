@@ -15,6 +15,7 @@ from orchestrator.lifecycle.widen import run_widening
 from orchestrator.raytune.cluster import ClusterError, check_store_uri, connect  # light: no ray import
 from orchestrator.rundir import faults
 from orchestrator.rundir.files import ResumeError, probe_run_dir, read_sweep
+from orchestrator.spec.dry_run import DRY_SIZES
 from orchestrator.sweep.background import background
 from orchestrator.sweep.console import StageClock, process_age, quiet_libraries
 from tasks.errors import DatasetError, ModelSourceError  # no torch: a warm sweep loads no model and no dataset
@@ -49,7 +50,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="check SPEC's every stage here, before its real run: the same architectures, scopes, "
                         "sparsities, pruners and healers with random-init weights on a generated image folder at "
-                        "the models' input size (8 calibration, 4 selection, 4 evaluation images), one 1-epoch trial "
+                        f"the models' input size ({DRY_SIZES['calibration']} calibration, {DRY_SIZES['selection']} "
+                        f"selection, {DRY_SIZES['evaluation']} evaluation images), one 1-epoch trial "
                         "per cell, CPU only, offline; into runs/<name>-dry-run (orchestrator/spec/dry_run.py)")
     p.set_defaults(func=main)
     return p
@@ -236,15 +238,16 @@ def _dry_run(args) -> tuple:
     """(the dry run's spec, its run directory): the generated image folder is written to DIR/data at the models'
     input size, then the rewritten spec gets every check of a real one. SpecError when it is refused."""
     from orchestrator.spec import check_tracking, parse_spec
-    from orchestrator.spec.dry_run import DRY_CALIB, DRY_CLASSES, DRY_SIZES, input_size, keeps_digits
+    from orchestrator.spec.dry_run import DRY_CALIB, DRY_SIZES, dry_classes, input_size, keeps_digits
     from tasks.data.synthetic import write_image_folder
 
     draft = _spec_mapping(args, data_root=None)
     out = Path(args.out or Path("runs") / draft["name"])
     data = out / "data"
     if not keeps_digits(draft):
-        per_class = -(-(sum(DRY_SIZES.values()) + DRY_CALIB) // DRY_CLASSES)  # room for a train split
-        write_image_folder(data, DRY_CLASSES, per_class, input_size(draft))
+        classes = dry_classes(draft)
+        per_class = -(-(sum(DRY_SIZES.values()) + DRY_CALIB) // classes)  # room for a train split
+        write_image_folder(data, classes, per_class, input_size(draft))
     spec = parse_spec(_spec_mapping(args, str(data.resolve())), base_dir=Path(args.spec).resolve().parent)
     check_tracking(spec)
     return spec, out

@@ -160,6 +160,14 @@ def _grid_search(search: Mapping) -> dict:
     return s
 
 
+def dry_classes(raw: Mapping) -> int:
+    """Classes of the generated image folder: ``DRY_CLASSES``, or the fewest ``num_classes`` a model entry gives
+    (a model needs at least as many outputs as the dataset has classes: a 3-class model could not be dry-run)."""
+    given = [m["num_classes"] for m in raw.get("models") or [] if isinstance(m, Mapping)
+             and isinstance(m.get("num_classes"), int) and not isinstance(m["num_classes"], bool) and m["num_classes"] > 0]
+    return min([DRY_CLASSES, *given])
+
+
 def input_size(raw: Mapping) -> int:
     """The largest input size (pixels) of the dry-run spec's models: the generated images' size. Each
     architecture is built on the meta device (no weights, no memory)."""

@@ -108,3 +108,27 @@ def test_dry_run_flags_are_checked_in_one_line(tmp_path):
     proc = healsweep("run", bad, "--dry-run", "--out", tmp_path / "run", "--quiet", cwd=tmp_path, timeout=300)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "pruners[0]" in proc.stderr and "magnitud" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_model_with_fewer_classes_than_ten_can_be_dry_run(tmp_path):
+    """The generated folder has no more classes than the smallest ``num_classes`` (it always had 10, so the models
+    stage refused a 3-class model: 'has 3 outputs but dataset ... has 10 classes'), and that model then loads with
+    it as a real run's models stage loads it."""
+    from orchestrator.cli import build_parser
+    from orchestrator.commands.run import _dry_run
+    from orchestrator.spec.dry_run import DRY_CLASSES, dry_classes
+    from tasks.models import load_model
+
+    rn = {"name": "rn", "source": "timm", "arch": "resnet18", "pretrained": False, "num_classes": 3}
+    assert dry_classes({"models": [rn]}) == 3 and dry_classes({"models": [{**rn, "num_classes": 1000}]}) == DRY_CLASSES
+    assert dry_classes({"models": ["vit_digits", {**rn, "num_classes": True}]}) == DRY_CLASSES  # not a class count
+    spec_file = tmp_path / "s.yaml"
+    spec_file.write_text(yaml.safe_dump({"name": "three", "models": [rn], "sparsities": [0.5], "calib_sizes": [8],
+                                         "pruners": ["magnitude"], "healers": ["starfish"],
+                                         "dataset": {"name": "imagefolder", "root": "nowhere-yet"}}))
+    args = build_parser().parse_args(["run", str(spec_file), "--dry-run", "--out", str(tmp_path / "run")])
+    spec, out = _dry_run(args)
+    assert sorted(p.name for p in (out / "data").iterdir()) == ["c000", "c001", "c002"]
+    kw = spec.load_kwargs("rn")
+    lm = load_model("rn", **kw)  # the models stage's check of outputs against classes passes
+    assert lm.dataset.num_classes == 3 and len(lm.dataset["calibration"]) == DRY_CALIB
