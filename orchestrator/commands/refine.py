@@ -15,6 +15,8 @@ from orchestrator.raytune.cluster import ClusterError
 from orchestrator.rundir import faults
 from orchestrator.rundir.files import ResumeError
 
+STEP, WIDEN_FACTOR, WIDEN_ROUNDS = 0.005, 4.0, 1  # the defaults of --step, --widen-factor, --widen-rounds
+
 
 def add_parser(sub):
     p = sub.add_parser("refine", help="refine a finished sweep's transition band with a fine sparsity grid",
@@ -25,21 +27,21 @@ def add_parser(sub):
                                    "of new trials and a time estimate from this sweep's measured trial times; "
                                    "refuses more than --max-trials trials.")
     p.add_argument("dir", help="run directory of a finished sweep (holds sweep.json)")
-    p.add_argument("--step", type=float, default=0.005, help="fine sparsity step (default: %(default)s)")
+    p.add_argument("--step", type=float, help=f"fine sparsity step (default: {STEP})")
     p.add_argument("--address", help="Ray cluster address; default: a local Ray")
     p.add_argument("--num-cpus", type=int, help="CPUs for the local Ray instance (default: all)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the fine grid, its number of trials and a time estimate from this sweep's measured "
                         "trial times, and stop")
-    p.add_argument("--max-trials", type=int, default=MAX_TRIALS, metavar="N",
-                   help="refuse a refinement of more than N trials (default: %(default)s)")
+    p.add_argument("--max-trials", type=int, metavar="N",
+                   help=f"refuse a refinement of more than N trials (default: {MAX_TRIALS})")
     p.add_argument("--widen", action="store_true",
                    help="instead of a fine sparsity grid: search past the search-space boundary for the cells whose "
                         "winner sits on it (orchestrator/lifecycle/widen.py; what search.widen does after a run)")
-    p.add_argument("--widen-factor", type=float, default=4.0, metavar="F",
-                   help="with --widen: move each hit edge of the search box by this factor (default: %(default)s)")
-    p.add_argument("--widen-rounds", type=int, default=1, metavar="N",
-                   help="with --widen: at most N rounds (default: %(default)s)")
+    p.add_argument("--widen-factor", type=float, metavar="F",
+                   help=f"with --widen: move each hit edge of the search box by this factor (default: {WIDEN_FACTOR})")
+    p.add_argument("--widen-rounds", type=int, metavar="N",
+                   help=f"with --widen: at most N rounds (default: {WIDEN_ROUNDS})")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=main)
     return p
@@ -51,8 +53,28 @@ def _listing(xs: list[float], head: int = 4) -> str:
     return ", ".join(shown)
 
 
-def main(args) -> int:
+def _flags(args) -> None:
+    """Refuse an option that does not apply to the chosen mode (it was ignored: ``--widen --dry-run`` ran a real
+    round), then fill in the defaults."""
+    if args.widen:
+        given = [f for f, v in (("--dry-run", args.dry_run), ("--step", args.step), ("--max-trials", args.max_trials))
+                 if v not in (None, False)]
+        if given:
+            raise CliError(f"{given[0]} does not apply to --widen (a widening round has no fine grid, no trial limit "
+                           f"and no dry run); leave it out")
+    else:
+        given = [f for f, v in (("--widen-factor", args.widen_factor), ("--widen-rounds", args.widen_rounds))
+                 if v is not None]
+        if given:
+            raise CliError(f"{given[0]} applies only with --widen")
+    for key, default in (("step", STEP), ("max_trials", MAX_TRIALS), ("widen_factor", WIDEN_FACTOR),
+                         ("widen_rounds", WIDEN_ROUNDS)):
+        if getattr(args, key) is None:
+            setattr(args, key, default)
 
+
+def main(args) -> int:
+    _flags(args)
     if args.widen:
         return _widen(args)
     try:

@@ -166,6 +166,11 @@ def test_export_refuses_a_crafted_trial_id_tag(tmp_path):
     assert r.stderr.strip().splitlines() == ["healsweep: error: trial_id '../../etc': not a trial key (expected "
                                              "<cell id>-<number>, matching ^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$)"]
     assert not out.exists()
+    (tmp_path / "card.md").write_text("mine")  # an --out that is a file: one line (was FileExistsError's traceback)
+    r = healsweep("export", run.info.run_id, "--out", tmp_path / "card.md", "--runs", tmp_path / "a")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"healsweep: error: --out {tmp_path / 'card.md'}: exists and is not a directory"]
+    assert (tmp_path / "card.md").read_text() == "mine"
 
 
 def test_export_finds_the_run_directory_by_sweep_id_and_refuses_to_guess(tmp_path):

@@ -50,7 +50,17 @@ def test_refine_widen_cli_refusals(tmp_path):
     r = healsweep("refine", tmp_path / "nope", "--widen")
     assert r.returncode == 2 and r.stderr.strip().endswith("not a run directory (no sweep.json)")
     _, run_dir = _sweep(tmp_path, lr=(1e-4, 1e-2))
+    before = json.loads((run_dir / "sweep.json").read_text())
     r = healsweep("refine", run_dir, "--widen")
     assert r.returncode == 0 and "no winner sits on the search boundary: nothing to widen" in r.stdout
     r = healsweep("refine", run_dir, "--widen", "--widen-rounds", "0")
     assert r.returncode == 2 and "--widen-rounds must be >= 1" in r.stderr
+    # an option of the other mode is refused, not ignored (--widen --dry-run ran a real widening round)
+    for args, words in ((["--widen", "--dry-run"], "--dry-run does not apply to --widen"),
+                        (["--widen", "--step", "0.01"], "--step does not apply to --widen"),
+                        (["--widen", "--max-trials", "9"], "--max-trials does not apply to --widen"),
+                        (["--widen-rounds", "2"], "--widen-rounds applies only with --widen"),
+                        (["--dry-run", "--widen-factor", "2"], "--widen-factor applies only with --widen")):
+        r = healsweep("refine", run_dir, *args)
+        assert r.returncode == 2 and words in r.stderr and not r.stdout, (args, r.stderr)
+    assert json.loads((run_dir / "sweep.json").read_text()) == before  # nothing ran
