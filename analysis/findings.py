@@ -261,7 +261,22 @@ def _tied_text(tied: list[str]) -> str:
     return f"≈ {', '.join(tied)}: " if len(tied) <= 2 else f"≈ {len(tied)} others: "
 
 
-def _warnings(mb: pd.DataFrame, failed: list[str]) -> list[str]:
+def common_failure(trials: pd.DataFrame | None, cells: list[str] | None = None) -> str:
+    """' Most common failure (k of n failed trials): REASON.' over the trials (of ``cells``) that logged a
+    ``failure_reason`` (the last line of the trial's error: orchestrator/tracking/logger.py); '' when none did."""
+    if trials is None or "failure_reason" not in trials.columns:
+        return ""
+    t = trials if cells is None else trials[trials["cell_id"].isin(cells)]
+    reasons = t["failure_reason"].dropna().astype(str)
+    reasons = reasons[reasons.str.strip() != ""]
+    if reasons.empty:
+        return ""
+    top = reasons.value_counts()  # (reason -> count), most common first
+    return f" Most common failure ({top.iloc[0]} of {len(reasons)} failed trials): {top.index[0][:300]}."
+
+
+def _warnings(mb: pd.DataFrame, failed: list[str], why: str = "") -> list[str]:
+    """``why``: the failed cells' most common failure (``common_failure``)."""
     out = []
     edge = mb[mb["search_boundary"].astype(bool)] if "search_boundary" in mb.columns else mb.iloc[:0]
     at_budget = edge["search_boundary"].astype(str).str.fullmatch(r"\d+ of \d+ (steps|epochs)")
@@ -280,7 +295,7 @@ def _warnings(mb: pd.DataFrame, failed: list[str]) -> list[str]:
         out.append(budget)
     if failed:
         out.append(f"Cells without a finished trial ({len(failed)}): {', '.join(failed[:6])}"
-                   + (" …" if len(failed) > 6 else "") + ".")
+                   + (" …" if len(failed) > 6 else "") + "." + why)
     return out
 
 
@@ -314,7 +329,8 @@ def findings(best: pd.DataFrame, model: str, recs: list[dict], cts: dict | None,
     for grid in sorted(set(grids), key=lambda g: (g != "main", g)):
         gb = best[grids == grid]
         gr = [r for r in recs if (r.get("grid") or "main") == grid]
-        f = Findings(model, grid, ranges(gr, cts), best_rows(gb), _warnings(gb, failed.get(grid, [])),
+        why = common_failure(trials, failed[grid]) if failed.get(grid) else ""
+        f = Findings(model, grid, ranges(gr, cts), best_rows(gb), _warnings(gb, failed.get(grid, []), why),
                      budget=budget_line(gb, (bounds or {}).get(grid) or (bounds or {}).get("main")))
         line = agreement_line(agreement(trials[tgrids == grid])) if trials is not None else ""
         f.notes = [OBJECTIVE_NOTE] if objective == "heldout_align" else []

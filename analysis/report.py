@@ -23,7 +23,7 @@ from tasks.atomic import atomic_write_text
 
 from .accuracy_figure import healer_colors, model_figure
 from .figures import healers_figure
-from .findings import findings
+from .findings import common_failure, findings
 from .findings_render import FINDINGS_HOW, findings_html, findings_md
 from .layout import save_png
 from .paired import healer_panels, paired_sections
@@ -215,7 +215,7 @@ def _grid_sections(mb, mt, model, grid, taken, out, tracking_uri, colors):
     if missing:
         counts = mt.groupby("cell_id")["run_id"].size()
         msg = "Cells without a finished trial: " + ", ".join(
-            f"{c} ({_plural(int(counts[c]), 'run')})" for c in missing)
+            f"{c} ({_plural(int(counts[c]), 'run')})" for c in missing) + "." + common_failure(mt, missing)
         md += ["", f"_{msg}_"]
         ht.append(f'<p class="note">{e(msg)}</p>')
     heads, rows = stop_table(mb)
@@ -338,7 +338,7 @@ def _model_details(model: str, mt: pd.DataFrame, mb: pd.DataFrame, taken: set[st
         note = f"Weights sha256 {', '.join(digests)}."
         md, ht = md + [f"_{note}_", ""], ht + [f'<p class="note">{e(note)}</p>']
     if mb.empty:
-        msg = f"No finished trials for this model ({_plural(len(mt), 'run')}, none FINISHED)."
+        msg = f"No finished trials for this model ({_plural(len(mt), 'run')}, none FINISHED)." + common_failure(mt)
         return md + [f"_{msg}_"], ht + [f'<p class="note">{e(msg)}</p>']
     grids, tgrids = grid_names(mb), grid_names(mt)
     for grid in sorted(set(grids), key=lambda g: (g != "main", g)):

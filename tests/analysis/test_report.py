@@ -183,9 +183,11 @@ def test_markdown_tables(store, tmp_path):
     # order: numeric patterns ascending (then calib size), N:M last
     assert [r.split(" | ")[1] + "/" + r.split(" | ")[3] for r in rows] == \
         ["0.5/64", "0.5/128", "0.8/64", "2:4/64"]
-    assert "c5 (1 run)" in md  # cell without a finished trial is named
+    assert "c5 (1 run)." in md  # cell without a finished trial is named, with why (c1's failed trial is not c5's)
+    assert md.count("Most common failure (1 of 1 failed trials): timeout.") == 2  # first screen and details
     assert len(_md_rows(md, "deit_tiny")) == 2
-    assert "No finished trials for this model" in md.split("## vgg11", 1)[1]
+    assert "No finished trials for this model (1 run, none FINISHED). Most common failure (1 of 1 failed trials): " \
+        "boom." in md.split("## vgg11", 1)[1]
     assert "Trials: 15 (12 finished, 3 failed)" in md
     assert "Cells: 8" in md
     assert f"# Sweep report: {SWEEP_NAME}" in md  # name from the parent run
@@ -300,3 +302,13 @@ def test_partial_sweep_says_so_on_the_first_screen(tmp_path):
     client.set_tag(parent, "partial", "false")
     paths = write_report_from(uri, SWEEP, out)
     assert "Partial sweep" not in paths["md"].read_text() and 'class="partial"' not in paths["html"].read_text()
+
+
+def test_common_failure_counts_the_reasons_of_the_cells_asked():
+    from analysis.findings import common_failure
+
+    t = pd.DataFrame({"cell_id": ["a", "a", "b", "b", "c", "c"],
+                      "failure_reason": ["X: bad", "Y: worse", "X: bad", None, "", "Z: other"]})
+    assert common_failure(t, ["a", "b"]) == " Most common failure (2 of 3 failed trials): X: bad."
+    assert common_failure(t, ["c"]) == " Most common failure (1 of 1 failed trials): Z: other."
+    assert common_failure(t.iloc[3:5], None) == "" and common_failure(None) == ""
