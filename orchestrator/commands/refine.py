@@ -97,8 +97,8 @@ def main(args) -> int:
             print(f"above --max-trials {args.max_trials}: a run would be refused; raise it or use a coarser --step")
         return 0
     res = plan["result"]
-    print(f"refine round {plan['round']}: {res.trials_finished} trials finished, {res.trials_failed} failed, "
-          f"dense forward images {res.dense_forward_images}")
+    print(f"refine round {plan['round']}: {plan['trials_finished']} trials finished, {plan['trials_failed']} failed "
+          f"(the sweep: {res.trials_finished} and {res.trials_failed}), dense forward images {res.dense_forward_images}")
     print(f"report: {plan['report']['html']}")
     return interrupted_exit(res) or (0 if res.trials_failed == 0 else 1)
 
@@ -117,7 +117,7 @@ def _widen(args) -> int:
         return 0
     for d in done:
         res = d["result"]
-        print(f"widen round {d['round']}: {len(d['cells'])} cells, {res.trials_finished} trials finished, "
-              f"{res.trials_failed} failed")
+        print(f"widen round {d['round']}: {len(d['cells'])} cells, {d['trials_finished']} trials finished, "
+              f"{d['trials_failed']} failed (the sweep: {res.trials_finished} and {res.trials_failed})")
     print(f"report: {done[-1]['report']['html']}")
     return interrupted_exit(done[-1]["result"]) or (0 if all(d["result"].trials_failed == 0 for d in done) else 1)

@@ -23,7 +23,7 @@ from tasks.errors import DatasetError, ModelSourceError  # no torch: a warm swee
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="validate a sweep spec, run it and write its report",
-                       description="Validate SPEC, train/load the reference models, cache dense block targets in "
+                       description="Validate SPEC, load the models, cache dense block targets in "
                                    "the store (Ray tasks), run every trial (Ray Tune + per-cell Optuna), log to "
                                    "MLflow and write DIR/report.html and DIR/report.md. With --resume DIR, continue "
                                    "the sweep of DIR after its driver died: finished trials are not run again.")

@@ -21,7 +21,7 @@ _SIDE = ("masks", "rankings", "diagnostics")  # beside targets/ under a store ro
 
 def add_parser(sub):
     p = sub.add_parser("store", help="inspect, verify and clean the dense target store",
-                       description="Inspect, verify and clean the content-addressed dense target store. " + _WHERE_HELP
+                       description="Inspect, verify and clean the content-addressed dense target store. WHERE: " + _WHERE_HELP
                        + f"; default {DEFAULT_HOME / 'store'} (relative to the current directory).")
     cmds = p.add_subparsers(dest="store_cmd", required=True, metavar="ACTION")
 

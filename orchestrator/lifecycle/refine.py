@@ -170,9 +170,10 @@ def run_refinement(run_dir: Path, step: float = 0.005, *, address: str | None = 
     res = run_sweep(spec, Path(run_dir), Path(meta["store"]), Path(meta["cache"]), address=address,
                     progress=progress, report=False, num_cpus=num_cpus, refine_round=plan["round"])
     meta = json.loads((Path(run_dir) / "sweep.json").read_text(encoding="utf-8"))  # run_sweep updated it
+    counts = {"trials_finished": res.trials_finished - done_before, "trials_failed": res.trials_failed - failed_before}
     meta.setdefault("refinements", []).append(
         {"round": plan["round"], "step": step, "interval": list(plan["interval"]), "sparsities": plan["sparsities"],
-         "trials_finished": res.trials_finished - done_before, "trials_failed": res.trials_failed - failed_before})
+         **counts})
     (Path(run_dir) / "sweep.json").write_text(json.dumps(meta, indent=1, default=list), encoding="utf-8")
-    plan.update(result=res, report=write_report(run_dir))
+    plan.update(result=res, report=write_report(run_dir), **counts)  # counts: this round's
     return plan

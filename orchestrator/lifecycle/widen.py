@@ -105,6 +105,21 @@ def widen_spec(spec, plan: dict, existing: dict[str, int]):
                    search=replace(spec.search, **main) if main else spec.search)
 
 
+def round_spec(meta: dict, plan: dict, existing: dict[str, int]):
+    """The widening round's spec: the sweep's spec with every sparsity its refinement rounds added (a widened cell
+    may be a refined one: it was named widened and never ran), restricted to the round's cells (``widen_spec``)."""
+    from orchestrator.spec import SpecError, parse_spec
+
+    try:
+        spec = parse_spec(meta["spec"])
+    except SpecError as e:
+        raise RefineError(f"sweep.json spec: {e}") from None
+    refined = {float(x) for r in meta.get("refinements") or [] for x in r.get("sparsities") or []}
+    if refined - set(spec.sparsities):  # the main grid's sweep-wide list: cells of other grids keep their own
+        spec = replace(spec, sparsities=tuple(sorted(set(spec.sparsities) | refined)))
+    return widen_spec(spec, plan, existing)
+
+
 def study_sizes(journal: Path, cells) -> dict[str, int]:
     """cell id -> trials of its Optuna study (every state) in the sweep's journal."""
     from orchestrator.search import SEARCH, journal_cells, open_journal
@@ -122,7 +137,7 @@ def run_widening(run_dir: Path, rounds: int = 1, factor: float = 4.0, *, address
     twice). -> one record per round run (what sweep.json ``widenings`` holds, plus the sweep result)."""
     from mlflow import MlflowClient
 
-    from orchestrator.spec import SpecError, parse_spec
+    from orchestrator.sweep.end import told_counts
     from orchestrator.sweep.run import run_sweep
 
     run_dir, done = Path(run_dir), []
@@ -133,17 +148,14 @@ def run_widening(run_dir: Path, rounds: int = 1, factor: float = 4.0, *, address
         plan = plan_widening(run_dir, factor)
         if not plan["cells"]:
             break
-        meta = plan["meta"]
-        try:
-            spec = parse_spec(meta["spec"])
-        except SpecError as e:
-            raise RefineError(f"sweep.json spec: {e}") from None
-        spec = widen_spec(spec, plan, study_sizes(run_dir / JOURNAL_FILE, plan["cells"]))
+        spec = round_spec(plan["meta"], plan, study_sizes(run_dir / JOURNAL_FILE, plan["cells"]))
         prepare_resume(run_dir)  # damaged files: one line; torn last lines dropped; journal agrees with the record
+        before = told_counts(run_dir / JOURNAL_FILE)  # the whole sweep's, so far
         res = run_sweep(spec, run_dir, Path(meta["store"]), Path(meta["cache"]), address=address,
                         progress=progress, report=False, num_cpus=num_cpus, resume=True)
         rec = {"round": plan["round"], "factor": factor,
-               "cells": {c: {**plan["boxes"][g]} for c, g in plan["cells"].items()}}
+               "cells": {c: {**plan["boxes"][g]} for c, g in plan["cells"].items()},
+               "trials_finished": res.trials_finished - before[0], "trials_failed": res.trials_failed - before[1]}
         meta = json.loads((run_dir / "sweep.json").read_text(encoding="utf-8"))  # run_sweep updated it
         meta.setdefault("widenings", []).append(rec)
         (run_dir / "sweep.json").write_text(json.dumps(meta, indent=1, default=list), encoding="utf-8")

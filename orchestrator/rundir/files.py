@@ -40,7 +40,7 @@ def read_sweep(out_dir: Path) -> dict:
     """DIR/sweep.json, checked: ResumeError (one line) when it is missing, unreadable or lacks a field."""
     f = out_dir / SWEEP_FILE
     if not f.is_file():
-        raise ResumeError(f"{out_dir}: not a run directory (no {SWEEP_FILE}); nothing to resume")
+        raise ResumeError(f"{out_dir}: not a run directory (no {SWEEP_FILE})")
     try:
         info = json.loads(f.read_bytes()[: 64 << 20].decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as e:

@@ -49,6 +49,8 @@ class ImageDataset:
         need = {"folder": "root", "table": "path", "hub": "path"}[self.kind]
         if not d.get(need):
             raise ValueError(f"{need}: required for a {self.kind} dataset")
+        if not isinstance(d[need], str):
+            raise ValueError(f"{need}: must be a path or name (a string), got {type(d[need]).__name__}")
         d["sizes"] = split_sizes(settings.get("sizes"), self.sizes)
         empty = [k for k in ("calibration", "selection", "evaluation") if sweep and d["sizes"][k] < 1]
         if empty:  # a sweep calibrates, selects its winners and evaluates them: each split needs an item
@@ -87,7 +89,8 @@ class ImageDataset:
         models stage reads it. (Hub datasets are counted when they are loaded.)"""
         d = self.settings(settings, sweep=True)
         if self.kind == "folder" and not Path(d["root"]).is_dir():
-            raise DatasetError(f"root: image folder {str(d['root'])!r} does not exist")
+            raise DatasetError(f"root: image folder {str(d['root'])!r} "
+                               f"{'is not a folder' if Path(d['root']).exists() else 'does not exist'}")
         if self.kind == "table" and not Path(d["path"]).exists():
             raise DatasetError(f"path: image table {str(d['path'])!r} does not exist")
         if self.kind in ("folder", "table"):

@@ -87,6 +87,11 @@ def test_bad_files_are_one_line_dataset_errors(generated, tmp_path):
         DATASETS.get("imagefolder").check({"root": str(tmp_path / "nope")})
     with pytest.raises(DatasetError, match=r"^path: image table '.*nope.parquet' does not exist$"):
         DATASETS.get("image_table").check({"path": str(tmp_path / "nope.parquet")})
+    (tmp_path / "a.png").write_bytes(b"")
+    with pytest.raises(DatasetError, match=r"^root: image folder '.*a.png' is not a folder$"):
+        DATASETS.get("imagefolder").check({"root": str(tmp_path / "a.png")})
+    with pytest.raises(ValueError, match=r"^root: must be a path or name \(a string\), got int$"):
+        DATASETS.get("imagefolder").check({"root": 123})
     (tmp_path / "empty").mkdir()
     with pytest.raises(DatasetError, match=r"^image folder '.*empty': Couldn't find any class folder"):
         _load("imagefolder", root=str(tmp_path / "empty"))

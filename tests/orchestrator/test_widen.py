@@ -64,3 +64,24 @@ def test_refine_widen_cli_refusals(tmp_path):
         r = healsweep("refine", run_dir, *args)
         assert r.returncode == 2 and words in r.stderr and not r.stdout, (args, r.stderr)
     assert json.loads((run_dir / "sweep.json").read_text()) == before  # nothing ran
+
+
+def test_a_refined_cell_on_the_boundary_is_in_the_rounds_spec():
+    """A cell a refinement round added (a sparsity the sweep's spec does not list) is widened too: the round's
+    spec holds it (it was named widened, in sweep.json and the report, and never ran: the spec had no such cell)."""
+    from collections import defaultdict
+
+    from orchestrator.lifecycle.refine import refine_spec
+    from orchestrator.lifecycle.widen import round_spec
+    from orchestrator.spec.plan import expand_cells
+
+    spec = load_spec(REPO / "configs" / "tiny.yaml")  # sparsities 0.5, 0.9
+    scopes = defaultdict(str)
+    refined = expand_cells(refine_spec(spec, [0.7]), scopes)  # the refinement round's cells
+    coarse = expand_cells(spec, scopes)
+    meta = {"spec": json.loads(json.dumps(spec.to_dict(), default=list)), "refinements": [{"sparsities": [0.7]}]}
+    cells = {refined[0].cell_id: "main", coarse[0].cell_id: "main"}
+    plan = {"cells": cells, "boxes": {"main": {"lr": [1e-3, 1e-2], "epochs": [3, 5]}}, "round": 1}
+    got = expand_cells(round_spec(meta, plan, {c: 2 for c in cells}), scopes)
+    assert {c.cell_id for c in got} == set(cells) and {c.sparsity for c in got} == {0.7, coarse[0].sparsity}
+    assert expand_cells(widen_spec(spec, plan, {c: 2 for c in cells}), scopes) == [coarse[0]]  # the old spec's
