@@ -26,6 +26,7 @@ from pathlib import Path
 from orchestrator.lifecycle.continuation import RefineError, read_run
 from orchestrator.lifecycle.resume import prepare_resume
 from orchestrator.rundir.files import JOURNAL_FILE
+from orchestrator.sweep.end import told_counts
 
 
 def widened_box(bounds: dict, hit: set[str], factor: float, max_length: int) -> dict:
@@ -137,7 +138,6 @@ def run_widening(run_dir: Path, rounds: int = 1, factor: float = 4.0, *, address
     twice). -> one record per round run (what sweep.json ``widenings`` holds, plus the sweep result)."""
     from mlflow import MlflowClient
 
-    from orchestrator.sweep.end import told_counts
     from orchestrator.sweep.run import run_sweep
 
     run_dir, done = Path(run_dir), []
