@@ -56,6 +56,10 @@ def parse_method(item: Any, p: str, kind: str, models: tuple[str, ...] | None = 
     if "sparsities" in d:
         sps = tuple(check_num(x, f"{p}.sparsities[{j}]", float, 0.0, 1.0, hi_open=True)
                     for j, x in enumerate(check_list(d["sparsities"], f"{p}.sparsities")))
+        fixed = getattr(get(kind, name), "fixed_sparsity", lambda _: None)(settings)
+        if fixed is not None:  # its cells are its one pattern: the list was ignored
+            raise SpecError(f"{p}.sparsities", f"pruner {name!r} prunes to a fixed sparsity ({fixed:g} with these "
+                                               f"settings); leave sparsities out")
     scope = d.get("scope")
     if scope is not None and not isinstance(scope, str):
         raise SpecError(f"{p}.scope", f"must be a scope name, got {excerpt(scope)}")

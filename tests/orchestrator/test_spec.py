@@ -169,6 +169,10 @@ def test_method_entries_can_be_restricted_to_models_sparsities_and_scope(capsys,
     ({"name": "corp", "scope": "conv"}, "pruners[0].scope", "scope 'conv' is not defined"),
     ({"name": "corp", "scope": "qkv_out_mlp"}, "pruners[0].name", "pruner 'corp' cannot serve model 'vit_digits'"),
     ({"name": "magnitude", "sparsities": [1.0]}, "pruners[0].sparsities[0]", "must be < 1.0"),
+    # N:M is its pattern: the list was accepted and ignored (the sweep ran 2:4 = 0.5, not 0.9)
+    ({"name": "nm", "sparsities": [0.9]}, "pruners[0].sparsities",
+     "pruner 'nm' prunes to a fixed sparsity (0.5 with these settings); leave sparsities out"),
+    ({"name": "nm", "settings": {"n": 1, "m": 4}, "sparsities": [0.75]}, "pruners[0].sparsities", "(0.75 with these"),
 ])
 def test_restricted_entries_are_validated(entry, field, words):
     with pytest.raises(SpecError) as e:
