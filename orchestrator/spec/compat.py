@@ -25,15 +25,15 @@ def check_outputs(spec) -> None:
 
     classes = getattr(live("dataset").get(spec.dataset), "classes", None)
     n = classes(spec.dataset_settings) if classes else None
-    for i, m in enumerate(spec.models):
-        if n is None or (spec.model_refs.get(m) or {}).get("source", "reference") == "reference":
-            continue
-        from tasks.models import num_outputs
+    if n is None:
+        return
+    from tasks.models import too_few_outputs
 
-        out = num_outputs(architecture(spec, m))
-        if out is not None and n > out:
-            raise SpecError(f"models[{i}]", f"model {m!r} has {out} outputs but dataset {spec.dataset!r} has {n} "
-                                            f"classes; set num_classes: {n} on the model entry")
+    for i, m in enumerate(spec.models):
+        if (spec.model_refs.get(m) or {}).get("source", "reference") != "reference":
+            short = too_few_outputs(m, architecture(spec, m), spec.dataset, n)
+            if short:
+                raise SpecError(f"models[{i}]", short)
 
 
 def check_model(spec, m: str) -> None:

@@ -15,9 +15,10 @@ from typing import Any, Callable, Mapping
 from tasks.data.stream_cache import local_stamp
 from tasks.data.splits import DATASETS, SPLITS, DatasetError, DatasetSplits
 from tasks.data.hub import hf_splits, hub_by_split
-from tasks.data.tables import (ArrowTable, FolderTable, default_transform, folder_classes, folder_count, split_sizes,
+from tasks.data.tables import (ArrowTable, FolderTable, class_folders, default_transform, folder_count, split_sizes,
                                table_classes, table_rows, table_splits, too_few)
 
+PATH_KEY = {"folder": "root", "table": "path", "hub": "path"}  # the setting that names a kind's files (or hub id)
 _MEMO: dict[str, DatasetSplits] = {}  # one load per process and (dataset, settings, seed, transform)
 
 
@@ -46,7 +47,7 @@ class ImageDataset:
         if unknown:
             raise ValueError(f"{unknown[0]}: unknown dataset setting; allowed: {', '.join(sorted(allowed))}")
         d = {**self.defaults, **settings}
-        need = {"folder": "root", "table": "path", "hub": "path"}[self.kind]
+        need = PATH_KEY[self.kind]
         if not d.get(need):
             raise ValueError(f"{need}: required for a {self.kind} dataset")
         if not isinstance(d[need], str):
@@ -66,7 +67,7 @@ class ImageDataset:
     def local_paths(self, settings: Mapping[str, Any], absolute: Callable[[str], str]) -> dict:
         """``settings`` with its local path made ``absolute`` (the spec's rule): a folder's ``root``, a table's
         ``path``, a hub dataset's ``path`` when it names a local folder or file (else it is a hub id)."""
-        key = {"folder": "root", "table": "path", "hub": "path"}[self.kind]
+        key = PATH_KEY[self.kind]
         v = settings.get(key)
         if not isinstance(v, str) or not v:
             return dict(settings)  # missing or not a string: settings() says so
@@ -78,7 +79,7 @@ class ImageDataset:
         alone); None for a hub dataset (known when it is loaded)."""
         d = self.settings(settings, sweep=True)
         if self.kind == "folder":
-            return folder_classes(d["root"])
+            return len(class_folders(d["root"]))
         if self.kind == "table":
             return table_classes(d["path"], d.get("label_column", "label"))
         return None

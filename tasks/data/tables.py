@@ -19,6 +19,7 @@ import io
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -69,16 +70,14 @@ class FolderTable(ImageTable):
     """torchvision ImageFolder layout: root/<class>/<image>; classes sorted, label = class index."""
 
     def __init__(self, root: str | Path) -> None:
-        from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+        from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 
         root = Path(root)
         if not root.is_dir():
             raise DatasetError(f"image folder {str(root)!r} does not exist")
-        try:  # no class folder, or a class folder without images: torchvision's FileNotFoundError, one line
-            self.classes, cls_idx = find_classes(str(root))
-            self.samples = make_dataset(str(root), cls_idx, extensions=IMG_EXTENSIONS)
-        except FileNotFoundError as e:
-            raise DatasetError(f"image folder {str(root)!r}: {str(e).splitlines()[0][:300]}") from None
+        self.classes = class_folders(root)
+        with _one_line(root):  # a class folder without images: torchvision's FileNotFoundError
+            self.samples = make_dataset(str(root), {c: i for i, c in enumerate(self.classes)}, extensions=IMG_EXTENSIONS)
         self.num_classes = len(self.classes)
         self.where = "the image folder"
         self.ident = f"folder:{root.resolve()}:{len(self.samples)}:" + ",".join(self.classes)
@@ -162,14 +161,10 @@ def folder_count(root: str | Path, stop_at: int) -> int:
     extension, symlinks followed), counted without sorting or keeping them and only up to ``stop_at``; past it,
     each remaining class folder is only looked into until its first image. A class folder without images is
     refused as the loader would refuse it."""
-    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, has_file_allowed_extension
+    from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
-    try:
-        classes, _ = find_classes(str(root))
-    except FileNotFoundError as e:
-        raise DatasetError(f"image folder {str(root)!r}: {str(e).splitlines()[0][:300]}") from None
     n, empty = 0, []
-    for c in classes:
+    for c in class_folders(root):
         found = 0
         for _, _, fnames in os.walk(os.path.join(root, c), followlinks=True):
             found += sum(has_file_allowed_extension(f, IMG_EXTENSIONS) for f in fnames)
@@ -183,14 +178,23 @@ def folder_count(root: str | Path, stop_at: int) -> int:
     return n
 
 
-def folder_classes(root: str | Path) -> int:
-    """Class folders of an image folder (torchvision's ``find_classes``); one-line DatasetError when none."""
-    from torchvision.datasets.folder import find_classes
-
+@contextmanager
+def _one_line(root: str | Path):
+    """torchvision's FileNotFoundError about an image folder (no class folder, a class without images) as a
+    one-line DatasetError naming the folder."""
     try:
-        return len(find_classes(str(root))[0])
+        yield
     except FileNotFoundError as e:
         raise DatasetError(f"image folder {str(root)!r}: {str(e).splitlines()[0][:300]}") from None
+
+
+def class_folders(root: str | Path) -> list[str]:
+    """The class folders of an image folder, sorted (torchvision's ``find_classes``); one-line DatasetError when
+    there is none."""
+    from torchvision.datasets.folder import find_classes
+
+    with _one_line(root):
+        return find_classes(str(root))[0]
 
 
 def table_classes(path: str | Path, label_column: str | None) -> int | None:
@@ -198,13 +202,16 @@ def table_classes(path: str | Path, label_column: str | None) -> int | None:
     without a label column."""
     import pyarrow.compute as pc
 
+    def top_label(ds) -> tuple[bool, Any]:  # (the column exists, its largest value)
+        if label_column not in ds.schema.names:
+            return False, None
+        return True, pc.max(ds.to_table(columns=[label_column]).column(0)).as_py()
+
     if not label_column:
         return None
-    p = Path(path)
-    top = _arrow_read(p, lambda ds: pc.max(ds.to_table(columns=[label_column]).column(0)).as_py()
-                      if label_column in ds.schema.names else -2)
-    if top == -2:
-        raise DatasetError(f"image table {str(p)!r} has no column {label_column!r}")
+    has, top = _arrow_read(Path(path), top_label)
+    if not has:
+        raise DatasetError(f"image table {str(path)!r} has no column {label_column!r}")
     return 0 if top is None else int(top) + 1
 
 

@@ -9,11 +9,11 @@ from tasks.models.adapter import (ADAPTERS, VIT_SCOPES, ModelAdapter, ScopeEntry
 from tasks.models.base import (MODEL_SOURCES, MODELS, ExternalSource, LoadedModel, ModelRef, ModelSourceError,
                                ReferenceModel, TrainRecipe)
 from tasks.models.checkpoint_file import file_digest
-from tasks.models.external import build_untrained, load_external, num_outputs, parse_ref
+from tasks.models.external import build_untrained, load_external, parse_ref, too_few_outputs
 from tasks.models.load import load_model, load_model_copy, load_model_shared
 from tasks.models.reference import load_reference, train_reference
 
 __all__ = ["ADAPTERS", "VIT_SCOPES", "ModelAdapter", "ScopeEntry", "UnsupportedModelError", "cnn_scope",
            "get_adapter", "MODEL_SOURCES", "MODELS", "ExternalSource", "LoadedModel", "ModelRef", "ModelSourceError",
-           "ReferenceModel", "TrainRecipe", "build_untrained", "file_digest", "load_external", "num_outputs", "parse_ref",
+           "ReferenceModel", "TrainRecipe", "build_untrained", "file_digest", "load_external", "parse_ref", "too_few_outputs",
            "load_model", "load_model_copy", "load_model_shared", "load_reference", "train_reference"]

@@ -277,13 +277,22 @@ def load_external(source: Mapping[str, Any], dataset: Mapping[str, Any], data_se
     transform, transform_id = src.transform(ref, model)
     settings = {k: v for k, v in dataset.items() if k != "name"}
     data = load_dataset(dataset["name"], seed=data_seed, transform=transform, transform_id=transform_id, **settings)
-    outputs = num_outputs(model)
-    if outputs is not None and data.num_classes > outputs:  # labels past the logits: every trial would fail
-        raise ModelSourceError(f"model {ref.name!r} has {outputs} outputs but dataset {dataset['name']!r} has "
-                               f"{data.num_classes} classes; set num_classes: {data.num_classes} on the model entry")
+    short = too_few_outputs(ref.name, model, dataset["name"], data.num_classes)
+    if short:  # labels past the logits: every trial would fail
+        raise ModelSourceError(short)
     info = {"model": ref.name, "source": ref.source, "arch": ref.builder, "weights": ref.weights,
             "dense_eval_acc": float("nan"), "transform": transform_id}  # dense accuracy: measured by each trial
     return LoadedModel(ref.name, model, src.digest(ref), data, info)
+
+
+def too_few_outputs(name: str, model: nn.Module, dataset: str, classes: int) -> str:
+    """'' when ``model`` predicts at least ``classes`` classes (or says nothing of its outputs), else the one-line
+    refusal (the models stage's and the spec check's: orchestrator/spec/compat.py)."""
+    outputs = num_outputs(model)
+    if outputs is None or classes <= outputs:
+        return ""
+    return (f"model {name!r} has {outputs} outputs but dataset {dataset!r} has {classes} classes; "
+            f"set num_classes: {classes} on the model entry")
 
 
 def num_outputs(model: nn.Module) -> int | None:
