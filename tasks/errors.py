@@ -5,7 +5,13 @@ from __future__ import annotations
 
 
 class ModelSourceError(ValueError):
-    """A user-facing, one-line error about a model source (unknown name, missing weights, offline cache miss)."""
+    """A user-facing, one-line error about a model source (unknown name, missing weights, offline cache miss).
+    ``field``: the key of the spec's model entry it is about (``str(e)`` then reads ``field: message``), so that a
+    spec check can name it as ``models[i].field`` like every other key."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field, self.message = field, message
 
 
 class DatasetError(ValueError):

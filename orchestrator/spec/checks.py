@@ -92,14 +92,16 @@ def join(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else key
 
 
-def check_keys(d: Any, path: str, allowed: set[str], required: set[str] = frozenset()) -> dict:
-    """A mapping with only ``allowed`` keys (strings) and every ``required`` key."""
+def check_keys(d: Any, path: str, allowed: set[str], required: set[str] = frozenset(),
+               hidden: set[str] = frozenset()) -> dict:
+    """A mapping with only ``allowed`` or ``hidden`` keys (strings) and every ``required`` key; an unknown key's
+    message lists ``allowed`` (``hidden``: keys the tool writes for itself, accepted but not offered)."""
     if not isinstance(d, Mapping):
         raise SpecError(path or "spec", f"must be a mapping, got {type(d).__name__}")
     for k in d:
         if not isinstance(k, str):
             raise SpecError(path or "spec", f"keys must be strings, got {excerpt(k)}")
-    unknown = sorted(set(d) - allowed)
+    unknown = sorted(set(d) - set(allowed) - set(hidden))
     if unknown:
         raise SpecError(join(path, unknown[0]), f"unknown key; allowed: {', '.join(sorted(allowed))}")
     missing = sorted(required - set(d))

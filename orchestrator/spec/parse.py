@@ -47,6 +47,9 @@ from orchestrator.spec.schema import HealSpec, MlflowSpec, ResourceSpec, SearchS
 from orchestrator.spec.sources import dataset_layout, from_dict_form, parse_dataset, parse_models
 
 REQUIRED = {"name", "models", "sparsities", "calib_sizes", "pruners", "healers"}
+# SweepSpec fields a user does not write: `cells` (a widening round's spec names its cells), and the dict form's
+# `model_refs`/`dataset_settings` (from_dict_form folds them into `models` and `dataset` before the key check).
+INTERNAL_KEYS = {"cells", "model_refs", "dataset_settings"}
 STORE_SCHEMES = ("file", "s3", "gs", "gcs", "hdfs")  # pyarrow.fs.FileSystem.from_uri schemes
 
 
@@ -55,7 +58,7 @@ def check_plain(raw: Any, base_dir: str | Path | None = None) -> tuple:
     resources, store and mlflow sections): ``healsweep run`` makes them before Ray starts.
     -> (top-level mapping, name, offline, sparsities, data_seed, calib_sizes, seeds, sections)."""
     raw = from_dict_form(raw)
-    d = check_keys(raw, "", set(SweepSpec.__dataclass_fields__), REQUIRED)
+    d = check_keys(raw, "", set(SweepSpec.__dataclass_fields__) - INTERNAL_KEYS, REQUIRED, hidden={"cells"})
     name = check_name(d["name"], "name")
     offline = check_bool(d.get("offline", False), "offline")
     sparsities = tuple(check_num(s, f"sparsities[{i}]", float, 0.0, 1.0, hi_open=True)

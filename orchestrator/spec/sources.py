@@ -9,7 +9,7 @@ import json
 from functools import lru_cache
 from typing import Any, Mapping
 
-from orchestrator.spec.checks import SpecError, check_list, excerpt, local_path
+from orchestrator.spec.checks import SpecError, check_list, excerpt, join, local_path
 from orchestrator.spec.registries import (DigitsLayout, SplitsLayout, check_shipped_seed, known, live, names,
                                           reference_ref)
 from tasks import catalog
@@ -115,8 +115,8 @@ def _model_ref(item: Any, i: int, dataset: str, offline: bool, data_seed: int) -
         item = {"name": item}
     try:
         ref = parse_ref(item, offline=offline)
-    except ModelSourceError as e:
-        raise SpecError(f"models[{i}]", str(e)) from None
+    except ModelSourceError as e:  # about one key of the entry (e.field): named as models[i].key
+        raise SpecError(join(f"models[{i}]", e.field) if e.field else f"models[{i}]", e.message) from None
     except KeyError as e:  # unknown source name from the registry
         raise SpecError(f"models[{i}].source", str(e.args[0])) from None
     except (TypeError, ValueError) as e:  # a value of the wrong type deep in a source's own checks

@@ -75,7 +75,7 @@ def check_sha256(value, where: str) -> str | None:
         return None
     if not isinstance(value, str) or not 16 <= len(value) <= 64 or any(c not in "0123456789abcdef" for c in
                                                                           value.lower()):
-        raise ModelSourceError(f"{where}: must be 16 to 64 hex characters of the file's sha256, got {value!r}")
+        raise ModelSourceError(f"must be 16 to 64 hex characters of the file's sha256, got {value!r}", field=where)
     return value.lower()
 
 

@@ -219,25 +219,26 @@ def parse_ref(item: Any, offline: bool = False) -> ModelRef:
         raise ModelSourceError(f"must be a model name or a mapping, got {item!r}")
     unknown = sorted(set(item) - set(REF_KEYS))
     if unknown:
-        raise ModelSourceError(f"{unknown[0]}: unknown key; allowed: {', '.join(REF_KEYS)}")
+        raise ModelSourceError(f"unknown key; allowed: {', '.join(REF_KEYS)}", field=unknown[0])
     if not isinstance(item.get("name"), str) or not item["name"]:
-        raise ModelSourceError("name: required, a non-empty string")
+        raise ModelSourceError("required, a non-empty string", field="name")
     d = dict(item)
     d.setdefault("source", "reference" if d["name"] in MODELS else "timm")
     if d["source"] not in MODEL_SOURCES and d["source"] != "reference":
-        raise ModelSourceError(f"source: unknown model source {d['source']!r}; allowed: reference, "
-                               f"{', '.join(MODEL_SOURCES.names())}")
+        raise ModelSourceError(f"unknown model source {d['source']!r}; allowed: reference, "
+                               f"{', '.join(MODEL_SOURCES.names())}", field="source")
     for key, typ in (("pretrained", bool), ("offline", bool)):
         if key in d and not isinstance(d[key], typ):
-            raise ModelSourceError(f"{key}: must be true or false, got {d[key]!r}")
+            raise ModelSourceError(f"must be true or false, got {d[key]!r}", field=key)
     if d.get("model_args") is not None and not isinstance(d["model_args"], Mapping):
-        raise ModelSourceError(f"model_args: must be a mapping of builder arguments, got {d['model_args']!r}")
+        raise ModelSourceError(f"must be a mapping of builder arguments, got {d['model_args']!r}",
+                               field="model_args")
     nc = d.get("num_classes")
     if nc is not None and (not isinstance(nc, int) or isinstance(nc, bool) or nc < 1):
-        raise ModelSourceError(f"num_classes: must be a positive integer, got {nc!r}")
+        raise ModelSourceError(f"must be a positive integer, got {nc!r}", field="num_classes")
     d["sha256"] = check_sha256(d.get("sha256"), "sha256")
     if d["sha256"] and not d.get("path"):
-        raise ModelSourceError("sha256: pins the file given by `path`; give `path` too")
+        raise ModelSourceError("pins the file given by `path`; give `path` too", field="sha256")
     d["offline"] = bool(d.get("offline", False) or offline)
     if d["source"] == "timm":
         d.setdefault("pretrained", True)  # a timm name means its pretrained weights unless `pretrained: false`
@@ -247,9 +248,9 @@ def parse_ref(item: Any, offline: bool = False) -> ModelRef:
             raise ModelSourceError(f"unknown reference model {ref.name!r}; allowed: {', '.join(MODELS.names())}")
         extra = sorted(k for k in d if k not in ("name", "source", "offline", "path", "sha256"))
         if extra:
-            raise ModelSourceError(f"{extra[0]}: not a setting of reference models (allowed: path, sha256)")
+            raise ModelSourceError("not a setting of reference models (allowed: path, sha256)", field=extra[0])
         if ref.path is not None and (not isinstance(ref.path, str) or not ref.path):
-            raise ModelSourceError(f"path: must be a checkpoint file, got {ref.path!r}")
+            raise ModelSourceError(f"must be a checkpoint file, got {ref.path!r}", field="path")
     else:
         MODEL_SOURCES.get(ref.source).check(ref)
     return ref

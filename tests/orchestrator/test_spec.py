@@ -59,6 +59,16 @@ def test_shipped_configs_validate(path):
     assert spec.models and spec.pruners and spec.healers, path
 
 
+def test_an_unknown_top_level_key_is_offered_only_keys_a_user_writes():
+    """The allowed list names what a spec may hold; the tool's own fields (cells, model_refs, dataset_settings)
+    are not offered, and `cells` (a widening round's spec) is still accepted."""
+    with pytest.raises(SpecError) as e:
+        parse_spec({**BASE, "modles": []})
+    allowed = str(e.value).split("allowed: ")[1].split(", ")
+    assert e.value.path == "modles" and "models" in allowed and "sparsities" in allowed
+    assert not {"cells", "model_refs", "dataset_settings"} & set(allowed)
+
+
 def test_defaults_fill_in():
     s = parse_spec(BASE)
     assert s.seeds == (0,) and s.heal.batch_size == 32 and s.heal.lr_min == 1e-6 and s.store.dtype == "float16"
