@@ -134,6 +134,17 @@ def check_list(v: Any, path: str, limit: int = MAX_LIST) -> list:
     return v
 
 
+def check_unique(values: tuple, path: str) -> tuple:
+    """``values`` (checked items of the list at ``path``) with no value twice: a repeat would run nothing more
+    (cells are keyed by value) and is most often a typo for another value."""
+    first: dict = {}
+    for j, v in enumerate(values):
+        if v in first:
+            raise SpecError(f"{path}[{j}]", f"{v!r} is listed twice (also at [{first[v]}]); list each value once")
+        first[v] = j
+    return values
+
+
 def check_bool(v: Any, path: str) -> bool:
     if not isinstance(v, bool):
         raise SpecError(path, f"must be true or false, got {excerpt(v)}")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from orchestrator.spec.checks import SpecError, check_keys, check_list, check_num, excerpt
+from orchestrator.spec.checks import SpecError, check_keys, check_list, check_num, check_unique, excerpt
 from orchestrator.spec.registries import get, known, names, resolve_healer
 from orchestrator.spec.schema import MethodRef
 
@@ -30,8 +30,20 @@ RESTRICTIONS = ("models", "sparsities", "scope")
 
 def parse_methods(v: Any, path: str, kind: str, models: tuple[str, ...] | None = None) -> tuple[MethodRef, ...]:
     """Pruner or healer entries: a name, or {name, settings, models?, sparsities? (pruners), scope? (pruners)}.
-    ``models=None``: no restriction keys allowed (chain steps)."""
-    return tuple(parse_method(item, f"{path}[{i}]", kind, models) for i, item in enumerate(check_list(v, path)))
+    ``models=None``: no restriction keys allowed (chain steps); else the same entry twice is an error."""
+    out = tuple(parse_method(item, f"{path}[{i}]", kind, models) for i, item in enumerate(check_list(v, path)))
+    if models is not None:
+        _once([(r.name, repr(sorted(r.settings.items())), r.models, r.sparsities, r.scope) for r in out], path, kind)
+    return out
+
+
+def _once(keys: list[tuple], path: str, kind: str) -> None:
+    """No entry twice: its cells are keyed by what it names (name, settings, restrictions), so a repeat would be
+    dropped silently (``keys[j][0]`` is the method's name)."""
+    for j, key in enumerate(keys):
+        if key in keys[:j]:
+            raise SpecError(f"{path}[{j}]", f"{kind} {key[0]!r} with these settings is listed twice "
+                                            f"(also at [{keys.index(key)}])")
 
 
 def parse_method(item: Any, p: str, kind: str, models: tuple[str, ...] | None = None) -> MethodRef:
@@ -54,8 +66,9 @@ def parse_method(item: Any, p: str, kind: str, models: tuple[str, ...] | None = 
     only = _models(d, p, models) if "models" in d else None
     sps = None
     if "sparsities" in d:
-        sps = tuple(check_num(x, f"{p}.sparsities[{j}]", float, 0.0, 1.0, hi_open=True)
-                    for j, x in enumerate(check_list(d["sparsities"], f"{p}.sparsities")))
+        sps = check_unique(tuple(check_num(x, f"{p}.sparsities[{j}]", float, 0.0, 1.0, hi_open=True)
+                                 for j, x in enumerate(check_list(d["sparsities"], f"{p}.sparsities"))),
+                           f"{p}.sparsities")
         fixed = getattr(get(kind, name), "fixed_sparsity", lambda _: None)(settings)
         if fixed is not None:  # its cells are its one pattern: the list was ignored
             raise SpecError(f"{p}.sparsities", f"pruner {name!r} prunes to a fixed sparsity ({fixed:g} with these "
@@ -88,10 +101,7 @@ def parse_healers(v: Any, path: str, models: tuple[str, ...] | None = None) -> t
             out.append(ref)
         else:
             out.append(parse_method(item, p, "healer", models))
-    keys = [(r.name, repr(sorted(r.settings.items()))) for r in out]
-    for j, key in enumerate(keys):
-        if key in keys[:j]:
-            raise SpecError(f"{path}[{j}]", f"healer {key[0]!r} with these settings is listed twice")
+    _once([(r.name, repr(sorted(r.settings.items()))) for r in out], path, "healer")
     return tuple(out)
 
 

@@ -36,6 +36,7 @@ from orchestrator.spec.checks import (
     check_num,
     check_pair,
     check_str,
+    check_unique,
     excerpt,
     join,
     local_path,
@@ -61,11 +62,13 @@ def check_plain(raw: Any, base_dir: str | Path | None = None) -> tuple:
     d = check_keys(raw, "", set(SweepSpec.__dataclass_fields__) - INTERNAL_KEYS, REQUIRED, hidden={"cells"})
     name = check_name(d["name"], "name")
     offline = check_bool(d.get("offline", False), "offline")
-    sparsities = tuple(check_num(s, f"sparsities[{i}]", float, 0.0, 1.0, hi_open=True)
-                       for i, s in enumerate(check_list(d["sparsities"], "sparsities")))
+    sparsities = check_unique(tuple(check_num(s, f"sparsities[{i}]", float, 0.0, 1.0, hi_open=True)
+                                    for i, s in enumerate(check_list(d["sparsities"], "sparsities"))), "sparsities")
     data_seed = check_num(d.get("data_seed", 0), "data_seed", int, 0, MAX_SEED)
-    calib = tuple(check_num(n, f"calib_sizes[{i}]", int, 1) for i, n in enumerate(check_list(d["calib_sizes"], "calib_sizes")))
-    seeds = tuple(check_num(s, f"seeds[{i}]", int, 0, MAX_SEED) for i, s in enumerate(check_list(d.get("seeds", [0]), "seeds")))
+    calib = check_unique(tuple(check_num(n, f"calib_sizes[{i}]", int, 1)
+                               for i, n in enumerate(check_list(d["calib_sizes"], "calib_sizes"))), "calib_sizes")
+    seeds = check_unique(tuple(check_num(s, f"seeds[{i}]", int, 0, MAX_SEED)
+                               for i, s in enumerate(check_list(d.get("seeds", [0]), "seeds"))), "seeds")
     sections = dict(search=parse_search(d.get("search")), heal=parse_heal(d.get("heal")),
                     resources=parse_resources(d.get("resources")), store=parse_store(d.get("store"), base_dir),
                     mlflow=parse_mlflow(d.get("mlflow")))
