@@ -101,6 +101,10 @@ class ImageDataset:
             short = too_few(d["sizes"], have, where)
             if short:
                 raise DatasetError(f"sizes: {short}")
+            n = self.classes(d)
+            if n is not None and n < 2:  # accuracy of a one-class problem says nothing about healing
+                raise DatasetError(f"{PATH_KEY[self.kind]}: {where} holds {n} class"
+                                   f"{'' if n == 1 else 'es'}; classification needs at least 2")
         return d["sizes"]["calibration"]
 
     def __call__(self, seed: int = 0, *, transform: Callable | None = None, transform_id: str = "",

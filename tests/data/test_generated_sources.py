@@ -143,3 +143,24 @@ def test_the_check_refuses_an_empty_class_folder_as_the_loader_does(tmp_path):
         with pytest.raises(DatasetError, match=r"^image folder '.*f': Found no valid file for the classes zebra\. "
                                                r"Supported extensions are: \.jpg"):
             refuse()
+
+
+@pytest.mark.parametrize("name, key", [("imagefolder", "root"), ("image_table", "path")])
+def test_the_check_refuses_a_source_with_one_class(tmp_path, name, key):
+    """A folder with one class folder, or a table whose labels are all 0, is refused at validate (every accuracy
+    of a one-class problem is the same, so no cell could say anything); two classes pass."""
+    from tasks.data import DATASETS
+    from tasks.data.synthetic import write_image_table
+
+    sizes = {"train": 0, "calibration": 4, "selection": 2, "evaluation": 2}
+    check = DATASETS.get(name).check
+    for classes in (1, 2):
+        where = (write_image_folder(tmp_path / f"f{classes}", num_classes=classes, per_class=8, size=4)
+                 if name == "imagefolder" else
+                 write_image_table(tmp_path / f"t{classes}.parquet", num_classes=classes, per_class=8, size=4))
+        if classes == 2:
+            assert check({key: str(where), "sizes": sizes}) == 4
+            continue
+        with pytest.raises(DatasetError, match=rf"^{key}: the (image folder|table) '.*' holds 1 class; "
+                                               r"classification needs at least 2$"):
+            check({key: str(where), "sizes": sizes})
