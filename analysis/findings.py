@@ -198,7 +198,7 @@ def best_rows(best: pd.DataFrame) -> list[dict]:
         vs_pruner = _winner(_values(g[g["healer"] == healer], "pruner", "seed"))[2]
         out.append(dict(pattern=str(pat), calib_size="–" if pd.isna(n) else str(int(n)), best=combo,
                         healed=acc, vs_healer=vs_healer, vs_pruner=vs_pruner, tied=tied_with(combos, combo),
-                        resolved=resolved))
+                        resolved=resolved, contested=len(_ranked(combos)[0]) > 1))
     return out
 
 
@@ -361,13 +361,16 @@ def noise_line(gb: pd.DataFrame, rows: list[dict]) -> str:
     searched = gb[gb["lr"].fillna(0) > 0] if "lr" in gb.columns else gb
     n_re = searched["n_reevaluated"] if "n_reevaluated" in searched.columns else pd.Series(dtype=float)
     noise = searched["noise"].dropna() if "noise" in searched.columns else pd.Series(dtype=float)
-    leads = sum(bool(r.get("resolved")) for r in rows)
+    contested = [r for r in rows if r.get("contested", True)]  # a cell with one pruner × healer has no lead
+    leads = sum(bool(r.get("resolved")) for r in contested)
+    told = (f"{leads} of {len(contested)} best-method leads resolved" if contested else
+            "no best-method lead to resolve (one pruner × healer per cell)")
     if noise.empty:
         what = "Quoted numbers are each cell's best search trial (no re-evaluation: noise not measured)"
     else:
         what = (f"Quoted numbers are the mean of {int(n_re.median())} re-evaluations of each searched cell's winner; "
                 f"noise median ±{100 * noise.median():.2f} pp, max ±{100 * noise.max():.2f} pp")
-    return f"{what}; {leads} of {len(rows)} best-method leads resolved."
+    return f"{what}; {told}."
 
 
 def identical_mask_lines(gb: pd.DataFrame) -> list[tuple[bool, str]]:

@@ -79,6 +79,24 @@ def test_a_lead_is_resolved_only_beyond_the_measured_noise():
     assert headline([r]) == "0.9: magnitude × starfish 90.0 % (≈ magnitude × mse: lead not resolved)"
 
 
+def test_leads_are_counted_only_where_a_cell_has_a_second_method():
+    """The noise line counts resolved leads over the sparsity × calib rows that have a runner-up: a row with one
+    pruner × healer has no lead (it used to count as resolved: '2 of 2' for a one-method sweep)."""
+    from analysis.findings import noise_line
+
+    one = pd.DataFrame([dict(pruner="magnitude", healer="starfish", pattern=p, calib_size=64, seed=0, mask_key=p,
+                             healed_acc=0.9, lr=1e-3) for p in ("0.5", "0.9")])
+    rows = best_rows(one)
+    assert [r["contested"] for r in rows] == [False, False]
+    assert noise_line(one, rows).endswith("; no best-method lead to resolve (one pruner × healer per cell).")
+    two = pd.concat([one, pd.DataFrame([dict(pruner="magnitude", healer="mse", pattern="0.9", calib_size=64, seed=0,
+                                             mask_key="0.9", healed_acc=0.5, lr=1e-3, noise=0.01)])])
+    two["noise"], two["n_reevaluated"] = 0.01, 2  # 40 pp lead >> 2 * hypot(1, 1) pp: resolved
+    rows = best_rows(two)
+    assert [r["contested"] for r in rows] == [False, True] and rows[1]["resolved"]
+    assert noise_line(two, rows).endswith("; 1 of 1 best-method leads resolved.")
+
+
 def test_a_best_line_names_every_combo_it_is_not_resolved_from():
     """Four healers on one mask, single seed, each quoted with noise 1 pp (2 noise units of a difference: 2.83 pp):
     starfish 90 %, mse 88 % (2 pp behind: tied), kl 87.5 % (2.5 pp: tied), ce 80 % (10 pp: resolved worse)."""
