@@ -151,7 +151,7 @@ def run_widening(run_dir: Path, rounds: int = 1, factor: float = 4.0, *, address
         spec = round_spec(plan["meta"], plan, study_sizes(run_dir / JOURNAL_FILE, plan["cells"]))
         prepare_resume(run_dir)  # damaged files: one line; torn last lines dropped; journal agrees with the record
         before = told_counts(run_dir / JOURNAL_FILE)  # the whole sweep's, so far
-        res = run_sweep(spec, run_dir, Path(meta["store"]), Path(meta["cache"]), address=address,
+        res = run_sweep(spec, run_dir, Path(plan["meta"]["store"]), Path(plan["meta"]["cache"]), address=address,
                         progress=progress, report=False, num_cpus=num_cpus, resume=True)
         rec = {"round": plan["round"], "factor": factor,
                "cells": {c: {**plan["boxes"][g]} for c, g in plan["cells"].items()},

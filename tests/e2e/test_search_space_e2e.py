@@ -84,14 +84,21 @@ def test_heldout_align_objective_over_steps_picks_the_lowest_and_runs_exact_step
     assert "different optimisation budgets" not in md  # a steps search gives every calibration size one budget
 
 
-def test_widen_round_searches_past_the_boundary(tmp_path):
+@pytest.mark.parametrize("how", ["spec", "refine --widen"])
+def test_widen_round_searches_past_the_boundary(tmp_path, how):
+    """The same widening round asked for by the spec (search.widen: run after the sweep) or afterwards on the
+    command line (`healsweep refine DIR --widen`: it once died of an UnboundLocalError before its first round)."""
     # lr far too low to heal in 1-2 epochs of 64 images: the search box is wrong, and the winner sits on its edge
     spec = {"name": "widen", "models": ["resnet_digits"], "sparsities": [0.9], "calib_sizes": [64],
             "pruners": ["magnitude"], "healers": [{"name": "starfish", "settings": {"bn": "frozen"}}], "seeds": [0],
             # a 2 x 2 lattice: every point is a corner, so whichever wins sits on an edge (all of them fail to heal)
             "search": {"trials_per_cell": 3, "lr": [1.0e-6, 1.0e-4], "epochs": [1, 2], "lattice": [2, 2],
-                       "widen": {"rounds": 1, "factor": 10}}}
+                       **({"widen": {"rounds": 1, "factor": 10}} if how == "spec" else {})}}
     run_dir, meta = _run(tmp_path, spec)
+    if how != "spec":
+        assert "widenings" not in meta
+        assert cli_main(["refine", str(run_dir), "--widen", "--widen-factor", "10", "--num-cpus", "2", "--quiet"]) == 0
+        meta = json.loads((run_dir / "sweep.json").read_text())
     client, trials, parent = _runs(meta)
     trials = [r for r in trials if r.data.tags["stage"] == "search"]  # not the winners' re-evaluations
     first = [r for r in trials if int(r.data.params["optuna_trial"]) < 3]
