@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.commands.common import CliError, interrupted_exit
+from orchestrator.commands.common import CliError, finite, interrupted_exit
 from orchestrator.lifecycle.continuation import RefineError
 from orchestrator.lifecycle.refine import (
     MAX_TRIALS,  # a light module: its heavy imports are inside functions
@@ -14,6 +14,7 @@ from orchestrator.lifecycle.widen import run_widening
 from orchestrator.raytune.cluster import ClusterError
 from orchestrator.rundir import faults
 from orchestrator.rundir.files import ResumeError
+from orchestrator.spec.checks import MAX_WIDEN_ROUNDS
 
 STEP, WIDEN_FACTOR, WIDEN_ROUNDS = 0.005, 4.0, 1  # the defaults of --step, --widen-factor, --widen-rounds
 
@@ -27,7 +28,7 @@ def add_parser(sub):
                                    "of new trials and a time estimate from this sweep's measured trial times; "
                                    "refuses more than --max-trials trials.")
     p.add_argument("dir", help="run directory of a finished sweep (holds sweep.json)")
-    p.add_argument("--step", type=float, help=f"fine sparsity step (default: {STEP})")
+    p.add_argument("--step", type=finite, help=f"fine sparsity step (default: {STEP})")
     p.add_argument("--address", help="Ray cluster address; default: a local Ray")
     p.add_argument("--num-cpus", type=int, help="CPUs for the local Ray instance (default: all)")
     p.add_argument("--dry-run", action="store_true",
@@ -38,7 +39,7 @@ def add_parser(sub):
     p.add_argument("--widen", action="store_true",
                    help="instead of a fine sparsity grid: search past the search-space boundary for the cells whose "
                         "winner sits on it (orchestrator/lifecycle/widen.py; what search.widen does after a run)")
-    p.add_argument("--widen-factor", type=float, metavar="F",
+    p.add_argument("--widen-factor", type=finite, metavar="F",
                    help=f"with --widen: move each hit edge of the search box by this factor (default: {WIDEN_FACTOR})")
     p.add_argument("--widen-rounds", type=int, metavar="N",
                    help=f"with --widen: at most N rounds (default: {WIDEN_ROUNDS})")
@@ -105,8 +106,9 @@ def main(args) -> int:
 
 def _widen(args) -> int:
 
-    if args.widen_rounds < 1:
-        raise CliError(f"--widen-rounds must be >= 1, got {args.widen_rounds}")
+    if not 1 <= args.widen_rounds <= MAX_WIDEN_ROUNDS:
+        raise CliError(f"--widen-rounds must be in [1, {MAX_WIDEN_ROUNDS}] (as search.widen.rounds), "
+                       f"got {args.widen_rounds}")
     try:
         done = run_widening(Path(args.dir), args.widen_rounds, args.widen_factor, address=args.address,
                             progress=not args.quiet, num_cpus=args.num_cpus)

@@ -55,10 +55,10 @@ def plan_widening(run_dir: Path, factor: float) -> dict:
     from analysis.findings import edges
     from analysis.runs import grid_names, quoted_per_cell
     from analysis.search_space import search_bounds, widened_cells
-    from orchestrator.spec.checks import MAX_EPOCHS, MAX_STEPS
+    from orchestrator.spec.checks import MAX_EPOCHS, MAX_STEPS, MAX_WIDEN_FACTOR
 
-    if not factor > 1:
-        raise RefineError(f"widen factor must be > 1, got {factor}")
+    if not 1 < factor <= MAX_WIDEN_FACTOR:  # 1e300 ran a round of lr ~1e297 whose every trial failed
+        raise RefineError(f"widen factor must be > 1 and <= {MAX_WIDEN_FACTOR:g}, got {factor:g}")
     meta, uri, info, trials = read_run(run_dir)
     best = quoted_per_cell(trials, info["objective"])  # the configuration the report quotes
     search, before = search_bounds(meta["spec"]), widened_cells(meta)

@@ -20,6 +20,7 @@ MAX_STEPS = 10_000_000
 # (analysis may not import orchestrator).
 OBJECTIVES = {"selection_acc": "max", "heldout_align": "min"}
 MAX_WIDEN_ROUNDS = 10
+MAX_WIDEN_FACTOR = 1e6  # search.widen.factor and refine --widen-factor
 # Search designs (orchestrator/search registers them; the spec is checked without importing it) and their bounds.
 DESIGNS = ("shared", "tpe", "grid")
 # heal.precision: the names of tasks.healing.precision.PRECISIONS, here so that checking a spec imports no torch

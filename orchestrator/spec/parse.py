@@ -22,6 +22,7 @@ from orchestrator.spec.checks import (
     MAX_SEED,
     MAX_STEPS,
     MAX_TRIALS_PER_CELL,
+    MAX_WIDEN_FACTOR,
     MAX_WIDEN_ROUNDS,
     OBJECTIVES,
     PRECISIONS,
@@ -209,7 +210,8 @@ def parse_widen(v: Any) -> dict | None:
         return None
     d = check_keys(v, "search.widen", {"rounds", "factor"})
     return {"rounds": check_num(d.get("rounds", 1), "search.widen.rounds", int, 1, MAX_WIDEN_ROUNDS),
-            "factor": check_num(d.get("factor", 4.0), "search.widen.factor", float, 1.0, 1e6, lo_open=True)}
+            "factor": check_num(d.get("factor", 4.0), "search.widen.factor", float, 1.0, MAX_WIDEN_FACTOR,
+                                        lo_open=True)}
 
 
 def check_heldout(spec: SweepSpec, capacity: int) -> None:

@@ -42,8 +42,9 @@ def test_plan_shifts_the_box_below_the_floor_every_winner_sits_on(tmp_path):
 def test_plan_is_empty_when_no_winner_is_on_the_boundary(tmp_path):
     _, run_dir = _sweep(tmp_path, lr=(1e-4, 1e-2))  # 1e-3: the middle of the log range
     assert plan_widening(run_dir, 4.0)["cells"] == {}
-    with pytest.raises(RefineError, match="widen factor must be > 1"):
-        plan_widening(run_dir, 1.0)
+    for factor in (1.0, 1e300, float("nan")):  # 1e300 ran a round of lr ~1e297, every trial failed
+        with pytest.raises(RefineError, match=r"widen factor must be > 1 and <= 1e\+06"):
+            plan_widening(run_dir, factor)
 
 
 def test_refine_widen_cli_refusals(tmp_path):
@@ -53,14 +54,18 @@ def test_refine_widen_cli_refusals(tmp_path):
     before = json.loads((run_dir / "sweep.json").read_text())
     r = healsweep("refine", run_dir, "--widen")
     assert r.returncode == 0 and "no winner sits on the search boundary: nothing to widen" in r.stdout
-    r = healsweep("refine", run_dir, "--widen", "--widen-rounds", "0")
-    assert r.returncode == 2 and "--widen-rounds must be >= 1" in r.stderr
+    for rounds in ("0", "11"):
+        r = healsweep("refine", run_dir, "--widen", "--widen-rounds", rounds)
+        assert r.returncode == 2 and "--widen-rounds must be in [1, 10] (as search.widen.rounds)" in r.stderr
     # an option of the other mode is refused, not ignored (--widen --dry-run ran a real widening round)
     for args, words in ((["--widen", "--dry-run"], "--dry-run does not apply to --widen"),
                         (["--widen", "--step", "0.01"], "--step does not apply to --widen"),
                         (["--widen", "--max-trials", "9"], "--max-trials does not apply to --widen"),
                         (["--widen-rounds", "2"], "--widen-rounds applies only with --widen"),
-                        (["--dry-run", "--widen-factor", "2"], "--widen-factor applies only with --widen")):
+                        (["--dry-run", "--widen-factor", "2"], "--widen-factor applies only with --widen"),
+                        # nan and inf parse as floats: refused by argparse (--step nan was a traceback)
+                        (["--dry-run", "--step", "nan"], "argument --step: must be a finite number, got 'nan'"),
+                        (["--widen", "--widen-factor", "inf"], "argument --widen-factor: must be a finite number")):
         r = healsweep("refine", run_dir, *args)
         assert r.returncode == 2 and words in r.stderr and not r.stdout, (args, r.stderr)
     assert json.loads((run_dir / "sweep.json").read_text()) == before  # nothing ran
