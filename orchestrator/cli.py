@@ -5,6 +5,7 @@ import argparse
 import atexit
 import importlib
 import os
+import select
 import sys
 import traceback
 from importlib.metadata import PackageNotFoundError, version
@@ -44,11 +45,28 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C before a sweep handles it (orchestrator/rundir/interrupt.py): no traceback
         print("healsweep: interrupted", file=sys.stderr)
         code = 130
+    except BrokenPipeError as e:  # `healsweep store ls | head`: the reader left; quiet, as a shell tool is
+        code = 141 if stdout_gone() else fault_exit(e, args)  # 128 + SIGPIPE
     except Exception as e:  # a full disk, a damaged database: one line (orchestrator/rundir/faults.py); else a bug
         code = fault_exit(e, args)
     if argv is None and ("torch" in sys.modules or "ray" in sys.modules):  # the console script, after a command that
         exit_now(code)  # loaded torch or Ray (a sweep on a warm store loads Ray, MLflow and no torch)
     return code
+
+
+def stdout_gone() -> bool:
+    """Whether standard output's reader has gone (a pipe whose read end is closed polls POLLERR); if so, it is
+    pointed at /dev/null so that the interpreter's last flush raises nothing (the Python docs' recipe for SIGPIPE)."""
+    try:
+        fd = sys.stdout.fileno()
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+        gone = any(ev & select.POLLERR for _, ev in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # no real stdout (a test's capture), or no poll on this platform
+        return False
+    if gone:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    return gone
 
 
 def fault_exit(e: Exception, args) -> int:

@@ -73,6 +73,21 @@ def test_the_usage_page_names_every_command_and_option():
                 assert re.search(rf"{re.escape(flag)}\b", synopsis[cmd]), f"{cmd} {flag}: not in docs/usage.md"
 
 
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`healsweep store ls | head -1`: a reader that leaves early ends the command with the shell's 141 (128 +
+    SIGPIPE) and nothing on stderr (it was a BrokenPipeError traceback). The pipe is closed before the command
+    writes, as `| true` does."""
+    from tests.orchestrator.run_cli import HEALSWEEP, env
+
+    (tmp_path / "store").mkdir()
+    for cmd in (["store", "ls", "--store", str(tmp_path / "store")], ["validate", str(REPO / "configs" / "tiny.yaml")]):
+        p = subprocess.Popen([str(HEALSWEEP), *cmd], cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        p.stdout.close()
+        err = p.stderr.read()
+        assert p.wait(timeout=120) == 141 and err == "", (cmd, err)
+
+
 def test_help_and_version_through_the_console_script():
     r = healsweep("validate", "--help")
     assert r.returncode == 0 and "Nothing is trained, computed or logged" in r.stdout
