@@ -306,9 +306,11 @@ def _budget_warning(mb: pd.DataFrame) -> str:
     if "steps" in g.columns:
         g = g[g["steps"].isna()]
     sizes = sorted({(int(n), int(b)) for n, b in zip(g["calib_size"], g["batch_size"])})
-    if len({n for n, _ in sizes}) < 2:
+    per_epoch = {n: math.ceil(n / b) for n, b in sizes}  # optimizer steps per epoch
+    if len(per_epoch) < 2 or len(set(per_epoch.values())) < 2:  # one size, or the same steps each (16 and 32 at 32)
         return ""
-    steps = ", ".join(f"{n} images: {math.ceil(n / b)} steps/epoch (batch {b})" for n, b in sizes)
+    steps = ", ".join(f"{n} images: {per_epoch[n]} step{'s' if per_epoch[n] != 1 else ''}/epoch (batch {b})"
+                      for n, b in sizes)
     return (f"Calibration sizes get different optimisation budgets for the same epochs ({steps}): comparing "
             "calibration sizes also compares budgets (docs/methods.md#search).")
 

@@ -138,6 +138,10 @@ def test_budget_warning_names_steps_per_epoch():
         "(batch 32), 256 images: 8 steps/epoch (batch 32)): comparing calibration sizes also compares budgets "
         "(docs/methods.md#search).")  # the closed-form row (lr 0) has no budget
     assert _budget_warning(mb.iloc[:1]) == ""
+    # 16 and 32 images at batch 32 are 1 step per epoch each: the same budget, no warning (it said they differ)
+    assert _budget_warning(mb.assign(calib_size=[16, 32, 100])) == ""
+    assert "16 images: 1 step/epoch (batch 32), 64 images: 2 steps/epoch" in _budget_warning(
+        mb.assign(calib_size=[16, 64, 100]))
 
 
 def test_heldout_agreement_spearman_and_accuracy_lost():
