@@ -34,14 +34,15 @@ def _budget(gb: pd.DataFrame, bounds: dict | None) -> str:
     box = f"lr {lr[0]:.2g}–{lr[1]:.2g}"
     if bounds.get("steps"):
         lo, hi = bounds["steps"]
-        return (f"Budget: bands and leads hold within {hi} optimizer steps per trial (search.steps {lo}–{hi}; "
-                f"{box}).")
+        return (f"Budget: bands and leads hold within {hi} optimizer step{'s' if hi != 1 else ''} per trial "
+                f"(search.steps {lo}–{hi}; {box}).")
     lo, hi = bounds.get("epochs") or (None, None)
     if hi is None:
         return ""
     g = gb[gb["calib_size"].notna()] if "calib_size" in gb.columns else gb.iloc[:0]
     sizes = sorted({(int(n), int(b) if pd.notna(b) else 32)
                     for n, b in zip(g["calib_size"], g.get("batch_size", pd.Series(32, index=g.index)))})
-    steps = ", ".join(f"{hi * math.ceil(n / b)} optimizer steps at {n} images" for n, b in sizes)
-    return (f"Budget: bands and leads hold within {hi} epochs per trial"
+    per = {n: hi * math.ceil(n / b) for n, b in sizes}
+    steps = ", ".join(f"{per[n]} optimizer step{'s' if per[n] != 1 else ''} at {n} images" for n, _ in sizes)
+    return (f"Budget: bands and leads hold within {hi} epoch{'s' if hi != 1 else ''} per trial"
             + (f" ({steps}, batch {sizes[0][1]})" if steps else "") + f" (search.epochs {lo}–{hi}; {box}).")

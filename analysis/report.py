@@ -199,7 +199,7 @@ def _summary(trials: pd.DataFrame, name: str, sweep_id: str, tracking_uri: str) 
     n_fail = int(trials["status"].isin(("FAILED", "KILLED")).sum())
     other = len(trials) - n_fin - n_fail
     text = f"{len(trials)} ({n_fin} finished, {n_fail} failed" + \
-        (f", {other} other" if other else "") + ")"
+        (f", {other} unfinished" if other else "") + ")"  # RUNNING or SCHEDULED: an interrupted sweep's
     return [("Sweep", name), ("Sweep id", sweep_id), ("Trials", text),
             ("Cells", str(trials["cell_id"].dropna().nunique())), ("Tracking URI", tracking_uri)]
 

@@ -15,6 +15,10 @@ def test_budget_line_states_steps_or_the_steps_epochs_give():
     line = budget_line(gb, {"lr": [1e-3, 1.5e-2], "epochs": [3, 8]})
     assert "within 8 epochs per trial (32 optimizer steps at 128 images, batch 32)" in line and "0.015" in line
     assert budget_line(gb, None) == ""
+    one = pd.DataFrame({"calib_size": [16], "batch_size": [32]})  # 1 epoch of 16 images: one step ("1 epochs")
+    assert "within 1 epoch per trial (1 optimizer step at 16 images, batch 32)" in budget_line(
+        one, {"lr": [1e-3, 1e-3], "epochs": [1, 1]})
+    assert "within 1 optimizer step per trial" in budget_line(one, {"lr": [1e-3, 1e-3], "steps": [1, 1]})
 
 
 def test_budget_line_names_a_precision_other_than_the_authors_fp32():
