@@ -19,7 +19,7 @@ from typing import Callable
 from orchestrator.lifecycle import resume
 from orchestrator.lifecycle.store_check import store_problems
 from orchestrator.rundir import records
-from orchestrator.rundir.files import JOURNAL_FILE, read_sweep, told_states
+from orchestrator.rundir.files import JOURNAL_FILE, read_sweep
 from orchestrator.tracking.rebuild import journal_disagrees, rebuild_journal, rebuild_tracking, sync_runs
 from orchestrator.tracking.recorder import backfill
 from orchestrator.tracking.store import relocate
@@ -68,7 +68,7 @@ class Doctor:
         """A sweep from before trials.jsonl: its record is written from the journal and MLflow while both are
         intact (nothing to rebuild from otherwise)."""
 
-        told = len(told_states(self.journal)) if self.journal.exists() and not resume.journal_problem(
+        told = resume.told_count(self.journal) if self.journal.exists() and not resume.journal_problem(
             self.journal) else 0
         db_ok = resume.db_problem(self.dir / resume.DB_FILE) is None and (self.dir / resume.DB_FILE).exists()
         if not told:

@@ -122,11 +122,17 @@ def prepare_resume(out_dir: Path, say=note) -> None:
         say(f"{journal}: rebuilt from {records.TRIALS_FILE} ({c['told']} trials told, {c['asked']} to run again)")
 
 
+def told_count(journal: Path) -> int:
+    """Trials the journal has told (finished, failed or pruned); a trial only asked (RUNNING when the sweep was
+    interrupted) is not one: a new sweep stopped before its first result has no record yet and lacks nothing."""
+    return sum(st.is_finished() for st in told_states(journal).values())
+
+
 def _backfill(out_dir: Path, say) -> None:
     """The record of a sweep from before trials.jsonl, written from its journal and MLflow (without it, the
     trials told before would count as unrecorded and run again on the next resume)."""
 
-    if not told_states(out_dir / JOURNAL_FILE):
+    if not told_count(out_dir / JOURNAL_FILE):  # none told: nothing to record (a sweep interrupted before its first)
         return
     from mlflow import MlflowClient
 
