@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from .bands import BandSettings, chance_limit
 from .ordering import paired_ci
 from .runs import grid_names, pattern_sort_key
 
@@ -111,10 +112,27 @@ def ranges(recs: list[dict], cts: dict | None) -> list[Range]:
         seeds = "n=1 (no spread)" if max(n) == 1 else f"{nn}, max std {100 * sd:.1f} pp"
         loose = [f"{100 * p['sparsity']:g} %" for p in pts if not p.get("resolved", False)]
         unresolved = "none" if not loose else ", ".join(loose)
-        out.append(Range(r["pruner"], r["healer"], str(r["calib_size"]),
-                         fmt_range(*spans["recoverable"]), fmt_range(*spans["transition"]),
-                         _collapse(spans["collapse"]), res, seeds, unresolved, cts_txt))
+        cols = (fmt_range(*spans["recoverable"]), fmt_range(*spans["transition"]), _collapse(spans["collapse"]))
+        if not monotone(pts):  # hulls would overlap ('collapse from 50 %' beside 'transition 70 %'): list them
+            cols, res = tuple(_listed(pts, lab) for lab in BAND_ORDER), f"{res}; not monotone in sparsity"
+        out.append(Range(r["pruner"], r["healer"], str(r["calib_size"]), *cols, res, seeds, unresolved, cts_txt))
     return out
+
+
+BAND_ORDER = ("recoverable", "transition", "collapse")  # the order the classes take as sparsity rises
+
+
+def monotone(points: list[dict]) -> bool:
+    """Whether the classes of ``points`` (by sparsity) never step back (collapse, then transition, is a step
+    back: a healed accuracy that rose with sparsity, or noise)."""
+    rank = [BAND_ORDER.index(p["label"]) for p in points]
+    return all(a <= b for a, b in zip(rank, rank[1:]))
+
+
+def _listed(points: list[dict], label: str) -> str:
+    """'50 %, 90 %': the sparsities of one class, for a row whose classes are not monotone."""
+    xs = [f"{100 * p['sparsity']:g} %" for p in points if p["label"] == label]
+    return ", ".join(xs) if xs else "none tested"
 
 
 def _collapse(span) -> str:
@@ -277,7 +295,7 @@ def common_failure(trials: pd.DataFrame | None, cells: list[str] | None = None) 
 
 def _warnings(mb: pd.DataFrame, failed: list[str], why: str = "") -> list[str]:
     """``why``: the failed cells' most common failure (``common_failure``)."""
-    out = []
+    out = [] if not dense_at_chance(mb) else [dense_at_chance(mb)]
     edge = mb[mb["search_boundary"].astype(bool)] if "search_boundary" in mb.columns else mb.iloc[:0]
     at_budget = edge["search_boundary"].astype(str).str.fullmatch(r"\d+ of \d+ (steps|epochs)")
     edge = edge[~at_budget]  # on the length cap only: the declared budget (the first screen's budget line), not under-tuned
@@ -297,6 +315,22 @@ def _warnings(mb: pd.DataFrame, failed: list[str], why: str = "") -> list[str]:
         out.append(f"Cells without a finished trial ({len(failed)}): {', '.join(failed[:6])}"
                    + (" …" if len(failed) > 6 else "") + "." + why)
     return out
+
+
+def dense_at_chance(mb: pd.DataFrame) -> str:
+    """A dense model within 2 binomial standard errors of chance (the collapse rule, analysis/bands.py): every
+    point then reads 'collapse' whatever healing did, so the grid's bands and leads say nothing."""
+    cols = {"dense_acc", "num_classes", "n_eval"}
+    g = mb.dropna(subset=list(cols)) if cols <= set(mb.columns) else mb.iloc[:0]
+    if g.empty:
+        return ""
+    dense, k, n = float(g["dense_acc"].max()), float(g["num_classes"].max()), float(g["n_eval"].min())
+    lim = chance_limit(k, n, BandSettings().z)
+    if math.isnan(lim) or dense > lim:
+        return ""
+    return (f"Dense model at chance: {100 * dense:.1f} % on {n:g} evaluation images is within 2 binomial standard "
+            f"errors of chance for {k:g} classes ({100 * lim:.1f} %), so every point reads 'collapse' and the bands "
+            "and leads below say nothing (untrained or random-init weights, or the wrong classes for this data?).")
 
 
 def _budget_warning(mb: pd.DataFrame) -> str:

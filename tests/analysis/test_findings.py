@@ -45,6 +45,30 @@ def test_ranges_name_the_edges_and_the_grid_step():
     assert fmt_range(0.9, 0.95, 0.85, None) == "≥ 90 %"
 
 
+def test_a_row_whose_classes_step_back_lists_its_sparsities():
+    """collapse at 50 %, transition at 70 %, collapse at 90 % (a random-init model's noise): the hulls read
+    'collapse from 50 %' beside 'transition 70 %'; such a row lists each class's sparsities and says why."""
+    (r,) = ranges([_rec(["collapse", "transition", "collapse"], [0.5, 0.7, 0.9], n=1, std=0.0)], None)
+    assert (r.recoverable, r.transition, r.collapse) == ("none tested", "70 %", "50 %, 90 %")
+    assert r.resolution == "grid step 20 pp; not monotone in sparsity"
+    (r,) = ranges([_rec(["recoverable", "transition", "collapse"], [0.5, 0.7, 0.9])], None)  # monotone: hulls
+    assert (r.recoverable, r.transition, r.collapse) == ("50 % (lowest tested)", "70 %", "from 90 %")
+
+
+def test_a_dense_model_at_chance_is_warned_about_first():
+    """10 classes, 16 evaluation images: chance limit 0.1 + 2 sqrt(0.09 / 16) = 0.25; a dense model at 12.5 % is
+    within it (every point 'collapse'), one at 30 % is not."""
+    from analysis.findings import _warnings, dense_at_chance
+
+    mb = pd.DataFrame(dict(dense_acc=[0.125, 0.125], num_classes=[10, 10], n_eval=[16, 16], lr=[1e-3, 1e-3],
+                           calib_size=[64, 64], batch_size=[32, 32], pruner="magnitude", healer="starfish",
+                           pattern=["0.5", "0.9"], seed=[0, 1], search_boundary=""))
+    assert dense_at_chance(mb).startswith("Dense model at chance: 12.5 % on 16 evaluation images is within 2 "
+                                          "binomial standard errors of chance for 10 classes (25.0 %)")
+    assert _warnings(mb, [])[0] == dense_at_chance(mb)
+    assert dense_at_chance(mb.assign(dense_acc=0.30)) == "" and dense_at_chance(mb.drop(columns="n_eval")) == ""
+
+
 def test_best_rows_paired_interval_and_single_seed():
     rows = []
     for healer, accs in (("starfish", (0.80, 0.70, 0.75)), ("mse", (0.78, 0.69, 0.70))):
