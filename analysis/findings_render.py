@@ -6,10 +6,10 @@ import html as _h
 
 from .findings import Findings, Range, headline
 
-__all__ = ["FINDINGS_HOW", "findings_md", "findings_html"]
+__all__ = ["FINDINGS_HOW", "QUOTED", "findings_md", "findings_html"]
 
-FINDINGS_HOW = ("Ranges are the repairability bands of the seed-mean quoted healed accuracy (each cell's winner "
-                "re-healed on fresh seeds: docs/methods.md#search-design) (recoverable: retention ≥ "
+FINDINGS_HOW = ("Ranges are the repairability bands of the seed-mean quoted healed accuracy ({quoted}) "
+                "(recoverable: retention ≥ "
                 "{ret:g}; collapse: within {z:g} binomial standard errors of chance; transition: between). A band "
                 "edge is only known to lie between two tested sparsities (the grid step). Best: highest mean healed "
                 "accuracy; the lead over the runner-up healer (same pruner, identical masks) and pruner (same "
@@ -17,6 +17,8 @@ FINDINGS_HOW = ("Ranges are the repairability bands of the seed-mean quoted heal
                 "exceeds 2 noise units (search + seed noise, docs/methods.md#reading-the-noise); the combos the best is not "
                 "resolved from are named beside it (≈). CTS: the "
                 "calibration-only broad band, computed without any accuracy.")
+QUOTED = {True: "each cell's winner re-healed on fresh seeds: docs/methods.md#search-design",
+          False: "each cell's best search trial: search.reevaluate 0, no re-healing"}  # {quoted}, by re-evaluation
 _RANGE_HEADS = ["pruner", "healer", "calib", "recoverable", "transition", "collapse", "resolution", "seeds",
                 "class not resolved at", "CTS band"]
 _FOLDABLE = ("resolution", "seeds", "unresolved", "cts")  # columns shown once in the caption when every row has the same value

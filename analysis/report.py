@@ -24,7 +24,7 @@ from tasks.atomic import atomic_write_text
 from .accuracy_figure import healer_colors, model_figure
 from .figures import healers_figure
 from .findings import common_failure, findings
-from .findings_render import FINDINGS_HOW, findings_html, findings_md
+from .findings_render import FINDINGS_HOW, QUOTED, findings_html, findings_md
 from .layout import save_png
 from .paired import healer_panels, paired_sections
 from .report_style import REPORT_CSS
@@ -284,7 +284,8 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
     summary = _summary(trials, name, sweep_id, tracking_uri)
     trans = _transition_sections(best, models, info, out, tracking_uri, settings or {})
     bst = BandSettings(**(settings or {}).get("bands", {}))
-    how = FINDINGS_HOW.format(ret=bst.retention, z=bst.z)
+    rehealed = "n_reevaluated" in best.columns and bool((best["n_reevaluated"].fillna(0) > 0).any())
+    how = FINDINGS_HOW.format(ret=bst.retention, z=bst.z, quoted=QUOTED[rehealed])
 
     e = html.escape
     fs = []

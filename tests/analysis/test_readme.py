@@ -32,6 +32,8 @@ def test_readme_blocks_from_the_report(tmp_path):
     text = readme.read_text()
     assert text.startswith("# Title\nkept\n<!-- report:findings -->\nRanges are the repairability bands")
     assert "\n### resnet_digits — grid `main`\n" in text
+    # what is quoted, as this sweep ran it: the fixture re-evaluates no winner (the text said it re-healed them)
+    assert "quoted healed accuracy (each cell's best search trial: search.reevaluate 0, no re-healing)" in text
     assert "stale 96.67" not in text and "\nmiddle\n" in text and text.endswith("end\n")
     assert "| magnitude | starfish | 64 | up to 70 % | 80–90 % | from 95 % |" in text
     assert "<!-- report:fig_resnet_digits -->\n![fig_resnet_digits](docs/fig_resnet_digits.png)\n" in text
