@@ -6,6 +6,7 @@ import concurrent.futures.thread as cft
 import logging
 import os
 import sys
+import threading
 import time
 import warnings
 from contextlib import contextmanager
@@ -102,9 +103,15 @@ class StageClock:
         self.seconds: dict[str, float] = {}
         self.trial_compute: float | None = None  # Σ trial compute, shown next to the trials' wall time
 
+    _lock = threading.Lock()  # the models stage says its line from a thread while Ray's start says its own
+
     def say(self, text: str) -> None:
+        """One status line, written whole: print() writes the text and its newline apart, so two threads' lines
+        ran together ('[models] models: r18ckhealsweep: [ray] ...')."""
         if self.enabled:
-            print(f"healsweep: {text}", file=self.stream, flush=True)
+            with self._lock:
+                self.stream.write(f"healsweep: {text}\n")
+                self.stream.flush()
 
     @contextmanager
     def stage(self, name: str, doing: str | None = None):

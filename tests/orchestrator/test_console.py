@@ -10,12 +10,14 @@ import concurrent.futures.thread as cft
 import logging
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from orchestrator.sweep.console import fork_race_to_log
+from orchestrator.sweep.console import StageClock, fork_race_to_log
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,3 +63,29 @@ def test_a_sweep_sends_no_mlflow_telemetry(tmp_path):
     out = {mode: subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=50,
                                 cwd=REPO, env=env).stdout.strip() for mode in ("bare", "quiet")}
     assert out == {"bare": "False", "quiet": "True"}, out
+
+
+def test_status_lines_from_two_threads_never_run_together():
+    """The models stage says its line from a thread while Ray's start says its own: each line is written whole
+    (print() wrote the text and its newline apart: '[models] models: r18ckhealsweep: [ray] ...'). A stream that
+    yields the GIL in every write makes the old interleaving near certain."""
+    class Slow:
+        def __init__(self):
+            self.parts = []
+
+        def write(self, s):
+            time.sleep(0.0005)
+            self.parts.append(s)
+
+        def flush(self):
+            pass
+
+    stream = Slow()
+    clock = StageClock(stream=stream)
+    threads = [threading.Thread(target=lambda k=k: [clock.say(f"[{k}] line {i}") for i in range(40)]) for k in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lines = "".join(stream.parts).splitlines()
+    assert sorted(lines) == sorted(f"healsweep: [{k}] line {i}" for k in "ab" for i in range(40))
