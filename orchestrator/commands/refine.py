@@ -74,13 +74,24 @@ def _flags(args) -> None:
             setattr(args, key, default)
 
 
+def _print_plan(plan: dict) -> None:
+    """The fine grid, its trials and their time estimate: printed before the round runs (and flushed: piped, the
+    plan came out after the round's own lines)."""
+    lo, hi = plan["interval"]
+    n, t, per = len(plan["sparsities"]), plan["trials"], plan["seconds_per_trial"]
+    print(f"transition band {lo:g}–{hi:g}: {n} new sparsit{'y' if n == 1 else 'ies'} ({_listing(plan['sparsities'])})")
+    est = f"about {duration(t * per)} ({per:.1f} s per trial: {plan['estimate']})" if per else plan["estimate"]
+    print(f"{t} new trial{'' if t == 1 else 's'}, {est}", flush=True)
+
+
 def main(args) -> int:
     _flags(args)
     if args.widen:
         return _widen(args)
     try:
         plan = run_refinement(Path(args.dir), args.step, address=args.address, progress=not args.quiet,
-                              num_cpus=args.num_cpus, dry_run=args.dry_run, max_trials=args.max_trials)
+                              num_cpus=args.num_cpus, dry_run=args.dry_run, max_trials=args.max_trials,
+                              told=_print_plan)
     except (RefineError, ResumeError, ClusterError) as e:  # ResumeError: e.g. another live driver holds the run dir
         raise CliError(str(e)) from None
     except Exception as e:
@@ -88,13 +99,8 @@ def main(args) -> int:
             raise
 
     faults.raise_stopped()  # a fault that stopped the round (a full disk): one line, exit 1 (orchestrator/rundir/faults.py)
-    lo, hi = plan["interval"]
-    n, t, per = len(plan["sparsities"]), plan["trials"], plan["seconds_per_trial"]
-    print(f"transition band {lo:g}–{hi:g}: {n} new sparsit{'y' if n == 1 else 'ies'} ({_listing(plan['sparsities'])})")
-    est = f"about {duration(t * per)} ({per:.1f} s per trial: {plan['estimate']})" if per else plan["estimate"]
-    print(f"{t} new trial{'' if t == 1 else 's'}, {est}")
     if args.dry_run:
-        if t > args.max_trials:
+        if plan["trials"] > args.max_trials:
             print(f"above --max-trials {args.max_trials}: a run would be refused; raise it or use a coarser --step")
         return 0
     res = plan["result"]

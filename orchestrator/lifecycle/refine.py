@@ -11,6 +11,7 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 from orchestrator.lifecycle.continuation import RefineError, read_run
 from orchestrator.lifecycle.resume import prepare_resume
@@ -139,10 +140,12 @@ MAX_TRIALS = 200  # default budget of one refinement round (healsweep refine --m
 
 
 def run_refinement(run_dir: Path, step: float = 0.005, *, address: str | None = None, progress: bool = True,
-                   num_cpus: int | None = None, dry_run: bool = False, max_trials: int = MAX_TRIALS) -> dict:
+                   num_cpus: int | None = None, dry_run: bool = False, max_trials: int = MAX_TRIALS,
+                   told: Callable[[dict], None] | None = None) -> dict:
     """Plan, run the fine grid into the same sweep, record it in sweep.json and rewrite the report. Plans of
     more than ``max_trials`` trials are refused (RefineError) unless ``dry_run``; the plan carries ``trials``,
-    ``seconds_per_trial`` and ``estimate`` (how the time was measured) either way."""
+    ``seconds_per_trial`` and ``estimate`` (how the time was measured) either way, and is handed to ``told``
+    before anything runs (the CLI prints it first)."""
     from orchestrator.spec import SpecError, parse_spec
 
     if max_trials < 1:
@@ -155,6 +158,8 @@ def run_refinement(run_dir: Path, step: float = 0.005, *, address: str | None = 
         raise RefineError(f"sweep.json spec: {e}") from None
     plan["trials"] = sum(count_trials(spec).values())
     plan["seconds_per_trial"], plan["estimate"] = trial_wall(plan)
+    if told is not None:
+        told(plan)
     if dry_run:
         return plan
     if plan["trials"] > max_trials:

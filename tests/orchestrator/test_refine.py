@@ -110,10 +110,11 @@ def test_cli_dry_run_prints_trials_and_estimate_and_max_trials_refuses(tmp_path)
     r = healsweep("refine", run_dir, "--step", "0.1", "--dry-run")
     assert r.returncode == 0, r.stderr
     # 0.6 only (0.7, 0.8, 0.9 already ran): 2 calibration sizes x 2 trials per cell, 6 s each
-    assert r.stdout.splitlines() == ["transition band 0.5–0.95: 1 new sparsity (0.6)",
-                                     "4 new trials, about 24 s (6.0 s per trial: the sweep's Tune wall per trial, "
-                                     "90 s / 15 trials)"]
+    plan = ["transition band 0.5–0.95: 1 new sparsity (0.6)",
+            "4 new trials, about 24 s (6.0 s per trial: the sweep's Tune wall per trial, 90 s / 15 trials)"]
+    assert r.stdout.splitlines() == plan
     r = healsweep("refine", run_dir, "--step", "0.1", "--max-trials", "3")  # refused before Ray starts
+    assert r.stdout.splitlines() == plan  # a real round prints its plan before it runs (or is refused)
     assert r.returncode == 2 and r.stderr.splitlines() == [
         "healsweep: error: 4 new trials (1 sparsity x 4, about 24 s) exceed --max-trials 3; raise it, or use a "
         "coarser --step (see --dry-run)"]
