@@ -86,7 +86,9 @@ def plan_refinement(run_dir: Path, step: float) -> dict:
 
 
 def count_trials(spec) -> dict[str, int]:
-    """Grid name -> trials the spec runs: trials_per_cell per cell, 1 for a healer that does not train."""
+    """Grid name -> trials the spec runs, as `healsweep validate` counts them: each searched cell's trials and its
+    winner's re-evaluations (``max_per_cell``: it counted the search alone, 16 of a round's 24), 1 for a healer
+    that does not train."""
 
     from orchestrator.spec.plan import expand_cells, grid_searches
     from tasks.healing import resolve_healer
@@ -96,7 +98,7 @@ def count_trials(spec) -> dict[str, int]:
         key = (c.healer, repr(sorted(c.healer_settings.items())))
         if key not in trains:
             trains[key] = resolve_healer(c.healer, c.healer_settings).trains
-        out[c.grid] += searches[c.grid].trials_per_cell if trains[key] else 1
+        out[c.grid] += searches[c.grid].max_per_cell if trains[key] else 1
     return dict(out)
 
 

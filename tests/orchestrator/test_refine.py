@@ -94,6 +94,11 @@ def test_plan_counts_trials_and_estimates_time_from_measured_trials(tmp_path):
     crbn = parse_spec({**yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text()), "models": ["resnet_digits"],
                        "healers": ["starfish", "crbn"]})
     assert count_trials(crbn) == {"main": 2 * 2 * (2 + 1)}  # a closed-form healer runs one trial per cell
+    # with re-evaluation (the default spec's 2 per searched cell), counted as validate counts them: the plan said
+    # 16 new trials and the round ran 24
+    reev = parse_spec({**yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text()),
+                       "search": {"trials_per_cell": 2, "reevaluate": 2}})
+    assert count_trials(reev) == {"main": 2 * 2 * (2 + 2)}
     client = MlflowClient(sweep["uri"])  # Tune wall of three sessions; the last ran no trial
     client.log_batch(sweep["parent"], metrics=[Metric(k, v, 0, step) for step, (t, n) in enumerate(
         [(60.0, 10), (30.0, 5), (5.0, 0)]) for k, v in (("tune_seconds", t), ("trials_run", n))])
