@@ -171,6 +171,7 @@ def export_trial(trial_dir: Path, out: Path, run_info: Mapping[str, Any] | None 
         "sparsity": float(info["sparsity"]) if info.get("sparsity") is not None else None,
         "achieved_sparsity": achieved_sparsity(entries, masks),
         "healer": params["healer"], "healer_settings": params.get("healer_settings"), "lr": params["lr"],
+        "granularity": info.get("granularity"),  # what 'auto' resolved to for this model (the trial's MLflow param)
         "epochs": params["epochs"], "batch_size": params["batch_size"], "calib_size": params["calib_size"],
         "calib_digest": final.get("calib_digest"), "eval_digest": final.get("eval_digest"),
         "dataset": dict(params.get("load_kw") or {}).get("dataset") or {"name": "digits"},
@@ -230,8 +231,9 @@ def card_markdown(card: Mapping[str, Any]) -> str:
         f"- source: `{json.dumps(card['source'], default=str)}` (weights digest `{card['model_digest']}`)",
         f"- pruner: {card['pruner']} {card['pruner_settings'] or ''}, scope {card['scope']}, sparsity "
         f"{card['sparsity']} (achieved {card['achieved_sparsity']:.4f})",
-        f"- healer: {card['healer']} {card['healer_settings'] or ''}, lr {card['lr']:.3g}, {card['epochs']} epochs, "
-        f"batch {card['batch_size']}",
+        f"- healer: {card['healer']}" + (f" {card['healer_settings']}" if card["healer_settings"] else "")
+        + (f" (granularity used: {card['granularity']})" if card.get("granularity") else "")
+        + f", lr {card['lr']:.3g}, {card['epochs']} epoch{'' if card['epochs'] == 1 else 's'}, batch {card['batch_size']}",
         f"- calibration: {card['calib_size']} images, digest `{card['calib_digest']}`; evaluation digest "
         f"`{card['eval_digest']}`; dataset `{json.dumps(card['dataset'], default=str)}` (split seed {card['data_seed']})",
         f"- preprocessing: `{card['preprocessing']['transform']}`",

@@ -68,7 +68,7 @@ def test_export_reloads_through_timm_with_identical_logits(trial, tmp_path):
     client = MlflowClient(uri)
     exp = client.create_experiment("healsweep")
     run = client.create_run(exp, tags={"healsweep.role": "trial", "trial_id": "cell-0"})
-    for k, v in {"pruner": "magnitude", "sparsity": "0.5", "pruner_settings": "{}"}.items():
+    for k, v in {"pruner": "magnitude", "sparsity": "0.5", "pruner_settings": "{}", "granularity": "token"}.items():
         client.log_param(run.info.run_id, k, v)
     client.set_terminated(run.info.run_id, "FINISHED")
 
@@ -87,7 +87,10 @@ def test_export_reloads_through_timm_with_identical_logits(trial, tmp_path):
     assert repr(scope["transform"]) == repr(timm.data.create_transform(**cfg, is_training=False))
     assert card["pruner"] == "magnitude" and card["healer"] == "starfish" and card["sparsity"] == 0.5
     assert card["calib_digest"] == final["calib_digest"] and card["accuracy"]["healed_acc"] == final["healed_acc"]
-    assert "timm.create_model('deit_tiny_patch16_224'" in (out / "model_card.md").read_text()
+    md = (out / "model_card.md").read_text()
+    assert "timm.create_model('deit_tiny_patch16_224'" in md
+    # the granularity the trial used (what `auto` resolved to), beside the settings as written
+    assert card["granularity"] == "token" and "- healer: starfish (granularity used: token), lr 0.002, 2 epochs" in md
 
     reloaded = timm.create_model(card["reload"]["arch"], pretrained=False, **card["reload"]["kwargs"]).eval()
     reloaded.load_state_dict(load_file(str(out / "model.safetensors")))
