@@ -139,7 +139,7 @@ def _ls(store, args, root) -> int:
         print(f"\n{name}: {d}")
         for e, b in zip(entries, sizes):
             print(f"  {e.name + ('/' if e.is_dir() else ''):60} {b / 1e6:>10.2f} MB")
-        print(f"{len(entries)} {name} entries, {sum(sizes) / 1e6:.2f} MB")
+        print(f"{name}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, {sum(sizes) / 1e6:.2f} MB")
     return 0
 
 

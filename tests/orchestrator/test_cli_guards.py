@@ -132,8 +132,8 @@ def test_store_commands_take_a_run_dir_from_any_cwd_and_list_everything(tmp_path
     assert any(line.startswith(key) and " m6 " in line for line in lines)
     assert any(f"{'a' * 32}.safetensors" in line and "0.00 MB" in line for line in lines)
     assert any(line.strip().startswith("vit/") and "0.01 MB" in line for line in lines)
-    assert "1 masks entries, 0.00 MB" in r.stdout and "1 rankings entries" in r.stdout
-    assert "0 diagnostics entries" in r.stdout
+    assert "masks: 1 entry, 0.00 MB" in r.stdout and "rankings: 1 entry" in r.stdout
+    assert "diagnostics: 0 entries" in r.stdout
     assert cli("store", "verify", run, cwd=elsewhere).returncode == 0
     assert cli("store", "verify", run, key, cwd=elsewhere).stdout.startswith(f"{key}: ok")
     assert_one_line_exit_2(cli("store", "ls", cwd=elsewhere), ".healsweep/store does not exist")
