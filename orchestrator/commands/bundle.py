@@ -7,7 +7,7 @@ from pathlib import Path
 import orchestrator
 from orchestrator.bundle.build import BundleRequest, build_bundle, read_present
 from orchestrator.bundle.resolve import BundleError
-from orchestrator.commands.common import CliError, finite
+from orchestrator.commands.common import CliError
 
 DESCRIPTION = """\
 Build, on a machine with package access, one file holding exactly the wheels a TARGET machine lacks to run
@@ -43,7 +43,7 @@ def add_parser(sub):
     p.add_argument("--name", default="healsweep-offline", help="archive name without .tar.xz (default %(default)s)")
     p.add_argument("--extra", action="append", default=[], metavar="EXTRA",
                    help="include a healsweep extra, e.g. hub (Hugging Face datasets) (repeatable)")
-    p.add_argument("--max-mb", type=finite, default=40.0, help="exit 2 when the bundle is larger (default 40)")
+    p.add_argument("--max-mb", type=float, default=40.0, help="exit 2 when the bundle is larger (default 40)")
     p.add_argument("--xz-preset", type=int, default=9, choices=range(10), metavar="0-9",
                    help="xz compression preset (default 9, run as 9 extreme: smallest, ~1 min per 100 MB)")
     p.add_argument("--strip", choices=("unneeded", "debug", "none"), default="unneeded",
@@ -60,7 +60,8 @@ def add_parser(sub):
 
 
 def main(args: argparse.Namespace) -> int:
-
+    if not 0 < args.max_mb < float("inf"):  # nan compared False with every size: the limit was ignored
+        raise CliError(f"--max-mb must be a positive number of MB, got {args.max_mb:g}")
     index: list[str] = ["--no-index"] if args.no_index else []
     index += ["--index-url", args.index_url] if args.index_url else []
     for d in args.find_links:

@@ -1,8 +1,6 @@
 """Shared CLI helpers: user errors become one line on stderr and exit code 2."""
 from __future__ import annotations
 
-import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -13,17 +11,6 @@ DEFAULT_HOME = Path(".healsweep")
 
 class CliError(Exception):
     """A user error: printed as one line, exit code 2."""
-
-
-def finite(text: str) -> float:
-    """An argparse ``type``: a finite number (``nan`` and ``inf`` parse as floats and broke the checks after it)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not math.isfinite(v):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return v
 
 
 def load_spec_or_exit(path: str):

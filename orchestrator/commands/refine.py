@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.commands.common import CliError, finite, interrupted_exit
+from orchestrator.commands.common import CliError, interrupted_exit
 from orchestrator.lifecycle.continuation import RefineError
 from orchestrator.lifecycle.refine import (
     MAX_TRIALS,  # a light module: its heavy imports are inside functions
@@ -28,7 +28,7 @@ def add_parser(sub):
                                    "of new trials and a time estimate from this sweep's measured trial times; "
                                    "refuses more than --max-trials trials.")
     p.add_argument("dir", help="run directory of a finished sweep (holds sweep.json)")
-    p.add_argument("--step", type=finite, help=f"fine sparsity step (default: {STEP})")
+    p.add_argument("--step", type=float, help=f"fine sparsity step (default: {STEP})")
     p.add_argument("--address", help="Ray cluster address; default: a local Ray")
     p.add_argument("--num-cpus", type=int, help="CPUs for the local Ray instance (default: all)")
     p.add_argument("--dry-run", action="store_true",
@@ -39,7 +39,7 @@ def add_parser(sub):
     p.add_argument("--widen", action="store_true",
                    help="instead of a fine sparsity grid: search past the search-space boundary for the cells whose "
                         "winner sits on it (orchestrator/lifecycle/widen.py; what search.widen does after a run)")
-    p.add_argument("--widen-factor", type=finite, metavar="F",
+    p.add_argument("--widen-factor", type=float, metavar="F",
                    help=f"with --widen: move each hit edge of the search box by this factor (default: {WIDEN_FACTOR})")
     p.add_argument("--widen-rounds", type=int, metavar="N",
                    help=f"with --widen: at most N rounds (default: {WIDEN_ROUNDS})")

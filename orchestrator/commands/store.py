@@ -12,7 +12,7 @@ import math
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from orchestrator.commands.common import DEFAULT_HOME, CliError, finite
+from orchestrator.commands.common import DEFAULT_HOME, CliError
 
 _WHERE_HELP = ("a run directory (its store is found from sweep.json), a store root as given to `healsweep run "
                "--store` (targets in DIR/targets), or the target store itself (path or pyarrow.fs URI)")
@@ -39,7 +39,7 @@ def add_parser(sub):
                          description="Delete keys (complete or not) that were not used for --older-than DAYS, "
                                      "or that no --keep-referenced RUN_DIR refers to (its targets.json).")
     how = gc.add_mutually_exclusive_group(required=True)
-    how.add_argument("--older-than", type=finite, metavar="DAYS", help="delete keys last used more than DAYS ago")
+    how.add_argument("--older-than", type=float, metavar="DAYS", help="delete keys last used more than DAYS ago")
     how.add_argument("--keep-referenced", action="append", metavar="RUN_DIR",
                      help="keep only keys referenced by these run directories (repeatable)")
     gc.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")

@@ -93,6 +93,9 @@ def test_cli_says_what_is_missing_in_one_line(tmp_path, capsys):
                                                "freeze), --assume-present FILE or --present NAME")
     assert main(["bundle", "--python", "3.12", "--freeze", str(tmp_path / "nope.txt"), "--out", str(tmp_path)]) == 2
     assert "cannot read" in capsys.readouterr().err
+    for bad in ("nan", "0", "inf"):  # nan compared False with every size: the limit was silently ignored
+        assert main(["bundle", "--python", "3.12", "--present", "torch", "--out", str(tmp_path), "--max-mb", bad]) == 2
+        assert capsys.readouterr().err.strip() == f"healsweep: error: --max-mb must be a positive number of MB, got {bad}"
 
 
 def test_markers_are_evaluated_for_the_target_not_this_machine():

@@ -63,9 +63,11 @@ def test_refine_widen_cli_refusals(tmp_path):
                         (["--widen", "--max-trials", "9"], "--max-trials does not apply to --widen"),
                         (["--widen-rounds", "2"], "--widen-rounds applies only with --widen"),
                         (["--dry-run", "--widen-factor", "2"], "--widen-factor applies only with --widen"),
-                        # nan and inf parse as floats: refused by argparse (--step nan was a traceback)
-                        (["--dry-run", "--step", "nan"], "argument --step: must be a finite number, got 'nan'"),
-                        (["--widen", "--widen-factor", "inf"], "argument --widen-factor: must be a finite number")):
+                        # nan and inf parse as floats: one line each (--step nan was a traceback, --widen-factor inf
+                        # an OverflowError)
+                        (["--dry-run", "--step", "nan"], "--step must be >= 1e-06 (fine sparsities are rounded to "
+                                                         "1e-6), got nan"),
+                        (["--widen", "--widen-factor", "inf"], "widen factor must be > 1 and <= 1e+06, got inf")):
         r = healsweep("refine", run_dir, *args)
         assert r.returncode == 2 and words in r.stderr and not r.stdout, (args, r.stderr)
     assert json.loads((run_dir / "sweep.json").read_text()) == before  # nothing ran
