@@ -16,16 +16,22 @@ def local_tracking_uri(out_dir) -> str:
 
 
 def keep_artifacts_inside(tracking_uri: str, out_dir, experiment: str) -> None:
-    """With the run directory's own SQLite store, create the experiment with its artifact root in
-    ``out_dir/artifacts`` (MLflow's default is ``$PWD/mlruns``), so the run directory holds everything of a run."""
-    if tracking_uri != local_tracking_uri(out_dir):
+    """Never ``$PWD/mlruns`` (MLflow's default artifact root for a SQL store): with the run directory's own SQLite
+    store, create the experiment with its artifact root in ``out_dir/artifacts``, so the run directory holds
+    everything of a run; with another SQLite file (a spec's ``mlflow.tracking_uri``, possibly shared by sweeps),
+    in ``mlartifacts`` beside that file (the MLflow server's default name). An existing experiment keeps its root;
+    a server or another database decides its own."""
+    own = tracking_uri == local_tracking_uri(out_dir)
+    if not own and not tracking_uri.startswith("sqlite:///"):
         return
     from mlflow import MlflowClient
 
-    seed_sqlite_store(Path(out_dir) / "mlflow.db")  # a copy, not ~1.5 CPU-s of table creation and migrations
+    if own:
+        seed_sqlite_store(Path(out_dir) / "mlflow.db")  # a copy, not ~1.5 CPU-s of table creation and migrations
+    root = Path(out_dir).resolve() / "artifacts" if own else Path(tracking_uri[len("sqlite:///"):]).parent / "mlartifacts"
     client = MlflowClient(tracking_uri)
     if client.get_experiment_by_name(experiment) is None:
-        client.create_experiment(experiment, artifact_location=(Path(out_dir).resolve() / "artifacts").as_uri())
+        client.create_experiment(experiment, artifact_location=root.resolve().as_uri())
 
 
 def relocate(run_dir) -> bool:
