@@ -23,6 +23,8 @@ _state: dict = {"error": None}
 DB_DAMAGED = ("database disk image is malformed", "file is not a database", "file is encrypted or is not a database",
               "malformed database schema", "no such table")
 DB_FULL = ("database or disk is full",)
+DB_READ_ONLY = ("attempt to write a readonly database",)
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)  # permission denied, not permitted, read-only file system
 
 
 class DamagedFileError(ResumeError):
@@ -89,12 +91,23 @@ def one_line(e: BaseException, run_dir: Path | str | None = None) -> tuple[str, 
             return f"{full}; free space there, then continue with healsweep run --resume {run_dir or 'DIR'}", 1
         if any(m in text for m in DB_DAMAGED) and _is_db_error(x):
             return str(damaged(db, str(x).splitlines()[0][:100], run_dir)), 2
+        if any(m in text for m in DB_READ_ONLY):
+            return f"cannot write {db}: it is read-only; {_writable(run_dir)}", 1
     for x in _chain(e):
         if is_disk_full(x):
             where = f" {x.filename}" if getattr(x, "filename", None) else ""
             return (f"no space left on device{where} ({errno.errorcode.get(x.errno, x.errno)}); free space, then "
                     f"continue with healsweep run --resume {run_dir or 'DIR'}"), 1
+        if isinstance(x, OSError) and x.errno in NOT_WRITABLE:
+            where = f" {x.filename}" if getattr(x, "filename", None) else ""
+            return f"cannot write{where}: {x.strerror} ({errno.errorcode[x.errno]}); {_writable(run_dir)}", 1
     return None
+
+
+def _writable(run_dir: Path | str | None) -> str:
+    """What to do about a file the command cannot write (a read-only mount, a file of another user)."""
+    return (f"make {run_dir} and its files writable (or copy it somewhere writable), then run the command again"
+            if run_dir else "make it writable, then run the command again")
 
 
 def _is_db_error(x: BaseException) -> bool:

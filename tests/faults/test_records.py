@@ -130,3 +130,24 @@ def test_journal_rebuilt_from_the_record_asks_lost_trials_again_alike(tmp_path, 
     if design != "tpe":  # TPE draws from its history, which holds every other trial now: a fresh draw there
         assert {k: cfg[k] for k in ("lr", "steps")} == {k: asked[lost][k] for k in ("lr", "steps")}
     json.dumps(cfg)  # a plain config, as Tune needs it
+
+
+def test_a_file_the_command_cannot_write_is_one_line(tmp_path):
+    """A read-only run directory (a read-only mount, an immutable file, another user's files) ended report,
+    doctor and resume in a traceback: one line naming the file and what to do, exit 1. SQLite's own wording for
+    a read-only database is met for real; the OS's PermissionError is the one open() raises for EACCES."""
+    import errno
+    import sqlite3
+
+    db = tmp_path / "mlflow.db"
+    sqlite3.connect(db).execute("CREATE TABLE runs (v)").connection.close()
+    with pytest.raises(sqlite3.OperationalError) as e:
+        sqlite3.connect(f"file:{db}?mode=ro", uri=True).execute("INSERT INTO runs VALUES (1)")
+    msg, code = faults.one_line(e.value, tmp_path)
+    assert code == 1 and msg == (f"cannot write {db}: it is read-only; make {tmp_path} and its files writable (or "
+                                 "copy it somewhere writable), then run the command again")
+    for no, why in ((errno.EACCES, "Permission denied"), (errno.EROFS, "Read-only file system")):
+        err = PermissionError(no, why, str(tmp_path / "optuna.journal")) if no == errno.EACCES else \
+            OSError(no, why, str(tmp_path / "driver.lock"))
+        msg, code = faults.one_line(err, tmp_path)
+        assert code == 1 and msg.startswith(f"cannot write {err.filename}: {why} ({errno.errorcode[no]}); make ")
