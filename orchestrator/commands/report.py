@@ -10,6 +10,8 @@ from orchestrator.lifecycle.resume import DB_FILE, db_problem, own_db
 from orchestrator.rundir.faults import damaged
 from orchestrator.rundir.files import ResumeError, read_sweep
 from orchestrator.rundir.records import TRIALS_FILE
+from orchestrator.spec.checks import SpecError
+from orchestrator.spec.reach import check_server
 from orchestrator.sweep.console import quiet_libraries
 from orchestrator.tracking.store import relocate
 
@@ -52,6 +54,10 @@ def check_sweep(d: Path) -> dict:
         raise CliError(_missing(d, db))
     if not info.get("parent_run_id"):
         raise CliError(f"no sweep in {d}: it never reached MLflow (no parent run recorded)")
+    try:
+        check_server(info["tracking_uri"], f"{d / 'sweep.json'}: tracking_uri")
+    except SpecError as e:
+        raise CliError(str(e)) from None
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 

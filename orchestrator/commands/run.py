@@ -16,6 +16,7 @@ from orchestrator.raytune.cluster import ClusterError, check_store_uri, connect 
 from orchestrator.rundir import faults
 from orchestrator.rundir.files import ResumeError, probe_run_dir, read_sweep
 from orchestrator.spec.dry_run import DRY_SIZES
+from orchestrator.spec.reach import check_server
 from orchestrator.sweep.background import background
 from orchestrator.sweep.console import StageClock, process_age, quiet_libraries
 from tasks.errors import DatasetError, ModelSourceError  # no torch: a warm sweep loads no model and no dataset
@@ -192,7 +193,8 @@ def _precheck(args) -> None:
         if args.resume:
             if args.spec or args.out or args.dry_run:
                 raise CliError("--resume DIR takes no SPEC, --out or --dry-run: the sweep's spec and paths are in DIR")
-            read_sweep(Path(args.resume))
+            info = read_sweep(Path(args.resume))
+            check_server(info["tracking_uri"], f"{Path(args.resume) / 'sweep.json'}: tracking_uri")
             probe_run_dir(Path(args.resume), resume=True)
             check_resumable(Path(args.resume))  # a damaged database, journal or record: one line before Ray
         elif not args.spec:

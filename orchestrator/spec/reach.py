@@ -66,6 +66,15 @@ def check_tracking_uri(uri: str | None, timeout: float = TIMEOUT_S, field: str =
                                                f"({why}); start the tracking {what} or fix the URI") from None
 
 
+def check_server(uri: str, field: str) -> None:
+    """The 3-s connection check of :func:`check_tracking_uri` for a recorded sweep's server or database (report,
+    resume): a server that is down took MLflow's client ~4 min of retries, then a traceback or 'parent run not
+    found'. A SQLite store (on disk) and Databricks pass."""
+    if uri.startswith("sqlite:") or uri == "databricks" or uri.startswith("databricks://"):
+        return
+    check_tracking_uri(uri, field=field)
+
+
 def check_sqlite_dir(uri: str, field: str = "mlflow.tracking_uri") -> None:
     """SpecError unless the directory of a ``sqlite:///PATH`` store exists and this process may write there (the
     database file, when it exists, too). SQLite creates the file, never its directory."""
