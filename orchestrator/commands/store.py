@@ -95,7 +95,10 @@ def main(args: argparse.Namespace) -> int:
             where = a
         else:
             raise CliError(f"store verify: unexpected argument {a[:80]!r} (give at most WHERE and one KEY)")
-    where = where or getattr(args, "where", None)
+    given = getattr(args, "where", None)
+    if args.store is not None and given is not None and Path(given) != Path(args.store):
+        raise CliError(f"store: give WHERE or --store, not both ({given[:80]!r} and {args.store[:80]!r})")
+    where = where or given
     targets, root = locate(where)
     args.key = key
     try:

@@ -137,6 +137,9 @@ def test_store_commands_take_a_run_dir_from_any_cwd_and_list_everything(tmp_path
     assert cli("store", "verify", run, cwd=elsewhere).returncode == 0
     assert cli("store", "verify", run, key, cwd=elsewhere).stdout.startswith(f"{key}: ok")
     assert_one_line_exit_2(cli("store", "ls", cwd=elsewhere), ".healsweep/store does not exist")
+    # WHERE and --store naming two places: refused (--store was used and WHERE ignored)
+    assert_one_line_exit_2(cli("store", "ls", "--store", str(home), "../run", cwd=elsewhere),
+                           "store: give WHERE or --store, not both")
     assert cli("store", "gc", "--older-than", "0", "--dry-run", home, cwd=elsewhere).stdout.startswith(
         f"would delete {key}")
 
