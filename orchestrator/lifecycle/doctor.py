@@ -22,7 +22,7 @@ from orchestrator.rundir import records
 from orchestrator.rundir.files import JOURNAL_FILE, read_sweep
 from orchestrator.tracking.rebuild import journal_disagrees, rebuild_journal, rebuild_tracking, sync_runs
 from orchestrator.tracking.recorder import backfill
-from orchestrator.tracking.store import relocate
+from orchestrator.tracking.store import local_tracking_uri, relocate
 
 
 @dataclass
@@ -117,10 +117,14 @@ class Doctor:
                             lambda: self._sync_db())]
         return []
 
-    def _client(self):
+    def _client(self, write: bool = True):
+        """The run's MLflow client; a repair (``write``) first points a copied or moved run directory's sweep.json
+        and database at their new place, a check only reads the database where it now is (it wrote, and a
+        read-only copy ended the check in a traceback)."""
         from mlflow import MlflowClient
 
-
+        if not write:
+            return MlflowClient(local_tracking_uri(self.dir))  # only called for the run directory's own database
         relocate(self.dir)
         self.info = read_sweep(self.dir)
         return MlflowClient(self.info["tracking_uri"])
@@ -128,7 +132,7 @@ class Doctor:
     def _missing_runs(self, trials: dict[str, dict]) -> list[str]:
         if not trials:
             return []
-        client = self._client()
+        client = self._client(write=False)
         exp = client.get_experiment_by_name(self.info.get("experiment") or "healsweep")
         if exp is None:
             return sorted(trials)

@@ -145,3 +145,14 @@ def test_a_resume_records_a_sweep_from_before_the_record_first(reference, tmp_pa
     assert notes == [f"{run / 'trials.jsonl'}: written from the journal and MLflow (8 trials: a sweep from before it)"]
     assert recorded(run) == recorded(reference["run"])
     assert not journal_disagrees(run / "optuna.journal", recorded_lenient(run))
+
+
+def test_a_check_writes_nothing_in_a_copied_run(reference, tmp_path):
+    """`doctor DIR` (no --repair) on a copied run directory reads its database where it now is: it rewrote the
+    paths in sweep.json and mlflow.db (relocate), so a read-only copy ended the check in a traceback. Every file
+    is byte-identical afterwards; `report` then relocates it as before."""
+    run = copy_run(reference, tmp_path / "run")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    r = cli("doctor", run)
+    assert r.returncode == 0 and r.stdout.strip().endswith("every file checked, no problem found")
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
