@@ -49,7 +49,8 @@ def _sweep(tmp: Path, name: str, dataset: dict, models: list[dict], cwd: Path | 
                      "--quiet", cwd=cwd, timeout=600, HEALSWEEP_CHECK_CACHE="off")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert f"{len(models)} trials finished, 0 failed" in proc.stdout, proc.stdout
+    n = len(models)
+    assert f"{n} trial{'s' if n != 1 else ''} finished, 0 failed" in proc.stdout, proc.stdout
     return out, store, proc.stdout
 
 
