@@ -26,6 +26,11 @@ def load_spec_or_exit(path: str):
         raise CliError(str(e)) from None
 
 
+def report_lines(paths: dict) -> str:
+    """Where a written report is (run, refine and widen say it alike): both files, absolute."""
+    return f"report: {Path(paths['html']).resolve()}\n        {Path(paths['md']).resolve()}"
+
+
 def interrupted_exit(res) -> int:
     """A sweep (or round) that SIGINT/SIGTERM interrupted: its one line on stderr, and 128 + the signal; else 0."""
     if res.interrupted is None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.commands.common import CliError, interrupted_exit
+from orchestrator.commands.common import CliError, interrupted_exit, report_lines
 from orchestrator.lifecycle.continuation import RefineError
 from orchestrator.lifecycle.refine import (
     MAX_TRIALS,  # a light module: its heavy imports are inside functions
@@ -74,11 +74,6 @@ def _flags(args) -> None:
             setattr(args, key, default)
 
 
-def _report_lines(paths: dict) -> str:
-    """Where the rewritten report is, as `healsweep run` says it: both files, absolute."""
-    return f"report: {Path(paths['html']).resolve()}\n        {Path(paths['md']).resolve()}"
-
-
 def _print_plan(plan: dict) -> None:
     """The fine grid, its trials and their time estimate: printed before the round runs (and flushed: piped, the
     plan came out after the round's own lines)."""
@@ -111,7 +106,7 @@ def main(args) -> int:
     res = plan["result"]
     print(f"refine round {plan['round']}: {plan['trials_finished']} trials finished, {plan['trials_failed']} failed "
           f"(the sweep: {res.trials_finished} and {res.trials_failed}), dense forward images {res.dense_forward_images}")
-    print(_report_lines(plan["report"]))
+    print(report_lines(plan["report"]))
     return interrupted_exit(res) or (0 if res.trials_failed == 0 else 1)
 
 
@@ -132,5 +127,5 @@ def _widen(args) -> int:
         res = d["result"]
         print(f"widen round {d['round']}: {len(d['cells'])} cells, {d['trials_finished']} trials finished, "
               f"{d['trials_failed']} failed (the sweep: {res.trials_finished} and {res.trials_failed})")
-    print(_report_lines(done[-1]["report"]))
+    print(report_lines(done[-1]["report"]))
     return interrupted_exit(done[-1]["result"]) or (0 if all(d["result"].trials_failed == 0 for d in done) else 1)

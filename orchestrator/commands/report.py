@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from orchestrator.commands.common import CliError
+from orchestrator.commands.common import CliError, report_lines
 from orchestrator.lifecycle.resume import DB_FILE, db_problem, own_db
 from orchestrator.rundir.faults import damaged
 from orchestrator.rundir.files import ResumeError, read_sweep
@@ -103,7 +103,7 @@ def main(args) -> int:
     from analysis.report import write_report
 
     paths = write_report(d)
-    print(f"report: {paths['html']}\n        {paths['md']}")
+    print(report_lines(paths))
     if getattr(args, "readme", None):
         from analysis.readme import ReadmeError, update_readme
 

@@ -8,7 +8,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from orchestrator.commands.common import DEFAULT_HOME, CliError, interrupted_exit, load_spec_or_exit
+from orchestrator.commands.common import DEFAULT_HOME, CliError, interrupted_exit, load_spec_or_exit, report_lines
 from orchestrator.lifecycle.continuation import RefineError
 from orchestrator.lifecycle.resume import check_resumable, prepare_resume
 from orchestrator.lifecycle.widen import run_widening
@@ -83,7 +83,7 @@ def main(args) -> int:
           f"{time.perf_counter() - started:.0f} s wall")
     print(f"mlflow: {res.tracking_uri}")
     if res.report:
-        print(f"report: {res.report['html']}\n        {res.report['md']}")
+        print(report_lines(res.report))
     return interrupted_exit(res) or (0 if res.trials_failed == 0 else 1)  # SIGINT/SIGTERM: one line, 128 + signal
 
 
