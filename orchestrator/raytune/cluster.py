@@ -1,10 +1,11 @@
 """Connecting the driver to Ray and sizing Tune for a cluster that may grow.
 
-* :func:`connect` checks ``--address`` before ``ray.init`` (a short TCP probe: an unreachable GCS otherwise makes
-  Ray retry for minutes), refuses Ray Client (``ray://``) in one line, turns connection and token-auth failures
-  into one line (:class:`ClusterError`, exit 2 in the CLI), reports which cluster ``--address auto`` joined, and
-  hands the driver's environment the sweep needs (:data:`ENV_PREFIXES`) to every worker through the job's
-  ``runtime_env``: on a real cluster workers are started by their node's raylet, not by the driver.
+* :func:`connect` checks ``--address`` before ``ray.init`` (a short TCP probe, then HTTP/2's preface: an unreachable
+  GCS, or a port where something else listens, otherwise makes Ray retry for minutes), refuses Ray Client (``ray://``)
+  in one line, turns connection and token-auth failures into one line (:class:`ClusterError`, exit 2 in the CLI),
+  reports which cluster ``--address auto`` joined, and hands the driver's environment the sweep needs
+  (:data:`ENV_PREFIXES`) to every worker through the job's ``runtime_env``: on a real cluster workers are started by
+  their node's raylet, not by the driver.
 * :func:`tune_concurrency` is the concurrency policy: no cap unless ``resources.max_concurrent`` is set, so trials
   queue and a node that joins later (or an autoscaler that sees the demand) receives them; :func:`pending_limit`
   lets Tune keep the sweep's trials PENDING (not the CPUs present at start).
@@ -72,14 +73,58 @@ def parse_address(address: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
-def probe(host: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> None:
-    """ClusterError in at most ``timeout`` seconds when nothing listens at host:port."""
+def probe(host: str, port: int, timeout: float = PROBE_TIMEOUT_S, environ=None) -> None:
+    """ClusterError in at most ~2 x ``timeout`` seconds when nothing listens at host:port, or when what listens
+    there does not answer as a gRPC server does (the GCS is one): otherwise ``ray.init`` retries "Failed to
+    connect to GCS" for minutes against, say, a web server or the dashboard's port."""
     try:
-        socket.create_connection((host, port), timeout=timeout).close()
+        conn = socket.create_connection((host, port), timeout=timeout)
     except OSError as e:
         why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__).lower()
         raise ClusterError(f"cannot reach the Ray cluster at {host}:{port} ({why}): is the head node up and the "
                            "port (GCS, default 6379) open from here?") from None
+    with conn:
+        if _tls(os.environ if environ is None else environ):
+            return  # RAY_USE_TLS: the GCS wants a TLS handshake first; Ray's own errors tell the rest
+        answer = _first_frame(conn)
+    if not is_http2_settings(answer):
+        seen = (f"said nothing in {timeout:g} s" if answer is None else "closed the connection" if not answer
+                else f"answered {answer[:16]!r}")
+        raise ClusterError(f"{host}:{port} is not a Ray GCS: it {seen} where a gRPC server answers HTTP/2: give "
+                           "the head's GCS port (`ray start --head --port`, default 6379), not the dashboard's "
+                           "(8265) or another service's")
+
+
+# HTTP/2's client connection preface (RFC 9113 §3.4) and an empty SETTINGS frame: 9-byte header, length 0, type 4.
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def is_http2_settings(frame: bytes | None) -> bool:
+    """A server's first HTTP/2 frame is SETTINGS (RFC 9113 §3.4): byte 3 of the 9-byte frame header is type 4,
+    byte 4 (flags) has no ACK bit, bytes 5-8 are stream 0."""
+    return frame is not None and len(frame) >= 9 and frame[3] == 4 and not frame[4] & 1 and frame[5:9] == bytes(4)
+
+
+def _first_frame(conn: socket.socket) -> bytes | None:
+    """The first 9 bytes a server sends after the HTTP/2 preface (fewer when it closes; None when it says nothing
+    before the socket's timeout)."""
+    got = b""
+    try:
+        conn.sendall(HTTP2_PREFACE)
+        while len(got) < 9:
+            chunk = conn.recv(9 - len(got))
+            if not chunk:
+                break
+            got += chunk
+        return got
+    except TimeoutError:
+        return got or None
+    except OSError:  # reset
+        return b""
+
+
+def _tls(environ) -> bool:
+    return str(environ.get("RAY_USE_TLS", "")).strip().lower() in ("1", "true")
 
 
 def check_address(address: str | None) -> None:

@@ -56,6 +56,27 @@ def test_unreachable_cluster_is_one_line_within_seconds(tmp_path):
     assert "cannot reach the Ray cluster at 127.0.0.1:" in _one_line(p) and dt < 120  # Ray alone retries for minutes
 
 
+def test_a_web_server_at_the_address_is_one_line_within_seconds(tmp_path):
+    """A port where something else listens (here Python's http.server) passed the TCP probe, then Ray retried
+    "Failed to connect to GCS" for minutes with no healsweep line."""
+    port = free_port()
+    web = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        p, dt = _run(tmp_path, "--address", f"127.0.0.1:{port}")
+    finally:
+        web.kill()
+        web.wait()
+    assert f"127.0.0.1:{port} is not a Ray GCS" in _one_line(p) and dt < 60
+    assert not (tmp_path / "run" / "sweep.json").exists()  # refused before any work
+
+
 def test_auto_without_a_cluster_is_one_line(tmp_path):
     env = {"RAY_ADDRESS": f"127.0.0.1:{free_port()}"}  # what --address auto follows first
     assert "cannot reach the Ray cluster" in _one_line(_run(tmp_path, "--address", "auto", env=env)[0])

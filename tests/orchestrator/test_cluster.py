@@ -1,15 +1,18 @@
-"""orchestrator/raytune/cluster.py without Ray: which variables workers get, address parsing, the concurrency policy."""
+"""orchestrator/raytune/cluster.py without Ray: which variables workers get, address parsing and probing (TCP, then
+HTTP/2's preface), the concurrency policy."""
 from __future__ import annotations
 
 import json
 import os
 import socket
+import threading
 import time
 
 import pytest
 
-from orchestrator.raytune.cluster import (ClusterError, mask_root, parse_address, pending_limit, pending_trials,
-                                  present_concurrency, probe, store_subdir, tune_concurrency, worker_env)
+from orchestrator.raytune.cluster import (ClusterError, is_http2_settings, mask_root, parse_address, pending_limit,
+                                         pending_trials, present_concurrency, probe, store_subdir, tune_concurrency,
+                                         worker_env)
 from orchestrator.spec import parse_spec
 
 
@@ -81,3 +84,56 @@ def test_masks_follow_a_remote_store_uri():
     assert store_subdir(uri, "masks") == "s3://b/st/masks?endpoint_override=h:9000&scheme=http"
     assert mask_root(uri, "/l/masks") == "s3://b/st/masks?endpoint_override=h:9000&scheme=http"
     assert mask_root(None, "/l/masks") == "/l/masks" and mask_root("/data/t", "/l/masks") == "/l/masks"
+
+
+def _serve_once(reply: bytes | None):
+    """A listener on 127.0.0.1 that reads the client's first bytes, then sends ``reply`` (None: says nothing)."""
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(64)
+            if reply is not None:
+                conn.sendall(reply)
+                time.sleep(0.2)
+            else:
+                time.sleep(2)
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return srv, srv.getsockname()[1]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("reply, said", [
+    (b"HTTP/1.0 400 Bad request\r\n\r\n", r"answered b'HTTP/1.0 '"),  # a web server (the dashboard, http.server)
+    (b"", "closed the connection"),
+    (None, "said nothing in 1 s"),
+    (bytes([0, 0, 0, 4, 1, 0, 0, 0, 0]), "answered"),  # a SETTINGS ACK is not a server's first frame
+])
+def test_a_listener_that_is_not_a_gcs_is_refused_in_one_line(reply, said):
+    srv, port = _serve_once(reply)
+    with srv:
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError, match=f"127.0.0.1:{port} is not a Ray GCS: it {said}") as e:
+            probe("127.0.0.1", port, timeout=1.0)
+    assert time.monotonic() - t0 < 2.5 and "\n" not in str(e.value)
+
+
+@pytest.mark.timeout(30)
+def test_a_grpc_server_passes_and_tls_skips_the_preface():
+    # a gRPC server's first frame: SETTINGS with two settings (12 bytes of payload), no ACK, stream 0
+    srv, port = _serve_once(bytes([0, 0, 12, 4, 0, 0, 0, 0, 0]) + bytes(12))
+    with srv:
+        probe("127.0.0.1", port, timeout=1.0)
+    srv, port = _serve_once(b"HTTP/1.0 400 Bad request\r\n\r\n")
+    with srv:
+        probe("127.0.0.1", port, timeout=1.0, environ={"RAY_USE_TLS": "1"})  # TLS: Ray's own handshake decides
+
+
+def test_http2_settings_frames():
+    assert is_http2_settings(bytes([0, 0, 6, 4, 0, 0, 0, 0, 0]))
+    assert not is_http2_settings(bytes([0, 0, 0, 4, 1, 0, 0, 0, 0]))  # ACK
+    assert not is_http2_settings(bytes([0, 0, 6, 4, 0, 0, 0, 0, 1]))  # stream 1
+    assert not is_http2_settings(bytes([0, 0, 6, 1, 0, 0, 0, 0, 0]))  # HEADERS
+    assert not is_http2_settings(b"\x00\x00\x06\x04") and not is_http2_settings(None)
