@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -10,14 +11,15 @@ from pathlib import Path
 
 from orchestrator.commands.common import DEFAULT_HOME, CliError, interrupted_exit, load_spec_or_exit, report_lines
 from orchestrator.lifecycle.continuation import RefineError
-from orchestrator.lifecycle.resume import check_resumable, prepare_resume
+from orchestrator.lifecycle.resume import check_resumable, nothing_to_resume, prepare_resume
 from orchestrator.lifecycle.widen import run_widening
 from orchestrator.raytune.cluster import ClusterError, check_store_uri, connect  # light: no ray import
 from orchestrator.rundir import faults
-from orchestrator.rundir.files import ResumeError, probe_run_dir, read_sweep
+from orchestrator.rundir.files import ResumeError, probe_run_dir, read_sweep, record_complete
 from orchestrator.spec.dry_run import DRY_SIZES
 from orchestrator.spec.reach import check_server
 from orchestrator.sweep.background import background
+from orchestrator.tracking.store import relocate
 from orchestrator.sweep.console import StageClock, process_age, quiet_libraries
 from tasks.errors import DatasetError, ModelSourceError  # no torch: a warm sweep loads no model and no dataset
 
@@ -66,6 +68,9 @@ def main(args) -> int:
     started = time.perf_counter()
     clock = StageClock(enabled=not args.quiet)
     clock.add("imports", process_age())
+    _precheck(args)
+    if args.resume and (done := nothing_to_resume(Path(args.resume))) is not None:
+        return _complete_already(Path(args.resume), *done, report=not args.no_report)
     spec, out, store, cache, models, owns_ray = _resolve_while_ray_starts(args, clock)
     try:
         res = _run(args, spec, out, store, cache, clock, owns_ray, models)
@@ -76,6 +81,8 @@ def main(args) -> int:
         _shutdown_ray(owns_ray)  # run_sweep shuts it down itself unless it failed before its own try
 
     faults.raise_stopped()  # a fault that stopped the trials (a full disk under the record): one line, exit 1
+    if res.interrupted is None:  # every trial and widening round ran: a resume of it has nothing to start
+        record_complete(out, res.trials_finished + res.trials_failed)
     # the command's wall time (Ray's start, widening rounds and the report included): the sweep's own figure
     # (res.seconds, from its trials' start) read as the run's duration and was half of it
     print(f"sweep {res.sweep_id}: {res.trials_finished} trial{'' if res.trials_finished == 1 else 's'} finished, "
@@ -87,8 +94,29 @@ def main(args) -> int:
     return interrupted_exit(res) or (0 if res.trials_failed == 0 else 1)  # SIGINT/SIGTERM: one line, 128 + signal
 
 
+def _complete_already(out: Path, finished: int, failed: int, report: bool) -> int:
+    """``run --resume`` of a sweep that ended complete: no Ray, no dense stage; the summary lines of a run (0 dense
+    images) and the report rewritten (the analysis may be newer than the sweep). Exit 0: nothing failed here."""
+    t0 = time.perf_counter()
+    relocate(out)  # a copied or moved run directory: its own SQLite store, as a resume that runs trials
+    info = read_sweep(out)
+    print(f"healsweep: {out}: the sweep ended complete and its files are unchanged since: nothing to resume "
+          f"(healsweep refine {out} searches further)", file=sys.stderr)
+    paths = None
+    if report:
+        from analysis.report import write_report
+
+        paths = write_report(out)
+    print(f"sweep {info['sweep_id']}: {finished} trial{'' if finished == 1 else 's'} finished, {failed} failed, "
+          f"dense forward images 0, {time.perf_counter() - t0:.0f} s wall")
+    print(f"mlflow: {info['tracking_uri']}")
+    if paths:
+        print(report_lines(paths))
+    return 0
+
+
 def _resolve_while_ray_starts(args, clock) -> tuple:
-    """Flags, paths and the spec file's YAML are checked first (a one-line error before Ray); then the spec's
+    """After ``_precheck`` (flags, paths, the spec file's YAML: a one-line error before Ray), the spec's
     full check (method registries, compatibility verdicts: torch imports, ~1.5-3 s) and, on a local instance, the
     models stage (timm import, checkpoint load, ~2 s) run in a thread while this thread starts Ray (~3 s). Ray is
     shut down again when the spec is refused; MLflow's modules are then imported aside (``_import_mlflow_aside``).
@@ -96,7 +124,6 @@ def _resolve_while_ray_starts(args, clock) -> tuple:
     another.
     -> (spec, run dir, store dir, model cache, models or None, whether this call started Ray)."""
 
-    _precheck(args)
 
     def resolve():
         t0 = time.perf_counter()

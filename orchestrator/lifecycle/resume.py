@@ -13,6 +13,7 @@ import sqlite3
 import sys
 from pathlib import Path
 
+from orchestrator.lifecycle.store_check import targets_gap
 from orchestrator.rundir import records
 from orchestrator.rundir.faults import damaged
 from orchestrator.rundir.files import JOURNAL_FILE, read_sweep, told_states
@@ -120,6 +121,29 @@ def prepare_resume(out_dir: Path, say=note) -> None:
     if rs.records and (why or journal_disagrees(journal, trials)):
         c = rebuild_journal(journal, trials)
         say(f"{journal}: rebuilt from {records.TRIALS_FILE} ({c['told']} trials told, {c['asked']} to run again)")
+
+
+def nothing_to_resume(out_dir: Path) -> tuple[int, int] | None:
+    """(finished, failed) when the sweep of ``out_dir`` ended complete (sweep.json's ``complete``, written by
+    ``healsweep run`` after its last trial and widening round) and nothing changed since: both files whole, the
+    journal's told trials exactly those the record holds and as many as at the end, its local target keys whole or
+    gone (``store_check.targets_gap``). None otherwise (the resume
+    runs as usual: it runs what is left, or finds 0 trials after starting Ray)."""
+    out_dir = Path(out_dir)
+    info = read_sweep(out_dir)
+    done = info.get("complete")
+    journal = out_dir / JOURNAL_FILE
+    js, rs = records.scan(journal, records.check_json), records.scan(out_dir / records.TRIALS_FILE)
+    if not isinstance(done, dict) or not js.clean or not rs.clean or not rs.path.exists():
+        return None
+    states = [st for st in told_states(journal).values() if st.is_finished()]
+    trials = records.trials(rs)
+    if len(states) != done.get("told") or len(trials) != len(states) or journal_disagrees(journal, trials):
+        return None
+    if targets_gap(out_dir, info):  # a shard doctor moved aside: the resume recomputes it, as doctor says
+        return None
+    failed = sum(st.name == "FAIL" for st in states)
+    return len(states) - failed, failed
 
 
 def told_count(journal: Path) -> int:

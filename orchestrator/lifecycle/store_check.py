@@ -18,6 +18,32 @@ def targets_root(run_dir: Path, info: dict) -> str:
         return (info["spec"].get("store") or {}).get("uri") or str(Path(info["store"]) / "targets")
 
 
+def targets_gap(run_dir: Path, info: dict) -> str | None:
+    """A target key of this sweep that is present in its local store but not whole (no manifest, or a shard
+    missing or of the wrong size: sizes only, no sha256), or None. A key gone entirely (``store gc``) is no gap:
+    a finished sweep does not need it, a refine round recomputes it. -> the key's directory."""
+    from tasks.store import KEY_RE, StoreError, TargetStore
+
+    root = targets_root(run_dir, info)
+    try:
+        keys = json.loads((run_dir / "targets.json").read_text())["keys"].values()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if "://" in root or not Path(root).is_dir():
+        return None
+    store = TargetStore(root)
+    for key in keys:
+        if not isinstance(key, str) or not KEY_RE.match(key) or not store.fs.listdir(key):
+            continue
+        try:
+            m = store.manifest(key)
+        except StoreError:
+            return store.fs.path(key)
+        if m is None or any(store.check_shard(key, sh) for sh in m["shards"]):
+            return store.fs.path(key)
+    return None
+
+
 def store_problems(run_dir: Path, info: dict, problem: Callable) -> list:
     from tasks.store import KEY_RE, StoreError, TargetStore
 

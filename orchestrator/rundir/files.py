@@ -164,3 +164,13 @@ def record_dense(out_dir: Path, info: dict, session: int, images: int) -> int:
     info["dense_forward_images"] = per
     write_sweep(out_dir, info)
     return sum(per.values())
+
+
+def record_complete(out_dir: Path, told: int) -> None:
+    """Mark in sweep.json that the sweep ended with nothing left to run (no interruption, no fault, widening
+    rounds done) when its journal had told ``told`` trials: ``run --resume`` of it then starts nothing
+    (``lifecycle.resume.nothing_to_resume``). A later session that tells more trials (refine) outgrows it."""
+    info = read_sweep(out_dir)
+    info["complete"] = {"told": int(told)}
+    write_sweep(out_dir, info)
+

@@ -64,9 +64,16 @@ def test_sweep_on_an_mlflow_server_backed_by_postgresql_and_its_resume(tmp_path,
     runs = client.search_runs([exp.experiment_id], flt)
     assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)
     assert "spec.json" in [a.path for a in client.list_artifacts(meta["parent_run_id"])]  # proxied artifacts
+    p = _healsweep("run", "--resume", str(out), "--quiet", "--no-report", cwd=tmp_path, env=env)
+    assert "the sweep ended complete and its files are unchanged since: nothing to resume" in p.stderr
+    hist = client.get_metric_history(meta["parent_run_id"], "trials_run")
+    assert [m.value for m in hist] == [2.0]  # nothing started: no session logged
+    data = (out / "trials.jsonl").read_bytes().splitlines(keepends=True)
+    (out / "trials.jsonl").write_bytes(b"".join(data[:-1]) + data[-1][: len(data[-1]) // 2])  # a torn last record
     _healsweep("run", "--resume", str(out), "--quiet", "--no-report", "--num-cpus", "1", cwd=tmp_path, env=env)
     parent = client.get_run(meta["parent_run_id"])
     hist = client.get_metric_history(meta["parent_run_id"], "trials_run")
-    assert sorted(m.value for m in hist) == [0.0, 2.0]  # the resume ran no finished trial
+    assert sorted(m.value for m in hist) == [1.0, 2.0]  # the resume ran the torn trial again, no finished one
     assert parent.info.status == "FINISHED"
-    assert len(client.search_runs([exp.experiment_id], flt)) == 2
+    runs = client.search_runs([exp.experiment_id], flt)
+    assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)  # its run replaced, not doubled

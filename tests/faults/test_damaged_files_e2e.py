@@ -6,6 +6,8 @@ reference's numbers."""
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -83,6 +85,9 @@ def test_damaged_tracking_database(reference, tmp_path, damage):
     assert quoted(run) == reference["quoted"]
     assert trial_runs(run) == recorded(run)
     if damage == "truncated":  # the resume of a rebuilt database: nothing runs again, nothing twice
+        info = json.loads((run / "sweep.json").read_text())
+        del info["complete"]  # through Ray and Tune, as a sweep from before the mark (else nothing starts)
+        (run / "sweep.json").write_text(json.dumps(info))
         r = ok(run_cli("run", "--resume", run, "--quiet"))
         assert "8 trials finished, 0 failed" in r.stdout
         assert_complete(run, reference)
@@ -156,3 +161,56 @@ def test_a_check_writes_nothing_in_a_copied_run(reference, tmp_path):
     r = cli("doctor", run)
     assert r.returncode == 0 and r.stdout.strip().endswith("every file checked, no problem found")
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_a_finished_sweep_resumes_without_starting_anything(reference, tmp_path):
+    """`run --resume` of a sweep that ended complete started Ray (~10 s, minutes to attach a cluster) to run 0
+    trials, and recomputed the dense pass when `store gc` had deleted its targets. It now checks its files, says
+    there is nothing to resume, rewrites the report and prints a run's summary lines, exit 0; no session is added
+    (sweep.json counts dense images per session) and the gc'ed key stays gone."""
+    from orchestrator.lifecycle.resume import nothing_to_resume
+
+    run = copy_run(reference, tmp_path / "run", own_store=True)
+    assert json.loads((run / "sweep.json").read_text())["complete"] == {"told": 8}  # written by `healsweep run`
+    (key,) = json.loads((run / "targets.json").read_text())["keys"].values()
+    kdir = tmp_path / "run-store" / "targets" / key
+    shutil.rmtree(kdir)  # what `healsweep store gc` leaves
+    (run / "report.html").unlink()
+    r = ok(run_cli("run", "--resume", run, "--quiet"))
+    assert f"healsweep: {run}: the sweep ended complete and its files are unchanged since: nothing to resume" in r.stderr
+    info = json.loads((run / "sweep.json").read_text())
+    assert info["dense_forward_images"] == {"0": 256} and not kdir.exists()  # no second session, nothing computed
+    assert r.stdout.splitlines()[:2] == [f"sweep {info['sweep_id']}: 8 trials finished, 0 failed, dense forward "
+                                         f"images 0, {r.stdout.split(' s wall')[0].rsplit(' ', 1)[1]} s wall",
+                                         f"mlflow: sqlite:///{run.resolve()}/mlflow.db"]  # relocated: its own store
+    assert (run / "report.html").is_file() and quoted(run) == reference["quoted"]
+    assert nothing_to_resume(run) == (8, 0)
+
+
+def test_what_makes_a_finished_sweep_resume_as_usual(reference, tmp_path):
+    """Anything changed since the end (a torn or damaged line, a trial recorded but not told, more trials told
+    than at the end: a refine round, a target key present but not whole) sends the resume down its usual path,
+    which settles it."""
+    from orchestrator.lifecycle.resume import nothing_to_resume
+
+    def fresh(name: str) -> Path:
+        return copy_run(reference, tmp_path / name, own_store=True)
+
+    assert nothing_to_resume(fresh("clean")) == (8, 0)
+    tear_last_line((r := fresh("torn-journal")) / "optuna.journal")
+    assert nothing_to_resume(r) is None
+    tear_last_line((r := fresh("torn-record")) / "trials.jsonl")
+    assert nothing_to_resume(r) is None
+    r = fresh("more-told")
+    info = json.loads((r / "sweep.json").read_text())
+    (r / "sweep.json").write_text(json.dumps({**info, "complete": {"told": 7}}))
+    assert nothing_to_resume(r) is None
+    r = fresh("shard")
+    (key,) = json.loads((r / "targets.json").read_text())["keys"].values()
+    (tmp_path / "shard-store" / "targets" / key / "shard-00001.arrow").unlink()  # doctor --repair's quarantine
+    assert nothing_to_resume(r) is None  # the resume recomputes it, as doctor says
+    r = fresh("no-marker")
+    info = json.loads((r / "sweep.json").read_text())
+    del info["complete"]  # a sweep that ended before `healsweep run` wrote the mark
+    (r / "sweep.json").write_text(json.dumps(info))
+    assert nothing_to_resume(r) is None

@@ -25,12 +25,13 @@ def _edit_sweep(run, store: str | None = None, plugins: list | None = None) -> N
 
 
 def test_full_store(reference, tmp_path, small_disk):
-    """The store moved to a 3 MiB file system (the run's targets and masks are not there): the resume's dense
-    stage fills it."""
+    """The store moved to a 3 MiB file system (the run's targets and masks are not there) and a trial to run
+    again (a torn record: a sweep that ended complete resumes without a dense stage): the dense stage fills it."""
     mount, resize, plugins = small_disk
     full = mount(3)
     run, store = copy_run(reference, tmp_path / "run"), full / "store"
     _edit_sweep(run, store=str(store), plugins=plugins)
+    tear_last_line(run / "trials.jsonl")
     r = run_cli("run", "--resume", run, "--quiet")
     line = one_line(r, 1, "no space left on device writing a target-store shard", str(store / "targets"), "needed ",
                     "free there", f"healsweep run --resume {run}")
