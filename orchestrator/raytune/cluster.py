@@ -21,6 +21,8 @@ import os
 import socket
 import sys
 
+from orchestrator.raytune.native_log import held_native_lines
+
 # Environment variables a sweep's workers need from the driver: object-store credentials and endpoint
 # (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL, ...), Google
 # Cloud and Azure credentials for gs:// / abfs:// stores, MLflow (MLFLOW_TRACKING_URI, MLFLOW_TRACKING_TOKEN, ...),
@@ -187,7 +189,8 @@ def connect(address: str | None, num_cpus: int | None = None, *, announce=None, 
         return True
     check_address(address)
     try:
-        ray.init(address=address.strip(), runtime_env={"env_vars": worker_env()}, **kw)
+        with held_native_lines(not verbose):  # Ray's C++ retry lines: the one-line error below says it
+            ray.init(address=address.strip(), runtime_env={"env_vars": worker_env()}, **kw)
     except Exception as e:  # ConnectionError, RuntimeError (GCS / auth), ValueError (job env conflict)
         raise ClusterError(_explain(e, address)) from None
     (announce or _announce)(describe())

@@ -132,3 +132,5 @@ def token_head(tmp_path):
 def test_auth_failure_is_one_line(tmp_path, token_head):
     p, _ = _run(tmp_path, "--address", token_head, env={"RAY_AUTH_MODE": "disabled"}, timeout=180)
     assert "refused this driver's authentication token" in _one_line(p)
+    # Ray's C++ core printed ~20 "gcs_client.cc: ... InvalidAuthToken" retry lines on stderr before it, --quiet too
+    assert p.stderr.strip().splitlines() == [_one_line(p)], p.stderr[-2000:]
