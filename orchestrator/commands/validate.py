@@ -29,16 +29,35 @@ def main(args) -> int:
         trials[grid] += searches[grid].max_per_cell if healer.trains else 1  # no training: 1 trial
         fixed += not healer.trains
         per[grid] += 1
-    notes = [f"{fixed} cells whose healer does not train run 1 trial"] if fixed else []
+    notes = [f"{plural(fixed, 'cell')} whose healer does not train run{'s' * (fixed == 1)} 1 trial"] if fixed else []
+    notes += _grid_design_notes(searches)
     upto = {g: "up to " if s.converge is not None else "" for g, s in searches.items()}
     total = "up to " if any(upto.values()) else ""  # search.converge: trials_per_cell and re-evaluations are caps
     if total:
         notes.append("search.converge: a cell stops when its search converges, so these are caps")
     note = f" ({'; '.join(notes)})" if notes else ""
-    print(f"{args.spec}: ok: {len(cells)} cells, {total}{sum(trials.values())} trials{note}")
+    print(f"{args.spec}: ok: {plural(len(cells), 'cell')}, {total}{plural(sum(trials.values()), 'trial')}{note}")
     if spec.grids:
-        print("  " + "; ".join(f"grid {g}: {per[g]} cells, {upto[g]}{trials[g]} trials" for g in searches))
+        print("  " + "; ".join(f"grid {g}: {plural(per[g], 'cell')}, {upto[g]}{plural(trials[g], 'trial')}"
+                               for g in searches))
     return 0
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _grid_design_notes(searches: dict) -> list[str]:
+    """Design ``grid`` runs every lattice point: a ``trials_per_cell`` that differs is not used (said, not refused:
+    a grid's search inherits the top level's trials_per_cell)."""
+    out = []
+    for g, s in searches.items():
+        points = s.lattice[0] * s.lattice[1]
+        if s.design == "grid" and s.trials_per_cell != points:
+            where = f"grid {g}: " if len(searches) > 1 else ""
+            out.append(f"{where}design 'grid' runs all {points} lattice points of a cell (search.lattice "
+                       f"{s.lattice[0]} x {s.lattice[1]}); search.trials_per_cell {s.trials_per_cell} is not used")
+    return out
 
 
 def cell_grids(spec) -> list[tuple[str, object]]:

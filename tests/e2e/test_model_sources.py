@@ -43,7 +43,9 @@ def _sweep(tmp: Path, name: str, dataset: dict, models: list[dict], cwd: Path | 
     cwd = cwd or tmp
     cwd.mkdir(exist_ok=True)
     check = healsweep("validate", path, cwd=cwd, timeout=300)
-    assert check.returncode == 0 and f"ok: {len(models)} cells, {len(models)} trials" in check.stdout, check.stderr
+    n = len(models)
+    assert check.returncode == 0 and f"ok: {n} cell{'s' * (n != 1)}, {n} trial{'s' * (n != 1)}" in check.stdout, \
+        check.stderr
     out, store = tmp / "run", tmp / "store"
     proc = healsweep("run", path, "--out", out, "--store", store, "--cache", tmp / "cache", "--num-cpus", "2",
                      "--quiet", cwd=cwd, timeout=600, HEALSWEEP_CHECK_CACHE="off")

@@ -76,3 +76,24 @@ def test_validate_counts_the_cells_plan_expands(config, monkeypatch, tmp_path):
         pytest.skip(f"{config.name} does not validate on this machine: {e}")
     want = [(c.grid, resolve_healer(c.healer, c.healer_settings).trains) for c in expand_cells(spec, defaultdict(str))]
     assert [(g, h.trains) for g, h in cell_grids(spec)] == want
+
+
+@pytest.mark.parametrize("search, healers, want", [
+    ({"design": "grid", "lattice": [3, 2], "trials_per_cell": 4, "reevaluate": 0}, ["starfish"],
+     "ok: 1 cell, 6 trials (design 'grid' runs all 6 lattice points of a cell (search.lattice 3 x 2); "
+     "search.trials_per_cell 4 is not used)"),
+    ({"design": "grid", "lattice": [2, 2], "trials_per_cell": 4, "reevaluate": 0}, ["starfish"], "ok: 1 cell, 4 trials"),
+    ({"trials_per_cell": 1, "reevaluate": 0}, ["none"], "ok: 1 cell, 1 trial (1 cell whose healer does not train "
+                                                         "runs 1 trial)"),
+])
+def test_validate_says_what_it_counts_in_words_that_fit(tmp_path, search, healers, want):
+    """"1 cells, 1 trials" read wrong, and design 'grid' dropped trials_per_cell without a word (it runs every lattice
+    point: the count was right, the spec's number silently unused)."""
+    import yaml
+
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text(yaml.safe_dump({"name": "v", "models": ["vit_digits"], "sparsities": [0.9], "calib_sizes": [64],
+                                    "pruners": ["magnitude"], "healers": healers, "search": search}))
+    r = validate(spec, tmp_path / "cache")[0]
+    assert r.returncode == 0 and r.stdout.strip() == f"{spec}: {want}", (r.stdout, r.stderr[-2000:])
