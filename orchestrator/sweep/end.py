@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
-from orchestrator.rundir.files import told_states
+from orchestrator.rundir.files import release_run_dir, told_states
 from orchestrator.rundir.interrupt import received
 from orchestrator.sweep.background import background
 from orchestrator.sweep.console import StageClock
@@ -43,7 +46,8 @@ def shutdown_ray() -> None:
             gc.enable()
 
 
-def mark_parent(client, parent: str, finished: int, failed: int, planned: int | None, signum: int | None) -> None:
+def mark_parent(client, parent: str, finished: int, failed: int, planned: int | None, signum: int | None,
+                lost: str = "") -> None:
     """The parent run's final state: FINISHED, or KILLED and tagged ``partial=true`` when a signal interrupted
     the sweep; tags ``trials_finished`` / ``trials_failed`` / ``trials_planned`` (empty: interrupted before the
     trials were planned) either way, so a resumed sweep that completes clears ``partial``. The report's first
@@ -51,11 +55,12 @@ def mark_parent(client, parent: str, finished: int, failed: int, planned: int | 
 
     from mlflow.entities import RunTag
 
-    tags = {"partial": "true" if signum is not None else "false", "trials_finished": str(finished),
+    stopped = lost or (signal.Signals(signum).name if signum is not None else "")  # lost: what ended it instead
+    tags = {"partial": "true" if stopped else "false", "trials_finished": str(finished),
             "trials_failed": str(failed), "trials_planned": "" if planned is None else str(planned),
-            "interrupted_by": signal.Signals(signum).name if signum is not None else ""}
+            "interrupted_by": stopped}
     client.log_batch(parent, tags=[RunTag(k, v) for k, v in tags.items()])
-    client.set_terminated(parent, "KILLED" if signum is not None else "FINISHED")
+    client.set_terminated(parent, "KILLED" if stopped else "FINISHED")
 
 
 def told_counts(journal: Path) -> tuple[int, int]:
@@ -122,3 +127,54 @@ def report_metric(clock: StageClock, step: int) -> list:
     ts = int(time.time() * 1000)
     return [Metric(k, float(v), ts, step) for k, v in clock.metrics().items()
             if k in ("stage_report_seconds", "stage_ray_shutdown_seconds")]
+
+
+# ------------------------------------------------------------------------------------ the cluster lost
+LOST = "the loss of its Ray cluster"  # the parent run's interrupted_by: the report's partial note quotes it
+LOST_WRITES_S, LOST_REPORT_S = 10.0, 25.0  # within what is left of Ray's 60 s (orchestrator/raytune/gcs_watch.py)
+
+
+def cluster_lost(s: SweepState, address: str, seconds: float, report: bool) -> None:
+    """The whole Ray cluster gone during the trials (``gcs_watch``): the queued MLflow writes flushed, the parent
+    run KILLED and tagged partial, the report written (each bounded in time), one line, the run directory
+    released, then the process ends with exit 1 (``os._exit``: Tune's loop in the main thread hangs on the dead
+    cluster, and Ray's core ends the process anyway 60 s after the loss). Every told trial is in trials.jsonl
+    already (recorded as it is told): ``healsweep run --resume DIR`` runs the rest."""
+    if s.tune.writer is not None:
+        s.tune.writer.flush(LOST_WRITES_S)
+    finished, failed = told_counts(s.journal)
+    planned = s.tune.planned
+    try:
+        run = s.tracking()
+        if run.run_id:
+            mark_parent(run.client, run.run_id, finished, failed, planned, None, lost=LOST)
+    except Exception:  # noqa: BLE001 - a tracking server that went with the cluster: the record has it all
+        pass
+    extra = f", {failed} failed" if failed else ""
+    print(f"\nhealsweep: error: the Ray cluster at {address} stopped answering ({seconds:.0f} s without its GCS) "
+          f"during the trials: {finished} of {planned or '?'} trials finished{extra}, each recorded in "
+          f"{s.out_dir / 'trials.jsonl'}; resume with healsweep run --resume {s.out_dir} (with --address once "
+          "the cluster is back, or on a local Ray)", file=sys.stderr, flush=True)
+    paths = _within(LOST_REPORT_S, s.out_dir) if report else None
+    if paths:
+        print(f"report: {Path(paths['html']).resolve()} (partial)", flush=True)
+    release_run_dir(s.out_dir)
+    os._exit(1)
+
+
+def _within(seconds: float, out_dir: Path) -> dict | None:
+    """The report's paths if it is written within ``seconds`` (None if not, or if it failed)."""
+    box: dict = {}
+
+    def write() -> None:
+        from analysis.report import write_report
+
+        try:
+            box["paths"] = write_report(out_dir)
+        except Exception:  # noqa: BLE001 - the sweep ends either way; `healsweep report DIR` writes it later
+            pass
+    th = threading.Thread(target=write, name="healsweep-lost-report", daemon=True)
+    th.start()
+    th.join(seconds)
+    return box.get("paths")
+

@@ -18,9 +18,10 @@ import json
 import sys
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 
-from orchestrator.raytune import cluster, node_guard
+from orchestrator.raytune import cluster, gcs_watch, node_guard
 from orchestrator.raytune.node_guard import NodeGuard, install_hint, missing_project
 from orchestrator.raytune.resources import task_gpus, trial_device
 from orchestrator.raytune.tune_setup import drop_epoch_checkpoints, make_tuner, trial_config
@@ -157,7 +158,7 @@ def dense_and_masks(s: SweepState, progress: bool) -> None:
                   + (f" on node(s) {', '.join(n[:12] for n in nodes)}" if not in_driver else ""))
 
 
-def tune_stage(s: SweepState, progress: bool) -> None:
+def tune_stage(s: SweepState, progress: bool, report: bool = True) -> None:
     """Every trial on Ray Tune (per-cell Optuna search, MLflow through the asynchronous single writer)."""
     import ray
 
@@ -199,7 +200,9 @@ def tune_stage(s: SweepState, progress: bool) -> None:
                            stop=InterruptStopper())
     t0, t.freed = time.perf_counter(), 0
     if searcher.total:
-        with cluster.pending_limit(spec.resources, searcher.total), node_guard.guarding(s.guard):
+        lost = partial(sweep_end.cluster_lost, s, report=report)  # the whole cluster gone: our line, exit 1
+        with cluster.pending_limit(spec.resources, searcher.total), node_guard.guarding(s.guard), \
+                gcs_watch.watching(lost):
             tuner.fit()  # trials queue for nodes that join later; one that cannot import the project is fenced
         t.freed = drop_epoch_checkpoints(s.out_dir / "tune" / name)
     t.seconds = time.perf_counter() - t0
@@ -255,7 +258,7 @@ def _run_and_end(s: SweepState, t0: float, started_ray: bool, models_ready: Hand
         if early:
             finished, failed, seconds = sweep_end.ended_early(s, t0)
         else:
-            tune_stage(s, progress)
+            tune_stage(s, progress, report)
             finished, failed, seconds = sweep_end.summary_stage(s, t0, interrupt.received())
             report_done = sweep_end.start_report(s.out_dir, clock) if report else None  # while Ray shuts down
     finally:

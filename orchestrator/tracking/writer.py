@@ -63,10 +63,11 @@ class AsyncMlflowWriter:
         """``run_id`` is resolved in the writer thread (runs are created there too)."""
         self._q.put(("metrics", run_id, metrics))
 
-    def flush(self) -> None:
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every write queued before this call is done (at most ``timeout`` s); -> whether they are."""
         done = threading.Event()
         self._q.put(("call", done.set))
-        done.wait()
+        return done.wait(timeout)
 
     def close(self) -> None:
         if self._closed:
