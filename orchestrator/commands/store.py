@@ -13,6 +13,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from orchestrator.commands.common import DEFAULT_HOME, CliError
+from orchestrator.rundir import records
 
 _WHERE_HELP = ("a run directory (its store is found from sweep.json), a store root as given to `healsweep run "
                "--store` (targets in DIR/targets), or the target store itself (path or pyarrow.fs URI)")
@@ -35,13 +36,17 @@ def add_parser(sub):
                                      "found (the next sweep quarantines and recomputes it); 2: usage error.")
     vf.add_argument("where_key", nargs="*", metavar="WHERE|KEY",
                     help="where the store is (see WHERE) and/or one 32-hex-character key (default: every key)")
-    gc = cmds.add_parser("gc", help="delete keys unused for DAYS or not referenced by given runs",
-                         description="Delete keys (complete or not) that were not used for --older-than DAYS, "
-                                     "or that no --keep-referenced RUN_DIR refers to (its targets.json).")
+    gc = cmds.add_parser("gc", help="delete keys and masks unused for DAYS or not referenced by given runs",
+                         description="Delete target keys (complete or not) that were not used for --older-than "
+                                     "DAYS, or that no --keep-referenced RUN_DIR refers to (its targets.json); then "
+                                     "the masks beside them by the same rule (a mask's last use is its file's mtime, "
+                                     "touched by every sweep that reuses it; a run refers to the masks its "
+                                     "trials.jsonl names). Rankings and RR diagnostics are kept.")
     how = gc.add_mutually_exclusive_group(required=True)
-    how.add_argument("--older-than", type=float, metavar="DAYS", help="delete keys last used more than DAYS ago")
+    how.add_argument("--older-than", type=float, metavar="DAYS",
+                     help="delete keys and masks last used more than DAYS ago")
     how.add_argument("--keep-referenced", action="append", metavar="RUN_DIR",
-                     help="keep only keys referenced by these run directories (repeatable)")
+                     help="keep only keys and masks referenced by these run directories (repeatable)")
     gc.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
     for q in (ls, gc):
         q.add_argument("where", nargs="?", metavar="WHERE", help=_WHERE_HELP)
@@ -207,4 +212,46 @@ def _gc(store, args, root) -> int:
             store.delete(k)
     print(f"{len(drop)} of {len(candidates)} keys {'to delete' if args.dry_run else 'deleted'}, "
           f"{freed / 1e6:.2f} MB")
+    if root is not None and (root / "masks").is_dir():
+        _gc_masks(root / "masks", args)
     return 0
+
+
+def _gc_masks(where: Path, args) -> None:
+    """The masks beside the targets, collected by the same rule: last used (the file's mtime: a sweep that reuses
+    a mask touches it) more than DAYS ago, or not referenced by the --keep-referenced runs' trials.jsonl (each
+    trial's ``mask_key``; a run without the record keeps every mask)."""
+    from tasks.store import MaskStore
+
+    masks = MaskStore(where)
+    keys = masks.keys()
+    if args.keep_referenced:
+        keep = _referenced_masks(args.keep_referenced)
+        if keep is None:
+            print(f"masks: kept all {len(keys)}: a --keep-referenced run has no trials.jsonl to name its masks")
+            return
+        drop = [k for k in keys if k not in keep]
+    else:
+        cutoff = (datetime.now(timezone.utc) - timedelta(days=args.older_than)).timestamp()
+        drop = [k for k in keys if masks.path(k).stat().st_mtime < cutoff]
+    freed = 0
+    for k in drop:
+        freed += masks.path(k).stat().st_size
+        print(f"{'would delete' if args.dry_run else 'deleted'} mask {k}")
+        if not args.dry_run:
+            masks.path(k).unlink()
+    print(f"{len(drop)} of {len(keys)} masks {'to delete' if args.dry_run else 'deleted'}, {freed / 1e6:.2f} MB")
+
+
+def _referenced_masks(run_dirs: list[str]) -> set[str] | None:
+    """Mask keys the trials of these run directories used (None: one of them has no record to say)."""
+    keys: set[str] = set()
+    for d in run_dirs:
+        f = Path(d) / records.TRIALS_FILE
+        if not f.is_file():
+            return None
+        for r in records.trials(records.scan(f)).values():
+            key = ((r.get("mlflow") or {}).get("tags") or {}).get("mask_key")
+            if isinstance(key, str):
+                keys.add(key)
+    return keys

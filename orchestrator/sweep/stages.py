@@ -128,6 +128,7 @@ def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: st
         ident = c.mask_identity(models[c.model].digest, models[c.model].calib_digest)
         keys[c.cell_id] = key = content_key(ident)
         if masks.has(key):
+            masks.touch(key)  # its last use, for `healsweep store gc --older-than`
             continue
         rr = diagnostics.get(c.cell_id) if diagnostics else None
         groups.setdefault((c.model, c.pruner), {})[key] = MaskJob(

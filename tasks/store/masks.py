@@ -4,6 +4,7 @@ Beside the target store (``<store>/masks``) and without torch until a mask is wr
 masks already exist checks them with ``MaskStore.has`` alone (orchestrator/sweep/stages.py's mask stage)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -15,6 +16,8 @@ from tasks.store.format import KEY_RE, StoreError
 
 if TYPE_CHECKING:
     import torch
+
+SUFFIX = ".safetensors"
 
 
 class MaskStore:
@@ -33,13 +36,26 @@ class MaskStore:
     def _name(self, key: str) -> str:
         if not isinstance(key, str) or not KEY_RE.match(key):
             raise StoreError(f"invalid mask key {key!r}")
-        return f"{key}.safetensors"
+        return f"{key}{SUFFIX}"
 
     def path(self, key: str) -> Path:
         p = (Path(self.root) / self._name(key)).resolve()
         if self.fs is None and p.parent != self.root:
             raise StoreError(f"mask key {key!r} escapes the store root")
         return p
+
+    def keys(self) -> list[str]:
+        """Every mask key of a local store (a remote one: [])."""
+        if self.fs is not None:
+            return []
+        return sorted(p.name[: -len(SUFFIX)] for p in Path(self.root).glob(f"*{SUFFIX}")
+                      if KEY_RE.match(p.name[: -len(SUFFIX)]) and p.is_file() and not p.is_symlink())
+
+    def touch(self, key: str) -> None:
+        """Mark a local mask used now: its file's mtime is its last use (``healsweep store gc --older-than``)."""
+        if self.fs is None:
+            with contextlib.suppress(OSError):  # a read-only store: the mask is used all the same
+                os.utime(self.path(key))
 
     def has(self, key: str) -> bool:
         if self.fs is not None:

@@ -71,6 +71,41 @@ def test_gc_older_than_and_keep_referenced(store_dir, tmp_path, capsys):
         main(["store", "gc", "--store", str(home)])  # one of the two modes is required
 
 
+def test_gc_collects_the_masks_beside_the_targets_by_the_same_rule(store_dir, tmp_path, capsys):
+    """`store gc` deleted target keys only: a sweep's masks (content-addressed, ~3 MB each for a ResNet-50) piled up
+    under <store>/masks for ever. Their last use is the file's mtime, touched whenever a sweep reuses one."""
+    import torch
+
+    from orchestrator.rundir import records
+    from tasks.store import MaskStore
+
+    home, _ = store_dir
+    masks = MaskStore(home / "masks")
+    m1, m2, m3 = (content_key(f"mask{i}") for i in range(3))
+    for k in (m1, m2, m3):
+        masks.save(k, {"w": torch.ones(64, dtype=torch.bool)}, {"k": k})
+    old = time.time() - 10 * 86400
+    for k in (m2, m3):
+        os.utime(masks.path(k), (old, old))
+    masks.touch(m3)  # m3 reused by a sweep just now
+    assert main(["store", "gc", "--older-than", "5", "--dry-run", "--store", str(home)]) == 0
+    out = capsys.readouterr().out
+    assert f"would delete mask {m2}" in out and "1 of 3 masks to delete" in out and masks.keys() == sorted([m1, m2, m3])
+    assert main(["store", "gc", "--older-than", "5", "--store", str(home)]) == 0
+    assert masks.keys() == sorted([m1, m3]) and "1 of 3 masks deleted" in capsys.readouterr().out
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "targets.json").write_text(json.dumps({"keys": {"m": K1}}))
+    assert main(["store", "gc", "--keep-referenced", str(run), "--store", str(home)]) == 0
+    assert masks.keys() == sorted([m1, m3]) and "kept all 2: a --keep-referenced run has no trials.jsonl" in \
+        capsys.readouterr().out  # the run names no masks it used: none is taken for unused
+    for tid, key in (("c-0", m3), ("c-1", m3)):
+        records.append(run / records.TRIALS_FILE, {"kind": records.TRIAL, "trial_id": tid, "cell_id": "c",
+                                                   "mlflow": {"tags": {"mask_key": key}}, "optuna": {}})
+    assert main(["store", "gc", "--keep-referenced", str(run), "--store", str(home)]) == 0
+    assert masks.keys() == [m3] and "1 of 2 masks deleted" in capsys.readouterr().out
+
+
 def test_spec_store_fields():
     import yaml
 
