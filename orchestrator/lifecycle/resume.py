@@ -127,8 +127,7 @@ def nothing_to_resume(out_dir: Path) -> tuple[int, int] | None:
     """(finished, failed) when the sweep of ``out_dir`` ended complete (sweep.json's ``complete``, written by
     ``healsweep run`` after its last trial and widening round) and nothing changed since: both files whole, the
     journal's told trials exactly those the record holds and as many as at the end, its local target keys whole or
-    gone (``store_check.targets_gap``). None otherwise (the resume
-    runs as usual: it runs what is left, or finds 0 trials after starting Ray)."""
+    gone (``store_check.targets_gap``). None otherwise: the resume runs as usual (what is left, or 0 trials)."""
     out_dir = Path(out_dir)
     info = read_sweep(out_dir)
     done = info.get("complete")
