@@ -60,6 +60,7 @@ class MlflowTrialLogger(Callback):
         self.keys: dict[str, str] = {}  # tune trial id -> trial key
         self.nodes: dict[str, set[str]] = {}  # trial key -> node ids its results came from
         self.retries: dict[str, int] = {}  # trial key -> times Tune retried it
+        self.node_faults: dict[str, int] = {}  # trial key -> node faults already said (trial_faults' own line)
         self.finished = self.failed = 0
         self.callback_seconds = 0.0  # driver time spent in these callbacks (enqueueing)
         self.trial_seconds = 0.0  # Σ trial_seconds of the final results (compute inside the trials)
@@ -186,9 +187,11 @@ class MlflowTrialLogger(Callback):
         if key is None:  # its actor failed before the trial ever started: nothing ran, no child run yet
             return
         self.retries[key] = n = self.retries.get(key, 0) + 1
-        _say(f"trial {key} failed ({_error_line(trial)[:200]}); retrying it (attempt {n + 1})")
-        tags = [RunTag("retries", str(n))] + ([RunTag("node_faults", str(node_faults(trial)))]
-                                               if node_faults(trial) else [])
+        faults = node_faults(trial)
+        if faults <= self.node_faults.get(key, 0):  # its own failure; a node fault has had trial_faults' line
+            _say(f"trial {key} failed ({_error_line(trial)[:200]}); retrying it (attempt {n + 1})")
+        self.node_faults[key] = faults
+        tags = [RunTag("retries", str(n))] + ([RunTag("node_faults", str(faults))] if faults else [])
         self.writer.submit(lambda: self.client.log_batch(self.runs[key], tags=tags))
 
     @_timed

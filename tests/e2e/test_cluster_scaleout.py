@@ -53,6 +53,7 @@ def test_a_node_dying_mid_trial_loses_nothing(tmp_path):
     for x in retried:  # started on the node, finished on the head; the node's loss did not use max_failures
         assert x.data.tags["node_id"] == r.head_id and int(x.data.tags["node_faults"]) >= 1, x.data.tags
     assert len(lost) >= len(retried) and all("retrying it on another node" in ln for ln in lost), lost
+    assert not [ln for ln in log.splitlines() if "retrying it (attempt" in ln]  # one line per loss, not two
     assert "Traceback" not in log, log[-3000:]  # one line per lost trial, not Tune's traceback
     # nothing ran on the dead node after it died: every trial whose final result came from it ended before the kill
     # (``finished_at``: the node's clock; MLflow's run start time is the driver writer's, which may lag the trial)

@@ -245,6 +245,34 @@ def test_trial_logger_opens_mlflow_at_its_first_callback_not_before(tmp_path):
     assert {r.data.tags["mlflow.parentRunId"] for r in kids} == {cb.parent} and cb.parent
 
 
+def test_a_retry_says_one_line_and_a_node_fault_none_of_its_own(tmp_path, capsys):
+    """A trial whose node died was said twice: trial_faults' "lost its actor ...; retrying it on another node" and
+    the logger's "failed (...); retrying it (attempt 2)". The logger now says only a trial's own failures; both
+    retries are tagged."""
+    from types import SimpleNamespace
+
+    from orchestrator.tracking.logger import MlflowTrialLogger
+    from orchestrator.tracking.writer import AsyncMlflowWriter
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    exp = client.create_experiment("healsweep")
+    writer = AsyncMlflowWriter(client)
+    cb = MlflowTrialLogger(writer, "healsweep", "sw", lambda: client.create_run(exp).info.run_id, {"m": 0})
+    t = _trial("t1", "c-0")
+    err = tmp_path / "error.txt"
+    err.write_text("Traceback ...\nRuntimeError: out of memory\n")
+    t.get_error, t.error_file, t.temporary_state = (lambda: None), str(err), SimpleNamespace()
+    cb.on_trial_start(0, [], t)
+    t.temporary_state.healsweep_node_faults = 1  # trial_faults counted a node fault and said its line
+    cb.on_trial_recover(0, [], t)
+    cb.on_trial_recover(0, [], t)  # then a failure of its own
+    writer.close()
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "retrying" in ln]
+    assert lines == ["healsweep: trial c-0 failed (RuntimeError: out of memory); retrying it (attempt 3)"]
+    tags = client.get_run(cb.runs["c-0"]).data.tags
+    assert tags["retries"] == "2" and tags["node_faults"] == "1"
+
+
 def test_trial_logger_raises_the_parent_stage_error_at_the_first_trial(tmp_path):
     """A parent stage that failed (its thread re-raises when joined) stops the sweep at the first trial callback,
     inside Tune (which ends fit with it), instead of logging trials under no parent."""
