@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.commands.common import CliError
+from orchestrator.commands.common import DEFAULT_HOME, CliError
 from orchestrator.lifecycle import doctor
 from orchestrator.rundir.files import ResumeError
 from orchestrator.sweep.console import quiet_libraries
@@ -16,7 +16,8 @@ def add_parser(sub):
                                    "integrity_check), the Optuna journal (every line, and that it replays and agrees "
                                    "with the record), leftover temporary files, target-store manifests and shard "
                                    "checksums, mask files. One line per problem: what is damaged and what was lost. "
-                                   "With --repair: rebuild the tracking database and the Optuna journal from the "
+                                   "With --repair: rebuild a damaged sweep.json (from the record, the database and "
+                                   "the parent run's spec), the tracking database and the Optuna journal from the "
                                    "record, drop torn or damaged lines, remove temporary files, quarantine damaged "
                                    "shards and masks (recomputed by healsweep run --resume DIR). Exit code 0: sound "
                                    "(or repaired); 1: problems found (left); 2: DIR is not a run directory.")
@@ -32,6 +33,6 @@ def main(args) -> int:
     quiet_libraries(args.verbose)
 
     try:
-        return doctor.run(Path(args.dir), args.repair)
+        return doctor.run(Path(args.dir), args.repair, cache=DEFAULT_HOME / "models")
     except ResumeError as e:
         raise CliError(str(e)) from None

@@ -1,6 +1,7 @@
 """``healsweep doctor DIR``: every file of a run directory and of its store, checked; one line per problem (what
 is damaged, what was lost); with ``repair``, what can be repaired is repaired, in dependency order:
 
+0. a damaged ``sweep.json``: rebuilt from the record, the database and the spec artifact (sweep_record.py);
 1. the trial record (``trials.jsonl``, the source of truth: orchestrator/rundir/records.py): a torn last line is cut
    off (its trial runs again), damaged lines are dropped (their trials run again);
 2. the tracking database (the run directory's own ``mlflow.db``): damaged -> rebuilt from the record; intact ->
@@ -18,8 +19,9 @@ from typing import Callable
 
 from orchestrator.lifecycle import resume
 from orchestrator.lifecycle.store_check import store_problems
+from orchestrator.lifecycle.sweep_record import rebuild_sweep, rebuilt_sweep, sweep_damage
 from orchestrator.rundir import records
-from orchestrator.rundir.files import JOURNAL_FILE, read_sweep
+from orchestrator.rundir.files import JOURNAL_FILE, SWEEP_FILE, ResumeError, read_sweep
 from orchestrator.tracking.rebuild import journal_disagrees, rebuild_journal, rebuild_tracking, sync_runs
 from orchestrator.tracking.recorder import backfill
 from orchestrator.tracking.store import local_tracking_uri, relocate
@@ -192,9 +194,24 @@ def _unlink(p: Path) -> str:
     return "removed"
 
 
-def run(out_dir: Path, repair: bool, say: Callable[[str], None] = print) -> int:
+def run(out_dir: Path, repair: bool, say: Callable[[str], None] = print, cache: Path | None = None) -> int:
     """Check (and with ``repair`` repair) ``out_dir``; -> exit code: 0 sound or repaired, 1 problems left. A repair
-    can reveal the next problem (a record line dropped: the journal now disagrees), so repairs go in passes."""
+    can reveal the next problem (a record line dropped: the journal now disagrees), so repairs go in passes. A
+    damaged sweep.json comes first: nothing else can be read without it (``cache``: the model cache a rebuilt one
+    names, not recorded elsewhere)."""
+    if (why := sweep_damage(out_dir)) is not None:
+        cache = Path(cache or "models")
+        try:
+            rebuilt_sweep(out_dir, cache)
+        except ResumeError as e:  # nothing to rebuild it from: read_sweep's own one line (exit 2)
+            raise ResumeError(f"{Path(out_dir) / SWEEP_FILE}: damaged ({why}) and not rebuildable: {e}") from None
+        say(f"{Path(out_dir).resolve() / SWEEP_FILE}: damaged ({why}); lost: the model cache it named (the rebuilt "
+            f"one names {cache.resolve()}); the rest is rebuilt from {records.TRIALS_FILE} and {resume.DB_FILE}")
+        if not repair:
+            say(f"1 problem (the other files are checked once it is rebuilt); repair with healsweep doctor {out_dir} "
+                "--repair")
+            return 1
+        say(f"repaired {Path(out_dir).resolve() / SWEEP_FILE}: {rebuild_sweep(out_dir, cache)}")
     doc = Doctor(out_dir)
     problems = doc.examine()
     for p in problems:

@@ -214,3 +214,33 @@ def test_what_makes_a_finished_sweep_resume_as_usual(reference, tmp_path):
     del info["complete"]  # a sweep that ended before `healsweep run` wrote the mark
     (r / "sweep.json").write_text(json.dumps(info))
     assert nothing_to_resume(r) is None
+
+
+def test_a_damaged_sweep_json_is_rebuilt(reference, tmp_path):
+    """sweep.json was read first by every command, doctor --repair included: a damaged one stopped them all though
+    the record, the database and the parent run's spec artifact hold all of it but the model cache."""
+    run = copy_run(reference, tmp_path / "run")
+    want = json.loads((run / "sweep.json").read_text())
+    (run / "sweep.json").write_bytes(b'{"sweep_id": "90d7af6')  # cut short
+    one_line(cli("report", run), 2, str(run / "sweep.json"))
+    r = cli("doctor", run)
+    assert r.returncode == 1 and r.stdout.startswith(f"{run.resolve() / 'sweep.json'}: damaged (unreadable")
+    assert "lost: the model cache it named" in r.stdout
+    ok(cli("doctor", run, "--repair"))
+    got = json.loads((run / "sweep.json").read_text())
+    same = ("sweep_id", "name", "experiment", "store", "spec", "dense_forward_images", "parent_run_id")
+    assert {k: got[k] for k in same} == {k: want[k] for k in same}
+    assert got["tracking_uri"] == f"sqlite:///{run.resolve()}/mlflow.db"
+    assert (run / "sweep.json.damaged").read_bytes() == b'{"sweep_id": "90d7af6'
+    ok(cli("report", run))
+    assert quoted(run) == reference["quoted"]
+    ok(cli("doctor", run))
+
+
+def test_a_damaged_sweep_json_with_nothing_to_rebuild_it_from_is_one_line(reference, tmp_path):
+    run = copy_run(reference, tmp_path / "run")
+    (run / "sweep.json").write_text("[]")
+    (run / "mlflow.db").unlink()
+    one_line(cli("doctor", run, "--repair"), 2, f"{run / 'sweep.json'}: damaged (expected a JSON object, got list) "
+             "and not rebuildable: the run directory's mlflow.db is missing")
+    assert (run / "sweep.json").read_text() == "[]"

@@ -1,0 +1,68 @@
+"""A damaged ``sweep.json`` rebuilt from what else the run directory holds (``healsweep doctor DIR --repair``).
+
+Every command reads sweep.json first (the sweep id, the tracking URI, the store, the spec), so a damaged one stopped
+them all, ``doctor --repair`` included, though nothing in it is unique: the trial record's parent line names the
+parent run and the sweep id, the run directory's own SQLite database holds the parent run (its experiment, the
+``store`` param, each session's ``dense_forward_images_session``), and the parent run's ``spec.json`` artifact lies
+under ``DIR/artifacts``. Only the model cache is not recorded elsewhere: the rebuilt file names the default one, and
+the problem line says so. A sweep tracked on a server cannot be rebuilt (its URI was only in sweep.json).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from orchestrator.lifecycle.resume import DB_FILE, db_problem
+from orchestrator.rundir import records
+from orchestrator.rundir.files import SWEEP_FILE, ResumeError, read_sweep, write_sweep
+from orchestrator.tracking.store import local_tracking_uri
+
+
+def sweep_damage(out_dir: Path) -> str | None:
+    """Why ``out_dir``'s sweep.json cannot be read, or None (a missing one: None too, read_sweep says so)."""
+    if not (Path(out_dir) / SWEEP_FILE).is_file():
+        return None
+    try:
+        read_sweep(Path(out_dir))
+    except ResumeError as e:
+        return str(e).split(": ", 1)[-1]
+    return None
+
+
+def rebuilt_sweep(out_dir: Path, cache: Path) -> dict:
+    """sweep.json's content from the record, the database and the spec artifact; ResumeError (why not) when one
+    of them is missing or damaged."""
+    out_dir = Path(out_dir).resolve()
+    parent = records.parent(records.scan(out_dir / records.TRIALS_FILE))
+    if parent is None or not isinstance(parent.get("run_id"), str):
+        raise ResumeError(f"{records.TRIALS_FILE} has no parent-run line to rebuild it from")
+    db = out_dir / DB_FILE
+    if not db.is_file() or db_problem(db):
+        raise ResumeError(f"the run directory's {DB_FILE} is {'damaged' if db.is_file() else 'missing'} (a sweep "
+                          "tracked on a server cannot be rebuilt: its URI was only in sweep.json)")
+    spec_file = out_dir / "artifacts" / parent["run_id"] / "artifacts" / "spec.json"
+    try:
+        spec = json.loads(spec_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ResumeError(f"the parent run's spec ({spec_file}) is unreadable ({type(e).__name__})") from None
+    from mlflow import MlflowClient
+
+    client = MlflowClient(local_tracking_uri(out_dir))
+    run = client.get_run(parent["run_id"])
+    dense = {str(m.step): int(m.value) for m in client.get_metric_history(run.info.run_id,
+                                                                           "dense_forward_images_session")}
+    return {"sweep_id": str((parent.get("tags") or {}).get("sweep_id") or run.data.tags.get("sweep_id")),
+            "name": spec.get("name") or parent.get("run_name"), "tracking_uri": local_tracking_uri(out_dir),
+            "experiment": client.get_experiment(run.info.experiment_id).name,
+            "store": run.data.params.get("store") or str(cache.parent / "store"), "cache": str(Path(cache).resolve()),
+            "spec": spec, "dense_forward_images": dense, "parent_run_id": run.info.run_id}
+
+
+def rebuild_sweep(out_dir: Path, cache: Path) -> str:
+    """Write the rebuilt sweep.json, the damaged one kept beside it as ``sweep.json.damaged``; -> what was done."""
+    out_dir = Path(out_dir)
+    info = rebuilt_sweep(out_dir, cache)
+    (out_dir / SWEEP_FILE).replace(out_dir / f"{SWEEP_FILE}.damaged")
+    write_sweep(out_dir, info)
+    return (f"rebuilt from {records.TRIALS_FILE}, {DB_FILE} and the parent run's spec.json (the damaged one kept "
+            f"as {SWEEP_FILE}.damaged)")
