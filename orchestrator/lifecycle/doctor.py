@@ -161,6 +161,9 @@ class Doctor:
         trials = records.trials(self._scan())
         whats = ([f"torn last line ({js.torn_bytes} bytes: a write cut short)"] if js.torn is not None else [])
         whats += [f"line {n} damaged ({why})" for n, why in js.damaged]
+        if whats and trials and (off := self._disagreeing(trials)) and len(off) > len(whats):
+            whats[-1] += (f"; its intact lines lack {len(off)} recorded trial(s): more than "
+                          f"{'that write' if len(whats) == 1 else 'those lines'} was lost")
         if not whats:
             why = resume.journal_problem(self.journal)
             whats = [why] if why else []
@@ -169,6 +172,13 @@ class Doctor:
             whats = [f"disagrees with trials.jsonl on {len(off)} trial(s) ({', '.join(off[:4])})"] if off else []
         lost = "nothing recorded (told trials come back from trials.jsonl; trials asked but not finished run again)"
         return [Problem(str(self.journal), w, lost, lambda: self._rebuild_journal()) for w in whats]
+
+    def _disagreeing(self, trials: dict[str, dict]) -> list[str]:
+        """Recorded trials the journal's intact lines do not tell as recorded ([] when they do not replay)."""
+        try:
+            return journal_disagrees(self.journal, trials)
+        except Exception:  # noqa: BLE001 - whatever Optuna raises on lines it cannot replay: the line says so
+            return []
 
     def _rebuild_journal(self) -> str:
         s = records.scan(self.journal, records.check_json)

@@ -244,3 +244,24 @@ def test_a_damaged_sweep_json_with_nothing_to_rebuild_it_from_is_one_line(refere
     one_line(cli("doctor", run, "--repair"), 2, f"{run / 'sweep.json'}: damaged (expected a JSON object, got list) "
              "and not rebuildable: the run directory's mlflow.db is missing")
     assert (run / "sweep.json").read_text() == "[]"
+
+
+def test_a_journal_cut_in_half_is_not_told_as_a_torn_last_write(reference, tmp_path):
+    """A journal truncated mid-file ends in a torn line too; doctor said only "torn last line (a write cut short)".
+    It now says how many recorded trials the intact lines lack; a torn last write alone says nothing more."""
+    run = copy_run(reference, tmp_path / "run")
+    journal = run / "optuna.journal"
+    data = journal.read_bytes()
+    journal.write_bytes(data[: len(data) // 2])
+    r = cli("doctor", run)
+    assert r.returncode == 1 and f"{journal}: torn last line (" in r.stdout
+    assert "its intact lines lack 8 recorded trial(s): more than that write was lost" in r.stdout, r.stdout
+    ok(cli("doctor", run, "--repair"))
+    ok(cli("doctor", run))
+    from orchestrator.rundir.files import told_states
+
+    assert {k: v.name for k, v in told_states(journal).items()} == reference["states"]  # rebuilt from the record
+    run2 = copy_run(reference, tmp_path / "run2")
+    tear_last_line(run2 / "optuna.journal")
+    r = cli("doctor", run2)
+    assert "torn last line (" in r.stdout and "intact lines lack" not in r.stdout, r.stdout
