@@ -236,8 +236,9 @@ def run(out_dir: Path, repair: bool, say: Callable[[str], None] = print, cache: 
     for _ in range(3):
         for p in problems:
             if p.fix is not None:
-                say(f"repaired {p.path}: {p.fix()}")
-                fixed += 1
+                done = p.fix()
+                say(f"repaired {p.path}: {done}")
+                fixed += not done.startswith("already")  # one rewrite settled several lines: counted once
         problems = [p for p in doc.examine() if not p.later]
         if all(p.fix is None for p in problems):
             break

@@ -265,3 +265,14 @@ def test_a_journal_cut_in_half_is_not_told_as_a_torn_last_write(reference, tmp_p
     tear_last_line(run2 / "optuna.journal")
     r = cli("doctor", run2)
     assert "torn last line (" in r.stdout and "intact lines lack" not in r.stdout, r.stdout
+
+
+def test_repairs_are_counted_once_each(reference, tmp_path):
+    """Two damaged record lines are two problems settled by one rewrite: the summary said "3 repair(s)" (the
+    rewrite, its "already rewritten" echo, the journal); it counts what was done."""
+    run = copy_run(reference, tmp_path / "run")
+    damage_line(run / "trials.jsonl", 3)
+    damage_line(run / "trials.jsonl", 5)
+    r = cli("doctor", run, "--repair")
+    assert r.returncode == 0 and "already rewritten" in r.stdout, r.stdout
+    assert r.stdout.splitlines()[-1].startswith("2 repair(s), nothing left"), r.stdout
