@@ -26,6 +26,16 @@ def load_spec_or_exit(path: str):
         raise CliError(str(e)) from None
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def summary_lines(sweep_id: str, finished: int, failed: int, dense: int, seconds: float, tracking_uri: str) -> str:
+    """What `healsweep run` ends with (a resume that starts nothing says it alike)."""
+    return (f"sweep {sweep_id}: {plural(finished, 'trial')} finished, {failed} failed, dense forward images {dense}, "
+            f"{seconds:.0f} s wall\nmlflow: {tracking_uri}")
+
+
 def report_lines(paths: dict) -> str:
     """Where a written report is (run, refine and widen say it alike): both files, absolute."""
     return f"report: {Path(paths['html']).resolve()}\n        {Path(paths['md']).resolve()}"

@@ -9,7 +9,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from orchestrator.commands.common import DEFAULT_HOME, CliError, interrupted_exit, load_spec_or_exit, report_lines
+from orchestrator.commands.common import (DEFAULT_HOME, CliError, interrupted_exit, load_spec_or_exit, report_lines,
+                                          summary_lines)
 from orchestrator.lifecycle.continuation import RefineError
 from orchestrator.lifecycle.resume import check_resumable, nothing_to_resume, prepare_resume
 from orchestrator.lifecycle.widen import run_widening
@@ -85,10 +86,8 @@ def main(args) -> int:
         record_complete(out, res.trials_finished + res.trials_failed)
     # the command's wall time (Ray's start, widening rounds and the report included): the sweep's own figure
     # (res.seconds, from its trials' start) read as the run's duration and was half of it
-    print(f"sweep {res.sweep_id}: {res.trials_finished} trial{'' if res.trials_finished == 1 else 's'} finished, "
-          f"{res.trials_failed} failed, dense forward images {res.dense_forward_images}, "
-          f"{time.perf_counter() - started:.0f} s wall")
-    print(f"mlflow: {res.tracking_uri}")
+    print(summary_lines(res.sweep_id, res.trials_finished, res.trials_failed, res.dense_forward_images,
+                        time.perf_counter() - started, res.tracking_uri))
     if res.report:
         print(report_lines(res.report))
     return interrupted_exit(res) or (0 if res.trials_failed == 0 else 1)  # SIGINT/SIGTERM: one line, 128 + signal
@@ -107,9 +106,7 @@ def _complete_already(out: Path, finished: int, failed: int, report: bool) -> in
         from analysis.report import write_report
 
         paths = write_report(out)
-    print(f"sweep {info['sweep_id']}: {finished} trial{'' if finished == 1 else 's'} finished, {failed} failed, "
-          f"dense forward images 0, {time.perf_counter() - t0:.0f} s wall")
-    print(f"mlflow: {info['tracking_uri']}")
+    print(summary_lines(info["sweep_id"], finished, failed, 0, time.perf_counter() - t0, info["tracking_uri"]))
     if paths:
         print(report_lines(paths))
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from collections import Counter, defaultdict
 
-from orchestrator.commands.common import load_spec_or_exit
+from orchestrator.commands.common import load_spec_or_exit, plural
 from orchestrator.spec.grids import views
 from orchestrator.spec.registries import get, resolve_healer
 
@@ -41,10 +41,6 @@ def main(args) -> int:
         print("  " + "; ".join(f"grid {g}: {plural(per[g], 'cell')}, {upto[g]}{plural(trials[g], 'trial')}"
                                for g in searches))
     return 0
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def _grid_design_notes(searches: dict) -> list[str]:

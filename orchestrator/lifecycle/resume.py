@@ -135,9 +135,10 @@ def nothing_to_resume(out_dir: Path) -> tuple[int, int] | None:
     js, rs = records.scan(journal, records.check_json), records.scan(out_dir / records.TRIALS_FILE)
     if not isinstance(done, dict) or not js.clean or not rs.clean or not rs.path.exists():
         return None
-    states = [st for st in told_states(journal).values() if st.is_finished()]
+    told = told_states(journal)
+    states = [st for st in told.values() if st.is_finished()]
     trials = records.trials(rs)
-    if len(states) != done.get("told") or len(trials) != len(states) or journal_disagrees(journal, trials):
+    if len(states) != done.get("told") or len(trials) != len(states) or journal_disagrees(journal, trials, told):
         return None
     if targets_gap(out_dir, info):  # a shard doctor moved aside: the resume recomputes it, as doctor says
         return None

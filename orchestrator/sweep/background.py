@@ -5,8 +5,8 @@ import threading
 
 
 def background(fn, *args):
-    """Run ``fn(*args)`` in a thread while the next stages run; the returned callable joins it and returns
-    its result (re-raising its error)."""
+    """Run ``fn(*args)`` in a thread while the next stages run; the returned callable joins it (at most
+    ``timeout`` seconds: TimeoutError) and returns its result (re-raising its error)."""
 
     box: dict = {}
 
@@ -19,8 +19,10 @@ def background(fn, *args):
     th = threading.Thread(target=target, name="healsweep-prepare", daemon=True)
     th.start()
 
-    def join():
-        th.join()
+    def join(timeout: float | None = None):
+        th.join(timeout)
+        if th.is_alive():
+            raise TimeoutError(f"{getattr(fn, '__name__', 'the work')} still running after {timeout:g} s")
         if "error" in box:
             raise box["error"]
         return box["value"]

@@ -20,7 +20,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -155,26 +154,21 @@ def cluster_lost(s: SweepState, address: str, seconds: float, report: bool) -> N
           f"during the trials: {finished} of {planned or '?'} trials finished{extra}, each recorded in "
           f"{s.out_dir / 'trials.jsonl'}; resume with healsweep run --resume {s.out_dir} (with --address once "
           "the cluster is back, or on a local Ray)", file=sys.stderr, flush=True)
-    paths = _within(LOST_REPORT_S, s.out_dir) if report else None
+    paths = _report_within(LOST_REPORT_S, s.out_dir) if report else None
     if paths:
         print(f"report: {Path(paths['html']).resolve()} (partial)", flush=True)
     release_run_dir(s.out_dir)
     os._exit(1)
 
 
-def _within(seconds: float, out_dir: Path) -> dict | None:
-    """The report's paths if it is written within ``seconds`` (None if not, or if it failed)."""
-    box: dict = {}
-
-    def write() -> None:
+def _report_within(seconds: float, out_dir: Path) -> dict | None:
+    """The report's paths if it is written within ``seconds`` (None if not, or if it failed: the sweep ends
+    either way, and `healsweep report DIR` writes it later)."""
+    def write() -> dict:
         from analysis.report import write_report
 
-        try:
-            box["paths"] = write_report(out_dir)
-        except Exception:  # noqa: BLE001 - the sweep ends either way; `healsweep report DIR` writes it later
-            pass
-    th = threading.Thread(target=write, name="healsweep-lost-report", daemon=True)
-    th.start()
-    th.join(seconds)
-    return box.get("paths")
-
+        return write_report(out_dir)
+    try:
+        return background(write)(seconds)
+    except Exception:  # noqa: BLE001 - TimeoutError, or whatever the report met
+        return None

@@ -112,11 +112,14 @@ def rebuild_journal(journal: Path, trials: dict[str, dict]) -> dict[str, int]:
     return counts
 
 
-def journal_disagrees(journal: Path, trials: dict[str, dict]) -> list[str]:
+def journal_disagrees(journal: Path, trials: dict[str, dict], told: dict | None = None) -> list[str]:
     """Trial ids whose journal state is not the recorded one: recorded but not told (or told otherwise), told
-    but not recorded (the record is the truth: it runs again)."""
+    but not recorded (the record is the truth: it runs again). ``told``: ``told_states(journal)`` when the caller
+    has it already (the replay is the cost)."""
 
-    states = {k: v.name for k, v in told_states(journal).items()} if journal.exists() else {}
+    if told is None:
+        told = told_states(journal) if journal.exists() else {}
+    states = {k: v.name for k, v in told.items()}
     out = [tid for tid, r in trials.items() if states.get(tid) != r["optuna"]["state"]]
     return out + [tid for tid, st in states.items() if st in DONE and tid not in trials]
 
