@@ -61,10 +61,22 @@ class Doctor:
         if s.torn is not None:
             out.append(Problem(str(self.record), f"torn last line ({s.torn_bytes} bytes: a write cut short)",
                                "that trial's result (it runs again on resume)", lambda: self._drop_torn()))
+        lost = self._lost_with(s) if s.damaged else ""
         for n, why in s.damaged:
-            out.append(Problem(str(self.record), f"line {n} damaged ({why})",
-                               "that line's trial result (it runs again on resume)", lambda: self._drop_damaged()))
+            out.append(Problem(str(self.record), f"line {n} damaged ({why})", lost, lambda: self._drop_damaged()))
         return out
+
+    def _lost_with(self, s: records.Scan) -> str:
+        """What damaged record lines lost: the trials an intact journal tells as done that no intact line records
+        (they run again on resume); a garbage line that was no trial's loses nothing."""
+        if not self.journal.exists() or records.scan(self.journal, records.check_json).damaged or \
+                resume.journal_problem(self.journal):
+            return "that line's trial result, if it was one (it runs again on resume)"
+        trials = records.trials(s)
+        gone = [t for t in journal_disagrees(self.journal, trials) if t not in trials]
+        if not gone:
+            return "nothing (every trial the journal tells is in the intact lines)"
+        return f"{len(gone)} trial result(s) ({', '.join(gone[:4])}): they run again on resume"
 
     def _no_record(self) -> list[Problem]:
         """A sweep from before trials.jsonl: its record is written from the journal and MLflow while both are

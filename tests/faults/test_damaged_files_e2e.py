@@ -276,3 +276,21 @@ def test_repairs_are_counted_once_each(reference, tmp_path):
     r = cli("doctor", run, "--repair")
     assert r.returncode == 0 and "already rewritten" in r.stdout, r.stdout
     assert r.stdout.splitlines()[-1].startswith("2 repair(s), nothing left"), r.stdout
+
+
+def test_a_damaged_record_line_says_which_trial_it_lost(reference, tmp_path):
+    """A damaged line of a trial's record loses that trial (named, from the intact journal); a garbage line
+    inserted between intact ones loses nothing, and doctor says so (it said "that line's trial result")."""
+    run = copy_run(reference, tmp_path / "run")
+    lines = (run / "trials.jsonl").read_bytes().split(b"\n")
+    tid = json.loads(lines[4])["trial_id"]
+    damage_line(run / "trials.jsonl", 5)
+    r = cli("doctor", run)
+    assert "line 5 damaged (" in r.stdout and f"lost: 1 trial result(s) ({tid}): they run again" in r.stdout, r.stdout
+    run2 = copy_run(reference, tmp_path / "run2")
+    lines = (run2 / "trials.jsonl").read_bytes().split(b"\n")
+    (run2 / "trials.jsonl").write_bytes(b"\n".join([*lines[:3], b"#\x00garbage", *lines[3:]]))
+    r = cli("doctor", run2)
+    assert "line 4 damaged (" in r.stdout and "lost: nothing (every trial the journal tells" in r.stdout, r.stdout
+    ok(cli("doctor", run2, "--repair"))
+    assert recorded(run2) == recorded(reference["run"])
