@@ -41,7 +41,8 @@ def variant(spec: dict, run: str, seed_step: int, shift_main: int) -> dict:
     s = copy.deepcopy(spec)
     s["name"] = f"{spec.get('name', 'retest')}-{run}"
     if run == "B":
-        s.setdefault("search", {})["sampler_seed"] = int(s["search"].get("sampler_seed", 0)) + seed_step
+        search = s.setdefault("search", {})  # a spec may leave the search to its defaults
+        search["sampler_seed"] = int(search.get("sampler_seed", 0)) + seed_step
     if run == "C":
         s["seeds"] = [int(x) + shift_main for x in s.get("seeds", [0])]
         for g in s.get("grids") or []:
