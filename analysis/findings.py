@@ -320,7 +320,18 @@ def noise_line(gb: pd.DataFrame, rows: list[dict]) -> str:
     else:
         what = (f"Quoted numbers are the mean of {int(n_re.median())} re-evaluations of each searched cell's winner; "
                 f"noise median ±{100 * noise.median():.2f} pp, max ±{100 * noise.max():.2f} pp")
-    return f"{what}; {told}."
+    return f"{what}; {told}.{_seeded_masks(gb)}"
+
+
+def _seeded_masks(gb: pd.DataFrame) -> str:
+    """Where masks depend on the seed (analysis/reported.py ``mask_sd``): which pruners, and that their noise
+    includes the seeds' spread."""
+    if "mask_sd" not in gb.columns or not gb["mask_sd"].notna().any():
+        return ""
+    seeded = gb[gb["mask_sd"].notna()]
+    return (f" The mask depends on the seed for {', '.join(sorted(seeded['pruner'].astype(str).unique()))} "
+            f"({len(seeded)} cells): their noise is at least the spread of their seeds' numbers (another seed, "
+            f"another mask), up to ±{100 * seeded['mask_sd'].max():.2f} pp.")
 
 
 def identical_mask_lines(gb: pd.DataFrame) -> list[tuple[bool, str]]:

@@ -22,7 +22,7 @@ from tasks.healing.loop import GradientHealer, steps_per_epoch
 from tasks.healing.targets import recompute_batches
 from tasks.models.adapter import get_adapter
 from tasks.models.load import load_model_copy
-from tasks.pruning.base import PRUNERS, achieved_sparsity, apply_masks, mask_violations
+from tasks.pruning.base import PRUNERS, achieved_sparsity, apply_masks, mask_digest, mask_violations
 from tasks.store import TargetStore
 from tasks.store.masks import MaskStore
 
@@ -89,13 +89,14 @@ class _Setup:
     pruned_acc: float
     reader: Any = None
     dense_selection_acc: float = float("nan")  # the search objective's ceiling (orchestrator/search/converge.py)
+    mask_digest: str = ""  # the mask's content (tasks/pruning/base.py mask_digest)
 
 
-_ACCURACIES: dict[tuple, float] = {}  # this process's dense/pruned accuracies (a Tune actor runs many trials)
+_ACCURACIES: dict[tuple, Any] = {}  # this process's dense/pruned accuracies and mask digests (a Tune actor runs many trials)
 _ACCURACIES_MAX = 1024
 
 
-def _remembered(key: tuple, measure: Callable[[], float]) -> float:
+def _remembered(key: tuple, measure: Callable[[], Any]) -> Any:
     """``measure()`` once per ``key`` in this process: the dense and the pruned accuracy depend only on the model
     and its source, its weights (digest; the mask key, content-addressed), the evaluation split (digest), device
     and threads, and every trial of a cell measured the same numbers again (~0.12 s of a 1.4 s vit_digits trial)."""
@@ -169,7 +170,9 @@ def setup_trial(p: TrialParams) -> _Setup:
     model = lm.model.to(p.device, memory_format=fmt)
     adapter = get_adapter(model)
     entries = adapter.scope(model, p.scope)
-    masks = {k: v.to(p.device) for k, v in MaskStore(p.mask_root).load(p.mask_key).items()}  # where the model is
+    loaded = MaskStore(p.mask_root).load(p.mask_key)
+    digest = _remembered(("mask_digest", p.mask_root, p.mask_key), lambda: mask_digest(loaded))
+    masks = {k: v.to(p.device) for k, v in loaded.items()}  # where the model is
     ev = lm.dataset["evaluation"]
     weights, where = (p.model, repr(sorted(p.load_kw.items())), lm.digest), (str(p.device), p.threads)
     same = (*weights, lm.dataset.split_digest("evaluation"), *where)  # this model, these weights, images, device
@@ -210,7 +213,7 @@ def setup_trial(p: TrialParams) -> _Setup:
         labeled=(lm.dataset["train"].images[: p.calib_size], lm.dataset["train"].labels[: p.calib_size]),
     )
     return _Setup(lm, model, adapter, entries, masks, healer, untouched, ctx, dense_acc, pruned_acc, reader,
-                  dense_sel)
+                  dense_sel, digest)
 
 
 def heal_trial(p: TrialParams, st: _Setup, report: Callable[[dict], None], start: Mapping[str, Any] | None,
@@ -287,7 +290,8 @@ def final_metrics(p: TrialParams, st: _Setup, last: dict, heal_seconds: float) -
                  changed_outside_scope=changed_outside, n_eval=len(ev),
                  num_classes=lm.dataset.num_classes, **heldout)  # n_eval, num_classes: binomial noise of chance
     final.update(model_digest=lm.digest, calib_digest=lm.dataset.split_digest("calibration", p.calib_size),
-                 selection_digest=lm.dataset.split_digest("selection"), eval_digest=lm.dataset.split_digest("evaluation"))
+                 selection_digest=lm.dataset.split_digest("selection"), eval_digest=lm.dataset.split_digest("evaluation"),
+                 mask_digest=st.mask_digest)
     if p.pruner:  # structured pruners: params/flops/latency/throughput of the dense vs physically shrunk model
         example = ev.images[: p.efficiency_batch].to(p.device)
         final.update(PRUNERS.get(p.pruner).structured_metrics(model, masks, example, rounds=p.latency_rounds))

@@ -7,9 +7,11 @@ Counts are exact: a tensor of n prunable weights at sparsity s loses exactly flo
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -155,6 +157,19 @@ def mask_violations(model: nn.Module, masks: Mapping[str, torch.Tensor]) -> int:
     """Number of masked (pruned) entries that are not exactly zero."""
     params = dict(model.named_parameters())
     return int(sum(int((params[k][~m.to(params[k].device)] != 0).sum()) for k, m in masks.items()))
+
+
+def mask_digest(masks: Mapping[str, torch.Tensor]) -> str:
+    """What a mask is, not how it was made: sha256 (16 hex) of every tensor's name, shape and kept entries (bits
+    packed), in name order. The mask key names the recipe (pruner, settings, seed); two keys with one digest prune
+    the same weights. A pruner whose mask depends on the seed (SnapViT's seeded search) gives the seeds of one
+    question different digests (analysis/reported.py widens their noise by it)."""
+    h = hashlib.sha256()
+    for name in sorted(masks):
+        m = masks[name].detach().to("cpu", torch.bool).contiguous()  # any shape: flattened by packbits
+        h.update(f"{name}:{tuple(m.shape)};".encode())
+        h.update(np.packbits(m.numpy()).tobytes())
+    return h.hexdigest()[:16]
 
 
 def achieved_sparsity(entries: list[ScopeEntry], masks: Mapping[str, torch.Tensor]) -> float:

@@ -121,6 +121,21 @@ def test_leads_are_counted_only_where_a_cell_has_a_second_method():
     assert noise_line(two, rows).endswith("; 1 of 1 best-method leads resolved.")
 
 
+def test_the_noise_line_says_where_the_mask_depends_on_the_seed():
+    """Cells whose siblings' masks differ (reported.py mask_sd): the line names their pruners and the largest
+    spread; without such cells it says nothing more."""
+    from analysis.findings import noise_line
+
+    gb = pd.DataFrame([dict(pruner=pr, healer="mse", pattern="0.7", calib_size=128, seed=s, mask_key=f"{pr}{s}",
+                            healed_acc=a, lr=1e-3, noise=0.01, n_reevaluated=2, mask_sd=sd)
+                       for pr, s, a, sd in [("snapvit", 0, 0.96, 0.0424), ("snapvit", 1, 0.90, 0.0424),
+                                            ("magnitude", 0, 0.98, float("nan")), ("magnitude", 1, 0.98, float("nan"))]])
+    line = noise_line(gb, best_rows(gb))
+    assert line.endswith(" The mask depends on the seed for snapvit (2 cells): their noise is at least the spread of "
+                         "their seeds' numbers (another seed, another mask), up to ±4.24 pp."), line
+    assert "depends on the seed" not in noise_line(gb.drop(columns="mask_sd"), best_rows(gb))
+
+
 def test_a_best_line_names_every_combo_it_is_not_resolved_from():
     """Four healers on one mask, single seed, each quoted with noise 1 pp (2 noise units of a difference: 2.83 pp):
     starfish 90 %, mse 88 % (2 pp behind: tied), kl 87.5 % (2.5 pp: tied), ce 80 % (10 pp: resolved worse)."""

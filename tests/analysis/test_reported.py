@@ -60,6 +60,34 @@ def test_a_cell_with_siblings_claims_at_least_their_spread():
     assert out.loc["e0", "noise"] == pytest.approx(math.sqrt(e_var / 2 + family_gap ** 2))
 
 
+def _siblings(digests, healer_lr=0.005):
+    """Two seeds of one question (same pruner, pattern, calibration size), each searched once and re-healed twice
+    on its mask; the seed-1 mask heals 6 pp worse."""
+    rows = []
+    for cell, seed, dig, again in [("s0", 0, digests[0], (0.96, 0.96)), ("s1", 1, digests[1], (0.90, 0.90))]:
+        rows.append(dict(_trial(cell, "search", again[0], again[0], seed=seed, lr=healer_lr), mask_digest=dig))
+        rows += [dict(_trial(cell, "reevaluate", a, a, seed=seed, lr=healer_lr, heal_seed=1000 * (k + 1) + seed),
+                      mask_digest=dig) for k, a in enumerate(again)]
+    return reported(pd.DataFrame(rows)).set_index("cell_id")
+
+
+def test_a_mask_that_depends_on_the_seed_carries_its_siblings_spread():
+    """Re-healing one mask twice gives the same number (noise 0 from the seeds); the other seed's mask gives 6 pp
+    less. Where the siblings' mask digests differ, each cell's noise is their quoted numbers' std (ddof 1:
+    6 pp / sqrt 2), so the two seeds' difference is not resolved; with one mask for both seeds (a pruner that
+    ignores the seed) the noise stays the healing's and the spread is that question's answer to it."""
+    seeded = _siblings(("aaaa", "bbbb"))
+    spread = 0.06 / math.sqrt(2)
+    assert seeded.loc["s0", "mask_sd"] == pytest.approx(spread) and seeded.loc["s1", "noise"] == pytest.approx(spread)
+    assert not resolved(0.96, seeded.loc["s0", "noise"], 0.90, seeded.loc["s1", "noise"])
+    same = _siblings(("aaaa", "aaaa"))
+    assert same["mask_sd"].isna().all() and same.loc["s0", "noise"] < 0.01
+    old = _siblings((None, None))  # a sweep from before the mask_digest param: unchanged
+    assert old["mask_sd"].isna().all() and old.loc["s0", "noise"] == pytest.approx(same.loc["s0", "noise"])
+    closed = _siblings(("aaaa", "bbbb"), healer_lr=0.0)  # closed form: at least the spread, not the binomial error
+    assert closed.loc["s1", "noise"] == pytest.approx(spread)
+
+
 def statistics_median(xs):
     xs = sorted(xs)
     return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2

@@ -19,7 +19,7 @@ from mlflow import MlflowClient
 
 from tasks.data.synthetic import write_hf_dataset, write_image_folder, write_image_table
 from tasks.models import get_adapter
-from tasks.pruning import MaskStore
+from tasks.pruning import MaskStore, mask_digest
 from tasks.store import TargetStore
 from tests.orchestrator.run_cli import healsweep
 
@@ -81,6 +81,7 @@ def _check_sweep(out: Path, store: Path, models: list[dict]) -> dict:
         masks = MaskStore(store / "masks").load(run.data.tags["mask_key"])
         for param, mask in masks.items():  # magnitude is layer-uniform: half of every scoped tensor, exactly
             assert abs(int((~mask).sum()) - 0.5 * mask.numel()) <= 0.5, param
+        assert run.data.params["mask_digest"] == mask_digest(masks)  # what the trial pruned, logged
         assert f"## {name}" in report and f"### {name} — grid `main`" in report
         assert f"`{run.info.run_id}`" in report  # the report links the trial's MLflow run
     assert (out / "report.html").is_file()

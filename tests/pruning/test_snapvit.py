@@ -11,7 +11,8 @@ import torch
 
 from tasks.healing import HEALERS, HealConfig, HealContext, dense_targets, in_memory_batches, steps_per_epoch
 from tasks.models import get_adapter
-from tasks.pruning import PRUNERS, PruneContext, achieved_sparsity, apply_masks, make_masks, mask_violations
+from tasks.pruning import (PRUNERS, PruneContext, achieved_sparsity, apply_masks, make_masks, mask_digest,
+                           mask_violations)
 from tasks.pruning import snapvit as snapvit_pruner
 from tasks.pruning import snapvit_math as snapvit
 from tasks.pruning.xnes import utilities, xnes
@@ -39,6 +40,23 @@ def _setup(kind="timm_vit", scope="qkv_out_mlp", n=16, ranking_dir=None):
 
 def _masks(model, entries, ctx, s, seed=0, settings=QUICK):
     return make_masks(model, entries, "snapvit", s, seed=seed, settings=settings, ctx=ctx)
+
+
+def test_the_mask_digest_names_what_a_mask_prunes():
+    """SnapViT's mask depends on its seed (the seeded search), magnitude's does not: the digest (what the report
+    compares between seeds, analysis/reported.py) tells them apart; it ignores dict order and dtype, and one
+    flipped entry or a renamed tensor changes it."""
+    model, entries, ctx = _setup()
+    a, b = _masks(model, entries, ctx, 0.5, seed=0), _masks(model, entries, ctx, 0.5, seed=1)
+    assert any(not torch.equal(a[k], b[k]) for k in a) and mask_digest(a) != mask_digest(b)
+    m0 = make_masks(model, entries, "magnitude", 0.5, seed=0, ctx=ctx)
+    m1 = make_masks(model, entries, "magnitude", 0.5, seed=1, ctx=ctx)
+    assert mask_digest(m0) == mask_digest(m1) == mask_digest({k: m0[k].to(torch.uint8) for k in reversed(list(m0))})
+    name = next(iter(m0))
+    flipped = {**m0, name: m0[name].clone()}
+    flipped[name].view(-1)[0] = ~flipped[name].view(-1)[0]
+    assert mask_digest(flipped) != mask_digest(m0)
+    assert mask_digest({f"x.{k}": v for k, v in m0.items()}) != mask_digest(m0)
 
 
 @pytest.mark.parametrize("kind", ["timm_vit", "tv_vit"])
