@@ -47,7 +47,40 @@ def check_record(line: bytes) -> dict:
     got = f"{zlib.crc32(canonical(obj)):08x}"
     if got != want:
         raise ValueError(f"checksum mismatch (crc32 {got}, recorded {want})")
+    _check_shape(obj)
     return obj
+
+
+# What a line of each kind must hold for the resume, doctor and a rebuild (orchestrator/tracking/recorder.py
+# writes them): field -> type(s). A line with a good checksum but another shape is damaged all the same.
+_OPTUNA = {"study": str, "study_attrs": dict, "direction": str, "number": int, "stage": str, "params": dict,
+           "distributions": dict, "user_attrs": dict, "intermediate": dict, "state": str}
+_MLFLOW = {"run_id": str, "status": str, "tags": dict, "params": dict, "metrics": dict, "history": dict,
+           "step": int, "start_time": (int, type(None)), "end_time": (int, type(None))}
+_STATES = ("COMPLETE", "FAIL", "PRUNED")
+
+
+def _check_shape(obj: dict) -> None:
+    kind = obj.get("kind")
+    if kind == PARENT:
+        _fields(obj, {"run_id": str, "tags": dict, "params": dict}, "parent line")
+    elif kind == TRIAL:
+        _fields(obj, {"trial_id": str, "cell_id": str, "optuna": dict}, "trial line")
+        _fields(obj["optuna"], _OPTUNA, "trial line's optuna part")
+        if obj["optuna"]["state"] not in _STATES:
+            raise ValueError(f"a trial line with Optuna state {obj['optuna']['state']!r}")
+        if obj.get("mlflow") is not None:
+            _fields(obj["mlflow"], _MLFLOW, "trial line's mlflow part")
+    else:
+        raise ValueError(f"a line of unknown kind {kind!r}")
+
+
+def _fields(obj, want: dict, what: str) -> None:
+    if not isinstance(obj, dict):
+        raise ValueError(f"a {what} that is not an object")
+    for k, t in want.items():
+        if not isinstance(obj.get(k), t) or isinstance(obj.get(k), bool) and t is int:
+            raise ValueError(f"a {what} without a valid {k!r}")
 
 
 def check_json(line: bytes) -> dict:

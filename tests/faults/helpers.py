@@ -122,3 +122,13 @@ def assert_complete(run: Path, ref: dict) -> None:
     assert recorded(run) == want
     assert {k: v.name for k, v in told_states(run / "optuna.journal").items()} == ref["states"]
     assert quoted(run) == ref["quoted"]
+
+
+def trial_line(trial_id: str, cell_id: str = "c", state: str = "COMPLETE", tags: dict | None = None, **extra) -> dict:
+    """A trial record of the shape orchestrator/tracking/recorder.py writes (what records.check_record wants)."""
+    optuna = {"study": cell_id, "study_attrs": {}, "direction": "MAXIMIZE", "number": int(trial_id.rsplit("-")[-1]),
+              "stage": "search", "params": {}, "distributions": {}, "user_attrs": {}, "intermediate": {},
+              "value": 0.5, "state": state}
+    mlflow = {"run_id": "r" * 32, "run_name": trial_id, "status": "FINISHED", "start_time": 1, "end_time": 2,
+              "tags": dict(tags or {}), "params": {}, "metrics": {}, "step": 0, "history": {}}
+    return {"kind": "trial", "trial_id": trial_id, "cell_id": cell_id, "optuna": optuna, "mlflow": mlflow, **extra}

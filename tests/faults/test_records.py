@@ -16,6 +16,7 @@ from orchestrator.tracking.recorder import TrialRecorder
 from orchestrator.rundir.files import told_states
 from orchestrator.search import DESIGNS, make_searcher
 from tasks.atomic import DiskFullError, atomic_write_bytes
+from tests.faults.helpers import trial_line
 from tests.orchestrator.test_search_contract import BUDGET, _cells, run
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.timeout(120)
 def test_lines_torn_and_damaged_are_told_apart(tmp_path):
     f = tmp_path / records.TRIALS_FILE
     for i in range(4):
-        records.append(f, {"kind": "trial", "trial_id": f"c-{i}", "value": i / 3})
+        records.append(f, trial_line(f"c-{i}"))
     s = records.scan(f)
     assert s.clean and [r["trial_id"] for r in s.records] == ["c-0", "c-1", "c-2", "c-3"]
     lines = f.read_bytes().split(b"\n")
@@ -49,12 +50,29 @@ def small_fs(tmp_path):
     subprocess.run(["umount", "-l", str(where)], check=False)
 
 
+def test_a_line_with_a_good_checksum_and_another_shape_is_damaged(tmp_path):
+    """A line that is checksummed JSON but not a record the resume can use (written by hand or another tool)
+    is a damaged line naming what it lacks: it ended doctor and the resume in a KeyError."""
+    f = tmp_path / records.TRIALS_FILE
+    bad = [{"kind": "trial", "trial_id": "c-1", "cell_id": "c"}, {**trial_line("c-2"), "optuna": "x"},
+           trial_line("c-3", state="RUNNING"), {**trial_line("c-4"), "mlflow": {"run_id": 7}}, {"kind": "note"}]
+    for rec in [trial_line("c-0"), *bad, trial_line("c-5")]:
+        records.append(f, rec)
+    s = records.scan(f)
+    assert list(records.trials(s)) == ["c-0", "c-5"] and [n for n, _ in s.damaged] == [2, 3, 4, 5, 6]
+    assert [why for _, why in s.damaged] == [
+        "a trial line without a valid 'optuna'", "a trial line without a valid 'optuna'",
+        "a trial line with Optuna state 'RUNNING'", "a trial line's mlflow part without a valid 'run_id'",
+        "a line of unknown kind 'note'"]
+    assert journal_disagrees(tmp_path / "none.journal", records.trials(s)) == ["c-0", "c-5"]  # no KeyError
+
+
 def test_full_disk_is_one_line_and_leaves_nothing_partial(small_fs):
     f = small_fs / records.TRIALS_FILE
-    records.append(f, {"kind": "trial", "trial_id": "c-0"})
+    records.append(f, trial_line("c-0"))
     size = f.stat().st_size
     with pytest.raises(DiskFullError) as e:
-        records.append(f, {"kind": "trial", "trial_id": "c-1", "blob": "x" * (300 << 10)})
+        records.append(f, trial_line("c-1", blob="x" * (300 << 10)))
     assert str(e.value).startswith(f"no space left on device writing the trial record {f} (needed 300.")
     assert f.stat().st_size == size and records.scan(f).clean  # cut back: no torn line for the next append
     with pytest.raises(DiskFullError) as e:

@@ -10,6 +10,7 @@ import pytest
 from orchestrator.cli import main
 from tasks.store import TargetStore, content_key, ensure_targets
 from tests.store_helpers import Runner
+from tests.faults.helpers import trial_line
 
 K1, K2 = content_key("one"), content_key("two")
 REPO = Path(__file__).resolve().parents[2]
@@ -100,8 +101,7 @@ def test_gc_collects_the_masks_beside_the_targets_by_the_same_rule(store_dir, tm
     assert masks.keys() == sorted([m1, m3]) and "kept all 2: a --keep-referenced run has no trials.jsonl" in \
         capsys.readouterr().out  # the run names no masks it used: none is taken for unused
     for tid, key in (("c-0", m3), ("c-1", m3)):
-        records.append(run / records.TRIALS_FILE, {"kind": records.TRIAL, "trial_id": tid, "cell_id": "c",
-                                                   "mlflow": {"tags": {"mask_key": key}}, "optuna": {}})
+        records.append(run / records.TRIALS_FILE, trial_line(tid, tags={"mask_key": key}))
     assert main(["store", "gc", "--keep-referenced", str(run), "--store", str(home)]) == 0
     assert masks.keys() == [m3] and "1 of 2 masks deleted" in capsys.readouterr().out
 
