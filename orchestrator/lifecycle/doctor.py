@@ -56,8 +56,8 @@ class Doctor:
 
     def check_record(self) -> list[Problem]:
         s, out = self._scan(), []
-        if not self.record.exists():
-            return self._no_record()
+        if not self.record.exists() or s.clean and not records.trials(s):
+            return self._no_record(self.record.exists())
         if s.torn is not None:
             out.append(Problem(str(self.record), f"torn last line ({s.torn_bytes} bytes: a write cut short)",
                                "that trial's result (it runs again on resume)", lambda: self._drop_torn()))
@@ -78,19 +78,20 @@ class Doctor:
             return "nothing (every trial the journal tells is in the intact lines)"
         return f"{len(gone)} trial result(s) ({', '.join(gone[:4])}): they run again on resume"
 
-    def _no_record(self) -> list[Problem]:
-        """A sweep from before trials.jsonl: its record is written from the journal and MLflow while both are
-        intact (nothing to rebuild from otherwise)."""
+    def _no_record(self, emptied: bool = False) -> list[Problem]:
+        """A sweep from before trials.jsonl (``emptied``: a record without a trial line): its record is written
+        from the journal and MLflow while both are intact (nothing to rebuild from otherwise)."""
 
         told = resume.told_count(self.journal) if self.journal.exists() and not resume.journal_problem(
             self.journal) else 0
         db_ok = resume.db_problem(self.dir / resume.DB_FILE) is None and (self.dir / resume.DB_FILE).exists()
         if not told:
             return []
+        what = "holds none of the trials the journal tells" if emptied else "missing (a sweep from before it)"
         if not db_ok:
-            return [Problem(str(self.record), "missing (a sweep from before it) and the tracking database damaged",
+            return [Problem(str(self.record), f"{what} and the tracking database damaged",
                             f"the MLflow runs of {told} trials: nothing to rebuild them from")]
-        return [Problem(str(self.record), f"missing (a sweep from before it; {told} trials in the journal)",
+        return [Problem(str(self.record), f"{what}; {told} trials in the journal",
                         "nothing yet: written from the journal and MLflow", lambda: self._backfill())]
 
     def _backfill(self) -> str:

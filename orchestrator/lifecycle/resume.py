@@ -112,8 +112,9 @@ def prepare_resume(out_dir: Path, say=note) -> None:
         say(f"{rs.path}: dropped a torn last record ({records.drop_torn(rs)} bytes: a write cut short); its trial "
             "runs again")
     why = journal_problem(journal)
-    if not rs.path.exists() and not why and journal.exists():
-        _backfill(out_dir, say)  # a sweep from before trials.jsonl: recorded before it runs on
+    if rs.clean and not records.trials(rs) and not why and journal.exists():
+        _backfill(out_dir, say, rs.path.exists())  # a sweep from before trials.jsonl (or a record emptied since):
+        # recorded before it runs on, else the trials the journal tells would be done and recorded nowhere
         rs = records.scan(rs.path)
     trials = records.trials(rs)
     if why and not rs.records:
@@ -152,9 +153,10 @@ def told_count(journal: Path) -> int:
     return sum(st.is_finished() for st in told_states(journal).values())
 
 
-def _backfill(out_dir: Path, say) -> None:
-    """The record of a sweep from before trials.jsonl, written from its journal and MLflow (without it, the
-    trials told before would count as unrecorded and run again on the next resume)."""
+def _backfill(out_dir: Path, say, emptied: bool = False) -> None:
+    """The record of a sweep from before trials.jsonl (``emptied``: a record that holds no trial line), written
+    from its journal and MLflow (without it, the trials told before would count as unrecorded and run again on the
+    next resume, or, with the journal left as it is, be recorded nowhere)."""
 
     if not told_count(out_dir / JOURNAL_FILE):  # none told: nothing to record (a sweep interrupted before its first)
         return
@@ -164,4 +166,5 @@ def _backfill(out_dir: Path, say) -> None:
     info = read_sweep(out_dir)
     n = backfill(out_dir, MlflowClient(info["tracking_uri"]), info.get("experiment") or "healsweep",
                  info["sweep_id"], info.get("parent_run_id"))
-    say(f"{out_dir / records.TRIALS_FILE}: written from the journal and MLflow ({n} trials: a sweep from before it)")
+    why = "it held none of the trials the journal tells" if emptied else "a sweep from before it"
+    say(f"{out_dir / records.TRIALS_FILE}: written from the journal and MLflow ({n} trials: {why})")

@@ -117,13 +117,19 @@ def test_deleted_and_damaged_shards(reference, tmp_path):
     ok(cli("doctor", run))
 
 
-def test_a_sweep_from_before_the_record_gets_one(reference, tmp_path):
-    """No trials.jsonl (a sweep older than it): doctor writes it from the journal and MLflow, equal to the one the
-    sweep wrote itself (Optuna side, and the run's params, metrics and per-epoch history)."""
+@pytest.mark.parametrize("damage", ["missing", "emptied"])
+def test_a_sweep_from_before_the_record_gets_one(reference, tmp_path, damage):
+    """No trials.jsonl (a sweep older than it), or one emptied since (it said "no problem found"; a resume then
+    left it empty, and after a damaged database all 8 trials were lost): doctor writes it from the journal and
+    MLflow, equal to the one the sweep wrote itself (Optuna side, and the run's params, metrics and history)."""
     run = copy_run(reference, tmp_path / "run")
-    (run / "trials.jsonl").unlink()
+    if damage == "missing":
+        (run / "trials.jsonl").unlink()
+    else:
+        (run / "trials.jsonl").write_bytes(b"")
     r = cli("doctor", run)
-    assert r.returncode == 1 and f"{run / 'trials.jsonl'}: missing (a sweep from before it; 8 trials" in r.stdout
+    what = "missing (a sweep from before it)" if damage == "missing" else "holds none of the trials the journal tells"
+    assert r.returncode == 1 and f"{run / 'trials.jsonl'}: {what}; 8 trials in the journal" in r.stdout, r.stdout
     ok(cli("doctor", run, "--repair"))
     from orchestrator.rundir import records
 
@@ -150,6 +156,12 @@ def test_a_resume_records_a_sweep_from_before_the_record_first(reference, tmp_pa
     assert notes == [f"{run / 'trials.jsonl'}: written from the journal and MLflow (8 trials: a sweep from before it)"]
     assert recorded(run) == recorded(reference["run"])
     assert not journal_disagrees(run / "optuna.journal", recorded_lenient(run))
+    (run / "trials.jsonl").write_bytes(b"")  # emptied since: recorded again, not left empty
+    notes.clear()
+    prepare_resume(run, notes.append)
+    assert notes == [f"{run / 'trials.jsonl'}: written from the journal and MLflow (8 trials: it held none of the "
+                     "trials the journal tells)"]
+    assert recorded(run) == recorded(reference["run"])
 
 
 def test_a_check_writes_nothing_in_a_copied_run(reference, tmp_path):
