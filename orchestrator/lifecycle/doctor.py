@@ -13,6 +13,7 @@ is damaged, what was lost); with ``repair``, what can be repaired is repaired, i
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -22,7 +23,7 @@ from orchestrator.lifecycle.store_check import store_problems
 from orchestrator.lifecycle.sweep_record import rebuild_sweep, rebuilt_sweep, sweep_damage
 from orchestrator.rundir import records
 from orchestrator.rundir.files import JOURNAL_FILE, SWEEP_FILE, ResumeError, read_sweep
-from orchestrator.tracking.rebuild import journal_disagrees, rebuild_journal, rebuild_tracking, sync_runs
+from orchestrator.tracking.rebuild import journal_disagrees, rebuild_journal, rebuild_tracking, runs_off, sync_runs
 from orchestrator.tracking.recorder import backfill
 from orchestrator.tracking.store import local_tracking_uri, relocate
 
@@ -127,8 +128,8 @@ class Doctor:
                             lambda: self._rebuild_db())]
         missing = self._missing_runs(trials)
         if missing:
-            return [Problem(str(db), f"{len(missing)} recorded trial(s) without their one MLflow run "
-                            f"({', '.join(missing[:4])})", "nothing: recreated from trials.jsonl",
+            return [Problem(str(db), f"{len(missing)} recorded trial(s) without their one MLflow run in its "
+                            f"recorded status ({', '.join(missing[:4])})", "nothing: recreated from trials.jsonl",
                             lambda: self._sync_db())]
         return []
 
@@ -149,13 +150,7 @@ class Doctor:
             return []
         client = self._client(write=False)
         exp = client.get_experiment_by_name(self.info.get("experiment") or "healsweep")
-        if exp is None:
-            return sorted(trials)
-        have: dict[str, int] = {}
-        for r in client.search_runs([exp.experiment_id], f"tags.sweep_id = '{self.info['sweep_id']}' and "
-                                    "tags.`healsweep.role` = 'trial'", max_results=50000):
-            have[r.data.tags.get("trial_id", "")] = have.get(r.data.tags.get("trial_id", ""), 0) + 1
-        return sorted(t for t, r in trials.items() if r.get("mlflow") and have.get(t, 0) != 1)
+        return runs_off(client, exp.experiment_id if exp else None, self.info["sweep_id"], trials)
 
     def _rebuild_db(self) -> str:
         c = rebuild_tracking(self.dir, self.info, self._scan())
@@ -167,7 +162,8 @@ class Doctor:
         exp = client.get_experiment_by_name(self.info.get("experiment") or "healsweep")
         c = sync_runs(client, exp.experiment_id, self.info["sweep_id"], self.info["parent_run_id"],
                       records.trials(self._scan()))
-        return f"{c['created']} run(s) recreated, {c['deleted']} duplicate(s) deleted"
+        return (f"{c['created']} run(s) recreated, {c['deleted']} duplicate(s) deleted"
+                + (f", {c['ended']} set to their recorded status" if c["ended"] else ""))
 
     def check_journal(self) -> list[Problem]:
         js = records.scan(self.journal, records.check_json)
@@ -212,6 +208,15 @@ class Doctor:
         return store_problems(self.dir, self.info, Problem)
 
 
+def _readable_cache(out_dir: Path) -> Path | None:
+    """The model cache a damaged but readable sweep.json names (a field missing), else None."""
+    try:
+        cache = json.loads((Path(out_dir) / SWEEP_FILE).read_bytes()[: 64 << 20]).get("cache")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    return Path(cache) if isinstance(cache, str) and cache else None
+
+
 def _unlink(p: Path) -> str:
     p.unlink(missing_ok=True)
     return "removed"
@@ -223,13 +228,16 @@ def run(out_dir: Path, repair: bool, say: Callable[[str], None] = print, cache: 
     damaged sweep.json comes first: nothing else can be read without it (``cache``: the model cache a rebuilt one
     names, not recorded elsewhere)."""
     if (why := sweep_damage(out_dir)) is not None:
-        cache = Path(cache or "models")
+        kept = _readable_cache(out_dir)  # a readable one (a field missing) keeps its model cache
+        cache = kept or Path(cache or "models")
         try:
             rebuilt_sweep(out_dir, cache)
         except ResumeError as e:  # nothing to rebuild it from: read_sweep's own one line (exit 2)
             raise ResumeError(f"{Path(out_dir) / SWEEP_FILE}: damaged ({why}) and not rebuildable: {e}") from None
-        say(f"{Path(out_dir).resolve() / SWEEP_FILE}: damaged ({why}); lost: the model cache it named (the rebuilt "
-            f"one names {cache.resolve()}); the rest is rebuilt from {records.TRIALS_FILE} and {resume.DB_FILE}")
+        lost = (f"nothing (its model cache {cache} kept)" if kept else
+                f"the model cache it named (the rebuilt one names {cache.resolve()})")
+        say(f"{Path(out_dir).resolve() / SWEEP_FILE}: damaged ({why}); lost: {lost}; the rest is rebuilt from "
+            f"{records.TRIALS_FILE} and {resume.DB_FILE}")
         if not repair:
             say(f"1 problem (the other files are checked once it is rebuilt); repair with healsweep doctor {out_dir} "
                 "--repair")

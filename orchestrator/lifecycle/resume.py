@@ -16,10 +16,10 @@ from pathlib import Path
 from orchestrator.lifecycle.store_check import targets_gap
 from orchestrator.rundir import records
 from orchestrator.rundir.faults import damaged
-from orchestrator.rundir.files import JOURNAL_FILE, read_sweep, told_states
-from orchestrator.tracking.rebuild import journal_disagrees, rebuild_journal
+from orchestrator.rundir.files import JOURNAL_FILE, SWEEP_FILE, read_sweep, spec_lacks, told_states
+from orchestrator.tracking.rebuild import journal_disagrees, rebuild_journal, runs_off
 from orchestrator.tracking.recorder import backfill
-from orchestrator.tracking.store import relocate
+from orchestrator.tracking.store import local_tracking_uri, relocate
 from tasks.atomic import TMP_PREFIX
 
 DB_FILE = "mlflow.db"
@@ -52,6 +52,28 @@ def db_problem(db: Path) -> str | None:
     if rows != [("ok",)]:
         return "integrity check: " + "; ".join(str(r[0]) for r in rows[:2])[:160]
     return None
+
+
+def tracking_gap(out_dir: Path, info: dict, trials: dict[str, dict]) -> bool:
+    """Whether the sweep's own tracking database lacks what the record holds: its parent run, or a recorded
+    trial's one run in its recorded status (``sync_record`` on the usual resume path settles both). A tracking
+    server or a shared database is not checked here."""
+    if not own_db(out_dir, info):
+        return False
+    db = Path(out_dir) / DB_FILE
+    if not db.is_file() or db_problem(db):
+        return True
+    from mlflow import MlflowClient
+
+    client = MlflowClient(local_tracking_uri(out_dir))
+    exp = client.get_experiment_by_name(info.get("experiment") or "healsweep")
+    try:
+        parent = client.get_run(info["parent_run_id"]) if info.get("parent_run_id") else None
+    except Exception:  # noqa: BLE001 - MLflow's "run not found"
+        parent = None
+    if parent is None or parent.info.lifecycle_stage != "active":
+        return True
+    return bool(runs_off(client, exp.experiment_id if exp else None, info["sweep_id"], trials))
 
 
 def journal_problem(journal: Path) -> str | None:
@@ -88,6 +110,8 @@ def check_resumable(out_dir: Path) -> None:
 
     out_dir = Path(out_dir)
     info = read_sweep(out_dir)
+    if (lacks := spec_lacks(info)) is not None:
+        raise damaged(out_dir / SWEEP_FILE, lacks, out_dir)
     why = db_problem(out_dir / DB_FILE) or ("missing" if own_db(out_dir, info) and info.get("parent_run_id")
                                              and not (out_dir / DB_FILE).exists() else None)
     if why:
@@ -136,12 +160,17 @@ def nothing_to_resume(out_dir: Path) -> tuple[int, int] | None:
     js, rs = records.scan(journal, records.check_json), records.scan(out_dir / records.TRIALS_FILE)
     if not isinstance(done, dict) or not js.clean or not rs.clean or not rs.path.exists():
         return None
-    told = told_states(journal)
+    try:
+        told = told_states(journal)
+    except Exception:  # noqa: BLE001 - lines Optuna cannot replay: the usual resume names them (check_resumable)
+        return None
     states = [st for st in told.values() if st.is_finished()]
     trials = records.trials(rs)
     if len(states) != done.get("told") or len(trials) != len(states) or journal_disagrees(journal, trials, told):
         return None
     if targets_gap(out_dir, info):  # a shard doctor moved aside: the resume recomputes it, as doctor says
+        return None
+    if tracking_gap(out_dir, info, trials):  # runs lost or left RUNNING: the usual resume recreates them
         return None
     failed = sum(st.name == "FAIL" for st in states)
     return len(states) - failed, failed

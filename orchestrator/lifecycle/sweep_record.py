@@ -14,7 +14,7 @@ from pathlib import Path
 
 from orchestrator.lifecycle.resume import DB_FILE, db_problem
 from orchestrator.rundir import records
-from orchestrator.rundir.files import SWEEP_FILE, ResumeError, read_sweep, write_sweep
+from orchestrator.rundir.files import SWEEP_FILE, ResumeError, read_sweep, spec_lacks, write_sweep
 from orchestrator.tracking.store import local_tracking_uri
 
 
@@ -23,10 +23,9 @@ def sweep_damage(out_dir: Path) -> str | None:
     if not (Path(out_dir) / SWEEP_FILE).is_file():
         return None
     try:
-        read_sweep(Path(out_dir))
+        return spec_lacks(read_sweep(Path(out_dir)))
     except ResumeError as e:
         return str(e).split(": ", 1)[-1]
-    return None
 
 
 def rebuilt_sweep(out_dir: Path, cache: Path) -> dict:
@@ -51,11 +50,14 @@ def rebuilt_sweep(out_dir: Path, cache: Path) -> dict:
     run = client.get_run(parent["run_id"])
     dense = {str(m.step): int(m.value) for m in client.get_metric_history(run.info.run_id,
                                                                            "dense_forward_images_session")}
-    return {"sweep_id": str((parent.get("tags") or {}).get("sweep_id") or run.data.tags.get("sweep_id")),
+    out = {"sweep_id": str((parent.get("tags") or {}).get("sweep_id") or run.data.tags.get("sweep_id")),
             "name": spec.get("name") or parent.get("run_name"), "tracking_uri": local_tracking_uri(out_dir),
             "experiment": client.get_experiment(run.info.experiment_id).name,
             "store": run.data.params.get("store") or str(cache.parent / "store"), "cache": str(Path(cache).resolve()),
             "spec": spec, "dense_forward_images": dense, "parent_run_id": run.info.run_id}
+    if run.data.tags.get("partial") == "false":  # the sweep ended complete: so does the rebuilt record of it
+        out["complete"] = {"told": len(records.trials(records.scan(out_dir / records.TRIALS_FILE)))}
+    return out
 
 
 def rebuild_sweep(out_dir: Path, cache: Path) -> str:

@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from orchestrator.rundir import records
 from tasks.atomic import atomic_write_text
 
 if TYPE_CHECKING:  # imported where used: `healsweep run` checks a run directory before Ray starts
@@ -34,6 +35,8 @@ class ResumeError(ValueError):
 
 
 _SWEEP_KEYS = {"sweep_id": str, "tracking_uri": str, "store": str, "cache": str, "spec": dict}
+# Keys every written spec holds (orchestrator/spec/schema.py to_dict), since the first sweep.json
+_SPEC_KEYS = ("models", "sparsities", "calib_sizes", "pruners", "healers", "seeds", "search", "heal")
 
 
 def read_sweep(out_dir: Path) -> dict:
@@ -50,7 +53,21 @@ def read_sweep(out_dir: Path) -> dict:
     for k, t in _SWEEP_KEYS.items():
         if not isinstance(info.get(k), t):
             raise ResumeError(f"{f}: field {k!r} missing or not a {t.__name__}")
+    if not isinstance(info.get("parent_run_id"), str) and _recorded_parent(out_dir):
+        raise ResumeError(f"{f}: field 'parent_run_id' missing, though {records.TRIALS_FILE} names the parent run")
     return info
+
+
+def spec_lacks(info: dict) -> str | None:
+    """What sweep.json's spec lacks of what every written spec holds, or None: a spec parsed without them takes
+    the defaults, and a resume would run another sweep (checked where the spec is used: the resume, doctor)."""
+    lacks = [k for k in _SPEC_KEYS if k not in info["spec"]]
+    return f"its spec lacks {', '.join(map(repr, lacks))}" if lacks else None
+
+
+def _recorded_parent(out_dir: Path) -> bool:
+    """Whether the trial record holds a parent-run line (only read when sweep.json names no parent run)."""
+    return records.parent(records.scan(out_dir / records.TRIALS_FILE)) is not None
 
 
 def write_sweep(out_dir: Path, info: dict) -> None:

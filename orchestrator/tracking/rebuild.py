@@ -145,13 +145,27 @@ def create_run(client, exp_id: str, parent_id: str, rec: dict) -> str:
     return rid
 
 
-def sync_runs(client, exp_id: str, sweep_id: str, parent_id: str, trials: dict[str, dict]) -> dict[str, int]:
-    """Every recorded trial with exactly one MLflow run; -> counts created / deleted."""
+def _trial_runs(client, exp_id: str, sweep_id: str) -> dict[str, list]:
     runs: dict[str, list] = {}
     for r in client.search_runs([exp_id], f"tags.sweep_id = '{sweep_id}' and tags.`healsweep.role` = 'trial'",
                                 max_results=50000):
         runs.setdefault(r.data.tags.get("trial_id", ""), []).append(r)
-    counts = {"created": 0, "deleted": 0}
+    return runs
+
+
+def runs_off(client, exp_id: str | None, sweep_id: str, trials: dict[str, dict]) -> list[str]:
+    """Recorded trials (with an MLflow part) that do not have exactly one run in their recorded status: lost,
+    doubled, or left RUNNING by a driver killed after the record (what ``sync_runs`` settles)."""
+    runs = _trial_runs(client, exp_id, sweep_id) if exp_id is not None else {}
+    return sorted(t for t, rec in trials.items() if rec.get("mlflow") and (
+        len(runs.get(t, [])) != 1 or runs[t][0].info.status != rec["mlflow"]["status"]))
+
+
+def sync_runs(client, exp_id: str, sweep_id: str, parent_id: str, trials: dict[str, dict]) -> dict[str, int]:
+    """Every recorded trial with exactly one MLflow run, in its recorded status; -> counts created / deleted /
+    ended (a run left RUNNING or otherwise off its record, set to the recorded status)."""
+    runs = _trial_runs(client, exp_id, sweep_id)
+    counts = {"created": 0, "deleted": 0, "ended": 0}
     for tid, rec in trials.items():
         have = runs.get(tid, [])
         if rec.get("mlflow") is None:
@@ -165,6 +179,9 @@ def sync_runs(client, exp_id: str, sweep_id: str, parent_id: str, trials: dict[s
             if r is not keep:
                 client.delete_run(r.info.run_id)
                 counts["deleted"] += 1
+        if keep.info.status != rec["mlflow"]["status"]:
+            client.set_terminated(keep.info.run_id, rec["mlflow"]["status"], end_time=rec["mlflow"]["end_time"])
+            counts["ended"] += 1
     return counts
 
 

@@ -306,3 +306,62 @@ def test_a_damaged_record_line_says_which_trial_it_lost(reference, tmp_path):
     assert "line 4 damaged (" in r.stdout and "lost: nothing (every trial the journal tells" in r.stdout, r.stdout
     ok(cli("doctor", run2, "--repair"))
     assert recorded(run2) == recorded(reference["run"])
+
+
+@pytest.mark.parametrize("damage", ["spec lacks search", "no parent_run_id"])
+def test_a_sweep_json_missing_a_field_is_refused_and_rebuilt(reference, tmp_path, damage):
+    """A readable sweep.json without the spec's search (a resume parsed the defaults and ran 16 trials of another
+    search) or without parent_run_id while the record names the parent (a resume opened a second parent run):
+    the resume refuses in one line, doctor rebuilds it keeping its model cache, and the resume then starts
+    nothing."""
+    from orchestrator.lifecycle.resume import nothing_to_resume
+
+    run = copy_run(reference, tmp_path / "run")
+    info = json.loads((run / "sweep.json").read_text())
+    if damage == "spec lacks search":
+        del info["spec"]["search"]
+        why = "its spec lacks 'search'"
+    else:
+        del info["parent_run_id"]
+        why = "field 'parent_run_id' missing, though trials.jsonl names the parent run"
+    (run / "sweep.json").write_text(json.dumps(info))
+    one_line(cli("run", "--resume", run), 2, "sweep.json", why)
+    r = cli("doctor", run)
+    assert r.returncode == 1 and f"sweep.json: damaged ({why}); lost: nothing (its model cache" in r.stdout, r.stdout
+    ok(cli("doctor", run, "--repair"))
+    got = json.loads((run / "sweep.json").read_text())
+    assert got["spec"] == reference_info(reference)["spec"] and got["cache"] == info["cache"]
+    assert got["parent_run_id"] == reference_info(reference)["parent_run_id"]
+    assert nothing_to_resume(run) == (8, 0)
+
+
+def reference_info(reference):
+    return json.loads((reference["run"] / "sweep.json").read_text())
+
+
+@pytest.mark.parametrize("damage", ["run deleted", "run left RUNNING"])
+def test_a_complete_sweep_missing_a_run_resumes_the_usual_way(reference, tmp_path, damage):
+    """A finished sweep whose database lost a trial's run (or holds it RUNNING: a driver killed after the record)
+    was 'nothing to resume' with 7 runs left; the check now sees it, doctor --repair recreates (or ends) the run
+    and the sweep is complete again."""
+    from mlflow import MlflowClient
+
+    from orchestrator.lifecycle.resume import nothing_to_resume
+
+    run = copy_run(reference, tmp_path / "run")
+    assert nothing_to_resume(run) == (8, 0)
+    client = MlflowClient(f"sqlite:///{run.resolve()}/mlflow.db")
+    victim = sorted(trial_runs(run))[3]
+    run_id = next(r.info.run_id for r in client.search_runs(
+        [client.get_experiment_by_name("healsweep").experiment_id], f"tags.trial_id = '{victim}'"))
+    if damage == "run deleted":
+        client.delete_run(run_id)
+    else:
+        client.update_run(run_id, status="RUNNING")
+    assert nothing_to_resume(run) is None
+    r = cli("doctor", run)
+    assert r.returncode == 1 and f"1 recorded trial(s) without their one MLflow run in its recorded status ({victim})" \
+        in r.stdout, r.stdout
+    r = ok(cli("doctor", run, "--repair"))
+    assert ("1 run(s) recreated" if damage == "run deleted" else "1 set to their recorded status") in r.stdout
+    assert nothing_to_resume(run) == (8, 0) and trial_runs(run) == recorded(run)
