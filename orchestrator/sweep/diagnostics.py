@@ -114,12 +114,13 @@ def _write(root: str | Path, key: str, rows: list[dict], ident: Mapping[str, Any
     _fs(root).write_atomic(table_name(key), buf.getvalue())  # atomic: a table is complete or absent
 
 
-def _layer_count(model: str, scope: str) -> int:
-    """Prunable layers of ``model``'s ``scope``, from its untrained skeleton (no weights needed in the driver)."""
-    from tasks.models import MODELS, get_adapter
+def _layer_count(model: str, scope: str, load_kw: Mapping[str, Any]) -> int:
+    """Prunable layers of ``model``'s ``scope``, from its architecture on the meta device (no weights, no download:
+    a timm, torchvision or checkpoint model too; it asked the reference registry for every model)."""
+    from tasks.models import ModelRef, build_untrained, get_adapter
 
-    src = MODELS.get(model)
-    skeleton = src.build(src.arch)
+    ref = ModelRef(**(load_kw.get("source") or {"name": model}))
+    skeleton = build_untrained(ref, device="meta")
     return len(get_adapter(skeleton).scope(skeleton, scope))
 
 
@@ -146,7 +147,7 @@ def diagnostics_stage(cells: list[Cell], models: Mapping[str, Any], root: str | 
     for key, (c, ident) in idents.items():
         if has_table(root, key):
             continue
-        for i in range(_layer_count(c.model, c.scope)):
+        for i in range(_layer_count(c.model, c.scope, (load_kw or {}).get(c.model, {}))):
             ref = ray_task(diagnostics_layer, threads, gpus).remote(
                 c.model, str(cache_dir), data_seed, c.scope, i, ident["grid"], ident["diag_images"], ident["tau"],
                 threads, ident["at"], dict((load_kw or {}).get(c.model, {})))

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tasks.models import ScopeEntry, get_adapter
+from tasks.models import MODELS, ScopeEntry, get_adapter
 from tasks.pruning.repair import (channel_variances, crbn_repair, crbn_scales, recalibrate_bn, scale_output_channels,
                                   tau_of, to_channels)
 from tasks.pruning.rr import distortion, following_bn, layer_diagnostics
@@ -207,6 +207,27 @@ def test_diagnostics_stage_is_cached(resnet_digits, tmp_path):
     finally:
         if started:
             ray.shutdown()
+
+
+def test_diagnostics_count_the_layers_of_any_model_source():
+    """The RR family's stage counts a model's prunable layers from its architecture: it asked the reference
+    registry for every model, so rr / raw_shift / repair_residual on a timm or torchvision model ended the sweep
+    in a KeyError ("unknown model 'r18'"). On the meta device it equals the count on the built model: ResNet-18's
+    16 block convs and 3 downsample convs (the stem is outside every scope), and its fc for conv_fc."""
+    import timm
+    import torchvision
+
+    from orchestrator.sweep.diagnostics import _layer_count
+
+    timm_ref = {"name": "r18", "source": "timm", "arch": "resnet18", "pretrained": False, "num_classes": 10}
+    built = timm.create_model("resnet18", pretrained=False, num_classes=10)
+    assert _layer_count("r18", "conv", {"source": timm_ref}) == len(get_adapter(built).scope(built, "conv")) == 19
+    tv_ref = {"name": "tv", "source": "torchvision", "arch": "resnet18", "weights": None, "num_classes": 10}
+    tv = torchvision.models.resnet18(num_classes=10)
+    assert _layer_count("tv", "conv_fc", {"source": tv_ref}) == len(get_adapter(tv).scope(tv, "conv_fc")) == 20
+    src = MODELS.get("resnet_digits")
+    ref = src.build(src.arch)
+    assert _layer_count("resnet_digits", "conv", {}) == len(get_adapter(ref).scope(ref, "conv"))
 
 
 # --- the paper's recalibration (default momentum, no reset) and distortion at the conv output -------------------
