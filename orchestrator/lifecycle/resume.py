@@ -23,6 +23,10 @@ from orchestrator.tracking.store import local_tracking_uri, relocate
 from tasks.atomic import TMP_PREFIX
 
 DB_FILE = "mlflow.db"
+# The tables (and their columns, stable across MLflow's schema versions) that a sweep's runs live in
+MLFLOW_TABLES = {"experiments": "experiment_id, name, lifecycle_stage", "runs": "run_uuid, status, experiment_id",
+                 "tags": "key, value, run_uuid", "params": "key, value, run_uuid",
+                 "metrics": "key, value, timestamp, run_uuid, step", "latest_metrics": "key, value, run_uuid, step"}
 
 
 def own_db(out_dir: Path, info: dict) -> bool:
@@ -44,7 +48,8 @@ def db_problem(db: Path) -> str | None:
         try:
             rows = con.execute("PRAGMA integrity_check").fetchall()
             if rows == [("ok",)]:
-                con.execute("SELECT count(*) FROM runs").fetchone()
+                for table, cols in MLFLOW_TABLES.items():  # a table dropped (or recreated by MLflow without
+                    con.execute(f"SELECT {cols} FROM {table} LIMIT 0").fetchall()  # its columns): damaged
         finally:
             con.close()
     except sqlite3.Error as e:

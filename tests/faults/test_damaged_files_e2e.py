@@ -60,7 +60,9 @@ def test_torn_last_lines_alone_need_no_doctor(reference, tmp_path):
 
 
 DB_FAULTS = {"truncated": "database disk image is malformed", "garbage": "file is not a database",
-             "deleted": "missing"}
+             "deleted": "missing",  # a table dropped: doctor said "no problem" (params, metrics), crashed
+             # (experiments) or pointed at a repair that never repaired it (latest_metrics)
+             **{f"no {t}": f"no such table: {t}" for t in ("experiments", "params", "metrics", "latest_metrics")}}
 
 
 @pytest.mark.parametrize("damage", list(DB_FAULTS))
@@ -72,8 +74,13 @@ def test_damaged_tracking_database(reference, tmp_path, damage):
             f.truncate(4096)
     elif damage == "garbage":
         db.write_bytes(bytes(range(256)) * 400)
-    else:
+    elif damage == "deleted":
         db.unlink()
+    else:
+        import sqlite3
+
+        with sqlite3.connect(db) as con:
+            con.execute(f"DROP TABLE {damage.split()[1]}")
     one_line(cli("report", run), 2, str(db), f"healsweep doctor {run} --repair")
     state = "is missing" if damage == "deleted" else f"is damaged ({why})"
     one_line(cli("run", "--resume", run), 2, f"{db} {state}: repair it with healsweep doctor {run} --repair")
