@@ -152,7 +152,7 @@ def _ls(store, args, root) -> int:
 
 
 def _verify(store, args, root) -> int:
-    from tasks.store import StoreError
+    from tasks.store import MaskStore, StoreError
 
     keys = [args.key] if args.key else store.keys()
     damaged = 0
@@ -168,7 +168,22 @@ def _verify(store, args, root) -> int:
             print(f"{k} {what}: {problem}")
         print(f"{k}: {'DAMAGED' if bad else 'ok'}")
     print(f"{len(keys)} keys checked, {damaged} damaged")
+    if not args.key and root is not None and (root / "masks").is_dir():
+        damaged += _verify_masks(MaskStore(root / "masks"))
     return 1 if damaged else 0
+
+
+def _verify_masks(masks) -> int:
+    """Every mask beside the targets read and checked (identity and content digest); -> how many are damaged."""
+    keys, bad = masks.keys(), 0
+    for k in keys:
+        why = masks.problem(k)
+        if why is not None:
+            bad += 1
+            print(f"mask {k}: DAMAGED ({why}); healsweep doctor RUN_DIR --repair moves it aside, the next sweep "
+                  "recomputes it")
+    print(f"{len(keys)} masks checked, {bad} damaged")
+    return bad
 
 
 def _referenced(run_dirs: list[str]) -> set[str]:

@@ -85,15 +85,18 @@ def _quarantine(store, key: str, name: str) -> Callable[[], str]:
 
 
 def _mask_problems(masks: Path, problem: Callable) -> list:
-    from safetensors import safe_open
+    """Every local mask read and checked (tasks/store/masks.py ``MaskStore.problem``: readable, its identity its
+    key's, its content its digest); a damaged one is moved aside and computed again by the next sweep."""
+    from tasks.store import MaskStore
 
-    out = []
-    for f in sorted(masks.glob("*.safetensors")) if masks.is_dir() else ():
-        try:
-            with safe_open(str(f), "pt") as st:
-                st.keys()
-        except Exception as e:  # noqa: BLE001 - whatever safetensors says of a damaged header
-            out.append(problem(str(f), f"damaged mask ({str(e)[:80]})", "nothing: recomputed by healsweep run "
+    if not masks.is_dir():
+        return []
+    store, out = MaskStore(masks), []
+    for key in store.keys():
+        why = store.problem(key)
+        if why is not None:
+            f = store.path(key)
+            out.append(problem(str(f), f"damaged mask ({why[:120]})", "nothing: recomputed by healsweep run "
                                "--resume", _move(f, masks / ".quarantine" / f.name), later=True))
     return out
 

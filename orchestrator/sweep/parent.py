@@ -96,8 +96,9 @@ def log_stages(s: SweepState, client, parent: str) -> None:
     if s.dense_rep.nodes:  # where this session's dense shards were computed (Ray node id: shards)
         client.set_tag(parent, f"dense_nodes_{s.session}",
                        ",".join(f"{n}:{k}" for n, k in sorted(s.dense_rep.nodes.items())))
-    if s.dense_rep.events:  # damaged shards found and recomputed
-        client.log_text(parent, "\n".join(s.dense_rep.events) + "\n", f"store_events_{s.session}.txt")
+    events = [*s.dense_rep.events, *s.mask_keys.events]  # damaged shards and masks found and recomputed
+    if events:
+        client.log_text(parent, "\n".join(events) + "\n", f"store_events_{s.session}.txt")
 
 
 def sync_record(s: SweepState, client, parent: str) -> None:

@@ -5,6 +5,7 @@ model and mask computations import tasks.models, tasks.healing and tasks.pruning
 ``compute_masks``); what a warm driver does (content keys, ``MaskStore.has``) is torch-free."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,8 @@ from orchestrator.spec.plan import Cell, targets_identity
 from orchestrator.sweep.dense import dense_stage  # noqa: F401  (re-exported: the sharded dense stage)
 from orchestrator.sweep.model_facts import ModelInfo, cached_model_info
 from tasks.store import MaskStore, content_key
+
+log = logging.getLogger(__name__)
 
 
 def model_info(spec: SweepSpec, name: str, cache: str, progress: bool = False) -> ModelInfo:
@@ -106,9 +109,11 @@ class MaskResult(dict):
     """{cell_id: mask key}, with ``computed`` (one dict per mask computed now: key, node_id, device, seconds)
     and ``placement`` ("driver" | "tasks" | "cached")."""
 
-    def __init__(self, keys: dict[str, str], computed: list[dict], placement: str) -> None:
+    def __init__(self, keys: dict[str, str], computed: list[dict], placement: str, events: list[str] | None = None
+                 ) -> None:
         super().__init__(keys)
         self.computed, self.placement = computed, placement
+        self.events = list(events or [])  # damaged masks moved aside and computed again
 
 
 def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: str | Path, cache: str | Path,
@@ -124,10 +129,13 @@ def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: st
     rank = str(ranking_dir or Path(str(mask_root)).parent / "rankings")
     keys: dict[str, str] = {}
     groups: dict[tuple[str, str], dict[str, MaskJob]] = {}
+    checked: set[str] = set()  # reused masks found intact
+    events: list[str] = []
     for c in cells:
         ident = c.mask_identity(models[c.model].digest, models[c.model].calib_digest)
         keys[c.cell_id] = key = content_key(ident)
-        if masks.has(key):
+        if key in checked or masks.has(key) and _intact(masks, key, events):
+            checked.add(key)
             masks.touch(key)  # its last use, for `healsweep store gc --older-than`
             continue
         rr = diagnostics.get(c.cell_id) if diagnostics else None
@@ -136,9 +144,9 @@ def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: st
     args = [(m, str(cache), data_seed, dict((load_kw or {}).get(m, {})), list(jobs.values()), str(mask_root), rank)
             for (m, _), jobs in groups.items()]
     if not args:
-        return MaskResult(keys, [], "cached")
+        return MaskResult(keys, [], "cached", events)
     if in_driver:
-        return MaskResult(keys, [r for a in args for r in compute_masks(*a)], "driver")
+        return MaskResult(keys, [r for a in args for r in compute_masks(*a)], "driver", events)
     import ray
 
     task = ray_task(_mask_task, resources[0], resources[1])
@@ -146,7 +154,20 @@ def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: st
     missing = [k for part in done for k in (r["key"] for r in part) if not masks.has(k)]
     if missing:
         raise RuntimeError(f"mask tasks reported {len(missing)} mask(s) the store at {mask_root} does not hold")
-    return MaskResult(keys, [r for part in done for r in part], "tasks")
+    return MaskResult(keys, [r for part in done for r in part], "tasks", events)
+
+
+def _intact(masks: MaskStore, key: str, events: list[str]) -> bool:
+    """Whether a stored mask can be reused: read and checked (its identity is its key's, its content its digest);
+    a damaged one is moved aside (an event) and computed again, as a damaged target shard is."""
+    why = masks.problem(key)
+    if why is None:
+        return True
+    where = masks.quarantine(key)
+    msg = f"mask {key} damaged ({why}): {'moved to ' + where if where else 'deleted'}; computed again"
+    log.warning(msg)
+    events.append(msg)
+    return False
 
 
 def store_paths(uri: str | None, store_dir: Path, cache_dir: Path) -> dict[str, str]:

@@ -7,15 +7,14 @@ Counts are exact: a tensor of n prunable weights at sparsity s loses exactly flo
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import numpy as np
 import torch
 import torch.nn as nn
 
 from tasks.registry import Registry
+from tasks.store.masks import content_digest
 from tasks.models.adapter import ModelAdapter, ScopeEntry
 
 
@@ -160,16 +159,11 @@ def mask_violations(model: nn.Module, masks: Mapping[str, torch.Tensor]) -> int:
 
 
 def mask_digest(masks: Mapping[str, torch.Tensor]) -> str:
-    """What a mask is, not how it was made: sha256 (16 hex) of every tensor's name, shape and kept entries (bits
-    packed), in name order. The mask key names the recipe (pruner, settings, seed); two keys with one digest prune
-    the same weights. A pruner whose mask depends on the seed (SnapViT's seeded search) gives the seeds of one
-    question different digests (analysis/reported.py widens their noise by it)."""
-    h = hashlib.sha256()
-    for name in sorted(masks):
-        m = masks[name].detach().to("cpu", torch.bool).contiguous()  # any shape: flattened by packbits
-        h.update(f"{name}:{tuple(m.shape)};".encode())
-        h.update(np.packbits(m.numpy()).tobytes())
-    return h.hexdigest()[:16]
+    """What a mask is, not how it was made (tasks/store/masks.py ``content_digest``: name, shape and kept entries).
+    The mask key names the recipe (pruner, settings, seed); two keys with one digest prune the same weights. A
+    pruner whose mask depends on the seed (SnapViT's seeded search) gives the seeds of one question different
+    digests (analysis/reported.py widens their noise by it)."""
+    return content_digest({k: v.detach().to("cpu", torch.bool).numpy() for k, v in masks.items()})
 
 
 def achieved_sparsity(entries: list[ScopeEntry], masks: Mapping[str, torch.Tensor]) -> float:

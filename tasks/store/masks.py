@@ -5,19 +5,34 @@ masks already exist checks them with ``MaskStore.has`` alone (orchestrator/sweep
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
 from tasks.atomic import atomic_write
 from tasks.store.fs import StoreFS
-from tasks.store.format import KEY_RE, StoreError
+from tasks.store.format import KEY_RE, StoreError, content_key
 
 if TYPE_CHECKING:
     import torch
 
 SUFFIX = ".safetensors"
+MASK_KIND = "mask/1"  # a sweep's mask identity (orchestrator/spec/plan.py): its key is the content key of it
+
+
+def content_digest(arrays: Mapping[str, Any]) -> str:
+    """What a mask prunes: sha256 (16 hex) of every array's name, shape and kept entries (bits packed), in name
+    order; arrays: numpy (or anything ``np.asarray`` takes) of any dtype, nonzero = kept."""
+    import numpy as np
+
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = np.asarray(arrays[name]).astype(bool, copy=False)
+        h.update(f"{name}:{tuple(a.shape)};".encode())
+        h.update(np.packbits(a).tobytes())  # flattened
+    return h.hexdigest()[:16]
 
 
 class MaskStore:
@@ -63,21 +78,78 @@ class MaskStore:
         return self.path(key).is_file()
 
     def save(self, key: str, masks: dict[str, torch.Tensor], meta: dict) -> Path | str:
+        """Write the mask with its identity (``meta``) and its content digest, both checked on every load."""
         from safetensors.torch import save, save_file
 
         data = {k: v.contiguous() for k, v in masks.items()}
-        info = {"meta": json.dumps(meta)}
+        info = {"meta": json.dumps(meta), "digest": content_digest({k: v.cpu().numpy() for k, v in data.items()})}
         if self.fs is not None:
             self.fs.write_atomic(self._name(key), save(data, metadata=info))
             return self.fs.path(self._name(key))
         return atomic_write(self.path(key), lambda tmp: save_file(data, tmp, metadata=info))
 
     def load(self, key: str) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load, load_file
+        """The mask, checked (``StoreError`` naming the key when it is damaged or another key's: ``problem``)."""
+        import torch
+
+        arrays, meta = self._read(key)
+        why = _mismatch(key, arrays, meta)
+        if why:
+            raise StoreError(f"mask {key} in {self.root} is damaged ({why}): healsweep doctor moves it aside and "
+                             "the next sweep recomputes it")
+        return {k: torch.from_numpy(v).bool() for k, v in arrays.items()}
+
+    def problem(self, key: str) -> str | None:
+        """Why the stored mask of ``key`` cannot be used (unreadable, another key's identity, content not its
+        digest), or None. Torch-free: the mask stage checks every mask it reuses."""
+        try:
+            return _mismatch(key, *self._read(key))
+        except StoreError as e:
+            return str(e)
+        except Exception as e:  # noqa: BLE001 - whatever safetensors says of a damaged file
+            return f"unreadable ({type(e).__name__}: {str(e)[:80]})"
+
+    def quarantine(self, key: str) -> str | None:
+        """Move a local mask aside (``<root>/.quarantine/``); -> where, or None (remote: deleted instead)."""
+        if self.fs is not None:
+            self.fs.delete(self._name(key))
+            return None
+        dst = Path(self.root) / ".quarantine" / self._name(key)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        self.path(key).replace(dst)
+        return str(dst)
+
+    def _read(self, key: str) -> tuple[dict, dict]:
+        """(arrays as numpy, the file's metadata)."""
+        from safetensors.numpy import load
 
         if self.fs is not None:
             raw = self.fs.read_bytes(self._name(key))
             if raw is None:
                 raise StoreError(f"mask {key} not found in {self.root}")
-            return {k: v.bool() for k, v in load(raw).items()}
-        return {k: v.bool() for k, v in load_file(self.path(key)).items()}
+        else:
+            raw = self.path(key).read_bytes()
+        return load(raw), _metadata(raw)
+
+
+def _metadata(raw: bytes) -> dict:
+    """A safetensors file's ``__metadata__`` (its JSON header, read without the tensors)."""
+    n = int.from_bytes(raw[:8], "little")
+    head = json.loads(raw[8 : 8 + n])
+    return head.get("__metadata__") or {}
+
+
+def _mismatch(key: str, arrays: Mapping[str, Any], meta: Mapping[str, str]) -> str | None:
+    """Why a mask file is not ``key``'s intact mask, or None: its identity names another key (a file copied or
+    swapped), or its content is not the digest written with it (bits changed since)."""
+    try:
+        ident = json.loads(meta.get("meta") or "{}")
+    except ValueError:
+        return "its identity is unreadable"
+    if isinstance(ident, dict) and ident.get("kind") == MASK_KIND:
+        owner = content_key({k: v for k, v in ident.items() if k != "provenance"})
+        if owner != key:
+            return f"it holds the mask of key {owner}"
+    if meta.get("digest") and content_digest(arrays) != meta["digest"]:
+        return "its content is not the digest written with it"
+    return None

@@ -116,3 +116,73 @@ def test_reader_refuses_an_epoch_shorter_than_its_calibration_size(tmp_path):
             pass
     assert short.rows_streamed == {0: 8}
     np.testing.assert_array_equal(np.sort(short.epoch_order()), np.arange(8))
+
+
+# --- masks: read and checked on every load, by the mask stage, doctor and `store verify` -------------------------
+
+def _mask_ident(sparsity: float) -> dict:
+    return {"kind": "mask/1", "model_digest": "d" * 16, "pruner": "magnitude", "settings": {}, "sparsity": sparsity,
+            "scope": "conv", "seed": 0}
+
+
+def test_a_mask_file_bit_flipped_or_swapped_is_refused_on_load(tmp_path, capsys):
+    """A mask was used as long as its header parsed: 4 KiB flipped in its data, or another key's file copied over
+    it (every 0.5 trial then pruned at 0.9), passed doctor and `store verify` and healed the wrong mask. Each file
+    now carries its identity (its key is the content key of it) and its content digest, both checked on load."""
+    from orchestrator.cli import main
+    from tasks.store import MaskStore
+
+    masks = MaskStore(tmp_path / "store" / "masks")
+    g = torch.Generator().manual_seed(0)
+    made = {}
+    for s in (0.5, 0.9):
+        key = content_key(_mask_ident(s))
+        made[key] = {"layer.weight": torch.rand(64, 64, generator=g) > s}
+        masks.save(key, made[key], {**_mask_ident(s), "provenance": {"seconds": 0.1}})
+    k5, k9 = list(made)
+    assert all(torch.equal(masks.load(k)["layer.weight"], made[k]["layer.weight"]) for k in made)
+    assert masks.problem(k5) is None and masks.problem(k9) is None
+    raw = bytearray(masks.path(k5).read_bytes())
+    raw[-100] ^= 0x01  # a bit flip in the tensor data (a kept entry dropped or back; the header still parses)
+    masks.path(k5).write_bytes(bytes(raw))
+    assert masks.problem(k5) == "its content is not the digest written with it"
+    with pytest.raises(StoreError, match=f"mask {k5} in .* is damaged \\(its content is not the digest"):
+        masks.load(k5)
+    masks.path(k5).write_bytes(masks.path(k9).read_bytes())  # another key's mask copied over it
+    assert masks.problem(k5) == f"it holds the mask of key {k9}" and masks.problem(k9) is None
+    assert main(["store", "verify", str(tmp_path / "store")]) == 1
+    out = capsys.readouterr().out
+    assert f"mask {k5}: DAMAGED (it holds the mask of key {k9})" in out and "2 masks checked, 1 damaged" in out
+    masks.save(k5, made[k5], {"test": True})  # a mask saved without a sweep's identity: its digest alone
+    assert masks.problem(k5) is None
+
+
+def test_the_mask_stage_moves_a_damaged_mask_aside_and_computes_it_again(tmp_path):
+    """A sweep reusing a damaged mask healed it as if intact; the mask stage now reads every mask it reuses, moves a
+    damaged one to masks/.quarantine and computes it again (an event logged on the parent run)."""
+    from orchestrator.spec import parse_spec
+    from orchestrator.spec.plan import expand_cells
+    from orchestrator.sweep.stages import mask_stage, prepare_models
+    from tasks.store import MaskStore
+    import yaml
+
+    cache = REPO / ".healsweep" / "models"
+    raw = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    raw.update(models=["resnet_digits"], sparsities=[0.5, 0.9], calib_sizes=[64], pruners=["magnitude"])
+    spec = parse_spec(raw)
+    models = prepare_models(spec, cache, progress=False)
+    cells = expand_cells(spec, {m: i.scope for m, i in models.items()})
+    root = tmp_path / "masks"
+    first = mask_stage(cells, models, root, cache, spec.data_seed)
+    assert len(first.computed) == 2 and not first.events
+    store = MaskStore(root)
+    k5, k9 = (first[c.cell_id] for c in sorted(cells, key=lambda c: c.sparsity))
+    want = store.load(k5)
+    store.path(k5).write_bytes(store.path(k9).read_bytes())  # the 0.9 mask under the 0.5 key
+    again = mask_stage(cells, models, root, cache, spec.data_seed)
+    assert [r["key"] for r in again.computed] == [k5] and len(again.events) == 1
+    assert again.events[0].startswith(f"mask {k5} damaged (it holds the mask of key {k9}): moved to ")
+    assert (root / ".quarantine" / f"{k5}.safetensors").is_file()
+    got = store.load(k5)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert not mask_stage(cells, models, root, cache, spec.data_seed).computed  # intact now: reused
