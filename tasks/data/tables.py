@@ -102,6 +102,8 @@ class ArrowTable(ImageTable):
             if c is not None and c not in self.table.column_names:
                 raise DatasetError(f"image table {str(p)!r} has no column {c!r}; columns: {', '.join(self.table.column_names)}")
         self.image_column, self.label_column = image_column, label_column
+        if label_column:
+            check_labels(self.table.column(label_column), p, label_column)
         self._labels = (np.asarray(self.table.column(label_column).to_numpy(zero_copy_only=False), dtype=np.int64)
                         if label_column else np.full(len(self.table), -1, dtype=np.int64))
         self.num_classes = int(self._labels.max()) + 1 if len(self._labels) else 0
@@ -205,7 +207,9 @@ def table_classes(path: str | Path, label_column: str | None) -> int | None:
     def top_label(ds) -> tuple[bool, Any]:  # (the column exists, its largest value)
         if label_column not in ds.schema.names:
             return False, None
-        return True, pc.max(ds.to_table(columns=[label_column]).column(0)).as_py()
+        col = ds.to_table(columns=[label_column]).column(0)
+        check_labels(col, Path(path), label_column)
+        return True, pc.max(col).as_py()
 
     if not label_column:
         return None
@@ -213,6 +217,25 @@ def table_classes(path: str | Path, label_column: str | None) -> int | None:
     if not has:
         raise DatasetError(f"image table {str(path)!r} has no column {label_column!r}")
     return 0 if top is None else int(top) + 1
+
+
+def check_labels(col, where: Path, name: str) -> None:
+    """One-line DatasetError when a label column cannot hold class indices: nulls (read as -2**63, every such
+    image counted misclassified), non-integer numbers (truncated), text. col: a pyarrow (chunked) array."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    head = f"image table {str(where)!r}: label column {name!r}"
+    if col.null_count:
+        raise DatasetError(f"{head} has {col.null_count} empty (null) label(s) of {len(col)}")
+    if pa.types.is_floating(col.type):
+        frac = pc.not_equal(col, pc.floor(col))
+        if pc.any(frac).as_py():
+            bad = pc.filter(col, frac)[0].as_py()
+            raise DatasetError(f"{head} holds non-integer labels (e.g. {bad}); labels are class indices 0..K-1")
+    elif not pa.types.is_integer(col.type):
+        raise DatasetError(f"{head} holds {col.type} values, not integer class indices 0..K-1 (map names to "
+                           "indices first)")
 
 
 def _arrow_read(p: Path, read: Callable[[Any], Any]) -> Any:
@@ -225,6 +248,8 @@ def _arrow_read(p: Path, read: Callable[[Any], Any]) -> Any:
     fmt = "arrow" if p.suffix in (".arrow", ".feather", ".ipc") else "parquet"
     try:
         return read(pads.dataset(str(p), format=fmt))
+    except DatasetError:  # what ``read`` found in a readable table (check_labels)
+        raise
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid (a ValueError): not Parquet / Arrow IPC
         raise DatasetError(f"image table {str(p)!r} is not a readable {fmt} file: "
                            f"{str(e).strip().splitlines()[0][:300]}") from None

@@ -112,6 +112,32 @@ def test_bad_files_are_one_line_dataset_errors(generated, tmp_path):
         _load("imagefolder", root=str(bad), sizes=sizes)["calibration"].images[:]  # at the probe or here
 
 
+def test_a_label_column_that_holds_no_class_indices_is_one_line(generated, tmp_path):
+    """Null labels were read as -2**63 (those images counted misclassified, the sweep ran), fractional labels were
+    truncated, text labels ended in "invalid literal for int()": each is now one line naming the column, at the
+    check (``validate``) and at load. Integral floats (0.0, 1.0, ...) are class indices."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tasks.data import DATASETS
+
+    table = pq.read_table(generated["table"])
+    labels = table.column("label").to_pylist()
+    cases = {"null": ([None if i % 5 == 0 else v for i, v in enumerate(labels)], "has 4 empty \\(null\\) label\\(s\\) of 20"),
+             "half": ([v + 0.5 for v in labels], "holds non-integer labels \\(e.g. 0.5\\)"),
+             "text": ([f"c{v}" for v in labels], "holds string values, not integer class indices")}
+    for name, (values, why) in cases.items():
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(table.set_column(1, "label", pa.array(values)), path)
+        with pytest.raises(DatasetError, match=f"^image table '.*{name}.parquet': label column 'label' {why}"):
+            DATASETS.get("image_table").check({"path": str(path), "sizes": SIZES})
+        with pytest.raises(DatasetError, match=f"^image table '.*{name}.parquet': label column 'label' {why}"):
+            _load("image_table", path=str(path))
+    pq.write_table(table.set_column(1, "label", pa.array([float(v) for v in labels])), tmp_path / "whole.parquet")
+    got = _load("image_table", path=str(tmp_path / "whole.parquet"))
+    assert got["evaluation"].labels.tolist() == _load("image_table", path=str(generated["table"]))["evaluation"].labels.tolist()
+
+
 @pytest.mark.parametrize("name, key", [("imagefolder", "root"), ("image_table", "path")])
 def test_the_check_counts_a_local_source_against_the_split_sizes(generated, tmp_path, name, key):
     """``check`` (what ``healsweep validate`` runs) refuses a folder or table with fewer items than the four splits
