@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from orchestrator.commands.common import CliError
+from orchestrator.commands.common import CliError, not_a_dir
 
 
 def add_parser(sub):
@@ -102,8 +102,8 @@ def main(args) -> int:
     if run.info.status != "FINISHED":
         raise CliError(f"run {args.run_id!r} did not finish (status {run.info.status})")
     info = {**run.data.params, "run_id": args.run_id, "metrics": dict(run.data.metrics)}
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise CliError(f"--out {args.out}: exists and is not a directory")
+    if why := not_a_dir(args.out):
+        raise CliError(f"--out: {why}")
     try:
         paths = export_trial(trial_dir(run_dir, run.data.tags.get("trial_id", "")), Path(args.out), info)
     except (FileNotFoundError, ValueError) as e:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from orchestrator.commands.common import DEFAULT_HOME, CliError
+from orchestrator.commands.common import DEFAULT_HOME, CliError, not_a_dir
 
 
 def add_parser(sub):
@@ -76,8 +76,8 @@ def main_train(args: argparse.Namespace) -> int:
     for flag, v in (("--data-seed", args.data_seed), ("--train-seed", args.train_seed)):
         if not 0 <= v <= MAX_SEED:
             raise CliError(f"{flag} must be in [0, {MAX_SEED}], got {v}")
-    if args.cache.exists() and not args.cache.is_dir():
-        raise CliError(f"--cache: {args.cache} is a file, not a directory")
+    if why := not_a_dir(args.cache):
+        raise CliError(f"--cache: {why}")
     from tasks.models.reference import train_reference
 
     path, sha, acc = train_reference(args.name, args.cache, data_seed=args.data_seed, train_seed=args.train_seed,

@@ -9,8 +9,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from orchestrator.commands.common import (DEFAULT_HOME, CliError, interrupted_exit, load_spec_or_exit, report_lines,
-                                          summary_lines)
+from orchestrator.commands.common import (DEFAULT_HOME, CliError, interrupted_exit, load_spec_or_exit, not_a_dir,
+                                          report_lines, summary_lines)
 from orchestrator.lifecycle.continuation import RefineError
 from orchestrator.lifecycle.resume import check_resumable, nothing_to_resume, prepare_resume
 from orchestrator.lifecycle.widen import run_widening
@@ -209,8 +209,8 @@ def _precheck(args) -> None:
         raise CliError(f"--num-cpus must be >= 1, got {args.num_cpus}")
     for flag, value in (("--out", args.out), ("--resume", args.resume), ("--store", args.store),
                         ("--cache", args.cache)):
-        if value and Path(value).exists() and not Path(value).is_dir():
-            raise CliError(f"{flag}: {value} is a file, not a directory")
+        if value and (why := not_a_dir(value)):
+            raise CliError(f"{flag}: {why}")
     try:
         if args.resources:
             parse_override(args.resources)

@@ -59,11 +59,13 @@ def add_parser(sub):
 def locate(where: str | None) -> tuple[str, Path | None]:
     """(target store path or URI, store root holding masks/rankings/diagnostics or None) for WHERE."""
     where = where or str(DEFAULT_HOME / "store")
-    if "://" in where:
+    if "://" in where and not where.startswith("file://"):
         return where, None
-    d = Path(where).expanduser()
-    if not d.exists():
+    d = Path(where[len("file://"):] if where.startswith("file://") else where).expanduser()
+    if not d.exists():  # a read-only command creates nothing (a file:// URI made the directory and said "0 keys")
         raise CliError(f"store: {where} does not exist (give a run directory, a store root or --store DIR)")
+    if not d.is_dir():
+        raise CliError(f"store: {where} is a file, not a store directory or a run directory")
     if (d / "sweep.json").is_file() or (d / "targets.json").is_file():
         return _from_run_dir(d)
     if (d / "targets").is_dir() or any((d / s).is_dir() for s in _SIDE):
@@ -108,6 +110,9 @@ def main(args: argparse.Namespace) -> int:
     args.key = key
     try:
         store = TargetStore(targets)
+    except (StoreError, OSError, ValueError) as e:  # ValueError: pyarrow's ArrowInvalid (an unknown URI scheme)
+        raise CliError(f"store: cannot open {targets}: {str(e).strip().splitlines()[0][:200]}") from None
+    try:
         return {"ls": _ls, "verify": _verify, "gc": _gc}[args.store_cmd](store, args, root)
     except StoreError as e:
         raise CliError(str(e)) from None

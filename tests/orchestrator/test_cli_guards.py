@@ -58,10 +58,12 @@ def test_store_gc_older_than_non_finite(tmp_path, days):
 
 @pytest.mark.parametrize("extra,needle", [
     (["--resources", "gpu=inf"], "--resources"), (["--resources", "cpu=nan"], "--resources"),
-    (["--num-cpus", "-1"], "--num-cpus"), (["--out", "FILE"], "is a file")])
+    (["--num-cpus", "-1"], "--num-cpus"), (["--out", "FILE"], "is a file"),
+    # under a file: NotADirectoryError's traceback once Ray had started and the models were loaded
+    (["--out", "FILE/sub"], "which is a file"), (["--store", "FILE/sub"], "which is a file")])
 def test_run_rejects_bad_flags_before_ray(tmp_path, extra, needle):
     (tmp_path / "FILE").write_text("x")
-    extra = [str(tmp_path / "FILE") if a == "FILE" else a for a in extra]
+    extra = [str(tmp_path / a) if a.startswith("FILE") else a for a in extra]
     out = ["--out", tmp_path / "run"] if "--out" not in extra else []
     assert_one_line_exit_2(cli("run", REPO / "configs" / "tiny.yaml", *out, *extra), needle)
     assert not (tmp_path / "run").exists()
@@ -134,8 +136,9 @@ def test_store_commands_take_a_run_dir_from_any_cwd_and_list_everything(tmp_path
     assert any(line.strip().startswith("vit/") and "0.01 MB" in line for line in lines)
     assert "masks: 1 entry, 0.00 MB" in r.stdout and "rankings: 1 entry" in r.stdout
     assert "diagnostics: 0 entries" in r.stdout
-    assert cli("store", "verify", run, cwd=elsewhere).returncode == 0
-    assert cli("store", "verify", run, key, cwd=elsewhere).stdout.startswith(f"{key}: ok")
+    r = cli("store", "verify", run, cwd=elsewhere)  # the targets are whole; the 3,000 bytes of "m" are no mask
+    assert r.returncode == 1 and f"{key}: ok" in r.stdout and "1 masks checked, 1 damaged" in r.stdout, r.stdout
+    assert cli("store", "verify", run, key, cwd=elsewhere).stdout.startswith(f"{key}: ok")  # one key: masks unread
     assert_one_line_exit_2(cli("store", "ls", cwd=elsewhere), ".healsweep/store does not exist")
     # WHERE and --store naming two places: refused (--store was used and WHERE ignored)
     assert_one_line_exit_2(cli("store", "ls", "--store", str(home), "../run", cwd=elsewhere),
@@ -151,3 +154,20 @@ def test_a_search_the_design_cannot_run_is_one_line_exit_2_before_any_work(tmp_p
     r = cli("run", tmp_path / "s.yaml", "--out", tmp_path / "run", "--quiet")
     assert_one_line_exit_2(r, "search.reevaluate")
     assert not (tmp_path / "run").exists()  # nothing made: refused before Ray, MLflow or the run directory
+
+
+def test_models_train_refuses_a_cache_under_a_file_before_training(tmp_path):
+    """The trained weights were lost: the write failed only after the whole training (about 3 minutes)."""
+    (tmp_path / "FILE").write_text("x")
+    assert_one_line_exit_2(cli("models", "train", "resnet_digits", "--cache", tmp_path / "FILE" / "sub"),
+                           "--cache", "which is a file")
+
+
+def test_store_commands_on_a_file_an_unknown_scheme_or_a_missing_file_uri(tmp_path):
+    """Tracebacks (FileExistsError, ArrowInvalid) for the first two; a missing file:// store was created and
+    reported "0 keys checked, 0 damaged"."""
+    (tmp_path / "FILE").write_text("x")
+    assert_one_line_exit_2(cli("store", "ls", tmp_path / "FILE"), "is a file, not a store directory")
+    assert_one_line_exit_2(cli("store", "verify", "foo://bar"), "cannot open foo://bar", "Unrecognized filesystem")
+    assert_one_line_exit_2(cli("store", "verify", f"file://{tmp_path / 'typo'}"), "does not exist")
+    assert not (tmp_path / "typo").exists()

@@ -172,7 +172,11 @@ def test_export_refuses_a_crafted_trial_id_tag(tmp_path):
     (tmp_path / "card.md").write_text("mine")  # an --out that is a file: one line (was FileExistsError's traceback)
     r = healsweep("export", run.info.run_id, "--out", tmp_path / "card.md", "--runs", tmp_path / "a")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        f"healsweep: error: --out {tmp_path / 'card.md'}: exists and is not a directory"]
+        f"healsweep: error: --out: {tmp_path / 'card.md'} is a file, not a directory"]
+    r = healsweep("export", run.info.run_id, "--out", tmp_path / "card.md" / "sub", "--runs", tmp_path / "a")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [  # under a file: was NotADirectoryError's traceback
+        f"healsweep: error: --out: {tmp_path / 'card.md' / 'sub'} is under {tmp_path / 'card.md'}, which is a file, "
+        "not a directory"]
     assert (tmp_path / "card.md").read_text() == "mine"
 
 
