@@ -250,6 +250,9 @@ def _resolve(args) -> tuple:
             out = Path(args.out or Path("runs") / spec.name)
         spec = override_resources(spec, args.resources, args.cpu_only)
         check_store_uri(spec.store.uri)
+        local = spec.store.uri and ("://" not in spec.store.uri or spec.store.uri.startswith("file://"))
+        if local and (why := not_a_dir(spec.store.uri.removeprefix("file://"))):
+            raise CliError(f"store.uri: {why}")  # else a traceback at the dense stage, the run directory half made
     except (SpecError, ResumeError, ClusterError) as e:
         raise CliError(str(e)) from None
     return spec, out, store, cache

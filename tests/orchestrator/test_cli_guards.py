@@ -156,6 +156,21 @@ def test_a_search_the_design_cannot_run_is_one_line_exit_2_before_any_work(tmp_p
     assert not (tmp_path / "run").exists()  # nothing made: refused before Ray, MLflow or the run directory
 
 
+def test_a_spec_store_uri_under_a_file_is_one_line_before_ray(tmp_path):
+    """validate passed it; the run died at the dense stage in NotADirectoryError, its run directory half made."""
+    import yaml
+
+    (tmp_path / "FILE").write_text("x")
+    raw = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    raw["store"] = {**(raw.get("store") or {}), "uri": str(tmp_path / "FILE" / "targets")}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(raw))
+    r = cli("run", tmp_path / "spec.yaml", "--out", tmp_path / "run")
+    err = r.stderr.strip().splitlines()  # the spec is checked while Ray starts: its status line, then the refusal
+    assert r.returncode == 2 and "Traceback" not in r.stderr and err[-1].startswith("healsweep: error: store.uri: ")
+    assert err[-1].endswith("which is a file, not a directory") and len(err) <= 2, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_models_train_refuses_a_cache_under_a_file_before_training(tmp_path):
     """The trained weights were lost: the write failed only after the whole training (about 3 minutes)."""
     (tmp_path / "FILE").write_text("x")
