@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 
 from orchestrator.commands.common import CliError, not_a_dir
+from orchestrator.spec.checks import SpecError
+from orchestrator.spec.reach import check_server
 
 
 def add_parser(sub):
@@ -50,6 +52,10 @@ def _get_run(uri: str, run_id: str):
 
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
         return None
+    try:
+        check_server(uri, "--tracking-uri")  # 3 s: a server that is down took MLflow's retries, silently, minutes
+    except SpecError as e:
+        raise CliError(str(e)) from None
     try:
         return MlflowClient(uri).get_run(run_id)
     except MlflowException:

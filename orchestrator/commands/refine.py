@@ -57,6 +57,8 @@ def _listing(xs: list[float], head: int = 4) -> str:
 def _flags(args) -> None:
     """Refuse an option that does not apply to the chosen mode (it was ignored: ``--widen --dry-run`` ran a real
     round), then fill in the defaults."""
+    if args.num_cpus is not None and args.num_cpus < 1:  # as `run` refuses it (Ray started and failed 22 s later)
+        raise CliError(f"--num-cpus must be >= 1, got {args.num_cpus}")
     if args.widen:
         given = [f for f, v in (("--dry-run", args.dry_run), ("--step", args.step), ("--max-trials", args.max_trials))
                  if v not in (None, False)]

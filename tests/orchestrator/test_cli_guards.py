@@ -186,3 +186,16 @@ def test_store_commands_on_a_file_an_unknown_scheme_or_a_missing_file_uri(tmp_pa
     assert_one_line_exit_2(cli("store", "verify", "foo://bar"), "cannot open foo://bar", "Unrecognized filesystem")
     assert_one_line_exit_2(cli("store", "verify", f"file://{tmp_path / 'typo'}"), "does not exist")
     assert not (tmp_path / "typo").exists()
+
+
+def test_refine_num_cpus_0_and_export_to_a_server_that_is_down_are_one_line(tmp_path):
+    """refine --num-cpus 0 printed its plan and started Ray before failing (run refuses it at once); export
+    --tracking-uri at a server that is down waited out MLflow's retries with no output (killed after 150 s)."""
+    import time
+
+    d = sweep_record(tmp_path / "run", tmp_path)
+    assert_one_line_exit_2(cli("refine", d, "--num-cpus", "0"), "--num-cpus must be >= 1, got 0")
+    t0 = time.monotonic()
+    assert_one_line_exit_2(cli("export", "0" * 32, "--out", tmp_path / "ex", "--run-dir", d, "--tracking-uri",
+                               "http://127.0.0.1:1"), "--tracking-uri: cannot reach 127.0.0.1:1 within 3 s")
+    assert time.monotonic() - t0 < 60 and not (tmp_path / "ex").exists()
