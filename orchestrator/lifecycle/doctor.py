@@ -124,7 +124,9 @@ class Doctor:
             return [Problem(str(db), f"damaged ({why})", "its runs (no trials.jsonl to rebuild them from)")]
         if why:
             return [Problem(str(db), f"damaged ({why})", f"nothing recorded: {len(trials)} trial runs and the parent "
-                            "run rebuilt from trials.jsonl; runs of trials not recorded run again",
+                            "run rebuilt from trials.jsonl, under new run ids (MLflow gives each run its own: an id "
+                            "quoted before, in a model card or a link, no longer resolves); runs of trials not "
+                            "recorded run again",
                             lambda: self._rebuild_db())]
         missing = self._missing_runs(trials)
         if missing:

@@ -67,6 +67,19 @@ def test_a_line_with_a_good_checksum_and_another_shape_is_damaged(tmp_path):
     assert journal_disagrees(tmp_path / "none.journal", records.trials(s)) == ["c-0", "c-5"]  # no KeyError
 
 
+def test_blank_lines_are_neither_records_nor_torn_writes(tmp_path):
+    """`echo >> trials.jsonl` made doctor say "torn last line (1 bytes: a write cut short); lost: that trial's
+    result"; nothing was lost."""
+    f = tmp_path / records.TRIALS_FILE
+    for i in range(3):
+        records.append(f, trial_line(f"c-{i}"))
+    f.write_bytes(f.read_bytes().replace(b"\n", b"\n\n", 1) + b"  \n")
+    s = records.scan(f)
+    assert s.clean and list(records.trials(s)) == ["c-0", "c-1", "c-2"]
+    records.append(f, trial_line("c-3"))
+    assert list(records.trials(records.scan(f))) == ["c-0", "c-1", "c-2", "c-3"]
+
+
 def test_full_disk_is_one_line_and_leaves_nothing_partial(small_fs):
     f = small_fs / records.TRIALS_FILE
     records.append(f, trial_line("c-0"))
