@@ -23,7 +23,8 @@ from orchestrator.lifecycle.store_check import store_problems
 from orchestrator.lifecycle.sweep_record import rebuild_sweep, rebuilt_sweep, sweep_damage
 from orchestrator.rundir import records
 from orchestrator.rundir.files import JOURNAL_FILE, SWEEP_FILE, ResumeError, read_sweep
-from orchestrator.tracking.rebuild import journal_disagrees, rebuild_journal, rebuild_tracking, runs_off, sync_runs
+from orchestrator.tracking.rebuild import (journal_disagrees, parent_gone, rebuild_journal, rebuild_tracking,
+                                          reopen_parent, runs_off, sync_runs)
 from orchestrator.tracking.recorder import backfill
 from orchestrator.tracking.store import local_tracking_uri, relocate
 
@@ -128,6 +129,11 @@ class Doctor:
                             "quoted before, in a model card or a link, no longer resolves); runs of trials not "
                             "recorded run again",
                             lambda: self._rebuild_db())]
+        gone = self._parent_gone()
+        if gone:
+            return [Problem(str(db), f"the sweep's parent run {self.info['parent_run_id']} is {gone}",
+                            "nothing: " + ("restored" if gone == "deleted" else f"recreated from {records.TRIALS_FILE}'s "
+                                           "parent line, under a new id"), lambda: self._reopen_parent())]
         missing = self._missing_runs(trials)
         if missing:
             return [Problem(str(db), f"{len(missing)} recorded trial(s) without their one MLflow run in its "
@@ -153,6 +159,16 @@ class Doctor:
         client = self._client(write=False)
         exp = client.get_experiment_by_name(self.info.get("experiment") or "healsweep")
         return runs_off(client, exp.experiment_id if exp else None, self.info["sweep_id"], trials)
+
+    def _parent_gone(self) -> str | None:
+        return parent_gone(self._client(write=False), self.info.get("parent_run_id"))
+
+    def _reopen_parent(self) -> str:
+        client = self._client()
+        exp = client.get_experiment_by_name(self.info.get("experiment") or "healsweep")
+        done = reopen_parent(client, exp.experiment_id, self.dir, self.info)
+        self.info = read_sweep(self.dir)
+        return done
 
     def _rebuild_db(self) -> str:
         c = rebuild_tracking(self.dir, self.info, self._scan())

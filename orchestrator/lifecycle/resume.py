@@ -17,7 +17,7 @@ from orchestrator.lifecycle.store_check import targets_gap
 from orchestrator.rundir import records
 from orchestrator.rundir.faults import damaged
 from orchestrator.rundir.files import JOURNAL_FILE, SWEEP_FILE, read_sweep, spec_lacks, told_states
-from orchestrator.tracking.rebuild import journal_disagrees, rebuild_journal, runs_off
+from orchestrator.tracking.rebuild import journal_disagrees, parent_gone, rebuild_journal, runs_off
 from orchestrator.tracking.recorder import backfill
 from orchestrator.tracking.store import local_tracking_uri, relocate
 from tasks.atomic import TMP_PREFIX
@@ -72,11 +72,7 @@ def tracking_gap(out_dir: Path, info: dict, trials: dict[str, dict]) -> bool:
 
     client = MlflowClient(local_tracking_uri(out_dir))
     exp = client.get_experiment_by_name(info.get("experiment") or "healsweep")
-    try:
-        parent = client.get_run(info["parent_run_id"]) if info.get("parent_run_id") else None
-    except Exception:  # noqa: BLE001 - MLflow's "run not found"
-        parent = None
-    if parent is None or parent.info.lifecycle_stage != "active":
+    if not info.get("parent_run_id") or parent_gone(client, info["parent_run_id"]):
         return True
     return bool(runs_off(client, exp.experiment_id if exp else None, info["sweep_id"], trials))
 

@@ -13,6 +13,7 @@ first trial callback and re-raises its error there).
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from orchestrator.rundir.files import reconcile, write_sweep
 from orchestrator.sweep.background import background
 from orchestrator.spec.schema import converge_of
 from orchestrator.sweep.state import Handoff, ParentRun, SweepState
-from orchestrator.tracking.rebuild import sync_runs
+from orchestrator.tracking.rebuild import parent_gone, reopen_parent, sync_runs
 from orchestrator.tracking.store import keep_artifacts_inside, open_tracking
 
 
@@ -69,6 +70,9 @@ def parent_run(s: SweepState) -> ParentRun:
         client.log_text(info["parent_run_id"], spec_json, "spec.json")
         write_sweep(s.out_dir, info)
     else:
+        if parent_gone(client, info["parent_run_id"]):  # its rows deleted: back from the record, then reopened
+            print(f"healsweep: {reopen_parent(client, experiment_id(client, spec.mlflow.experiment), s.out_dir, info)}",
+                  file=sys.stderr)
         client.update_run(info["parent_run_id"], status="RUNNING")
         client.set_tag(info["parent_run_id"], "resumes", str(info["resumes"]))
         if s.refine_round is not None:

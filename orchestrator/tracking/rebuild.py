@@ -197,6 +197,45 @@ def _parent(client, exp_id: str, info: dict, rec: dict | None) -> str:
     return run.info.run_id
 
 
+def _parent_status(info: dict, prec: dict | None) -> str:
+    """A recreated parent run's status: FINISHED for a sweep that ended complete (sweep.json's ``complete``; the
+    record's parent line is written at the first trial, before the end's ``partial`` tag), else by that tag."""
+    partial = ((prec or {}).get("tags") or {}).get("partial", "true")
+    return "FINISHED" if isinstance(info.get("complete"), dict) or partial == "false" else "KILLED"
+
+
+def parent_gone(client, parent_id: str | None) -> str | None:
+    """Why the sweep's parent run cannot be reopened ("deleted", "missing"), or None when it can."""
+    if not parent_id:
+        return None
+    try:
+        run = client.get_run(parent_id)
+    except Exception:  # noqa: BLE001 - MLflow's RESOURCE_DOES_NOT_EXIST (its rows deleted)
+        return "missing"
+    return "deleted" if run.info.lifecycle_stage != "active" else None
+
+
+def reopen_parent(client, exp_id: str, out_dir: Path, info: dict) -> str:
+    """The parent run back: a deleted one restored; a missing one recreated from the record's parent line (its
+    tags, params, artifacts kept under DIR/artifacts), the sweep's trial runs pointed at it and sweep.json updated
+    (a resume updated a run that no longer existed and ended in MLflow's traceback). -> what was done."""
+    old = info["parent_run_id"]
+    if parent_gone(client, old) == "deleted":
+        client.restore_run(old)
+        return f"parent run {old} restored"
+    prec = records.parent(records.scan(Path(out_dir) / records.TRIALS_FILE))
+    new = _parent(client, exp_id, info, prec)
+    for arts in (Path(out_dir) / "artifacts").glob(f"*/{old}/artifacts"):
+        client.log_artifacts(new, str(arts))
+    for r in client.search_runs([exp_id], f"tags.sweep_id = '{info['sweep_id']}' and tags.`healsweep.role` = 'trial'",
+                                max_results=50000):
+        client.set_tag(r.info.run_id, "mlflow.parentRunId", new)
+    client.set_terminated(new, _parent_status(info, prec))
+    info["parent_run_id"] = new
+    write_sweep(Path(out_dir), info)
+    return f"parent run {old} recreated from {records.TRIALS_FILE} as {new}"
+
+
 def rebuild_tracking(out_dir: Path, info: dict, scan: records.Scan) -> dict[str, int]:
     """A fresh tracking store for the run directory's own SQLite database (the old one, if any, is kept as
     ``mlflow.db.damaged-<utc time>``), rebuilt from the record; sweep.json points at the new parent run."""
@@ -217,8 +256,7 @@ def rebuild_tracking(out_dir: Path, info: dict, scan: records.Scan) -> dict[str,
     for old in (out_dir / "artifacts").glob(f"*/{old_parent}/artifacts") if old_parent else ():
         client.log_artifacts(parent_id, str(old))
     counts = sync_runs(client, exp_id, info["sweep_id"], parent_id, records.trials(scan))
-    partial = ((prec or {}).get("tags") or {}).get("partial", "true")
-    client.set_terminated(parent_id, "FINISHED" if partial == "false" else "KILLED")
+    client.set_terminated(parent_id, _parent_status(info, prec))
     info.update(tracking_uri=uri, parent_run_id=parent_id)
     write_sweep(out_dir, info)
     return counts

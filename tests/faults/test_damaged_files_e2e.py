@@ -372,3 +372,56 @@ def test_a_complete_sweep_missing_a_run_resumes_the_usual_way(reference, tmp_pat
     r = ok(cli("doctor", run, "--repair"))
     assert ("1 run(s) recreated" if damage == "run deleted" else "1 set to their recorded status") in r.stdout
     assert nothing_to_resume(run) == (8, 0) and trial_runs(run) == recorded(run)
+
+
+def _drop_run_rows(db, run_id: str) -> None:
+    import sqlite3
+
+    with sqlite3.connect(db) as con:
+        for table in ("tags", "params", "metrics", "latest_metrics", "runs"):
+            con.execute(f"DELETE FROM {table} WHERE run_uuid = ?", (run_id,))
+
+
+@pytest.mark.parametrize("damage", ["deleted", "missing"])
+def test_a_parent_run_deleted_or_gone_comes_back(reference, tmp_path, damage):
+    """The parent run's rows deleted: doctor said no problem, report said "parent run ... is not in", and the
+    resume of an unfinished sweep ended in MLflow's "Run ... not found" traceback. Doctor restores a deleted one
+    and recreates a missing one from the record (a complete sweep's FINISHED), pointing the trial runs at it; the
+    usual resume does the same before it reopens it."""
+    from mlflow import MlflowClient
+
+    from orchestrator.lifecycle.resume import nothing_to_resume
+
+    def gone(run):
+        client = MlflowClient(f"sqlite:///{run.resolve()}/mlflow.db")
+        parent = json.loads((run / "sweep.json").read_text())["parent_run_id"]
+        if damage == "deleted":
+            client.delete_run(parent)
+        else:
+            _drop_run_rows(run / "mlflow.db", parent)
+        return client, parent
+
+    run = copy_run(reference, tmp_path / "run")
+    client, parent = gone(run)
+    assert nothing_to_resume(run) is None
+    r = cli("doctor", run)
+    assert r.returncode == 1 and f"the sweep's parent run {parent} is {damage}" in r.stdout, r.stdout
+    ok(cli("doctor", run, "--repair"))
+    info = json.loads((run / "sweep.json").read_text())
+    assert (info["parent_run_id"] == parent) == (damage == "deleted")
+    p = client.get_run(info["parent_run_id"])
+    assert p.info.status == "FINISHED" and p.info.lifecycle_stage == "active"
+    kids = client.search_runs([p.info.experiment_id], "tags.`healsweep.role` = 'trial'")
+    assert {k.data.tags["mlflow.parentRunId"] for k in kids} == {info["parent_run_id"]}
+    assert nothing_to_resume(run) == (8, 0)
+    ok(cli("report", run))
+    assert quoted(run) == reference["quoted"]
+    if damage == "missing":  # an unfinished sweep: the usual resume recreates it before reopening it
+        run2 = copy_run(reference, tmp_path / "run2")
+        info = json.loads((run2 / "sweep.json").read_text())
+        del info["complete"]
+        (run2 / "sweep.json").write_text(json.dumps(info))
+        _, parent = gone(run2)
+        r = ok(run_cli("run", "--resume", run2, "--quiet"))
+        assert f"parent run {parent} recreated from trials.jsonl as " in r.stderr and "Traceback" not in r.stderr
+        assert trial_runs(run2) == recorded(run2) and quoted(run2) == reference["quoted"]
