@@ -1,0 +1,125 @@
+"""What a finished sweep's run directory holds beyond its line files, damaged and put right (copies of the session's
+one undamaged run): a sweep.json missing a field a resume needs, a tracking database that lost a trial's run or
+holds it RUNNING, a parent run deleted or gone. Each is named by doctor and by the complete-sweep check, and
+repaired by ``doctor --repair`` or the usual resume, with every trial once and the reference's numbers."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.faults.helpers import cli, copy_run, ok, one_line, quoted, recorded, run_cli, trial_runs
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+
+@pytest.mark.parametrize("damage", ["spec lacks search", "no parent_run_id"])
+def test_a_sweep_json_missing_a_field_is_refused_and_rebuilt(reference, tmp_path, damage):
+    """A readable sweep.json without the spec's search (a resume parsed the defaults and ran 16 trials of another
+    search) or without parent_run_id while the record names the parent (a resume opened a second parent run):
+    the resume refuses in one line, doctor rebuilds it keeping its model cache, and the resume then starts
+    nothing."""
+    from orchestrator.lifecycle.resume import nothing_to_resume
+
+    run = copy_run(reference, tmp_path / "run")
+    info = json.loads((run / "sweep.json").read_text())
+    if damage == "spec lacks search":
+        del info["spec"]["search"]
+        why = "its spec lacks 'search'"
+    else:
+        del info["parent_run_id"]
+        why = "field 'parent_run_id' missing, though trials.jsonl names the parent run"
+    (run / "sweep.json").write_text(json.dumps(info))
+    one_line(cli("run", "--resume", run), 2, "sweep.json", why)
+    r = cli("doctor", run)
+    assert r.returncode == 1 and f"sweep.json: damaged ({why}); lost: nothing (its model cache" in r.stdout, r.stdout
+    ok(cli("doctor", run, "--repair"))
+    got = json.loads((run / "sweep.json").read_text())
+    assert got["spec"] == reference_info(reference)["spec"] and got["cache"] == info["cache"]
+    assert got["parent_run_id"] == reference_info(reference)["parent_run_id"]
+    assert nothing_to_resume(run) == (8, 0)
+
+
+def reference_info(reference):
+    return json.loads((reference["run"] / "sweep.json").read_text())
+
+
+@pytest.mark.parametrize("damage", ["run deleted", "run left RUNNING"])
+def test_a_complete_sweep_missing_a_run_resumes_the_usual_way(reference, tmp_path, damage):
+    """A finished sweep whose database lost a trial's run (or holds it RUNNING: a driver killed after the record)
+    was 'nothing to resume' with 7 runs left; the check now sees it, doctor --repair recreates (or ends) the run
+    and the sweep is complete again."""
+    from mlflow import MlflowClient
+
+    from orchestrator.lifecycle.resume import nothing_to_resume
+
+    run = copy_run(reference, tmp_path / "run")
+    assert nothing_to_resume(run) == (8, 0)
+    client = MlflowClient(f"sqlite:///{run.resolve()}/mlflow.db")
+    victim = sorted(trial_runs(run))[3]
+    run_id = next(r.info.run_id for r in client.search_runs(
+        [client.get_experiment_by_name("healsweep").experiment_id], f"tags.trial_id = '{victim}'"))
+    if damage == "run deleted":
+        client.delete_run(run_id)
+    else:
+        client.update_run(run_id, status="RUNNING")
+    assert nothing_to_resume(run) is None
+    r = cli("doctor", run)
+    assert r.returncode == 1 and f"1 recorded trial(s) without their one MLflow run in its recorded status ({victim})" \
+        in r.stdout, r.stdout
+    r = ok(cli("doctor", run, "--repair"))
+    assert ("1 run(s) recreated" if damage == "run deleted" else "1 set to their recorded status") in r.stdout
+    assert nothing_to_resume(run) == (8, 0) and trial_runs(run) == recorded(run)
+
+
+def _drop_run_rows(db, run_id: str) -> None:
+    import sqlite3
+
+    with sqlite3.connect(db) as con:
+        for table in ("tags", "params", "metrics", "latest_metrics", "runs"):
+            con.execute(f"DELETE FROM {table} WHERE run_uuid = ?", (run_id,))
+
+
+@pytest.mark.parametrize("damage", ["deleted", "missing"])
+def test_a_parent_run_deleted_or_gone_comes_back(reference, tmp_path, damage):
+    """The parent run's rows deleted: doctor said no problem, report said "parent run ... is not in", and the
+    resume of an unfinished sweep ended in MLflow's "Run ... not found" traceback. Doctor restores a deleted one
+    and recreates a missing one from the record (a complete sweep's FINISHED), pointing the trial runs at it; the
+    usual resume does the same before it reopens it."""
+    from mlflow import MlflowClient
+
+    from orchestrator.lifecycle.resume import nothing_to_resume
+
+    def gone(run):
+        client = MlflowClient(f"sqlite:///{run.resolve()}/mlflow.db")
+        parent = json.loads((run / "sweep.json").read_text())["parent_run_id"]
+        if damage == "deleted":
+            client.delete_run(parent)
+        else:
+            _drop_run_rows(run / "mlflow.db", parent)
+        return client, parent
+
+    run = copy_run(reference, tmp_path / "run")
+    client, parent = gone(run)
+    assert nothing_to_resume(run) is None
+    r = cli("doctor", run)
+    assert r.returncode == 1 and f"the sweep's parent run {parent} is {damage}" in r.stdout, r.stdout
+    ok(cli("doctor", run, "--repair"))
+    info = json.loads((run / "sweep.json").read_text())
+    assert (info["parent_run_id"] == parent) == (damage == "deleted")
+    p = client.get_run(info["parent_run_id"])
+    assert p.info.status == "FINISHED" and p.info.lifecycle_stage == "active"
+    kids = client.search_runs([p.info.experiment_id], "tags.`healsweep.role` = 'trial'")
+    assert {k.data.tags["mlflow.parentRunId"] for k in kids} == {info["parent_run_id"]}
+    assert nothing_to_resume(run) == (8, 0)
+    ok(cli("report", run))
+    assert quoted(run) == reference["quoted"]
+    if damage == "missing":  # an unfinished sweep: the usual resume recreates it before reopening it
+        run2 = copy_run(reference, tmp_path / "run2")
+        info = json.loads((run2 / "sweep.json").read_text())
+        del info["complete"]
+        (run2 / "sweep.json").write_text(json.dumps(info))
+        _, parent = gone(run2)
+        r = ok(run_cli("run", "--resume", run2, "--quiet"))
+        assert f"parent run {parent} recreated from trials.jsonl as " in r.stderr and "Traceback" not in r.stderr
+        assert trial_runs(run2) == recorded(run2) and quoted(run2) == reference["quoted"]
