@@ -22,7 +22,7 @@ from tasks.healing.loop import GradientHealer, steps_per_epoch
 from tasks.healing.targets import recompute_batches
 from tasks.models.adapter import get_adapter
 from tasks.models.load import load_model_copy
-from tasks.pruning.base import PRUNERS, achieved_sparsity, apply_masks, mask_digest, mask_violations
+from tasks.pruning.base import PRUNERS, achieved_sparsity, apply_masks, mask_violations
 from tasks.store import TargetStore
 from tasks.store.masks import MaskStore
 
@@ -89,11 +89,10 @@ class _Setup:
     pruned_acc: float
     reader: Any = None
     dense_selection_acc: float = float("nan")  # the search objective's ceiling (orchestrator/search/converge.py)
-    mask_digest: str = ""  # the mask's content (tasks/pruning/base.py mask_digest)
+    mask_digest: str = ""  # the mask's content (tasks/store/masks.py content_digest, from its check)
 
 
 _ACCURACIES: dict[tuple, float] = {}  # this process's dense/pruned accuracies (a Tune actor runs many trials)
-_MASK_DIGESTS: dict[tuple, str] = {}  # (mask root, key) -> what the mask prunes (a few hundred bytes per mask)
 _ACCURACIES_MAX = 1024
 
 
@@ -171,9 +170,7 @@ def setup_trial(p: TrialParams) -> _Setup:
     model = lm.model.to(p.device, memory_format=fmt)
     adapter = get_adapter(model)
     entries = adapter.scope(model, p.scope)
-    loaded = MaskStore(p.mask_root).load(p.mask_key)
-    digest = _MASK_DIGESTS.get((p.mask_root, p.mask_key)) or _MASK_DIGESTS.setdefault((p.mask_root, p.mask_key),
-                                                                                  mask_digest(loaded))
+    loaded, digest = MaskStore(p.mask_root).load_digested(p.mask_key)  # checked: the digest is what it prunes
     masks = {k: v.to(p.device) for k, v in loaded.items()}  # where the model is
     ev = lm.dataset["evaluation"]
     weights, where = (p.model, repr(sorted(p.load_kw.items())), lm.digest), (str(p.device), p.threads)

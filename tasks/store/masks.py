@@ -90,20 +90,26 @@ class MaskStore:
 
     def load(self, key: str) -> dict[str, torch.Tensor]:
         """The mask, checked (``StoreError`` naming the key when it is damaged or another key's: ``problem``)."""
+        return self.load_digested(key)[0]
+
+    def load_digested(self, key: str) -> tuple[dict[str, torch.Tensor], str]:
+        """(the checked mask, its content digest): the digest the check computed, for the trial to log."""
         import torch
 
         arrays, meta = self._read(key)
-        why = _mismatch(key, arrays, meta)
+        digest = content_digest(arrays)
+        why = _mismatch(key, digest, meta)
         if why:
             raise StoreError(f"mask {key} in {self.root} is damaged ({why}): healsweep doctor moves it aside and "
                              "the next sweep recomputes it")
-        return {k: torch.from_numpy(v).bool() for k, v in arrays.items()}
+        return {k: torch.from_numpy(v).bool() for k, v in arrays.items()}, digest
 
     def problem(self, key: str) -> str | None:
         """Why the stored mask of ``key`` cannot be used (unreadable, another key's identity, content not its
         digest), or None. Torch-free: the mask stage checks every mask it reuses."""
         try:
-            return _mismatch(key, *self._read(key))
+            arrays, meta = self._read(key)
+            return _mismatch(key, content_digest(arrays), meta)
         except StoreError as e:
             return str(e)
         except Exception as e:  # noqa: BLE001 - whatever safetensors says of a damaged file
@@ -139,9 +145,9 @@ def _metadata(raw: bytes) -> dict:
     return head.get("__metadata__") or {}
 
 
-def _mismatch(key: str, arrays: Mapping[str, Any], meta: Mapping[str, str]) -> str | None:
+def _mismatch(key: str, digest: str, meta: Mapping[str, str]) -> str | None:
     """Why a mask file is not ``key``'s intact mask, or None: its identity names another key (a file copied or
-    swapped), or its content is not the digest written with it (bits changed since)."""
+    swapped), or its content (``digest``: content_digest of its arrays) is not the digest written with it."""
     try:
         ident = json.loads(meta.get("meta") or "{}")
     except ValueError:
@@ -150,6 +156,6 @@ def _mismatch(key: str, arrays: Mapping[str, Any], meta: Mapping[str, str]) -> s
         owner = content_key({k: v for k, v in ident.items() if k != "provenance"})
         if owner != key:
             return f"it holds the mask of key {owner}"
-    if meta.get("digest") and content_digest(arrays) != meta["digest"]:
+    if meta.get("digest") and digest != meta["digest"]:
         return "its content is not the digest written with it"
     return None
