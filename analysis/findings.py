@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from tasks import catalog
+
 from .band_ranges import Range, fmt_range, ranges
 from .bands import BandSettings, chance_limit
 from .ordering import paired_ci
@@ -325,13 +327,27 @@ def noise_line(gb: pd.DataFrame, rows: list[dict]) -> str:
 
 def _seeded_masks(gb: pd.DataFrame) -> str:
     """Where masks depend on the seed (analysis/reported.py ``mask_sd``): which pruners, and that their noise
-    includes the seeds' spread."""
-    if "mask_sd" not in gb.columns or not gb["mask_sd"].notna().any():
-        return ""
-    seeded = gb[gb["mask_sd"].notna()]
-    return (f" The mask depends on the seed for {', '.join(sorted(seeded['pruner'].astype(str).unique()))} "
-            f"({len(seeded)} cells): their noise is at least the spread of their seeds' numbers (another seed, "
-            f"another mask), up to ±{100 * seeded['mask_sd'].max():.2f} pp.")
+    includes the seeds' spread; where a pruner's mask depends on the seed (tasks/catalog.py ``seeded_mask``) but its
+    cell's spread could not be measured (one seed quoted), that the noise misses it."""
+    measured = gb["mask_sd"].notna() if "mask_sd" in gb.columns else pd.Series(False, index=gb.index)
+    out = ""
+    if measured.any():
+        seeded = gb[measured]
+        out = (f" The mask depends on the seed for {', '.join(sorted(seeded['pruner'].astype(str).unique()))} "
+               f"({len(seeded)} cells): their noise is at least the spread of their seeds' numbers (another seed, "
+               f"another mask), up to ±{100 * seeded['mask_sd'].max():.2f} pp.")
+    blind = gb[~measured & gb["pruner"].astype(str).map(_seeded_pruner)] if "pruner" in gb.columns else gb.iloc[:0]
+    if len(blind):
+        n = len(blind)
+        out += (f" The mask of {', '.join(sorted(blind['pruner'].astype(str).unique()))} depends on the seed, but "
+                f"{n} of its cells {'has' if n == 1 else 'have'} one seed quoted: their noise misses the spread between masks "
+                f"(docs/methods.md#reading-the-noise); list two seeds or more to measure it.")
+    return out
+
+
+def _seeded_pruner(name: str) -> bool:
+    """The pruner's mask depends on the seed (its static entry; a pruner the table does not list: False)."""
+    return bool(getattr(catalog.PRUNERS.get(name), "seeded_mask", False))
 
 
 def identical_mask_lines(gb: pd.DataFrame) -> list[tuple[bool, str]]:

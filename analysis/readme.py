@@ -4,8 +4,8 @@ sweep's page, docs/default-sweep.md) rewritten from a sweep's report, so its tab
 NAME is ``findings`` (the report's findings section: ranges, best methods, warnings) or the stem of a figure the
 report wrote (``fig_resnet_digits``): the figure is copied into the ``docs/`` folder (the file's own folder when
 the file lives in ``docs/``, else ``docs/`` beside it) and the block becomes its image link, relative to the file.
-Text outside the markers is never touched; a marker naming nothing the report has is an error (nothing is
-written then).
+Text outside the markers is never touched; a marker naming nothing the report has, or a marker without its pair,
+is an error (nothing is written then).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pathlib import Path
 __all__ = ["BLOCK", "ReadmeError", "readme_blocks", "update_readme"]
 
 BLOCK = re.compile(r"(<!-- report:(?P<name>[A-Za-z0-9_.-]+) -->)(?P<body>.*?)(<!-- /report:(?P=name) -->)", re.S)
+MARKER = re.compile(r"<!-- (?P<end>/?)report:(?P<name>[A-Za-z0-9_.-]+) -->")
 
 
 class ReadmeError(ValueError):
@@ -49,11 +50,25 @@ def readme_blocks(run_dir: Path, names: list[str], figures: str = "docs") -> dic
     return out
 
 
+def unpaired(text: str) -> str | None:
+    """The first marker that no block holds (an opening one without its closing one, or the reverse), as
+    "<!-- ... --> (line N) has no ..."; None when every marker is in a block."""
+    paired = {i for m in BLOCK.finditer(text) for i in (m.start(1), m.start(4))}
+    for m in MARKER.finditer(text):
+        if m.start() not in paired:
+            line = text.count("\n", 0, m.start()) + 1
+            pair = f"<!-- {'' if m.group('end') else '/'}report:{m.group('name')} -->"
+            return f"{m.group(0)} (line {line}) has no {pair} {'before' if m.group('end') else 'after'} it"
+    return None
+
+
 def update_readme(run_dir: str | Path, readme: str | Path) -> list[str]:
     """Rewrite every marked block of ``readme`` (any Markdown file) from ``run_dir``'s report; copy the figures it
     links into :func:`figures_dir`. Returns the block names rewritten."""
     run_dir, readme = Path(run_dir), Path(readme)
     text = readme.read_text(encoding="utf-8")
+    if why := unpaired(text):
+        raise ReadmeError(f"{readme}: {why}")
     names = [m.group("name") for m in BLOCK.finditer(text)]
     docs = figures_dir(readme)
     blocks = readme_blocks(run_dir, names, os.path.relpath(docs, readme.parent))

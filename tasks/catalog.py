@@ -61,8 +61,12 @@ class Method:
     resolve: Callable[[Mapping[str, Any]], dict] | None = None
     trains: bool = False
     uses_calibration: bool = False
+    seeded_mask: bool = False  # pruners: the mask depends on the seed (SnapViT's seeded search)
     has_grid: bool = False  # check_sparsity: its candidate grid must reach every sparsity
     needs_labels: bool = False  # check_data: reads a labeled split (setting 'split')
+    # What the method uses for a setting left out, where ``resolve`` does not fill it in (adding it there would change
+    # the cell ids and mask keys of sweeps that ran without it): only for telling two spec entries apart.
+    defaults: Mapping[str, Any] = field(default_factory=dict)
 
     def check(self, settings: Mapping[str, Any]) -> None:
         for k, v in settings.items():
@@ -79,6 +83,11 @@ class Method:
 
     def resolved_settings(self, settings: Mapping[str, Any]) -> dict:
         return dict(settings) if self.resolve is None else self.resolve(settings)
+
+    def same_as(self, settings: Mapping[str, Any]) -> dict:
+        """The settings with every default filled in, ``defaults`` included: two entries whose ``same_as`` are
+        equal run the same method (``nm`` and ``nm {n: 2, m: 4}``)."""
+        return {**self.defaults, **self.resolved_settings(settings)}
 
     def fixed_sparsity(self, settings: Mapping[str, Any]) -> float | None:
         return 1.0 - settings.get("n", 2) / settings.get("m", 4) if self.name == "nm" else None
@@ -210,10 +219,11 @@ def _pruners() -> dict[str, Method]:
     rr = [Method("pruner", n, _RR_SCHEMA, (_repairability(n),), _repairability_resolve, uses_calibration=True,
                  has_grid=True) for n in ("raw_shift", "repair_residual", "rr")]
     return {m.name: m for m in plain + rr + [
-        Method("pruner", "nm", {"n": int, "m": int}, (_nm,)),
-        Method("pruner", "erk", {"floor": float, "cap": float}, (_erk,)),
-        Method("pruner", "corp", {"rank": str}, (_corp_rank,), uses_calibration=True),
-        Method("pruner", "snapvit", _SNAPVIT_SCHEMA, (_snapvit,), _snapvit_resolve, uses_calibration=True)]}
+        Method("pruner", "nm", {"n": int, "m": int}, (_nm,), defaults={"n": 2, "m": 4}),
+        Method("pruner", "erk", {"floor": float, "cap": float}, (_erk,), defaults={"floor": 0.025, "cap": 1.0}),
+        Method("pruner", "corp", {"rank": str}, (_corp_rank,), uses_calibration=True, defaults={"rank": "activation"}),
+        Method("pruner", "snapvit", _SNAPVIT_SCHEMA, (_snapvit,), _snapvit_resolve, uses_calibration=True,
+               seeded_mask=True)]}
 
 
 # --- healers' value rules and defaults (tasks/healing/loop.py, objectives.py, corp.py, crbn.py) -------------------

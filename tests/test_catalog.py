@@ -63,6 +63,7 @@ def test_each_method_is_its_registered_method(kind, name):
     assert table.kind == kind and table.name == name
     assert dict(table.schema) == dict(live.settings_schema)
     assert table.trains == live.trains if kind == "healer" else table.uses_calibration == live.uses_calibration
+    assert kind == "healer" or table.seeded_mask == live.seeded_mask
     assert table.has_grid == hasattr(live, "check_sparsity")
     checked = 0
     for s in settings_battery(live.settings_schema):
@@ -139,3 +140,22 @@ def test_a_name_the_table_does_not_list_comes_from_the_live_registry():
     assert registries.get("healer", "test_flaky") is HEALERS.get("test_flaky")
     assert registries.resolve_healer("test_flaky") is HEALERS.get("test_flaky")
     assert not registries.known("healer", "no_such_healer") and not registries.known("pruner", 3)
+
+
+def test_defaults_are_what_the_live_pruner_uses_for_a_setting_left_out():
+    """``Method.defaults`` (nm, erk, corp: not filled in by ``resolve``, so that cell ids stay as they were) tell
+    ``nm`` and ``nm {n: 2, m: 4}`` apart from ``nm {n: 1, m: 4}``: they must be the values the live pruner uses."""
+    import inspect
+
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    w = {"a": torch.randn(8, 16, generator=g), "b": torch.randn(16, 32, generator=g), "c": torch.randn(4, 8, generator=g)}
+    for name, other in (("nm", {"n": 1, "m": 4}), ("erk", {"floor": 0.025, "cap": 0.6})):
+        live, table = PRUNERS.get(name), registries.get("pruner", name)
+        left_out = live(w, 0.5, seed=0)
+        assert all(torch.equal(left_out[k], v) for k, v in live(w, 0.5, seed=0, **table.defaults).items()), name
+        assert not all(torch.equal(left_out[k], v) for k, v in live(w, 0.5, seed=0, **other).items()), name
+    assert registries.get("pruner", "corp").defaults == {
+        "rank": inspect.signature(PRUNERS.get("corp").__call__).parameters["rank"].default}
+    assert sorted(n for n, m in catalog.PRUNERS.items() if m.defaults) == ["corp", "erk", "nm"]

@@ -30,7 +30,11 @@ def add_parser(sub):
     p.add_argument("--runs", metavar="DIR", default="runs",
                    help="where to look for run directories (DIR/*/sweep.json) when --run-dir is not given "
                         "(default: %(default)s)")
-    p.add_argument("--tracking-uri", metavar="URI", help="MLflow tracking URI (default: the run directory's)")
+    p.add_argument("--tracking-uri", metavar="URI",
+                   help="MLflow tracking URI: the only one searched (default: $MLFLOW_TRACKING_URI, then the URIs "
+                        "the run directories name)")
+    p.add_argument("--force", action="store_true",
+                   help="replace the export of another run that DIR already holds (default: refuse)")
     p.set_defaults(func=main)
     return p
 
@@ -62,9 +66,21 @@ def _get_run(uri: str, run_id: str):
         return None
 
 
-def _candidates(runs: Path) -> list[tuple[Path, dict]]:
+def _candidates(runs: Path) -> tuple[list[tuple[Path, dict]], list[str]]:
+    """-> ([(run directory, its sweep.json)], [why each unreadable one was skipped]): one damaged run directory
+    under ``runs`` does not stop the export of a run in another."""
     dirs = ([runs] if (runs / "sweep.json").is_file() else []) + sorted(p.parent for p in runs.glob("*/sweep.json"))
-    return [(d, _sweep_json(d)) for d in dirs]
+    found, skipped = [], []
+    for d in dirs:
+        try:
+            found.append((d, _sweep_json(d)))
+        except CliError as e:
+            skipped.append(str(e))
+    return found, skipped
+
+
+def _skipped(skipped: list[str]) -> str:
+    return f" (skipped: {'; '.join(skipped)})" if skipped else ""
 
 
 def find_run(run_id: str, run_dir: str | None, runs: str, tracking_uri: str | None):
@@ -78,10 +94,12 @@ def find_run(run_id: str, run_dir: str | None, runs: str, tracking_uri: str | No
         if run is None:
             raise CliError(f"run {run_id!r} not found in {uri}")
         return d, uri, run
-    cands = _candidates(Path(runs))
-    uris = [tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")] if (tracking_uri or
-                                                                       os.environ.get("MLFLOW_TRACKING_URI")) else []
-    uris += [m["tracking_uri"] for _, m in cands if isinstance(m.get("tracking_uri"), str)]
+    cands, skipped = _candidates(Path(runs))
+    if tracking_uri:  # asked for: no other store is searched
+        uris = [tracking_uri]
+    else:
+        uris = [os.environ["MLFLOW_TRACKING_URI"]] if os.environ.get("MLFLOW_TRACKING_URI") else []
+        uris += [m["tracking_uri"] for _, m in cands if isinstance(m.get("tracking_uri"), str)]
     for uri in dict.fromkeys(uris):  # each distinct tracking URI once, in order
         run = _get_run(uri, run_id)
         if run is None:
@@ -94,9 +112,29 @@ def find_run(run_id: str, run_dir: str | None, runs: str, tracking_uri: str | No
         if match:
             return match[0], uri, run
         raise CliError(f"run {run_id!r} (sweep {sweep}) is in {uri}, but no run directory under {runs}/ holds "
-                       f"that sweep; give --run-dir DIR")
-    raise CliError(f"run {run_id!r} not found in the {len(cands)} run director{'y' if len(cands) == 1 else 'ies'} "
-                   f"under {runs}/; give --run-dir DIR (or --runs DIR)")
+                       f"that sweep{_skipped(skipped)}; give --run-dir DIR")
+    where = f"in {tracking_uri}" if tracking_uri else \
+        f"in the {len(cands)} run director{'y' if len(cands) == 1 else 'ies'} under {runs}/{_skipped(skipped)}"
+    raise CliError(f"run {run_id!r} not found {where}; give --run-dir DIR (or --runs DIR)")
+
+
+EXPORT_FILES = ("model.safetensors", "mask.safetensors", "model_card.json", "model_card.md")
+
+
+def earlier_export(out: Path, run_id: str) -> str | None:
+    """Why writing the export of ``run_id`` to ``out`` would replace another's (None: nothing of another run
+    there; a re-export of the same run replaces its own files)."""
+    present = [n for n in EXPORT_FILES if (out / n).exists()]
+    if not present:
+        return None
+    try:
+        held = json.loads((out / "model_card.json").read_text(encoding="utf-8")).get("mlflow_run_id")
+    except (OSError, ValueError, AttributeError):
+        held = None
+    if held == run_id:
+        return None
+    what = f"the export of run {held!r}" if isinstance(held, str) else ", ".join(present)
+    return f"{out} already holds {what}; choose another --out or pass --force to replace it"
 
 
 def main(args) -> int:
@@ -109,6 +147,8 @@ def main(args) -> int:
         raise CliError(f"run {args.run_id!r} did not finish (status {run.info.status})")
     info = {**run.data.params, "run_id": args.run_id, "metrics": dict(run.data.metrics)}
     if why := not_a_dir(args.out):
+        raise CliError(f"--out: {why}")
+    if not args.force and (why := earlier_export(Path(args.out), args.run_id)):
         raise CliError(f"--out: {why}")
     try:
         paths = export_trial(trial_dir(run_dir, run.data.tags.get("trial_id", "")), Path(args.out), info)

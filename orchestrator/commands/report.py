@@ -49,11 +49,11 @@ def check_sweep(d: Path) -> dict:
         info = read_sweep(d)
     except ResumeError as e:
         raise CliError(f"no sweep in {d}: {e}") from None
+    if not info.get("parent_run_id"):  # before the database check: a sweep that ended before MLflow has none
+        raise CliError(f"no sweep in {d}: it never reached MLflow (no parent run recorded)")
     db = sqlite_path(info["tracking_uri"])
     if db is not None and not db.is_file():  # opening it would create an empty database
         raise CliError(_missing(d, db))
-    if not info.get("parent_run_id"):
-        raise CliError(f"no sweep in {d}: it never reached MLflow (no parent run recorded)")
     try:
         check_server(info["tracking_uri"], f"{d / 'sweep.json'}: tracking_uri")
     except SpecError as e:
@@ -82,7 +82,8 @@ def _own_db_missing(d: Path) -> bool:
         info = read_sweep(d)
     except ResumeError:
         return False  # check_sweep says so in one line
-    return own_db(d, info) and not (d / "mlflow.db").exists()
+    # a sweep that ended before MLflow (no parent run) has no database: check_sweep says so
+    return own_db(d, info) and not (d / "mlflow.db").exists() and bool(info.get("parent_run_id"))
 
 
 def main(args) -> int:

@@ -33,17 +33,29 @@ def parse_methods(v: Any, path: str, kind: str, models: tuple[str, ...] | None =
     ``models=None``: no restriction keys allowed (chain steps); else the same entry twice is an error."""
     out = tuple(parse_method(item, f"{path}[{i}]", kind, models) for i, item in enumerate(check_list(v, path)))
     if models is not None:
-        _once([(r.name, repr(sorted(r.settings.items())), r.models, r.sparsities, r.scope) for r in out], path, kind)
+        _once([(r.name, _same_as(kind, r), r.models, r.sparsities, r.scope) for r in out], out, path, kind)
     return out
 
 
-def _once(keys: list[tuple], path: str, kind: str) -> None:
-    """No entry twice: its cells are keyed by what it names (name, settings, restrictions), so a repeat would be
-    dropped silently (``keys[j][0]`` is the method's name)."""
+def _same_as(kind: str, ref: MethodRef) -> str:
+    """The entry's settings with its method's defaults filled in (``Method.same_as``), as a comparable string."""
+    try:
+        m = resolve_healer(ref.name, ref.settings) if kind == "healer" else get(kind, ref.name)
+        s = m.same_as(ref.settings) if hasattr(m, "same_as") else m.resolved_settings(ref.settings)
+    except (KeyError, TypeError, ValueError):  # a method the checks above let through but cannot resolve
+        s = dict(ref.settings)
+    return repr(sorted(s.items()))
+
+
+def _once(keys: list[tuple], refs, path: str, kind: str) -> None:
+    """No entry twice: a repeat, also one whose settings differ only by the defaults written out (``nm`` and ``nm
+    {n: 2, m: 4}``), would be dropped silently or run the same cells twice (``keys[j][0]`` is the method's name)."""
     for j, key in enumerate(keys):
         if key in keys[:j]:
+            i = keys.index(key)
+            how = "" if refs[i].settings == refs[j].settings else ", the same once its defaults are filled in"
             raise SpecError(f"{path}[{j}]", f"{kind} {key[0]!r} with these settings is listed twice "
-                                            f"(also at [{keys.index(key)}])")
+                                            f"(also at [{i}]{how})")
 
 
 def parse_method(item: Any, p: str, kind: str, models: tuple[str, ...] | None = None) -> MethodRef:
@@ -101,7 +113,7 @@ def parse_healers(v: Any, path: str, models: tuple[str, ...] | None = None) -> t
             out.append(ref)
         else:
             out.append(parse_method(item, p, "healer", models))
-    _once([(r.name, repr(sorted(r.settings.items()))) for r in out], path, "healer")
+    _once([(r.name, _same_as("healer", r)) for r in out], out, path, "healer")
     return tuple(out)
 
 

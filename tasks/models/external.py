@@ -5,8 +5,9 @@ A spec names a model either by a registered reference name (``vit_digits``) or b
 (randomly initialized, for validation), load it (pretrained weights, checkpoint), give a stable digest (content
 keys), and give the model's preprocessing (timm data config or the torchvision weights' transforms).
 
-Offline mode (``HF_HUB_OFFLINE=1``, ``ModelRef.offline``): weights that are not in the local cache fail with a
-one-line ``ModelSourceError`` before any download is tried.
+Offline mode (``HF_HUB_OFFLINE=1``, ``ModelRef.offline``), or a download host that cannot be reached
+(tasks/models/reach.py): weights that are not in the local cache fail with a one-line ``ModelSourceError`` before
+any download is tried.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tasks.data.splits import load_dataset
 from tasks.models.base import (MODEL_SOURCES, MODELS, REF_KEYS, ExternalSource, LoadedModel, ModelRef, ModelSourceError,
                                timm_transform)
 from tasks.models.checkpoint_file import check_sha256, file_digest, read_state_dict, safetensors_header
+from tasks.models.reach import hub_url, unreachable
 
 
 def is_offline(ref: ModelRef) -> bool:
@@ -60,6 +62,14 @@ def _timm_cached(ref: ModelRef) -> bool:
     return False
 
 
+def _timm_url(name: str) -> str:
+    """Where timm would download the pretrained weights ``name`` from (the hub, or the config's URL)."""
+    import timm
+
+    cfg = timm.models.get_pretrained_cfg(name, allow_unregistered=False)
+    return hub_url() if cfg is None or cfg.hf_hub_id or not cfg.url else cfg.url
+
+
 @MODEL_SOURCES.register("timm")
 class TimmSource(ExternalSource):
     kind = "timm"
@@ -80,11 +90,13 @@ class TimmSource(ExternalSource):
             size = kw["img_size"] if isinstance(kw["img_size"], (list, tuple)) else (kw["img_size"],) * 2
             kw["pretrained_cfg_overlay"] = {"input_size": (3, *size)}
         name = ref.builder + (f".{ref.weights}" if ref.weights else "")
-        if pretrained and is_offline(ref) and not _timm_cached(ref):
-            raise ModelSourceError(
-                f"model {ref.name!r}: pretrained timm weights {name!r} are not in the local cache "
-                f"({hf_hub_cache()}) and offline mode is on "
-                f"(HF_HUB_OFFLINE=1); download them once online, or use source: checkpoint with a local file")
+        if pretrained and not _timm_cached(ref):
+            why = "offline mode is on (HF_HUB_OFFLINE=1)" if is_offline(ref) else unreachable(_timm_url(name))
+            if why:
+                raise ModelSourceError(
+                    f"model {ref.name!r}: pretrained timm weights {name!r} are not in the local cache "
+                    f"({hf_hub_cache()}) and {why}; download them once online, or use source: checkpoint with a "
+                    f"local file")
         try:
             return timm.create_model(name, pretrained=pretrained, **kw)
         except Exception as e:  # noqa: BLE001 - network/cache errors become one line
@@ -129,11 +141,12 @@ class TorchvisionSource(ExternalSource):
         kw = _builder_args(ref)
         if w is not None:
             cached = (Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(w.url)).is_file()
-            if is_offline(ref) and not cached:
+            why = None if cached else "offline mode is on (HF_HUB_OFFLINE=1)" if is_offline(ref) else unreachable(w.url)
+            if why:
                 raise ModelSourceError(
                     f"model {ref.name!r}: torchvision weights {ref.weights} are not in the local cache "
-                    f"({torch.hub.get_dir()}/checkpoints) and offline mode is on (HF_HUB_OFFLINE=1); download "
-                    f"them once online, or use source: checkpoint with a local file")
+                    f"({torch.hub.get_dir()}/checkpoints) and {why}; download them once online, or use source: "
+                    f"checkpoint with a local file")
         try:
             return get_model(ref.builder, weights=w, **kw)
         except Exception as e:  # noqa: BLE001

@@ -45,6 +45,7 @@ class Pruner:
     name = ""
     settings_schema: dict[str, type] = {}
     uses_calibration = False  # True: masks depend on calibration images (their count is part of the mask key)
+    seeded_mask = False  # True: the mask depends on the seed (a seeded search): another seed prunes other weights
     quick_settings: dict[str, Any] = {}  # cheap settings for contract tests where the defaults are slow searches
 
     def check(self, settings: Mapping[str, Any]) -> None:

@@ -138,6 +138,7 @@ class SnapViTPruner(Pruner):
     qkv rows), which lie outside the weight scope and do not count towards sparsity."""
 
     uses_calibration = True
+    seeded_mask = True  # the elastic ranking comes from a seeded search (xNES)
     quick_settings = {"iterations": 2, "evaluations": 6, "fitness_sparsities": [0.25, 0.5], "fitness_images": 8}
     settings_schema = {"variant": str, "evaluations": int, "min_head_keep": float, "min_neuron_keep": float,
                        "global_crops": int, "local_crops": int,

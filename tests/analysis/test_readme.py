@@ -44,6 +44,25 @@ def test_readme_blocks_from_the_report(tmp_path):
     before = readme.read_text()
     bad = _run("report", str(run_dir), "--readme", str(readme))
     assert bad.returncode == 2 and "report:nope" in bad.stderr and readme.read_text() == before
+    # a block whose closing marker was lost: one line naming it, README unchanged (was: exit 0, block left stale)
+    readme.write_text(text.replace("<!-- /report:findings -->", ""))
+    before = readme.read_text()
+    bad = _run("report", str(run_dir), "--readme", str(readme))
+    assert bad.returncode == 2 and readme.read_text() == before
+    assert bad.stderr.strip().splitlines()[-1] == (f"healsweep: error: {readme}: <!-- report:findings --> (line 3) "
+                                                   "has no <!-- /report:findings --> after it")
+
+
+def test_unpaired_markers_are_named_with_their_line():
+    from analysis.readme import unpaired
+
+    assert unpaired("a\n<!-- report:x -->b<!-- /report:x -->\n<!-- report:y -->\n<!-- /report:y -->") is None
+    assert unpaired("a\n\n<!-- /report:x -->\n") == "<!-- /report:x --> (line 3) has no <!-- report:x --> before it"
+    assert unpaired("<!-- report:x -->\n<!-- /report:y -->") == \
+        "<!-- report:x --> (line 1) has no <!-- /report:x --> after it"
+    # a block is the nearest closing marker of its name: the second opener is the unpaired one
+    assert unpaired("<!-- report:x -->1<!-- /report:x -->\n<!-- report:x -->") == \
+        "<!-- report:x --> (line 2) has no <!-- /report:x --> after it"
 
 
 def test_default_sweep_page_from_the_report(tmp_path):

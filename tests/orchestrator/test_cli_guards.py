@@ -74,6 +74,10 @@ def test_report_without_a_sweep_creates_nothing(tmp_path):
     d = sweep_record(tmp_path / "run", tmp_path)  # sweep.json, but its mlflow.db is gone
     assert_one_line_exit_2(cli("report", d), "no sweep in", "mlflow.db", "missing")
     assert sorted(p.name for p in d.iterdir()) == ["sweep.json"]  # no empty database, no report
+    info = json.loads((d / "sweep.json").read_text())  # a sweep that ended before MLflow: no parent run, no database
+    (d / "sweep.json").write_text(json.dumps({k: v for k, v in info.items() if k != "parent_run_id"}))
+    assert_one_line_exit_2(cli("report", d), f"no sweep in {d}: it never reached MLflow (no parent run recorded)")
+    assert sorted(p.name for p in d.iterdir()) == ["sweep.json"]
 
 
 def test_second_driver_on_a_run_dir_is_refused_and_a_dead_drivers_lock_is_taken_over(tmp_path):

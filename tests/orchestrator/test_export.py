@@ -196,6 +196,8 @@ def test_export_finds_the_run_directory_by_sweep_id_and_refuses_to_guess(tmp_pat
         run = client.create_run(exp, tags={"healsweep.role": "trial", "trial_id": "c0ffee-0", "sweep_id": sweep})
         client.set_terminated(run.info.run_id, "FINISHED")
         ids[sweep] = run.info.run_id
+    (tmp_path / "runs" / "d").mkdir()
+    (tmp_path / "runs" / "d" / "sweep.json").write_text('{"tracking_uri": ')  # torn: skipped, not the end
     r = healsweep("export", ids["s1"], "--out", "x", cwd=tmp_path)  # found in runs/a: no healed weights there
     assert r.returncode == 2 and r.stderr.strip().startswith(
         f"healsweep: error: {(tmp_path / 'runs' / 'a' / 'trials' / 'c0ffee-0').resolve()}: no healed.safetensors")
@@ -204,3 +206,47 @@ def test_export_finds_the_run_directory_by_sweep_id_and_refuses_to_guess(tmp_pat
         f"healsweep: error: run '{ids['s2']}': sweep s2 is in 2 run directories (runs/b, runs/c); choose one with "
         f"--run-dir DIR")
     assert not (tmp_path / "x").exists()
+    other = f"sqlite:///{tmp_path / 'other.db'}"  # --tracking-uri is the only store searched (was: then runs/*'s)
+    MlflowClient(other).create_experiment("healsweep")
+    r = healsweep("export", ids["s1"], "--out", "x", "--tracking-uri", other, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"healsweep: error: run '{ids['s1']}' not found in {other}; give --run-dir DIR (or --runs DIR)")
+    r = healsweep("export", "0" * 32, "--out", "x", cwd=tmp_path)  # the skipped directory is named
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"healsweep: error: run '{'0' * 32}' not found in the 3 run directories under runs/ (skipped: runs/d: "
+        "unreadable sweep.json (JSONDecodeError)); give --run-dir DIR (or --runs DIR)")
+
+
+def test_export_keeps_an_earlier_export_of_another_run(trial, tmp_path):
+    """--out holding another run's export: one line, nothing replaced, until --force; the same run re-exports."""
+    from mlflow import MlflowClient
+
+    root, _, _ = trial
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("healsweep")
+    ids = []
+    for _ in range(2):
+        run = client.create_run(exp, tags={"healsweep.role": "trial", "trial_id": "cell-0"})
+        client.set_terminated(run.info.run_id, "FINISHED")
+        ids.append(run.info.run_id)
+    out = tmp_path / "export"
+
+    def export(run_id, *extra):
+        return healsweep("export", run_id, "--out", out, "--tracking-uri", uri, "--run-dir", root / "run", *extra)
+
+    assert export(ids[0]).returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    r = export(ids[1])
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"healsweep: error: --out: {out} already holds the export of run '{ids[0]}'; choose another --out or pass "
+        "--force to replace it")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert export(ids[0]).returncode == 0  # its own export: replaced in place
+    assert export(ids[1], "--force").returncode == 0
+    assert json.loads((out / "model_card.json").read_text())["mlflow_run_id"] == ids[1]
+    (out / "model_card.json").unlink()  # files without a card: named, kept
+    r = export(ids[0])
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"healsweep: error: --out: {out} already holds model.safetensors, mask.safetensors, model_card.md; choose "
+        "another --out or pass --force to replace it")

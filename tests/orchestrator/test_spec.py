@@ -88,6 +88,13 @@ def test_defaults_fill_in():
     ({"seeds": [3, 1, 3]}, "seeds[2]", "3 is listed twice (also at [0])"),
     ({"pruners": ["magnitude", "lamp", "magnitude"]}, "pruners[2]", "pruner 'magnitude' with these settings is listed twice"),
     ({"pruners": [{"name": "magnitude", "sparsities": [0.7, 0.7]}]}, "pruners[0].sparsities[1]", "listed twice"),
+    # the same method once its defaults are filled in (planned twice, or one of them dropped, before)
+    ({"pruners": ["nm", {"name": "nm", "settings": {"n": 2, "m": 4}}]}, "pruners[1]",
+     "pruner 'nm' with these settings is listed twice (also at [0], the same once its defaults are filled in)"),
+    ({"pruners": [{"name": "erk", "settings": {"cap": 1.0}}, {"name": "erk", "settings": {"floor": 0.025}}]},
+     "pruners[1]", "the same once its defaults are filled in"),
+    ({"healers": ["starfish", {"name": "starfish", "settings": {"granularity": "auto", "bn": "train"}}]}, "healers[1]",
+     "healer 'starfish' with these settings is listed twice (also at [0], the same once its defaults are filled in)"),
     ({"grids": [{"name": "g", "seeds": [0, 0]}]}, "grids[0].seeds[1]", "0 is listed twice (also at [0])"),
     ({"sparsities": ["high"]}, "sparsities[0]", "must be a number"),
     ({"pruners": [{"name": "nm", "settings": {"n": 4, "m": 4}}]}, "pruners[0].settings", "0 < n < m"),
@@ -200,3 +207,10 @@ def test_healer_entries_take_no_pruner_keys():
     with pytest.raises(SpecError) as e:
         parse_spec(spec_with(healers=[{"name": "starfish", "sparsities": [0.5]}]))
     assert e.value.path == "healers[0].sparsities" and "unknown key" in str(e.value)
+
+
+def test_a_method_with_other_settings_than_its_defaults_is_another_entry():
+    s = parse_spec(spec_with(pruners=["nm", {"name": "nm", "settings": {"n": 1, "m": 4}}],
+                             healers=["starfish", {"name": "starfish", "settings": {"granularity": "token"}}]))
+    assert [(p.name, p.settings) for p in s.pruners] == [("nm", {}), ("nm", {"n": 1, "m": 4})]
+    assert [h.settings for h in s.healers] == [{}, {"granularity": "token"}]

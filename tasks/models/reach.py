@@ -1,0 +1,32 @@
+"""Whether the place pretrained weights download from can be reached, asked once before a download that the local
+cache cannot spare: a machine without internet gets one line at once, instead of the hub client's five retries
+(52 s on a machine without DNS, 2026-12-01) followed by its error."""
+from __future__ import annotations
+
+import os
+import socket
+from urllib.parse import urlsplit
+
+# With a proxy the machine may reach the host only through it: the download client is left to try.
+PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def hub_url() -> str:
+    """The Hugging Face hub the download would go to (HF_ENDPOINT: a mirror)."""
+    return os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+
+
+def unreachable(url: str, timeout: float = 3.0) -> str | None:
+    """Why ``url``'s host cannot be reached (its name does not resolve, or no TCP connection within ``timeout``
+    seconds), as "HOST cannot be reached (why)"; None when it can, or when a proxy is configured."""
+    if any(os.environ.get(v) for v in PROXY_VARS):
+        return None
+    u = urlsplit(url)
+    if not u.hostname:
+        return None
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        socket.create_connection((u.hostname, port), timeout=timeout).close()
+    except OSError as e:
+        return f"{u.hostname} cannot be reached ({e.strerror or type(e).__name__})"
+    return None
