@@ -19,7 +19,8 @@ from tasks import catalog
 
 from .band_ranges import Range, fmt_range, ranges
 from .bands import BandSettings, chance_limit
-from .ordering import paired_ci
+from .leads import ranked, tied_with, values, winner
+from .matched import matched_lines
 from .runs import grid_names, pattern_sort_key
 
 __all__ = ["Findings", "grid_names", "ranges", "best_rows", "boundary", "edges", "findings", "fmt_range", "FIXED_HEALERS"]
@@ -56,65 +57,6 @@ def edges(row, bounds: dict | None) -> dict[str, str]:
     return why
 
 
-def _values(g: pd.DataFrame, by: str, key: str) -> tuple[dict[str, dict[tuple, float]], dict[str, float]]:
-    """(label -> {pairing key: quoted healed acc}, label -> noise of its mean over those keys); healers pair on
-    (seed, mask), pruners on the seed alone."""
-    out: dict[str, dict[tuple, float]] = {}
-    noise: dict[str, float] = {}
-    for lab, h in g.groupby(by, sort=True):
-        h = h.drop_duplicates("seed")
-        out[str(lab)] = {((r["seed"], r["mask_key"] if isinstance(r.get("mask_key"), str) else None)
-                          if key == "mask" else (r["seed"],)): float(r["healed_acc"]) for _, r in h.iterrows()}
-        nz = h["noise"].astype(float) if "noise" in h.columns else pd.Series(math.nan, index=h.index)
-        noise[str(lab)] = math.sqrt(float((nz ** 2).sum())) / len(h) if nz.notna().all() else math.nan
-    return out, noise
-
-
-def _lead(vn: tuple[dict[str, dict[tuple, float]], dict[str, float]], a: str, b: str) -> tuple[bool, str]:
-    """(whether ``a``'s lead over ``b`` is resolved, its text): resolved only when it exceeds the measured noise
-    (analysis/reported.py: search + seed noise) and, with several seeds, its paired 95 % CI excludes 0."""
-    from .reported import Z, resolved
-
-    values, noise = vn
-    means = _ranked(vn)[1]
-    band = Z * math.hypot(noise.get(a, math.nan), noise.get(b, math.nan))
-    measured = not math.isnan(band)  # no re-evaluations (reevaluate: 0, older sweeps): the seeds' CI alone
-    ok = resolved(means[a], noise[a], means[b], noise[b]) if measured else None
-    within = f"noise ±{100 * band:.2f} pp" if measured else "noise not measured"
-    ci = paired_ci(values[a], values[b])
-    if ci is None:
-        return False, f"vs {b}: no shared seed"
-    lead = f"+{100 * ci.mean:.2f} pp vs {b}"
-    if ci.half is None:
-        return bool(ok), f"{lead} ({'resolved' if ok else 'not resolved'}: {within})"
-    lo, hi = 100 * (ci.mean - ci.half), 100 * (ci.mean + ci.half)
-    ok = ci.mean - ci.half > 0 and ok is not False
-    return ok, (f"{lead} [95 % CI {lo:+.2f}, {hi:+.2f}], n={ci.n} "
-                f"({'resolved' if ok else 'not resolved'}: {within})")
-
-
-def _ranked(vn: tuple[dict[str, dict[tuple, float]], dict[str, float]]) -> tuple[list[str], dict[str, float]]:
-    """(labels by mean, best first; ties by name), label -> mean."""
-    means = {k: sum(v.values()) / len(v) for k, v in vn[0].items() if v}
-    return sorted(means, key=lambda k: (-means[k], k)), means
-
-
-def _winner(vn: tuple[dict[str, dict[tuple, float]], dict[str, float]]) -> tuple[str, float, str, bool]:
-    """(label of the best mean, its mean, 'lead over runner-up' text, whether that lead is resolved; ``_lead``)."""
-    order, means = _ranked(vn)
-    best = order[0]
-    if len(order) == 1:
-        return best, means[best], "(the only one)", True
-    ok, text = _lead(vn, best, order[1])
-    return best, means[best], text, ok
-
-
-def tied_with(vn: tuple[dict[str, dict[tuple, float]], dict[str, float]], best: str) -> list[str]:
-    """The labels whose gap to ``best`` is not resolved (``_lead``), by name: the report cannot tell them from the
-    best, so a best line names them beside it (a different argmax among them on a rerun is not a different claim)."""
-    return sorted(k for k, v in vn[0].items() if v and k != best and not _lead(vn, best, k)[0])
-
-
 def best_rows(best: pd.DataFrame) -> list[dict]:
     """Per sparsity × calib size: the best pruner × healer, the combos it is not resolved from (``tied``: named
     beside it), and its lead over the runner-up healer (same pruner, identical masks) and runner-up pruner (same
@@ -125,14 +67,14 @@ def best_rows(best: pd.DataFrame) -> list[dict]:
     for (pat, n), g in sorted(df.groupby(["pattern", "calib_size"], dropna=False),
                               key=lambda kv: (pattern_sort_key(kv[0][0]), float(kv[0][1]) if pd.notna(kv[0][1])
                                               else math.inf)):
-        combos = _values(g, "_combo", "seed")
-        combo, acc, _, resolved = _winner(combos)
+        combos = values(g, "_combo", "seed")
+        combo, acc, _, resolved = winner(combos)
         pruner, healer = combo.split(" × ", 1)
-        vs_healer = _winner(_values(g[g["pruner"] == pruner], "healer", "mask"))[2]
-        vs_pruner = _winner(_values(g[g["healer"] == healer], "pruner", "seed"))[2]
+        vs_healer = winner(values(g[g["pruner"] == pruner], "healer", "mask"))[2]
+        vs_pruner = winner(values(g[g["healer"] == healer], "pruner", "seed"))[2]
         out.append(dict(pattern=str(pat), calib_size="–" if pd.isna(n) else str(int(n)), best=combo,
                         healed=acc, vs_healer=vs_healer, vs_pruner=vs_pruner, tied=tied_with(combos, combo),
-                        resolved=resolved, contested=len(_ranked(combos)[0]) > 1))
+                        resolved=resolved, contested=len(ranked(combos)[0]) > 1))
     return out
 
 
@@ -290,6 +232,7 @@ def findings(best: pd.DataFrame, model: str, recs: list[dict], cts: dict | None,
         f.notes += _widened_note(gb, widened or {})
         f.notes += [stop_summary_of(gb)] if stop_summary_of(gb) else []
         f.notes.insert(int(objective == "heldout_align"), noise_line(gb, f.best))  # after the label-free note
+        f.notes += matched_lines(gb)
         same = identical_mask_lines(gb)
         f.notes += [ln for ok, ln in same if ok]
         f.warnings += [ln for ok, ln in same if not ok]

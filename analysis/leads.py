@@ -1,0 +1,74 @@
+"""Leads between labelled groups of quoted cells (pruner × healer combos, healers, pruners, patterns): each label's
+quoted numbers keyed by what pairs them (the seed, and for healers the mask), the noise of their mean, and whether
+one label's lead over another is resolved (analysis/reported.py noise, and with several seeds the paired 95 %
+interval of analysis/ordering.py). Used by the best lines (analysis/findings.py) and the matched-sparsity lines
+(analysis/matched.py)."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from .ordering import paired_ci
+from .reported import Z, resolved
+
+__all__ = ["values", "lead_text", "ranked", "winner", "tied_with"]
+
+VN = tuple[dict[str, dict[tuple, float]], dict[str, float]]  # (label -> {pairing key: quoted acc}, label -> noise)
+
+
+def values(g: pd.DataFrame, by: str, key: str) -> VN:
+    """(label -> {pairing key: quoted healed acc}, label -> noise of its mean over those keys); healers pair on
+    (seed, mask), pruners on the seed alone."""
+    out: dict[str, dict[tuple, float]] = {}
+    noise: dict[str, float] = {}
+    for lab, h in g.groupby(by, sort=True):
+        h = h.drop_duplicates("seed")
+        out[str(lab)] = {((r["seed"], r["mask_key"] if isinstance(r.get("mask_key"), str) else None)
+                          if key == "mask" else (r["seed"],)): float(r["healed_acc"]) for _, r in h.iterrows()}
+        nz = h["noise"].astype(float) if "noise" in h.columns else pd.Series(math.nan, index=h.index)
+        noise[str(lab)] = math.sqrt(float((nz ** 2).sum())) / len(h) if nz.notna().all() else math.nan
+    return out, noise
+
+
+def lead_text(vn: VN, a: str, b: str) -> tuple[bool, str]:
+    """(whether ``a``'s lead over ``b`` is resolved, its text): resolved only when it exceeds the measured noise
+    (analysis/reported.py: search + seed noise) and, with several seeds, its paired 95 % CI excludes 0."""
+    vals, noise = vn
+    means = ranked(vn)[1]
+    band = Z * math.hypot(noise.get(a, math.nan), noise.get(b, math.nan))
+    measured = not math.isnan(band)  # no re-evaluations (reevaluate: 0, older sweeps): the seeds' CI alone
+    ok = resolved(means[a], noise[a], means[b], noise[b]) if measured else None
+    within = f"noise ±{100 * band:.2f} pp" if measured else "noise not measured"
+    ci = paired_ci(vals[a], vals[b])
+    if ci is None:
+        return False, f"vs {b}: no shared seed"
+    lead = f"+{100 * ci.mean:.2f} pp vs {b}"
+    if ci.half is None:
+        return bool(ok), f"{lead} ({'resolved' if ok else 'not resolved'}: {within})"
+    lo, hi = 100 * (ci.mean - ci.half), 100 * (ci.mean + ci.half)
+    ok = ci.mean - ci.half > 0 and ok is not False
+    return ok, (f"{lead} [95 % CI {lo:+.2f}, {hi:+.2f}], n={ci.n} "
+                f"({'resolved' if ok else 'not resolved'}: {within})")
+
+
+def ranked(vn: VN) -> tuple[list[str], dict[str, float]]:
+    """(labels by mean, best first; ties by name), label -> mean."""
+    means = {k: sum(v.values()) / len(v) for k, v in vn[0].items() if v}
+    return sorted(means, key=lambda k: (-means[k], k)), means
+
+
+def winner(vn: VN) -> tuple[str, float, str, bool]:
+    """(label of the best mean, its mean, 'lead over runner-up' text, whether that lead is resolved; ``lead_text``)."""
+    order, means = ranked(vn)
+    best = order[0]
+    if len(order) == 1:
+        return best, means[best], "(the only one)", True
+    ok, text = lead_text(vn, best, order[1])
+    return best, means[best], text, ok
+
+
+def tied_with(vn: VN, best: str) -> list[str]:
+    """The labels whose gap to ``best`` is not resolved (``lead_text``), by name: the report cannot tell them from the
+    best, so a best line names them beside it (a different argmax among them on a rerun is not a different claim)."""
+    return sorted(k for k, v in vn[0].items() if v and k != best and not lead_text(vn, best, k)[0])
