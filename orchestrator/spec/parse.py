@@ -128,11 +128,16 @@ def parse_scope(v: Any, models: list[str]) -> dict[str, str]:
     return dict(scope)
 
 
+ASHA_EPOCHS = (1, 8)  # scheduler asha without search.epochs: it stops trials at epoch boundaries
+
+
 def parse_search(v: Any) -> SearchSpec:
     d = {} if v is None else check_keys(v, "search", set(SearchSpec.__dataclass_fields__))
     d = {k: x for k, x in d.items() if x is not None or k not in ("epochs", "steps")}  # to_dict writes None
     if "steps" in d and "epochs" in d:
         raise SpecError("search.steps", "give either search.steps (optimizer steps) or search.epochs, not both")
+    if "epochs" in d or ("steps" not in d and d.get("scheduler") == "asha"):  # epochs searched: no default steps
+        d = {"epochs": ASHA_EPOCHS, **d, "steps": None}
     s = SearchSpec(**d)
     lo_hi = check_pair(s.lr, "search.lr", float, 0.0, lo_open=True)
     steps = None if s.steps is None else check_pair(s.steps, "search.steps", int, 1, hi=MAX_STEPS)

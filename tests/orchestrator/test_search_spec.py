@@ -48,7 +48,14 @@ def test_heldout_align_objective_accepted_and_refused_where_it_cannot_be_measure
 def test_steps_replace_epochs_and_are_validated():
     s = parse_spec(spec({"steps": [4, 32]}))
     assert s.search.steps == (4, 32) and s.search.epochs is None and s.search.length == ("steps", (4, 32))
-    assert parse_spec(spec({})).search.length == ("epochs", (1, 8))  # epochs as before
+    # a search without a length: the default sweep's design, steps 4..64 (epochs 1..8 with scheduler asha)
+    default = parse_spec(spec({})).search
+    assert (default.length, default.lr, default.trials_per_cell) == (("steps", (4, 64)), (1e-4, 1e-2), 3)
+    assert parse_spec(spec({"epochs": [2, 5]})).search.length == ("epochs", (2, 5))  # epochs given: no default steps
+    assert parse_spec(spec({"scheduler": "asha"})).search.length == ("epochs", (1, 8))
+    for s_ in (default, parse_spec(spec({"epochs": [2, 5]})).search):  # what sweep.json holds reads back the same
+        assert parse_spec(json.loads(json.dumps(spec({}) | {"search": {k: getattr(s_, k) for k in (
+            "trials_per_cell", "lr", "epochs", "steps")}}, default=list))).search.length == s_.length
     assert refused(spec({"steps": [4, 32], "epochs": [1, 8]})) == \
         "search.steps: give either search.steps (optimizer steps) or search.epochs, not both"
     assert refused(spec({"steps": [0, 4]})) == "search.steps[0]: must be >= 1, got 0"
