@@ -4,7 +4,10 @@
 - run B: ``search.sampler_seed`` + 1 (same masks, models, dense targets and re-evaluation seeds: a search that
   converges gives the same numbers);
 - run C: the healing seeds shifted (main grid: each seed + ``--shift-main`` (7: 0 -> 7); other grids: + their
-  number of seeds (0, 1, 2 -> 3, 4, 5)): new draws of everything random, same questions.
+  number of seeds (0, 1, 2 -> 3, 4, 5)): new draws of the healing (batch order, re-evaluation seeds) and of a
+  seeded mask (SnapViT), same questions. The search points come from the sampler seed: under design ``shared`` run
+  C usually tries A's points again (an N:M spec, 2026-12-01: every cell drew A's lattice points), so A vs C
+  measures the healing's noise and A vs B the search's.
 
 For A vs B and A vs C, per grid (``benchmarks/_retest.py``): per-cell |delta| of the quoted accuracy (median,
 p90, max) and how often the claimed noise covers it (|delta| <= 2 hypot(noise_A, noise_B)); orderings between
