@@ -279,7 +279,8 @@ def _seeded_masks(gb: pd.DataFrame) -> str:
         out = (f" The mask depends on the seed for {', '.join(sorted(seeded['pruner'].astype(str).unique()))} "
                f"({len(seeded)} cells): their noise is at least the spread of their seeds' numbers (another seed, "
                f"another mask), up to ±{100 * seeded['mask_sd'].max():.2f} pp.")
-    blind = gb[~measured & gb["pruner"].astype(str).map(_seeded_pruner)] if "pruner" in gb.columns else gb.iloc[:0]
+    spread = gb["sibling_sd"].notna() if "sibling_sd" in gb.columns else measured  # a spread among its seeds
+    blind = gb[~spread & gb["pruner"].astype(str).map(_seeded_pruner)] if "pruner" in gb.columns else gb.iloc[:0]
     if len(blind):
         n = len(blind)
         out += (f" The mask of {', '.join(sorted(blind['pruner'].astype(str).unique()))} depends on the seed, but "

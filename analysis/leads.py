@@ -6,13 +6,14 @@ interval of analysis/ordering.py). Used by the best lines (analysis/findings.py)
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pandas as pd
 
 from .ordering import paired_ci
 from .reported import Z, resolved
 
-__all__ = ["values", "lead_text", "ranked", "winner", "tied_with"]
+__all__ = ["Lead", "values", "lead", "lead_text", "ranked", "winner", "tied_with"]
 
 VN = tuple[dict[str, dict[tuple, float]], dict[str, float]]  # (label -> {pairing key: quoted acc}, label -> noise)
 
@@ -31,25 +32,52 @@ def values(g: pd.DataFrame, by: str, key: str) -> VN:
     return out, noise
 
 
-def lead_text(vn: VN, a: str, b: str) -> tuple[bool, str]:
-    """(whether ``a``'s lead over ``b`` is resolved, its text): resolved only when it exceeds the measured noise
-    (analysis/reported.py: search + seed noise) and, with several seeds, its paired 95 % CI excludes 0."""
+@dataclass(frozen=True)
+class Lead:
+    """``a``'s lead over ``b``: the paired mean difference over their shared seeds (None: no shared seed), its 95 %
+    half-width (None: one seed), the noise band it must exceed (NaN: not measured) and whether it is resolved."""
+
+    mean: float | None
+    half: float | None
+    n: int
+    band: float
+    ok: bool
+
+    def why(self) -> str:
+        """"resolved: noise ±x pp" (or "not resolved: ...")."""
+        within = f"noise ±{100 * self.band:.2f} pp" if not math.isnan(self.band) else "noise not measured"
+        return f"{'resolved' if self.ok else 'not resolved'}: {within}"
+
+    def interval(self, sign: int = 1) -> str:
+        """" [95 % CI lo, hi], n=N" of ``sign`` × the difference ("" with one seed)."""
+        if self.half is None:
+            return ""
+        lo, hi = sorted((100 * sign * (self.mean - self.half), 100 * sign * (self.mean + self.half)))
+        return f" [95 % CI {lo:+.2f}, {hi:+.2f}], n={self.n}"
+
+
+def lead(vn: VN, a: str, b: str) -> Lead:
+    """``a``'s lead over ``b``: resolved only when it exceeds the measured noise (analysis/reported.py: search + seed
+    noise), is positive on their shared seeds and, with several seeds, its paired 95 % CI excludes 0."""
     vals, noise = vn
     means = ranked(vn)[1]
     band = Z * math.hypot(noise.get(a, math.nan), noise.get(b, math.nan))
     measured = not math.isnan(band)  # no re-evaluations (reevaluate: 0, older sweeps): the seeds' CI alone
     ok = resolved(means[a], noise[a], means[b], noise[b]) if measured else None
-    within = f"noise ±{100 * band:.2f} pp" if measured else "noise not measured"
     ci = paired_ci(vals[a], vals[b])
     if ci is None:
-        return False, f"vs {b}: no shared seed"
-    lead = f"+{100 * ci.mean:.2f} pp vs {b}"
+        return Lead(None, None, 0, band, False)
     if ci.half is None:
-        return bool(ok), f"{lead} ({'resolved' if ok else 'not resolved'}: {within})"
-    lo, hi = 100 * (ci.mean - ci.half), 100 * (ci.mean + ci.half)
-    ok = ci.mean - ci.half > 0 and ok is not False
-    return ok, (f"{lead} [95 % CI {lo:+.2f}, {hi:+.2f}], n={ci.n} "
-                f"({'resolved' if ok else 'not resolved'}: {within})")
+        return Lead(ci.mean, None, ci.n, band, bool(ok) and ci.mean > 0)
+    return Lead(ci.mean, ci.half, ci.n, band, ci.mean - ci.half > 0 and ok is not False)
+
+
+def lead_text(vn: VN, a: str, b: str) -> tuple[bool, str]:
+    """(whether ``a``'s lead over ``b`` is resolved, "+x pp vs b [95 % CI lo, hi], n=N (resolved: noise ±y pp)")."""
+    d = lead(vn, a, b)
+    if d.mean is None:
+        return False, f"vs {b}: no shared seed"
+    return d.ok, f"{100 * d.mean:+.2f} pp vs {b}{d.interval()} ({d.why()})"
 
 
 def ranked(vn: VN) -> tuple[list[str], dict[str, float]]:
@@ -71,4 +99,4 @@ def winner(vn: VN) -> tuple[str, float, str, bool]:
 def tied_with(vn: VN, best: str) -> list[str]:
     """The labels whose gap to ``best`` is not resolved (``lead_text``), by name: the report cannot tell them from the
     best, so a best line names them beside it (a different argmax among them on a rerun is not a different claim)."""
-    return sorted(k for k, v in vn[0].items() if v and k != best and not lead_text(vn, best, k)[0])
+    return sorted(k for k, v in vn[0].items() if v and k != best and not lead(vn, best, k).ok)

@@ -9,7 +9,7 @@ import math
 
 import pandas as pd
 
-from .leads import lead_text, ranked, values
+from .leads import lead, ranked, values
 
 __all__ = ["matched_lines"]
 
@@ -33,6 +33,8 @@ def matched_lines(gb: pd.DataFrame) -> list[str]:
 
 
 def _line(sp: float, n, g: pd.DataFrame) -> str:
+    # each label's best cell per seed: one pruner listed twice at a pattern (two settings, two scopes) shares a label
+    g = g.sort_values("healed_acc", ascending=False).drop_duplicates(["_combo", "seed"])
     vn = values(g, "_combo", "seed")
     order, means = ranked(vn)
     pattern_of = dict(zip(g["_combo"], g["pattern"].astype(str)))
@@ -42,9 +44,13 @@ def _line(sp: float, n, g: pd.DataFrame) -> str:
     top, *rest = best_of.values()
     parts = [f"{top} {100 * means[top]:.1f} %"]
     for combo in rest:
-        _, text = lead_text(vn, top, combo)  # "+x pp vs COMBO (resolved: noise ±y pp)": told as COMBO's gap
-        gap = "(no shared seed)" if text.endswith("no shared seed") else \
-            text.replace(f" vs {combo}", "").replace("+", "−", 1)
+        d = lead(vn, top, combo)  # told as COMBO's gap to the best: minus the lead
+        gap = "(no shared seed)" if d.mean is None else \
+            f"{_signed(-100 * d.mean)} pp{d.interval(-1).replace('-', '−')} ({d.why()})"
         parts.append(f"{combo} {100 * means[combo]:.1f} % {gap}")
     calib = "–" if pd.isna(n) else str(int(n))
     return f"At sparsity {sp:g} (calib {calib}), by pattern: " + " · ".join(parts) + "."
+
+
+def _signed(x: float) -> str:
+    return f"{x:+.2f}".replace("-", "−")

@@ -50,9 +50,14 @@ def readme_blocks(run_dir: Path, names: list[str], figures: str = "docs") -> dic
     return out
 
 
+CODE = re.compile(r"^(`{3,}|~{3,}).*?^\1[ \t]*$|`[^`\n]*`", re.S | re.M)  # fenced blocks, inline code spans
+
+
 def unpaired(text: str) -> str | None:
     """The first marker that no block holds (an opening one without its closing one, or the reverse), as
-    "<!-- ... --> (line N) has no ..."; None when every marker is in a block."""
+    "<!-- ... --> (line N) has no ..."; None when every marker is in a block. Markers shown as code (a page that
+    documents the syntax) are not markers."""
+    text = CODE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)  # same offsets and line numbers
     paired = {i for m in BLOCK.finditer(text) for i in (m.start(1), m.start(4))}
     for m in MARKER.finditer(text):
         if m.start() not in paired:

@@ -113,9 +113,10 @@ def find_run(run_id: str, run_dir: str | None, runs: str, tracking_uri: str | No
             return match[0], uri, run
         raise CliError(f"run {run_id!r} (sweep {sweep}) is in {uri}, but no run directory under {runs}/ holds "
                        f"that sweep{_skipped(skipped)}; give --run-dir DIR")
-    where = f"in {tracking_uri}" if tracking_uri else \
-        f"in the {len(cands)} run director{'y' if len(cands) == 1 else 'ies'} under {runs}/{_skipped(skipped)}"
-    raise CliError(f"run {run_id!r} not found {where}; give --run-dir DIR (or --runs DIR)")
+    if tracking_uri:
+        raise CliError(f"run {run_id!r} not found in {tracking_uri}; check the run id and --tracking-uri")
+    raise CliError(f"run {run_id!r} not found in the {len(cands)} run director{'y' if len(cands) == 1 else 'ies'} "
+                   f"under {runs}/{_skipped(skipped)}; give --run-dir DIR (or --runs DIR)")
 
 
 EXPORT_FILES = ("model.safetensors", "mask.safetensors", "model_card.json", "model_card.md")

@@ -142,10 +142,10 @@ def _search(search: Any) -> dict:
                                                                "scheduler", "asha_grace_period",
                                                                "asha_reduction_factor")}
     s.update(trials_per_cell=1, reevaluate=0, objective="selection_acc")
-    if s.get("steps") is not None:
-        s["steps"] = [DRY_STEPS, DRY_STEPS]
-    else:
+    if s.get("epochs") is not None or (search or {}).get("scheduler") == "asha":  # the real run searches epochs
         s["epochs"] = [1, 1]
+    else:  # steps, given or the default (orchestrator/spec/schema.py SearchSpec)
+        s["steps"] = [DRY_STEPS, DRY_STEPS]
     return s
 
 

@@ -19,6 +19,7 @@ not list (a plugin's) against the live registry (orchestrator/spec/registries.py
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping
 
 from orchestrator.spec.checks import SpecError, check_keys, check_list, check_num, check_unique, excerpt
@@ -44,7 +45,7 @@ def _same_as(kind: str, ref: MethodRef) -> str:
         s = m.same_as(ref.settings) if hasattr(m, "same_as") else m.resolved_settings(ref.settings)
     except (KeyError, TypeError, ValueError):  # a method the checks above let through but cannot resolve
         s = dict(ref.settings)
-    return repr(sorted(s.items()))
+    return json.dumps(s, sort_keys=True, default=str)  # sorted at every depth: a chain's steps' settings too
 
 
 def _once(keys: list[tuple], refs, path: str, kind: str) -> None:

@@ -21,12 +21,17 @@ def unreachable(url: str, timeout: float = 3.0) -> str | None:
     seconds), as "HOST cannot be reached (why)"; None when it can, or when a proxy is configured."""
     if any(os.environ.get(v) for v in PROXY_VARS):
         return None
-    u = urlsplit(url)
-    if not u.hostname:
-        return None
-    port = u.port or (443 if u.scheme == "https" else 80)
     try:
-        socket.create_connection((u.hostname, port), timeout=timeout).close()
+        u = urlsplit(url)
+        host, port = u.hostname, u.port or (443 if u.scheme == "https" else 80)
+    except ValueError:  # a malformed URL (bad port, broken IPv6 literal): the download client says what is wrong
+        return None
+    if not host:
+        return None
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
     except OSError as e:
-        return f"{u.hostname} cannot be reached ({e.strerror or type(e).__name__})"
+        return f"{host} cannot be reached ({e.strerror or type(e).__name__})"
+    except UnicodeError:  # a host name IDNA cannot encode: left to the client too
+        return None
     return None

@@ -142,6 +142,9 @@ def test_the_noise_line_says_where_the_mask_depends_on_the_seed():
         "seed quoted: their noise misses the spread between masks (docs/methods.md#reading-the-noise); list two seeds "
         "or more to measure it.")
     assert noise_line(one.drop(columns="mask_sd"), best_rows(one)) == noise_line(one, best_rows(one))
+    # two seeds quoted, no mask digests (a sweep before the param): their spread is in the noise, nothing is missed
+    two = gb.assign(mask_sd=float("nan"), sibling_sd=0.0424)
+    assert "one seed quoted" not in noise_line(two, best_rows(two))
 
 
 def test_a_best_line_names_every_combo_it_is_not_resolved_from():

@@ -35,4 +35,18 @@ def test_two_seeds_pair_their_gap_on_the_seed():
     (line,) = matched_lines(gb)
     # 3 pp on both seeds: the paired interval has no spread; a mean's noise sqrt(2 * 0.1²)/2 pp, the band 2 hypot of both
     assert line.startswith("At sparsity 0.5 (calib 64), by pattern: magnitude 0.5 × starfish 97.0 % · nm 2:4 × "
-                           "starfish 94.0 % −3.00 pp [95 % CI +3.00, +3.00], n=2 (resolved: noise ±0.20 pp)."), line
+                           "starfish 94.0 % −3.00 pp [95 % CI −3.00, −3.00], n=2 (resolved: noise ±0.20 pp)."), line
+
+
+def test_one_pruner_twice_at_a_pattern_is_its_best_cell_and_a_gap_against_the_shared_seeds_is_not_resolved():
+    """Two erk entries (other settings, one label) at 0.5: the pattern is told by its better cell, not by whichever
+    row came first; a pattern ahead on its mean but behind on the seeds both hold is not resolved ahead."""
+    gb = pd.DataFrame([_cell("erk", "0.5", 0.5, "starfish", 0.90, 0.005), _cell("erk", "0.5", 0.5, "starfish", 0.97, 0.005),
+                       _cell("nm", "2:4", 0.5, "starfish", 0.95, 0.005)])
+    assert matched_lines(gb) == ["At sparsity 0.5 (calib 64), by pattern: erk 0.5 × starfish 97.0 % · nm 2:4 × starfish "
+                                 "95.0 % −2.00 pp (resolved: noise ±1.41 pp)."]
+    # magnitude: 99 % (seed 0), 80 % (seed 1); nm: seed 1 only, 85 %. Means 89.5 vs 85.0, but on seed 1 nm leads
+    gb = pd.DataFrame([_cell("magnitude", "0.5", 0.5, "starfish", a, 0.005, seed=s) for s, a in ((0, 0.99), (1, 0.80))]
+                      + [_cell("nm", "2:4", 0.5, "starfish", 0.85, 0.005, seed=1)])
+    assert matched_lines(gb) == ["At sparsity 0.5 (calib 64), by pattern: magnitude 0.5 × starfish 89.5 % · nm 2:4 × "
+                                 "starfish 85.0 % +5.00 pp (not resolved: noise ±1.22 pp)."]

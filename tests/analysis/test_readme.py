@@ -60,6 +60,10 @@ def test_unpaired_markers_are_named_with_their_line():
     assert unpaired("a\n\n<!-- /report:x -->\n") == "<!-- /report:x --> (line 3) has no <!-- report:x --> before it"
     assert unpaired("<!-- report:x -->\n<!-- /report:y -->") == \
         "<!-- report:x --> (line 1) has no <!-- /report:x --> after it"
+    # markers shown as code document the syntax (docs/usage.md, docs/layout.md): not markers
+    assert unpaired("write `<!-- report:NAME -->` blocks\n```\n<!-- /report:x -->\n```\n") is None
+    for page in ("usage.md", "layout.md", "default-sweep.md"):
+        assert unpaired((Path(__file__).resolve().parents[2] / "docs" / page).read_text()) is None, page
     # a block is the nearest closing marker of its name: the second opener is the unpaired one
     assert unpaired("<!-- report:x -->1<!-- /report:x -->\n<!-- report:x -->") == \
         "<!-- report:x --> (line 2) has no <!-- /report:x --> after it"

@@ -33,6 +33,8 @@ def test_a_host_that_cannot_be_reached_is_named_with_why(no_proxy, monkeypatch):
         srv.bind(("127.0.0.1", 0))
         srv.listen()
         assert unreachable(f"http://127.0.0.1:{srv.getsockname()[1]}/x") is None
+    for bad in ("http://mirror:abc/", "https://[::1/", f"https://{'a' * 70}.example/", "file:///x"):
+        assert unreachable(bad) is None, bad  # malformed or hostless: the download client says what is wrong
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")  # only the proxy may reach it: not asked
     assert unreachable(f"http://127.0.0.1:{port}/x") is None
 

@@ -132,3 +132,17 @@ def test_a_model_with_fewer_classes_than_ten_can_be_dry_run(tmp_path):
     kw = spec.load_kwargs("rn")
     lm = load_model("rn", **kw)  # the models stage's check of outputs against classes passes
     assert lm.dataset.num_classes == 3 and len(lm.dataset["calibration"]) == DRY_CALIB
+
+
+@pytest.mark.parametrize("search, length", [(None, ("steps", (2, 2))), ({"lr": [1e-3, 1e-2]}, ("steps", (2, 2))),
+                                            ({"epochs": [3, 8]}, ("epochs", (1, 1))),
+                                            ({"scheduler": "asha", "design": "tpe"}, ("epochs", (1, 1)))])
+def test_a_dry_run_shortens_the_length_the_real_run_searches(folder, search, length):
+    """A spec without a length searches steps (the default since 2026-12-01): its dry run takes steps too, so that
+    it runs what the real run will (it took one epoch, the real run's path for epochs)."""
+    raw = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    raw.pop("search")
+    if search is not None:
+        raw["search"] = search
+    assert parse_spec(raw).search.length[0] == length[0]
+    assert parse_spec(dry_run_spec(raw, folder)).search.length == length

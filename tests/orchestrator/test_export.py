@@ -210,7 +210,7 @@ def test_export_finds_the_run_directory_by_sweep_id_and_refuses_to_guess(tmp_pat
     MlflowClient(other).create_experiment("healsweep")
     r = healsweep("export", ids["s1"], "--out", "x", "--tracking-uri", other, cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.strip() == (
-        f"healsweep: error: run '{ids['s1']}' not found in {other}; give --run-dir DIR (or --runs DIR)")
+        f"healsweep: error: run '{ids['s1']}' not found in {other}; check the run id and --tracking-uri")
     r = healsweep("export", "0" * 32, "--out", "x", cwd=tmp_path)  # the skipped directory is named
     assert r.returncode == 2 and r.stderr.strip() == (
         f"healsweep: error: run '{'0' * 32}' not found in the 3 run directories under runs/ (skipped: runs/d: "

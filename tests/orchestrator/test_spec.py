@@ -95,6 +95,11 @@ def test_defaults_fill_in():
      "pruners[1]", "the same once its defaults are filled in"),
     ({"healers": ["starfish", {"name": "starfish", "settings": {"granularity": "auto", "bn": "train"}}]}, "healers[1]",
      "healer 'starfish' with these settings is listed twice (also at [0], the same once its defaults are filled in)"),
+    ({"healers": [{"chain": ["mse", "starfish"]}, {"chain": ["mse", {"name": "starfish", "settings": {
+        "granularity": "auto"}}]}]}, "healers[1]", "healer 'mse+starfish' with these settings is listed twice"),
+    ({"healers": [{"chain": ["mse", {"name": "starfish", "settings": {"bn": "train", "granularity": "auto"}}]},
+                  {"chain": ["mse", {"name": "starfish", "settings": {"granularity": "auto", "bn": "train"}}]}]},
+     "healers[1]", "healer 'mse+starfish' with these settings is listed twice"),
     ({"grids": [{"name": "g", "seeds": [0, 0]}]}, "grids[0].seeds[1]", "0 is listed twice (also at [0])"),
     ({"sparsities": ["high"]}, "sparsities[0]", "must be a number"),
     ({"pruners": [{"name": "nm", "settings": {"n": 4, "m": 4}}]}, "pruners[0].settings", "0 < n < m"),
