@@ -53,4 +53,5 @@ def _line(sp: float, n, g: pd.DataFrame) -> str:
 
 
 def _signed(x: float) -> str:
-    return f"{x:+.2f}".replace("-", "−")
+    """x (pp) with its sign, "+0.00" for a gap that rounds to 0 (not "−0.00")."""
+    return f"{x if abs(x) >= 0.005 else 0.0:+.2f}".replace("-", "−")

@@ -50,3 +50,10 @@ def test_one_pruner_twice_at_a_pattern_is_its_best_cell_and_a_gap_against_the_sh
                       + [_cell("nm", "2:4", 0.5, "starfish", 0.85, 0.005, seed=1)])
     assert matched_lines(gb) == ["At sparsity 0.5 (calib 64), by pattern: magnitude 0.5 × starfish 89.5 % · nm 2:4 × "
                                  "starfish 85.0 % +5.00 pp (not resolved: noise ±1.22 pp)."]
+
+
+def test_a_gap_of_zero_is_told_without_a_minus():
+    gb = pd.DataFrame([_cell("magnitude", "0.5", 0.5, "starfish", 0.98, 0.005),
+                       _cell("nm", "2:4", 0.5, "starfish", 0.98, 0.005)])
+    assert matched_lines(gb) == ["At sparsity 0.5 (calib 64), by pattern: magnitude 0.5 × starfish 98.0 % · nm 2:4 × "
+                                 "starfish 98.0 % +0.00 pp (not resolved: noise ±1.41 pp)."]
