@@ -16,7 +16,7 @@ __all__ = ["matched_lines"]
 
 def matched_lines(gb: pd.DataFrame) -> list[str]:
     """One line per (sparsity, calibration size) that two or more patterns reach, e.g. "At sparsity 0.5 (calib 64), by pattern:
-    magnitude 0.5 × starfish 99.7 % · nm 2:4 × starfish 97.2 % −2.50 pp (resolved: noise ±1.20 pp)". gb: one row per
+    magnitude 0.5 × starfish 99.7 % · nm 2:4 × starfish 97.2 % -2.50 pp (resolved: noise ±1.20 pp)". gb: one row per
     cell of one grid (pattern, sparsity, calib_size, pruner, healer, seed, healed_acc, noise)."""
     if not {"sparsity", "pattern"} <= set(gb.columns):
         return []
@@ -45,13 +45,12 @@ def _line(sp: float, n, g: pd.DataFrame) -> str:
     parts = [f"{top} {100 * means[top]:.1f} %"]
     for combo in rest:
         d = lead(vn, top, combo)  # told as COMBO's gap to the best: minus the lead
-        gap = "(no shared seed)" if d.mean is None else \
-            f"{_signed(-100 * d.mean)} pp{d.interval(-1).replace('-', '−')} ({d.why()})"
+        gap = "(no shared seed)" if d.mean is None else f"{_signed(-100 * d.mean)} pp{d.interval(-1)} ({d.why()})"
         parts.append(f"{combo} {100 * means[combo]:.1f} % {gap}")
     calib = "–" if pd.isna(n) else str(int(n))
     return f"At sparsity {sp:g} (calib {calib}), by pattern: " + " · ".join(parts) + "."
 
 
 def _signed(x: float) -> str:
-    """x (pp) with its sign, "+0.00" for a gap that rounds to 0 (not "−0.00")."""
-    return f"{x if abs(x) >= 0.005 else 0.0:+.2f}".replace("-", "−")
+    """x (pp) with its sign, as the best lines write it; "+0.00" for a gap that rounds to 0 (not "-0.00")."""
+    return f"{x if abs(x) >= 0.005 else 0.0:+.2f}"

@@ -6,11 +6,11 @@ track to, or its file store, is refused."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from orchestrator.spec.checks import SpecError, excerpt
+from tasks.net import cannot_connect
 
 TIMEOUT_S = 3.0
 PORTS = {"http": 80, "https": 443, "postgresql": 5432, "mysql": 3306, "mssql": 1433}  # default ports by scheme
@@ -58,12 +58,10 @@ def check_tracking_uri(uri: str | None, timeout: float = TIMEOUT_S, field: str =
     if not host:
         raise SpecError(field, f"no host in {excerpt(uri)}")
     what = "server" if scheme.startswith("http") else "database"
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError as e:
-        why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__)
+    why = cannot_connect(host, port, timeout)
+    if why:
         raise SpecError(field, f"cannot reach {host if len(host) < 80 else excerpt(host, 80)}:{port} within {timeout:g} s "
-                                               f"({why}); start the tracking {what} or fix the URI") from None
+                               f"({why}); start the tracking {what} or fix the URI")
 
 
 def check_server(uri: str, field: str) -> None:

@@ -6,7 +6,7 @@ A spec names a model either by a registered reference name (``vit_digits``) or b
 keys), and give the model's preprocessing (timm data config or the torchvision weights' transforms).
 
 Offline mode (``HF_HUB_OFFLINE=1``, ``ModelRef.offline``), or a download host that cannot be reached
-(tasks/models/reach.py): weights that are not in the local cache fail with a one-line ``ModelSourceError`` before
+(tasks/net.py): weights that are not in the local cache fail with a one-line ``ModelSourceError`` before
 any download is tried.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tasks.data.splits import load_dataset
 from tasks.models.base import (MODEL_SOURCES, MODELS, REF_KEYS, ExternalSource, LoadedModel, ModelRef, ModelSourceError,
                                timm_transform)
 from tasks.models.checkpoint_file import check_sha256, file_digest, read_state_dict, safetensors_header
-from tasks.models.reach import hub_url, unreachable
+from tasks.net import hub_url, unreachable
 
 
 def is_offline(ref: ModelRef) -> bool:

@@ -1,4 +1,4 @@
-"""tasks/models/reach.py: pretrained weights that are not cached, on a machine that cannot reach their host, fail in
+"""tasks/net.py: pretrained weights that are not cached, on a machine that cannot reach their host, fail in
 one line before the download client's retries (52 s of "Retrying in 8s" on a machine without DNS)."""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import time
 import pytest
 
 from tasks.models import MODEL_SOURCES, ModelSourceError, parse_ref
-from tasks.models.reach import PROXY_VARS, unreachable
+from tasks.net import PROXY_VARS, unreachable
+from tests.ray_nodes import free_port
 
 
 @pytest.fixture
@@ -17,16 +18,8 @@ def no_proxy(monkeypatch):
         monkeypatch.delenv(v, raising=False)
 
 
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # nothing listens there now
-    return port
-
-
 def test_a_host_that_cannot_be_reached_is_named_with_why(no_proxy, monkeypatch):
-    port = _closed_port()
+    port = free_port()  # nothing listens there
     assert unreachable(f"http://127.0.0.1:{port}/x") == "127.0.0.1 cannot be reached (Connection refused)"
     assert unreachable("https://no-such-host.invalid/w.pth").startswith("no-such-host.invalid cannot be reached (")
     with socket.socket() as srv:
@@ -40,7 +33,7 @@ def test_a_host_that_cannot_be_reached_is_named_with_why(no_proxy, monkeypatch):
 
 
 def test_uncached_pretrained_timm_weights_fail_at_once_when_the_hub_cannot_be_reached(no_proxy, monkeypatch, tmp_path):
-    port = _closed_port()
+    port = free_port()  # nothing listens there
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")  # a mirror that is down
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))

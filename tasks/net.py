@@ -1,6 +1,7 @@
-"""Whether the place pretrained weights download from can be reached, asked once before a download that the local
-cache cannot spare: a machine without internet gets one line at once, instead of the hub client's five retries
-(52 s on a machine without DNS, 2026-12-01) followed by its error."""
+"""Whether a host can be reached: one TCP connection with a timeout (``cannot_connect``), for a tracking server or
+database named in a spec (orchestrator/spec/reach.py) and for the place pretrained weights download from
+(``unreachable``, asked before a download the local cache cannot spare: a machine without internet gets one line at
+once instead of the hub client's five retries, 52 s on a machine without DNS, 2026-12-01)."""
 from __future__ import annotations
 
 import os
@@ -29,9 +30,17 @@ def unreachable(url: str, timeout: float = 3.0) -> str | None:
     if not host:
         return None
     try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError as e:
-        return f"{host} cannot be reached ({e.strerror or type(e).__name__})"
+        why = cannot_connect(host, port, timeout)
     except UnicodeError:  # a host name IDNA cannot encode: left to the client too
         return None
+    return f"{host} cannot be reached ({why})" if why else None
+
+
+def cannot_connect(host: str, port: int, timeout: float) -> str | None:
+    """Why one TCP connection to host:port failed within ``timeout`` seconds ("timed out", "Connection refused",
+    "Name or service not known", ...), or None when it opened."""
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        return "timed out" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__)
     return None
