@@ -52,9 +52,10 @@ __all__ = ["cell_results", "reported", "resolved", "identical_masks", "Z", "SHRI
 Z = 2.0  # noise units a difference must exceed to count as resolved
 SHRINK = 2.0  # pseudo-degrees of freedom of the family's pooled seed std
 FAMILY = ["grid", "model", "healer"]
-# a cell's siblings: the cells of its family that ask the same question on another seed (same pruner, scope,
-# sparsity pattern, calibration size and granularity; grid `healers`' 3 seeds of one sparsity x healer)
-SIBLINGS = [*FAMILY, "pruner", "scope", "pattern", "calib_size", "granularity"]
+# a cell's siblings: the cells of its family that ask the same question on another seed (same pruner and its
+# settings, scope, sparsity pattern, calibration size, healer settings and granularity; grid `healers`' 3 seeds of
+# one sparsity x healer)
+SIBLINGS = [*FAMILY, "pruner", "pruner_settings", "scope", "pattern", "calib_size", "healer_settings", "granularity"]
 
 
 def _stage(trials: pd.DataFrame) -> pd.Series:
@@ -139,7 +140,7 @@ def _noise(best: pd.DataFrame, searched: pd.DataFrame | None = None, objective: 
     s2 = best["healed_acc_sd"].astype(float) ** 2
     fam = best[FAMILY].astype(str).agg("|".join, axis=1)
     dof = (n - 1).clip(lower=0)
-    sib = best[[c for c in SIBLINGS if c in best.columns]].astype(str).agg("|".join, axis=1)
+    sib = best[[c for c in SIBLINGS if c in best.columns]].astype(object).fillna("").astype(str).agg("|".join, axis=1)
     p2 = _at_least(fam.map(_pooled(fam, dof, s2, 1)), sib.map(_pooled(sib, dof, s2, 2)))
     seed_var = (dof * s2.fillna(0) + SHRINK * p2) / (dof + SHRINK)
     best["seed_sd"] = np.sqrt(seed_var)
@@ -170,7 +171,8 @@ def _sibling_spread(best: pd.DataFrame, sib: pd.Series) -> pd.Series:
     (SnapViT) another seed is another mask. best, sib: one entry per cell."""
     acc = best["healed_acc"].astype(float)
     have = acc.notna().groupby(sib).transform("sum")
-    # one seed twice among them: not seed replicates (two settings of one method, which the columns do not tell apart)
+    # one seed twice among them: not seed replicates (a table without the settings columns, e.g. two settings of one
+    # method in a sweep whose runs lack the pruner_settings / healer_settings params)
     replicates = best["seed"].groupby(sib).transform("nunique") == best["seed"].groupby(sib).transform("size") \
         if "seed" in best.columns else True
     return acc.groupby(sib).transform("std").where((have >= 2) & replicates)

@@ -34,12 +34,13 @@ ROLE_TAG = "healsweep.role"
 STR_COLUMNS = (
     "run_id", "experiment_id", "status", "cell_id", "trial_id", "store_key", "pattern",
     "model", "pruner", "scope", "healer", "granularity", "failure_reason", "mask_key", "grid", "model_digest", "stage",
-    "precision", "mask_digest",
+    "precision", "mask_digest", "pruner_settings", "healer_settings",
 )
 _TAG_COLUMNS = ("cell_id", "trial_id", "store_key", "pattern", "failure_reason", "mask_key", "stage")
 _STR_PARAMS = ("model", "pruner", "scope", "healer", "granularity", "grid", "model_digest",  # digest: the weights' sha256
                "precision",  # heal.precision (fp32, tf32, bf16)
-               "mask_digest")  # the mask's content (differs between seeds where the mask depends on the seed)
+               "mask_digest",  # the mask's content (differs between seeds where the mask depends on the seed)
+               "pruner_settings", "healer_settings")  # resolved settings, as logged: two entries of one method
 FLOAT_PARAM_COLUMNS = ("sparsity", "lr")
 INT_COLUMNS = ("calib_size", "epochs", "batch_size", "seed", "optuna_trial", "steps", "heal_seed")  # nullable Int64
 # The search objectives and their direction (orchestrator/spec/checks.py OBJECTIVES; docs/methods.md#search).

@@ -155,3 +155,17 @@ def test_the_quoted_row_is_the_configuration_the_design_reevaluated_not_always_t
     from analysis.runs import best_per_cell, quoted_per_cell
     fixed = pd.DataFrame(rows[:3] + [t("reevaluate", 0.9, 0.9, 1e-2, 0, heal_seed=1)])
     assert quoted_per_cell(fixed)["run_id"].tolist() == best_per_cell(fixed)["run_id"].tolist() == ["search0"]
+
+
+def test_two_settings_of_one_pruner_are_not_siblings():
+    """erk with two floors at one sparsity, two seeds each: each setting's seeds are siblings of each other only
+    (pruner_settings is a sibling key), so each pair's spread is its own: 0 for the first, 6 pp / sqrt 2 for the
+    second."""
+    rows = []
+    for cell, seed, settings, acc in [("a0", 0, "{'floor': 0.025}", 0.96), ("a1", 1, "{'floor': 0.025}", 0.96),
+                                      ("b0", 0, "{'floor': 0.3}", 0.96), ("b1", 1, "{'floor': 0.3}", 0.90)]:
+        rows += [dict(_trial(cell, st, acc, acc, seed=seed, pruner="erk", heal_seed=None if st == "search" else k),
+                      pruner_settings=settings) for k, st in enumerate(("search", "reevaluate", "reevaluate"))]
+    out = reported(pd.DataFrame(rows)).set_index("cell_id")
+    assert out.loc[["a0", "a1"], "sibling_sd"].tolist() == [0.0, 0.0]
+    assert out.loc[["b0", "b1"], "sibling_sd"].tolist() == pytest.approx([0.06 / math.sqrt(2)] * 2)
