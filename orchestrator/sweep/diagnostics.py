@@ -82,7 +82,7 @@ def diagnostics_identity(cell: Cell, model_digest: str, calib_digest: str) -> di
     settings = registries.diagnostic_settings(registries.get("pruner", cell.pruner), cell.pruner_settings)
     if settings is None:
         return None
-    return {"kind": "rr-diagnostics/1", "model": cell.model, "model_digest": model_digest,
+    return {"kind": "rr-diagnostics/2", "model": cell.model, "model_digest": model_digest,
             "calibration": calib_digest, "scope": cell.scope, **settings}
 
 

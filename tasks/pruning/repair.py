@@ -10,7 +10,8 @@ then every BatchNorm's running statistics are recalibrated on unlabeled batches:
 statistics (``bn_reset`` false). With reset + cumulative averaging a following BN would undo γ exactly.
 
 Decisions (the paper leaves them open):
-- τ_ℓ = median of the layer's pruned channel variances (setting ``tau``: "median" | "mean").
+- τ_ℓ = median of the layer's pruned channel variances (setting ``tau``: "median" | "mean"), floored at ε
+  (``crbn_scales``: a median of 0 would give collapsed channels the full correction).
 - Variances are population variances over every non-channel position (batch × H × W, or batch × tokens),
   accumulated in float64 in one pass; all pruned layers are measured in the same pass of the fully pruned
   model (simultaneous, not layer-by-layer sequential), then all scales are applied, then BN recalibration.
@@ -46,10 +47,18 @@ def to_channels(y: torch.Tensor) -> torch.Tensor:
 
 
 def crbn_scales(var_dense: torch.Tensor, var_pruned: torch.Tensor, tau: float, eps: float = EPS) -> torch.Tensor:
-    """γ (C,) from dense and pruned per-channel variances (C,) and the layer's shrinkage scale τ."""
+    """γ (C,) from dense and pruned per-channel variances (C,) and the layer's shrinkage scale τ.
+
+    τ is floored at ε: where more than half of a layer's channels collapse (σ²_p = 0: whole units or heads
+    removed) the median is 0, and λ = σ²_p / σ²_p = 1 for every channel would give a collapsed channel the full
+    correction sqrt(σ²_d / ε), ~10³–10⁴, which the shrinkage exists to prevent (the paper: collapsed channels
+    "receive an attenuated correction"). A zeroed filter is unchanged by it, but its bias is not: an attention
+    block whose heads are all removed outputs its projection's bias, which was multiplied by ~4·10³. With the
+    floor a collapsed channel gets λ ≈ 0 (γ ≈ 1); every layer whose τ exceeds ε is unchanged."""
     r = torch.log(var_dense + eps) - torch.log(var_pruned + eps)  # (C,)
-    lam = var_pruned / (var_pruned + tau) if tau > 0 else torch.ones_like(var_pruned)
-    return torch.exp(0.5 * lam * r)
+    tau = max(float(tau), eps)
+    lam = var_pruned / (var_pruned + tau) if tau > 0 else (var_pruned > 0).to(var_pruned.dtype)  # eps = 0: limit
+    return torch.where(lam > 0, torch.exp(0.5 * lam * r), torch.ones_like(r))  # λ = 0: γ = 1 (r may be inf at ε = 0)
 
 
 def tau_of(var_pruned: torch.Tensor, rule: str = "median") -> float:

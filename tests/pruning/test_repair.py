@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from pathlib import Path
 
@@ -27,6 +28,22 @@ def test_crbn_scales_two_channels_hand_computed():
     # r = log 4 for both; λ = 1/1.25 = 0.8 and 0.25/0.5 = 0.5; γ = exp(½ λ r) = 4^0.4, 4^0.25
     assert torch.allclose(g, torch.tensor([4 ** 0.4, 4 ** 0.25], dtype=torch.float64))
     assert tau_of(var_p, "mean") == 0.625
+
+
+def test_crbn_scales_leave_collapsed_channels_alone_when_the_median_variance_is_zero():
+    """Two of three channels collapsed (σ²_p = 0): the median τ is 0 and is floored at ε, so λ = (0, 0, ~1) and
+    γ = (1, 1, 2); without the floor every λ was 1 and the collapsed channels got γ = sqrt((4 + ε) / ε) = 2·10⁴."""
+    var_d = torch.tensor([4.0, 4.0, 4.0], dtype=torch.float64)
+    var_p = torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64)
+    assert tau_of(var_p, "median") == 0.0
+    eps = 1e-8
+    g = crbn_scales(var_d, var_p, tau_of(var_p, "median"), eps=eps)
+    lam = 1.0 / (1.0 + eps)
+    third = math.exp(0.5 * lam * (math.log(4 + eps) - math.log(1 + eps)))
+    assert torch.allclose(g, torch.tensor([1.0, 1.0, third], dtype=torch.float64), rtol=0, atol=1e-12)
+    assert third == pytest.approx(2.0, abs=1e-7)
+    # ε = 0 (the hand-value tests above): the limit τ -> 0, λ = 1 where the variance survives, 0 where it collapsed
+    assert torch.allclose(crbn_scales(var_d, var_p, 0.0, eps=0.0), torch.tensor([1.0, 1.0, 2.0], dtype=torch.float64))
 
 
 class TwoChannel(nn.Module):
@@ -167,6 +184,36 @@ def test_crbn_recovers_accuracy_on_digits_at_high_sparsity(resnet_digits):
     assert pruned < 0.2 and healed > pruned + 0.5  # measured 0.086 -> 0.975
     params = dict(model.named_parameters())
     assert all(int((params[k][~m] != 0).sum()) == 0 for k, m in masks.items())  # masked weights stay 0
+
+
+def test_crbn_keeps_a_vit_whose_block_lost_every_head(tmp_path):
+    """SnapViT (seed 7, 50 %) removes every head of one block of the shipped ViT: that block's attention outputs its
+    projection's bias, a channel with zero variance. CR+BN must leave it (γ = 1) and keep the pruned accuracy;
+    measured 2026-12-01: pruned 95.0 %, healed 14.7 % when the zero median τ gave that bias a γ of ~4·10³, 95.0 %
+    with τ floored at ε."""
+    from tasks.evaluate import accuracy
+    from tasks.models import load_model
+    from tasks.pruning import PruneContext, apply_masks, make_masks
+
+    lm = load_model("vit_digits", CACHE, progress=False)
+    ev, cal = lm.dataset["evaluation"], lm.dataset["calibration"].images[:128]
+    model = copy.deepcopy(lm.model)
+    entries = get_adapter(model).scope(model, "qkv_out_mlp")
+    ctx = PruneContext(model, get_adapter(model), entries, calib_images=cal,
+                       diagnostics={"ranking_dir": str(tmp_path)})
+    masks = make_masks(model, entries, "snapvit", 0.5, seed=7, ctx=ctx)
+    apply_masks(model, masks)
+    gone = [i for i, b in enumerate(model.blocks) if not masks[f"blocks.{i}.attn.qkv.weight"].any()]
+    assert gone, "the case this test is about: a block with no heads left"
+    pruned = accuracy(model, ev.images, ev.labels)
+    g = crbn_repair(model, lm.model, entries, cal)
+    for i in gone:
+        assert torch.equal(g[f"blocks.{i}.attn.proj.weight"], torch.ones_like(g[f"blocks.{i}.attn.proj.weight"]))
+        assert torch.equal(model.blocks[i].attn.proj.bias, lm.model.blocks[i].attn.proj.bias)
+    healed = accuracy(model, ev.images, ev.labels)
+    assert pruned > 0.9 and healed > pruned - 0.02
+    params = dict(model.named_parameters())
+    assert all(int((params[k][~m] != 0).sum()) == 0 for k, m in masks.items())
 
 
 @pytest.mark.e2e  # starts Ray
