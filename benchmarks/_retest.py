@@ -5,7 +5,8 @@ rank among its grid's seeds, so that run C (seeds shifted: 0 -> 7, or 0, 1, 2 ->
 For every grid:
 
 - ``moves``: per searched cell (lr > 0) |delta| of the quoted accuracy, and whether the claimed noise covers it
-  (|delta| <= Z * hypot(noise_a, noise_b), ``analysis.reported``);
+  (|delta| <= Z * hypot(noise_a, noise_b), ``analysis.reported``); ``fixed_moves``: the same for the cells no
+  search healed (closed-form healers such as CR+BN, the unhealed baseline);
 - ``orderings``: pairs of cells of one grid, model, calibration size, sparsity and seed whose difference a run
   calls resolved (``analysis.reported.resolved``), and those the other run resolves the opposite way;
 - ``verdicts``: the paper-claim lines (``analysis.paired``), per group and pair, in both runs; "holds" in one and
@@ -13,7 +14,11 @@ For every grid:
 - ``best``: the best pruner x healer lines (``analysis.findings.best_rows``) and whether they agree: a line claims
   its best combo with those it is not resolved from (``claim``), so a different argmax among tied combos is not a
   different claim;
-- ``edges``: winners on a search-box edge other than the healing budget (length cap), per run.
+- ``edges``: winners on a search-box edge other than the healing budget (length cap), per run;
+- ``band_classes``: the report's band points (``bands.json``: recoverable / transition / collapse per model,
+  pruner, healer, calibration size and sparsity, over the seeds' mean) whose class differs between the runs, and
+  those of them that a run calls resolved (``analysis.bands.class_resolved``): a resolved class the other run
+  contradicts. Closed-form healers (CR+BN) and the unhealed baseline are in it: ``moves`` sees searched cells only.
 """
 from __future__ import annotations
 
@@ -35,10 +40,12 @@ def keyed(q: pd.DataFrame) -> pd.DataFrame:
     return q.sort_index()
 
 
-def moves(a: pd.DataFrame, b: pd.DataFrame, grid: str) -> dict:
+def moves(a: pd.DataFrame, b: pd.DataFrame, grid: str, searched: bool = True) -> dict:
+    """``searched``: cells a search healed (lr > 0); else the others (closed-form healers, the unhealed baseline)."""
     from analysis.reported import Z
 
-    sa, sb = a[(a["grid"] == grid) & (a["lr"] > 0)], b[(b["grid"] == grid) & (b["lr"] > 0)]
+    pick = (lambda q: (q["grid"] == grid) & ((q["lr"] > 0) == searched))
+    sa, sb = a[pick(a)], b[pick(b)]
     common = sorted(set(sa.index) & set(sb.index))
     d = np.array([abs(float(sa.loc[k, "healed_acc"]) - float(sb.loc[k, "healed_acc"])) for k in common]) * 100
     cover = np.array([Z * math.hypot(float(sa.loc[k, "noise"]), float(sb.loc[k, "noise"])) * 100
@@ -139,3 +146,28 @@ def edge_share(q: pd.DataFrame, grid: str, bounds: dict | None, widened: dict, e
           if r["cell_id"] not in (recovered or set())
           and set(searched_edges(r, box(r), (explored or {}).get(r["cell_id"]))) - {"length_cap"}]
     return {"winners": len(g), "edge": len(on), "share": len(on) / len(g) if len(g) else math.nan}
+
+
+def band_points(bands_json: dict) -> dict:
+    """{(grid, model, pruner, healer, calib, scope, granularity, sparsity): (class, resolved)} from a report's
+    ``bands.json``."""
+    out = {}
+    for model, m in (bands_json.get("models") or {}).items():
+        for r in m.get("bands") or []:
+            for p in r["points"]:
+                key = (r["grid"], model, r["pruner"], r["healer"], str(r["calib_size"]), r.get("scope", ""),
+                       r.get("granularity", ""), float(p["sparsity"]))
+                out[key] = (p["label"], bool(p.get("resolved", False)))
+    return out
+
+
+def band_classes(a: dict, b: dict, grid: str) -> dict:
+    """``a``, ``b``: ``band_points`` of two runs. Points of ``grid`` in both; those whose class differs; those of
+    them a run called resolved (a claim the other run contradicts), and those both runs called resolved."""
+    common = sorted(k for k in set(a) & set(b) if k[0] == grid)
+    differ = [k for k in common if a[k][0] != b[k][0]]
+    claimed = [k for k in differ if a[k][1] or b[k][1]]
+    return {"points": len(common), "resolved": (sum(a[k][1] for k in common), sum(b[k][1] for k in common)),
+            "differ": len(differ), "contradicted": len(claimed),
+            "both_resolved": sum(a[k][1] and b[k][1] for k in differ),
+            "examples": [("/".join(str(v) for v in k[1:]), a[k], b[k]) for k in claimed[:5]]}

@@ -12,7 +12,8 @@
 For A vs B and A vs C, per grid (``benchmarks/_retest.py``): per-cell |delta| of the quoted accuracy (median,
 p90, max) and how often the claimed noise covers it (|delta| <= 2 hypot(noise_A, noise_B)); orderings between
 cells of one seed resolved in opposite directions; paper-claim verdicts that change (and "holds" vs
-"reversed"); best pruner x healer lines; and per run the share of winners on a search-box edge other than the
+"reversed"); best pruner x healer lines; band classes (recoverable / transition / collapse) that differ, and
+those a run called resolved; and per run the share of winners on a search-box edge other than the
 healing budget. Writes ``retest.json`` (every figure) and ``retest.txt`` (what is printed) under ``--out``.
 
     python benchmarks/bench_retest.py configs/default.yaml --out runs/retest
@@ -72,9 +73,17 @@ def bounds_of(run_dir: Path) -> tuple[dict | None, dict, dict, set]:
     return search_bounds(meta.get("spec")), widened_cells(meta), explored, recovered
 
 
-def compare_grid(a, b, grid: str) -> dict:
-    return {"moves": _retest.moves(a, b, grid), "orderings": _retest.orderings(a, b, grid),
-            "verdicts": _retest.verdicts(a, b, grid), "best": _retest.best(a, b, grid)}
+def compare_grid(a, b, grid: str, bands_a: dict, bands_b: dict) -> dict:
+    return {"moves": _retest.moves(a, b, grid), "fixed_moves": _retest.moves(a, b, grid, searched=False),
+            "orderings": _retest.orderings(a, b, grid),
+            "verdicts": _retest.verdicts(a, b, grid), "best": _retest.best(a, b, grid),
+            "band_classes": _retest.band_classes(bands_a, bands_b, grid)}
+
+
+def band_points(run_dir: Path) -> dict:
+    """The band points the run's report wrote (``bands.json``; none when it has no bands)."""
+    path = run_dir / "bands.json"
+    return _retest.band_points(json.loads(path.read_text())) if path.is_file() else {}
 
 
 def show(name: str, grid: str, r: dict) -> None:
@@ -87,6 +96,20 @@ def show(name: str, grid: str, r: dict) -> None:
     print(f"    paper-claim verdicts changed {v['changed']} of {v['verdicts']} (holds vs reversed: "
           f"{v['holds_vs_reversed']}); best lines same {b['same']} of {b['lines']} (the same top combo "
           f"{b.get('same_top', '?')}; claims naming no combo in common: {b['contradicted_resolved']})")
+    f = r.get("fixed_moves")
+    if f and f["cells"]:
+        print(f"    cells no search healed (closed-form, none): {f['cells']}; |delta| median {f['median']:.2f} pp, max "
+              f"{f['max']:.2f}; noise covers {f['covered']} of {f['cells']}")
+        for w in f["worst"][:2]:
+            if w[0] > w[1]:
+                print("      uncovered move (pp, 2-noise pp, cell)", w)
+    c = r.get("band_classes")
+    if c:
+        print(f"    band classes differ at {c['differ']} of {c['points']} points (resolved {c['resolved'][0]} / "
+              f"{c['resolved'][1]}); a resolved class contradicted: {c['contradicted']} (both resolved: "
+              f"{c['both_resolved']})")
+        for ex in c["examples"][:3]:
+            print("      band", ex)
     for ex in v["examples"][:4]:
         print("      verdict", ex)
     for w in m["worst"][:3]:
@@ -95,6 +118,7 @@ def show(name: str, grid: str, r: dict) -> None:
 
 def report(runs: dict, out: Path) -> dict:
     q = {k: _retest.keyed(quoted(d)) for k, (d, _) in runs.items()}
+    pts = {k: band_points(d) for k, (d, _) in runs.items()}
     grids = sorted(set(q["A"]["grid"]), key=lambda g: (g != "main", g))
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "uptime": uptime(),
            "walls_s": {k: w for k, (_, w) in runs.items()}, "runs": {k: str(d) for k, (d, _) in runs.items()},
@@ -102,7 +126,7 @@ def report(runs: dict, out: Path) -> dict:
     for g in grids:
         res["grids"][g] = {"edges": {k: _retest.edge_share(q[k], g, *bounds_of(runs[k][0])) for k in q}}
         for other in [k for k in ("B", "C") if k in q]:
-            res["grids"][g][f"A_vs_{other}"] = compare_grid(q["A"], q[other], g)
+            res["grids"][g][f"A_vs_{other}"] = compare_grid(q["A"], q[other], g, pts["A"], pts[other])
     for g, r in res["grids"].items():
         for name in [k for k in r if k.startswith("A_vs")]:
             show(name, g, r[name])
