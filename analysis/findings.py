@@ -21,6 +21,7 @@ from .band_ranges import Range, fmt_range, ranges
 from .bands import BandSettings, chance_limit
 from .leads import ranked, tied_with, values, winner
 from .matched import matched_lines
+from .reported import Z
 from .runs import grid_names, pattern_sort_key
 
 __all__ = ["Findings", "grid_names", "ranges", "best_rows", "boundary", "edges", "findings", "fmt_range", "FIXED_HEALERS"]
@@ -169,6 +170,9 @@ def _warnings(mb: pd.DataFrame, failed: list[str], why: str = "") -> list[str]:
     budget = _budget_warning(mb)
     if budget:
         out.append(budget)
+    lowered = healing_lowered(mb)
+    if lowered:
+        out.append(lowered)
     if failed:
         out.append(f"Cells without a finished trial ({len(failed)}): {', '.join(failed[:6])}"
                    + (" …" if len(failed) > 6 else "") + "." + why)
@@ -189,6 +193,25 @@ def dense_at_chance(mb: pd.DataFrame) -> str:
     return (f"Dense model at chance: {100 * dense:.1f} % on {n:g} evaluation images is within 2 binomial standard "
             f"errors of chance for {k:g} classes ({100 * lim:.1f} %), so every point reads 'collapse' and the bands "
             "and leads below say nothing (untrained or random-init weights, or the wrong classes for this data?).")
+
+
+def healing_lowered(mb: pd.DataFrame) -> str:
+    """Cells whose quoted healed accuracy is below their pruned model's before healing by more than ``Z`` noise
+    units: a healer that harms there. The pruned accuracy is exact (one mask, one evaluation set, no draw); cells
+    of unknown noise are left out. It read 95.0 -> 14.7 % where CR+BN amplified collapsed channels (2026-12-01)."""
+    cols = {"pruned_acc", "healed_acc", "noise", "healer"}
+    if not cols <= set(mb.columns):
+        return ""
+    g = mb[(mb["healer"].astype(str) != "none") & mb["noise"].notna()].dropna(subset=["pruned_acc", "healed_acc"])
+    drop = g["pruned_acc"].astype(float) - g["healed_acc"].astype(float)  # (cells,) accuracy lost by healing
+    hit = g.assign(_drop=drop)[drop > Z * g["noise"].astype(float)].sort_values("_drop", ascending=False)
+    if hit.empty:
+        return ""
+    cells = ", ".join(f"{r.healer} on {r.pruner} {r.pattern} n={r.calib_size} seed {r.seed} "
+                      f"({100 * r.pruned_acc:.1f} → {100 * r.healed_acc:.1f} %)" for r in hit.head(6).itertuples())
+    more = f" and {len(hit) - 6} more" if len(hit) > 6 else ""
+    return (f"Healing lowered accuracy in {len(hit)} of {len(g)} cells, by more than {Z:g} noise units below the "
+            f"pruned model before healing: {cells}{more}.")
 
 
 def _budget_warning(mb: pd.DataFrame) -> str:

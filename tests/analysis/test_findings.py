@@ -69,6 +69,26 @@ def test_a_dense_model_at_chance_is_warned_about_first():
     assert dense_at_chance(mb.assign(dense_acc=0.30)) == "" and dense_at_chance(mb.drop(columns="n_eval")) == ""
 
 
+def test_healing_that_lowers_accuracy_beyond_noise_is_warned_about():
+    """Pruned 95.0 % healed to 14.7 % (noise 1.9 pp: a drop of 80.3 > 2 x 1.9) and 98.9 -> 97.6 % (noise 0.59: 1.3 >
+    1.18) are named, worst first; 98.9 -> 97.6 % with noise 0.7 (1.3 < 1.4), a rise, the unhealed baseline and a
+    cell of unknown noise are not."""
+    from analysis.findings import _warnings, healing_lowered
+
+    mb = pd.DataFrame(dict(
+        pruner=["magnitude", "snapvit", "magnitude", "magnitude", "magnitude", "snapvit"],
+        healer=["starfish", "crbn", "mse", "crbn", "none", "starfish"],
+        pattern=["0.3", "0.5", "0.3", "0.5", "0.5", "0.7"], calib_size=128, seed=[7, 7, 7, 7, 7, 8],
+        pruned_acc=[0.989, 0.950, 0.989, 0.90, 0.90, 0.90], healed_acc=[0.976, 0.147, 0.976, 0.95, 0.80, 0.10],
+        noise=[0.0059, 0.019, 0.007, 0.01, 0.0, float("nan")], lr=0.0, batch_size=32, search_boundary=""))
+    w = healing_lowered(mb)
+    assert w == ("Healing lowered accuracy in 2 of 4 cells, by more than 2 noise units below the pruned model before "
+                 "healing: crbn on snapvit 0.5 n=128 seed 7 (95.0 → 14.7 %), starfish on magnitude 0.3 n=128 seed 7 "
+                 "(98.9 → 97.6 %).")
+    assert w in _warnings(mb, [])
+    assert healing_lowered(mb.assign(healed_acc=mb["pruned_acc"])) == "" and healing_lowered(mb.drop(columns="noise")) == ""
+
+
 def test_best_rows_paired_interval_and_single_seed():
     rows = []
     for healer, accs in (("starfish", (0.80, 0.70, 0.75)), ("mse", (0.78, 0.69, 0.70))):
