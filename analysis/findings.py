@@ -303,7 +303,7 @@ def _seeded_masks(gb: pd.DataFrame) -> str:
                f"({len(seeded)} cells): their noise is at least the spread of their seeds' numbers (another seed, "
                f"another mask), up to ±{100 * seeded['mask_sd'].max():.2f} pp.")
     spread = gb["sibling_sd"].notna() if "sibling_sd" in gb.columns else measured  # a spread among its seeds
-    blind = gb[~spread & gb["pruner"].astype(str).map(_seeded_pruner)] if "pruner" in gb.columns else gb.iloc[:0]
+    blind = gb[~spread & _seeded(gb)] if "pruner" in gb.columns else gb.iloc[:0]
     if len(blind):
         n = len(blind)
         out += (f" The mask of {', '.join(sorted(blind['pruner'].astype(str).unique()))} depends on the seed, but "
@@ -315,6 +315,16 @@ def _seeded_masks(gb: pd.DataFrame) -> str:
 def _seeded_pruner(name: str) -> bool:
     """The pruner's mask depends on the seed (its static entry; a pruner the table does not list: False)."""
     return bool(getattr(catalog.PRUNERS.get(name), "seeded_mask", False))
+
+
+def _seeded(gb: pd.DataFrame) -> pd.Series:
+    """Per cell, whether its pruner's mask depends on the seed: the ``seeded_mask`` metric its trial logged (a
+    plugin pruner's too), else the static table (sweeps before 2026-12-01)."""
+    table = gb["pruner"].astype(str).map(_seeded_pruner)
+    if "seeded_mask" not in gb.columns:
+        return table
+    logged = pd.to_numeric(gb["seeded_mask"], errors="coerce")
+    return logged.gt(0).where(logged.notna(), table).astype(bool)
 
 
 def identical_mask_lines(gb: pd.DataFrame) -> list[tuple[bool, str]]:

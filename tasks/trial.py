@@ -92,6 +92,12 @@ class _Setup:
     mask_digest: str = ""  # the mask's content (tasks/store/masks.py content_digest, from its check)
 
 
+def seeded_mask(pruner: str) -> float:
+    """1.0 when the pruner's mask depends on the seed (SnapViT's seeded search; a plugin's class attribute too),
+    else 0.0 (no pruner: a mask given by key). Logged with every trial: the report's noise line reads it."""
+    return float(bool(pruner and getattr(PRUNERS.get(pruner), "seeded_mask", False)))
+
+
 _ACCURACIES: dict[tuple, float] = {}  # this process's dense/pruned accuracies (a Tune actor runs many trials)
 _ACCURACIES_MAX = 1024
 
@@ -291,6 +297,7 @@ def final_metrics(p: TrialParams, st: _Setup, last: dict, heal_seconds: float) -
     final.update(model_digest=lm.digest, calib_digest=lm.dataset.split_digest("calibration", p.calib_size),
                  selection_digest=lm.dataset.split_digest("selection"), eval_digest=lm.dataset.split_digest("evaluation"),
                  mask_digest=st.mask_digest)
+    final["seeded_mask"] = seeded_mask(p.pruner)
     if p.pruner:  # structured pruners: params/flops/latency/throughput of the dense vs physically shrunk model
         example = ev.images[: p.efficiency_batch].to(p.device)
         final.update(PRUNERS.get(p.pruner).structured_metrics(model, masks, example, rounds=p.latency_rounds))

@@ -165,6 +165,12 @@ def test_the_noise_line_says_where_the_mask_depends_on_the_seed():
     # two seeds quoted, no mask digests (a sweep before the param): their spread is in the noise, nothing is missed
     two = gb.assign(mask_sd=float("nan"), sibling_sd=0.0424)
     assert "one seed quoted" not in noise_line(two, best_rows(two))
+    # a plugin pruner the static table does not list: its trials' logged ``seeded_mask`` metric says it; the
+    # metric also overrides the table (a logged 0 for snapvit: no warning)
+    plugin = one.assign(pruner=["my_plugin", "magnitude"], seeded_mask=[1.0, 0.0])
+    assert "The mask of my_plugin depends on the seed, but 1 of its cells" in noise_line(plugin, best_rows(plugin))
+    assert "depends on the seed" not in noise_line(one.assign(seeded_mask=0.0), best_rows(one))
+    assert "The mask of snapvit" in noise_line(one.assign(seeded_mask=float("nan")), best_rows(one))  # not logged
 
 
 def test_a_best_line_names_every_combo_it_is_not_resolved_from():

@@ -82,6 +82,7 @@ def _check_sweep(out: Path, store: Path, models: list[dict]) -> dict:
         for param, mask in masks.items():  # magnitude is layer-uniform: half of every scoped tensor, exactly
             assert abs(int((~mask).sum()) - 0.5 * mask.numel()) <= 0.5, param
         assert run.data.params["mask_digest"] == mask_digest(masks)  # what the trial pruned, logged
+        assert m["seeded_mask"] == 0.0  # magnitude's mask does not depend on the seed (the report's noise line)
         assert f"## {name}" in report and f"### {name} — grid `main`" in report
         assert f"`{run.info.run_id}`" in report  # the report links the trial's MLflow run
     assert (out / "report.html").is_file()

@@ -56,6 +56,7 @@ def test_damaged_shards_recomputed_and_trial_equals_clean_run(setup):
     assert build(st, run_shards).computed_rows == CALIB
     clean, clean_epochs = trial(params)
     assert clean["mask_violations"] == 0 and np.isfinite(clean["train_loss"])
+    assert clean["seeded_mask"] == 0.0  # a mask given by key, no pruner
     path = st.key_dir(KEY) / "shard-00001.arrow"
     good = path.read_bytes()
     for damaged in (good[:-100], good[:500] + bytes([good[500] ^ 0x40]) + good[501:]):
@@ -227,3 +228,12 @@ def test_a_trial_reads_only_the_columns_its_healer_names(setup, healer, settings
     assert final["mask_violations"] == 0 and np.isfinite(final["train_loss"]) and len(epochs) == p.epochs
     if healer != "ce":  # ce streams its labeled set, not the store
         assert [e["rows_streamed"] for e in epochs[:-1]] == [CALIB] * (p.epochs - 1)
+
+
+def test_a_trial_logs_whether_its_pruners_mask_depends_on_the_seed():
+    """SnapViT's mask comes from a seeded search, magnitude's does not; a plugin says so by its class attribute."""
+    from tasks.pruning import PRUNERS
+    from tasks.trial import seeded_mask
+
+    assert (seeded_mask("snapvit"), seeded_mask("magnitude"), seeded_mask("")) == (1.0, 0.0, 0.0)
+    assert [n for n in PRUNERS.names() if seeded_mask(n)] == ["snapvit"]
