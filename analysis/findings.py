@@ -23,6 +23,7 @@ from .leads import ranked, tied_with, values, winner
 from .matched import matched_lines
 from .reported import Z
 from .runs import grid_names, pattern_sort_key
+from .search_reach import lone_warning
 
 __all__ = ["Findings", "grid_names", "ranges", "best_rows", "boundary", "edges", "findings", "fmt_range", "FIXED_HEALERS"]
 
@@ -256,6 +257,8 @@ def findings(best: pd.DataFrame, model: str, recs: list[dict], cts: dict | None,
         f.notes += [stop_summary_of(gb)] if stop_summary_of(gb) else []
         f.notes.insert(int(objective == "heldout_align"), noise_line(gb, f.best))  # after the label-free note
         f.notes += matched_lines(gb)
+        lone = lone_warning(trials[tgrids == grid], gb) if trials is not None else ""
+        f.warnings += [lone] if lone else []
         same = identical_mask_lines(gb)
         f.notes += [ln for ok, ln in same if ok]
         f.warnings += [ln for ok, ln in same if not ok]

@@ -1,0 +1,48 @@
+"""Searched cells where only one of the search's trials healed above chance: the quoted number rests on that one
+configuration, so it says what this search found, not what the healer reaches within the budget.
+
+Measured 2026-12-01 (benchmarks/results/retest_resnet_healers_2026-12-01_*: every gradient healer on the ResNet
+reference at 0.9 / 0.95, the default design, 3 trials a cell): such cells (6 and 10 of 20 in runs A and B) moved by
+up to 68 pp with another sampler seed (KL at 0.95: 91 % in one run, 23 % in the other, each from its one working
+configuration), and claims about them reversed; with ``search.converge`` none was left and the largest move was
+8.4 pp. The default sweep has 3-4 such cells a run (STARFISH on the ResNet at 0.85-0.95), stable there.
+"""
+from __future__ import annotations
+
+import pandas as pd
+
+from .bands import BandSettings, chance_limit
+
+
+def lone_cells(trials: pd.DataFrame, z: float = BandSettings().z) -> pd.DataFrame:
+    """Per searched cell with >= 2 finished search trials of which at most one healed above chance (the collapse
+    limit, analysis/bands.py): index cell id, columns ``above`` and ``tried``."""
+    need = {"cell_id", "lr", "status", "healed_acc", "num_classes", "n_eval"}
+    if trials is None or trials.empty or not need <= set(trials.columns):
+        return pd.DataFrame(columns=["above", "tried"])
+    stage = trials["stage"].astype("object").fillna("search") if "stage" in trials.columns else "search"
+    t = trials[(stage == "search") & (trials["lr"].astype(float) > 0) & (trials["status"] == "FINISHED")]
+    lim = [chance_limit(k, n, z) for k, n in zip(t["num_classes"], t["n_eval"])]
+    above = t["healed_acc"].astype(float).gt(pd.Series(lim, index=t.index, dtype=float))  # NaN limit: not above
+    g = t.assign(_above=above).groupby("cell_id")["_above"].agg(above="sum", tried="size")
+    return g[(g["tried"] >= 2) & (g["above"] <= 1)]
+
+
+def lone_warning(trials: pd.DataFrame, gb: pd.DataFrame) -> str:
+    """The warning for the quoted cells ``gb`` (indexed or keyed by ``cell_id``) that ``lone_cells`` finds in
+    ``trials``; '' when none."""
+    lone = lone_cells(trials)
+    if lone.empty or "cell_id" not in gb.columns:
+        return ""
+    hit = gb[gb["cell_id"].isin(lone.index)].sort_values("healed_acc")  # the lowest numbers first
+    if hit.empty:
+        return ""
+    searched = int((gb["lr"].astype(float) > 0).sum()) if "lr" in gb.columns else len(gb)
+    cells = ", ".join(f"{r.healer} on {r.pruner} {r.pattern} n={r.calib_size} seed {r.seed} "
+                      f"({int(lone.loc[r.cell_id, 'above'])} of {int(lone.loc[r.cell_id, 'tried'])}, quoted "
+                      f"{100 * r.healed_acc:.1f} %)" for r in hit.head(6).itertuples())
+    more = f" and {len(hit) - 6} more" if len(hit) > 6 else ""
+    return (f"In {len(hit)} of {searched} searched cells at most one search trial healed above chance: {cells}{more}. "
+            "Their numbers rest on one configuration, what this search found rather than what the healer reaches, "
+            "and another sampler seed may land elsewhere (a ResNet healer comparison moved up to 68 pp); "
+            "search.converge keeps searching such cells (docs/methods.md#search-design).")
