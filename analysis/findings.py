@@ -21,7 +21,7 @@ from .band_ranges import Range, fmt_range, ranges
 from .bands import BandSettings, chance_limit
 from .leads import ranked, tied_with, values, winner
 from .matched import matched_lines
-from .reported import Z
+from .reported import Z, identical_masks
 from .runs import grid_names, pattern_sort_key
 from .search_reach import lone_warning
 
@@ -199,11 +199,13 @@ def dense_at_chance(mb: pd.DataFrame) -> str:
 def healing_lowered(mb: pd.DataFrame) -> str:
     """Cells whose quoted healed accuracy is below their pruned model's before healing by more than ``Z`` noise
     units: a healer that harms there. The pruned accuracy is exact (one mask, one evaluation set, no draw); cells
-    of unknown noise are left out. It read 95.0 -> 14.7 % where CR+BN amplified collapsed channels (2026-12-01)."""
+    of unknown or zero noise (no evaluation-set size logged) are left out. It read 95.0 -> 14.7 % where CR+BN
+    amplified collapsed channels (2026-12-01)."""
     cols = {"pruned_acc", "healed_acc", "noise", "healer"}
     if not cols <= set(mb.columns):
         return ""
-    g = mb[(mb["healer"].astype(str) != "none") & mb["noise"].notna()].dropna(subset=["pruned_acc", "healed_acc"])
+    noise = pd.to_numeric(mb["noise"], errors="coerce")
+    g = mb[(mb["healer"].astype(str) != "none") & noise.gt(0)].dropna(subset=["pruned_acc", "healed_acc"])
     drop = g["pruned_acc"].astype(float) - g["healed_acc"].astype(float)  # (cells,) accuracy lost by healing
     hit = g.assign(_drop=drop)[drop > Z * g["noise"].astype(float)].sort_values("_drop", ascending=False)
     if hit.empty:
@@ -236,7 +238,8 @@ def findings(best: pd.DataFrame, model: str, recs: list[dict], cts: dict | None,
              objective: str = "selection_acc", widened: dict | None = None,
              bounds: dict | None = None) -> list[Findings]:
     """One ``Findings`` per grid of this model (grids are never mixed). ``trials``: the model's trials, for the
-    label-free objective's agreement (analysis/heldout_agreement.py). ``objective``: what picked each cell's
+    label-free objective's agreement (analysis/heldout_agreement.py) and the cells whose search found at most one
+    configuration above chance (analysis/search_reach.py). ``objective``: what picked each cell's
     winner (the sweep's search objective). ``widened``: cell id -> widening note (orchestrator/lifecycle/widen.py)."""
     from .budget import budget_line
     from .heldout_agreement import agreement, agreement_line
@@ -257,7 +260,7 @@ def findings(best: pd.DataFrame, model: str, recs: list[dict], cts: dict | None,
         f.notes += [stop_summary_of(gb)] if stop_summary_of(gb) else []
         f.notes.insert(int(objective == "heldout_align"), noise_line(gb, f.best))  # after the label-free note
         f.notes += matched_lines(gb)
-        lone = lone_warning(trials[tgrids == grid], gb) if trials is not None else ""
+        lone = lone_warning(trials[tgrids == grid], gb) if trials is not None and not dense_at_chance(gb) else ""
         f.warnings += [lone] if lone else []
         same = identical_mask_lines(gb)
         f.notes += [ln for ok, ln in same if ok]
@@ -333,8 +336,6 @@ def _seeded(gb: pd.DataFrame) -> pd.Series:
 def identical_mask_lines(gb: pd.DataFrame) -> list[tuple[bool, str]]:
     """(agree, line) per group of cells whose pruners produced the same mask: the same question asked twice
     must get the same answer within noise (analysis/reported.identical_masks)."""
-    from .reported import identical_masks
-
     out = []
     for g in identical_masks(gb):
         vals = " vs ".join(f"{c['pruner']} {100 * c['healed_acc']:.1f} %" for c in g["cells"])

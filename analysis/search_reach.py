@@ -1,5 +1,7 @@
-"""Searched cells where only one of the search's trials healed above chance: the quoted number rests on that one
-configuration, so it says what this search found, not what the healer reaches within the budget.
+"""Searched cells where at most one of the search's trials healed above chance: the quoted number rests on that one
+configuration (or none), so it says what this search found, not what the healer reaches within the budget. Cells
+that ``search.converge`` stopped at the dense model's accuracy ("recovered") are not named, nor a grid whose dense
+model is at chance (analysis/findings.py warns about that instead).
 
 Measured 2026-12-01 (benchmarks/results/retest_resnet_healers_2026-12-01_*: every gradient healer on the ResNet
 reference at 0.9 / 0.95, the default design, 3 trials a cell): such cells (6 and 10 of 20 in runs A and B) moved by
@@ -12,6 +14,7 @@ from __future__ import annotations
 import pandas as pd
 
 from .bands import BandSettings, chance_limit
+from .search_stops import RECOVERED
 
 
 def lone_cells(trials: pd.DataFrame, z: float = BandSettings().z) -> pd.DataFrame:
@@ -22,8 +25,10 @@ def lone_cells(trials: pd.DataFrame, z: float = BandSettings().z) -> pd.DataFram
         return pd.DataFrame(columns=["above", "tried"])
     stage = trials["stage"].astype("object").fillna("search") if "stage" in trials.columns else "search"
     t = trials[(stage == "search") & (trials["lr"].astype(float) > 0) & (trials["status"] == "FINISHED")]
-    lim = [chance_limit(k, n, z) for k, n in zip(t["num_classes"], t["n_eval"])]
-    above = t["healed_acc"].astype(float).gt(pd.Series(lim, index=t.index, dtype=float))  # NaN limit: not above
+    lim = pd.Series([chance_limit(k, n, z) for k, n in zip(t["num_classes"], t["n_eval"])], index=t.index,
+                    dtype=float)
+    t = t[lim.notna()]  # a trial without a chance limit (no n_eval logged) says nothing either way
+    above = t["healed_acc"].astype(float).gt(lim[t.index])
     g = t.assign(_above=above).groupby("cell_id")["_above"].agg(above="sum", tried="size")
     return g[(g["tried"] >= 2) & (g["above"] <= 1)]
 
@@ -34,7 +39,10 @@ def lone_warning(trials: pd.DataFrame, gb: pd.DataFrame) -> str:
     lone = lone_cells(trials)
     if lone.empty or "cell_id" not in gb.columns:
         return ""
-    hit = gb[gb["cell_id"].isin(lone.index)].sort_values("healed_acc")  # the lowest numbers first
+    hit = gb[gb["cell_id"].isin(lone.index)]
+    if "search_stop" in hit.columns:  # search.converge stopped it at the dense model's accuracy: nothing to find
+        hit = hit[~hit["search_stop"].astype(str).str.startswith(RECOVERED)]
+    hit = hit.sort_values("healed_acc")  # the lowest numbers first
     if hit.empty:
         return ""
     searched = int((gb["lr"].astype(float) > 0).sum()) if "lr" in gb.columns else len(gb)
@@ -43,6 +51,6 @@ def lone_warning(trials: pd.DataFrame, gb: pd.DataFrame) -> str:
                       f"{100 * r.healed_acc:.1f} %)" for r in hit.head(6).itertuples())
     more = f" and {len(hit) - 6} more" if len(hit) > 6 else ""
     return (f"In {len(hit)} of {searched} searched cells at most one search trial healed above chance: {cells}{more}. "
-            "Their numbers rest on one configuration, what this search found rather than what the healer reaches, "
-            "and another sampler seed may land elsewhere (a ResNet healer comparison moved up to 68 pp); "
-            "search.converge keeps searching such cells (docs/methods.md#search-design).")
+            "Their numbers rest on at most one working configuration, what this search found rather than what the "
+            "healer reaches, and another sampler seed may land elsewhere (a ResNet healer comparison moved up to "
+            "68 pp); search.converge keeps searching such cells (docs/methods.md#search-design).")

@@ -104,7 +104,7 @@ def show(name: str, grid: str, r: dict) -> None:
             if w[0] > w[1]:
                 print("      uncovered move (pp, 2-noise pp, cell)", w)
     c = r.get("band_classes")
-    if c:
+    if c and c["points"]:
         print(f"    band classes differ at {c['differ']} of {c['points']} points (resolved {c['resolved'][0]} / "
               f"{c['resolved'][1]}); a resolved class contradicted: {c['contradicted']} (both resolved: "
               f"{c['both_resolved']})")

@@ -10,6 +10,11 @@ from typing import Any, Mapping
 from orchestrator.spec import SweepSpec, registries
 from tasks.store import content_key
 
+# The RR diagnostics' version (orchestrator/sweep/diagnostics.py): part of a diagnostics table's key and of the mask
+# key of every pruner that allocates from one. Bump it when their computation changes (tasks/pruning/rr.py, the CR+BN
+# operator in tasks/pruning/repair.py): 2 since CR+BN's τ is floored at ε (2026-12-01).
+DIAGNOSTICS_KIND = "rr-diagnostics/2"
+
 TARGETS_FORMAT = "healsweep-targets/1"
 
 
@@ -37,12 +42,16 @@ class Cell:
         return d
 
     def mask_identity(self, model_digest: str, calib_digest: str) -> dict:
-        """What determines this cell's mask; calibration data only for pruners that read it."""
+        """What determines this cell's mask; calibration data only for pruners that read it, and the diagnostics'
+        version for pruners that allocate from RR diagnostics (their mask follows the table)."""
         ident = {"kind": "mask/1", "model_digest": model_digest, "pruner": self.pruner,
                  "settings": dict(self.pruner_settings), "sparsity": self.sparsity, "scope": self.scope,
                  "seed": self.seed}
-        if registries.get("pruner", self.pruner).uses_calibration:
+        pruner = registries.get("pruner", self.pruner)
+        if pruner.uses_calibration:
             ident.update(calibration=calib_digest, calib_size=self.calib_size)
+        if registries.diagnostic_settings(pruner, self.pruner_settings) is not None:
+            ident["diagnostics"] = DIAGNOSTICS_KIND
         return ident
 
 

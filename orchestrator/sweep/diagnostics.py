@@ -24,7 +24,7 @@ import ray
 
 from orchestrator.raytune.resources import ray_task
 from orchestrator.spec import registries
-from orchestrator.spec.plan import Cell
+from orchestrator.spec.plan import DIAGNOSTICS_KIND, Cell
 from tasks.store import KEY_RE, StoreError, content_key
 from tasks.store.fs import StoreFS
 
@@ -82,7 +82,7 @@ def diagnostics_identity(cell: Cell, model_digest: str, calib_digest: str) -> di
     settings = registries.diagnostic_settings(registries.get("pruner", cell.pruner), cell.pruner_settings)
     if settings is None:
         return None
-    return {"kind": "rr-diagnostics/2", "model": cell.model, "model_digest": model_digest,
+    return {"kind": DIAGNOSTICS_KIND, "model": cell.model, "model_digest": model_digest,
             "calibration": calib_digest, "scope": cell.scope, **settings}
 
 

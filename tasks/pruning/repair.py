@@ -56,7 +56,7 @@ def crbn_scales(var_dense: torch.Tensor, var_pruned: torch.Tensor, tau: float, e
     block whose heads are all removed outputs its projection's bias, which was multiplied by ~4·10³. With the
     floor a collapsed channel gets λ ≈ 0 (γ ≈ 1); every layer whose τ exceeds ε is unchanged."""
     r = torch.log(var_dense + eps) - torch.log(var_pruned + eps)  # (C,)
-    tau = max(float(tau), eps)
+    tau = max(eps, float(tau))  # (a NaN τ gives ε, not NaN)
     lam = var_pruned / (var_pruned + tau) if tau > 0 else (var_pruned > 0).to(var_pruned.dtype)  # eps = 0: limit
     return torch.where(lam > 0, torch.exp(0.5 * lam * r), torch.ones_like(r))  # λ = 0: γ = 1 (r may be inf at ε = 0)
 

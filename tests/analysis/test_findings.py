@@ -87,6 +87,7 @@ def test_healing_that_lowers_accuracy_beyond_noise_is_warned_about():
                  "(98.9 → 97.6 %).")
     assert w in _warnings(mb, [])
     assert healing_lowered(mb.assign(healed_acc=mb["pruned_acc"])) == "" and healing_lowered(mb.drop(columns="noise")) == ""
+    assert healing_lowered(mb.assign(noise=0.0)) == ""  # zero noise: no evaluation-set size logged, nothing claimed
 
 
 def test_best_rows_paired_interval_and_single_seed():

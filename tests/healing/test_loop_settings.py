@@ -123,8 +123,9 @@ def test_resolved_settings_feed_cell_and_mask_keys():
 
     import yaml
 
-    from orchestrator.spec.plan import expand_cells
     from orchestrator.spec import parse_spec
+    from orchestrator.spec.plan import DIAGNOSTICS_KIND, expand_cells
+    from orchestrator.sweep.diagnostics import diagnostics_identity
 
     base = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml").read_text())
 
@@ -141,3 +142,7 @@ def test_resolved_settings_feed_cell_and_mask_keys():
     assert rr[0].pruner_settings["at"] == "conv" and rr[0].healer_settings["bn_momentum"] == "module"
     ident = rr[0].mask_identity("d" * 32, "c" * 32)
     assert ident["settings"]["at"] == "conv"
+    # an RR mask follows its diagnostics table: the table's version is in both keys (a table computed by an older
+    # CR+BN must not leave its masks behind); a pruner without diagnostics keeps its key
+    assert ident["diagnostics"] == DIAGNOSTICS_KIND == diagnostics_identity(rr[0], "d" * 32, "c" * 32)["kind"]
+    assert "diagnostics" not in cells("crbn")[0].mask_identity("d" * 32, "c" * 32)
