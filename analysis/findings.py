@@ -22,7 +22,7 @@ from .bands import BandSettings, chance_limit
 from .leads import ranked, tied_with, values, winner
 from .matched import matched_lines
 from .reported import Z, identical_masks
-from .runs import grid_names, pattern_sort_key
+from .runs import cell_list, grid_names, pattern_sort_key
 from .search_reach import lone_warning
 
 __all__ = ["Findings", "grid_names", "ranges", "best_rows", "boundary", "edges", "findings", "fmt_range", "FIXED_HEALERS"]
@@ -153,18 +153,17 @@ def common_failure(trials: pd.DataFrame | None, cells: list[str] | None = None) 
     return f" Most common failure ({top.iloc[0]} of {len(reasons)} failed trials): {top.index[0][:300]}."
 
 
-def _warnings(mb: pd.DataFrame, failed: list[str], why: str = "") -> list[str]:
-    """``why``: the failed cells' most common failure (``common_failure``)."""
-    out = [] if not dense_at_chance(mb) else [dense_at_chance(mb)]
+def _warnings(mb: pd.DataFrame, failed: list[str], why: str = "", trials: pd.DataFrame | None = None) -> list[str]:
+    """``why``: the failed cells' most common failure (``common_failure``); ``trials``: the grid's trials (the
+    cells whose search found at most one configuration above chance)."""
+    chance = dense_at_chance(mb)
+    out = [chance] if chance else []
     edge = mb[mb["search_boundary"].astype(bool)] if "search_boundary" in mb.columns else mb.iloc[:0]
     at_budget = edge["search_boundary"].astype(str).str.fullmatch(r"\d+ of \d+ (steps|epochs)")
     edge = edge[~at_budget]  # on the length cap only: the declared budget (the first screen's budget line), not under-tuned
     if len(edge):
-        cells = ", ".join(f"{r.pruner}/{r.healer} {r.pattern} n={r.calib_size} seed {r.seed} ({r.search_boundary})"
-                          for r in edge.head(6).itertuples(index=False))
-        more = f" and {len(edge) - 6} more" if len(edge) > 6 else ""
         out.append(f"{len(edge)} of {len(mb)} winning trials sit on the search boundary, so those accuracies may "
-                   f"be under-tuned: {cells}{more}.")
+                   f"be under-tuned: {cell_list(edge, lambda r: r.search_boundary)}.")
     seeds = mb.groupby(["pruner", "healer", "pattern", "calib_size"], dropna=False)["seed"].nunique()
     if len(seeds) and seeds.max() <= 1:
         out.append("Single seed: no point has a spread or a confidence interval; differences are not tested.")
@@ -174,6 +173,9 @@ def _warnings(mb: pd.DataFrame, failed: list[str], why: str = "") -> list[str]:
     lowered = healing_lowered(mb)
     if lowered:
         out.append(lowered)
+    lone = "" if trials is None or chance else lone_warning(trials, mb)  # at chance: every point collapses anyway
+    if lone:
+        out.append(lone)
     if failed:
         out.append(f"Cells without a finished trial ({len(failed)}): {', '.join(failed[:6])}"
                    + (" …" if len(failed) > 6 else "") + "." + why)
@@ -207,14 +209,12 @@ def healing_lowered(mb: pd.DataFrame) -> str:
     noise = pd.to_numeric(mb["noise"], errors="coerce")
     g = mb[(mb["healer"].astype(str) != "none") & noise.gt(0)].dropna(subset=["pruned_acc", "healed_acc"])
     drop = g["pruned_acc"].astype(float) - g["healed_acc"].astype(float)  # (cells,) accuracy lost by healing
-    hit = g.assign(_drop=drop)[drop > Z * g["noise"].astype(float)].sort_values("_drop", ascending=False)
+    hit = g.assign(_drop=drop)[drop > Z * noise[g.index]].sort_values("_drop", ascending=False)
     if hit.empty:
         return ""
-    cells = ", ".join(f"{r.healer} on {r.pruner} {r.pattern} n={r.calib_size} seed {r.seed} "
-                      f"({100 * r.pruned_acc:.1f} → {100 * r.healed_acc:.1f} %)" for r in hit.head(6).itertuples())
-    more = f" and {len(hit) - 6} more" if len(hit) > 6 else ""
+    cells = cell_list(hit, lambda r: f"{100 * r.pruned_acc:.1f} → {100 * r.healed_acc:.1f} %")
     return (f"Healing lowered accuracy in {len(hit)} of {len(g)} cells, by more than {Z:g} noise units below the "
-            f"pruned model before healing: {cells}{more}.")
+            f"pruned model before healing: {cells}.")
 
 
 def _budget_warning(mb: pd.DataFrame) -> str:
@@ -251,17 +251,16 @@ def findings(best: pd.DataFrame, model: str, recs: list[dict], cts: dict | None,
         gb = best[grids == grid]
         gr = [r for r in recs if (r.get("grid") or "main") == grid]
         why = common_failure(trials, failed[grid]) if failed.get(grid) else ""
-        f = Findings(model, grid, ranges(gr, cts), best_rows(gb), _warnings(gb, failed.get(grid, []), why),
+        gt = trials[tgrids == grid] if trials is not None else None
+        f = Findings(model, grid, ranges(gr, cts), best_rows(gb), _warnings(gb, failed.get(grid, []), why, gt),
                      budget=budget_line(gb, (bounds or {}).get(grid) or (bounds or {}).get("main")))
-        line = agreement_line(agreement(trials[tgrids == grid])) if trials is not None else ""
+        line = agreement_line(agreement(gt)) if gt is not None else ""
         f.notes = [OBJECTIVE_NOTE] if objective == "heldout_align" else []
         f.notes += [line] if line else []
         f.notes += _widened_note(gb, widened or {})
         f.notes += [stop_summary_of(gb)] if stop_summary_of(gb) else []
         f.notes.insert(int(objective == "heldout_align"), noise_line(gb, f.best))  # after the label-free note
         f.notes += matched_lines(gb)
-        lone = lone_warning(trials[tgrids == grid], gb) if trials is not None and not dense_at_chance(gb) else ""
-        f.warnings += [lone] if lone else []
         same = identical_mask_lines(gb)
         f.notes += [ln for ok, ln in same if ok]
         f.warnings += [ln for ok, ln in same if not ok]
@@ -349,11 +348,9 @@ def _widened_note(gb: pd.DataFrame, widened: dict) -> list[str]:
     wide = gb[gb["cell_id"].isin(list(widened))]
     if wide.empty:
         return []
-    cells = "; ".join(f"{r.pruner}/{r.healer} {r.pattern} n={r.calib_size} seed {r.seed} ({widened[r.cell_id]})"
-                      for r in wide.head(6).itertuples(index=False))
-    more = f" and {len(wide) - 6} more" if len(wide) > 6 else ""
+    cells = cell_list(wide, lambda r: widened[r.cell_id], sep="; ")
     return [f"Widened search: {len(wide)} cell(s) whose winner sat on the search boundary were searched past it "
-            f"(search.widen): {cells}{more}."]
+            f"(search.widen): {cells}."]
 
 
 OBJECTIVE_NOTE = ("Winners were picked label-free: each cell's trial with the lowest heldout_align (the alignment loss "

@@ -45,7 +45,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from .runs import at_config, grid_names, load_sweep_info, load_trials, quoted_per_cell
+from .runs import at_config, grid_names, load_sweep_info, load_trials, quoted_per_cell, stage_of
 
 __all__ = ["cell_results", "reported", "resolved", "identical_masks", "Z", "SHRINK"]
 
@@ -58,12 +58,6 @@ FAMILY = ["grid", "model", "healer"]
 SIBLINGS = [*FAMILY, "pruner", "pruner_settings", "scope", "pattern", "calib_size", "healer_settings", "granularity"]
 
 
-def _stage(trials: pd.DataFrame) -> pd.Series:
-    if "stage" not in trials.columns:
-        return pd.Series("search", index=trials.index)
-    return trials["stage"].astype("object").fillna("search").astype(str)
-
-
 def reported(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.DataFrame:
     """One row per cell with a finished search trial: ``quoted_per_cell`` of the trials, then
 
@@ -72,13 +66,13 @@ def reported(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.DataF
     - ``n_reevaluated``: finished re-evaluations, ``retention``: ``healed_acc / dense_acc``,
     - ``seed_sd``, ``search_sd``, ``noise``: the noise model of the module docstring (accuracy units)."""
     best = quoted_per_cell(trials, objective)  # search trials only: the configuration re-evaluated
-    again = _of_winners(trials[(_stage(trials) == "reevaluate") & (trials["status"] == "FINISHED")], best)
+    again = _of_winners(trials[(stage_of(trials) == "reevaluate") & (trials["status"] == "FINISHED")], best)
     stats = again.groupby("cell_id")["healed_acc"].agg(["mean", "std", "size"]) if len(again) else None
     best = best.copy()
     best["healed_acc_search"] = best["healed_acc"]
     m = best["cell_id"].map(stats["mean"]) if stats is not None else pd.Series(np.nan, index=best.index)
     best["n_reevaluated"] = (best["cell_id"].map(stats["size"]).fillna(0).astype(int) if stats is not None else 0)
-    searched = trials[(_stage(trials) != "reevaluate") & (trials["status"] == "FINISHED")]
+    searched = trials[(stage_of(trials) != "reevaluate") & (trials["status"] == "FINISHED")]
     best["healed_acc_sd"] = best["cell_id"].map(stats["std"]) if stats is not None else np.nan
     best["healed_acc"] = m.where(m.notna(), best["healed_acc_search"])
     dense = best["dense_acc"].astype(float)

@@ -21,6 +21,8 @@ __all__ = [
     "METRIC_COLUMNS",
     "load_trials",
     "best_per_cell",
+    "stage_of",
+    "cell_list",
     "load_sweep_info",
     "grid_names",
     "is_nm",
@@ -50,6 +52,22 @@ METRIC_COLUMNS = (
     "dense_forward_images", "mask_violations", "achieved_sparsity", "selection_acc", "train_loss",
 )
 FAILED_STATUSES = ("FAILED", "KILLED")
+
+
+def stage_of(trials: pd.DataFrame) -> pd.Series:
+    """Each trial's ``stage`` ("search" or "reevaluate"); trials of sweeps before the tag are search trials."""
+    if "stage" not in trials.columns:
+        return pd.Series("search", index=trials.index)
+    return trials["stage"].astype("object").fillna("search").astype(str)
+
+
+def cell_list(cells: pd.DataFrame, detail=None, limit: int = 6, sep: str = ", ") -> str:
+    """'magnitude/starfish 0.95 n=64 seed 0 (DETAIL), … and 3 more': the first ``limit`` cells (rows with pruner,
+    healer, pattern, calib_size, seed), each followed by ``detail(row)`` in parentheses when given."""
+    names = [f"{r.pruner}/{r.healer} {r.pattern} n={r.calib_size} seed {r.seed}"
+             + (f" ({detail(r)})" if detail else "") for r in cells.head(limit).itertuples(index=False)]
+    more = f" and {len(cells) - limit} more" if len(cells) > limit else ""
+    return sep.join(names) + more
 
 
 def _quote(value: str) -> str:
@@ -152,8 +170,7 @@ def best_per_cell(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.
         raise ValueError(f"objective must be one of {', '.join(OBJECTIVE_MODES)}, got {objective!r}")
     if objective not in trials.columns:
         trials = trials.assign(**{objective: float("nan")})
-    if "stage" in trials.columns:  # re-evaluations of a winner are not candidates (analysis/reported.py)
-        trials = trials[trials["stage"].astype("object").fillna("search").astype(str) != "reevaluate"]
+    trials = trials[stage_of(trials) != "reevaluate"]  # re-evaluations of a winner are not candidates
     counts = trials.dropna(subset=["cell_id"]).groupby("cell_id", sort=True).agg(
         n_trials=("run_id", "size"),
         n_failed=("status", lambda s: int(s.isin(FAILED_STATUSES).sum())),
@@ -191,7 +208,7 @@ def quoted_per_cell(trials: pd.DataFrame, objective: str = "selection_acc") -> p
     cols = [c for c in ("lr", "steps", "epochs") if c in trials.columns]
     if best.empty or "stage" not in trials.columns or "lr" not in cols:
         return best
-    stage = trials["stage"].astype("object").fillna("search").astype(str)
+    stage = stage_of(trials)
     done = trials["status"] == "FINISHED"
     again = trials[(stage == "reevaluate") & done & trials["cell_id"].notna()]
     if again.empty:

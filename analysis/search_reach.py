@@ -14,6 +14,7 @@ from __future__ import annotations
 import pandas as pd
 
 from .bands import BandSettings, chance_limit
+from .runs import cell_list, stage_of
 from .search_stops import RECOVERED
 
 
@@ -23,8 +24,7 @@ def lone_cells(trials: pd.DataFrame, z: float = BandSettings().z) -> pd.DataFram
     need = {"cell_id", "lr", "status", "healed_acc", "num_classes", "n_eval"}
     if trials is None or trials.empty or not need <= set(trials.columns):
         return pd.DataFrame(columns=["above", "tried"])
-    stage = trials["stage"].astype("object").fillna("search") if "stage" in trials.columns else "search"
-    t = trials[(stage == "search") & (trials["lr"].astype(float) > 0) & (trials["status"] == "FINISHED")]
+    t = trials[(stage_of(trials) == "search") & (trials["lr"].astype(float) > 0) & (trials["status"] == "FINISHED")]
     lim = pd.Series([chance_limit(k, n, z) for k, n in zip(t["num_classes"], t["n_eval"])], index=t.index,
                     dtype=float)
     t = t[lim.notna()]  # a trial without a chance limit (no n_eval logged) says nothing either way
@@ -46,11 +46,9 @@ def lone_warning(trials: pd.DataFrame, gb: pd.DataFrame) -> str:
     if hit.empty:
         return ""
     searched = int((gb["lr"].astype(float) > 0).sum()) if "lr" in gb.columns else len(gb)
-    cells = ", ".join(f"{r.healer} on {r.pruner} {r.pattern} n={r.calib_size} seed {r.seed} "
-                      f"({int(lone.loc[r.cell_id, 'above'])} of {int(lone.loc[r.cell_id, 'tried'])}, quoted "
-                      f"{100 * r.healed_acc:.1f} %)" for r in hit.head(6).itertuples())
-    more = f" and {len(hit) - 6} more" if len(hit) > 6 else ""
-    return (f"In {len(hit)} of {searched} searched cells at most one search trial healed above chance: {cells}{more}. "
+    cells = cell_list(hit, lambda r: f"{int(lone.loc[r.cell_id, 'above'])} of {int(lone.loc[r.cell_id, 'tried'])}, "
+                                     f"quoted {100 * r.healed_acc:.1f} %")
+    return (f"In {len(hit)} of {searched} searched cells at most one search trial healed above chance: {cells}. "
             "Their numbers rest on at most one working configuration, what this search found rather than what the "
             "healer reaches, and another sampler seed may land elsewhere (a ResNet healer comparison moved up to "
             "68 pp); search.converge keeps searching such cells (docs/methods.md#search-design).")

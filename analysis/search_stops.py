@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .runs import stage_of
+
 JOURNAL = "optuna.journal"  # orchestrator/rundir/files.py JOURNAL_FILE
 RECOVERED = "recovered"  # orchestrator/search/converge.py RECOVERED: a winner at the dense model's accuracy
 
@@ -73,8 +75,7 @@ def explored_lr(trials) -> dict[str, tuple[float, float]]:
     a winner with a tried lr beyond it is not on that edge)."""
     if trials is None or trials.empty or "lr" not in trials.columns:
         return {}
-    st = trials["stage"].astype("object").fillna("search") if "stage" in trials.columns else None
-    t = trials if st is None else trials[st == "search"]
+    t = trials[stage_of(trials) == "search"]
     lr = t.assign(_lr=t["lr"].astype(float))
     lr = lr[lr["_lr"] > 0]
     g = lr.groupby("cell_id")["_lr"]

@@ -83,7 +83,7 @@ def test_healing_that_lowers_accuracy_beyond_noise_is_warned_about():
         noise=[0.0059, 0.019, 0.007, 0.01, 0.0, float("nan")], lr=0.0, batch_size=32, search_boundary=""))
     w = healing_lowered(mb)
     assert w == ("Healing lowered accuracy in 2 of 4 cells, by more than 2 noise units below the pruned model before "
-                 "healing: crbn on snapvit 0.5 n=128 seed 7 (95.0 → 14.7 %), starfish on magnitude 0.3 n=128 seed 7 "
+                 "healing: snapvit/crbn 0.5 n=128 seed 7 (95.0 → 14.7 %), magnitude/starfish 0.3 n=128 seed 7 "
                  "(98.9 → 97.6 %).")
     assert w in _warnings(mb, [])
     assert healing_lowered(mb.assign(healed_acc=mb["pruned_acc"])) == "" and healing_lowered(mb.drop(columns="noise")) == ""

@@ -25,13 +25,13 @@ def test_cells_whose_search_found_one_configuration_above_chance():
                             healed_acc=a, lr=lr) for c, a, lr in (("a", 0.905, 1e-3), ("b", 0.9, 1e-3),
                                                                    ("d", 0.09, 1e-3), ("e", 0.7, 0.0))])
     w = lone_warning(pd.DataFrame(rows), gb)
-    assert w.startswith("In 2 of 3 searched cells at most one search trial healed above chance: kl on magnitude 0.95 "
-                        "n=128 seed 0 (0 of 2, quoted 9.0 %), kl on magnitude 0.95 n=128 seed 0 (1 of 3, quoted "
+    assert w.startswith("In 2 of 3 searched cells at most one search trial healed above chance: magnitude/kl 0.95 "
+                        "n=128 seed 0 (0 of 2, quoted 9.0 %), magnitude/kl 0.95 n=128 seed 0 (1 of 3, quoted "
                         "90.5 %). Their numbers rest on at most one working configuration"), w
     assert lone_warning(pd.DataFrame(rows), gb[gb["cell_id"] == "b"]) == ""
     # search.converge stopped "a" at the dense model's accuracy: nothing left to find, not named
     w = lone_warning(pd.DataFrame(rows), gb.assign(search_stop=["recovered (1 trial)", "", "cap", ""]))
-    assert w.startswith("In 1 of 3 searched cells at most one search trial healed above chance: kl on magnitude 0.95 "
+    assert w.startswith("In 1 of 3 searched cells at most one search trial healed above chance: magnitude/kl 0.95 "
                         "n=128 seed 0 (0 of 2, quoted 9.0 %). Their"), w
     # trials that logged no evaluation-set size have no chance limit: they count neither way
     unknown = [dict(_t("f", a), n_eval=float("nan")) for a in (0.9, 0.9)] + [_t("f", 0.95)]
