@@ -7,9 +7,13 @@
   number of seeds (0, 1, 2 -> 3, 4, 5)): new draws of the healing (batch order, re-evaluation seeds) and of a
   seeded mask (SnapViT), same questions. The search points come from the sampler seed: under design ``shared`` run
   C usually tries A's points again (an N:M spec, 2026-12-01: every cell drew A's lattice points), so A vs C
-  measures the healing's noise and A vs B the search's.
+  measures the healing's noise and A vs B the search's;
+- run D (``--runs A D``): ``calib_seed`` + 1, another draw of the calibration images at every size (same models,
+  seeds and search; new dense targets, and new masks where a pruner reads calibration images): what a report says
+  of a tiny calibration set should hold for another set of that size. The noise a report claims comes from healing
+  seeds and siblings and does not include the draw (benchmarks/bench_calib_draw.py measures the draw's spread).
 
-For A vs B and A vs C, per grid (``benchmarks/_retest.py``): per-cell |delta| of the quoted accuracy (median,
+For A vs B, A vs C and A vs D, per grid (``benchmarks/_retest.py``): per-cell |delta| of the quoted accuracy (median,
 p90, max) and how often the claimed noise covers it (|delta| <= 2 hypot(noise_A, noise_B)); orderings between
 cells of one seed resolved in opposite directions; paper-claim verdicts that change (and "holds" vs
 "reversed"); best pruner x healer lines; band classes (recoverable / transition / collapse) that differ, and
@@ -52,6 +56,8 @@ def variant(spec: dict, run: str, seed_step: int, shift_main: int) -> dict:
         for g in s.get("grids") or []:
             if g.get("seeds"):
                 g["seeds"] = [int(x) + len(g["seeds"]) for x in g["seeds"]]
+    if run == "D":
+        s["calib_seed"] = int(s.get("calib_seed", 0)) + 1
     return s
 
 
@@ -125,7 +131,7 @@ def report(runs: dict, out: Path) -> dict:
            "grids": {}}
     for g in grids:
         res["grids"][g] = {"edges": {k: _retest.edge_share(q[k], g, *bounds_of(runs[k][0])) for k in q}}
-        for other in [k for k in ("B", "C") if k in q]:
+        for other in [k for k in ("B", "C", "D") if k in q]:
             res["grids"][g][f"A_vs_{other}"] = compare_grid(q["A"], q[other], g, pts["A"], pts[other])
     for g, r in res["grids"].items():
         for name in [k for k in r if k.startswith("A_vs")]:
@@ -192,7 +198,7 @@ def print_agreement(r: dict) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("spec", nargs="?", default=str(REPO / "configs" / "default.yaml"))
-    ap.add_argument("--runs", nargs="+", default=["A", "B", "C"], choices=["A", "B", "C"])
+    ap.add_argument("--runs", nargs="+", default=["A", "B", "C"], choices=["A", "B", "C", "D"])
     ap.add_argument("--seed-step", type=int, default=1, help="run B: sampler_seed + this")
     ap.add_argument("--shift-main", type=int, default=7, help="run C: main-grid seeds + this")
     ap.add_argument("--out", default=str(REPO / "runs" / "retest"))

@@ -92,7 +92,8 @@ def parse_spec(raw: Any, base_dir: str | Path | None = None) -> SweepSpec:
     spec = SweepSpec(name, tuple(models), sparsities, calib, parse_methods(d["pruners"], "pruners", "pruner", tuple(models)),
                      parse_healers(d["healers"], "healers", tuple(models)), dataset, data_seed, seeds,
                      parse_scope(d.get("scope"), models), plugins=plugins, model_refs=refs,
-                     dataset_settings=dataset_settings, offline=offline, **sections)
+                     dataset_settings=dataset_settings, offline=offline,
+                     calib_seed=check_num(d.get("calib_seed", 0), "calib_seed", int, 0, MAX_SEED), **sections)
     check_heldout(spec, capacity)
     if layout is not None:  # None: a plugin's dataset that gives no layout
         check_healer_data(spec, layout)

@@ -160,6 +160,9 @@ class SweepSpec:
     model_refs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> tasks.sources.ModelRef dict
     dataset_settings: Mapping[str, Any] = field(default_factory=dict)  # `dataset: {name: ..., <settings>}`
     offline: bool = False  # no downloads: weights must be in the local cache
+    # which calibration images: 0 = the first n of the data seed's calibration order; k > 0 = the first n of a
+    # seeded reordering of the calibration split (another n-image draw; tasks.data.redraw_calibration)
+    calib_seed: int = 0
     grids: tuple = ()  # extra grids run in the same sweep (GridSpec below, orchestrator/spec/grids.py)
     cells: tuple[str, ...] = ()  # only these cell ids (a widening round, orchestrator/lifecycle/widen.py); (): every cell
 
@@ -167,11 +170,13 @@ class SweepSpec:
         return asdict(self)
 
     def load_kwargs(self, model: str) -> dict:
-        """Extra ``tasks.models.load_model`` arguments for a model; {} for a reference model's shipped weights."""
+        """Extra ``tasks.models.load_model`` arguments for a model; {} for a reference model's shipped weights on the
+        data seed's calibration order."""
         ref = self.model_refs.get(model)
+        draw = {"calib_seed": self.calib_seed} if self.calib_seed else {}
         if not ref or (ref.get("source", "reference") == "reference" and not ref.get("path")):
-            return {}
-        return {"source": dict(ref), "dataset": {"name": self.dataset, **self.dataset_settings}}
+            return draw
+        return {"source": dict(ref), "dataset": {"name": self.dataset, **self.dataset_settings}, **draw}
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from orchestrator.raytune.resources import ray_task, task_device, task_gpus
-from tasks.data import load_dataset
+from tasks.data import load_dataset, redraw_calibration
 from tasks.healing import dense_targets
 from tasks.models import MODELS, get_adapter, load_model, load_model_shared
 from tasks.store import TargetStore
@@ -144,7 +144,8 @@ def calibration_rows(model: str, cache_dir: Path, data_seed: int, load_kw: dict 
     (``load_kw``: ``spec.load_kwargs(model)``): its dataset is the spec's, preprocessed its way."""
     source = (load_kw or {}).get("source") or {}
     if model in MODELS and source.get("source", "reference") == "reference":
-        data = load_dataset(MODELS.get(model).dataset, seed=data_seed)
+        data = redraw_calibration(load_dataset(MODELS.get(model).dataset, seed=data_seed),
+                                  (load_kw or {}).get("calib_seed", 0))
     else:
         data = load_model_shared(model, cache_dir, data_seed=data_seed, progress=False, **(load_kw or {})).dataset
     return [int(i) for i in data["calibration"].indices]

@@ -5,7 +5,9 @@ Implementations register themselves on import; this package face imports every o
 """
 from tasks.data import digits, images  # noqa: F401 - register 'digits', image folders/tables, HF datasets
 from tasks.data.digits import DIGITS_SPLIT_SIZES, DIGITS_TRANSFORM, digits_preprocess, load_digits
-from tasks.data.splits import DATASETS, SPLITS, DatasetError, DatasetSplits, SplitData, load_dataset, split_indices
+from tasks.data.splits import (DATASETS, SPLITS, DatasetError, DatasetSplits, SplitData, load_dataset, redraw_calibration,
+                               split_indices)
 
-__all__ = ["DATASETS", "SPLITS", "DatasetError", "DatasetSplits", "SplitData", "load_dataset", "split_indices", "DIGITS_SPLIT_SIZES",
+__all__ = ["DATASETS", "SPLITS", "DatasetError", "DatasetSplits", "SplitData", "load_dataset", "redraw_calibration",
+           "split_indices", "DIGITS_SPLIT_SIZES",
            "DIGITS_TRANSFORM", "digits_preprocess", "load_digits"]

@@ -68,6 +68,25 @@ def split_indices(n_items: int, sizes: dict[str, int], seed: int) -> dict[str, n
     return out
 
 
+def redraw_calibration(data: DatasetSplits, calib_seed: int) -> DatasetSplits:
+    """The same splits with the calibration split in another seeded order, so that its first n items (a
+    calibration size n) are another n-image draw of it; sizes still nest. ``calib_seed`` 0: ``data`` itself (the
+    data seed's order, every sweep's before 2026-12-01). ``digest`` (the dataset and its train split, which
+    checkpoints are checked against) is kept; ``split_digest("calibration", n)`` hashes the drawn indices, so the
+    store key, masks and trials of a draw are its own."""
+    if calib_seed == 0:
+        return data
+    cal = data.splits["calibration"]
+    order = np.random.default_rng([calib_seed, 0xCA1B]).permutation(len(cal))  # (P,) positions in the split
+    # a table's images (tasks/data/tables.py LazyImages) stay lazy: only their row order changes
+    images = cal.images.reordered(order) if hasattr(cal.images, "reordered") else \
+        cal.images[torch.from_numpy(order)].contiguous()
+    labels = None if cal.labels is None else cal.labels[torch.from_numpy(order)]
+    drawn = SplitData(images=images, labels=labels, indices=cal.indices[order])
+    return DatasetSplits(data.name, data.num_classes, data.image_shape, {**data.splits, "calibration": drawn},
+                         data.digest)
+
+
 DATASETS: Registry[Callable[..., DatasetSplits]] = Registry("dataset")
 
 def load_dataset(name: str, seed: int = 0, **kwargs) -> DatasetSplits:

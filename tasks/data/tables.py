@@ -133,6 +133,10 @@ class LazyImages:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def reordered(self, order: np.ndarray) -> "LazyImages":
+        """The same images in ``order`` (positions into this view), still decoded only when indexed."""
+        return LazyImages(self.table, self.rows[order], self.transform, self.item_shape)
+
     def __getitem__(self, key) -> torch.Tensor:
         sel = self.rows[key.numpy() if isinstance(key, torch.Tensor) else key]
         if np.ndim(sel) == 0:

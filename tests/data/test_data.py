@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tasks.data import (DIGITS_SPLIT_SIZES, SPLITS, DatasetSplits, SplitData, digits_preprocess, load_dataset,
-                        load_digits, split_indices)
+                        load_digits, redraw_calibration, split_indices)
 
 
 def test_digits_splits_disjoint_sizes_and_unlabeled_calibration():
@@ -118,3 +118,40 @@ def test_digits_read_from_the_bundled_file_equal_scikit_learns_loader():
     probe = "import sys; from tasks.data.digits import digits_arrays; digits_arrays(); print('sklearn' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr[-1000:]
+
+
+def test_redraw_calibration_is_another_seeded_draw_of_the_same_split():
+    d = load_digits(0)
+    assert redraw_calibration(d, 0) is d  # the data seed's order: every earlier sweep's images
+    r, again, other = redraw_calibration(d, 1), redraw_calibration(d, 1), redraw_calibration(d, 2)
+    cal, rc = d["calibration"], r["calibration"]
+    # the same 320 images, another order; row i's pixels are still those of dataset item indices[i]
+    assert sorted(rc.indices.tolist()) == sorted(cal.indices.tolist()) and not np.array_equal(rc.indices, cal.indices)
+    pos = {int(j): i for i, j in enumerate(cal.indices)}
+    assert torch.equal(rc.images, cal.images[torch.tensor([pos[int(j)] for j in rc.indices])])
+    assert rc.labels is None and np.array_equal(again["calibration"].indices, rc.indices)  # seeded
+    assert not np.array_equal(other["calibration"].indices[:64], rc.indices[:64])
+    # 64 images: mostly other items than the first 64 of the data seed's order (expected overlap 64 * 64/320 = 12.8)
+    assert len(set(rc.indices[:64].tolist()) & set(cal.indices[:64].tolist())) < 32
+    for s in ("train", "selection", "evaluation"):  # every other split, and the dataset digest, untouched
+        assert r[s] is d[s]
+    assert r.digest == d.digest
+    assert r.split_digest("calibration", 64) != d.split_digest("calibration", 64)  # store key, masks: its own
+    assert r.split_digest("selection") == d.split_digest("selection")
+
+
+def test_redraw_calibration_keeps_a_tables_images_lazy(tmp_path):
+    from torchvision import transforms as T
+
+    from tasks.data.synthetic import write_image_table
+    from tasks.data.tables import LazyImages
+
+    path = write_image_table(tmp_path / "t.parquet", num_classes=3, per_class=6, size=8, seed=0)
+    d = load_dataset("image_table", seed=0, path=str(path), transform=T.ToTensor(), transform_id="t",
+                     sizes={"train": 2, "calibration": 8, "selection": 4, "evaluation": 4})
+    r = redraw_calibration(d, 5)
+    assert isinstance(r["calibration"].images, LazyImages)
+    pos = {int(j): i for i, j in enumerate(d["calibration"].indices)}
+    order = torch.tensor([pos[int(j)] for j in r["calibration"].indices])
+    assert not torch.equal(order, torch.arange(8))
+    assert torch.equal(r["calibration"].images[:], d["calibration"].images[:][order])

@@ -102,3 +102,38 @@ def test_calibration_rows_of_an_external_model_follow_its_spec_entry(tmp_path):
     assert len(rows[0]) == 5 and len(set(rows[0])) == 5 and max(rows[0]) < 12 and rows[0] != rows[1]  # seeded
     with pytest.raises(KeyError, match="unknown model 'r18'"):  # by its name alone: not a reference model
         calibration_rows("r18", CACHE, 0)
+
+
+def test_another_calibration_draw_has_its_own_facts_store_rows_and_trial_images(tmp_path):
+    """``calib_seed``: the driver's facts are computed (not the cached data-seed ones), the store key and the
+    calibration digest are the draw's, the dense stage stores the targets of the drawn images in row order, and a
+    trial (its load_kw) and the dense workers (calibration_rows) see those same images."""
+    import torch
+
+    from orchestrator.spec import parse_spec
+    from orchestrator.sweep.dense_work import calibration_rows
+    from tasks.healing import dense_targets
+    from tasks.models import get_adapter, load_model, load_model_copy
+    from tasks.store import TargetStore
+
+    base = _prepare(tmp_path / "checks", _spec())["info"]["vit_digits"]
+    drawn = _prepare(tmp_path / "checks", {**_spec(), "calib_seed": 3}, store=tmp_path / "targets")
+    info = drawn["info"]["vit_digits"]
+    assert drawn["timm"] and drawn["dense"] == {"vit_digits": 64}  # not the cached facts of the data seed's order
+    assert info["store_key"] != base["store_key"] and info["calib_digest"] != base["calib_digest"]
+    assert len(list((tmp_path / "checks").glob("model-*.json"))) == 1
+
+    kw = parse_spec({**_spec(), "calib_seed": 3}).load_kwargs("vit_digits")
+    assert kw == {"calib_seed": 3}
+    lm = load_model("vit_digits", CACHE, progress=False, **kw)
+    trial = load_model_copy("vit_digits", CACHE, **kw)  # what a trial's fresh_model loads
+    assert lm.dataset.split_digest("calibration") == info["calib_digest"]
+    assert calibration_rows("vit_digits", CACHE, 0, kw) == [int(i) for i in lm.dataset["calibration"].indices]
+    assert torch.equal(trial.dataset["calibration"].images, lm.dataset["calibration"].images)
+    images = lm.dataset["calibration"].images[:64]  # (64, 1, 16, 16)
+    want = dense_targets(lm.model, get_adapter(lm.model).blocks(lm.model), images)
+    got = TargetStore(tmp_path / "targets").open(info["store_key"]).read_rows(torch.arange(64).numpy())
+    for block, t in want.items():
+        assert torch.allclose(got[block].float(), t.float(), atol=2e-2, rtol=1e-2), block
+    base_images = load_model("vit_digits", CACHE, progress=False).dataset["calibration"].images[:64]
+    assert not torch.equal(images, base_images)

@@ -51,6 +51,21 @@ def test_reference_models_keep_their_path():
     assert spec.load_kwargs("vit_digits") == {} and spec.model_refs["vit_digits"]["source"] == "reference"
 
 
+def test_calib_seed_reaches_every_model_load_and_survives_sweep_json():
+    spec = parse_spec({**copy.deepcopy(TINY), "calib_seed": 4})
+    assert spec.calib_seed == 4 and spec.load_kwargs("vit_digits") == {"calib_seed": 4}
+    again = parse_spec(json.loads(json.dumps(spec.to_dict(), default=list)))  # what resume and refine read back
+    assert again == spec and again.grids == spec.grids
+    external = parse_spec({**copy.deepcopy(TINY), "calib_seed": 4, "dataset": "cifar10", "models": [{"name": "resnet18"}]})
+    kw = external.load_kwargs("resnet18")
+    assert kw["calib_seed"] == 4 and kw["source"]["source"] == "timm"
+    assert parse_spec(TINY).calib_seed == 0
+    for bad, words in ((-1, "calib_seed: must be >= 0"), (1.5, "calib_seed: must be an integer"),
+                       ("x", "calib_seed: must be an integer")):
+        with pytest.raises(SpecError, match=words):
+            parse_spec({**copy.deepcopy(TINY), "calib_seed": bad})
+
+
 @pytest.mark.parametrize("changes, field, words", [
     ({"models": [{"name": "deit_tiny_patch16_224"}]}, "models[0]", "needs an image dataset, not the digits"),
     ({"models": [{"name": "x", "source": "timm", "arch": "nope_net"}], "dataset": "cifar10"}, "models[0]",
