@@ -292,7 +292,8 @@ def noise_line(gb: pd.DataFrame, rows: list[dict]) -> str:
         what = "Quoted numbers are each cell's best search trial (no re-evaluation: noise not measured)"
     else:
         what = (f"Quoted numbers are the mean of {int(n_re.median())} re-evaluations of each searched cell's winner; "
-                f"noise median ±{100 * noise.median():.2f} pp, max ±{100 * noise.max():.2f} pp")
+                f"noise median ±{100 * noise.median():.2f} pp, max ±{100 * noise.max():.2f} pp, on this one draw "
+                f"of the calibration images (another draw can move a cell beyond it: docs/methods.md#reading-the-noise)")
     return f"{what}; {told}.{_seeded_masks(gb)}"
 
 

@@ -3,13 +3,13 @@ it moves with the healing seed alone (the noise the report claims).
 
 A sweep's calibration set of size n is the first n items of one fixed permutation of the calibration split (per
 dataset and data seed; tasks/data/splits.py), so every retest (benchmarks/bench_retest.py: sampler seed, healing
-seeds) reuses the same images. Here draw 0 is those first n items and draws 1.. are seeded random n-subsets of the
-whole calibration split; each draw is healed with fixed hyperparameters (``--lr``, ``--steps``) on ``--seeds``
-healing seeds, then evaluated on the evaluation split. Prints per draw the mean over seeds, then the within-draw
-standard deviation (healing seed), the standard deviation of the draw means and its seed-noise-corrected part
-(one-way random-effects ANOVA: sigma_draw^2 = var(means) - sigma_seed^2 / seeds, floored at 0), the ratio
-sigma_draw / sigma_seed and the range of draw means. CR+BN (closed form) has no healing seed: its spread is the
-draws' alone.
+seeds) reuses the same images. Here draw k is what a sweep with ``calib_seed: k`` heals on (the first n items of
+tasks.data.redraw_calibration's order; draw 0: the data seed's order); each draw is healed with fixed
+hyperparameters (``--lr``, ``--steps``) on ``--seeds`` healing seeds, then evaluated on the evaluation split.
+Prints per draw the mean over seeds, then the within-draw standard deviation (healing seed), the standard deviation
+of the draw means and its seed-noise-corrected part (one-way random-effects ANOVA: sigma_draw^2 = var(means) -
+sigma_seed^2 / seeds, floored at 0), the ratio sigma_draw / sigma_seed and the range of draw means. CR+BN (closed
+form) has no healing seed: its spread is the draws' alone.
 
     python benchmarks/bench_calib_draw.py --model vit_digits --sparsity 0.9 --calib 64 --lr 3e-3 --steps 32
 """
@@ -23,20 +23,13 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from tasks.data import redraw_calibration
 from tasks.evaluate import accuracy
 from tasks.healing import HEALERS, GradientHealer, HealConfig, HealContext, dense_targets, in_memory_batches, steps_per_epoch
 from tasks.models import get_adapter, load_model
 from tasks.pruning import apply_masks, make_masks
-
-
-def draw_rows(pool: int, n: int, draw: int) -> np.ndarray:
-    """Rows of the calibration split for draw ``draw``: 0 = the sweep's (its first n), else a seeded n-subset."""
-    if draw == 0:
-        return np.arange(n)
-    return np.sort(np.random.default_rng(10_007 * draw + n).choice(pool, size=n, replace=False))
 
 
 def heal_once(lm, masks, entries, images, targets, healer: str, cfg: HealConfig) -> float:
@@ -85,7 +78,7 @@ def main() -> None:
     adapter = get_adapter(lm.model)
     entries = adapter.scope(lm.model, adapter.default_scope)
     masks = make_masks(lm.model, entries, "magnitude", a.sparsity, seed=0)
-    pool = lm.dataset["calibration"].images  # (P, C, H, W)
+    pool = lm.dataset["calibration"].images  # (P, C, H, W): the data seed's order
     ev = lm.dataset["evaluation"]
     pruned = copy.deepcopy(lm.model)
     apply_masks(pruned, masks)
@@ -98,7 +91,7 @@ def main() -> None:
         acc: dict[int, list[float]] = {}
         t0 = time.perf_counter()
         for d in range(a.draws):
-            images = pool[torch.from_numpy(draw_rows(pool.shape[0], a.calib, d))]
+            images = redraw_calibration(lm.dataset, d)["calibration"].images[: a.calib]  # (n, C, H, W)
             targets = dense_targets(lm.model, adapter.blocks(lm.model), images)
             spe = steps_per_epoch(a.calib, 32)
             acc[d] = [heal_once(lm, masks, entries, images, targets, healer,

@@ -140,6 +140,9 @@ def test_leads_are_counted_only_where_a_cell_has_a_second_method():
     rows = best_rows(two)
     assert [r["contested"] for r in rows] == [False, True] and rows[1]["resolved"]
     assert noise_line(two, rows).endswith("; 1 of 1 best-method leads resolved.")
+    # measured noise is one calibration draw's (a retest with calib_seed + 1 moved cells beyond it): said so
+    assert "±1.00 pp, on this one draw of the calibration images (another draw can move" in noise_line(two, rows)
+    assert "draw" not in noise_line(one, best_rows(one))  # no noise measured: nothing to qualify
 
 
 def test_the_noise_line_says_where_the_mask_depends_on_the_seed():
