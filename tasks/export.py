@@ -176,6 +176,7 @@ def export_trial(trial_dir: Path, out: Path, run_info: Mapping[str, Any] | None 
         "calib_digest": final.get("calib_digest"), "eval_digest": final.get("eval_digest"),
         "dataset": dict(params.get("load_kw") or {}).get("dataset") or {"name": "digits"},
         "data_seed": params.get("data_seed", 0),
+        "calib_seed": dict(params.get("load_kw") or {}).get("calib_seed", 0),  # which draw of the calibration split
         "preprocessing": {"transform": prep["transform"], "code": prep["code"]},
         "evaluation": {"split": "evaluation", "digest": final.get("eval_digest"),
                        "indices": prep["evaluation_indices"]},
@@ -235,7 +236,8 @@ def card_markdown(card: Mapping[str, Any]) -> str:
         + (f" (granularity used: {card['granularity']})" if card.get("granularity") else "")
         + f", lr {card['lr']:.3g}, {card['epochs']} epoch{'' if card['epochs'] == 1 else 's'}, batch {card['batch_size']}",
         f"- calibration: {card['calib_size']} images, digest `{card['calib_digest']}`; evaluation digest "
-        f"`{card['eval_digest']}`; dataset `{json.dumps(card['dataset'], default=str)}` (split seed {card['data_seed']})",
+        f"`{card['eval_digest']}`; dataset `{json.dumps(card['dataset'], default=str)}` (split seed {card['data_seed']}"
+        + (f", calibration draw {card['calib_seed']})" if card.get("calib_seed") else ")"),
         f"- preprocessing: `{card['preprocessing']['transform']}`",
         f"- accuracy (evaluation split): dense {pct(acc['dense_acc'])}, pruned {pct(acc['pruned_acc'])}, healed "
         f"{pct(acc['healed_acc'])}, retention {pct(acc['retention'])}",

@@ -23,7 +23,7 @@ from tasks.healing.targets import recompute_batches
 from tasks.models.adapter import get_adapter
 from tasks.models.load import load_model_copy
 from tasks.pruning.base import PRUNERS, achieved_sparsity, apply_masks, mask_violations
-from tasks.store import TargetStore
+from tasks.store import StoreError, TargetStore
 from tasks.store.masks import MaskStore
 
 
@@ -163,6 +163,17 @@ def on_device(images: torch.Tensor, device: str, fmt: torch.memory_format) -> to
     return images
 
 
+def check_calibration(meta: Mapping[str, Any], digest: str, key: str) -> None:
+    """The stored targets are of this trial's calibration images (row i = image i): the store key's manifest
+    records the calibration digest the dense stage used (``meta["calibration"]``; older keys may lack it). A trial
+    loaded on another order (data seed, ``calib_seed``) would align each image to another image's targets."""
+    stored = meta.get("calibration")
+    if stored and stored != digest:
+        raise StoreError(f"store key {key}: its targets are of calibration images {stored}, this trial's are "
+                         f"{digest} (the dense stage and the trial loaded different calibration orders: data_seed or "
+                         f"calib_seed)")
+
+
 def setup_trial(p: TrialParams) -> _Setup:
     """Model, mask applied, dense/pruned accuracy, the healer and its context (targets streamed from the store
     or recomputed per batch)."""
@@ -204,6 +215,7 @@ def setup_trial(p: TrialParams) -> _Setup:
         # Only the columns the healer reads (kl: the logits, not every block's outputs); none read: all, as ever.
         wanted = healer.reads_targets([b for b, _ in blocks], p.healer_settings) or None
         reader = TargetStore(p.store_uri).open(p.store_key, num_rows=p.calib_size, blocks=wanted)
+        check_calibration(reader.meta, lm.dataset.split_digest("calibration"), p.store_key)
 
         def batches(epoch):
             return reader.iter_batches(p.batch_size, shuffle=True, seed=p.healing_seed, epoch=epoch, device=p.device)

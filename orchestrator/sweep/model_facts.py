@@ -44,7 +44,7 @@ def cached_model_info(spec, name: str, compute: Callable[[], ModelInfo]) -> Mode
     """``compute()`` (stages.model_info) unless the facts of the same weights and settings are cached; a
     computed one is cached."""
     root = cache_dir()
-    if root is None or spec.plugins or spec.load_kwargs(name) or name not in SHIPPED_SHA256:
+    if root is None or spec.plugins or set(spec.load_kwargs(name)) - {"calib_seed"} or name not in SHIPPED_SHA256:
         return compute()
     path = root / f"model-{_key(spec, name, SHIPPED_SHA256[name])}.json"
     hit = _read(path)
@@ -56,8 +56,9 @@ def cached_model_info(spec, name: str, compute: Callable[[], ModelInfo]) -> Mode
 
 
 def _key(spec, name: str, sha256: str) -> str:
+    draw = {"calib_seed": spec.calib_seed} if spec.calib_seed else {}  # 0: the keys of sweeps before it existed
     blob = json.dumps({"model": name, "data_seed": spec.data_seed, "dtype": spec.store.dtype,
-                       "scope": spec.scope.get(name), "weights": sha256, "code": code_digest()}, sort_keys=True)
+                       "scope": spec.scope.get(name), "weights": sha256, "code": code_digest(), **draw}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -68,23 +68,27 @@ def split_indices(n_items: int, sizes: dict[str, int], seed: int) -> dict[str, n
     return out
 
 
+def _reordered(split: SplitData, order: np.ndarray) -> SplitData:
+    """``split`` in ``order`` (positions into it); a table's images (tasks/data/tables.py LazyImages) stay lazy."""
+    images = split.images.reordered(order) if hasattr(split.images, "reordered") else \
+        split.images[torch.from_numpy(order)].contiguous()
+    labels = None if split.labels is None else split.labels[torch.from_numpy(order)]
+    return SplitData(images=images, labels=labels, indices=split.indices[order])
+
+
 def redraw_calibration(data: DatasetSplits, calib_seed: int) -> DatasetSplits:
-    """The same splits with the calibration split in another seeded order, so that its first n items (a
-    calibration size n) are another n-image draw of it; sizes still nest. ``calib_seed`` 0: ``data`` itself (the
-    data seed's order, every sweep's before 2026-12-01). ``digest`` (the dataset and its train split, which
-    checkpoints are checked against) is kept; ``split_digest("calibration", n)`` hashes the drawn indices, so the
-    store key, masks and trials of a draw are its own."""
+    """The same splits with the two a healer trains on in another seeded order: calibration (so that its first n
+    items, a calibration size n, are another n-image draw of it; sizes still nest) and train (the supervised
+    ``ce`` baseline takes its first n as its labeled set). ``calib_seed`` 0: ``data`` itself (the data seed's
+    order, every sweep's before 2026-12-01). ``digest`` (the dataset and its splits' contents, which checkpoints
+    are checked against) is kept; ``split_digest("calibration", n)`` hashes the drawn indices, so the store key,
+    calibration-reading masks and trials of a draw are their own. Selection and evaluation are untouched."""
     if calib_seed == 0:
         return data
-    cal = data.splits["calibration"]
-    order = np.random.default_rng([calib_seed, 0xCA1B]).permutation(len(cal))  # (P,) positions in the split
-    # a table's images (tasks/data/tables.py LazyImages) stay lazy: only their row order changes
-    images = cal.images.reordered(order) if hasattr(cal.images, "reordered") else \
-        cal.images[torch.from_numpy(order)].contiguous()
-    labels = None if cal.labels is None else cal.labels[torch.from_numpy(order)]
-    drawn = SplitData(images=images, labels=labels, indices=cal.indices[order])
-    return DatasetSplits(data.name, data.num_classes, data.image_shape, {**data.splits, "calibration": drawn},
-                         data.digest)
+    rng = np.random.default_rng([calib_seed, 0xCA1B])
+    drawn = {s: _reordered(data.splits[s], rng.permutation(len(data.splits[s])))  # (P,) positions in the split
+             for s in ("calibration", "train") if s in data.splits}
+    return DatasetSplits(data.name, data.num_classes, data.image_shape, {**data.splits, **drawn}, data.digest)
 
 
 DATASETS: Registry[Callable[..., DatasetSplits]] = Registry("dataset")

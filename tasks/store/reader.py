@@ -42,6 +42,7 @@ class TargetReader:
     def __init__(self, store, key: str, manifest: dict, shard_infos: list[dict], num_rows: int,
                  blocks: Sequence[str] | None = None):
         self._store, self._key = store, key
+        self.meta: dict = dict(manifest.get("meta") or {})  # what the writer recorded (model, calibration digest, ...)
         self.columns: list[str] = list(manifest["block_names"])  # every column a shard holds, in file order
         self.block_names: list[str] = selected_columns(self.columns, blocks, key)  # the ones this reader hands out
         self.block_shapes: dict[str, tuple[int, ...]] = {

@@ -133,8 +133,13 @@ def test_redraw_calibration_is_another_seeded_draw_of_the_same_split():
     assert not np.array_equal(other["calibration"].indices[:64], rc.indices[:64])
     # 64 images: mostly other items than the first 64 of the data seed's order (expected overlap 64 * 64/320 = 12.8)
     assert len(set(rc.indices[:64].tolist()) & set(cal.indices[:64].tolist())) < 32
-    for s in ("train", "selection", "evaluation"):  # every other split, and the dataset digest, untouched
+    for s in ("selection", "evaluation"):  # what is measured, and the dataset digest, untouched
         assert r[s] is d[s]
+    # train: another order too (ce's labeled set is its first n), pixels and labels still follow the indices
+    tr, rt = d["train"], r["train"]
+    assert sorted(rt.indices.tolist()) == sorted(tr.indices.tolist()) and not np.array_equal(rt.indices[:64], tr.indices[:64])
+    tpos = torch.tensor([{int(j): i for i, j in enumerate(tr.indices)}[int(j)] for j in rt.indices])
+    assert torch.equal(rt.images, tr.images[tpos]) and torch.equal(rt.labels, tr.labels[tpos])
     assert r.digest == d.digest
     assert r.split_digest("calibration", 64) != d.split_digest("calibration", 64)  # store key, masks: its own
     assert r.split_digest("selection") == d.split_digest("selection")

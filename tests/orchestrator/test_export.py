@@ -89,6 +89,7 @@ def test_export_reloads_through_timm_with_identical_logits(trial, tmp_path):
     assert card["calib_digest"] == final["calib_digest"] and card["accuracy"]["healed_acc"] == final["healed_acc"]
     md = (out / "model_card.md").read_text()
     assert "timm.create_model('deit_tiny_patch16_224'" in md
+    assert card["calib_seed"] == 0 and "(split seed 0)" in md  # the data seed's calibration order: no draw named
     # the granularity the trial used (what `auto` resolved to), beside the settings as written
     assert card["granularity"] == "token" and "- healer: starfish (granularity used: token), lr 0.002, 2 epochs" in md
 

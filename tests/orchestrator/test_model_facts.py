@@ -119,14 +119,18 @@ def test_another_calibration_draw_has_its_own_facts_store_rows_and_trial_images(
     base = _prepare(tmp_path / "checks", _spec())["info"]["vit_digits"]
     drawn = _prepare(tmp_path / "checks", {**_spec(), "calib_seed": 3}, store=tmp_path / "targets")
     info = drawn["info"]["vit_digits"]
-    assert drawn["timm"] and drawn["dense"] == {"vit_digits": 64}  # not the cached facts of the data seed's order
+    assert drawn["dense"] == {"vit_digits": 64}  # not the cached facts of the data seed's order: its own key
     assert info["store_key"] != base["store_key"] and info["calib_digest"] != base["calib_digest"]
-    assert len(list((tmp_path / "checks").glob("model-*.json"))) == 1
+    assert len(list((tmp_path / "checks").glob("model-*.json"))) == 2  # the draw's facts under a key of their own
+    warm = _prepare(tmp_path / "checks", {**_spec(), "calib_seed": 3})
+    assert not warm["timm"] and warm["info"]["vit_digits"] == info  # a hit, the draw's
 
     kw = parse_spec({**_spec(), "calib_seed": 3}).load_kwargs("vit_digits")
     assert kw == {"calib_seed": 3}
     lm = load_model("vit_digits", CACHE, progress=False, **kw)
+    plain = load_model_copy("vit_digits", CACHE)  # a trial process keeps what it loaded: the draw is in its key
     trial = load_model_copy("vit_digits", CACHE, **kw)  # what a trial's fresh_model loads
+    assert not torch.equal(plain.dataset["calibration"].images, trial.dataset["calibration"].images)
     assert lm.dataset.split_digest("calibration") == info["calib_digest"]
     assert calibration_rows("vit_digits", CACHE, 0, kw) == [int(i) for i in lm.dataset["calibration"].indices]
     assert torch.equal(trial.dataset["calibration"].images, lm.dataset["calibration"].images)

@@ -237,3 +237,28 @@ def test_a_trial_logs_whether_its_pruners_mask_depends_on_the_seed():
 
     assert (seeded_mask("snapvit"), seeded_mask("magnitude"), seeded_mask("")) == (1.0, 0.0, 0.0)
     assert [n for n in PRUNERS.names() if seeded_mask(n)] == ["snapvit"]
+
+
+def test_a_trial_refuses_targets_of_other_calibration_images(setup, tmp_path):
+    """The manifest records the calibration digest the dense stage used; a trial whose images are another order
+    (here: the store holds the targets of calib_seed 2's draw, the trial loads the data seed's order) fails with
+    a one-line StoreError instead of aligning each image to another image's targets; with the draw it heals."""
+    from tasks.store import StoreError
+
+    _, _, params, _, _ = setup
+    cache = Path(params.cache_dir)
+    drawn = load_model(MODEL, cache, progress=False, calib_seed=2)
+    blocks = get_adapter(drawn.model).blocks(drawn.model)
+    images = drawn.dataset["calibration"].images
+    st = TargetStore(tmp_path / "targets")
+
+    def run_shards(plan):
+        for i, a, b in plan:
+            yield st.write_shard(KEY, i, a, dense_targets(drawn.model, blocks, images[a:b]))
+    ensure_targets(st, KEY, CALIB, SHARD, run_shards, dtype="float16",
+                   meta={"model": MODEL, "calibration": drawn.dataset.split_digest("calibration")})
+    mine = replace(params, store_uri=str(tmp_path / "targets"), epochs=1)
+    with pytest.raises(StoreError, match=r"targets are of calibration images \w+, this trial's are \w+ .*calib_seed"):
+        run_trial(mine, lambda r: None)
+    final = run_trial(replace(mine, load_kw={"calib_seed": 2}), lambda r: None)
+    assert final["mask_violations"] == 0 and final["calib_digest"] == drawn.dataset.split_digest("calibration", CALIB)
