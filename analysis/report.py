@@ -194,14 +194,15 @@ def _html_table(t: Table, tracking_uri: str) -> str:
 # ----------------------------------------------------------------------------- report
 
 
-def _summary(trials: pd.DataFrame, name: str, sweep_id: str, tracking_uri: str) -> list[tuple]:
+def _summary(trials: pd.DataFrame, name: str, sweep_id: str, tracking_uri: str, calib_seed: int = 0) -> list[tuple]:
     n_fin = int((trials["status"] == "FINISHED").sum())
     n_fail = int(trials["status"].isin(("FAILED", "KILLED")).sum())
     other = len(trials) - n_fin - n_fail
     text = f"{len(trials)} ({n_fin} finished, {n_fail} failed" + \
         (f", {other} unfinished" if other else "") + ")"  # RUNNING or SCHEDULED: an interrupted sweep's
+    draw = [("Calibration draw", f"calib_seed {calib_seed}")] if calib_seed else []  # 0: the data seed's order
     return [("Sweep", name), ("Sweep id", sweep_id), ("Trials", text),
-            ("Cells", str(trials["cell_id"].dropna().nunique())), ("Tracking URI", tracking_uri)]
+            ("Cells", str(trials["cell_id"].dropna().nunique())), *draw, ("Tracking URI", tracking_uri)]
 
 
 def _grid_sections(mb, mt, model, grid, taken, out, tracking_uri, colors):
@@ -281,7 +282,7 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
                          explored_lr(trials))  # re-evaluated numbers
     model_of = trials["model"].astype("object").fillna(UNKNOWN_MODEL)
     models = sorted(set(model_of))
-    summary = _summary(trials, name, sweep_id, tracking_uri)
+    summary = _summary(trials, name, sweep_id, tracking_uri, info.get("calib_seed") or 0)
     trans = _transition_sections(best, models, info, out, tracking_uri, settings or {})
     bst = BandSettings(**(settings or {}).get("bands", {}))
     rehealed = "n_reevaluated" in best.columns and bool((best["n_reevaluated"].fillna(0) > 0).any())

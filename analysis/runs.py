@@ -227,12 +227,13 @@ def quoted_per_cell(trials: pd.DataFrame, objective: str = "selection_acc") -> p
 
 
 def load_sweep_info(tracking_uri: str, sweep_id: str, experiment: str = "healsweep") -> dict:
-    """``{"name", "run_id", "experiment_id", "objective", "partial"}`` of the sweep's parent run (values None if
-    absent; ``objective``: the parent run's ``objective`` param, "selection_acc" when absent; ``partial``: None, or
+    """``{"name", "run_id", "experiment_id", "objective", "calib_seed", "partial"}`` of the sweep's parent run (values
+    None if absent; ``objective``: the parent run's ``objective`` param, "selection_acc" when absent; ``calib_seed``:
+    its param, 0 when absent (the data seed's calibration order); ``partial``: None, or
     for a sweep a signal interrupted (tag ``partial=true``) ``{"finished", "planned", "signal"}`` from its tags)."""
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
-    info = {"name": None, "run_id": None, "objective": "selection_acc", "partial": None,
+    info = {"name": None, "run_id": None, "objective": "selection_acc", "calib_seed": 0, "partial": None,
             "experiment_id": exp.experiment_id if exp is not None else None}
     if exp is None:
         return info
@@ -243,6 +244,7 @@ def load_sweep_info(tracking_uri: str, sweep_id: str, experiment: str = "healswe
         info["name"] = run.info.run_name or run.data.tags.get("mlflow.runName")
         info["run_id"] = run.info.run_id
         info["objective"] = run.data.params.get("objective", "selection_acc")
+        info["calib_seed"] = int(run.data.params.get("calib_seed", 0))
         tags = run.data.tags
         if tags.get("partial") == "true":
             info["partial"] = {"finished": tags.get("trials_finished", "?"), "planned": tags.get("trials_planned") or "?",

@@ -302,6 +302,10 @@ def test_partial_sweep_says_so_on_the_first_screen(tmp_path):
     client.set_tag(parent, "partial", "false")
     paths = write_report_from(uri, SWEEP, out)
     assert "Partial sweep" not in paths["md"].read_text() and 'class="partial"' not in paths["html"].read_text()
+    assert "Calibration draw" not in paths["md"].read_text()  # calib_seed 0 (no param): the data seed's order
+    client.log_param(parent, "calib_seed", "3")  # orchestrator/sweep/parent.py logs it for every sweep
+    md = write_report_from(uri, SWEEP, out)["md"].read_text().splitlines()
+    assert md[2].startswith("Sweep: cut · ") and " · Cells: 1 · Calibration draw: calib_seed 3 · Tracking URI: " in md[2]
 
 
 def test_common_failure_counts_the_reasons_of_the_cells_asked():
