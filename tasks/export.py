@@ -161,7 +161,7 @@ def export_trial(trial_dir: Path, out: Path, run_info: Mapping[str, Any] | None 
     trial_dir, out = Path(trial_dir), Path(out)
     model, masks, params, final = load_trial(trial_dir)
     entries = get_adapter(model).scope(model, params["scope"])
-    info = dict(run_info or {})
+    info, load_kw = dict(run_info or {}), dict(params.get("load_kw") or {})
     prep = preprocessing(params, model)
     card = {
         "format": "healsweep-model-card/2",
@@ -174,9 +174,9 @@ def export_trial(trial_dir: Path, out: Path, run_info: Mapping[str, Any] | None 
         "granularity": info.get("granularity"),  # what 'auto' resolved to for this model (the trial's MLflow param)
         "epochs": params["epochs"], "batch_size": params["batch_size"], "calib_size": params["calib_size"],
         "calib_digest": final.get("calib_digest"), "eval_digest": final.get("eval_digest"),
-        "dataset": dict(params.get("load_kw") or {}).get("dataset") or {"name": "digits"},
+        "dataset": load_kw.get("dataset") or {"name": "digits"},
         "data_seed": params.get("data_seed", 0),
-        "calib_seed": dict(params.get("load_kw") or {}).get("calib_seed", 0),  # which draw of the calibration split
+        "calib_seed": load_kw.get("calib_seed", 0),  # which draw of the calibration split
         "preprocessing": {"transform": prep["transform"], "code": prep["code"]},
         "evaluation": {"split": "evaluation", "digest": final.get("eval_digest"),
                        "indices": prep["evaluation_indices"]},
