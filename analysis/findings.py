@@ -291,10 +291,23 @@ def noise_line(gb: pd.DataFrame, rows: list[dict]) -> str:
     if noise.empty:
         what = "Quoted numbers are each cell's best search trial (no re-evaluation: noise not measured)"
     else:
-        what = (f"Quoted numbers are the mean of {int(n_re.median())} re-evaluations of each searched cell's winner; "
-                f"noise median ±{100 * noise.median():.2f} pp, max ±{100 * noise.max():.2f} pp, on this one draw "
-                f"of the calibration images (another draw can move a cell beyond it: docs/methods.md#reading-the-noise)")
+        what = (f"Quoted numbers are the mean of {int(n_re.median())} re-evaluations of each searched cell's winner"
+                f"{_draws_said(searched)}; noise median ±{100 * noise.median():.2f} pp, max ±{100 * noise.max():.2f} "
+                "pp, " + ("the draw's spread included" if _drawn(searched) > 1 else "on this one draw of the "
+                          "calibration images (another draw can move a cell beyond it: docs/methods.md#reading-the-noise)"))
     return f"{what}; {told}.{_seeded_masks(gb)}"
+
+
+def _drawn(searched: pd.DataFrame) -> int:
+    """The calibration draws a typical searched cell's re-evaluations healed on (median; 1: the sweep's own)."""
+    n = searched["n_draws"].dropna() if "n_draws" in searched.columns else pd.Series(dtype=float)
+    n = n[n > 0]
+    return int(n.median()) if len(n) else 1
+
+
+def _draws_said(searched: pd.DataFrame) -> str:
+    k = _drawn(searched)
+    return f", healed on {k} other draws of the calibration images (search.calib_draws)" if k > 1 else ""
 
 
 def _seeded_masks(gb: pd.DataFrame) -> str:

@@ -63,7 +63,8 @@ def reported(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.DataF
 
     - ``healed_acc``: the re-evaluations' mean (the winner's own accuracy when there are none),
     - ``healed_acc_search``: the winner's own accuracy, ``healed_acc_sd``: the re-evaluations' std,
-    - ``n_reevaluated``: finished re-evaluations, ``retention``: ``healed_acc / dense_acc``,
+    - ``n_reevaluated``: finished re-evaluations, ``n_draws``: the calibration draws they healed on,
+      ``retention``: ``healed_acc / dense_acc``,
     - ``seed_sd``, ``search_sd``, ``noise``: the noise model of the module docstring (accuracy units)."""
     best = quoted_per_cell(trials, objective)  # search trials only: the configuration re-evaluated
     again = _of_winners(trials[(stage_of(trials) == "reevaluate") & (trials["status"] == "FINISHED")], best)
@@ -72,12 +73,23 @@ def reported(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.DataF
     best["healed_acc_search"] = best["healed_acc"]
     m = best["cell_id"].map(stats["mean"]) if stats is not None else pd.Series(np.nan, index=best.index)
     best["n_reevaluated"] = (best["cell_id"].map(stats["size"]).fillna(0).astype(int) if stats is not None else 0)
+    best["n_draws"] = _draws(again, best)
     searched = trials[(stage_of(trials) != "reevaluate") & (trials["status"] == "FINISHED")]
     best["healed_acc_sd"] = best["cell_id"].map(stats["std"]) if stats is not None else np.nan
     best["healed_acc"] = m.where(m.notna(), best["healed_acc_search"])
     dense = best["dense_acc"].astype(float)
     best["retention"] = np.where(dense > 0, best["healed_acc"] / dense.where(dense > 0, 1.0), 0.0)
     return _noise(best, searched, objective)
+
+
+def _draws(again: pd.DataFrame, best: pd.DataFrame) -> pd.Series:
+    """Per cell (``best``'s index): the calibration draws its re-evaluations healed on (search.calib_draws: each
+    re-evaluation on another; <NA> calib_seed is the sweep's own draw); 0 without re-evaluations."""
+    if again.empty:
+        return pd.Series(0, index=best.index)
+    seeds = again["calib_seed"] if "calib_seed" in again.columns else pd.Series(pd.NA, index=again.index)
+    n = seeds.astype(object).where(seeds.notna(), "own").groupby(again["cell_id"]).nunique()
+    return best["cell_id"].map(n).fillna(0).astype(int)
 
 
 def _of_winners(again: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:

@@ -44,7 +44,8 @@ _STR_PARAMS = ("model", "pruner", "scope", "healer", "granularity", "grid", "mod
                "mask_digest",  # the mask's content (differs between seeds where the mask depends on the seed)
                "pruner_settings", "healer_settings")  # resolved settings, as logged: two entries of one method
 FLOAT_PARAM_COLUMNS = ("sparsity", "lr")
-INT_COLUMNS = ("calib_size", "epochs", "batch_size", "seed", "optuna_trial", "steps", "heal_seed")  # nullable Int64
+# nullable Int64; calib_seed: a re-evaluation's calibration draw (search.calib_draws), <NA>: the sweep's own
+INT_COLUMNS = ("calib_size", "epochs", "batch_size", "seed", "optuna_trial", "steps", "heal_seed", "calib_seed")
 # The search objectives and their direction (orchestrator/spec/checks.py OBJECTIVES; docs/methods.md#search).
 OBJECTIVE_MODES = {"selection_acc": "max", "heldout_align": "min"}
 METRIC_COLUMNS = (

@@ -35,6 +35,9 @@ def main(args) -> int:
     total = "up to " if any(upto.values()) else ""  # search.converge: trials_per_cell and re-evaluations are caps
     if total:
         notes.append("search.converge: a cell stops when its search converges, so these are caps")
+    if spec.search.calib_draws:  # orchestrator/sweep/draws.py: what each draw adds before the trials
+        notes.append(f"re-evaluations heal on {spec.search.calib_draws} other calibration draw(s), each with its own "
+                     "dense targets and, for pruners that read images, masks")
     note = f" ({'; '.join(notes)})" if notes else ""
     print(f"{args.spec}: ok: {plural(len(cells), 'cell')}, {total}{plural(sum(trials.values()), 'trial')}{note}")
     if spec.grids:

@@ -72,6 +72,19 @@ def reevaluation_seeds(seed: int, n: int) -> list[int]:
     return [1000 * (k + 1) + seed for k in range(n)]
 
 
+def reevaluation_draws(calib_seed: int, n: int) -> list[int]:
+    """The ``calib_seed`` of each of the ``n`` other calibration draws re-evaluations heal on (search.calib_draws):
+    never the sweep's own draw, and apart from the draws of a sweep whose calib_seed is one more (a retest on the
+    next draw, benchmarks/bench_retest.py run D, shares none of them)."""
+    return [1000 * (k + 1) + calib_seed for k in range(n)]
+
+
+def draw_of_reevaluation(number: int, n_draws: int) -> int | None:
+    """Which of the ``n_draws`` draws re-evaluation ``number`` (0-based, its trial number in the cell's reevaluate
+    study) heals on, cycling; None when there are none (every trial on the sweep's own draw)."""
+    return number % n_draws if n_draws else None
+
+
 def study_label(cell: Mapping[str, Any]) -> str:
     """A person's name for a cell's study (optuna-dashboard lists studies by name): model / pruner / sparsity /
     calibration size / healer / seed, then the cell id (the key everything else uses)."""

@@ -1,7 +1,8 @@
 """The one Ray Tune ``Searcher`` of a sweep, over any registered search design.
 
 ``suggest`` asks the design and returns the full trial config (the cell, the parameters, the trial id, the stage
-and, for re-evaluations, the healing seed); ``on_trial_complete`` tells the design the objective. Tells are
+and, for re-evaluations, the healing seed, and with search.calib_draws the other calibration draw's store key, mask
+key and load arguments: orchestrator/sweep/draws.py); ``on_trial_complete`` tells the design the objective. Tells are
 deferred (``defer``: the driver runs them after that trial's MLflow writes, on the writer's thread), so a told
 trial always has its complete MLflow run, and a design's waits (``ready``) release only once the tell is written.
 
@@ -20,12 +21,13 @@ from __future__ import annotations
 import math
 import threading
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from optuna.trial import TrialState
 from ray.tune.search import Searcher
 
-from orchestrator.search.base import CEILING, FINISHED, N_SELECTION, SEARCH, Ask, Budget, SearchDesign
+from orchestrator.search.base import CEILING, FINISHED, N_SELECTION, REEVALUATE, SEARCH, Ask, Budget, SearchDesign
+from orchestrator.search.records import draw_of_reevaluation
 from orchestrator.search.registry import DESIGNS
 from orchestrator.spec.schema import converge_of
 from tasks.atomic import DiskFullError
@@ -37,9 +39,13 @@ def _raise(e: BaseException) -> None:
 
 class DesignSearcher(Searcher):
     def __init__(self, design: SearchDesign, *, metric: str = "selection_acc", mode: str = "max",
-                 defer: Callable[[Callable[[], None]], None] | None = None, epochs_max: int | None = None) -> None:
+                 defer: Callable[[Callable[[], None]], None] | None = None, epochs_max: int | None = None,
+                 draws: Sequence[Mapping[str, Mapping[str, Any]]] = ()) -> None:
         super().__init__(metric=metric, mode=mode)
         self.design = design
+        # search.calib_draws: per other draw, {cell id: the config keys that move a trial onto it} (store_key,
+        # mask_key, load_kw, calib_draw: orchestrator/sweep/draws.py); re-evaluations cycle through them
+        self.draws = [dict(d) for d in draws]
         self._defer = defer or (lambda fn: fn())
         self._asha_epochs = {"epochs": epochs_max} if design.asha and epochs_max else {}
         self._live: dict[str, Ask] = {}  # tune trial id -> the design's ask
@@ -106,6 +112,9 @@ class DesignSearcher(Searcher):
                "trial_id": a.trial_id, "stage": a.stage}
         if a.heal_seed is not None:
             cfg["heal_seed"] = a.heal_seed
+        j = draw_of_reevaluation(a.number, len(self.draws)) if a.stage == REEVALUATE else None
+        if j is not None:  # this re-evaluation heals on another calibration draw: its targets, mask, images
+            cfg.update(self.draws[j][a.cell_id])
         return cfg
 
     def _report(self, trial_id: str, result: Mapping[str, Any] | None) -> None:
@@ -190,24 +199,24 @@ class _Pending:
 
 def make_searcher(cells: list[Mapping[str, Any]], budgets: Mapping[str, Budget], design: str, sampler_seed: int,
                   journal: Path, *, metric: str = "selection_acc", mode: str = "max", asha: bool = False,
-                  defer=None, epochs_max: int | None = None) -> DesignSearcher:
+                  defer=None, epochs_max: int | None = None, draws=()) -> DesignSearcher:
     cls = DESIGNS.get(design)
     d = cls(cells, budgets, sampler_seed, journal, direction="maximize" if mode == "max" else "minimize", asha=asha)
-    return DesignSearcher(d, metric=metric, mode=mode, defer=defer, epochs_max=epochs_max)
+    return DesignSearcher(d, metric=metric, mode=mode, defer=defer, epochs_max=epochs_max, draws=draws)
 
 
 def PerCellOptunaSearch(cells, trials_per_cell: int, lr, epochs, sampler_seed: int, journal: Path, *,  # noqa: N802
                         asha: bool = False, startup_trials: int | None = None, metric: str = "selection_acc",
                         mode: str = "max", defer=None, grids=None, steps=None, design: str = "tpe",
-                        reevaluate: int = 0, converge=None) -> DesignSearcher:
+                        reevaluate: int = 0, converge=None, draws=()) -> DesignSearcher:
     """The searcher from plain arguments (one budget for every cell; ``grids``: grid name -> search settings for
-    cells of that grid): what tests and the sweep's tune stage build."""
+    cells of that grid; ``draws``: DesignSearcher's): what tests and the sweep's tune stage build."""
     default = Budget(trials_per_cell, tuple(lr), ("steps", tuple(steps)) if steps else ("epochs", tuple(epochs)),
                      startup_trials, reevaluate, converge=converge_of(converge))
     per = {name: budget_of(g) for name, g in (grids or {}).items()}
     budgets = {c["cell_id"]: per.get(c.get("grid"), default) for c in cells}
     return make_searcher(cells, budgets, design, sampler_seed, journal, metric=metric, mode=mode, asha=asha,
-                         defer=defer, epochs_max=epochs[1] if epochs else None)
+                         defer=defer, epochs_max=epochs[1] if epochs else None, draws=draws)
 
 
 PerCellOptunaSearch.FINISHED = Searcher.FINISHED

@@ -141,7 +141,7 @@ def _search(search: Any) -> dict:
     s = {k: v for k, v in (search or {}).items() if k not in ("design", "explore", "startup_trials", "widen",
                                                                "scheduler", "asha_grace_period",
                                                                "asha_reduction_factor")}
-    s.update(trials_per_cell=1, reevaluate=0, objective="selection_acc")
+    s.update(trials_per_cell=1, reevaluate=0, objective="selection_acc", calib_draws=0)  # no re-evaluation: no draws
     if s.get("epochs") is not None or (search or {}).get("scheduler") == "asha":  # the real run searches epochs
         s["epochs"] = [1, 1]
     else:  # steps, given or the default (orchestrator/spec/schema.py SearchSpec)

@@ -45,7 +45,7 @@ from orchestrator.spec.checks import (
 from orchestrator.spec.compat import check_models, check_outputs, check_size
 from orchestrator.spec.grids import parse_grids, view_raw
 from orchestrator.spec.methods import check_healer_data, parse_healers, parse_methods
-from orchestrator.spec.schema import HealSpec, MlflowSpec, ResourceSpec, SearchSpec, StoreSpec, SweepSpec
+from orchestrator.spec.schema import HealSpec, MlflowSpec, ResourceSpec, SearchSpec, StoreSpec, SweepSpec, converge_of
 from orchestrator.spec.sources import dataset_layout, from_dict_form, parse_dataset, parse_models
 
 REQUIRED = {"name", "models", "sparsities", "calib_sizes", "pruners", "healers"}
@@ -159,7 +159,19 @@ def parse_search(v: Any) -> SearchSpec:
                                            epochs[1] if epochs else MAX_EPOCHS),
                       check_num(s.asha_reduction_factor, "search.asha_reduction_factor", int, 2, 1000),
                       steps, parse_widen(s.widen), *parse_design(s, scheduler))
-    return replace(out, converge=parse_converge(s.converge, out.design))
+    out = replace(out, converge=parse_converge(s.converge, out.design))
+    return replace(out, calib_draws=parse_calib_draws(s.calib_draws, out))
+
+
+def parse_calib_draws(v: Any, s: SearchSpec) -> int:
+    """``search.calib_draws``: other calibration draws the re-evaluations cycle through; at most as many as there
+    are re-evaluations (a draw no re-evaluation heals on would be computed for nothing)."""
+    draws = check_num(v, "search.calib_draws", int, 0, MAX_REEVALUATE)
+    most = converge_of(s.converge).reevaluations(s.reevaluate) if s.converge is not None else s.reevaluate
+    if draws > most:
+        raise SpecError("search.calib_draws", f"{draws} draws, but the winners are re-evaluated at most {most} "
+                                              "time(s) (search.reevaluate): raise it or lower calib_draws")
+    return draws
 
 
 CONVERGE_KEYS = {"se_target": (float, 1e-4, 1.0), "reevaluate_max": (int, 1, MAX_REEVALUATE),

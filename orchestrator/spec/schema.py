@@ -70,6 +70,9 @@ class SearchSpec:
     # shared: {se_target, reevaluate_max, min_noise, widen_steps} (or {}): trials_per_cell becomes a per-cell cap, the
     # search stops when it converges, re-evaluations follow their spread (orchestrator/search/converge.py); None: fixed
     converge: Mapping[str, Any] | None = None
+    # re-evaluation k heals on calibration draw k mod calib_draws of its own (calib_seed + 1000 (j + 1), j < calib_draws:
+    # orchestrator/sweep/draws.py), so the quoted mean and its noise span draws; 0: every trial on the sweep's draw
+    calib_draws: int = 0
 
     @property
     def per_cell(self) -> int:

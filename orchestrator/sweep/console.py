@@ -13,8 +13,8 @@ from contextlib import contextmanager
 from typing import Callable
 
 # Stage names, in the order a sweep runs them (docs/usage.md, "What a sweep does").
-STAGES = ("imports", "spec", "models", "ray", "dense", "diagnostics", "masks", "parent", "tune_start", "trials",
-          "mlflow_flush", "ray_shutdown", "report")
+STAGES = ("imports", "spec", "models", "ray", "dense", "diagnostics", "masks", "draws", "parent", "tune_start",
+          "trials", "mlflow_flush", "ray_shutdown", "report")  # draws: only with search.calib_draws
 
 
 def process_age() -> float:

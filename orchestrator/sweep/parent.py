@@ -67,7 +67,7 @@ def parent_run(s: SweepState) -> ParentRun:
             "scheduler": spec.search.scheduler, "grids": ",".join(["main", *(g.name for g in spec.grids)]),
             "search_design": spec.search.design, "reevaluate": spec.search.reevaluate,
             "sampler_seed": spec.search.sampler_seed, "search_converge": converge_param(spec.search.converge),
-            "calib_seed": spec.calib_seed})
+            "calib_seed": spec.calib_seed, "calib_draws": spec.search.calib_draws})
         client.log_text(info["parent_run_id"], spec_json, "spec.json")
         write_sweep(s.out_dir, info)
     else:

@@ -1,4 +1,5 @@
-"""Run a sweep: models -> dense targets -> diagnostics -> masks -> trials (Ray Tune + per-cell Optuna; the MLflow
+"""Run a sweep: models -> dense targets -> diagnostics -> masks -> [other calibration draws: the same three stages
+per draw, search.calib_draws] -> trials (Ray Tune + per-cell Optuna; the MLflow
 parent run is created beside their start: orchestrator/sweep/parent.py) -> MLflow -> report. ``run_sweep`` is the
 sequence of named stages below, each timed (``StageClock``): the times go to the parent run as
 ``stage_<name>_seconds`` and are printed at the end. What the stages hand each other is a ``SweepState``
@@ -33,6 +34,7 @@ from orchestrator.sweep import end as sweep_end
 from orchestrator.sweep import parent as parent_stage
 from orchestrator.sweep.background import background
 from orchestrator.sweep.console import StageClock, TrialProgress, quiet_libraries
+from orchestrator.sweep.draws import draw_specs, prepare_draw, store_keys, trial_overrides
 from orchestrator.sweep.planner import decision_line, plan_target_modes
 from orchestrator.sweep.state import Handoff, ModelsPart, SweepResult, SweepState
 from orchestrator.tracking import store as tracking_store
@@ -88,7 +90,8 @@ def take_models(s: SweepState, part: ModelsPart) -> None:
 def write_targets(s: SweepState) -> None:
     """``targets.json`` (for `healsweep store gc --keep-referenced`): the store, its keys, each model's mode."""
     (s.out_dir / "targets.json").write_text(json.dumps(
-        {"store": s.paths["targets"], "keys": {m: i.store_key for m, i in s.models.items()}, "modes": s.modes},
+        {"store": s.paths["targets"], "keys": {**{m: i.store_key for m, i in s.models.items()}, **store_keys(s.draws)},
+         "modes": s.modes},
         indent=1))
 
 
@@ -156,6 +159,23 @@ def dense_and_masks(s: SweepState, progress: bool) -> None:
         nodes = sorted({r["node_id"] for r in s.mask_keys.computed})
         clock.say(f"[masks] {len(s.mask_keys.computed)} computed {why}"
                   + (f" on node(s) {', '.join(n[:12] for n in nodes)}" if not in_driver else ""))
+    other_draws(s, in_driver, progress)
+
+
+def other_draws(s: SweepState, in_driver: bool, progress: bool) -> None:
+    """search.calib_draws: each other calibration draw's targets, diagnostics and masks (orchestrator/sweep/draws.py)."""
+    specs = draw_specs(s.spec)
+    if not specs:
+        return
+    seeds = ", ".join(str(d.calib_seed) for d in specs)
+    with s.clock.stage("draws", f"calibration draws for re-evaluations: calib_seed {seeds}"):
+        s.draws = [prepare_draw(d, s.cells, s.rows, s.modes, s.paths, on_cluster=s.on_cluster, in_driver=in_driver,
+                                progress=progress) for d in specs]
+    computed = sum(d.dense for d in s.draws)
+    s.dense_total = record_dense(s.out_dir, s.info, s.session, sum(s.dense.values()) + computed)  # this session's
+    write_targets(s)  # the draws' keys too
+    s.clock.say(f"[draws] {computed} dense images and {sum(d.masks for d in s.draws)} masks computed for "
+                f"{len(specs)} draw(s)")
 
 
 def tune_stage(s: SweepState, progress: bool, report: bool = True) -> None:
@@ -172,13 +192,14 @@ def tune_stage(s: SweepState, progress: bool, report: bool = True) -> None:
         threads, device = max(1, int(spec.resources.cpus_per_trial)), trial_device(spec.resources)
         configs = [trial_config(c, spec, s.paths, s.models[c.model].store_key, s.mask_keys[c.cell_id],
                                  gran[c.model], threads, device, s.modes[c.model]) for c in s.cells]
+        draws = [trial_overrides(d, s.cells, j) for j, d in enumerate(s.draws)]
         t.concurrency = cluster.present_concurrency(spec.resources, ray.cluster_resources())  # at start; logged
         t.max_concurrent = cluster.tune_concurrency(spec.resources, {})
         t.writer = writer = AsyncMlflowWriter(lambda: s.tracking().client)
         t.searcher = searcher = PerCellOptunaSearch(
             configs, spec.search.trials_per_cell, spec.search.lr, spec.search.epochs, spec.search.sampler_seed,
             s.journal, asha=spec.search.scheduler == "asha", startup_trials=spec.search.startup_trials,
-            defer=writer.submit, grids=grid_searches(spec), **search_kwargs(spec.search))
+            defer=writer.submit, grids=grid_searches(spec), draws=draws, **search_kwargs(spec.search))
         t.logger = logger_cb = MlflowTrialLogger(writer, spec.mlflow.experiment, s.info["sweep_id"],
                                                  lambda: s.tracking().run_id, s.dense, replace=s.resume)
 
@@ -279,7 +300,7 @@ def _run_and_end(s: SweepState, t0: float, started_ray: bool, models_ready: Hand
     clock.say(clock.summary())
     release_run_dir(s.out_dir)
     return SweepResult(s.info["sweep_id"], s.out_dir, s.info["tracking_uri"], run.run_id if run else "", finished, failed,
-                       sum(s.dense.values()), seconds, paths_out, dict(clock.seconds),
+                       sum(s.dense.values()) + sum(d.dense for d in s.draws), seconds, paths_out, dict(clock.seconds),
                        trials_planned=s.tune.planned, interrupted=interrupt.received())
 
 

@@ -124,6 +124,7 @@ class SweepState:
     diag: DiagnosticsResult | None = None
     preloaded: dict[str, ModelInfo] | None = None  # prepared by the caller (run_sweep(models=...))
     mask_keys: MaskResult | None = None  # {cell_id: key} + provenance
+    draws: list = field(default_factory=list)  # search.calib_draws: orchestrator/sweep/draws.py Draw per other draw
     on_cluster: bool = False  # --address given: model, mask and dense work goes to Ray tasks on the workers
     guard: NodeGuard | None = None  # on a cluster: nodes that cannot import the project
     parent_stage: Handoff[ParentRun] | None = None

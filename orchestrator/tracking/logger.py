@@ -120,6 +120,8 @@ class MlflowTrialLogger(Callback):
                    Param("latency_rounds", str(c.get("latency_rounds", 20)))]  # heal.latency_rounds (CORP's timing)
         if c.get("heal_seed") is not None:  # a re-evaluation: the healing seed (``seed`` stays the cell's: its mask)
             params.append(Param("heal_seed", str(c["heal_seed"])))
+        if c.get("calib_draw") is not None:  # a re-evaluation on another calibration draw (search.calib_draws)
+            params.append(Param("calib_seed", str(c["load_kw"].get("calib_seed", 0))))
         if "steps" in c:  # a steps-based search (docs/methods.md#search): the budget; `epochs` is what it needed
             params.append(Param("steps", str(c["steps"])))
 

@@ -143,6 +143,14 @@ def test_leads_are_counted_only_where_a_cell_has_a_second_method():
     # measured noise is one calibration draw's (a retest with calib_seed + 1 moved cells beyond it): said so
     assert "±1.00 pp, on this one draw of the calibration images (another draw can move" in noise_line(two, rows)
     assert "draw" not in noise_line(one, best_rows(one))  # no noise measured: nothing to qualify
+    # search.calib_draws: the re-evaluations healed on other draws, so the noise holds the draw's spread: said so
+    two["n_draws"] = 2
+    line = noise_line(two, rows)
+    assert ("mean of 2 re-evaluations of each searched cell's winner, healed on 2 other draws of the calibration "
+            "images (search.calib_draws); noise median ±1.00 pp, max ±1.00 pp, the draw's spread included; ") in line
+    assert "one draw" not in line
+    two["n_draws"] = 1  # every re-evaluation on the sweep's own draw
+    assert "on this one draw of the calibration images" in noise_line(two, rows)
 
 
 def test_the_noise_line_says_where_the_mask_depends_on_the_seed():

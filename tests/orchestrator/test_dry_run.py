@@ -146,3 +146,13 @@ def test_a_dry_run_shortens_the_length_the_real_run_searches(folder, search, len
         raw["search"] = search
     assert parse_spec(raw).search.length[0] == length[0]
     assert parse_spec(dry_run_spec(raw, folder)).search.length == length
+
+
+def test_a_dry_run_of_a_spec_with_calibration_draws_runs_no_reevaluation_and_no_draw(folder):
+    """search.calib_draws needs re-evaluations; a dry run has none (one trial per cell), so it drops the draws
+    instead of refusing the spec the real run accepts."""
+    raw = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    raw["search"] = {**raw["search"], "reevaluate": 2, "calib_draws": 2}
+    assert parse_spec(raw).search.calib_draws == 2
+    dry = parse_spec(dry_run_spec(raw, folder)).search
+    assert (dry.reevaluate, dry.calib_draws) == (0, 0)

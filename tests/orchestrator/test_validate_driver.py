@@ -85,6 +85,8 @@ def test_validate_counts_the_cells_plan_expands(config, monkeypatch, tmp_path):
     ({"design": "grid", "lattice": [2, 2], "trials_per_cell": 4, "reevaluate": 0}, ["starfish"], "ok: 1 cell, 4 trials"),
     ({"trials_per_cell": 1, "reevaluate": 0}, ["none"], "ok: 1 cell, 1 trial (1 cell whose healer does not train "
                                                          "runs 1 trial)"),
+    ({"trials_per_cell": 2, "reevaluate": 2, "calib_draws": 2}, ["starfish"], "ok: 1 cell, 4 trials (re-evaluations "
+     "heal on 2 other calibration draw(s), each with its own dense targets and, for pruners that read images, masks)"),
 ])
 def test_validate_says_what_it_counts_in_words_that_fit(tmp_path, search, healers, want):
     """"1 cells, 1 trials" read wrong, and design 'grid' dropped trials_per_cell without a word (it runs every lattice
