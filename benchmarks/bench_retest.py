@@ -10,8 +10,9 @@
   measures the healing's noise and A vs B the search's;
 - run D (``--runs A D``): ``calib_seed`` + 1, another draw of the calibration images at every size (same models,
   seeds and search; new dense targets, and new masks where a pruner reads calibration images): what a report says
-  of a tiny calibration set should hold for another set of that size. The noise a report claims comes from healing
-  seeds and siblings and does not include the draw (benchmarks/bench_calib_draw.py measures the draw's spread).
+  of a tiny calibration set should hold for another set of that size. The noise a report claims includes the draw
+  only with ``search.calib_draws`` (the default spec's 2: re-evaluations on other draws, none of which run D shares);
+  benchmarks/bench_calib_draw.py measures the draw's spread at fixed hyperparameters.
 
 For A vs B, A vs C and A vs D, per grid (``benchmarks/_retest.py``): per-cell |delta| of the quoted accuracy (median,
 p90, max) and how often the claimed noise covers it (|delta| <= 2 hypot(noise_A, noise_B)); orderings between

@@ -127,7 +127,7 @@ def test_default_sweep_holds_the_healer_comparison(capsys):
     out = capsys.readouterr().out
     # main: 50 starfish cells x (3 search + 2 re-evaluations) + 50 crbn cells; healers: 45 training cells x (3 + 2)
     # + 9 `none` cells
-    assert "154 cells, 534 trials (59 cells whose healer does not train run 1 trial)" in out
+    assert "154 cells, 534 trials (59 cells whose healer does not train run 1 trial; " in out
     assert "grid main: 100 cells, 300 trials; grid healers: 54 cells, 234 trials" in out
 
 
