@@ -293,21 +293,29 @@ def noise_line(gb: pd.DataFrame, rows: list[dict]) -> str:
     else:
         what = (f"Quoted numbers are the mean of {int(n_re.median())} re-evaluations of each searched cell's winner"
                 f"{_draws_said(searched)}; noise median ±{100 * noise.median():.2f} pp, max ±{100 * noise.max():.2f} "
-                "pp, " + ("the draw's spread included" if _drawn(searched) > 1 else "on this one draw of the "
-                          "calibration images (another draw can move a cell beyond it: docs/methods.md#reading-the-noise)"))
+                "pp, " + (f"the draw's spread included{_closed_form_said(gb)}" if _drawn(searched) else
+                          "on this one draw of the calibration images (another draw can move a cell beyond it: "
+                          "docs/methods.md#reading-the-noise)"))
     return f"{what}; {told}.{_seeded_masks(gb)}"
 
 
 def _drawn(searched: pd.DataFrame) -> int:
-    """The calibration draws a typical searched cell's re-evaluations healed on (median; 1: the sweep's own)."""
+    """The other calibration draws a typical re-evaluated cell healed on (median, rounded half up; 0: none, every
+    re-evaluation on the sweep's own draw)."""
     n = searched["n_draws"].dropna() if "n_draws" in searched.columns else pd.Series(dtype=float)
-    n = n[n > 0]
-    return int(n.median()) if len(n) else 1
+    n = n[searched.loc[n.index, "n_reevaluated"] > 0] if "n_reevaluated" in searched.columns else n
+    return int(n.median() + 0.5) if len(n) else 0
 
 
 def _draws_said(searched: pd.DataFrame) -> str:
     k = _drawn(searched)
-    return f", healed on {k} other draws of the calibration images (search.calib_draws)" if k > 1 else ""
+    return f", healed on {k} other draw{'s' * (k > 1)} of the calibration images (search.calib_draws)" if k else ""
+
+
+def _closed_form_said(gb: pd.DataFrame) -> str:
+    """Closed-form cells (lr 0: CR+BN, none) run once, on the sweep's draw: their noise is not the draw's."""
+    fixed = gb["lr"].fillna(0) <= 0 if "lr" in gb.columns else pd.Series(False, index=gb.index)
+    return " (not in closed-form cells: healed once, on the sweep's draw)" if bool(fixed.any()) else ""
 
 
 def _seeded_masks(gb: pd.DataFrame) -> str:

@@ -63,7 +63,7 @@ def reported(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.DataF
 
     - ``healed_acc``: the re-evaluations' mean (the winner's own accuracy when there are none),
     - ``healed_acc_search``: the winner's own accuracy, ``healed_acc_sd``: the re-evaluations' std,
-    - ``n_reevaluated``: finished re-evaluations, ``n_draws``: the calibration draws they healed on,
+    - ``n_reevaluated``: finished re-evaluations, ``n_draws``: the other calibration draws they healed on,
       ``retention``: ``healed_acc / dense_acc``,
     - ``seed_sd``, ``search_sd``, ``noise``: the noise model of the module docstring (accuracy units)."""
     best = quoted_per_cell(trials, objective)  # search trials only: the configuration re-evaluated
@@ -83,12 +83,11 @@ def reported(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.DataF
 
 
 def _draws(again: pd.DataFrame, best: pd.DataFrame) -> pd.Series:
-    """Per cell (``best``'s index): the calibration draws its re-evaluations healed on (search.calib_draws: each
-    re-evaluation on another; <NA> calib_seed is the sweep's own draw); 0 without re-evaluations."""
-    if again.empty:
+    """Per cell (``best``'s index): the other calibration draws its re-evaluations healed on (search.calib_draws:
+    param calib_seed; <NA>: the sweep's own draw, not counted); 0 without any."""
+    if again.empty or "calib_seed" not in again.columns:
         return pd.Series(0, index=best.index)
-    seeds = again["calib_seed"] if "calib_seed" in again.columns else pd.Series(pd.NA, index=again.index)
-    n = seeds.astype(object).where(seeds.notna(), "own").groupby(again["cell_id"]).nunique()
+    n = again["calib_seed"].groupby(again["cell_id"]).nunique()  # NA is not a value: the own draw counts 0
     return best["cell_id"].map(n).fillna(0).astype(int)
 
 

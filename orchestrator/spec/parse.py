@@ -43,7 +43,7 @@ from orchestrator.spec.checks import (
     local_path,
 )
 from orchestrator.spec.compat import check_models, check_outputs, check_size
-from orchestrator.spec.grids import parse_grids, view_raw
+from orchestrator.spec.grids import parse_grids, view_raw, views
 from orchestrator.spec.methods import check_healer_data, parse_healers, parse_methods
 from orchestrator.spec.schema import HealSpec, MlflowSpec, ResourceSpec, SearchSpec, StoreSpec, SweepSpec, converge_of
 from orchestrator.spec.sources import dataset_layout, from_dict_form, parse_dataset, parse_models
@@ -103,6 +103,7 @@ def parse_spec(raw: Any, base_dir: str | Path | None = None) -> SweepSpec:
         spec = replace(spec, cells=parse_cells(d["cells"]))
     if d.get("grids"):  # [] (what to_dict writes for none) = no extra grids
         spec = replace(spec, grids=parse_grids(d["grids"], spec, lambda g, s, p: _parse_view(raw, g, s, p)))
+    check_calib_draws(spec)
     check_size(spec)
     return spec
 
@@ -110,7 +111,8 @@ def parse_spec(raw: Any, base_dir: str | Path | None = None) -> SweepSpec:
 def _parse_view(raw: Mapping, grid: Mapping, search: Mapping, path: str) -> SweepSpec:
     """One extra grid as a whole spec (``view_raw``), validated by ``parse_spec`` itself so that every rule
     holds for it; error paths gain ``path`` in front."""
-    view = view_raw(raw, grid, search, path)  # its own errors carry the grid's path already
+    # calib_draws is the sweep's (checked against every grid's re-evaluations together: check_calib_draws)
+    view = view_raw(raw, grid, {**search, "calib_draws": 0}, path)  # its own errors carry the grid's path already
     try:
         return parse_spec(view)
     except SpecError as e:
@@ -160,18 +162,23 @@ def parse_search(v: Any) -> SearchSpec:
                       check_num(s.asha_reduction_factor, "search.asha_reduction_factor", int, 2, 1000),
                       steps, parse_widen(s.widen), *parse_design(s, scheduler))
     out = replace(out, converge=parse_converge(s.converge, out.design))
-    return replace(out, calib_draws=parse_calib_draws(s.calib_draws, out))
+    return replace(out, calib_draws=check_num(s.calib_draws, "search.calib_draws", int, 0, MAX_REEVALUATE))
 
 
-def parse_calib_draws(v: Any, s: SearchSpec) -> int:
-    """``search.calib_draws``: other calibration draws the re-evaluations cycle through; at most as many as there
-    are re-evaluations (a draw no re-evaluation heals on would be computed for nothing)."""
-    draws = check_num(v, "search.calib_draws", int, 0, MAX_REEVALUATE)
-    most = converge_of(s.converge).reevaluations(s.reevaluate) if s.converge is not None else s.reevaluate
-    if draws > most:
-        raise SpecError("search.calib_draws", f"{draws} draws, but the winners are re-evaluated at most {most} "
-                                              "time(s) (search.reevaluate): raise it or lower calib_draws")
-    return draws
+def check_calib_draws(spec: SweepSpec) -> None:
+    """``search.calib_draws``: other calibration draws the re-evaluations cycle through; at most as many as some
+    grid re-evaluates its winners (a draw no re-evaluation heals on would be computed for nothing)."""
+    most = max(reevaluations(v.search) for _, v in views(spec))
+    if spec.search.calib_draws > most:
+        raise SpecError("search.calib_draws", f"{spec.search.calib_draws} draws, but the winners are re-evaluated at "
+                                              f"most {most} time(s) (search.reevaluate, or a grid's): raise it or "
+                                              "lower calib_draws")
+
+
+def reevaluations(search: SearchSpec) -> int:
+    """The most re-evaluations a searched cell of this search runs (``converge``: up to its cap)."""
+    return converge_of(search.converge).reevaluations(search.reevaluate) if search.converge is not None \
+        else search.reevaluate
 
 
 CONVERGE_KEYS = {"se_target": (float, 1e-4, 1.0), "reevaluate_max": (int, 1, MAX_REEVALUATE),

@@ -77,35 +77,48 @@ def _calibration_rows(model: str, cache_dir: Path, data_seed: int, load_kw: dict
 
 
 # ---------------------------------------------------------------------------------------------- budget
+def _rows_held(store: TargetStore, key: str) -> int:
+    """Rows a key's manifest records; 0 when it has none or a damaged one (the dense stage quarantines and
+    rebuilds it: counted as all new)."""
+    try:
+        man = store.manifest(key)
+    except StoreError:
+        return 0
+    return man["num_rows"] if man else 0
+
+
+def _draws_said(n: int) -> str:
+    return f" (and its {n} other calibration draw{'s' * (n > 1)})" if n else ""
+
+
 class StoreBudgetError(Exception):
     """The targets a sweep needs do not fit ``store.budget_gb`` and ``store.on_budget`` is refuse."""
 
 
-def budget_modes(spec, models: Mapping, rows: Mapping[str, int], store_uri: str | Path, cache_dir: Path
-                 ) -> dict[str, str]:
+def budget_modes(spec, models: Mapping, rows: Mapping[str, int], store_uri: str | Path, cache_dir: Path,
+                 draw_keys: Mapping[str, list[str]] | None = None) -> dict[str, str]:
     """{model: "store" | "recompute"} under ``spec.store.budget_gb``; StoreBudgetError (one line) when over
     budget and ``on_budget`` is refuse. Keys already holding enough rows cost nothing new. A budget prices a row
-    with the model (``dense_work.row_bytes``); without one nothing is loaded."""
+    with the model (``dense_work.row_bytes``); without one nothing is loaded. ``draw_keys``: {model: the target
+    keys of its other calibration draws} (search.calib_draws): the sweep's too, priced with its own key."""
     modes = {m: "store" for m in models}
     budget = spec.store.budget_gb
     if budget is None:
         return modes
     store = TargetStore(store_uri)
-    ours = {info.store_key for info in models.values()}
+    keys = {m: [info.store_key, *(draw_keys or {}).get(m, [])] for m, info in models.items()}
+    ours = {k for ks in keys.values() for k in ks}
     used = sum(store.key_bytes(k) for k in store.keys() if k not in ours)
-    for m, info in models.items():
-        try:
-            man = store.manifest(info.store_key)
-        except StoreError:  # damaged: the dense stage quarantines and rebuilds it (counted as all new)
-            man = None
-        need = max(rows[m], man["num_rows"] if man else 0) * _work().row_bytes(m, cache_dir, spec.data_seed,
-                                                                               spec.store.dtype, spec.load_kwargs(m))
+    for m in models:
+        need = sum(max(rows[m], _rows_held(store, k)) for k in keys[m]) * _work().row_bytes(
+            m, cache_dir, spec.data_seed, spec.store.dtype, spec.load_kwargs(m))
         if (used + need) / 1e9 <= budget:
             used += need
             continue
         if spec.store.on_budget == "refuse":
             raise StoreBudgetError(
-                f"store.budget_gb: dense targets of {m} need {need / 1e9:.3g} GB and the store already holds "
+                f"store.budget_gb: dense targets of {m}{_draws_said(len(keys[m]) - 1)} need {need / 1e9:.3g} GB and "
+                f"the store already holds "
                 f"{used / 1e9:.3g} GB, over the budget of {budget:g} GB; raise store.budget_gb, free space with "
                 f"`healsweep store gc`, or set store.on_budget: recompute")
         modes[m] = "recompute"

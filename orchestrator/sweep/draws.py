@@ -14,10 +14,9 @@ diagnostics and mask stages run on it, content-addressed like the sweep's own, s
 sweep computes nothing twice."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Mapping
 
-from orchestrator.search.records import fixed_cell, reevaluation_draws
 from orchestrator.spec import SweepSpec
 from orchestrator.spec.plan import Cell
 from orchestrator.sweep.model_facts import ModelInfo
@@ -25,18 +24,42 @@ from orchestrator.sweep.model_facts import ModelInfo
 
 @dataclass
 class Draw:
-    """One other draw, prepared: its spec, model facts (store keys) and {cell id: mask key}; ``dense``, ``masks``:
-    target images and masks computed now (the rest were in the store)."""
+    """One other draw, prepared: its spec, model facts (store keys) and {cell id: mask key}; what its stages
+    computed now (the rest was in the store): target images and shards, masks, RR layers, and the damaged shards
+    or masks found and recomputed (``events``)."""
     spec: SweepSpec
     models: dict[str, ModelInfo]
     mask_keys: dict[str, str]
     dense: int = 0
     masks: int = 0
+    shards: int = 0
+    layers: int = 0
+    events: list[str] = field(default_factory=list)
+
+
+def totals(draws: list[Draw]) -> dict:
+    """What every draw computed, summed: the parent run's counters add it to the sweep's own
+    (orchestrator/sweep/end.py, parent.py)."""
+    return {"dense": sum(d.dense for d in draws), "masks": sum(d.masks for d in draws),
+            "shards": sum(d.shards for d in draws), "layers": sum(d.layers for d in draws),
+            "events": [e for d in draws for e in d.events]}
 
 
 def draw_specs(spec: SweepSpec) -> list[SweepSpec]:
     """The sweep at each other draw's ``calib_seed`` (none when ``search.calib_draws`` is 0)."""
+    from orchestrator.search.records import reevaluation_draws  # the search package imports Ray Tune and Optuna
+
     return [replace(spec, calib_seed=d) for d in reevaluation_draws(spec.calib_seed, spec.search.calib_draws)]
+
+
+def cells_of_draw(spec: SweepSpec, cells: list[Cell], index: int) -> list[Cell]:
+    """The cells a re-evaluation heals on draw ``index`` for: those whose grid re-evaluates its winners more than
+    ``index`` times (``spec``: this session's, so a widening round's added re-evaluations are counted)."""
+    from orchestrator.spec.grids import MAIN, views
+    from orchestrator.spec.parse import reevaluations
+
+    most = {name: reevaluations(view.search) for name, view in views(spec)}
+    return [c for c in cells if most.get(c.grid or MAIN, 0) > index]
 
 
 def trial_overrides(draw: Draw, cells: list[Cell], index: int) -> dict[str, dict]:
@@ -48,6 +71,16 @@ def trial_overrides(draw: Draw, cells: list[Cell], index: int) -> dict[str, dict
             for c in cells if c.cell_id in draw.mask_keys}
 
 
+def draw_store_keys(spec: SweepSpec, cache: str, on_cluster: bool) -> dict[str, list[str]]:
+    """{model: the target key of each other draw}, before the draws stage: what ``store.budget_gb`` prices with the
+    sweep's own keys (orchestrator/sweep/dense.py ``budget_modes``). Only asked for under a budget (a reference
+    model's facts are cached; another model is loaded once per draw)."""
+    from orchestrator.sweep.stages import prepare_models
+
+    per = [prepare_models(d, cache, progress=False, on_workers=on_cluster) for d in draw_specs(spec)]
+    return {m: [p[m].store_key for p in per] for m in spec.models}
+
+
 def store_keys(draws: list[Draw]) -> dict[str, str]:
     """``targets.json`` entries of the draws' target keys, ``model@calib_seed`` -> key (``store gc
     --keep-referenced`` and ``doctor`` read every value)."""
@@ -57,16 +90,21 @@ def store_keys(draws: list[Draw]) -> dict[str, str]:
 def prepare_draw(spec: SweepSpec, cells: list[Cell], rows: Mapping[str, int], modes: Mapping[str, str],
                  paths: Mapping[str, str], *, on_cluster: bool, in_driver: bool, progress: bool = False) -> Draw:
     """Models, dense targets (only what the store lacks; none for models whose targets are recomputed), RR
-    diagnostics and masks of one draw: the sweep's own stages at the draw's ``calib_seed``."""
+    diagnostics and masks of one draw for ``cells`` (``cells_of_draw``): the sweep's own stages at the draw's
+    ``calib_seed``."""
     from orchestrator.raytune.resources import task_gpus
+    from orchestrator.sweep.dense import DenseReport
     from orchestrator.sweep.diagnostics import diagnostics_stage
     from orchestrator.sweep.stages import dense_stage, mask_stage, prepare_models
+
+    from orchestrator.search.records import fixed_cell
 
     res, cache = spec.resources, paths["cache"]
     cells = [c for c in cells if not fixed_cell(asdict(c))]  # closed-form healers are never re-evaluated
     models = prepare_models(spec, cache, progress=False, on_workers=on_cluster)
+    rep = DenseReport()
     dense = dense_stage(spec, models, dict(rows), paths["targets"], cache, progress=progress,
-                        skip=tuple(m for m, v in modes.items() if v == "recompute"),
+                        skip=tuple(m for m, v in modes.items() if v == "recompute"), report=rep,
                         in_driver=False if on_cluster else None)
     load_kw = {m: spec.load_kwargs(m) for m in models}
     diag = diagnostics_stage(cells, models, paths["diagnostics"], cache, spec.data_seed, int(res.cpus_per_dense_task),
@@ -74,4 +112,5 @@ def prepare_draw(spec: SweepSpec, cells: list[Cell], rows: Mapping[str, int], mo
     masks = mask_stage(cells, models, paths["masks"], cache, spec.data_seed, diagnostics=diag.tables(
         paths["diagnostics"]), load_kw=load_kw, ranking_dir=paths["rankings"], in_driver=in_driver,
         resources=(res.cpus_per_dense_task, task_gpus(res)), device=res.device)
-    return Draw(spec, models, dict(masks), sum(dense.values()), len(masks.computed))
+    return Draw(spec, models, dict(masks), sum(dense.values()), len(masks.computed), sum(rep.shards.values()),
+                diag.computed_layers, [*rep.events, *masks.events])

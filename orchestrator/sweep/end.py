@@ -27,6 +27,7 @@ from orchestrator.rundir.files import release_run_dir, told_states
 from orchestrator.rundir.interrupt import received
 from orchestrator.sweep.background import background
 from orchestrator.sweep.console import StageClock
+from orchestrator.sweep.draws import totals
 from orchestrator.sweep.state import SweepState
 
 
@@ -81,14 +82,16 @@ def summary_stage(s: SweepState, t_start: float, signum: int | None = None) -> t
     compute = logger_cb.trial_seconds
     s.clock.trial_compute = compute  # Σ trial compute (in the trials), printed next to the trials' wall time
     ts = int(time.time() * 1000)
+    drawn = totals(s.draws)  # search.calib_draws: the other draws' work counts with the sweep's own
     values = {
-        "dense_forward_images": s.dense_total, "dense_forward_images_session": sum(s.dense.values()),
+        "dense_forward_images": s.dense_total, "dense_forward_images_session": sum(s.dense.values()) + drawn["dense"],
         "trials_finished": finished, "trials_failed": failed,
         "trials_run": logger_cb.finished + logger_cb.failed, "trials_rerun": len(t.searcher.rerun),
         "sweep_seconds": seconds, "tune_seconds": t.seconds, "concurrency": t.concurrency,
-        "masks_computed": len(s.mask_keys.computed),
-        "diagnostics_layers_computed": diag.computed_layers, "diagnostics_seconds": diag.seconds,
-        "dense_shards_computed": sum(s.dense_rep.shards.values()), "store_integrity_events": len(s.dense_rep.events),
+        "masks_computed": len(s.mask_keys.computed) + drawn["masks"],
+        "diagnostics_layers_computed": diag.computed_layers + drawn["layers"], "diagnostics_seconds": diag.seconds,
+        "dense_shards_computed": sum(s.dense_rep.shards.values()) + drawn["shards"],
+        "store_integrity_events": len(s.dense_rep.events) + len(drawn["events"]),
         "mlflow_callback_seconds": logger_cb.callback_seconds, "mlflow_writer_seconds": writer.write_seconds,
         "mlflow_flush_seconds": s.clock.seconds.get("mlflow_flush", 0.0), "mlflow_write_errors": writer.errors,
         "tune_checkpoint_bytes_freed": t.freed, "trial_compute_seconds": compute, **s.clock.metrics()}

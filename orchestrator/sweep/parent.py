@@ -20,6 +20,7 @@ from pathlib import Path
 from orchestrator.rundir import records
 from orchestrator.rundir.files import reconcile, write_sweep
 from orchestrator.sweep.background import background
+from orchestrator.sweep.draws import totals
 from orchestrator.spec.schema import converge_of
 from orchestrator.sweep.state import Handoff, ParentRun, SweepState
 from orchestrator.tracking.rebuild import parent_gone, reopen_parent, sync_runs
@@ -101,7 +102,8 @@ def log_stages(s: SweepState, client, parent: str) -> None:
     if s.dense_rep.nodes:  # where this session's dense shards were computed (Ray node id: shards)
         client.set_tag(parent, f"dense_nodes_{s.session}",
                        ",".join(f"{n}:{k}" for n, k in sorted(s.dense_rep.nodes.items())))
-    events = [*s.dense_rep.events, *s.mask_keys.events]  # damaged shards and masks found and recomputed
+    # damaged shards and masks found and recomputed, the other calibration draws' too (search.calib_draws)
+    events = [*s.dense_rep.events, *s.mask_keys.events, *totals(s.draws)["events"]]
     if events:
         client.log_text(parent, "\n".join(events) + "\n", f"store_events_{s.session}.txt")
 

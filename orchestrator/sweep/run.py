@@ -34,7 +34,8 @@ from orchestrator.sweep import end as sweep_end
 from orchestrator.sweep import parent as parent_stage
 from orchestrator.sweep.background import background
 from orchestrator.sweep.console import StageClock, TrialProgress, quiet_libraries
-from orchestrator.sweep.draws import draw_specs, prepare_draw, store_keys, trial_overrides
+from orchestrator.sweep.draws import (cells_of_draw, draw_specs, draw_store_keys, prepare_draw, store_keys, totals,
+                                      trial_overrides)
 from orchestrator.sweep.planner import decision_line, plan_target_modes
 from orchestrator.sweep.state import Handoff, ModelsPart, SweepResult, SweepState
 from orchestrator.tracking import store as tracking_store
@@ -77,7 +78,8 @@ def models_stage(s: SweepState, progress: bool) -> ModelsPart:
     models = s.preloaded or prepare_models(s.spec, s.paths["cache"], progress=progress, on_workers=s.on_cluster)
     cells = expand_cells(s.spec, {m: i.scope for m, i in models.items()})
     rows = {m: max(c.calib_size for c in cells if c.model == m) for m in models}
-    modes = budget_modes(s.spec, models, rows, s.paths["targets"], s.paths["cache"])  # refuses before compute
+    drawn = draw_store_keys(s.spec, s.paths["cache"], s.on_cluster) if s.spec.store.budget_gb is not None else {}
+    modes = budget_modes(s.spec, models, rows, s.paths["targets"], s.paths["cache"], drawn)  # refuses before compute
     return ModelsPart(models, cells, rows, modes)
 
 
@@ -169,13 +171,14 @@ def other_draws(s: SweepState, in_driver: bool, progress: bool) -> None:
         return
     seeds = ", ".join(str(d.calib_seed) for d in specs)
     with s.clock.stage("draws", f"calibration draws for re-evaluations: calib_seed {seeds}"):
-        s.draws = [prepare_draw(d, s.cells, s.rows, s.modes, s.paths, on_cluster=s.on_cluster, in_driver=in_driver,
-                                progress=progress) for d in specs]
-    computed = sum(d.dense for d in s.draws)
-    s.dense_total = record_dense(s.out_dir, s.info, s.session, sum(s.dense.values()) + computed)  # this session's
+        s.draws = [prepare_draw(d, cells_of_draw(s.spec, s.cells, j), s.rows, s.modes, s.paths,
+                                on_cluster=s.on_cluster, in_driver=in_driver, progress=progress)
+                   for j, d in enumerate(specs)]
+    done = totals(s.draws)
+    s.dense_total = record_dense(s.out_dir, s.info, s.session, sum(s.dense.values()) + done["dense"])  # this session
     write_targets(s)  # the draws' keys too
-    s.clock.say(f"[draws] {computed} dense images and {sum(d.masks for d in s.draws)} masks computed for "
-                f"{len(specs)} draw(s)")
+    s.clock.say(f"[draws] {done['dense']} dense images, {done['layers']} RR layers and {done['masks']} masks "
+                f"computed for {len(specs)} draw(s)")
 
 
 def tune_stage(s: SweepState, progress: bool, report: bool = True) -> None:
@@ -192,7 +195,7 @@ def tune_stage(s: SweepState, progress: bool, report: bool = True) -> None:
         threads, device = max(1, int(spec.resources.cpus_per_trial)), trial_device(spec.resources)
         configs = [trial_config(c, spec, s.paths, s.models[c.model].store_key, s.mask_keys[c.cell_id],
                                  gran[c.model], threads, device, s.modes[c.model]) for c in s.cells]
-        draws = [trial_overrides(d, s.cells, j) for j, d in enumerate(s.draws)]
+        draws = [trial_overrides(d, cells_of_draw(spec, s.cells, j), j) for j, d in enumerate(s.draws)]
         t.concurrency = cluster.present_concurrency(spec.resources, ray.cluster_resources())  # at start; logged
         t.max_concurrent = cluster.tune_concurrency(spec.resources, {})
         t.writer = writer = AsyncMlflowWriter(lambda: s.tracking().client)
@@ -300,7 +303,7 @@ def _run_and_end(s: SweepState, t0: float, started_ray: bool, models_ready: Hand
     clock.say(clock.summary())
     release_run_dir(s.out_dir)
     return SweepResult(s.info["sweep_id"], s.out_dir, s.info["tracking_uri"], run.run_id if run else "", finished, failed,
-                       sum(s.dense.values()) + sum(d.dense for d in s.draws), seconds, paths_out, dict(clock.seconds),
+                       sum(s.dense.values()) + totals(s.draws)["dense"], seconds, paths_out, dict(clock.seconds),
                        trials_planned=s.tune.planned, interrupted=interrupt.received())
 
 

@@ -149,8 +149,14 @@ def test_leads_are_counted_only_where_a_cell_has_a_second_method():
     assert ("mean of 2 re-evaluations of each searched cell's winner, healed on 2 other draws of the calibration "
             "images (search.calib_draws); noise median ±1.00 pp, max ±1.00 pp, the draw's spread included; ") in line
     assert "one draw" not in line
-    two["n_draws"] = 1  # every re-evaluation on the sweep's own draw
+    two["n_draws"] = 1  # calib_draws 1: both re-evaluations on one other draw
+    assert "winner, healed on 1 other draw of the calibration images (search.calib_draws);" in noise_line(two, rows)
+    two["n_draws"] = 0  # every re-evaluation on the sweep's own draw
     assert "on this one draw of the calibration images" in noise_line(two, rows)
+    # a closed-form cell (lr 0) runs once, on the sweep's draw: the line says its noise is not the draw's
+    closed = pd.concat([two.assign(n_draws=2), two.iloc[:1].assign(healer="crbn", lr=0.0, n_reevaluated=0, n_draws=0)])
+    assert "the draw's spread included (not in closed-form cells: healed once, on the sweep's draw);" in \
+        noise_line(closed, best_rows(closed))
 
 
 def test_the_noise_line_says_where_the_mask_depends_on_the_seed():

@@ -173,7 +173,7 @@ def test_two_settings_of_one_pruner_are_not_siblings():
 
 def test_the_draws_a_cells_reevaluations_healed_on_are_counted():
     """search.calib_draws: each re-evaluation logs its draw's calib_seed (absent: the sweep's own draw); a cell
-    counts the distinct draws of the re-evaluations that repeat its winner."""
+    counts the distinct other draws of the re-evaluations that repeat its winner."""
     rows = [_trial("a", "search", 0.90, 0.95), _trial("a", "reevaluate", 0.80, 0.85, heal_seed=1000),
             _trial("a", "reevaluate", 0.84, 0.86, heal_seed=2000), _trial("a", "reevaluate", 0.83, 0.86, heal_seed=3000),
             _trial("b", "search", 0.70, 0.75), _trial("b", "reevaluate", 0.70, 0.7, heal_seed=1000),
@@ -182,7 +182,7 @@ def test_the_draws_a_cells_reevaluations_healed_on_are_counted():
         r["calib_seed"] = seed
     out = reported(pd.DataFrame(rows)).set_index("cell_id")
     assert out.loc["a", "n_draws"] == 2 and out.loc["a", "n_reevaluated"] == 3
-    assert out.loc["b", "n_draws"] == 1  # both on the sweep's own draw (no calib_seed logged)
+    assert out.loc["b", "n_draws"] == 0  # both on the sweep's own draw (no calib_seed logged)
     assert out.loc["c", "n_draws"] == 0  # no re-evaluation
     plain = reported(pd.DataFrame([{k: v for k, v in r.items() if k != "calib_seed"} for r in rows]))
-    assert plain.set_index("cell_id")["n_draws"].to_dict() == {"a": 1, "b": 1, "c": 0}  # sweeps before the key
+    assert plain.set_index("cell_id")["n_draws"].to_dict() == {"a": 0, "b": 0, "c": 0}  # sweeps before the key

@@ -123,3 +123,15 @@ def test_without_draws_a_reevaluation_keeps_the_sweeps_own_targets(tmp_path):
     se.on_trial_complete("0", {"selection_acc": 0.5, "epoch": 1, "final": True})
     r = se.suggest("1")
     assert r["stage"] == "reevaluate" and (r["store_key"], r["load_kw"]) == (c["store_key"], {}) and "calib_draw" not in r
+
+
+def test_the_bound_counts_every_grids_reevaluations_and_a_grid_may_reevaluate_less():
+    """A grid whose own search re-evaluates less (or not at all) takes what it has of the sweep's draws; the bound
+    is the most re-evaluations of any grid, and the refusal names the top-level key a person can change."""
+    grid = {"name": "g", "search": {"reevaluate": 0}}
+    s = parse_spec(spec({"calib_draws": 2}, grids=[grid]))
+    assert s.search.calib_draws == 2 and dict(s.grids[0].search)["reevaluate"] == 0
+    only_grid = parse_spec(spec({"reevaluate": 0, "calib_draws": 1}, grids=[{"name": "g", "search": {"reevaluate": 1}}]))
+    assert only_grid.search.calib_draws == 1  # only grid g re-evaluates: its re-evaluation heals on the draw
+    text = refused(spec({"reevaluate": 0, "calib_draws": 2}, grids=[{"name": "g", "search": {"reevaluate": 1}}]))
+    assert text.startswith("search.calib_draws: 2 draws, but the winners are re-evaluated at most 1 time(s)")

@@ -140,3 +140,9 @@ def test_budget_refuse_and_recompute(tmp_path):
         budget_modes(spec(99 * rb / 1e9, "refuse"), models, rows, tmp_path, cache)
     assert "\n" not in str(e.value)
     assert budget_modes(spec(99 * rb / 1e9, "recompute"), models, rows, tmp_path, cache) == {"vit_digits": "recompute"}
+    # search.calib_draws: each other draw's key holds the same rows, priced with the model's own
+    draws = {"vit_digits": [content_key("vit@1000"), content_key("vit@2000")]}
+    assert budget_modes(spec(300 * rb / 1e9, "refuse"), models, rows, tmp_path, cache, draws) == {"vit_digits": "store"}
+    with pytest.raises(StoreBudgetError, match=r"^store\.budget_gb: dense targets of vit_digits \(and its 2 other "
+                                               r"calibration draws\) need"):
+        budget_modes(spec(299 * rb / 1e9, "refuse"), models, rows, tmp_path, cache, draws)
