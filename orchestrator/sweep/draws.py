@@ -15,11 +15,13 @@ sweep computes nothing twice."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from orchestrator.spec import SweepSpec
-from orchestrator.spec.plan import Cell
 from orchestrator.sweep.model_facts import ModelInfo
+
+if TYPE_CHECKING:  # the plan imports the target store (pyarrow): end.py and parent.py import this module early
+    from orchestrator.spec.plan import Cell
 
 
 @dataclass
