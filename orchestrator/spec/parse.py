@@ -45,7 +45,7 @@ from orchestrator.spec.checks import (
 from orchestrator.spec.compat import check_models, check_outputs, check_size
 from orchestrator.spec.grids import parse_grids, view_raw, views
 from orchestrator.spec.methods import check_healer_data, parse_healers, parse_methods
-from orchestrator.spec.schema import HealSpec, MlflowSpec, ResourceSpec, SearchSpec, StoreSpec, SweepSpec, converge_of
+from orchestrator.spec.schema import HealSpec, MlflowSpec, ResourceSpec, SearchSpec, StoreSpec, SweepSpec
 from orchestrator.spec.sources import dataset_layout, from_dict_form, parse_dataset, parse_models
 
 REQUIRED = {"name", "models", "sparsities", "calib_sizes", "pruners", "healers"}
@@ -168,17 +168,11 @@ def parse_search(v: Any) -> SearchSpec:
 def check_calib_draws(spec: SweepSpec) -> None:
     """``search.calib_draws``: other calibration draws the re-evaluations cycle through; at most as many as some
     grid re-evaluates its winners (a draw no re-evaluation heals on would be computed for nothing)."""
-    most = max(reevaluations(v.search) for _, v in views(spec))
+    most = max(v.search.max_reevaluations for _, v in views(spec))
     if spec.search.calib_draws > most:
         raise SpecError("search.calib_draws", f"{spec.search.calib_draws} draws, but the winners are re-evaluated at "
                                               f"most {most} time(s) (search.reevaluate, or a grid's): raise it or "
                                               "lower calib_draws")
-
-
-def reevaluations(search: SearchSpec) -> int:
-    """The most re-evaluations a searched cell of this search runs (``converge``: up to its cap)."""
-    return converge_of(search.converge).reevaluations(search.reevaluate) if search.converge is not None \
-        else search.reevaluate
 
 
 CONVERGE_KEYS = {"se_target": (float, 1e-4, 1.0), "reevaluate_max": (int, 1, MAX_REEVALUATE),

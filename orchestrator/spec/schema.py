@@ -86,7 +86,12 @@ class SearchSpec:
         """``per_cell``, or under ``converge`` its cap: every search trial and the most re-evaluations."""
         if self.converge is None:
             return self.per_cell
-        return self.trials_per_cell + converge_of(self.converge).reevaluations(self.reevaluate)
+        return self.trials_per_cell + self.max_reevaluations
+
+    @property
+    def max_reevaluations(self) -> int:
+        """The most re-evaluations a searched cell runs: ``reevaluate``, under ``converge`` up to its cap."""
+        return self.reevaluate if self.converge is None else converge_of(self.converge).reevaluations(self.reevaluate)
 
     @property
     def length(self) -> tuple[str, tuple[int, int]]:

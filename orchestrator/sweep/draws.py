@@ -58,16 +58,15 @@ def cells_of_draw(spec: SweepSpec, cells: list[Cell], index: int) -> list[Cell]:
     """The cells a re-evaluation heals on draw ``index`` for: those whose grid re-evaluates its winners more than
     ``index`` times (``spec``: this session's, so a widening round's added re-evaluations are counted)."""
     from orchestrator.spec.grids import MAIN, views
-    from orchestrator.spec.parse import reevaluations
 
-    most = {name: reevaluations(view.search) for name, view in views(spec)}
+    most = {name: view.search.max_reevaluations for name, view in views(spec)}
     return [c for c in cells if most.get(c.grid or MAIN, 0) > index]
 
 
 def trial_overrides(draw: Draw, cells: list[Cell], index: int) -> dict[str, dict]:
     """{cell id: the trial config keys that move a re-evaluation of the cell onto ``draw``} (orchestrator/search/
     tune.py ``DesignSearcher.draws``; the keys are ``raytune.tune_setup.trial_config``'s), for every cell the draw
-    has a mask for (cells of closed-form healers have none: they are never re-evaluated)."""
+    was prepared for: those it has a mask for (``prepare_draw`` got ``cells_of_draw``, less closed-form cells)."""
     return {c.cell_id: {"store_key": draw.models[c.model].store_key, "mask_key": draw.mask_keys[c.cell_id],
                         "load_kw": draw.spec.load_kwargs(c.model), "calib_draw": index}
             for c in cells if c.cell_id in draw.mask_keys}
@@ -95,11 +94,10 @@ def prepare_draw(spec: SweepSpec, cells: list[Cell], rows: Mapping[str, int], mo
     diagnostics and masks of one draw for ``cells`` (``cells_of_draw``): the sweep's own stages at the draw's
     ``calib_seed``."""
     from orchestrator.raytune.resources import task_gpus
+    from orchestrator.search.records import fixed_cell
     from orchestrator.sweep.dense import DenseReport
     from orchestrator.sweep.diagnostics import diagnostics_stage
     from orchestrator.sweep.stages import dense_stage, mask_stage, prepare_models
-
-    from orchestrator.search.records import fixed_cell
 
     res, cache = spec.resources, paths["cache"]
     cells = [c for c in cells if not fixed_cell(asdict(c))]  # closed-form healers are never re-evaluated

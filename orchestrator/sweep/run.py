@@ -195,7 +195,7 @@ def tune_stage(s: SweepState, progress: bool, report: bool = True) -> None:
         threads, device = max(1, int(spec.resources.cpus_per_trial)), trial_device(spec.resources)
         configs = [trial_config(c, spec, s.paths, s.models[c.model].store_key, s.mask_keys[c.cell_id],
                                  gran[c.model], threads, device, s.modes[c.model]) for c in s.cells]
-        draws = [trial_overrides(d, cells_of_draw(spec, s.cells, j), j) for j, d in enumerate(s.draws)]
+        draws = [trial_overrides(d, s.cells, j) for j, d in enumerate(s.draws)]  # each for the cells it prepared
         t.concurrency = cluster.present_concurrency(spec.resources, ray.cluster_resources())  # at start; logged
         t.max_concurrent = cluster.tune_concurrency(spec.resources, {})
         t.writer = writer = AsyncMlflowWriter(lambda: s.tracking().client)
