@@ -313,9 +313,26 @@ def _draws_said(searched: pd.DataFrame) -> str:
 
 
 def _closed_form_said(gb: pd.DataFrame) -> str:
-    """Closed-form cells (lr 0: CR+BN, none) run once, on the sweep's draw: their noise is not the draw's."""
+    """Closed-form cells (lr 0) whose healer or pruner reads the calibration images (CR+BN, CORP; RR, SnapViT, CORP
+    masks): healed on every draw and their mean quoted (search.calib_draws re-evaluates them), or, where some were
+    healed once on the sweep's draw (a sweep before 2026-12-01), that their noise is not the draw's. Closed-form
+    cells that read none (``none`` on magnitude) give one number on every draw: nothing to say."""
     fixed = gb["lr"].fillna(0) <= 0 if "lr" in gb.columns else pd.Series(False, index=gb.index)
-    return " (not in closed-form cells: healed once, on the sweep's draw)" if bool(fixed.any()) else ""
+    readers = gb[fixed & gb.apply(_reads_calibration, axis=1)] if fixed.any() else gb.iloc[:0]
+    if readers.empty:
+        return ""
+    once = int((readers["n_draws"].fillna(0) == 0).sum()) if "n_draws" in readers.columns else len(readers)
+    if once:
+        return f" (not in {once} closed-form cell{'s' * (once > 1)}: healed once, on the sweep's draw)"
+    return " (closed-form cells: the mean over the sweep's draw and the others)"
+
+
+def _reads_calibration(row: pd.Series) -> bool:
+    """The cell's pruner or (any step of its) healer reads the calibration images (tasks/catalog.py's table; a
+    method it does not list: False)."""
+    healers = [catalog.HEALERS.get(h) for h in str(row.get("healer", "")).split("+")]
+    pruner = catalog.PRUNERS.get(str(row.get("pruner", "")))
+    return any(h is not None and h.uses_calibration for h in healers) or bool(pruner and pruner.uses_calibration)
 
 
 def _seeded_masks(gb: pd.DataFrame) -> str:

@@ -32,11 +32,15 @@ Where a cell has quoted siblings, its noise is at least the std of their quoted 
 seed (the siblings' ``mask_digest`` params differ: SnapViT's seeded search) that spread is also ``mask_sd``, which
 the report names: re-healing one mask does not measure what another seed's mask gives.
 
-Cells whose healer does not train (closed form, ``none``: lr 0) are not searched and nothing in their healing is
-random, but their mask depends on the seed: their noise is the binomial standard error of the accuracy on the
-evaluation images, sqrt(p (1 - p) / n_eval) (``_closed_form_noise``). A difference between two quoted numbers is
-*resolved* when it exceeds Z = 2 noise units of the difference (``resolved``); a band class is resolved when the
-quoted number is that far from the class's threshold.
+Cells whose healer does not train (closed form, ``none``: lr 0) are not searched, but their mask depends on the
+seed: their noise is the binomial standard error of the accuracy on the evaluation images, sqrt(p (1 - p) / n_eval)
+(``_closed_form_noise``). With search.calib_draws, a closed-form cell whose healer or pruner reads the calibration
+images (CR+BN, CORP; RR, SnapViT, CORP masks) heals once on each other draw as well: its quoted number is the mean
+over every draw, its own included (nothing was picked among draws: no winner's curse), and its noise at least
+that mean's standard error, sqrt(seed_sd_i^2 / n_i), seed_sd_i shrunk as above (on one draw, RR x CR+BN at 0.9 of
+the default spec moved 9-14 pp with the draw against a 2-noise of 7.4: docs/methods.md#reading-the-noise).
+A difference between two quoted numbers is *resolved* when it exceeds Z = 2 noise units of the difference
+(``resolved``); a band class is resolved when the quoted number is that far from the class's threshold.
 """
 from __future__ import annotations
 
@@ -61,13 +65,16 @@ SIBLINGS = [*FAMILY, "pruner", "pruner_settings", "scope", "pattern", "calib_siz
 def reported(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.DataFrame:
     """One row per cell with a finished search trial: ``quoted_per_cell`` of the trials, then
 
-    - ``healed_acc``: the re-evaluations' mean (the winner's own accuracy when there are none),
+    - ``healed_acc``: the re-evaluations' mean (the winner's own accuracy when there are none; a closed-form cell
+      on other draws: the mean over them and its own),
     - ``healed_acc_search``: the winner's own accuracy, ``healed_acc_sd``: the re-evaluations' std,
-    - ``n_reevaluated``: finished re-evaluations, ``n_draws``: the other calibration draws they healed on,
+    - ``n_reevaluated``: finished re-evaluations (a closed-form cell on other draws: its own trial counted too),
+      ``n_draws``: the other calibration draws they healed on,
       ``retention``: ``healed_acc / dense_acc``,
     - ``seed_sd``, ``search_sd``, ``noise``: the noise model of the module docstring (accuracy units)."""
     best = quoted_per_cell(trials, objective)  # search trials only: the configuration re-evaluated
     again = _of_winners(trials[(stage_of(trials) == "reevaluate") & (trials["status"] == "FINISHED")], best)
+    again = _with_own_draw(again, best)
     stats = again.groupby("cell_id")["healed_acc"].agg(["mean", "std", "size"]) if len(again) else None
     best = best.copy()
     best["healed_acc_search"] = best["healed_acc"]
@@ -80,6 +87,22 @@ def reported(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.DataF
     dense = best["dense_acc"].astype(float)
     best["retention"] = np.where(dense > 0, best["healed_acc"] / dense.where(dense > 0, 1.0), 0.0)
     return _noise(best, searched, objective)
+
+
+def _closed(best: pd.DataFrame) -> pd.Series:
+    """Per cell: its healer does not train (closed form, ``none``: lr 0, nothing searched)."""
+    return best["lr"].fillna(0) <= 0 if "lr" in best.columns else pd.Series(False, index=best.index)
+
+
+def _with_own_draw(again: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
+    """``again`` plus the own trial of each closed-form cell re-evaluated on other calibration draws (search.
+    calib_draws: CR+BN, CORP, or a mask that reads the images): nothing was searched, so its own trial is not a
+    winner picked among noisy draws but one more draw, and its quoted number is the mean over every draw."""
+    if again.empty:
+        return again
+    own = best[_closed(best) & best["cell_id"].isin(again["cell_id"])]
+    return pd.concat([again, own[[c for c in again.columns if c in own.columns]]], ignore_index=True) \
+        if len(own) else again
 
 
 def _draws(again: pd.DataFrame, best: pd.DataFrame) -> pd.Series:
@@ -149,16 +172,17 @@ def _noise(best: pd.DataFrame, searched: pd.DataFrame | None = None, objective: 
     p2 = _at_least(fam.map(_pooled(fam, dof, s2, 1)), sib.map(_pooled(sib, dof, s2, 2)))
     seed_var = (dof * s2.fillna(0) + SHRINK * p2) / (dof + SHRINK)
     best["seed_sd"] = np.sqrt(seed_var)
-    gap = (best["healed_acc_search"] - best["healed_acc"]).abs().where(n > 0)
+    fixed = _closed(best)
+    gap = (best["healed_acc_search"] - best["healed_acc"]).abs().where((n > 0) & ~fixed)  # no search: no gap
     search = _at_least(gap.groupby(fam).transform("median"), _sibling_median(gap, sib))
     rival = _rivals(best, searched, objective, np.sqrt(p2 + fam.map(_split_var(best, searched, fam, objective))))
     best["rival_sd"] = rival
-    search = _at_least(search, rival)
+    search = _at_least(search, rival).where(~fixed)
     best["search_sd"] = search
     var = seed_var.fillna(0) / n.clip(lower=1) + search.fillna(0) ** 2
     best["noise"] = np.sqrt(var).where(n > 0)  # no re-evaluation: unknown (never "resolved" by default)
-    fixed = best["lr"].fillna(0) <= 0 if "lr" in best.columns else pd.Series(False, index=best.index)
-    best.loc[fixed, "noise"] = _closed_form_noise(best[fixed])
+    drawn = np.sqrt(seed_var / n).where(fixed & (n > 1))  # a closed-form cell's draws: the mean's standard error
+    best.loc[fixed, "noise"] = _at_least(_closed_form_noise(best[fixed]), drawn[fixed])
     best["sibling_sd"] = spread = _sibling_spread(best, sib)
     best["mask_sd"] = spread.where(_masks_differ(best, sib))
     wider = spread.notna() & best["noise"].notna() & (spread > best["noise"])
@@ -215,8 +239,9 @@ def _at_least(a: pd.Series, b: pd.Series) -> pd.Series:
 
 
 def _closed_form_noise(fixed: pd.DataFrame) -> pd.Series:
-    """Closed-form cells (nothing searched, nothing random in healing): the binomial standard error of their
-    accuracy on the ``n_eval`` evaluation images, sqrt(p (1 - p) / n_eval) (0 where ``n_eval`` is unknown). Their
+    """Closed-form cells (nothing searched): the binomial standard error of their accuracy on the ``n_eval``
+    evaluation images, sqrt(p (1 - p) / n_eval) (0 where ``n_eval`` is unknown); on other calibration draws
+    (search.calib_draws) at least their draws' standard error (``_noise``). Their
     mask still depends on the seed (allocations, calibration samples): with the seed shifted a CR+BN cell moved
     by up to 2.2 pp (benchmarks/results, issue 34), and a noise of 0 called every difference between two such
     cells resolved."""

@@ -60,7 +60,7 @@ class Method:
     rules: tuple[Callable[[Mapping[str, Any]], None], ...] = ()
     resolve: Callable[[Mapping[str, Any]], dict] | None = None
     trains: bool = False
-    uses_calibration: bool = False
+    uses_calibration: bool = False  # pruners: the mask reads calibration images; healers: they read them (or targets)
     seeded_mask: bool = False  # pruners: the mask depends on the seed (SnapViT's seeded search)
     has_grid: bool = False  # check_sparsity: its candidate grid must reach every sparsity
     needs_labels: bool = False  # check_data: reads a labeled split (setting 'split')
@@ -284,18 +284,19 @@ def _healers() -> dict[str, Method]:
     weights = _loop_resolve(lambda s: {"granularity": s.get("granularity", "auto"), "w_align": float(s.get("w_align", 0.5)),
                                        "w_kl": float(s.get("w_kl", 0.5))})
     return {m.name: m for m in [
-        Method("healer", "starfish", starfish, (), granularity, trains=True),
-        Method("healer", "mse", dict(LOOP), (), _loop_resolve(), trains=True),
-        Method("healer", "kl", dict(LOOP), (), _loop_resolve(), trains=True),
+        Method("healer", "starfish", starfish, (), granularity, trains=True, uses_calibration=True),
+        Method("healer", "mse", dict(LOOP), (), _loop_resolve(), trains=True, uses_calibration=True),
+        Method("healer", "kl", dict(LOOP), (), _loop_resolve(), trains=True, uses_calibration=True),
         Method("healer", "ce", {**LOOP, "split": LABELED_SPLITS}, (),
                _loop_resolve(lambda s: {"split": s.get("split", "train")}), trains=True, needs_labels=True),
-        Method("healer", "starfish_kl", {**starfish, "w_align": float, "w_kl": float}, (_starfish_kl,), weights, trains=True),
+        Method("healer", "starfish_kl", {**starfish, "w_align": float, "w_kl": float}, (_starfish_kl,), weights, trains=True,
+               uses_calibration=True),
         Method("healer", "none"),
         Method("healer", "corp", {"lambda": object, "lambda_floor": float, "qk_ridge": float, "qk_symmetrize": (True, False)},
-               (_corp_healer,), _corp_healer_resolve),
+               (_corp_healer,), _corp_healer_resolve, uses_calibration=True),
         Method("healer", "crbn", {"tau": TAU_RULES, "no_bn": ("variance_match", "reject"), "bn_batches": int,
                                   "bn_batch_size": int, "bn_momentum": object, "bn_reset": (False, True),
-                                  "bn_source": BN_SOURCES}, (_crbn,), _crbn_resolve)]}
+                                  "bn_source": BN_SOURCES}, (_crbn,), _crbn_resolve, uses_calibration=True)]}
 
 
 PRUNERS: dict[str, Method] = _pruners()

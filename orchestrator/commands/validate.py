@@ -6,7 +6,7 @@ from collections import Counter, defaultdict
 
 from orchestrator.commands.common import load_spec_or_exit, plural
 from orchestrator.spec.grids import views
-from orchestrator.spec.registries import get, resolve_healer
+from orchestrator.spec.registries import changes_with_draw, get, resolve_healer
 
 
 def add_parser(sub):
@@ -23,13 +23,18 @@ def add_parser(sub):
 def main(args) -> int:
     spec = load_spec_or_exit(args.spec)  # a bad spec is answered in one line (exit 2)
     cells = cell_grids(spec)
-    trials, fixed, per = Counter(), 0, Counter()
+    trials, fixed, drawn, per = Counter(), 0, 0, Counter()
     searches = {name: view.search for name, view in views(spec)}
-    for grid, healer in cells:
-        trials[grid] += searches[grid].max_per_cell if healer.trains else 1  # no training: 1 trial
+    for grid, healer, redrawn in cells:
+        # no training: 1 trial, and one on each other calibration draw that can change it (orchestrator/sweep/draws.py)
+        again = min(spec.search.calib_draws, searches[grid].max_reevaluations) if redrawn else 0
+        trials[grid] += searches[grid].max_per_cell if healer.trains else 1 + again
         fixed += not healer.trains
+        drawn += bool(again) and not healer.trains
         per[grid] += 1
-    notes = [f"{plural(fixed, 'cell')} whose healer does not train run{'s' * (fixed == 1)} 1 trial"] if fixed else []
+    notes = [f"{plural(fixed, 'cell')} whose healer does not train run{'s' * (fixed == 1)} 1 trial"
+             + (f", {drawn} of them also 1 on each other calibration draw (it can change them)" if drawn else "")] \
+        if fixed else []
     notes += _grid_design_notes(searches)
     upto = {g: "up to " if s.converge is not None else "" for g, s in searches.items()}
     total = "up to " if any(upto.values()) else ""  # search.converge: trials_per_cell and re-evaluations are caps
@@ -59,26 +64,28 @@ def _grid_design_notes(searches: dict) -> list[str]:
     return out
 
 
-def cell_grids(spec) -> list[tuple[str, object]]:
-    """(grid, healer) of every cell of the sweep, as orchestrator.spec.plan.expand_cells lists them (a cell two grids
-    produce counted once, for the first), from the registries' static table: no torch. A spec restricted to
-    ``cells`` (a widening round) needs the cell ids, so it is expanded by orchestrator.spec.plan itself."""
+def cell_grids(spec) -> list[tuple[str, object, bool]]:
+    """(grid, healer, whether another calibration draw can change its number) of every cell of the sweep, as
+    orchestrator.spec.plan.expand_cells lists them (a cell two grids produce counted once, for the first), from the
+    registries' static table: no torch. A spec restricted to ``cells`` (a widening round) needs the cell ids, so it
+    is expanded by orchestrator.spec.plan itself."""
     if spec.cells:
         from orchestrator.spec.plan import expand_cells
 
-        return [(c.grid, resolve_healer(c.healer, c.healer_settings)) for c in expand_cells(spec, defaultdict(str))]
+        return [(c.grid, h := resolve_healer(c.healer, c.healer_settings), changes_with_draw(get("pruner", c.pruner), h))
+                for c in expand_cells(spec, defaultdict(str))]
     out, seen = [], set()
     for name, view in views(spec):
-        for ident, healer in _cells(view):
+        for ident, healer, pruner in _cells(view):
             key = json.dumps(ident, sort_keys=True)  # the identity plan.Cell's id is the content key of
             if key not in seen:
                 seen.add(key)
-                out.append((name, healer))
+                out.append((name, healer, changes_with_draw(pruner, healer)))
     return out
 
 
 def _cells(view):
-    """(identity, healer) of each cell of one grid, in orchestrator.spec.plan.grid's order (scopes unresolved: '')."""
+    """(identity, healer, pruner) of each cell of one grid, in orchestrator.spec.plan.grid's order (scopes unresolved: '')."""
     for model in view.models:
         for p in (p for p in view.pruners if p.applies_to(model)):
             pruner = get("pruner", p.name)
@@ -90,4 +97,4 @@ def _cells(view):
                         healer = resolve_healer(h.name, h.settings)
                         for seed in view.seeds:
                             yield ([model, p.name, resolved, float(s), pruner.pattern(s, p.settings), p.scope or "", n,
-                                    h.name, healer.resolved_settings(h.settings), seed], healer)
+                                    h.name, healer.resolved_settings(h.settings), seed], healer, pruner)

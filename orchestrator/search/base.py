@@ -59,11 +59,15 @@ class SearchDesign:
     dropped = 0  # planned slots a converging design removed from the queue (a stopped search, fewer seeds)
 
     def __init__(self, cells: list[Mapping[str, Any]], budgets: Mapping[str, Budget], sampler_seed: int,
-                 journal: Path, *, direction: str = "maximize", asha: bool = False) -> None:
+                 journal: Path, *, direction: str = "maximize", asha: bool = False,
+                 redraws: Mapping[str, int] | None = None) -> None:
         self.cells = {c["cell_id"]: dict(c) for c in cells}
         self.budgets = dict(budgets)
         self.sampler_seed, self.direction, self.asha = sampler_seed, direction, asha
         self.fixed = {cid for cid, c in self.cells.items() if fixed_cell(c)}
+        # search.calib_draws: closed-form cell -> the other draws it heals on once each (those another draw can
+        # change: records.redrawn_cell); their re-evaluations (tune.py moves each onto its draw)
+        self.redraws = {cid: int(n) for cid, n in (redraws or {}).items() if cid in self.fixed}
         self.storage = open_journal(journal)
         self._studies: dict[tuple[str, str], optuna.Study] = {}
         self.counts = _Counts()  # per (cell, stage) and per (family, wave): a key is settled when all told
@@ -128,7 +132,9 @@ class SearchDesign:
         return 1 if cell_id in self.fixed else self.budgets[cell_id].trials
 
     def reevaluations_of(self, cell_id: str) -> int:
-        return 0 if cell_id in self.fixed else self.budgets[cell_id].reevaluate
+        """The winner's re-evaluations: the budget's; a closed-form cell none (nothing searched, one configuration),
+        but one on each other calibration draw that can change its number (``redraws``)."""
+        return self.redraws.get(cell_id, 0) if cell_id in self.fixed else self.budgets[cell_id].reevaluate
 
     # ------------------------------------------------------------------ the plan (round-major work list)
     def _plan(self) -> list[_Slot]:

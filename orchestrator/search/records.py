@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import optuna
 from optuna.trial import TrialState
 
-from orchestrator.spec.registries import resolve_healer
+from orchestrator.spec.registries import changes_with_draw, get, resolve_healer
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 DONE = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
@@ -60,6 +60,16 @@ def fixed_cell(cell: Mapping[str, Any]) -> bool:
     """True when the cell's healer (or every step of its chain) uses no lr/epochs (the registries' table: no
     torch)."""
     return "healer" in cell and not resolve_healer(cell["healer"], cell.get("healer_settings")).trains
+
+
+def redrawn_cell(cell: Mapping[str, Any]) -> bool:
+    """True when search.calib_draws re-evaluates the cell on the other calibration draws: a searched cell (its winner
+    heals again on them), or a closed-form one whose healer or pruner reads the calibration images (CR+BN, CORP; RR,
+    SnapViT, CORP masks), so that another draw can change its number. A closed-form healer on a mask that reads none
+    (``none`` on magnitude) gives the same number on every draw: it runs once."""
+    if "healer" not in cell:
+        return False
+    return changes_with_draw(get("pruner", cell["pruner"]), resolve_healer(cell["healer"], cell.get("healer_settings")))
 
 
 def cell_sampler_seed(sampler_seed: int, key: str, number: int = 0) -> int:

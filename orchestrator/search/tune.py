@@ -201,7 +201,9 @@ def make_searcher(cells: list[Mapping[str, Any]], budgets: Mapping[str, Budget],
                   journal: Path, *, metric: str = "selection_acc", mode: str = "max", asha: bool = False,
                   defer=None, epochs_max: int | None = None, draws=()) -> DesignSearcher:
     cls = DESIGNS.get(design)
-    d = cls(cells, budgets, sampler_seed, journal, direction="maximize" if mode == "max" else "minimize", asha=asha)
+    redraws = {c["cell_id"]: sum(c["cell_id"] in d for d in draws) for c in cells}  # closed-form cells: once a draw
+    d = cls(cells, budgets, sampler_seed, journal, direction="maximize" if mode == "max" else "minimize", asha=asha,
+            redraws=redraws)
     return DesignSearcher(d, metric=metric, mode=mode, defer=defer, epochs_max=epochs_max, draws=draws)
 
 

@@ -7,7 +7,10 @@ reading-the-noise), so a noise measured on one draw under-claims what a rerun on
 re-evaluation k of a winner heals on draw k mod K: its own dense targets, its own mask where the pruner reads
 calibration images (RR's table, SnapViT, CORP; a magnitude mask is the same key on every draw) and its own
 images for recomputed targets. The search still runs on the sweep's own draw; the quoted mean is over the
-other draws, and its spread, and so the noise, contains the draw's.
+other draws, and its spread, and so the noise, contains the draw's. A closed-form cell (no search) whose healer or
+pruner reads the calibration images (CR+BN, CORP; RR, SnapViT, CORP masks) heals once on each other draw too, and
+the report quotes its mean over every draw, its own included (analysis/reported.py); one that reads none (``none``
+on a magnitude mask) gives one number on every draw and runs once.
 
 Each draw is the sweep itself at another ``calib_seed`` (``dataclasses.replace``): the same models, dense, RR
 diagnostics and mask stages run on it, content-addressed like the sweep's own, so a resumed sweep or another
@@ -66,7 +69,8 @@ def cells_of_draw(spec: SweepSpec, cells: list[Cell], index: int) -> list[Cell]:
 def trial_overrides(draw: Draw, cells: list[Cell], index: int) -> dict[str, dict]:
     """{cell id: the trial config keys that move a re-evaluation of the cell onto ``draw``} (orchestrator/search/
     tune.py ``DesignSearcher.draws``; the keys are ``raytune.tune_setup.trial_config``'s), for every cell the draw
-    was prepared for: those it has a mask for (``prepare_draw`` got ``cells_of_draw``, less closed-form cells)."""
+    was prepared for: those it has a mask for (``prepare_draw`` got ``cells_of_draw``, less the closed-form cells no
+    draw changes)."""
     return {c.cell_id: {"store_key": draw.models[c.model].store_key, "mask_key": draw.mask_keys[c.cell_id],
                         "load_kw": draw.spec.load_kwargs(c.model), "calib_draw": index}
             for c in cells if c.cell_id in draw.mask_keys}
@@ -94,13 +98,13 @@ def prepare_draw(spec: SweepSpec, cells: list[Cell], rows: Mapping[str, int], mo
     diagnostics and masks of one draw for ``cells`` (``cells_of_draw``): the sweep's own stages at the draw's
     ``calib_seed``."""
     from orchestrator.raytune.resources import task_gpus
-    from orchestrator.search.records import fixed_cell
+    from orchestrator.search.records import redrawn_cell
     from orchestrator.sweep.dense import DenseReport
     from orchestrator.sweep.diagnostics import diagnostics_stage
     from orchestrator.sweep.stages import dense_stage, mask_stage, prepare_models
 
     res, cache = spec.resources, paths["cache"]
-    cells = [c for c in cells if not fixed_cell(asdict(c))]  # closed-form healers are never re-evaluated
+    cells = [c for c in cells if redrawn_cell(asdict(c))]  # not closed-form cells the draw cannot change
     models = prepare_models(spec, cache, progress=False, on_workers=on_cluster)
     rep = DenseReport()
     dense = dense_stage(spec, models, dict(rows), paths["targets"], cache, progress=progress,

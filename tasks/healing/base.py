@@ -68,6 +68,9 @@ class Healer:
     name = ""
     settings_schema: dict[str, tuple] = {}  # setting -> allowed values (tuple) or a type
     trains = False  # uses lr/epochs (gradient steps); False: the search runs one trial per cell (plan.trials_for)
+    # reads the calibration images (or their dense targets): another draw of them can change what it gives
+    # (search.calib_draws re-evaluates a closed-form cell on the draws only then: orchestrator/search/records.py)
+    uses_calibration = False
     quick_settings: dict[str, Any] = {}  # cheap settings (image or batch counts) for dry runs and contract tests
 
     def check(self, settings: Mapping[str, Any]) -> None:

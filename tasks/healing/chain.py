@@ -33,6 +33,7 @@ class ChainHealer(Healer):
             self.parts.append((part, dict(st.get("settings") or {})))
         self.name = chain_name([p.name for p, _ in self.parts])
         self.trains = any(p.trains for p, _ in self.parts)
+        self.uses_calibration = any(p.uses_calibration for p, _ in self.parts)
 
     def _each(self, fn):
         for i, (part, settings) in enumerate(self.parts):

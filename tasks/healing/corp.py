@@ -31,6 +31,7 @@ class CORPHealer(Healer):
 
     requires_pruner = "corp"  # the only masks it can compensate (check_cell; the conformance suite reads it)
     trains = False  # no lr/epochs: a sweep needs one trial per cell
+    uses_calibration = True  # dense statistics on the calibration images
     settings_schema = {"lambda": object, "lambda_floor": float, "qk_ridge": float, "qk_symmetrize": (True, False)}
 
     def check(self, settings):

@@ -25,6 +25,7 @@ class CRBNHealer(Healer):
     settings_schema = {"tau": TAU_RULES, "no_bn": ("variance_match", "reject"), "bn_batches": int,
                        "bn_batch_size": int, "bn_momentum": object, "bn_reset": (False, True),
                        "bn_source": BN_SOURCES}
+    uses_calibration = True  # CR's statistics and (bn_source calib) BN's batches come from the calibration images
     quick_settings = {"bn_batches": 2, "bn_batch_size": 8}  # the paper's 20 x 128 images: slow at 224 px on a CPU
 
     def check(self, settings):

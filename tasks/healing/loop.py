@@ -68,6 +68,7 @@ class GradientHealer(Healer):
     do not read block outputs set ``uses_blocks = False``: no forward hooks are installed at all."""
 
     trains = True
+    uses_calibration = True  # heals on the calibration images' dense targets (``ce``: on labeled train images)
     uses_blocks = True
     reads_logits = False  # the objective reads the dense logits (targets[LOGITS])
     settings_schema: dict[str, tuple] = dict(LOOP_SETTINGS)

@@ -72,6 +72,7 @@ class CEHealer(GradientHealer):
     """Cross-entropy fine-tuning on ``ctx.labeled`` (see the module docstring for which items)."""
 
     uses_blocks = False
+    uses_calibration = False  # trains on labeled train images
     settings_schema = {**GradientHealer.settings_schema, "split": LABELED_SPLITS}
 
     def resolved_settings(self, settings):

@@ -153,10 +153,21 @@ def test_leads_are_counted_only_where_a_cell_has_a_second_method():
     assert "winner, healed on 1 other draw of the calibration images (search.calib_draws);" in noise_line(two, rows)
     two["n_draws"] = 0  # every re-evaluation on the sweep's own draw
     assert "on this one draw of the calibration images" in noise_line(two, rows)
-    # a closed-form cell (lr 0) runs once, on the sweep's draw: the line says its noise is not the draw's
+    # a closed-form cell (lr 0) that reads calibration images (CR+BN) run once, on the sweep's draw (a sweep before
+    # the draws reached closed-form cells): the line says its noise is not the draw's
     closed = pd.concat([two.assign(n_draws=2), two.iloc[:1].assign(healer="crbn", lr=0.0, n_reevaluated=0, n_draws=0)])
-    assert "the draw's spread included (not in closed-form cells: healed once, on the sweep's draw);" in \
+    assert "the draw's spread included (not in 1 closed-form cell: healed once, on the sweep's draw);" in \
         noise_line(closed, best_rows(closed))
+    # healed on each other draw too: their mean is quoted, and said so
+    drawn = pd.concat([two.assign(n_draws=2), two.iloc[:1].assign(healer="crbn", lr=0.0, n_reevaluated=3, n_draws=2)])
+    assert "the draw's spread included (closed-form cells: the mean over the sweep's draw and the others);" in \
+        noise_line(drawn, best_rows(drawn))
+    # `none` on a magnitude mask reads no calibration image: one number on every draw, nothing to qualify; on an RR
+    # mask (it reads them) it is qualified like CR+BN
+    inert = pd.concat([two.assign(n_draws=2), two.iloc[:1].assign(healer="none", lr=0.0, n_reevaluated=0, n_draws=0)])
+    assert "the draw's spread included; " in noise_line(inert, best_rows(inert))
+    rr = inert.assign(pruner=["magnitude"] * (len(inert) - 1) + ["rr"])
+    assert "(not in 1 closed-form cell: healed once, on the sweep's draw)" in noise_line(rr, best_rows(rr))
 
 
 def test_the_noise_line_says_where_the_mask_depends_on_the_seed():

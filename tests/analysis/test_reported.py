@@ -117,6 +117,25 @@ def test_closed_form_cells_have_no_noise():
     assert r["noise"] == 0.0 and r["n_reevaluated"] == 0
 
 
+def test_a_closed_form_cell_on_other_draws_quotes_the_mean_of_every_draw_and_its_standard_error():
+    """search.calib_draws re-evaluates a CR+BN cell once on each other draw: nothing was searched, so its own trial
+    is one more draw (no winner's curse) and the quoted number is the mean of all three; the noise is that mean's
+    standard error with the family's shrinkage, at least the evaluation set's binomial error; no search gap."""
+    def crbn(stage, acc, draw=None, n_eval=360.0):
+        return {**_trial("c", stage, acc, acc, lr=0.0, steps=None, heal_seed=draw), "healer": "crbn", "epochs": 0,
+                "calib_seed": draw, "n_eval": n_eval}
+    rows = [crbn("search", 0.70), crbn("reevaluate", 0.60, 1000), crbn("reevaluate", 0.65, 2000)]
+    (r,) = reported(pd.DataFrame(rows)).to_dict("records")
+    assert r["healed_acc"] == pytest.approx(0.65) and r["healed_acc_search"] == 0.70  # own draw included
+    assert r["n_reevaluated"] == 3 and r["n_draws"] == 2 and r["healed_acc_sd"] == pytest.approx(0.05)
+    # one cell in its family: pooled = its own variance 0.0025; shrunk (2 * 0.0025 + SHRINK * 0.0025) / (2 + SHRINK)
+    assert r["noise"] == pytest.approx(0.05 / math.sqrt(3)) and math.isnan(r["search_sd"])
+    assert 0.05 / math.sqrt(3) > math.sqrt(0.65 * 0.35 / 360)  # 2.89 pp > 2.51 pp: the draws' error is the larger
+    same = [crbn("search", 0.70), crbn("reevaluate", 0.70, 1000), crbn("reevaluate", 0.70, 2000)]
+    (r,) = reported(pd.DataFrame(same)).to_dict("records")  # the draws agree: the binomial error is the floor
+    assert r["noise"] == pytest.approx(math.sqrt(0.7 * 0.3 / 360)) and r["n_reevaluated"] == 3
+
+
 def test_resolved_needs_the_difference_beyond_two_noise_units():
     assert resolved(0.90, 0.03, 0.80, 0.02)  # 10 pp > 2 * 3.61 pp
     assert not resolved(0.90, 0.04, 0.80, 0.04)  # 10 pp < 2 * 5.66 pp

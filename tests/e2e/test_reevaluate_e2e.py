@@ -73,7 +73,9 @@ def test_winners_are_reevaluated_on_fresh_seeds_and_the_report_quotes_their_mean
 def test_reevaluations_on_other_calibration_draws_heal_on_their_own_targets_masks_and_images(tmp_path):
     """search.calib_draws 2: re-evaluation k heals on draw k (calib_seed 1000, 2000): targets computed for each
     draw's images, a mask of its own where the pruner reads calibration images (RR) and the same mask where it does
-    not (magnitude); the report says its noise spans the draws (orchestrator/sweep/draws.py)."""
+    not (magnitude); a closed-form cell heals once on each draw where its mask reads the images (RR x none) and
+    once in all where nothing does (magnitude x none); the report says its noise spans the draws
+    (orchestrator/sweep/draws.py)."""
     from tasks.models import load_model
     from tasks.store import TargetStore
 
@@ -87,8 +89,12 @@ def test_reevaluations_on_other_calibration_draws_heal_on_their_own_targets_mask
     parent = [r for r in runs if r.data.tags["healsweep.role"] != "trial"]
     assert parent[0].data.params["calib_draws"] == "2"
     trials = [r for r in runs if r.data.tags["healsweep.role"] == "trial"]
-    assert len(trials) == 12 and all(r.info.status == "FINISHED" for r in trials)
-    assert len([r for r in trials if r.data.params["healer"] == "none"]) == 2  # closed form: one trial, own draw
+    assert len(trials) == 14 and all(r.info.status == "FINISHED" for r in trials)
+    closed = [r for r in trials if r.data.params["healer"] == "none"]
+    assert sorted((r.data.params["pruner"], r.data.tags["stage"], r.data.params.get("calib_seed")) for r in closed) == [
+        ("magnitude", "search", None),  # no draw changes a magnitude mask healed by nothing: one trial
+        ("rr", "reevaluate", "1000"), ("rr", "reevaluate", "2000"), ("rr", "search", None)]  # RR's mask reads them
+    rr_none = {r.data.params.get("calib_seed"): r for r in closed if r.data.params["pruner"] == "rr"}
     trials = [r for r in trials if r.data.params["healer"] == "starfish"]
     search = [r for r in trials if r.data.tags["stage"] == "search"]
     again = [r for r in trials if r.data.tags["stage"] == "reevaluate"]
@@ -108,7 +114,13 @@ def test_reevaluations_on_other_calibration_draws_heal_on_their_own_targets_mask
     assert masks[("magnitude", None)] == masks[("magnitude", "1000")] == masks[("magnitude", "2000")]
     assert len({masks[("rr", None)], masks[("rr", "1000")], masks[("rr", "2000")]}) == 3  # RR reads the images
     res = cell_results(meta["tracking_uri"], meta["sweep_id"]).set_index(["pruner", "healer"]).sort_index()
-    assert res["n_draws"].tolist() == [0, 2, 0, 2] and res["n_reevaluated"].tolist() == [0, 2, 0, 2]  # none, starfish
+    assert res["n_draws"].tolist() == [0, 2, 2, 2] and res["n_reevaluated"].tolist() == [0, 2, 3, 2]  # none, starfish
+    for draw, r in rr_none.items():  # each draw's RR x none trial prunes with that draw's RR mask
+        assert r.data.tags["mask_key"] == masks[("rr", draw)]
+    accs = [r.data.metrics["healed_acc"] for r in rr_none.values()]
+    assert res.loc[("rr", "none"), "healed_acc"] == pytest.approx(statistics.mean(accs))  # every draw, its own too
+    assert res.loc[("rr", "none"), "healed_acc_search"] == pytest.approx(rr_none[None].data.metrics["healed_acc"])
     md = (run_dir / "report.md").read_text()
     assert "healed on 2 other draws of the calibration images (search.calib_draws)" in md
+    assert "(closed-form cells: the mean over the sweep's draw and the others)" in md
     assert "on this one draw" not in md

@@ -82,7 +82,7 @@ def test_trial_overrides_move_a_reevaluation_onto_the_draw():
         assert over[c.cell_id] == {"store_key": "k" * 32, "mask_key": f"m{i}", "load_kw": {"calib_seed": 1000},
                                    "calib_draw": 0}
     assert store_keys([d]) == {"vit_digits@1000": "k" * 32}
-    # a cell the draw has no mask for (a closed-form healer's: never re-evaluated) gets no override
+    # a cell the draw has no mask for (a closed-form cell no draw changes: never re-evaluated) gets no override
     part = Draw(d.spec, d.models, {cells[0].cell_id: "m0"})
     assert set(trial_overrides(part, cells, 1)) == {cells[0].cell_id}
 
@@ -112,6 +112,46 @@ def test_searcher_hands_each_reevaluation_its_draw_and_search_trials_the_sweeps_
         (0, "k0", "m0", {"calib_seed": 1000})]  # cycling: re-evaluation n on draw n mod 2
     assert [c["heal_seed"] for c in again] == [1000, 2000, 3000]  # healing seeds as without draws
     assert len({(c["lr"], c["steps"]) for c in again}) == 1  # the winner's configuration on every draw
+
+
+def test_a_closed_form_cell_heals_once_on_each_draw_that_can_change_it(tmp_path):
+    """CR+BN reads the calibration images: one search trial on the sweep's draw, then one re-evaluation on each other
+    draw (2, not the budget's 3: nothing is searched, so a draw twice says nothing new); ``none`` on a magnitude mask
+    reads none: one trial, no draw (prepare_draw gives the draws no mask for it)."""
+    from orchestrator.search import PerCellOptunaSearch
+
+    crbn = {**CELL, "cell_id": "c" * 12, "healer": "crbn"}
+    inert = {**CELL, "cell_id": "n" * 12, "healer": "none"}
+    draws = [{"c" * 12: {"store_key": f"k{j}", "mask_key": f"m{j}", "load_kw": {"calib_seed": 1000 * (j + 1)},
+                         "calib_draw": j}} for j in range(2)]
+    se = PerCellOptunaSearch([crbn, inert], 2, (1e-3, 1e-2), (1, 1), 0, tmp_path / "j.journal", steps=(4, 16),
+                             design="tpe", reevaluate=3, draws=draws)
+    assert se.design.planned == 4  # crbn: 1 + 2, none: 1
+    seen = []
+    for i in range(5):
+        c = se.suggest(str(i))
+        if c is None or c == se.FINISHED:
+            break
+        seen.append(c)
+        se.on_trial_complete(str(i), {"selection_acc": 0.5, "epoch": 0, "final": True})
+    got = sorted((c["cell_id"][0], c["stage"], c.get("calib_draw"), c.get("heal_seed"), c["store_key"]) for c in seen)
+    assert got == [("c", "reevaluate", 0, 1000, "k0"), ("c", "reevaluate", 1, 2000, "k1"), ("c", "search", None, None, "own"),
+                   ("n", "search", None, None, "own")]
+    assert all((c["lr"], c["epochs"]) == (0.0, 0) for c in seen)  # closed form: no lr, no epochs
+
+
+def test_which_cells_the_draws_reevaluate():
+    """records.redrawn_cell: a searched cell always; a closed-form one where its healer (CR+BN, CORP) or its mask
+    (RR, SnapViT, CORP) reads the calibration images; never ``none`` on magnitude or N:M."""
+    from orchestrator.search.records import redrawn_cell
+
+    def cell(healer, pruner):
+        return {"healer": healer, "healer_settings": {}, "pruner": pruner}
+    assert redrawn_cell(cell("starfish", "magnitude")) and redrawn_cell(cell("ce", "magnitude"))
+    assert redrawn_cell(cell("crbn", "magnitude")) and redrawn_cell(cell("corp", "corp"))
+    assert redrawn_cell(cell("none", "rr")) and redrawn_cell(cell("none", "snapvit")) and redrawn_cell(cell("none", "corp"))
+    assert not redrawn_cell(cell("none", "magnitude")) and not redrawn_cell(cell("none", "nm"))
+    assert not redrawn_cell({"pruner": "rr"})  # not a healing cell
 
 
 def test_without_draws_a_reevaluation_keeps_the_sweeps_own_targets(tmp_path):

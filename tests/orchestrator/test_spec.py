@@ -160,9 +160,12 @@ def test_cli_validate_counts_cells(capsys):
     assert main(["validate", str(REPO / "configs" / "default.yaml")]) == 0
     # main grid: ((6 magnitude + 2:4) x 2 models + CORP on the ViT + 5 allocation rules x 2 sparsities on the
     # ResNet) x 2 calib x 2 healers = 100 cells; grid `healers`: 3 sparsities x 6 healers x 3 seeds = 54 cells
-    # search.calib_draws 2: the re-evaluations' draws add stages, not trials
-    assert "154 cells, 534 trials (59 cells whose healer does not train run 1 trial; re-evaluations heal on 2 other " \
-           "calibration draw(s)" in capsys.readouterr().out
+    # search.calib_draws 2: the searched cells' re-evaluations move onto the draws (no trial added); the 50 CR+BN
+    # cells (main grid) read the calibration images and heal once on each draw too (+100); the 9 `none` cells of
+    # grid `healers` (magnitude masks) read none: 1 trial each
+    assert "154 cells, 634 trials (59 cells whose healer does not train run 1 trial, 50 of them also 1 on each other " \
+           "calibration draw (it can change them); re-evaluations heal on 2 other calibration draw(s)" \
+           in capsys.readouterr().out
 
 
 def test_cli_report_on_non_run_dir(tmp_path, capsys):

@@ -65,7 +65,11 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
 def test_validate_counts_the_cells_plan_expands(config, monkeypatch, tmp_path):
-    """Cell by cell (grid, and whether its healer trains), in plan.expand_cells' order."""
+    """Cell by cell (grid, whether its healer trains, whether the draws re-evaluate it), in plan.expand_cells'
+    order."""
+    from dataclasses import asdict
+
+    from orchestrator.search.records import redrawn_cell
     from orchestrator.spec.plan import expand_cells
     from tasks.healing import resolve_healer
 
@@ -74,8 +78,9 @@ def test_validate_counts_the_cells_plan_expands(config, monkeypatch, tmp_path):
         spec = load_spec(config)
     except SpecError as e:
         pytest.skip(f"{config.name} does not validate on this machine: {e}")
-    want = [(c.grid, resolve_healer(c.healer, c.healer_settings).trains) for c in expand_cells(spec, defaultdict(str))]
-    assert [(g, h.trains) for g, h in cell_grids(spec)] == want
+    want = [(c.grid, resolve_healer(c.healer, c.healer_settings).trains, redrawn_cell(asdict(c)))
+            for c in expand_cells(spec, defaultdict(str))]
+    assert [(g, h.trains, d) for g, h, d in cell_grids(spec)] == want
 
 
 @pytest.mark.parametrize("search, healers, want", [
@@ -87,6 +92,10 @@ def test_validate_counts_the_cells_plan_expands(config, monkeypatch, tmp_path):
                                                          "runs 1 trial)"),
     ({"trials_per_cell": 2, "reevaluate": 2, "calib_draws": 2}, ["starfish"], "ok: 1 cell, 4 trials (re-evaluations "
      "heal on 2 other calibration draw(s), each with its own dense targets and, for pruners that read images, masks)"),
+    ({"trials_per_cell": 2, "reevaluate": 3, "calib_draws": 2}, ["crbn", "none"], "ok: 2 cells, 4 trials (2 cells whose "
+     "healer does not train run 1 trial, 1 of them also 1 on each other calibration draw (it can change them); "
+     "re-evaluations heal on 2 other calibration draw(s), each with its own dense targets and, for pruners that read "
+     "images, masks)"),  # CR+BN: 1 + 2 (not 3: each draw once); none: 1
 ])
 def test_validate_says_what_it_counts_in_words_that_fit(tmp_path, search, healers, want):
     """"1 cells, 1 trials" read wrong, and design 'grid' dropped trials_per_cell without a word (it runs every lattice
