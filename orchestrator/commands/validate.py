@@ -5,7 +5,7 @@ import json
 from collections import Counter, defaultdict
 
 from orchestrator.commands.common import load_spec_or_exit, plural
-from orchestrator.spec.grids import views
+from orchestrator.spec.grids import cell_trials, views
 from orchestrator.spec.registries import changes_with_draw, get, resolve_healer
 
 
@@ -26,11 +26,10 @@ def main(args) -> int:
     trials, fixed, drawn, per = Counter(), 0, 0, Counter()
     searches = {name: view.search for name, view in views(spec)}
     for grid, healer, redrawn in cells:
-        # no training: 1 trial, and one on each other calibration draw that can change it (orchestrator/sweep/draws.py)
-        again = min(spec.search.calib_draws, searches[grid].max_reevaluations) if redrawn else 0
-        trials[grid] += searches[grid].max_per_cell if healer.trains else 1 + again
+        n = cell_trials(searches[grid], spec.search.calib_draws, healer.trains, redrawn)
+        trials[grid] += n
         fixed += not healer.trains
-        drawn += bool(again) and not healer.trains
+        drawn += not healer.trains and n > 1  # closed form, also on each other calibration draw
         per[grid] += 1
     notes = [f"{plural(fixed, 'cell')} whose healer does not train run{'s' * (fixed == 1)} 1 trial"
              + (f", {drawn} of them also 1 on each other calibration draw (it can change them)" if drawn else "")] \

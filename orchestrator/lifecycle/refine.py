@@ -86,19 +86,19 @@ def plan_refinement(run_dir: Path, step: float) -> dict:
 
 
 def count_trials(spec) -> dict[str, int]:
-    """Grid name -> trials the spec runs, as `healsweep validate` counts them: each searched cell's trials and its
-    winner's re-evaluations (``max_per_cell``: it counted the search alone, 16 of a round's 24), 1 for a healer
-    that does not train."""
+    """Grid name -> trials the spec runs, as `healsweep validate` counts them (``grids.cell_trials``): each searched
+    cell's trials and its winner's re-evaluations (``max_per_cell``: it counted the search alone, 16 of a round's
+    24), 1 for a healer that does not train (and 1 on each other calibration draw that can change it)."""
 
+    from orchestrator.spec.grids import cell_trials
     from orchestrator.spec.plan import expand_cells, grid_searches
-    from tasks.healing import resolve_healer
+    from orchestrator.spec.registries import changes_with_draw, get, resolve_healer
 
-    searches, trains, out = grid_searches(spec), {}, Counter()
+    searches, out = grid_searches(spec), Counter()
     for c in expand_cells(spec, defaultdict(str)):  # scopes are not needed to count cells
-        key = (c.healer, repr(sorted(c.healer_settings.items())))
-        if key not in trains:
-            trains[key] = resolve_healer(c.healer, c.healer_settings).trains
-        out[c.grid] += searches[c.grid].max_per_cell if trains[key] else 1
+        healer = resolve_healer(c.healer, c.healer_settings)
+        out[c.grid] += cell_trials(searches[c.grid], spec.search.calib_draws, healer.trains,
+                                   changes_with_draw(get("pruner", c.pruner), healer))
     return dict(out)
 
 

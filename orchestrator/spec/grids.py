@@ -45,6 +45,16 @@ def views(spec) -> Iterator[tuple[str, Any]]:
         yield g.name, replace(spec, grids=(), search=replace(spec.search, **dict(g.search)), **over)
 
 
+def cell_trials(search, calib_draws: int, trains: bool, redrawn: bool) -> int:
+    """Trials one cell of a grid whose search settings are ``search`` runs (``healsweep validate``, refine's plan):
+    a searched cell's search trials and re-evaluations (``max_per_cell``); a closed-form cell 1, and 1 more on each
+    other calibration draw that can change it (``redrawn``: registries.changes_with_draw; search.calib_draws, as
+    many draws as the grid re-evaluates: orchestrator/sweep/draws.py)."""
+    if trains:
+        return search.max_per_cell
+    return 1 + (min(calib_draws, search.max_reevaluations) if redrawn else 0)
+
+
 def parse_grids(raw: Any, spec, parse_view) -> tuple[GridSpec, ...]:
     """Validate ``raw`` (the ``grids`` value) against the parsed top-level ``spec``.
 

@@ -99,6 +99,12 @@ def test_plan_counts_trials_and_estimates_time_from_measured_trials(tmp_path):
     reev = parse_spec({**yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text()),
                        "search": {"trials_per_cell": 2, "reevaluate": 2}})
     assert count_trials(reev) == {"main": 2 * 2 * (2 + 2)}
+    # search.calib_draws 2: CR+BN reads the calibration images, so it heals once more on each draw (1 + 2); the
+    # searched cells' re-evaluations move onto the draws (no trial added)
+    draws = parse_spec({**yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text()), "models": ["resnet_digits"],
+                        "healers": ["starfish", "crbn"], "search": {"trials_per_cell": 2, "reevaluate": 2,
+                                                                    "calib_draws": 2}})
+    assert count_trials(draws) == {"main": 2 * 2 * ((2 + 2) + (1 + 2))}
     client = MlflowClient(sweep["uri"])  # Tune wall of three sessions; the last ran no trial
     client.log_batch(sweep["parent"], metrics=[Metric(k, v, 0, step) for step, (t, n) in enumerate(
         [(60.0, 10), (30.0, 5), (5.0, 0)]) for k, v in (("tune_seconds", t), ("trials_run", n))])
