@@ -288,7 +288,14 @@ def noise_line(gb: pd.DataFrame, rows: list[dict]) -> str:
     leads = sum(bool(r.get("resolved")) for r in contested)
     told = (f"{leads} of {len(contested)} best-method leads resolved" if contested else
             "no best-method lead to resolve (one pruner × healer per cell)")
-    if noise.empty:
+    closed = gb[(gb["lr"].fillna(0) <= 0) & (gb["n_draws"].fillna(0) > 0)] if {"lr", "n_draws"} <= set(gb.columns) \
+        else gb.iloc[:0]
+    if noise.empty and len(closed):  # only closed-form cells, healed on other draws too (search.calib_draws)
+        k = int(closed["n_draws"].median() + 0.5)
+        what = (f"Quoted numbers are the mean of each closed-form cell over the sweep's draw of the calibration images "
+                f"and {k} other{'s' * (k > 1)} (search.calib_draws); noise median ±{100 * closed['noise'].median():.2f} "
+                f"pp, max ±{100 * closed['noise'].max():.2f} pp, the draw's spread included")
+    elif noise.empty:
         what = "Quoted numbers are each cell's best search trial (no re-evaluation: noise not measured)"
     else:
         what = (f"Quoted numbers are the mean of {int(n_re.median())} re-evaluations of each searched cell's winner"
@@ -315,7 +322,8 @@ def _draws_said(searched: pd.DataFrame) -> str:
 def _closed_form_said(gb: pd.DataFrame) -> str:
     """Closed-form cells (lr 0) whose healer or pruner reads the calibration images (CR+BN, CORP; RR, SnapViT, CORP
     masks): healed on every draw and their mean quoted (search.calib_draws re-evaluates them), or, where some were
-    healed once on the sweep's draw (a sweep before 2026-12-01), that their noise is not the draw's. Closed-form
+    healed once on the sweep's draw (a sweep from before closed-form cells healed on the draws), that their noise is
+    not the draw's. Closed-form
     cells that read none (``none`` on magnitude) give one number on every draw: nothing to say."""
     fixed = gb["lr"].fillna(0) <= 0 if "lr" in gb.columns else pd.Series(False, index=gb.index)
     readers = gb[fixed & gb.apply(_reads_calibration, axis=1)] if fixed.any() else gb.iloc[:0]

@@ -48,7 +48,10 @@ HOW_TO_READ = (
     "after masking and before healing, healed = after healing. Retention = healed / dense. Sparsity "
     "is the achieved fraction of prunable weights that are zero. Trials counts every run of the "
     "cell, failed ones included; failed runs are never selected. Closed-form healers (CR+BN, none) have no "
-    "learning rate or epochs: their rows read 'closed form'."
+    "learning rate or epochs: their rows read 'closed form'. With search.calib_draws, a closed-form cell whose "
+    "healer or mask reads the calibration images (CR+BN, CORP; RR, SnapViT, CORP masks) is healed on the sweep's "
+    "draw of them and once on each other draw: its healed accuracy is the mean over all of them (n counts every "
+    "draw; 'winner' is the sweep's draw, not biased: nothing was picked)."
 )
 HEALERS_HOW = ("How to read this: one panel per pruner × pattern × calibration size; healers sorted by mean "
                "healed accuracy. Each grey line is one seed, i.e. one mask shared by every healer, so parallel "

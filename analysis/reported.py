@@ -37,8 +37,9 @@ seed: their noise is the binomial standard error of the accuracy on the evaluati
 (``_closed_form_noise``). With search.calib_draws, a closed-form cell whose healer or pruner reads the calibration
 images (CR+BN, CORP; RR, SnapViT, CORP masks) heals once on each other draw as well: its quoted number is the mean
 over every draw, its own included (nothing was picked among draws: no winner's curse), and its noise at least
-that mean's standard error, sqrt(seed_sd_i^2 / n_i), seed_sd_i shrunk as above (on one draw, RR x CR+BN at 0.9 of
-the default spec moved 9-14 pp with the draw against a 2-noise of 7.4: docs/methods.md#reading-the-noise).
+that mean's standard error, sqrt(seed_sd_i^2 / n_i), seed_sd_i shrunk as above but towards its family's cells of
+the same pruner (a draw moves an RR mask itself, a magnitude mask not at all; on one draw, RR x CR+BN at 0.9 of
+the default spec moved 9-14 pp with the draw against a 2-noise of 7.4: docs/methods.md#reading-the-noise)).
 A difference between two quoted numbers is *resolved* when it exceeds Z = 2 noise units of the difference
 (``resolved``); a band class is resolved when the quoted number is that far from the class's threshold.
 """
@@ -166,13 +167,14 @@ def _noise(best: pd.DataFrame, searched: pd.DataFrame | None = None, objective: 
                            mask_sd=np.nan)
     n = best["n_reevaluated"].astype(float)
     s2 = best["healed_acc_sd"].astype(float) ** 2
+    fixed = _closed(best)
     fam = best[FAMILY].astype(str).agg("|".join, axis=1)
+    fam = fam.where(~fixed, fam + "|" + best["pruner"].astype(str)) if "pruner" in best.columns else fam
     dof = (n - 1).clip(lower=0)
     sib = best[[c for c in SIBLINGS if c in best.columns]].astype(object).fillna("").astype(str).agg("|".join, axis=1)
     p2 = _at_least(fam.map(_pooled(fam, dof, s2, 1)), sib.map(_pooled(sib, dof, s2, 2)))
     seed_var = (dof * s2.fillna(0) + SHRINK * p2) / (dof + SHRINK)
     best["seed_sd"] = np.sqrt(seed_var)
-    fixed = _closed(best)
     gap = (best["healed_acc_search"] - best["healed_acc"]).abs().where((n > 0) & ~fixed)  # no search: no gap
     search = _at_least(gap.groupby(fam).transform("median"), _sibling_median(gap, sib))
     rival = _rivals(best, searched, objective, np.sqrt(p2 + fam.map(_split_var(best, searched, fam, objective))))

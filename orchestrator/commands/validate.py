@@ -32,7 +32,8 @@ def main(args) -> int:
         drawn += not healer.trains and n > 1  # closed form, also on each other calibration draw
         per[grid] += 1
     notes = [f"{plural(fixed, 'cell')} whose healer does not train run{'s' * (fixed == 1)} 1 trial"
-             + (f", {drawn} of them also 1 on each other calibration draw (it can change them)" if drawn else "")] \
+             + (f", {drawn} of them also once on each of their grid's other calibration draws (it can change them)"
+                if drawn else "")] \
         if fixed else []
     notes += _grid_design_notes(searches)
     upto = {g: "up to " if s.converge is not None else "" for g, s in searches.items()}

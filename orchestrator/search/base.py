@@ -360,13 +360,16 @@ class SearchDesign:
             self._told += 1
 
     def noise(self) -> dict[str, dict]:
-        """Per cell: the winner's search value and trial number, and its re-evaluations' mean, std and count."""
+        """Per cell: the winner's search value and trial number, and its re-evaluations' mean, std and count (a
+        closed-form cell healed on other calibration draws: its own trial counted among them)."""
         out = {}
         for cid in self.cells:
             best = self.pick(cid)
             again = self._studies.get((cid, REEVALUATE))
             vals = [] if again is None else [t.value for t in again.get_trials(deepcopy=False)
                                              if t.state == TrialState.COMPLETE]
+            if cid in self.fixed and vals and best is not None:  # closed form on other draws: its own is one more
+                vals.insert(0, best.value)                        # draw, as the report quotes it (analysis/reported.py)
             mean = sum(vals) / len(vals) if vals else None
             std = (math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else None)
             out[cid] = {"winner": None if best is None else best.number,

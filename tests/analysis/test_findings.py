@@ -168,6 +168,12 @@ def test_leads_are_counted_only_where_a_cell_has_a_second_method():
     assert "the draw's spread included; " in noise_line(inert, best_rows(inert))
     rr = inert.assign(pruner=["magnitude"] * (len(inert) - 1) + ["rr"])
     assert "(not in 1 closed-form cell: healed once, on the sweep's draw)" in noise_line(rr, best_rows(rr))
+    # a grid of closed-form cells only, healed on the draws: their mean and noise are what is quoted (it said "no
+    # re-evaluation: noise not measured" while the leads were resolved with that noise)
+    only = two.assign(healer=["crbn", "corp", "crbn"][:len(two)], lr=0.0, n_reevaluated=3, n_draws=2, noise=0.02)
+    assert noise_line(only, best_rows(only)).startswith(
+        "Quoted numbers are the mean of each closed-form cell over the sweep's draw of the calibration images and 2 "
+        "others (search.calib_draws); noise median ±2.00 pp, max ±2.00 pp, the draw's spread included; ")
 
 
 def test_the_noise_line_says_where_the_mask_depends_on_the_seed():

@@ -134,6 +134,13 @@ def test_a_closed_form_cell_on_other_draws_quotes_the_mean_of_every_draw_and_its
     same = [crbn("search", 0.70), crbn("reevaluate", 0.70, 1000), crbn("reevaluate", 0.70, 2000)]
     (r,) = reported(pd.DataFrame(same)).to_dict("records")  # the draws agree: the binomial error is the floor
     assert r["noise"] == pytest.approx(math.sqrt(0.7 * 0.3 / 360)) and r["n_reevaluated"] == 3
+    # both in one frame, the second on an RR mask (a draw moves the mask itself): a closed-form cell's spread is
+    # pooled with its family's cells of the same pruner only, so the magnitude cell's agreeing draws do not shrink
+    # the RR cell's (pooled over both its variance would be (2 * 0.0025 + 2 * 0.00125) / 4: noise 2.5 pp, not 2.89)
+    both = pd.DataFrame(same + [{**r, "cell_id": "rr", "pruner": "rr", "run_id": f"rr{i}"} for i, r in enumerate(rows)])
+    out = reported(both).set_index("cell_id")
+    assert out.loc["rr", "noise"] == pytest.approx(0.05 / math.sqrt(3))
+    assert out.loc["c", "noise"] == pytest.approx(math.sqrt(0.7 * 0.3 / 360))
 
 
 def test_resolved_needs_the_difference_beyond_two_noise_units():

@@ -138,6 +138,8 @@ def test_a_closed_form_cell_heals_once_on_each_draw_that_can_change_it(tmp_path)
     assert got == [("c", "reevaluate", 0, 1000, "k0"), ("c", "reevaluate", 1, 2000, "k1"), ("c", "search", None, None, "own"),
                    ("n", "search", None, None, "own")]
     assert all((c["lr"], c["epochs"]) == (0.0, 0) for c in seen)  # closed form: no lr, no epochs
+    noise = se.design.noise()  # search_noise.json: the closed-form cell's own trial counts as one more draw
+    assert noise["c" * 12]["reevaluate_n"] == 3 and noise["n" * 12]["reevaluate_n"] == 0
 
 
 def test_which_cells_the_draws_reevaluate():

@@ -128,7 +128,7 @@ def test_default_sweep_holds_the_healer_comparison(capsys):
     # main: 50 starfish cells x (3 search + 2 re-evaluations) + 50 crbn cells x (1 + 1 on each of the 2 other
     # calibration draws: CR+BN reads the images); healers: 45 training cells x (3 + 2) + 9 `none` cells (magnitude
     # masks: no draw changes them, 1 trial each)
-    assert "154 cells, 634 trials (59 cells whose healer does not train run 1 trial, 50 of them also 1 on each " in out
+    assert "154 cells, 634 trials (59 cells whose healer does not train run 1 trial, 50 of them also once on each of their " in out
     assert "grid main: 100 cells, 400 trials; grid healers: 54 cells, 234 trials" in out
 
 

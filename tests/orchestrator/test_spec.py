@@ -163,9 +163,9 @@ def test_cli_validate_counts_cells(capsys):
     # search.calib_draws 2: the searched cells' re-evaluations move onto the draws (no trial added); the 50 CR+BN
     # cells (main grid) read the calibration images and heal once on each draw too (+100); the 9 `none` cells of
     # grid `healers` (magnitude masks) read none: 1 trial each
-    assert "154 cells, 634 trials (59 cells whose healer does not train run 1 trial, 50 of them also 1 on each other " \
-           "calibration draw (it can change them); re-evaluations heal on 2 other calibration draw(s)" \
-           in capsys.readouterr().out
+    assert "154 cells, 634 trials (59 cells whose healer does not train run 1 trial, 50 of them also once on each " \
+           "of their grid's other calibration draws (it can change them); re-evaluations heal on 2 other " \
+           "calibration draw(s)" in capsys.readouterr().out
 
 
 def test_cli_report_on_non_run_dir(tmp_path, capsys):

@@ -93,8 +93,8 @@ def test_validate_counts_the_cells_plan_expands(config, monkeypatch, tmp_path):
     ({"trials_per_cell": 2, "reevaluate": 2, "calib_draws": 2}, ["starfish"], "ok: 1 cell, 4 trials (re-evaluations "
      "heal on 2 other calibration draw(s), each with its own dense targets and, for pruners that read images, masks)"),
     ({"trials_per_cell": 2, "reevaluate": 3, "calib_draws": 2}, ["crbn", "none"], "ok: 2 cells, 4 trials (2 cells whose "
-     "healer does not train run 1 trial, 1 of them also 1 on each other calibration draw (it can change them); "
-     "re-evaluations heal on 2 other calibration draw(s), each with its own dense targets and, for pruners that read "
+     "healer does not train run 1 trial, 1 of them also once on each of their grid's other calibration draws (it can "
+     "change them); re-evaluations heal on 2 other calibration draw(s), each with its own dense targets and, for pruners that read "
      "images, masks)"),  # CR+BN: 1 + 2 (not 3: each draw once); none: 1
 ])
 def test_validate_says_what_it_counts_in_words_that_fit(tmp_path, search, healers, want):
