@@ -1,7 +1,10 @@
 """How well the label-free score ``heldout_align`` (tasks/healing/heldout.py; lower is better) ranks a cell's trials
 against ``selection_acc`` (the labeled objective): Spearman ρ between −heldout_align and selection_acc per cell
-(cells with ≥ 3 finished trials that logged both and are not constant), and the evaluation accuracy lost by picking
-each cell's trial with heldout_align instead of selection_acc (pp; ≥ 0 on average when selection generalises).
+(cells with ≥ 3 finished search trials that logged both and are not constant), and the evaluation accuracy lost by
+picking each cell's trial with heldout_align instead of selection_acc (pp; ≥ 0 on average when selection
+generalises). Only search trials are candidates, as in the search itself (analysis/runs.py ``best_per_cell``): a
+re-evaluation repeats the winner on another seed or calibration draw, and a closed-form cell's runs on other draws
+(search.calib_draws) are draws, not configurations to pick among.
 """
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import math
 import pandas as pd
 from scipy import stats
 
+from .runs import stage_of
+
 __all__ = ["agreement", "agreement_line"]
 
 
@@ -17,7 +22,8 @@ def agreement(trials: pd.DataFrame) -> dict | None:
     """{"cells", "rho_median", "rho_min", "lost_mean", "lost_max", "n_picked"} or None without the metric."""
     if "heldout_align" not in trials.columns:
         return None
-    t = trials[(trials["status"] == "FINISHED") & trials["heldout_align"].notna() & trials["selection_acc"].notna()]
+    t = trials[(trials["status"] == "FINISHED") & trials["heldout_align"].notna() & trials["selection_acc"].notna()
+               & (stage_of(trials) != "reevaluate")]
     rhos, lost = [], []
     for _, g in t.groupby("cell_id"):
         if len(g) >= 2:

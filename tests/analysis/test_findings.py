@@ -272,6 +272,15 @@ def test_heldout_agreement_spearman_and_accuracy_lost():
     assert a["lost_mean"] == pytest.approx(12.5) and a["lost_max"] == pytest.approx(25.0)
     assert "loses +12.50 pp evaluation accuracy on average (worst +25.00 pp) over 2 cells" in agreement_line(a)
     assert agreement(pd.DataFrame(rows).drop(columns="heldout_align")) is None
+    # re-evaluations are no candidates (they repeat the winner on other seeds or draws): a re-evaluation of cell a
+    # with the best heldout_align and a poor accuracy changes nothing; neither do a closed-form cell's runs on other
+    # calibration draws (one search trial: nothing to pick among)
+    again = [dict(cell_id="a", status="FINISHED", heldout_align=0.05, selection_acc=0.6, healed_acc=0.1, epochs=3,
+                  optuna_trial=0, stage="reevaluate")]
+    again += [dict(cell_id="c", status="FINISHED", heldout_align=h, selection_acc=s, healed_acc=s, epochs=0,
+                   optuna_trial=0, stage=st) for h, s, st in [(0.3, 0.5, "search"), (0.2, 0.6, "reevaluate"),
+                                                             (0.1, 0.4, "reevaluate")]]
+    assert agreement(pd.DataFrame(rows + again)) == a
 
 
 def test_first_screen_summaries_headline_flags_and_folded_columns():
