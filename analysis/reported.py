@@ -52,7 +52,7 @@ import pandas as pd
 
 from .runs import at_config, grid_names, load_sweep_info, load_trials, quoted_per_cell, stage_of
 
-__all__ = ["cell_results", "reported", "resolved", "identical_masks", "Z", "SHRINK"]
+__all__ = ["cell_results", "reported", "resolved", "identical_masks", "closed_form", "Z", "SHRINK"]
 
 Z = 2.0  # noise units a difference must exceed to count as resolved
 SHRINK = 2.0  # pseudo-degrees of freedom of the family's pooled seed std
@@ -90,7 +90,7 @@ def reported(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.DataF
     return _noise(best, searched, objective)
 
 
-def _closed(best: pd.DataFrame) -> pd.Series:
+def closed_form(best: pd.DataFrame) -> pd.Series:
     """Per cell: its healer does not train (closed form, ``none``: lr 0, nothing searched)."""
     return best["lr"].fillna(0) <= 0 if "lr" in best.columns else pd.Series(False, index=best.index)
 
@@ -101,7 +101,7 @@ def _with_own_draw(again: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
     winner picked among noisy draws but one more draw, and its quoted number is the mean over every draw."""
     if again.empty:
         return again
-    own = best[_closed(best) & best["cell_id"].isin(again["cell_id"])]
+    own = best[closed_form(best) & best["cell_id"].isin(again["cell_id"])]
     return pd.concat([again, own[[c for c in again.columns if c in own.columns]]], ignore_index=True) \
         if len(own) else again
 
@@ -167,7 +167,7 @@ def _noise(best: pd.DataFrame, searched: pd.DataFrame | None = None, objective: 
                            mask_sd=np.nan)
     n = best["n_reevaluated"].astype(float)
     s2 = best["healed_acc_sd"].astype(float) ** 2
-    fixed = _closed(best)
+    fixed = closed_form(best)
     fam = best[FAMILY].astype(str).agg("|".join, axis=1)
     fam = fam.where(~fixed, fam + "|" + best["pruner"].astype(str)) if "pruner" in best.columns else fam
     dof = (n - 1).clip(lower=0)

@@ -299,5 +299,14 @@ def _healers() -> dict[str, Method]:
                                   "bn_source": BN_SOURCES}, (_crbn,), _crbn_resolve, uses_calibration=True)]}
 
 
+def changes_with_draw(pruner, healer) -> bool:
+    """Another draw of the calibration images can change the cell's number: its healer trains (on them: a searched
+    cell) or reads them (CR+BN, CORP), or its pruner's mask does (RR, SnapViT, CORP). search.calib_draws re-evaluates
+    such a cell on the other draws (orchestrator/search/records.py ``redrawn_cell``); ``none`` on a magnitude mask
+    gives one number on every draw. Table or live methods, or chains; None (a method not known) reads nothing."""
+    return any(getattr(m, a, False) for m, a in ((healer, "trains"), (healer, "uses_calibration"),
+                                                (pruner, "uses_calibration")))
+
+
 PRUNERS: dict[str, Method] = _pruners()
 HEALERS: dict[str, Method] = _healers()

@@ -6,7 +6,8 @@ from collections import Counter, defaultdict
 
 from orchestrator.commands.common import load_spec_or_exit, plural
 from orchestrator.spec.grids import cell_trials, views
-from orchestrator.spec.registries import changes_with_draw, get, resolve_healer
+from orchestrator.spec.registries import get, resolve_healer
+from tasks.catalog import changes_with_draw
 
 
 def add_parser(sub):

@@ -17,6 +17,7 @@ from orchestrator.lifecycle.continuation import RefineError, read_run
 from orchestrator.lifecycle.resume import prepare_resume
 from orchestrator.rundir.files import JOURNAL_FILE
 from orchestrator.sweep.end import told_counts
+from tasks.catalog import changes_with_draw
 
 MIN_STEP = 1e-6  # fine sparsities are rounded to 1e-6
 
@@ -92,7 +93,7 @@ def count_trials(spec) -> dict[str, int]:
 
     from orchestrator.spec.grids import cell_trials
     from orchestrator.spec.plan import expand_cells, grid_searches
-    from orchestrator.spec.registries import changes_with_draw, get, resolve_healer
+    from orchestrator.spec.registries import get, resolve_healer
 
     searches, out = grid_searches(spec), Counter()
     for c in expand_cells(spec, defaultdict(str)):  # scopes are not needed to count cells

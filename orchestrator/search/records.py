@@ -12,7 +12,8 @@ from typing import Any, Mapping
 import optuna
 from optuna.trial import TrialState
 
-from orchestrator.spec.registries import changes_with_draw, get, resolve_healer
+from orchestrator.spec.registries import get, resolve_healer
+from tasks.catalog import changes_with_draw
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 DONE = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)

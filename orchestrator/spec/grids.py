@@ -48,7 +48,7 @@ def views(spec) -> Iterator[tuple[str, Any]]:
 def cell_trials(search, calib_draws: int, trains: bool, redrawn: bool) -> int:
     """Trials one cell of a grid whose search settings are ``search`` runs (``healsweep validate``, refine's plan):
     a searched cell's search trials and re-evaluations (``max_per_cell``); a closed-form cell 1, and 1 more on each
-    other calibration draw that can change it (``redrawn``: registries.changes_with_draw; search.calib_draws, as
+    other calibration draw that can change it (``redrawn``: tasks.catalog.changes_with_draw; search.calib_draws, as
     many draws as the grid re-evaluates: orchestrator/sweep/draws.py)."""
     if trains:
         return search.max_per_cell

@@ -61,14 +61,6 @@ def diagnostic_settings(pruner, settings: Mapping[str, Any]) -> dict[str, Any] |
     return None if fn is None else fn(settings)
 
 
-def changes_with_draw(pruner, healer) -> bool:
-    """Another draw of the calibration images can change the cell's number: its healer trains (on them: a searched
-    cell) or reads them (CR+BN, CORP), or its pruner's mask does (RR, SnapViT, CORP). search.calib_draws re-evaluates
-    such a cell on the other draws (orchestrator/search/records.py ``redrawn_cell``); ``none`` on a magnitude mask
-    gives one number on every draw."""
-    return bool(healer.trains or getattr(healer, "uses_calibration", False) or getattr(pruner, "uses_calibration", False))
-
-
 def sparsity_check(pruner):
     """The pruner's ``check_sparsity`` (a candidate grid that must reach every sparsity), or None."""
     return pruner.check_sparsity if getattr(pruner, "has_grid", True) and hasattr(pruner, "check_sparsity") else None
