@@ -26,25 +26,8 @@ from tasks.models.adapter import get_adapter
 from tasks.models.base import MODEL_SOURCES, MODELS, ModelRef
 from tasks.models.load import load_model
 from tasks.pruning.base import achieved_sparsity, mask_violations
+from tasks.saved_trial import HEALED, TRIAL_JSON, healed_problem
 from tasks.store.masks import MaskStore
-
-HEALED = "healed.safetensors"
-TRIAL_JSON = "trial.json"
-# A trial key is "<cell id>-<optuna trial number>": one path component, never "." or "..", no separators.
-TRIAL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-
-
-def trial_dir(run_dir: Path, trial_id: str) -> Path:
-    """``run_dir/trials/<trial_id>``; ValueError when the key (e.g. an MLflow tag) is not a plain trial key."""
-    if not isinstance(trial_id, str) or not TRIAL_KEY_RE.match(trial_id) or ".." in trial_id:
-        raise ValueError(f"trial_id {str(trial_id)[:80]!r}: not a trial key (expected <cell id>-<number>, "
-                         f"matching {TRIAL_KEY_RE.pattern})")
-    root = (Path(run_dir) / "trials").resolve()
-    d = (root / trial_id).resolve()
-    if d.parent != root:  # e.g. a symlink planted under trials/
-        raise ValueError(f"trial_id {trial_id!r}: resolves outside {root}")
-    return d
-
 
 def _save_tensors(path: Path, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str] | None = None) -> None:
     data = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
@@ -140,7 +123,11 @@ def load_trial(trial_dir: Path) -> tuple[nn.Module, dict, dict, dict]:
     """-> (healed model, masks, trial params, final results) of a finished trial; checks the mask invariant."""
     if not (trial_dir / HEALED).is_file():
         raise FileNotFoundError(f"{trial_dir}: no {HEALED} (the trial did not finish, or ran before healed "
-                                f"weights were saved)")
+                                f"weights were saved, or it was deleted: healsweep doctor {trial_dir.parent.parent} "
+                                f"--repair runs it again)")
+    if why := healed_problem(trial_dir):  # a truncated file ended the export in safetensors' own traceback
+        raise ValueError(f"{trial_dir}: {why}; healsweep doctor {trial_dir.parent.parent} --repair runs that trial "
+                         f"again")
     rec = json.loads((trial_dir / TRIAL_JSON).read_text())
     params, final = rec["params"], rec["final"]
     model = dense_model(params)

@@ -14,6 +14,7 @@ from pathlib import Path
 from orchestrator.commands.common import CliError, not_a_dir
 from orchestrator.spec.checks import SpecError
 from orchestrator.spec.reach import check_server
+from tasks.saved_trial import trial_dir
 
 
 def add_parser(sub):
@@ -139,7 +140,7 @@ def earlier_export(out: Path, run_id: str) -> str | None:
 
 
 def main(args) -> int:
-    from tasks.export import export_trial, trial_dir
+    from tasks.export import export_trial
 
     run_dir, uri, run = find_run(args.run_id, args.run_dir, args.runs, args.tracking_uri)
     if run.data.tags.get("healsweep.role") != "trial":

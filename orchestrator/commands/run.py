@@ -12,10 +12,10 @@ from pathlib import Path
 from orchestrator.commands.common import (DEFAULT_HOME, CliError, interrupted_exit, load_spec_or_exit, not_a_dir,
                                           report_lines, summary_lines)
 from orchestrator.lifecycle.continuation import RefineError
-from orchestrator.lifecycle.resume import check_resumable, nothing_to_resume, prepare_resume
+from orchestrator.lifecycle.resume import check_resumable, note, nothing_to_resume, prepare_resume, weights_note
 from orchestrator.lifecycle.widen import run_widening
 from orchestrator.raytune.cluster import ClusterError, check_store_uri, connect  # light: no ray import
-from orchestrator.rundir import faults
+from orchestrator.rundir import faults, records
 from orchestrator.rundir.files import ResumeError, probe_run_dir, read_sweep, record_complete
 from orchestrator.spec.dry_run import DRY_SIZES
 from orchestrator.spec.reach import check_server
@@ -101,6 +101,8 @@ def _complete_already(out: Path, finished: int, failed: int, report: bool) -> in
     info = read_sweep(out)
     print(f"healsweep: {out}: the sweep ended complete and its files are unchanged since: nothing to resume "
           f"(healsweep refine {out} searches further)", file=sys.stderr)
+    if line := weights_note(out, records.trials(records.scan(out / records.TRIALS_FILE))):
+        note(line)
     paths = None
     if report:
         from analysis.report import write_report

@@ -3,7 +3,8 @@ is damaged, what was lost); with ``repair``, what can be repaired is repaired, i
 
 0. a damaged ``sweep.json``: rebuilt from the record, the database and the spec artifact (sweep_record.py);
 1. the trial record (``trials.jsonl``, the source of truth: orchestrator/rundir/records.py): a torn last line is cut
-   off (its trial runs again), damaged lines are dropped (their trials run again);
+   off (its trial runs again), damaged lines are dropped (their trials run again), and so are the lines of finished
+   trials whose healed weights (``trials/<id>/``) are missing or not whole;
 2. the tracking database (the run directory's own ``mlflow.db``): damaged -> rebuilt from the record; intact ->
    recorded trials missing from it recreated, duplicate runs deleted;
 3. the Optuna journal: torn, damaged, not replaying or disagreeing with the record -> rebuilt from it;
@@ -53,8 +54,8 @@ class Doctor:
 
     # ------------------------------------------------------------------ checks, in repair order
     def examine(self) -> list[Problem]:
-        return [*self.check_record(), *self.check_tracking(), *self.check_journal(), *self.check_temp(),
-                *self.check_store()]
+        return [*self.check_record(), *self.check_weights(), *self.check_tracking(), *self.check_journal(),
+                *self.check_temp(), *self.check_store()]
 
     def check_record(self) -> list[Problem]:
         s, out = self._scan(), []
@@ -67,6 +68,27 @@ class Doctor:
         for n, why in s.damaged:
             out.append(Problem(str(self.record), f"line {n} damaged ({why})", lost, lambda: self._drop_damaged()))
         return out
+
+    def check_weights(self) -> list[Problem]:
+        """Finished trials whose healed weights (``trials/<id>/``) are missing or not whole: one problem for them
+        all. The repair drops their record lines, so the resume runs them again (same seeds)."""
+        gone = resume.lost_weights(self.dir, records.trials(self._scan()))
+        if not gone:
+            return []
+        named = "; ".join(f"{t}: {why}" for t, why in list(gone.items())[:4]) + ("; ..." if len(gone) > 4 else "")
+        return [Problem(str(self.dir / "trials"), f"{len(gone)} finished trial(s) without whole healed weights "
+                        f"({named})", "their healed weights (healsweep export of them fails); the repair drops "
+                        "their record lines and they run again on resume, same seeds",
+                        lambda: self._drop_unsaved())]
+
+    def _drop_unsaved(self) -> str:
+        s = self._scan()
+        gone = resume.lost_weights(self.dir, records.trials(s))
+        if not gone:
+            return "already dropped"
+        records.rewrite(self.record, [r for r in s.records if not (r.get("kind") == records.TRIAL
+                                                                   and r.get("trial_id") in gone)])
+        return f"dropped {len(gone)} trial(s) from {records.TRIALS_FILE}: they run again on resume"
 
     def _lost_with(self, s: records.Scan) -> str:
         """What damaged record lines lost: the trials an intact journal tells as done that no intact line records

@@ -21,6 +21,7 @@ from orchestrator.tracking.rebuild import journal_disagrees, parent_gone, rebuil
 from orchestrator.tracking.recorder import backfill
 from orchestrator.tracking.store import local_tracking_uri, relocate
 from tasks.atomic import TMP_PREFIX
+from tasks.saved_trial import healed_problem, trial_dir
 
 DB_FILE = "mlflow.db"
 # The tables (and their columns, stable across MLflow's schema versions) that a sweep's runs live in
@@ -147,6 +148,20 @@ def prepare_resume(out_dir: Path, say=note) -> None:
     if rs.records and (why or journal_disagrees(journal, trials)):
         c = rebuild_journal(journal, trials)
         say(f"{journal}: rebuilt from {records.TRIALS_FILE} ({c['told']} trials told, {c['asked']} to run again)")
+    if line := weights_note(out_dir, trials):
+        say(line)
+
+
+def weights_note(out_dir: Path, trials: dict[str, dict]) -> str | None:
+    """A note on finished trials whose healed weights are lost (a resume leaves them: the record, which holds their
+    numbers, is the truth; doctor's repair runs them again), or None."""
+    gone = lost_weights(out_dir, trials)
+    if not gone:
+        return None
+    named = ", ".join(list(gone)[:4]) + (", ..." if len(gone) > 4 else "")
+    return (f"{Path(out_dir) / 'trials'}: {len(gone)} finished trial(s) without whole healed weights ({named}): "
+            f"their numbers stand, healsweep export of them fails; healsweep doctor {out_dir} --repair runs them "
+            f"again on the next resume")
 
 
 def nothing_to_resume(out_dir: Path) -> tuple[int, int] | None:
@@ -198,3 +213,22 @@ def _backfill(out_dir: Path, say, emptied: bool = False) -> None:
                  info["sweep_id"], info.get("parent_run_id"))
     why = "it held none of the trials the journal tells" if emptied else "a sweep from before it"
     say(f"{out_dir / records.TRIALS_FILE}: written from the journal and MLflow ({n} trials: {why})")
+
+
+def lost_weights(run_dir: Path, trials: dict[str, dict]) -> dict[str, str]:
+    """{trial id: why} for recorded trials that reached their final step (which saves the healed weights: a
+    ``healed_acc`` metric, or an Optuna COMPLETE state where the record holds no MLflow part) whose saved files are
+    not whole (tasks/saved_trial.py ``healed_problem``)."""
+    out = {}
+    for tid, rec in sorted(trials.items()):
+        metrics = (rec.get("mlflow") or {}).get("metrics") or {}
+        final = "healed_acc" in metrics if rec.get("mlflow") else (rec.get("optuna") or {}).get("state") == "COMPLETE"
+        if not final:
+            continue
+        try:
+            why = healed_problem(trial_dir(run_dir, tid))
+        except ValueError as e:  # not a plain trial key (a record line edited by hand)
+            why = str(e)
+        if why:
+            out[tid] = why
+    return out

@@ -313,3 +313,37 @@ def test_a_damaged_record_line_says_which_trial_it_lost(reference, tmp_path):
     assert "line 4 damaged (" in r.stdout and "lost: nothing (every trial the journal tells" in r.stdout, r.stdout
     ok(cli("doctor", run2, "--repair"))
     assert recorded(run2) == recorded(reference["run"])
+
+
+def test_lost_healed_weights_run_again(reference, tmp_path):
+    """A trial's saved weights deleted (its whole trials/<id>/) or cut short: the sweep's numbers were all there, so
+    doctor said "no problem found" and a resume "nothing to resume" while `healsweep export` of those trials failed
+    (a truncated file in a traceback). The resume now notes them and doctor names them; --repair drops their record
+    lines, the resume runs exactly them again, and the same seeds write the same weights, bit for bit."""
+    run = copy_run(reference, tmp_path / "run")
+    gone, cut = reference["trials"][0], reference["trials"][3]
+    shutil.rmtree(run / "trials" / gone)
+    weights = run / "trials" / cut / "healed.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    r = ok(run_cli("run", "--resume", run, "--quiet"))  # a sweep that ended complete: nothing runs, a note says why
+    assert f"healsweep: note: {run / 'trials'}: 2 finished trial(s) without whole healed weights ({gone}, {cut}): " \
+        f"their numbers stand, healsweep export of them fails; healsweep doctor {run} --repair runs them again" \
+        in r.stderr, r.stderr
+    from orchestrator.lifecycle.resume import prepare_resume
+
+    notes = []
+    prepare_resume(run, notes.append)  # what a refine, a widening round or a resume that runs on says first
+    assert len(notes) == 1 and notes[0] in r.stderr
+    r = cli("doctor", run)
+    assert r.returncode == 1 and f"{run / 'trials'}: 2 finished trial(s) without whole healed weights ({gone}: its " \
+        f"directory is missing; {cut}: healed.safetensors truncated (" in r.stdout, r.stdout
+    r = ok(cli("doctor", run, "--repair"))
+    assert "dropped 2 trial(s) from trials.jsonl" in r.stdout and "rebuilt from trials.jsonl (6 told, 2 to run " \
+        "again)" in r.stdout, r.stdout
+    r = ok(run_cli("run", "--resume", run, "--quiet"))
+    assert "8 trials finished, 0 failed" in r.stdout
+    assert_complete(run, reference)
+    for t in reference["trials"]:
+        assert (run / "trials" / t / "healed.safetensors").read_bytes() == \
+            (reference["run"] / "trials" / t / "healed.safetensors").read_bytes(), t
+    ok(cli("doctor", run))

@@ -4,6 +4,7 @@ that gives the healed model's logits and accuracy exactly."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,8 +137,54 @@ def test_final_result_digests_become_mlflow_params(tmp_path):
     assert r.data.metrics["healed_acc"] == 0.5 and "calib_digest" not in r.data.metrics
 
 
+def test_damaged_healed_files_are_named_not_a_traceback(trial, tmp_path):
+    """What ``healsweep doctor`` checks of a trial's saved files (framing, not values): a whole copy passes; a
+    truncated, overlong, header-garbled or deleted weights file, and a missing or damaged trial.json, each get their
+    reason; the export of one says it in one error (a truncated file ended it in safetensors' own traceback)."""
+    import shutil
+
+    from tasks.export import load_trial
+    from tasks.saved_trial import HEALED, TRIAL_JSON, healed_problem
+
+    root, _, _ = trial
+    src = root / "run" / "trials" / "cell-0"
+    size = (src / HEALED).stat().st_size
+    n = int.from_bytes((src / HEALED).read_bytes()[:8], "little")
+
+    def damaged(name: str, edit) -> Path:
+        d = tmp_path / "run" / "trials" / name
+        shutil.copytree(src, d)
+        edit(d)
+        return d
+
+    def cut(d, k):  # keep the first k bytes of the weights
+        (d / HEALED).write_bytes((src / HEALED).read_bytes()[:k])
+
+    whole = damaged("whole-0", lambda d: None)
+    assert healed_problem(whole) is None and load_trial(whole)[3]["healed_acc"] == trial[2]["healed_acc"]
+    cases = {
+        "cut-0": (lambda d: cut(d, size - 1), f"{HEALED} truncated ({size - 1} bytes, its header says {size})"),
+        "head-0": (lambda d: cut(d, 8 + n // 2), f"{HEALED} truncated ({8 + n // 2} bytes, header not whole)"),
+        "tiny-0": (lambda d: cut(d, 5), f"{HEALED} truncated (5 bytes, header not whole)"),
+        "long-0": (lambda d: (d / HEALED).write_bytes((src / HEALED).read_bytes() + b"\0"),
+                   f"{HEALED} overlong ({size + 1} bytes, its header says {size})"),
+        "garbled-0": (lambda d: (d / HEALED).write_bytes(b"\x07\0\0\0\0\0\0\0{garbl" + b"\0" * 10),
+                      f"{HEALED} header unreadable (JSONDecodeError)"),
+        "noweights-0": (lambda d: (d / HEALED).unlink(), f"{HEALED} missing"),
+        "nojson-0": (lambda d: (d / TRIAL_JSON).unlink(), f"{TRIAL_JSON} missing"),
+        "badjson-0": (lambda d: (d / TRIAL_JSON).write_text('{"params": '), f"{TRIAL_JSON} unreadable (JSONDecodeError)"),
+    }
+    for name, (edit, why) in cases.items():
+        assert healed_problem(damaged(name, edit)) == why, name
+    assert healed_problem(tmp_path / "run" / "trials" / "gone-0") == "its directory is missing"
+    with pytest.raises(ValueError, match=rf"cut-0: {HEALED} truncated .*healsweep doctor {tmp_path / 'run'} --repair"):
+        load_trial(tmp_path / "run" / "trials" / "cut-0")
+    with pytest.raises(FileNotFoundError, match=f"healsweep doctor {tmp_path / 'run'} --repair runs it again"):
+        load_trial(tmp_path / "run" / "trials" / "noweights-0")
+
+
 def test_trial_dir_accepts_trial_keys_only(tmp_path):
-    from tasks.export import trial_dir
+    from tasks.saved_trial import trial_dir
 
     (tmp_path / "trials").mkdir()
     (tmp_path / "trials" / "evil").symlink_to(tmp_path.parent)  # planted under trials/, points outside

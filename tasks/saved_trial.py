@@ -1,0 +1,68 @@
+"""A trial's saved files, ``<run dir>/trials/<trial_id>/``: ``healed.safetensors`` (what healing changed) and
+``trial.json`` (its parameters and final results), written by tasks/export.py ``save_healed``. Their names, the
+one safe way from a trial key to its directory, and a check that both are whole, without torch: ``healsweep
+doctor`` and the resume read every finished trial's headers (orchestrator/lifecycle/).
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+HEALED = "healed.safetensors"
+TRIAL_JSON = "trial.json"
+# A trial key is "<cell id>-<optuna trial number>": one path component, never "." or "..", no separators.
+TRIAL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def trial_dir(run_dir: Path, trial_id: str) -> Path:
+    """``run_dir/trials/<trial_id>``; ValueError when the key (e.g. an MLflow tag) is not a plain trial key."""
+    if not isinstance(trial_id, str) or not TRIAL_KEY_RE.match(trial_id) or ".." in trial_id:
+        raise ValueError(f"trial_id {str(trial_id)[:80]!r}: not a trial key (expected <cell id>-<number>, "
+                         f"matching {TRIAL_KEY_RE.pattern})")
+    root = (Path(run_dir) / "trials").resolve()
+    d = (root / trial_id).resolve()
+    if d.parent != root:  # e.g. a symlink planted under trials/
+        raise ValueError(f"trial_id {trial_id!r}: resolves outside {root}")
+    return d
+
+
+def healed_problem(trial_dir: Path) -> str | None:
+    """Why a finished trial's saved files are not whole, or None: both present, trial.json a JSON object, and the
+    weights' safetensors framing sound (8-byte header length, JSON header, the last tensor ending at the file's
+    end: what a truncated copy or a write cut short breaks). Reads headers only, not the values."""
+    w, t = Path(trial_dir) / HEALED, Path(trial_dir) / TRIAL_JSON
+    if not Path(trial_dir).is_dir():
+        return "its directory is missing"
+    if not w.is_file():
+        return f"{HEALED} missing"
+    try:
+        if why := _framing_problem(w):
+            return f"{HEALED} {why}"
+        if not isinstance(json.loads(t.read_bytes()), dict):
+            return f"{TRIAL_JSON} is not a JSON object"
+    except FileNotFoundError as e:
+        return f"{Path(e.filename).name} missing"
+    except OSError as e:  # permissions, an I/O error
+        return f"{Path(e.filename or w).name} unreadable ({e.strerror or type(e).__name__})"
+    except ValueError as e:
+        return f"{TRIAL_JSON} unreadable ({type(e).__name__})"
+    return None
+
+
+def _framing_problem(path: Path) -> str | None:
+    """Why ``path`` is not a whole safetensors file (its framing only), or None."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or 8 + n > size:
+            return f"truncated ({size} bytes, header not whole)"
+        try:
+            header = json.loads(f.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            return f"header unreadable ({type(e).__name__})"
+    if 8 + n + end != size:
+        return f"{'truncated' if 8 + n + end > size else 'overlong'} ({size} bytes, its header says {8 + n + end})"
+    return None
