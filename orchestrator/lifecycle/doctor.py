@@ -6,7 +6,7 @@ is damaged, what was lost); with ``repair``, what can be repaired is repaired, i
    off (its trial runs again), damaged lines are dropped (their trials run again), and so are the lines of finished
    trials whose healed weights (``trials/<id>/``) are missing or not whole;
 2. the tracking database (the run directory's own ``mlflow.db``): damaged -> rebuilt from the record; intact ->
-   recorded trials missing from it recreated, duplicate runs deleted;
+   recorded trials missing from it recreated, duplicate runs deleted, stray parent runs of the sweep deleted;
 3. the Optuna journal: torn, damaged, not replaying or disagreeing with the record -> rebuilt from it;
 4. leftover temporary files (``.tmp-*``) in the run directory and the store: removed;
 5. the target store: damaged or missing shards and unreadable manifests moved to its quarantine (the next
@@ -24,8 +24,8 @@ from orchestrator.lifecycle.store_check import store_problems
 from orchestrator.lifecycle.sweep_record import rebuild_sweep, rebuilt_sweep, sweep_damage
 from orchestrator.rundir import records
 from orchestrator.rundir.files import JOURNAL_FILE, SWEEP_FILE, ResumeError, read_sweep
-from orchestrator.tracking.rebuild import (journal_disagrees, parent_gone, rebuild_journal, rebuild_tracking,
-                                          reopen_parent, runs_off, sync_runs)
+from orchestrator.tracking.rebuild import (drop_stray_parents, journal_disagrees, parent_gone, rebuild_journal,
+                                          rebuild_tracking, reopen_parent, runs_off, stray_parents, sync_runs)
 from orchestrator.tracking.recorder import backfill
 from orchestrator.tracking.store import local_tracking_uri, relocate
 
@@ -156,12 +156,18 @@ class Doctor:
             return [Problem(str(db), f"the sweep's parent run {self.info['parent_run_id']} is {gone}",
                             "nothing: " + ("restored" if gone == "deleted" else f"recreated from {records.TRIALS_FILE}'s "
                                            "parent line, under a new id"), lambda: self._reopen_parent())]
-        missing = self._missing_runs(trials)
-        if missing:
-            return [Problem(str(db), f"{len(missing)} recorded trial(s) without their one MLflow run in its "
-                            f"recorded status ({', '.join(missing[:4])})", "nothing: recreated from trials.jsonl",
-                            lambda: self._sync_db())]
-        return []
+        out = []
+        if missing := self._missing_runs(trials):
+            out.append(Problem(str(db), f"{len(missing)} recorded trial(s) without their one MLflow run in its "
+                               f"recorded status ({', '.join(missing[:4])})", "nothing: recreated from trials.jsonl",
+                               lambda: self._sync_db()))
+        if strays := self._strays():
+            out.append(Problem(str(db), f"{len(strays)} stray parent run(s) of the sweep besides its own "
+                               f"{self.info['parent_run_id']} ({', '.join(strays[:4])}: a start or a repair cut "
+                               "short; the report reads whichever it finds first)", "nothing: deleted (MLflow keeps "
+                               "them as deleted), any trial run under one pointed at the sweep's own",
+                               lambda: self._drop_strays()))
+        return out
 
     def _client(self, write: bool = True):
         """The run's MLflow client; a repair (``write``) first points a copied or moved run directory's sweep.json
@@ -179,16 +185,27 @@ class Doctor:
         if not trials:
             return []
         client = self._client(write=False)
+        return runs_off(client, self._exp_id(client), self.info["sweep_id"], trials)
+
+    def _exp_id(self, client) -> str | None:
         exp = client.get_experiment_by_name(self.info.get("experiment") or "healsweep")
-        return runs_off(client, exp.experiment_id if exp else None, self.info["sweep_id"], trials)
+        return exp.experiment_id if exp else None
+
+    def _strays(self) -> list[str]:
+        client = self._client(write=False)
+        return stray_parents(client, self._exp_id(client), self.info["sweep_id"], self.info.get("parent_run_id"))
+
+    def _drop_strays(self) -> str:
+        client = self._client()
+        n = drop_stray_parents(client, self._exp_id(client), self.info["sweep_id"], self.info["parent_run_id"])
+        return f"deleted {n} stray parent run(s)" if n else "already deleted"
 
     def _parent_gone(self) -> str | None:
         return parent_gone(self._client(write=False), self.info.get("parent_run_id"))
 
     def _reopen_parent(self) -> str:
         client = self._client()
-        exp = client.get_experiment_by_name(self.info.get("experiment") or "healsweep")
-        done = reopen_parent(client, exp.experiment_id, self.dir, self.info)
+        done = reopen_parent(client, self._exp_id(client), self.dir, self.info)
         self.info = read_sweep(self.dir)
         return done
 
@@ -199,8 +216,7 @@ class Doctor:
 
     def _sync_db(self) -> str:
         client = self._client()
-        exp = client.get_experiment_by_name(self.info.get("experiment") or "healsweep")
-        c = sync_runs(client, exp.experiment_id, self.info["sweep_id"], self.info["parent_run_id"],
+        c = sync_runs(client, self._exp_id(client), self.info["sweep_id"], self.info["parent_run_id"],
                       records.trials(self._scan()))
         return (f"{c['created']} run(s) recreated, {c['deleted']} duplicate(s) deleted"
                 + (f", {c['ended']} set to their recorded status" if c["ended"] else ""))

@@ -17,7 +17,7 @@ from orchestrator.lifecycle.store_check import targets_gap
 from orchestrator.rundir import records
 from orchestrator.rundir.faults import damaged
 from orchestrator.rundir.files import JOURNAL_FILE, SWEEP_FILE, read_sweep, spec_lacks, told_states
-from orchestrator.tracking.rebuild import journal_disagrees, parent_gone, rebuild_journal, runs_off
+from orchestrator.tracking.rebuild import journal_disagrees, parent_gone, rebuild_journal, runs_off, stray_parents
 from orchestrator.tracking.recorder import backfill
 from orchestrator.tracking.store import local_tracking_uri, relocate
 from tasks.atomic import TMP_PREFIX
@@ -62,8 +62,9 @@ def db_problem(db: Path) -> str | None:
 
 def tracking_gap(out_dir: Path, info: dict, trials: dict[str, dict]) -> bool:
     """Whether the sweep's own tracking database lacks what the record holds: its parent run, or a recorded
-    trial's one run in its recorded status (``sync_record`` on the usual resume path settles both). A tracking
-    server or a shared database is not checked here."""
+    trial's one run in its recorded status (``sync_record`` on the usual resume path settles both), or holds a
+    stray parent run (``parent_run`` deletes it there). A tracking server or a shared database is not checked
+    here."""
     if not own_db(out_dir, info):
         return False
     db = Path(out_dir) / DB_FILE
@@ -75,7 +76,9 @@ def tracking_gap(out_dir: Path, info: dict, trials: dict[str, dict]) -> bool:
     exp = client.get_experiment_by_name(info.get("experiment") or "healsweep")
     if not info.get("parent_run_id") or parent_gone(client, info["parent_run_id"]):
         return True
-    return bool(runs_off(client, exp.experiment_id if exp else None, info["sweep_id"], trials))
+    exp_id = exp.experiment_id if exp else None
+    return bool(runs_off(client, exp_id, info["sweep_id"], trials)
+                or stray_parents(client, exp_id, info["sweep_id"], info["parent_run_id"]))
 
 
 def journal_problem(journal: Path) -> str | None:

@@ -215,6 +215,31 @@ def parent_gone(client, parent_id: str | None) -> str | None:
     return "deleted" if run.info.lifecycle_stage != "active" else None
 
 
+def stray_parents(client, exp_id: str | None, sweep_id: str, parent_id: str | None) -> list[str]:
+    """Active parent runs of the sweep other than its own (sweep.json's): left by a driver killed between creating
+    its parent run and writing the id, or by a repair cut short. The report reads the sweep's first parent run."""
+    if exp_id is None or not parent_id:
+        return []
+    return sorted(r.info.run_id for r in client.search_runs(
+        [exp_id], f"tags.sweep_id = '{sweep_id}' and tags.`healsweep.role` = 'sweep'", max_results=1000)
+        if r.info.run_id != parent_id)
+
+
+def drop_stray_parents(client, exp_id: str, sweep_id: str, parent_id: str) -> int:
+    """Delete the sweep's stray parent runs (``stray_parents``; MLflow keeps them as deleted), any trial run under
+    one pointed at the sweep's own parent first; -> how many."""
+    strays = set(stray_parents(client, exp_id, sweep_id, parent_id))
+    if not strays:
+        return 0
+    for r in client.search_runs([exp_id], f"tags.sweep_id = '{sweep_id}' and tags.`healsweep.role` = 'trial'",
+                                max_results=50000):
+        if r.data.tags.get("mlflow.parentRunId") in strays:
+            client.set_tag(r.info.run_id, "mlflow.parentRunId", parent_id)
+    for run_id in sorted(strays):
+        client.delete_run(run_id)
+    return len(strays)
+
+
 def reopen_parent(client, exp_id: str, out_dir: Path, info: dict) -> str:
     """The parent run back: a deleted one restored; a missing one recreated from the record's parent line (its
     tags, params, artifacts kept under DIR/artifacts), the sweep's trial runs pointed at it and sweep.json updated

@@ -123,3 +123,85 @@ def test_a_parent_run_deleted_or_gone_comes_back(reference, tmp_path, damage):
         r = ok(run_cli("run", "--resume", run2, "--quiet"))
         assert f"parent run {parent} recreated from trials.jsonl as " in r.stderr and "Traceback" not in r.stderr
         assert trial_runs(run2) == recorded(run2) and quoted(run2) == reference["quoted"]
+
+
+def test_a_stray_parent_run_is_deleted(reference, tmp_path):
+    """A second parent run of the sweep (a driver killed between creating its parent run and writing the id to
+    sweep.json, or a database rebuild cut short): doctor said no problem and the report read whichever parent it
+    found first. Doctor names it and deletes it, pointing a trial run under it at the sweep's own; a resume does
+    the same with a note, also for a sweep that ended complete (it goes the usual way and runs nothing)."""
+    from mlflow import MlflowClient
+
+    from orchestrator.lifecycle.resume import nothing_to_resume
+
+    def stray(run):
+        client = MlflowClient(f"sqlite:///{run.resolve()}/mlflow.db")
+        exp_id = client.get_experiment_by_name("healsweep").experiment_id
+        info = json.loads((run / "sweep.json").read_text())
+        s = client.create_run(exp_id, run_name="stray", tags={"sweep_id": info["sweep_id"],
+                                                               "healsweep.role": "sweep"}).info.run_id
+        kid = client.search_runs([exp_id], "tags.`healsweep.role` = 'trial'")[2].info.run_id
+        client.set_tag(kid, "mlflow.parentRunId", s)
+        return client, exp_id, info["parent_run_id"], s
+
+    def settled(client, exp_id, parent):
+        sweeps = client.search_runs([exp_id], "tags.`healsweep.role` = 'sweep'")
+        kids = client.search_runs([exp_id], "tags.`healsweep.role` = 'trial'")
+        return [r.info.run_id for r in sweeps] == [parent] and {k.data.tags["mlflow.parentRunId"] for k in kids} == \
+            {parent}
+
+    run = copy_run(reference, tmp_path / "run")
+    client, exp_id, parent, s = stray(run)
+    assert nothing_to_resume(run) is None
+    r = cli("doctor", run)
+    assert r.returncode == 1 and f"1 stray parent run(s) of the sweep besides its own {parent} ({s}: " in r.stdout, \
+        r.stdout
+    r = ok(cli("doctor", run, "--repair"))
+    assert "deleted 1 stray parent run(s)" in r.stdout
+    assert settled(client, exp_id, parent) and client.get_run(s).info.lifecycle_stage == "deleted"
+    assert nothing_to_resume(run) == (8, 0)
+    ok(cli("report", run))
+    assert quoted(run) == reference["quoted"]
+    run2 = copy_run(reference, tmp_path / "run2")
+    client, exp_id, parent, s = stray(run2)
+    r = ok(run_cli("run", "--resume", run2, "--quiet"))
+    assert "healsweep: note: deleted 1 stray parent run(s) of sweep" in r.stderr and "8 trials finished, 0 failed" \
+        in r.stdout, r.stderr
+    assert settled(client, exp_id, parent) and trial_runs(run2) == recorded(run2)
+    assert quoted(run2) == reference["quoted"]
+
+
+def test_a_database_rebuild_cut_short_is_finished_by_the_next_repair(reference, tmp_path, monkeypatch):
+    """doctor --repair killed while it rebuilt a damaged database (here: after 3 of 8 trial runs; sweep.json still
+    names the old parent): the next doctor recreates the parent, the 5 missing runs, and deletes the parent run the
+    cut-short rebuild had made; the report quotes the reference's numbers."""
+    from mlflow import MlflowClient
+
+    from orchestrator.rundir import records
+    from orchestrator.rundir.files import read_sweep
+    from orchestrator.tracking import rebuild
+
+    run = copy_run(reference, tmp_path / "run")
+    (run / "mlflow.db").write_bytes(bytes(range(256)) * 400)
+    made, create = [], rebuild.create_run
+
+    def killed_after_3(*a, **kw):
+        if len(made) == 3:
+            raise KeyboardInterrupt  # what SIGINT raises there
+        made.append(create(*a, **kw))
+
+    monkeypatch.setattr(rebuild, "create_run", killed_after_3)
+    with pytest.raises(KeyboardInterrupt):
+        rebuild.rebuild_tracking(run, read_sweep(run), records.scan(run / "trials.jsonl"))
+    monkeypatch.undo()  # doctor runs in this process (tests/faults/helpers.py cli)
+    r = ok(cli("doctor", run, "--repair"))
+    assert "5 run(s) recreated" in r.stdout and "deleted 1 stray parent run(s)" in r.stdout, r.stdout
+    ok(cli("doctor", run))
+    info = json.loads((run / "sweep.json").read_text())
+    client = MlflowClient(info["tracking_uri"])
+    exp_id = client.get_experiment_by_name("healsweep").experiment_id
+    assert [p.info.run_id for p in client.search_runs([exp_id], "tags.`healsweep.role` = 'sweep'")] == \
+        [info["parent_run_id"]]
+    assert trial_runs(run) == recorded(run)
+    ok(cli("report", run))
+    assert quoted(run) == reference["quoted"]
