@@ -262,7 +262,8 @@ def _failed_cells(mt: pd.DataFrame, mb: pd.DataFrame) -> dict[str, list[str]]:
 def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
                       experiment: str = "healsweep", title: str | None = None,
                       settings: dict | None = None, search: dict | None = None,
-                      widened: dict | None = None, stops: dict | None = None) -> dict[str, Path]:
+                      widened: dict | None = None, stops: dict | None = None,
+                      parent_run_id: str | None = None) -> dict[str, Path]:
     """Write ``out_dir/report.html``, ``report.md``, ``bands.json`` and ``fig_<model>*.png`` (+ layout sidecars).
 
     ``settings``: optional ``{"cts": {...CTSSettings fields}, "bands": {...BandSettings fields}}``.
@@ -271,6 +272,7 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
     ``widened``: cell id -> the search box of its last widening round (orchestrator/lifecycle/widen.py; ``widened_cells``
     reads them from sweep.json): those cells' boundary is that box, and the findings name them.
     ``stops``: cell id -> why its search stopped (``search_stops.search_stops``: ``search.converge``).
+    ``parent_run_id``: the sweep's parent run (sweep.json's; ``load_sweep_info``).
     Each cell's winner is picked by the sweep's search objective (the parent run's ``objective`` param).
     """
     from .bands import BandSettings
@@ -278,7 +280,7 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     trials = load_trials(tracking_uri, sweep_id, experiment)
-    info = load_sweep_info(tracking_uri, sweep_id, experiment)
+    info = load_sweep_info(tracking_uri, sweep_id, experiment, parent_run_id)
     name = title or info["name"] or sweep_id
     objective = info.get("objective") or "selection_acc"
     best = flag_boundary(attach(reported(trials, objective), stops or {}), search, tracking_uri, widened,
@@ -391,4 +393,4 @@ def write_report(run_dir: str | Path) -> dict[str, Path]:
                              experiment=meta.get("experiment") or "healsweep",
                              title=meta.get("name"), settings=meta.get("analysis"),
                              search=search_bounds(meta.get("spec")), widened=widened_cells(meta),
-                             stops=search_stops(run_dir))
+                             stops=search_stops(run_dir), parent_run_id=meta.get("parent_run_id"))

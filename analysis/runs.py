@@ -227,11 +227,14 @@ def quoted_per_cell(trials: pd.DataFrame, objective: str = "selection_acc") -> p
     return out.sort_values("cell_id", kind="stable").reset_index(drop=True)
 
 
-def load_sweep_info(tracking_uri: str, sweep_id: str, experiment: str = "healsweep") -> dict:
+def load_sweep_info(tracking_uri: str, sweep_id: str, experiment: str = "healsweep",
+                    parent_run_id: str | None = None) -> dict:
     """``{"name", "run_id", "experiment_id", "objective", "calib_seed", "partial"}`` of the sweep's parent run (values
     None if absent; ``objective``: the parent run's ``objective`` param, "selection_acc" when absent; ``calib_seed``:
     its param, 0 when absent (the data seed's calibration order); ``partial``: None, or
-    for a sweep a signal interrupted (tag ``partial=true``) ``{"finished", "planned", "signal"}`` from its tags)."""
+    for a sweep a signal interrupted (tag ``partial=true``) ``{"finished", "planned", "signal"}`` from its tags).
+    ``parent_run_id`` (sweep.json's): that one first, should a stray second parent run of the sweep exist (a start or
+    a repair cut short: healsweep doctor deletes it)."""
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     info = {"name": None, "run_id": None, "objective": "selection_acc", "calib_seed": 0, "partial": None,
@@ -239,7 +242,7 @@ def load_sweep_info(tracking_uri: str, sweep_id: str, experiment: str = "healswe
     if exp is None:
         return info
     filt = f"tags.sweep_id = {_quote(sweep_id)} and tags.`{ROLE_TAG}` = 'sweep'"
-    parents = _search(client, exp.experiment_id, filt)
+    parents = sorted(_search(client, exp.experiment_id, filt), key=lambda r: r.info.run_id != parent_run_id)
     if parents:
         run = parents[0]
         info["name"] = run.info.run_name or run.data.tags.get("mlflow.runName")

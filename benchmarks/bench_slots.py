@@ -129,17 +129,20 @@ class Replay:
 
 def design_searcher(spec, cells: list[dict], journal: Path):
     """The sweep's searcher (``DesignSearcher``) over ``cells`` with the spec's per-grid budgets and, with
-    search.calib_draws, its other draws (each redrawn cell marked with the draw's number only: the store and mask
-    keys a real draw adds change nothing here, so closed-form cells heal once on each draw as in the sweep); tells
-    run at once."""
+    search.calib_draws, its other draws: draw j holds the cells a draw can change whose grid re-evaluates more than j
+    times (the sweep's ``redrawn_cell`` and ``cells_of_draw``), each marked with the draw's index only (the store and
+    mask keys a real draw adds change nothing here), so closed-form cells heal once on each draw as in the sweep.
+    Tells run at once."""
     from orchestrator.search import budget_of, make_searcher
     from orchestrator.search.records import redrawn_cell
+    from orchestrator.spec.grids import MAIN, views
     from orchestrator.spec.plan import grid_searches
 
     grids = {g: budget_of(s) for g, s in grid_searches(spec).items()}
     budgets = {c["cell_id"]: grids.get(c["grid"], grids["main"]) for c in cells}
-    draws = [{c["cell_id"]: {"calib_draw": k} for c in cells if redrawn_cell(c)}
-             for k in range(1, int(spec.search.calib_draws or 0) + 1)]
+    most = {name: view.search.max_reevaluations for name, view in views(spec)}
+    draws = [{c["cell_id"]: {"calib_draw": j} for c in cells if redrawn_cell(c) and most.get(c["grid"] or MAIN, 0) > j}
+             for j in range(int(spec.search.calib_draws or 0))]
     return make_searcher(cells, budgets, spec.search.design or "shared", spec.search.sampler_seed, journal,
                          draws=draws)
 

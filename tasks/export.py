@@ -122,12 +122,12 @@ def preprocessing(params: Mapping[str, Any], model: nn.Module) -> dict:
 def load_trial(trial_dir: Path) -> tuple[nn.Module, dict, dict, dict]:
     """-> (healed model, masks, trial params, final results) of a finished trial; checks the mask invariant."""
     if not (trial_dir / HEALED).is_file():
-        raise FileNotFoundError(f"{trial_dir}: no {HEALED} (the trial did not finish, or ran before healed "
-                                f"weights were saved, or it was deleted: healsweep doctor {trial_dir.parent.parent} "
-                                f"--repair runs it again)")
+        raise FileNotFoundError(f"{trial_dir}: no {HEALED} (the trial did not finish, ran before healed weights "
+                                f"were saved or on a node that does not share the run directory, or they were "
+                                f"deleted since: healsweep doctor {trial_dir.parent.parent} says which)")
     if why := healed_problem(trial_dir):  # a truncated file ended the export in safetensors' own traceback
-        raise ValueError(f"{trial_dir}: {why}; healsweep doctor {trial_dir.parent.parent} --repair runs that trial "
-                         f"again")
+        raise ValueError(f"{trial_dir}: {why}; healsweep doctor {trial_dir.parent.parent} --repair "
+                         f"--rerun-lost-weights heals that trial again")
     rec = json.loads((trial_dir / TRIAL_JSON).read_text())
     params, final = rec["params"], rec["final"]
     model = dense_model(params)

@@ -32,22 +32,32 @@ def healed_problem(trial_dir: Path) -> str | None:
     weights' safetensors framing sound (8-byte header length, JSON header, the last tensor ending at the file's
     end: what a truncated copy or a write cut short breaks). Reads headers only, not the values."""
     w, t = Path(trial_dir) / HEALED, Path(trial_dir) / TRIAL_JSON
-    if not Path(trial_dir).is_dir():
-        return "its directory is missing"
-    if not w.is_file():
-        return f"{HEALED} missing"
     try:
+        if not Path(trial_dir).is_dir():
+            return "its directory is missing"
+        if not w.is_file():
+            return f"{HEALED} missing"
         if why := _framing_problem(w):
             return f"{HEALED} {why}"
         if not isinstance(json.loads(t.read_bytes()), dict):
             return f"{TRIAL_JSON} is not a JSON object"
     except FileNotFoundError as e:
-        return f"{Path(e.filename).name} missing"
+        return f"{Path(e.filename or t).name} missing"
     except OSError as e:  # permissions, an I/O error
         return f"{Path(e.filename or w).name} unreadable ({e.strerror or type(e).__name__})"
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         return f"{TRIAL_JSON} unreadable ({type(e).__name__})"
     return None
+
+
+def weights_seen(run_dir: Path, trial_id: str) -> str:
+    """Where a just finished trial's healed weights are, as the driver sees them: "saved" (whole in its run
+    directory) or "elsewhere" (not there: the trial ran on a node that does not share the run directory, or the
+    key is not a plain trial key). The trial line records it; only "saved" weights can later be lost."""
+    try:
+        return "elsewhere" if healed_problem(trial_dir(run_dir, trial_id)) else "saved"
+    except (ValueError, OSError, RuntimeError):  # not a plain key; a symlink loop
+        return "elsewhere"
 
 
 def _framing_problem(path: Path) -> str | None:

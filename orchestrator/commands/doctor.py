@@ -19,10 +19,15 @@ def add_parser(sub):
                                    "With --repair: rebuild a damaged sweep.json (from the record, the database and "
                                    "the parent run's spec), the tracking database and the Optuna journal from the "
                                    "record, drop torn or damaged lines, remove temporary files, quarantine damaged "
-                                   "shards and masks (recomputed by healsweep run --resume DIR). Exit code 0: sound "
+                                   "shards and masks (recomputed by healsweep run --resume DIR). Healed weights lost "
+                                   "since their trial was recorded are named; their numbers stand, and only "
+                                   "--rerun-lost-weights has the resume heal those trials again. Exit code 0: sound "
                                    "(or repaired); 1: problems found (left); 2: DIR is not a run directory.")
     p.add_argument("dir", metavar="DIR", help="run directory of a sweep (holds sweep.json)")
     p.add_argument("--repair", action="store_true", help="repair what can be repaired (without it: only report)")
+    p.add_argument("--rerun-lost-weights", action="store_true",
+                   help="with --repair: drop the records of trials whose healed weights are lost, so that the next "
+                        "healsweep run --resume heals them again (its numbers replace the recorded ones)")
     p.add_argument("--verbose", action="store_true", help="show a traceback for an unexpected failure")
     p.set_defaults(func=main)
     return p
@@ -33,6 +38,8 @@ def main(args) -> int:
     quiet_libraries(args.verbose)
 
     try:
-        return doctor.run(Path(args.dir), args.repair, cache=DEFAULT_HOME / "models")
+        if args.rerun_lost_weights and not args.repair:
+            raise CliError("--rerun-lost-weights repairs: give --repair with it")
+        return doctor.run(Path(args.dir), args.repair, cache=DEFAULT_HOME / "models", rerun_lost=args.rerun_lost_weights)
     except ResumeError as e:
         raise CliError(str(e)) from None

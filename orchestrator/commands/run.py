@@ -15,7 +15,7 @@ from orchestrator.lifecycle.continuation import RefineError
 from orchestrator.lifecycle.resume import check_resumable, note, nothing_to_resume, prepare_resume, weights_note
 from orchestrator.lifecycle.widen import run_widening
 from orchestrator.raytune.cluster import ClusterError, check_store_uri, connect  # light: no ray import
-from orchestrator.rundir import faults, records
+from orchestrator.rundir import faults
 from orchestrator.rundir.files import ResumeError, probe_run_dir, read_sweep, record_complete
 from orchestrator.spec.dry_run import DRY_SIZES
 from orchestrator.spec.reach import check_server
@@ -101,7 +101,7 @@ def _complete_already(out: Path, finished: int, failed: int, report: bool) -> in
     info = read_sweep(out)
     print(f"healsweep: {out}: the sweep ended complete and its files are unchanged since: nothing to resume "
           f"(healsweep refine {out} searches further)", file=sys.stderr)
-    if line := weights_note(out, records.trials(records.scan(out / records.TRIALS_FILE))):
+    if line := weights_note(out):
         note(line)
     paths = None
     if report:
@@ -297,6 +297,8 @@ def _run(args, spec, out: Path, store: Path, cache: Path, clock, owns_ray: bool 
         widen = spec.search.widen  # extra rounds past the search boundary
         if args.resume:
             prepare_resume(out)  # damaged files: one line; torn last lines dropped; journal agrees with the record
+            if line := weights_note(out):
+                note(line)
         res = run_sweep(spec, out, store, cache, address=args.address, progress=not args.quiet,
                         report=not args.no_report and not widen, num_cpus=args.num_cpus, resume=bool(args.resume),
                         verbose=args.verbose, clock=clock, owns_ray=owns_ray, models=models)

@@ -21,7 +21,7 @@ def read_run(run_dir: Path) -> tuple[dict, str, dict, object]:
     meta = json.loads(sj.read_text(encoding="utf-8"))
     uri = meta.get("tracking_uri") or f"sqlite:///{(Path(run_dir) / 'mlflow.db').resolve()}"
     exp = meta.get("experiment") or "healsweep"
-    info = load_sweep_info(uri, meta["sweep_id"], exp)
+    info = load_sweep_info(uri, meta["sweep_id"], exp, meta.get("parent_run_id"))
     if info["run_id"] is None:
         raise RefineError(f"{run_dir}: parent run of sweep {meta['sweep_id']} not found in MLflow")
     return meta, uri, info, load_trials(uri, meta["sweep_id"], exp)

@@ -3,8 +3,8 @@ is damaged, what was lost); with ``repair``, what can be repaired is repaired, i
 
 0. a damaged ``sweep.json``: rebuilt from the record, the database and the spec artifact (sweep_record.py);
 1. the trial record (``trials.jsonl``, the source of truth: orchestrator/rundir/records.py): a torn last line is cut
-   off (its trial runs again), damaged lines are dropped (their trials run again), and so are the lines of finished
-   trials whose healed weights (``trials/<id>/``) are missing or not whole;
+   off (its trial runs again), damaged lines are dropped (their trials run again); with ``rerun_lost``
+   (``--rerun-lost-weights``) so are the lines of trials whose healed weights (``trials/<id>/``) are lost;
 2. the tracking database (the run directory's own ``mlflow.db``): damaged -> rebuilt from the record; intact ->
    recorded trials missing from it recreated, duplicate runs deleted, stray parent runs of the sweep deleted;
 3. the Optuna journal: torn, damaged, not replaying or disagreeing with the record -> rebuilt from it;
@@ -43,8 +43,9 @@ class Problem:
 
 
 class Doctor:
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, rerun_lost: bool = False) -> None:
         self.dir = Path(out_dir).resolve()
+        self.rerun_lost = rerun_lost  # --rerun-lost-weights: a trial whose healed weights are lost runs again
         self.info = read_sweep(self.dir)
         self.record = self.dir / records.TRIALS_FILE
         self.journal = self.dir / JOURNAL_FILE
@@ -70,16 +71,19 @@ class Doctor:
         return out
 
     def check_weights(self) -> list[Problem]:
-        """Finished trials whose healed weights (``trials/<id>/``) are missing or not whole: one problem for them
-        all. The repair drops their record lines, so the resume runs them again (same seeds)."""
+        """Recorded trials whose healed weights (``trials/<id>/``), whole when they were recorded, are missing or
+        not whole now: one problem for them all. Their numbers stand, so only ``rerun_lost`` repairs it: their
+        record lines are dropped and the resume runs them again, whose numbers then replace the recorded ones."""
         gone = resume.lost_weights(self.dir, records.trials(self._scan()))
         if not gone:
             return []
         named = "; ".join(f"{t}: {why}" for t, why in list(gone.items())[:4]) + ("; ..." if len(gone) > 4 else "")
+        how = ("their records are dropped and the resume heals them again: its numbers replace the recorded ones"
+               if self.rerun_lost else f"healsweep doctor {self.dir} --repair --rerun-lost-weights has the resume "
+               "heal them again (its numbers replace the recorded ones)")
         return [Problem(str(self.dir / "trials"), f"{len(gone)} finished trial(s) without whole healed weights "
-                        f"({named})", "their healed weights (healsweep export of them fails); the repair drops "
-                        "their record lines and they run again on resume, same seeds",
-                        lambda: self._drop_unsaved())]
+                        f"({named})", f"their healed weights (healsweep export of them fails; their numbers stand); "
+                        f"{how}", (lambda: self._drop_unsaved()) if self.rerun_lost else None)]
 
     def _drop_unsaved(self) -> str:
         s = self._scan()
@@ -164,7 +168,7 @@ class Doctor:
         if strays := self._strays():
             out.append(Problem(str(db), f"{len(strays)} stray parent run(s) of the sweep besides its own "
                                f"{self.info['parent_run_id']} ({', '.join(strays[:4])}: a start or a repair cut "
-                               "short; the report reads whichever it finds first)", "nothing: deleted (MLflow keeps "
+                               "short; MLflow's UI shows it as a sweep of its own)", "nothing: deleted (MLflow keeps "
                                "them as deleted), any trial run under one pointed at the sweep's own",
                                lambda: self._drop_strays()))
         return out
@@ -278,11 +282,12 @@ def _unlink(p: Path) -> str:
     return "removed"
 
 
-def run(out_dir: Path, repair: bool, say: Callable[[str], None] = print, cache: Path | None = None) -> int:
+def run(out_dir: Path, repair: bool, say: Callable[[str], None] = print, cache: Path | None = None,
+        rerun_lost: bool = False) -> int:
     """Check (and with ``repair`` repair) ``out_dir``; -> exit code: 0 sound or repaired, 1 problems left. A repair
     can reveal the next problem (a record line dropped: the journal now disagrees), so repairs go in passes. A
     damaged sweep.json comes first: nothing else can be read without it (``cache``: the model cache a rebuilt one
-    names, not recorded elsewhere)."""
+    names, not recorded elsewhere; ``rerun_lost``: ``Doctor``'s)."""
     if (why := sweep_damage(out_dir)) is not None:
         kept = _readable_cache(out_dir)  # a readable one (a field missing) keeps its model cache
         cache = kept or Path(cache or "models")
@@ -299,7 +304,7 @@ def run(out_dir: Path, repair: bool, say: Callable[[str], None] = print, cache: 
                 "--repair")
             return 1
         say(f"repaired {Path(out_dir).resolve() / SWEEP_FILE}: {rebuild_sweep(out_dir, cache)}")
-    doc = Doctor(out_dir)
+    doc = Doctor(out_dir, rerun_lost)
     problems = doc.examine()
     for p in problems:
         say(p.line())

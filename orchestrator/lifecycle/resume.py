@@ -151,20 +151,18 @@ def prepare_resume(out_dir: Path, say=note) -> None:
     if rs.records and (why or journal_disagrees(journal, trials)):
         c = rebuild_journal(journal, trials)
         say(f"{journal}: rebuilt from {records.TRIALS_FILE} ({c['told']} trials told, {c['asked']} to run again)")
-    if line := weights_note(out_dir, trials):
-        say(line)
 
 
-def weights_note(out_dir: Path, trials: dict[str, dict]) -> str | None:
-    """A note on finished trials whose healed weights are lost (a resume leaves them: the record, which holds their
-    numbers, is the truth; doctor's repair runs them again), or None."""
-    gone = lost_weights(out_dir, trials)
+def weights_note(out_dir: Path) -> str | None:
+    """A note on recorded trials whose healed weights are lost since (``lost_weights``; a resume leaves them: the
+    record, which holds their numbers, is the truth), or None."""
+    gone = lost_weights(out_dir, records.trials(records.scan(Path(out_dir) / records.TRIALS_FILE)))
     if not gone:
         return None
     named = ", ".join(list(gone)[:4]) + (", ..." if len(gone) > 4 else "")
     return (f"{Path(out_dir) / 'trials'}: {len(gone)} finished trial(s) without whole healed weights ({named}): "
-            f"their numbers stand, healsweep export of them fails; healsweep doctor {out_dir} --repair runs them "
-            f"again on the next resume")
+            f"their numbers stand, healsweep export of them fails; healsweep doctor {out_dir} --repair "
+            f"--rerun-lost-weights has the next resume heal them again")
 
 
 def nothing_to_resume(out_dir: Path) -> tuple[int, int] | None:
@@ -219,19 +217,18 @@ def _backfill(out_dir: Path, say, emptied: bool = False) -> None:
 
 
 def lost_weights(run_dir: Path, trials: dict[str, dict]) -> dict[str, str]:
-    """{trial id: why} for recorded trials that reached their final step (which saves the healed weights: a
-    ``healed_acc`` metric, or an Optuna COMPLETE state where the record holds no MLflow part) whose saved files are
-    not whole (tasks/saved_trial.py ``healed_problem``)."""
+    """{trial id: why} for recorded trials whose healed weights were whole in the run directory when the trial was
+    recorded (its line's ``weights``: "saved"; tracking/recorder.py) and are not now (tasks/saved_trial.py
+    ``healed_problem``). Trials that saved theirs elsewhere (a node without the run directory), lines from before
+    the field, and a trial directory that is a symlink (weights moved to another disk) are not judged."""
     out = {}
     for tid, rec in sorted(trials.items()):
-        metrics = (rec.get("mlflow") or {}).get("metrics") or {}
-        final = "healed_acc" in metrics if rec.get("mlflow") else (rec.get("optuna") or {}).get("state") == "COMPLETE"
-        if not final:
+        if rec.get("weights") != "saved":
             continue
         try:
             why = healed_problem(trial_dir(run_dir, tid))
-        except ValueError as e:  # not a plain trial key (a record line edited by hand)
-            why = str(e)
+        except (ValueError, RuntimeError):  # resolves outside trials/ (a symlink), or a symlink loop
+            continue
         if why:
             out[tid] = why
     return out

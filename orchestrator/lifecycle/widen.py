@@ -161,9 +161,10 @@ def run_widening(run_dir: Path, rounds: int = 1, factor: float = 4.0, *, address
         (run_dir / "sweep.json").write_text(json.dumps(meta, indent=1, default=list), encoding="utf-8")
         client = MlflowClient(plan["tracking_uri"])
         every = sorted({c for w in meta["widenings"] for c in w["cells"]})
-        client.set_tag(plan["parent_run_id"], "widen_rounds", str(plan["round"]))
-        client.set_tag(plan["parent_run_id"], "widened_cells", ",".join(every)[:5000])
-        client.log_text(plan["parent_run_id"], json.dumps(rec, indent=1), f"widen_{plan['round']}/cells.json")
+        parent = res.parent_run_id  # this round's (plan's came from before run_sweep, which settles stray parents)
+        client.set_tag(parent, "widen_rounds", str(plan["round"]))
+        client.set_tag(parent, "widened_cells", ",".join(every)[:5000])
+        client.log_text(parent, json.dumps(rec, indent=1), f"widen_{plan['round']}/cells.json")
         done.append({**rec, "result": res})
         if res.interrupted is not None:  # SIGINT/SIGTERM: no further round; the report below is marked partial
             break

@@ -16,6 +16,7 @@ from typing import Any
 from orchestrator.rundir import faults, records
 from orchestrator.rundir.files import JOURNAL_FILE
 from orchestrator.rundir.records import PARENT, TRIAL
+from tasks.saved_trial import weights_seen
 
 EPOCH_METRICS = ("train_loss", "selection_acc", "rows_streamed")  # orchestrator/tracking/logger.py: logged per epoch
 STATUS = {"COMPLETE": "FINISHED", "FAIL": "FAILED", "PRUNED": "KILLED"}  # Optuna state -> MLflow status
@@ -100,6 +101,8 @@ class TrialRecorder:
         rec = {"kind": TRIAL, "trial_id": ask.trial_id, "cell_id": ask.cell_id,
                "optuna": optuna_part(study, trial, ask.stage, value, name),
                "mlflow": mlflow_part(client, self.run_of(ask.trial_id), STATUS.get(name, "FAILED"))}
+        if name == "COMPLETE":  # its healed weights, as this driver sees them now (lifecycle/resume.py lost_weights)
+            rec["weights"] = weights_seen(self.path.parent, ask.trial_id)
         records.append(self.path, rec)
         self.written += 1
 

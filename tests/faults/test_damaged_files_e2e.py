@@ -315,29 +315,36 @@ def test_a_damaged_record_line_says_which_trial_it_lost(reference, tmp_path):
     assert recorded(run2) == recorded(reference["run"])
 
 
-def test_lost_healed_weights_run_again(reference, tmp_path):
+def test_lost_healed_weights_are_named_and_healed_again_on_request(reference, tmp_path):
     """A trial's saved weights deleted (its whole trials/<id>/) or cut short: the sweep's numbers were all there, so
     doctor said "no problem found" and a resume "nothing to resume" while `healsweep export` of those trials failed
-    (a truncated file in a traceback). The resume now notes them and doctor names them; --repair drops their record
-    lines, the resume runs exactly them again, and the same seeds write the same weights, bit for bit."""
+    (a truncated file in a traceback). The resume now notes them and doctor names them; --repair alone keeps their
+    recorded numbers; --repair --rerun-lost-weights drops their record lines and the resume heals exactly them
+    again: the same seeds write the same weights, bit for bit, and the other trials' files are not touched. A trial
+    whose line says its weights went elsewhere (a node without the run directory) is not judged."""
+    from orchestrator.rundir import records
+
+    assert {r.get("weights") for r in records.trials(records.scan(reference["run"] / "trials.jsonl")).values()} == \
+        {"saved"}  # what the driver saw when it recorded each trial
     run = copy_run(reference, tmp_path / "run")
     gone, cut = reference["trials"][0], reference["trials"][3]
     shutil.rmtree(run / "trials" / gone)
     weights = run / "trials" / cut / "healed.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
+    others = {t: (run / "trials" / t / "healed.safetensors").stat().st_mtime_ns for t in reference["trials"]
+              if t not in (gone, cut)}
     r = ok(run_cli("run", "--resume", run, "--quiet"))  # a sweep that ended complete: nothing runs, a note says why
     assert f"healsweep: note: {run / 'trials'}: 2 finished trial(s) without whole healed weights ({gone}, {cut}): " \
-        f"their numbers stand, healsweep export of them fails; healsweep doctor {run} --repair runs them again" \
+        f"their numbers stand, healsweep export of them fails; healsweep doctor {run} --repair --rerun-lost-weights" \
         in r.stderr, r.stderr
-    from orchestrator.lifecycle.resume import prepare_resume
-
-    notes = []
-    prepare_resume(run, notes.append)  # what a refine, a widening round or a resume that runs on says first
-    assert len(notes) == 1 and notes[0] in r.stderr
     r = cli("doctor", run)
     assert r.returncode == 1 and f"{run / 'trials'}: 2 finished trial(s) without whole healed weights ({gone}: its " \
         f"directory is missing; {cut}: healed.safetensors truncated (" in r.stdout, r.stdout
-    r = ok(cli("doctor", run, "--repair"))
+    before = (run / "trials.jsonl").read_bytes()
+    r = cli("doctor", run, "--repair")  # their numbers are kept: nothing dropped without the flag
+    assert r.returncode == 1 and "not repaired: " in r.stdout and (run / "trials.jsonl").read_bytes() == before
+    one_line(cli("doctor", run, "--rerun-lost-weights"), 2, "--rerun-lost-weights repairs: give --repair with it")
+    r = ok(cli("doctor", run, "--repair", "--rerun-lost-weights"))
     assert "dropped 2 trial(s) from trials.jsonl" in r.stdout and "rebuilt from trials.jsonl (6 told, 2 to run " \
         "again)" in r.stdout, r.stdout
     r = ok(run_cli("run", "--resume", run, "--quiet"))
@@ -346,4 +353,12 @@ def test_lost_healed_weights_run_again(reference, tmp_path):
     for t in reference["trials"]:
         assert (run / "trials" / t / "healed.safetensors").read_bytes() == \
             (reference["run"] / "trials" / t / "healed.safetensors").read_bytes(), t
+    assert {t: (run / "trials" / t / "healed.safetensors").stat().st_mtime_ns for t in others} == others
     ok(cli("doctor", run))
+
+    run2 = copy_run(reference, tmp_path / "run2")  # weights saved on another node's disk: not the run directory's
+    s = records.scan(run2 / "trials.jsonl")
+    records.rewrite(run2 / "trials.jsonl", [{**r, "weights": "elsewhere"} if r.get("trial_id") == gone else r
+                                            for r in s.records])
+    shutil.rmtree(run2 / "trials" / gone)
+    ok(cli("doctor", run2))

@@ -177,9 +177,10 @@ def test_damaged_healed_files_are_named_not_a_traceback(trial, tmp_path):
     for name, (edit, why) in cases.items():
         assert healed_problem(damaged(name, edit)) == why, name
     assert healed_problem(tmp_path / "run" / "trials" / "gone-0") == "its directory is missing"
-    with pytest.raises(ValueError, match=rf"cut-0: {HEALED} truncated .*healsweep doctor {tmp_path / 'run'} --repair"):
+    with pytest.raises(ValueError, match=rf"cut-0: {HEALED} truncated .*healsweep doctor {tmp_path / 'run'} --repair "
+                                         "--rerun-lost-weights heals that trial again"):
         load_trial(tmp_path / "run" / "trials" / "cut-0")
-    with pytest.raises(FileNotFoundError, match=f"healsweep doctor {tmp_path / 'run'} --repair runs it again"):
+    with pytest.raises(FileNotFoundError, match=f"deleted since: healsweep doctor {tmp_path / 'run'} says which"):
         load_trial(tmp_path / "run" / "trials" / "noweights-0")
 
 
