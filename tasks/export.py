@@ -124,7 +124,8 @@ def load_trial(trial_dir: Path) -> tuple[nn.Module, dict, dict, dict]:
     if not (trial_dir / HEALED).is_file():
         raise FileNotFoundError(f"{trial_dir}: no {HEALED} (the trial did not finish, ran before healed weights "
                                 f"were saved or on a node that does not share the run directory, or they were "
-                                f"deleted since: healsweep doctor {trial_dir.parent.parent} says which)")
+                                f"deleted since it was recorded: then healsweep doctor {trial_dir.parent.parent} "
+                                f"--repair --rerun-lost-weights heals it again)")
     if why := healed_problem(trial_dir):  # a truncated file ended the export in safetensors' own traceback
         raise ValueError(f"{trial_dir}: {why}; healsweep doctor {trial_dir.parent.parent} --repair "
                          f"--rerun-lost-weights heals that trial again")

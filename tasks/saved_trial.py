@@ -71,7 +71,7 @@ def _framing_problem(path: Path) -> str | None:
         try:
             header = json.loads(f.read(n))
             end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as e:
             return f"header unreadable ({type(e).__name__})"
     if 8 + n + end != size:
         return f"{'truncated' if 8 + n + end > size else 'overlong'} ({size} bytes, its header says {8 + n + end})"

@@ -4,7 +4,8 @@ is damaged, what was lost); with ``repair``, what can be repaired is repaired, i
 0. a damaged ``sweep.json``: rebuilt from the record, the database and the spec artifact (sweep_record.py);
 1. the trial record (``trials.jsonl``, the source of truth: orchestrator/rundir/records.py): a torn last line is cut
    off (its trial runs again), damaged lines are dropped (their trials run again); with ``rerun_lost``
-   (``--rerun-lost-weights``) so are the lines of trials whose healed weights (``trials/<id>/``) are lost;
+   (``--rerun-lost-weights``) so are the lines of trials whose healed weights (``trials/<id>/``) are lost (the
+   journal rebuilt first, those trials asked again);
 2. the tracking database (the run directory's own ``mlflow.db``): damaged -> rebuilt from the record; intact ->
    recorded trials missing from it recreated, duplicate runs deleted, stray parent runs of the sweep deleted;
 3. the Optuna journal: torn, damaged, not replaying or disagreeing with the record -> rebuilt from it;
@@ -37,6 +38,7 @@ class Problem:
     lost: str  # what was lost (or "nothing")
     fix: Callable[[], str] | None = None  # repairs it; -> what was done
     later: bool = False  # repaired by `healsweep run --resume` (a quarantined shard is recomputed there)
+    hint: str = ""  # how a problem --repair leaves is repaired (said with the summary)
 
     def line(self) -> str:
         return f"{self.path}: {self.what}; lost: {self.lost}"
@@ -78,21 +80,26 @@ class Doctor:
         if not gone:
             return []
         named = "; ".join(f"{t}: {why}" for t, why in list(gone.items())[:4]) + ("; ..." if len(gone) > 4 else "")
-        how = ("their records are dropped and the resume heals them again: its numbers replace the recorded ones"
-               if self.rerun_lost else f"healsweep doctor {self.dir} --repair --rerun-lost-weights has the resume "
-               "heal them again (its numbers replace the recorded ones)")
+        lost = ("their healed weights; their records are dropped and the resume heals them again: its numbers "
+                "replace the recorded ones" if self.rerun_lost else "their healed weights (healsweep export of them "
+                "fails); their numbers stand")
         return [Problem(str(self.dir / "trials"), f"{len(gone)} finished trial(s) without whole healed weights "
-                        f"({named})", f"their healed weights (healsweep export of them fails; their numbers stand); "
-                        f"{how}", (lambda: self._drop_unsaved()) if self.rerun_lost else None)]
+                        f"({named})", lost, (lambda: self._drop_unsaved()) if self.rerun_lost else None,
+                        hint="lost healed weights: --repair --rerun-lost-weights has the resume heal those trials "
+                        "again (its numbers replace the recorded ones)")]
 
     def _drop_unsaved(self) -> str:
+        """The journal first (those trials asked, not told), then the record: a record left with no trial line
+        would otherwise be written again from the journal (``_no_record``), and a repair cut short between the two
+        leaves a journal that disagrees with the record, which the next repair rebuilds."""
         s = self._scan()
         gone = resume.lost_weights(self.dir, records.trials(s))
         if not gone:
             return "already dropped"
+        rebuild_journal(self.journal, {t: r for t, r in records.trials(s).items() if t not in gone})
         records.rewrite(self.record, [r for r in s.records if not (r.get("kind") == records.TRIAL
                                                                    and r.get("trial_id") in gone)])
-        return f"dropped {len(gone)} trial(s) from {records.TRIALS_FILE}: they run again on resume"
+        return f"dropped {len(gone)} trial(s) from {records.TRIALS_FILE} and the journal: they run again on resume"
 
     def _lost_with(self, s: records.Scan) -> str:
         """What damaged record lines lost: the trials an intact journal tells as done that no intact line records
@@ -312,7 +319,8 @@ def run(out_dir: Path, repair: bool, say: Callable[[str], None] = print, cache: 
         say(f"{doc.dir}: every file checked, no problem found")
         return 0
     if not repair:
-        say(f"{len(problems)} problem(s); repair with healsweep doctor {out_dir} --repair")
+        say(f"{len(problems)} problem(s); repair with healsweep doctor {out_dir} --repair"
+            + "".join(f" ({p.hint})" for p in problems if p.hint))
         return 1
     fixed = 0
     for _ in range(3):
@@ -329,5 +337,5 @@ def run(out_dir: Path, repair: bool, say: Callable[[str], None] = print, cache: 
     for p in problems:
         say(f"not repaired: {p.line()}")
     say(f"{fixed} repair(s)" + (f", {len(problems)} problem(s) left" if problems else ", nothing left")
-        + f"; continue with healsweep run --resume {out_dir}")
+        + "".join(f" ({p.hint})" for p in problems if p.hint) + f"; continue with healsweep run --resume {out_dir}")
     return 1 if problems else 0

@@ -19,7 +19,7 @@ from orchestrator.rundir.faults import damaged
 from orchestrator.rundir.files import JOURNAL_FILE, SWEEP_FILE, read_sweep, spec_lacks, told_states
 from orchestrator.tracking.rebuild import journal_disagrees, parent_gone, rebuild_journal, runs_off, stray_parents
 from orchestrator.tracking.recorder import backfill
-from orchestrator.tracking.store import local_tracking_uri, relocate
+from orchestrator.tracking.store import local_tracking_uri, own_db, relocate  # noqa: F401 - own_db: resume's face
 from tasks.atomic import TMP_PREFIX
 from tasks.saved_trial import healed_problem, trial_dir
 
@@ -28,16 +28,6 @@ DB_FILE = "mlflow.db"
 MLFLOW_TABLES = {"experiments": "experiment_id, name, lifecycle_stage", "runs": "run_uuid, status, experiment_id",
                  "tags": "key, value, run_uuid", "params": "key, value, run_uuid",
                  "metrics": "key, value, timestamp, run_uuid, step", "latest_metrics": "key, value, run_uuid, step"}
-
-
-def own_db(out_dir: Path, info: dict) -> bool:
-    """Whether the sweep tracks into its run directory's own SQLite database (DIR/mlflow.db, or that of the run
-    directory it was copied from, which holds a sweep.json too), not a server or a shared database."""
-    uri = info.get("tracking_uri", "")
-    if not uri.startswith("sqlite:///") or not uri.endswith(f"/{DB_FILE}"):
-        return False
-    where = Path(uri[len("sqlite:///"):]).parent
-    return where == Path(out_dir).resolve() or (where / "sweep.json").is_file()
 
 
 def db_problem(db: Path) -> str | None:

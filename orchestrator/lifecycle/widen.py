@@ -159,9 +159,10 @@ def run_widening(run_dir: Path, rounds: int = 1, factor: float = 4.0, *, address
         meta = json.loads((run_dir / "sweep.json").read_text(encoding="utf-8"))  # run_sweep updated it
         meta.setdefault("widenings", []).append(rec)
         (run_dir / "sweep.json").write_text(json.dumps(meta, indent=1, default=list), encoding="utf-8")
-        client = MlflowClient(plan["tracking_uri"])
+        client = MlflowClient(res.tracking_uri or plan["tracking_uri"])
         every = sorted({c for w in meta["widenings"] for c in w["cells"]})
-        parent = res.parent_run_id  # this round's (plan's came from before run_sweep, which settles stray parents)
+        # this round's (plan's came from before run_sweep, which settles stray parents); "" when a signal came first
+        parent = res.parent_run_id or plan["parent_run_id"]
         client.set_tag(parent, "widen_rounds", str(plan["round"]))
         client.set_tag(parent, "widened_cells", ",".join(every)[:5000])
         client.log_text(parent, json.dumps(rec, indent=1), f"widen_{plan['round']}/cells.json")

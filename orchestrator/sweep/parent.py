@@ -24,7 +24,7 @@ from orchestrator.sweep.draws import totals
 from orchestrator.spec.schema import converge_of
 from orchestrator.sweep.state import Handoff, ParentRun, SweepState
 from orchestrator.tracking.rebuild import drop_stray_parents, parent_gone, reopen_parent, sync_runs
-from orchestrator.tracking.store import keep_artifacts_inside, open_tracking
+from orchestrator.tracking.store import keep_artifacts_inside, open_tracking, own_db
 
 
 def start(s: SweepState) -> Handoff[ParentRun]:
@@ -82,7 +82,8 @@ def parent_run(s: SweepState) -> ParentRun:
         reconcile(client, experiment_id(client, spec.mlflow.experiment), info["sweep_id"], s.journal)
         sync_record(s, client, info["parent_run_id"])
     parent = info["parent_run_id"]
-    if n := drop_stray_parents(client, experiment_id(client, spec.mlflow.experiment), info["sweep_id"], parent):
+    if own_db(s.out_dir, info) and (n := drop_stray_parents(client, experiment_id(client, spec.mlflow.experiment),
+                                                             info["sweep_id"], parent)):  # not a server's runs
         print(f"healsweep: note: deleted {n} stray parent run(s) of sweep {info['sweep_id']} (a start or a repair cut "
               f"short); its parent run is {parent}", file=sys.stderr)
     log_stages(s, client, parent)

@@ -128,6 +128,7 @@ def backfill(out_dir: Path, client, experiment: str, sweep_id: str, parent_id: s
                     tid = Ask(cid, t.number, {}, stage).trial_id
                     out.append({"kind": TRIAL, "trial_id": tid, "cell_id": cid,
                                 "optuna": optuna_part(study, t, stage, t.value, t.state.name),
-                                "mlflow": mlflow_part(client, runs.get(tid), STATUS[t.state.name])})
+                                "mlflow": mlflow_part(client, runs.get(tid), STATUS[t.state.name]),
+                                **({"weights": weights_seen(out_dir, tid)} if t.state.name == "COMPLETE" else {})})
     records.rewrite(path, out)  # whole or not at all
     return len(out) - bool(parent_id)

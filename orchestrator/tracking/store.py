@@ -15,6 +15,16 @@ def local_tracking_uri(out_dir) -> str:
     return f"sqlite:///{Path(out_dir).resolve() / 'mlflow.db'}"
 
 
+def own_db(out_dir: Path, info: dict) -> bool:
+    """Whether the sweep tracks into its run directory's own SQLite database (DIR/mlflow.db, or that of the run
+    directory it was copied from, which holds a sweep.json too), not a server or a shared database."""
+    uri = info.get("tracking_uri", "")
+    if not uri.startswith("sqlite:///") or not uri.endswith("/mlflow.db"):
+        return False
+    where = Path(uri[len("sqlite:///"):]).parent
+    return where == Path(out_dir).resolve() or (where / "sweep.json").is_file()
+
+
 def keep_artifacts_inside(tracking_uri: str, out_dir, experiment: str) -> None:
     """Never ``$PWD/mlruns`` (MLflow's default artifact root for a SQL store): with the run directory's own SQLite
     store, create the experiment with its artifact root in ``out_dir/artifacts``, so the run directory holds

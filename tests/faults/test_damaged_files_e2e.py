@@ -340,13 +340,19 @@ def test_lost_healed_weights_are_named_and_healed_again_on_request(reference, tm
     r = cli("doctor", run)
     assert r.returncode == 1 and f"{run / 'trials'}: 2 finished trial(s) without whole healed weights ({gone}: its " \
         f"directory is missing; {cut}: healed.safetensors truncated (" in r.stdout, r.stdout
+    hint = "(lost healed weights: --repair --rerun-lost-weights has the resume heal those trials again"
+    assert f"1 problem(s); repair with healsweep doctor {run} --repair {hint}" in r.stdout, r.stdout
     before = (run / "trials.jsonl").read_bytes()
     r = cli("doctor", run, "--repair")  # their numbers are kept: nothing dropped without the flag
     assert r.returncode == 1 and "not repaired: " in r.stdout and (run / "trials.jsonl").read_bytes() == before
+    assert f"0 repair(s), 1 problem(s) left {hint}" in r.stdout, r.stdout
     one_line(cli("doctor", run, "--rerun-lost-weights"), 2, "--rerun-lost-weights repairs: give --repair with it")
     r = ok(cli("doctor", run, "--repair", "--rerun-lost-weights"))
-    assert "dropped 2 trial(s) from trials.jsonl" in r.stdout and "rebuilt from trials.jsonl (6 told, 2 to run " \
-        "again)" in r.stdout, r.stdout
+    assert "dropped 2 trial(s) from trials.jsonl and the journal" in r.stdout, r.stdout
+    from orchestrator.rundir.files import told_states
+
+    assert sorted(t for t, st in told_states(run / "optuna.journal").items() if st.is_finished()) == \
+        sorted(set(reference["states"]) - {gone, cut})  # asked again, not told
     r = ok(run_cli("run", "--resume", run, "--quiet"))
     assert "8 trials finished, 0 failed" in r.stdout
     assert_complete(run, reference)
@@ -362,3 +368,20 @@ def test_lost_healed_weights_are_named_and_healed_again_on_request(reference, tm
                                             for r in s.records])
     shutil.rmtree(run2 / "trials" / gone)
     ok(cli("doctor", run2))
+
+
+def test_every_trials_weights_lost_heals_the_whole_sweep_again(reference, tmp_path):
+    """All of trials/ deleted: the repair left a record without trial lines, which the next pass wrote again from
+    the journal (without the field), and the resume said "nothing to resume". The journal is now rebuilt first:
+    every trial is asked again, and the resume heals the whole sweep, with the reference's numbers and weights."""
+    run = copy_run(reference, tmp_path / "run")
+    shutil.rmtree(run / "trials")
+    r = ok(cli("doctor", run, "--repair", "--rerun-lost-weights"))
+    assert "dropped 8 trial(s) from trials.jsonl and the journal" in r.stdout and "written from the journal" \
+        not in r.stdout, r.stdout
+    r = ok(run_cli("run", "--resume", run, "--quiet"))
+    assert "8 trials finished, 0 failed" in r.stdout and "nothing to resume" not in r.stderr
+    assert_complete(run, reference)
+    for t in reference["trials"]:
+        assert (run / "trials" / t / "healed.safetensors").read_bytes() == \
+            (reference["run"] / "trials" / t / "healed.safetensors").read_bytes(), t

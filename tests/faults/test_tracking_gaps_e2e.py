@@ -150,9 +150,14 @@ def test_a_stray_parent_run_is_deleted(reference, tmp_path):
         return [r.info.run_id for r in sweeps] == [parent] and {k.data.tags["mlflow.parentRunId"] for k in kids} == \
             {parent}
 
+    from analysis.runs import load_sweep_info
+
     run = copy_run(reference, tmp_path / "run")
     client, exp_id, parent, s = stray(run)
     assert nothing_to_resume(run) is None
+    uri, sweep_id = f"sqlite:///{run.resolve()}/mlflow.db", json.loads((run / "sweep.json").read_text())["sweep_id"]
+    assert load_sweep_info(uri, sweep_id, parent_run_id=parent)["run_id"] == parent  # the report's, until deleted
+    assert load_sweep_info(uri, sweep_id, parent_run_id=s)["run_id"] == s
     r = cli("doctor", run)
     assert r.returncode == 1 and f"1 stray parent run(s) of the sweep besides its own {parent} ({s}: " in r.stdout, \
         r.stdout

@@ -144,7 +144,7 @@ def test_damaged_healed_files_are_named_not_a_traceback(trial, tmp_path):
     import shutil
 
     from tasks.export import load_trial
-    from tasks.saved_trial import HEALED, TRIAL_JSON, healed_problem
+    from tasks.saved_trial import HEALED, TRIAL_JSON, healed_problem, weights_seen
 
     root, _, _ = trial
     src = root / "run" / "trials" / "cell-0"
@@ -177,10 +177,14 @@ def test_damaged_healed_files_are_named_not_a_traceback(trial, tmp_path):
     for name, (edit, why) in cases.items():
         assert healed_problem(damaged(name, edit)) == why, name
     assert healed_problem(tmp_path / "run" / "trials" / "gone-0") == "its directory is missing"
+    # what a trial's record line says of them (orchestrator/tracking/recorder.py): only whole ones are "saved"
+    assert [weights_seen(tmp_path / "run", t) for t in ("whole-0", "cut-0", "nojson-0", "gone-0", "../x")] == \
+        ["saved", "elsewhere", "elsewhere", "elsewhere", "elsewhere"]
     with pytest.raises(ValueError, match=rf"cut-0: {HEALED} truncated .*healsweep doctor {tmp_path / 'run'} --repair "
                                          "--rerun-lost-weights heals that trial again"):
         load_trial(tmp_path / "run" / "trials" / "cut-0")
-    with pytest.raises(FileNotFoundError, match=f"deleted since: healsweep doctor {tmp_path / 'run'} says which"):
+    with pytest.raises(FileNotFoundError, match=f"deleted since it was recorded: then healsweep doctor {tmp_path / 'run'} --repair "
+                                                   "--rerun-lost-weights heals it again"):
         load_trial(tmp_path / "run" / "trials" / "noweights-0")
 
 
