@@ -296,8 +296,8 @@ def _run(args, spec, out: Path, store: Path, cache: Path, clock, owns_ray: bool 
     try:
         widen = spec.search.widen  # extra rounds past the search boundary
         if args.resume:
-            prepare_resume(out)  # damaged files: one line; torn last lines dropped; journal agrees with the record
-            if line := weights_note(out):
+            trials = prepare_resume(out)  # damaged files: one line; torn last lines dropped; journal agrees with it
+            if line := weights_note(out, trials):
                 note(line)
         res = run_sweep(spec, out, store, cache, address=args.address, progress=not args.quiet,
                         report=not args.no_report and not widen, num_cpus=args.num_cpus, resume=bool(args.resume),

@@ -117,8 +117,9 @@ def check_resumable(out_dir: Path) -> None:
             raise damaged(out_dir / name, damaged_lines(s), out_dir)
 
 
-def prepare_resume(out_dir: Path, say=note) -> None:
-    """Check the run directory's files and settle torn last lines and the journal against the record."""
+def prepare_resume(out_dir: Path, say=note) -> dict[str, dict]:
+    """Check the run directory's files and settle torn last lines and the journal against the record; -> the
+    recorded trials (``records.trials``)."""
 
     out_dir = Path(out_dir)
     check_resumable(out_dir)
@@ -141,12 +142,15 @@ def prepare_resume(out_dir: Path, say=note) -> None:
     if rs.records and (why or journal_disagrees(journal, trials)):
         c = rebuild_journal(journal, trials)
         say(f"{journal}: rebuilt from {records.TRIALS_FILE} ({c['told']} trials told, {c['asked']} to run again)")
+    return trials
 
 
-def weights_note(out_dir: Path) -> str | None:
+def weights_note(out_dir: Path, trials: dict[str, dict] | None = None) -> str | None:
     """A note on recorded trials whose healed weights are lost since (``lost_weights``; a resume leaves them: the
-    record, which holds their numbers, is the truth), or None."""
-    gone = lost_weights(out_dir, records.trials(records.scan(Path(out_dir) / records.TRIALS_FILE)))
+    record, which holds their numbers, is the truth), or None. ``trials``: the record's, when already read."""
+    if trials is None:
+        trials = records.trials(records.scan(Path(out_dir) / records.TRIALS_FILE))
+    gone = lost_weights(out_dir, trials)
     if not gone:
         return None
     named = ", ".join(list(gone)[:4]) + (", ..." if len(gone) > 4 else "")

@@ -145,10 +145,15 @@ def create_run(client, exp_id: str, parent_id: str, rec: dict) -> str:
     return rid
 
 
+def _sweep_runs(client, exp_id: str, sweep_id: str, role: str) -> list:
+    """The sweep's active runs of one role ("trial" or "sweep", its parent)."""
+    return client.search_runs([exp_id], f"tags.sweep_id = '{sweep_id}' and tags.`healsweep.role` = '{role}'",
+                              max_results=50000)
+
+
 def _trial_runs(client, exp_id: str, sweep_id: str) -> dict[str, list]:
     runs: dict[str, list] = {}
-    for r in client.search_runs([exp_id], f"tags.sweep_id = '{sweep_id}' and tags.`healsweep.role` = 'trial'",
-                                max_results=50000):
+    for r in _sweep_runs(client, exp_id, sweep_id, "trial"):
         runs.setdefault(r.data.tags.get("trial_id", ""), []).append(r)
     return runs
 
@@ -220,9 +225,7 @@ def stray_parents(client, exp_id: str | None, sweep_id: str, parent_id: str | No
     its parent run and writing the id, or by a repair cut short. The report reads the sweep's first parent run."""
     if exp_id is None or not parent_id:
         return []
-    return sorted(r.info.run_id for r in client.search_runs(
-        [exp_id], f"tags.sweep_id = '{sweep_id}' and tags.`healsweep.role` = 'sweep'", max_results=1000)
-        if r.info.run_id != parent_id)
+    return sorted(r.info.run_id for r in _sweep_runs(client, exp_id, sweep_id, "sweep") if r.info.run_id != parent_id)
 
 
 def drop_stray_parents(client, exp_id: str, sweep_id: str, parent_id: str) -> int:
@@ -231,8 +234,7 @@ def drop_stray_parents(client, exp_id: str, sweep_id: str, parent_id: str) -> in
     strays = set(stray_parents(client, exp_id, sweep_id, parent_id))
     if not strays:
         return 0
-    for r in client.search_runs([exp_id], f"tags.sweep_id = '{sweep_id}' and tags.`healsweep.role` = 'trial'",
-                                max_results=50000):
+    for r in _sweep_runs(client, exp_id, sweep_id, "trial"):
         if r.data.tags.get("mlflow.parentRunId") in strays:
             client.set_tag(r.info.run_id, "mlflow.parentRunId", parent_id)
     for run_id in sorted(strays):
@@ -252,8 +254,7 @@ def reopen_parent(client, exp_id: str, out_dir: Path, info: dict) -> str:
     new = _parent(client, exp_id, info, prec)
     for arts in (Path(out_dir) / "artifacts").glob(f"*/{old}/artifacts"):
         client.log_artifacts(new, str(arts))
-    for r in client.search_runs([exp_id], f"tags.sweep_id = '{info['sweep_id']}' and tags.`healsweep.role` = 'trial'",
-                                max_results=50000):
+    for r in _sweep_runs(client, exp_id, info["sweep_id"], "trial"):
         client.set_tag(r.info.run_id, "mlflow.parentRunId", new)
     client.set_terminated(new, _parent_status(info, prec))
     info["parent_run_id"] = new
