@@ -60,6 +60,16 @@ def weights_seen(run_dir: Path, trial_id: str) -> str:
         return "elsewhere"
 
 
+def sees_run_dir(run_dir: str | Path, sweep_id: str) -> bool:
+    """Whether this process sees the driver's run directory: its ``sweep.json`` names ``sweep_id``. A trial on a
+    node that does not share it (a cluster sharing only the store URI) sees no such file, or another sweep's."""
+    try:
+        meta = json.loads((Path(run_dir) / "sweep.json").read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(meta, dict) and bool(sweep_id) and meta.get("sweep_id") == sweep_id
+
+
 def _framing_problem(path: Path) -> str | None:
     """Why ``path`` is not a whole safetensors file (its framing only), or None."""
     size = path.stat().st_size

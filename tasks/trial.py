@@ -6,6 +6,7 @@ train_loss and selection accuracy per epoch -> evaluation accuracy, invariant ch
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,7 +24,9 @@ from tasks.healing.targets import recompute_batches
 from tasks.models.adapter import get_adapter
 from tasks.models.load import load_model_copy
 from tasks.pruning.base import PRUNERS, achieved_sparsity, apply_masks, mask_violations
+from tasks.saved_trial import sees_run_dir
 from tasks.store import StoreError, TargetStore
+from tasks.store.healed import HealedStore
 from tasks.store.masks import MaskStore
 
 
@@ -58,6 +61,8 @@ class TrialParams:
     epoch_selection: bool = True  # selection accuracy after every epoch (False: after the last one only)
     out_dir: str = ""  # run directory: the healed weights go to <out_dir>/trials/<trial_id>/ ("" = not saved)
     trial_id: str = ""
+    sweep_id: str = ""  # the sweep's id (its run directory's sweep.json names it)
+    healed_root: str = ""  # a remote store's healed/: where a node that does not see out_dir puts the weights
     heal_seed: int | None = None  # re-evaluations: this healing seed (batch order, init) instead of ``seed``
     precision: str = "fp32"  # heal.precision: fp32 (the authors') | tf32 | bf16 (tasks/healing/precision.py)
     channels_last: Any = "auto"  # heal.channels_last: auto (a CNN on a GPU) | True | False
@@ -314,8 +319,28 @@ def final_metrics(p: TrialParams, st: _Setup, last: dict, heal_seconds: float) -
         example = ev.images[: p.efficiency_batch].to(p.device)
         final.update(PRUNERS.get(p.pruner).structured_metrics(model, masks, example, rounds=p.latency_rounds))
     if p.out_dir and p.trial_id:
-        save_healed(Path(p.out_dir) / "trials" / p.trial_id, model, entries, asdict(p), final, extra=allowed)
+        keep_healed(p, lambda d: save_healed(d, model, entries, asdict(p), final, extra=allowed))
     return final
+
+
+def weights_home(p: TrialParams) -> str:
+    """Where this trial's healed weights go: "run_dir" (``out_dir/trials/<id>``, the usual case) or "store" (a
+    node that does not see the driver's run directory, with a remote store: ``<healed_root>/<sweep>/<id>``)."""
+    if p.healed_root and p.sweep_id and not sees_run_dir(p.out_dir, p.sweep_id):
+        return "store"
+    return "run_dir"
+
+
+def keep_healed(p: TrialParams, save: Callable[[Path], Any]) -> str:
+    """``save(dir)`` writes the two files; -> where they went (``weights_home``)."""
+    home = weights_home(p)
+    if home == "run_dir":
+        save(Path(p.out_dir) / "trials" / p.trial_id)
+        return home
+    with tempfile.TemporaryDirectory(prefix="healsweep-healed-") as d:
+        save(Path(d))
+        HealedStore(p.healed_root).put(p.sweep_id, p.trial_id, Path(d))
+    return home
 
 
 def run_trial(p: TrialParams, report: Callable[[dict], None], *, start: Mapping[str, Any] | None = None,

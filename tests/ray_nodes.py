@@ -162,10 +162,30 @@ def python_without_project(root: Path) -> str:
     return str(root / "bin" / "python")
 
 
+def _unshare() -> list[str]:
+    """A mount namespace of its own (root: ``unshare -m``; otherwise inside a user namespace, ``-Urm``)."""
+    return ["unshare", "-m" if os.geteuid() == 0 else "-Urm", "--propagation", "private"]
+
+
+def why_no_hiding() -> str | None:
+    """Why a node cannot be started with a path hidden from it here (no ``unshare``, or mount namespaces not
+    allowed), or None."""
+    if shutil.which("unshare") is None:
+        return "no unshare(1) on this machine"
+    with tempfile.TemporaryDirectory(prefix="hs-hide-") as d:
+        r = subprocess.run([*_unshare(), "sh", "-c", 'mount -t tmpfs none "$0" && touch "$0/x"', d],
+                           capture_output=True, text=True)
+        if r.returncode != 0 or os.path.exists(os.path.join(d, "x")):
+            return f"this machine does not allow a mount namespace ({r.stderr.strip()[:200]})"
+    return None
+
+
 def start_node(num_cpus: int, head_address: str | None = None, env: dict | None = None,
-               python: str | None = None) -> RayNode:
+               python: str | None = None, hide: str | None = None) -> RayNode:
     """A head (``head_address`` None) or a node joining ``head_address``, on 127.0.0.1 with free ports. ``env``:
-    variables to set (None: unset); ``python``: the node's Python (its workers run it; default this one)."""
+    variables to set (None: unset); ``python``: the node's Python (its workers run it; default this one);
+    ``hide``: a directory this node does not see (an empty tmpfs over it, in the node's own mount namespace: a
+    machine that does not share that file system; ``why_no_hiding`` says whether this machine allows it)."""
     temp = tempfile.mkdtemp(prefix="hs-ray-", dir="/tmp")  # short: Ray's socket paths are length-limited
     p = free_ports(8)
     ports = ["--node-manager-port", p[0], "--object-manager-port", p[1], "--dashboard-agent-listen-port", p[2],
@@ -179,6 +199,8 @@ def start_node(num_cpus: int, head_address: str | None = None, env: dict | None 
     cmd = [*ray_cli, "start", *map(str, role + ports), "--node-ip-address", "127.0.0.1", "--num-cpus", str(num_cpus),
            "--num-gpus", "0", "--object-store-memory", str(80 * 1024 * 1024), "--temp-dir", temp, "--block",
            "--disable-usage-stats"]
+    if hide is not None:
+        cmd = [*_unshare(), "sh", "-c", 'mount -t tmpfs none "$0" && exec "$@"', str(hide), *cmd]
     log = os.path.join(temp, "ray_start.log")
     with open(log, "w") as fh:
         environ = {**os.environ, **NODE_ENV, **(env or {})}

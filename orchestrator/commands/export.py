@@ -14,7 +14,8 @@ from pathlib import Path
 from orchestrator.commands.common import CliError, not_a_dir
 from orchestrator.spec.checks import SpecError
 from orchestrator.spec.reach import check_server
-from tasks.saved_trial import trial_dir
+from orchestrator.raytune.cluster import is_remote, store_subdir
+from tasks.saved_trial import HEALED, TRIAL_JSON, healed_problem, trial_dir
 
 
 def add_parser(sub):
@@ -120,6 +121,36 @@ def find_run(run_id: str, run_dir: str | None, runs: str, tracking_uri: str | No
                    f"under {runs}/{_skipped(skipped)}; give --run-dir DIR (or --runs DIR)")
 
 
+def fetch_stored(run_dir: Path, trial_id: str, dest: Path, healed_acc: float | None = None) -> str | None:
+    """A trial that ran on a node without the run directory left its healed weights in the remote store's
+    ``healed/<sweep id>/<trial id>/`` (tasks/store/healed.py): copy them into ``dest``. ``healed_acc``: the MLflow
+    run's, which the copy's trial.json must repeat (a copy of the run directory, resumed elsewhere, writes under
+    the same keys). -> None when fetched or when the sweep's store is not remote (nothing to fetch), else why not."""
+    meta = _sweep_json(run_dir)
+    uri = ((meta.get("spec") or {}).get("store") or {}).get("uri")
+    if not (isinstance(uri, str) and is_remote(uri)):
+        return None
+    from tasks.store.healed import HealedStore
+
+    try:
+        why = HealedStore(store_subdir(uri, "healed")).fetch(str(meta.get("sweep_id")), trial_id, dest)
+    except OSError as e:  # an unreachable endpoint, refused credentials
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if why is None and healed_acc is not None and (got := _final(dest).get("healed_acc")) != healed_acc:
+        for name in (HEALED, TRIAL_JSON):
+            (dest / name).unlink(missing_ok=True)
+        why = f"its copy there is of another run (healed_acc {got}, this run's {healed_acc})"
+    return f"the store has no usable copy ({why})" if why else None
+
+
+def _final(d: Path) -> dict:
+    try:
+        final = json.loads((d / TRIAL_JSON).read_text(encoding="utf-8")).get("final")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return final if isinstance(final, dict) else {}
+
+
 EXPORT_FILES = ("model.safetensors", "mask.safetensors", "model_card.json", "model_card.md")
 
 
@@ -152,10 +183,14 @@ def main(args) -> int:
         raise CliError(f"--out: {why}")
     if not args.force and (why := earlier_export(Path(args.out), args.run_id)):
         raise CliError(f"--out: {why}")
+    fetched = None
     try:
-        paths = export_trial(trial_dir(run_dir, run.data.tags.get("trial_id", "")), Path(args.out), info)
+        d = trial_dir(run_dir, run.data.tags.get("trial_id", ""))
+        if healed_problem(d):
+            fetched = fetch_stored(run_dir, d.name, d, run.data.metrics.get("healed_acc"))
+        paths = export_trial(d, Path(args.out), info)
     except (FileNotFoundError, ValueError) as e:
-        raise CliError(str(e)) from None
+        raise CliError(str(e) + (f"; {fetched}" if fetched else "")) from None
     for k, p in paths.items():
         print(f"{k}: {p}")
     return 0

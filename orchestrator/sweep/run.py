@@ -25,7 +25,7 @@ from pathlib import Path
 from orchestrator.raytune import cluster, gcs_watch, node_guard
 from orchestrator.raytune.node_guard import NodeGuard, install_hint, missing_project
 from orchestrator.raytune.resources import task_gpus, trial_device
-from orchestrator.raytune.tune_setup import drop_epoch_checkpoints, make_tuner, trial_config
+from orchestrator.raytune.tune_setup import drop_epoch_checkpoints, make_tuner, trial_config, tune_experiment
 from orchestrator.rundir import faults, interrupt
 from orchestrator.rundir.files import JOURNAL_FILE, existing_sweep, lock_run_dir, read_sweep, record_dense, release_run_dir, write_sweep
 from orchestrator.spec import SweepSpec, configured_tracking_uri
@@ -39,7 +39,7 @@ from orchestrator.sweep.draws import (cells_of_draw, draw_specs, draw_store_keys
 from orchestrator.sweep.planner import decision_line, plan_target_modes
 from orchestrator.sweep.state import Handoff, ModelsPart, SweepResult, SweepState
 from orchestrator.tracking import store as tracking_store
-from orchestrator.tracking.recorder import TrialRecorder
+from orchestrator.tracking.recorder import TrialRecorder, stored_weights
 from orchestrator.tracking.writer import AsyncMlflowWriter
 
 
@@ -194,7 +194,8 @@ def tune_stage(s: SweepState, progress: bool, report: bool = True) -> None:
         gran = {m: s.models[m].default_granularity for m in s.models}
         threads, device = max(1, int(spec.resources.cpus_per_trial)), trial_device(spec.resources)
         configs = [trial_config(c, spec, s.paths, s.models[c.model].store_key, s.mask_keys[c.cell_id],
-                                 gran[c.model], threads, device, s.modes[c.model]) for c in s.cells]
+                                 gran[c.model], threads, device, s.modes[c.model], sweep_id=s.info["sweep_id"])
+                   for c in s.cells]
         draws = [trial_overrides(d, s.cells, j) for j, d in enumerate(s.draws)]  # each for the cells it prepared
         t.concurrency = cluster.present_concurrency(spec.resources, ray.cluster_resources())  # at start; logged
         t.max_concurrent = cluster.tune_concurrency(spec.resources, {})
@@ -209,7 +210,7 @@ def tune_stage(s: SweepState, progress: bool, report: bool = True) -> None:
         searcher.on_fault = faults.stop  # a full disk met by a trial stops the sweep (orchestrator/rundir/faults.py)
         # DIR/trials.jsonl, the source of truth (orchestrator/rundir/records.py)
         searcher.record = TrialRecorder(s.out_dir, searcher.design, lambda: s.tracking().client, logger_cb.runs.get,
-                                        lambda: s.tracking().run_id)
+                                        lambda: s.tracking().run_id, stored=stored_weights(s.paths, s.info["sweep_id"]))
         per_cell = searcher.per_cell()
         grids: dict[str, int] = {}
         for c in s.cells:
@@ -221,19 +222,25 @@ def tune_stage(s: SweepState, progress: bool, report: bool = True) -> None:
         prog = TrialProgress(per_cell, progress, dropped=(lambda: searcher.dropped) if searcher.converging else None)
         name = f"{spec.name}-{s.info['sweep_id']}-s{s.session}"
         tuner = make_tuner(s.spec, s.out_dir, name, searcher, t.max_concurrent, [logger_cb, prog.callback],
-                           stop=InterruptStopper())
+                           stop=InterruptStopper(), storage=tune_home(s))
     t0, t.freed = time.perf_counter(), 0
     if searcher.total:
         lost = partial(sweep_end.cluster_lost, s, report=report)  # the whole cluster gone: our line, exit 1
         with cluster.pending_limit(spec.resources, searcher.total), node_guard.guarding(s.guard), \
                 gcs_watch.watching(lost):
             tuner.fit()  # trials queue for nodes that join later; one that cannot import the project is fenced
-        t.freed = drop_epoch_checkpoints(s.out_dir / "tune" / name)
+        t.freed = drop_epoch_checkpoints(tune_experiment(tune_home(s), name))
     t.seconds = time.perf_counter() - t0
     clock.add("trials", t.seconds)
     prog.bar.close()
     with clock.stage("mlflow_flush"):
         writer.close()  # every queued MLflow write and Optuna tell is done after this
+
+
+def tune_home(s: SweepState) -> str:
+    """Ray Tune's storage: on a cluster with a remote store, its ``tune/`` (every node must write checkpoints
+    there, and nodes may not share the run directory: docs/scaling.md "One storage URI"); else DIR/tune."""
+    return s.paths["tune"] if s.on_cluster and "tune" in s.paths else str(s.out_dir / "tune")
 
 
 def run_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, *, address: str | None = None,

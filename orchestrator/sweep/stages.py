@@ -172,14 +172,16 @@ def _intact(masks: MaskStore, key: str, events: list[str]) -> bool:
 
 def store_paths(uri: str | None, store_dir: Path, cache_dir: Path) -> dict[str, str]:
     """Where every stage reads and writes. With a remote ``store.uri`` (s3://, gs://, ...) everything a worker
-    touches is under it: targets at the URI, ``masks/``, ``diagnostics/`` and ``rankings/`` beside them.
-    Otherwise the local store root (a file system every node mounts). ``cache``: the local model cache
-    (``healsweep models train`` writes there; loading reads shipped weights or a spec's checkpoint path)."""
+    touches is under it: targets at the URI, ``masks/``, ``diagnostics/`` and ``rankings/`` beside them, and
+    ``tune/`` (Ray Tune's storage: trial checkpoints, which a node without the run directory must be able to
+    write) and ``healed/`` (the healed weights of a trial on such a node: tasks/store/healed.py). Otherwise the
+    local store root (a file system every node mounts; Tune's storage is then DIR/tune, so on a cluster the run
+    directory must be shared too). ``cache``: the local model cache (``healsweep models train`` writes there;
+    loading reads shipped weights or a spec's checkpoint path)."""
 
     if cluster.is_remote(uri):
-        sub = {n: cluster.store_subdir(uri, n) for n in ("masks", "diagnostics", "rankings")}
-        return {"targets": uri, "masks": sub["masks"], "diagnostics": sub["diagnostics"],
-                "rankings": sub["rankings"], "cache": str(cache_dir)}
+        sub = {n: cluster.store_subdir(uri, n) for n in ("masks", "diagnostics", "rankings", "tune", "healed")}
+        return {"targets": uri, **sub, "cache": str(cache_dir)}
     return {"targets": uri or str(store_dir / "targets"), "masks": str(store_dir / "masks"),
             "diagnostics": str(store_dir / "diagnostics"), "rankings": str(store_dir / "rankings"),
             "cache": str(cache_dir)}

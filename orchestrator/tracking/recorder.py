@@ -68,9 +68,10 @@ def parent_record(client, parent_id: str) -> dict:
 class TrialRecorder:
     """``record(ask, value, state)``: one trial line (and, first in a session, the parent run's line)."""
 
-    def __init__(self, out_dir: Path, design, client_of, run_of, parent_of) -> None:
+    def __init__(self, out_dir: Path, design, client_of, run_of, parent_of, stored=None) -> None:
         self.path = Path(out_dir) / records.TRIALS_FILE
         self.design, self.client_of, self.run_of, self.parent_of = design, client_of, run_of, parent_of
+        self.stored = stored  # trial id -> whether a remote store holds its healed weights (``stored_weights``)
         self.parent_done = False
         self.written = 0
 
@@ -103,8 +104,30 @@ class TrialRecorder:
                "mlflow": mlflow_part(client, self.run_of(ask.trial_id), STATUS.get(name, "FAILED"))}
         if name == "COMPLETE":  # its healed weights, as this driver sees them now (lifecycle/resume.py lost_weights)
             rec["weights"] = weights_seen(self.path.parent, ask.trial_id)
+            if rec["weights"] == "elsewhere" and self.stored is not None and _stored(self.stored, ask.trial_id):
+                rec["weights"] = "store"  # a node without the run directory put them in the store's healed/
         records.append(self.path, rec)
         self.written += 1
+
+
+def stored_weights(paths: dict, sweep_id: str):
+    """``TrialRecorder``'s ``stored``: with a remote store, a trial id -> whether ``<store>/healed/<sweep id>/``
+    holds its healed weights (tasks/store/healed.py); None otherwise."""
+    if not paths.get("healed"):
+        return None
+
+    def stored(trial_id: str) -> bool:
+        from tasks.store.healed import HealedStore
+
+        return HealedStore(paths["healed"]).has(sweep_id, trial_id)
+    return stored
+
+
+def _stored(stored, trial_id: str) -> bool:
+    try:
+        return bool(stored(trial_id))
+    except Exception:  # noqa: BLE001 - an unreachable store must not lose the record line: "elsewhere" stands
+        return False
 
 
 def backfill(out_dir: Path, client, experiment: str, sweep_id: str, parent_id: str | None) -> int:

@@ -22,7 +22,8 @@ _CHUNK = 8 << 20
 class StoreFS:
     """A root directory on a pyarrow filesystem. Paths handed to methods are relative to the root ("a/b")."""
 
-    def __init__(self, root: str | os.PathLike, filesystem: pafs.FileSystem | None = None):
+    def __init__(self, root: str | os.PathLike, filesystem: pafs.FileSystem | None = None, create: bool = True):
+        """``create``: make the root now (False: a reader that may hold read-only credentials)."""
         s = os.fspath(root)
         if filesystem is not None:
             fs, base = filesystem, s
@@ -35,7 +36,8 @@ class StoreFS:
         if self.local:
             base = os.path.realpath(base)
         self.base = base.rstrip("/") or "/"
-        fs.create_dir(self.base, recursive=True)
+        if create:
+            fs.create_dir(self.base, recursive=True)
         self.uri = s
 
     def path(self, rel: str) -> str:

@@ -77,6 +77,14 @@ def test_one_s3_uri_and_no_shared_file_system_on_a_two_node_cluster(tmp_path, aw
     assert prov["node_id"] == worker.node_id != cpu0_head_cluster.head_node.node_id
     assert (data.tags["mask_placement_0"], data.tags["mask_nodes_0"]) == ("tasks", worker.node_id)
 
+    # Ray Tune's storage is under the URI too (a node without the run directory must write its checkpoints);
+    # this worker shares the driver's disk, so the healed weights are in the run directory, as recorded
+    # (checkpoints there: tests/e2e/test_cluster_hidden_rundir.py; these 1-epoch trials write none)
+    assert [k for k in objs if k.startswith("tune/")] and not (tmp_path / "driver" / "a" / "tune").exists()
+    lines = [json.loads(x) for x in (tmp_path / "driver" / "a" / "trials.jsonl").read_text().splitlines()]
+    assert [r["weights"] for r in lines if r["kind"] == "trial"] == ["saved", "saved"]
+    assert not [k for k in objs if k.startswith("healed/")]
+
     second, data2 = run("b")
     assert (second.trials_finished, second.trials_failed, second.dense_forward_images) == (2, 0, 0)
     assert data2.metrics["masks_computed"] == 0

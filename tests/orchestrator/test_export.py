@@ -305,3 +305,62 @@ def test_export_keeps_an_earlier_export_of_another_run(trial, tmp_path):
     assert r.returncode == 2 and r.stderr.strip() == (
         f"healsweep: error: --out: {out} already holds model.safetensors, mask.safetensors, model_card.md; choose "
         "another --out or pass --force to replace it")
+
+
+def test_a_trial_that_does_not_see_the_run_directory_keeps_its_weights_in_the_store(trial, tmp_path):
+    """Where a trial's healed weights go (tasks/trial.py ``keep_healed``): the run directory when this process sees
+    the sweep's sweep.json there, else (with a remote store's ``healed/``) the store, whole, under the sweep and
+    trial ids with both files' sums; ``fetch`` brings back the same bytes and refuses a damaged or mixed copy
+    without touching the destination.
+    Here the store root is a local directory (tests/e2e/test_cluster_hidden_rundir.py: S3 and a node without it)."""
+    import dataclasses
+    import shutil
+
+    from orchestrator.tracking.recorder import stored_weights
+    from tasks.saved_trial import HEALED, TRIAL_JSON, sees_run_dir
+    from tasks.store.healed import PAIR, HealedStore
+    from tasks.trial import keep_healed, weights_home
+
+    root, _, _ = trial
+    src = root / "run" / "trials" / "cell-0"
+    run = tmp_path / "run"
+    run.mkdir()
+    sid = "0123456789ab"
+    p = TrialParams(model="m", scope="s", healer="starfish", calib_size=8, lr=1e-3, epochs=1, seed=0, store_key="k",
+                    mask_key="k", store_uri="", mask_root="", cache_dir="", out_dir=str(run), trial_id="c-1",
+                    sweep_id=sid, healed_root=str(tmp_path / "healed"))
+    assert not sees_run_dir(run, sid) and weights_home(p) == "store"  # no sweep.json: another machine's directory
+    for text, seen in (('{"sweep_id": "0123456789ab"}', True), ('{"sweep_id": "ffffffffffff"}', False),
+                       ('{"sweep_id": ', False), ('["0123456789ab"]', False)):
+        (run / "sweep.json").write_text(text)
+        assert sees_run_dir(run, sid) is seen and weights_home(p) == ("run_dir" if seen else "store"), text
+    assert weights_home(dataclasses.replace(p, healed_root="")) == "run_dir"  # a local store: the run dir, always
+
+    copy = lambda d: shutil.copytree(src, d, dirs_exist_ok=True)  # noqa: E731 - what save_healed writes
+    assert keep_healed(p, copy) == "store" and not (run / "trials").exists()
+    store = HealedStore(str(tmp_path / "healed"))
+    assert store.has(sid, "c-1") and not store.has(sid, "c-2")
+    assert sorted(f.name for f in (tmp_path / "healed" / sid / "c-1").iterdir()) == sorted([HEALED, TRIAL_JSON, PAIR])
+    assert stored_weights({"healed": str(tmp_path / "healed")}, sid)("c-1") is True
+    assert stored_weights({"targets": "x"}, sid) is None  # no remote store: the record says saved or elsewhere
+    dest = run / "trials" / "c-1"
+    assert store.fetch(sid, "c-1", dest) is None
+    assert all((dest / n).read_bytes() == (src / n).read_bytes() for n in (HEALED, TRIAL_JSON))
+    assert store.fetch(sid, "c-2", run / "trials" / "c-2").startswith("not in ")
+    other, kept = run / "trials" / "c-9", tmp_path / "healed" / sid / "c-1" / TRIAL_JSON
+    # two attempts of the trial: one's trial.json beside the other's weights and sums (whole files, framing sound)
+    text = kept.read_text()
+    kept.write_text(text.replace('"final": {', '"final": {"attempt": 2, ', 1))
+    assert store.fetch(sid, "c-1", other) == (f"the copy in {tmp_path / 'healed'} is damaged: {TRIAL_JSON} not the "
+                                              f"file(s) {PAIR} names (two attempts of the trial wrote them)")
+    kept.write_text(text)
+    blob = (tmp_path / "healed" / sid / "c-1" / HEALED)
+    blob.write_bytes(blob.read_bytes()[:-3])
+    assert store.fetch(sid, "c-1", other) == (f"the copy in {tmp_path / 'healed'} is damaged: {HEALED} truncated "
+                                              f"({blob.stat().st_size} bytes, its header says {blob.stat().st_size + 3})")
+    assert not other.exists() and sorted(p.name for p in (run / "trials").iterdir()) == ["c-1"]  # no leftovers
+    (run / "sweep.json").write_text('{"sweep_id": "0123456789ab"}')
+    assert keep_healed(dataclasses.replace(p, trial_id="c-3"), copy) == "run_dir" and (run / "trials" / "c-3").is_dir()
+    for bad in (("../x", "c-1"), (sid, ".."), (sid, "a/b")):
+        with pytest.raises(ValueError, match="not a plain key"):
+            store.has(*bad)

@@ -1,0 +1,110 @@
+"""A cluster whose nodes share only the store URI, for real: the worker node (``ray start`` in a mount namespace of
+its own, an empty tmpfs over the driver's directory) cannot see the driver's run directory, store or cache; the
+head has no CPU, so every trial runs there; the store is an S3 endpoint with enforced auth. Trials checkpoint after
+every epoch (``HEALSWEEP_CHECKPOINT_INTERVAL_S=0``, what a long trial does every 10 s).
+
+Before 2026-12-02 Ray Tune's storage was the run directory (``DIR/tune``): every checkpoint on the worker failed
+("Unable to set up cluster storage ... A local path on the head node is not accessible by worker nodes") and both
+trials failed after 3 attempts; trials too short to checkpoint finished, their healed weights on the worker's disk,
+out of ``healsweep export``'s reach. Now Tune's storage and those weights are under the store URI."""
+from __future__ import annotations
+
+import hashlib
+import os
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from orchestrator.spec import parse_spec
+from tests.cluster_fixtures import DRIVER_ONLY
+from tests.orchestrator.run_cli import healsweep
+from tests.ray_nodes import NODE_ENV, start_node, why_no_hiding
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+
+@pytest.fixture
+def hidden_worker(tmp_path, monkeypatch):
+    """A CPU-0 head and a 2-CPU node that does not see ``tmp_path / "driver"``; yields (head, node)."""
+    if why := why_no_hiding():
+        pytest.skip(why)
+    driver = tmp_path / "driver"
+    driver.mkdir()
+    for k, v in NODE_ENV.items():
+        monkeypatch.setenv(k, v)
+    head = start_node(0)
+    try:
+        node = start_node(2, head.address, hide=str(driver),
+                          env={k: None for k in os.environ if k.startswith(DRIVER_ONLY)})
+        try:
+            yield head, node
+        finally:
+            node.stop()
+    finally:
+        head.stop()
+
+
+def test_a_node_without_the_run_directory_checkpoints_and_heals_into_the_store(tmp_path, aws_env, hidden_worker,
+                                                                               monkeypatch):
+    import pyarrow.fs as pafs
+    from mlflow import MlflowClient
+
+    from orchestrator.commands.export import fetch_stored
+    from orchestrator.raytune.cluster import store_subdir
+    from orchestrator.rundir import records
+    from orchestrator.sweep.run import run_sweep
+    from tasks.evaluate import accuracy
+    from tasks.models.load import load_model
+    from tasks.saved_trial import HEALED, healed_problem, trial_dir
+    from tasks.store.healed import PAIR
+
+    head, _ = hidden_worker
+    driver = tmp_path / "driver"
+    monkeypatch.chdir(driver)
+    monkeypatch.setenv("HEALSWEEP_CHECKPOINT_INTERVAL_S", "0")  # to the workers through the job's runtime_env
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"s3://{aws_env['bucket']}/hidden?endpoint_override={aws_env['host']}&scheme=http"
+    spec = parse_spec({"name": "hidden", "models": ["vit_digits"], "sparsities": [0.9], "calib_sizes": [64],
+                       "pruners": ["magnitude"], "healers": ["starfish"], "store": {"uri": uri, "shard_size": 16},
+                       "search": {"trials_per_cell": 2, "lr": [1e-3, 3e-3], "epochs": [2, 3], "reevaluate": 0}})
+    out = driver / "run"
+    res = run_sweep(spec, out, driver / "store", driver / "cache", address=head.address, progress=False,
+                    report=False)
+    assert (res.trials_finished, res.trials_failed) == (2, 0)
+    parent = MlflowClient(res.tracking_uri).get_run(res.parent_run_id).data
+    assert parent.metrics["tune_checkpoint_bytes_freed"] > 0  # the worker's checkpoints reached the bucket
+
+    sweep_id = json.loads((out / "sweep.json").read_text())["sweep_id"]
+    lines = sorted(records.trials(records.scan(out / records.TRIALS_FILE)).values(), key=lambda r: r["trial_id"])
+    assert sorted(r["weights"] for r in lines) == ["store", "store"]
+    assert not (out / "trials").exists()  # nothing of them on the driver's disk
+    fs, path = pafs.FileSystem.from_uri(store_subdir(uri, "healed"))
+    held = {i.path[len(path) + 1:] for i in fs.get_file_info(pafs.FileSelector(path, recursive=True))
+            if i.type == pafs.FileType.File}
+    assert held == {f"{sweep_id}/{r['trial_id']}/{n}" for r in lines for n in (HEALED, "trial.json", PAIR)}
+    tfs, tpath = pafs.FileSystem.from_uri(store_subdir(uri, "tune"))
+    left = [i.path for i in tfs.get_file_info(pafs.FileSelector(tpath, recursive=True)) if "checkpoint_" in i.path]
+    assert left == []  # dropped after the fit, as DIR/tune's are
+
+    # export fetches them: the same bytes, and the healed model scores what the trial measured
+    run = lines[0]["mlflow"]
+    d = trial_dir(out, lines[0]["trial_id"])
+    assert fetch_stored(out, d.name, d) is None and healed_problem(d) is None
+    stored = fs.open_input_stream(f"{path}/{sweep_id}/{d.name}/{HEALED}").read()
+    assert hashlib.sha256((d / HEALED).read_bytes()).hexdigest() == hashlib.sha256(stored).hexdigest()
+    (d / HEALED).unlink()  # the command itself fetches them
+    r = healsweep("export", run["run_id"], "--out", tmp_path / "x", "--run-dir", out)
+    assert r.returncode == 0, r.stderr
+    assert healed_problem(d) is None and (d / HEALED).read_bytes() == stored
+    # a run whose numbers the stored copy does not repeat (a copy of the run directory resumed elsewhere writes
+    # under the same keys): refused, nothing left behind; its own numbers: fetched
+    d2, acc = trial_dir(out, lines[1]["trial_id"]), lines[1]["mlflow"]["metrics"]["healed_acc"]
+    assert fetch_stored(out, d2.name, d2, acc + 0.25) == (
+        f"the store has no usable copy (its copy there is of another run (healed_acc {acc}, this run's {acc + 0.25}))")
+    assert not (d2 / HEALED).exists()
+    assert fetch_stored(out, d2.name, d2, acc) is None and healed_problem(d2) is None
+    lm = load_model("vit_digits", str(driver / "cache"), progress=False)
+    lm.model.load_state_dict(load_file(str(tmp_path / "x" / "model.safetensors")))
+    ev = lm.dataset["evaluation"]
+    assert accuracy(lm.model.eval(), ev.images, ev.labels) == pytest.approx(run["metrics"]["healed_acc"], abs=1e-12)
