@@ -215,6 +215,17 @@ def start_node(num_cpus: int, head_address: str | None = None, env: dict | None 
     return node
 
 
+def wait_for_cpus(address: str, cpus: float, timeout: float = 60) -> None:
+    """Until the cluster at ``address`` lists ``cpus`` CPUs (a node's raylet is up before the GCS lists it), asked
+    from another process (this one's Ray stays unconnected)."""
+    code = ("import sys, time, ray; ray.init(address=sys.argv[1], log_to_driver=False); t0 = time.monotonic()\n"
+            "while ray.cluster_resources().get('CPU', 0) < float(sys.argv[2]):\n"
+            "    assert time.monotonic() - t0 < float(sys.argv[3]), ray.cluster_resources()\n"
+            "    time.sleep(0.2)\n")
+    subprocess.run([sys.executable, "-c", code, address, str(cpus), str(timeout)], check=True, timeout=timeout + 60,
+                   env={**os.environ, **NODE_ENV}, capture_output=True)
+
+
 # ------------------------------------------------------------------------------------------ a sweep on nodes
 @dataclass
 class Trials:

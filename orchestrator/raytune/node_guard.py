@@ -27,6 +27,8 @@ import sys
 import threading
 from importlib.metadata import PackageNotFoundError, version
 
+from tasks.saved_trial import sees_run_dir
+
 PACKAGES = ("orchestrator", "tasks", "analysis")
 _NO_MODULE = re.compile(r"No module named '((?:%s)(?:\.[\w.]+)?)'" % "|".join(PACKAGES))
 PROBE_TIMEOUT_S = 60.0
@@ -48,12 +50,13 @@ def driver_version() -> str | None:
         return None
 
 
-def node_facts() -> dict:
-    """Runs on a node (a Ray task): its packages of the project that do not import, and its healsweep version.
-    Ray unpickles this function by importing this module first: where ``orchestrator`` is missing it never runs
-    (the task fails with ModuleNotFoundError)."""
-
-    return {"missing": [p for p in PACKAGES if importlib.util.find_spec(p) is None], "version": driver_version()}
+def node_facts(run_dir: str | None = None, sweep_id: str = "") -> dict:
+    """Runs on a node (a Ray task): its packages of the project that do not import, its healsweep version and,
+    given ``run_dir``, whether it sees that run directory (its sweep.json naming ``sweep_id``). Ray unpickles this
+    function by importing this module first: where ``orchestrator`` is missing it never runs (the task fails with
+    ModuleNotFoundError)."""
+    return {"missing": [p for p in PACKAGES if importlib.util.find_spec(p) is None], "version": driver_version(),
+            "sees_run_dir": None if run_dir is None else sees_run_dir(run_dir, sweep_id)}
 
 
 def install_hint() -> str:
@@ -62,20 +65,31 @@ def install_hint() -> str:
     return f"install healsweep {v} (the driver's version)" if v else "install the project (the driver's checkout)"
 
 
-def node_line(node: dict, problem: str) -> str:
-    """The one line for a node that cannot run the project: which node, what is missing, what the sweep does
-    about it and what to do."""
+UNSHARED = "does not see the run directory"  # a node problem other than a missing project (``_problem``)
+
+
+def node_line(node: dict, problem: str, run_dir: str | None = None) -> str:
+    """The one line for a node that cannot run the project, or does not see the run directory (``run_dir``):
+    which node, what is wrong, what the sweep does about it and what to do."""
     res = node.get("Resources", {})
     held = ", ".join(f"{res[k]:g} {k}" for k in ("CPU", "GPU") if res.get(k))
-    return (f"node {node['NodeID'][:12]} ({node.get('NodeManagerAddress', '?')}) cannot import the project "
-            f"({problem}): kept out of this sweep ({held} held); {install_hint()} on it and restart Ray there")
+    name = f"node {node['NodeID'][:12]} ({node.get('NodeManagerAddress', '?')})"
+    if problem == UNSHARED:
+        return (f"{name} {UNSHARED} {run_dir}: kept out of this sweep ({held} held); share it with the nodes (Ray "
+                f"Tune writes the trials' checkpoints there), or set store.uri so that the nodes need only the store "
+                f"(docs/scaling.md, One storage URI)")
+    return (f"{name} cannot import the project ({problem}): kept out of this sweep ({held} held); {install_hint()} "
+            f"on it and restart Ray there")
 
 
 class NodeGuard:
     """Checks the nodes of the connected cluster (once each) and fences the ones that cannot run the project."""
 
-    def __init__(self, say=None) -> None:
+    def __init__(self, say=None, run_dir: str | None = None, sweep_id: str = "") -> None:
+        """``run_dir``: a run directory every node must see (Ray Tune's storage is in it), named by its sweep.json
+        (``sweep_id``); None: nodes need not see it (a remote store holds Tune's storage)."""
         self.say = say or _say
+        self.run_dir, self.sweep_id = run_dir, sweep_id
         self.checked: dict[str, str | None] = {}  # node id -> problem (None: fine)
         self.fences: list = []  # placement groups holding a bad node's CPUs/GPUs
         self._lock = threading.Lock()
@@ -93,13 +107,13 @@ class NodeGuard:
             nodes = [n for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in self.checked
                      and (n.get("Resources", {}).get("CPU") or n.get("Resources", {}).get("GPU"))]
             found = []
-            for node, facts in zip(nodes, _probe([n["NodeID"] for n in nodes])):
+            for node, facts in zip(nodes, _probe([n["NodeID"] for n in nodes], self.run_dir, self.sweep_id)):
                 if facts is None:  # no answer (in time, or the node went away): checked again next time
                     continue
                 self.checked[node["NodeID"]] = problem = _problem(facts)
                 if problem:
                     self.fences += fence(node)
-                    self.say(node_line(node, problem))
+                    self.say(node_line(node, problem, self.run_dir))
                     found.append(node["NodeID"])
                 elif facts.get("version") and driver_version() and facts["version"] != driver_version():
                     self.say(f"node {node['NodeID'][:12]} ({node.get('NodeManagerAddress', '?')}) runs healsweep "
@@ -131,10 +145,12 @@ class NodeGuard:
 
 
 def _problem(facts: dict) -> str | None:
-    return f"No module named '{facts['missing'][0]}'" if facts.get("missing") else None
+    if facts.get("missing"):
+        return f"No module named '{facts['missing'][0]}'"
+    return UNSHARED if facts.get("sees_run_dir") is False else None
 
 
-def _probe(node_ids: list[str]) -> list[dict | None]:
+def _probe(node_ids: list[str], run_dir: str | None = None, sweep_id: str = "") -> list[dict | None]:
     """:func:`node_facts` on each node, in parallel: its dict (a node whose worker could not import this module:
     ``missing`` names the package), or None (no answer within PROBE_TIMEOUT_S, or another error: the node died,
     left, ...)."""
@@ -143,7 +159,7 @@ def _probe(node_ids: list[str]) -> list[dict | None]:
 
     task = ray.remote(node_facts)
     refs = [task.options(num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
-            .remote() for n in node_ids]
+            .remote(run_dir, sweep_id) for n in node_ids]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PROBE_TIMEOUT_S) if refs else ([], [])
     out = []
     for ref in refs:

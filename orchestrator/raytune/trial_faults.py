@@ -24,7 +24,8 @@ MLflow child run and the sweep exiting 1, although ``resources.max_failures`` wa
   failed trial is no longer resetting (2); a node fault (:func:`node_fault`) gets no Tune traceback: a lost node
   is announced in one line per trial and the freed actors Tune keeps for reuse are stopped (the dead node's would
   fail every trial handed to them; healthy nodes' start new ones, seconds each, once); a node that cannot import
-  the project is checked, named once and fenced by the sweep's NodeGuard (orchestrator/raytune/node_guard.py).
+  the project is checked, named once and fenced by the sweep's NodeGuard (orchestrator/raytune/node_guard.py), and
+  so is a node that joined without the run directory when a trial's checkpoint there fails (that failure counts).
 * ``Trial._handle_ray_actor_error`` (where Tune decides whether an actor error counts: a preempted node's does
   not): a node fault does not count against ``max_failures``, at most :data:`NODE_FAULT_RETRIES` times per trial
   (a trial that takes its node down every time still ends); after that it counts like any failure.
@@ -45,6 +46,8 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 from orchestrator.raytune import node_guard
 from orchestrator.raytune.node_guard import missing_project
 
+# Ray Tune's error for a checkpoint written from a node that does not see its (local) storage: the run directory
+UNSHARED_STORAGE = "Unable to set up cluster storage"
 NODE_FAULT_RETRIES = 3  # per trial: node faults not counted against resources.max_failures
 _MARK = "_healsweep_trial_faults"
 _SEEN = "_healsweep_failures_seen"
@@ -90,6 +93,8 @@ def install() -> None:
         self._resetting_trials.discard(trial)  # its actor is gone: no reset is running any more
         fault = node_fault(exception)
         if fault is None:
+            if UNSHARED_STORAGE in str(exception) and (guard := node_guard.active()) is not None:
+                guard.check_soon()  # a node that joined without the run directory: named once and fenced
             return tune_failure(self, trial, exception)
         printing, self._print_trial_errors = self._print_trial_errors, False  # our line instead of a traceback
         try:

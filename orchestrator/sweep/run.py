@@ -23,7 +23,7 @@ from functools import partial
 from pathlib import Path
 
 from orchestrator.raytune import cluster, gcs_watch, node_guard
-from orchestrator.raytune.node_guard import NodeGuard, install_hint, missing_project
+from orchestrator.raytune.node_guard import UNSHARED, NodeGuard, install_hint, missing_project
 from orchestrator.raytune.resources import task_gpus, trial_device
 from orchestrator.raytune.tune_setup import drop_epoch_checkpoints, make_tuner, trial_config, tune_experiment
 from orchestrator.rundir import faults, interrupt
@@ -342,11 +342,16 @@ def _forget_loaded_models() -> None:
 
 
 def check_nodes(s: SweepState) -> None:
-    """Every node of the cluster imports the project, or is named in one line and kept out of the sweep
-    (orchestrator/raytune/node_guard.py); ClusterError when none is left that could run it."""
-    s.guard = NodeGuard()
+    """Every node of the cluster imports the project and, when Ray Tune's storage is the run directory, sees it;
+    or is named in one line and kept out of the sweep (orchestrator/raytune/node_guard.py); ClusterError when none
+    is left that could run it."""
+    must_see = None if cluster.is_remote(tune_home(s)) else str(s.out_dir)  # Tune's storage is the run directory
+    s.guard = NodeGuard(run_dir=must_see, sweep_id=s.info["sweep_id"])
     s.guard.check()
     if s.guard.bad and not s.guard.usable():
+        if all(s.guard.checked[n] == UNSHARED for n in s.guard.bad):
+            raise cluster.ClusterError(f"no node of the cluster with CPUs sees the run directory {s.out_dir}: share "
+                                       "it with the nodes, or set store.uri (docs/scaling.md, One storage URI)")
         raise cluster.ClusterError(f"no node of the cluster can import the project: {install_hint()} on its nodes "
                                    "and restart Ray there")
 

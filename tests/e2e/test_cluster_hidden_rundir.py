@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import json
 
 import pytest
@@ -19,30 +20,45 @@ from safetensors.torch import load_file
 from orchestrator.spec import parse_spec
 from tests.cluster_fixtures import DRIVER_ONLY
 from tests.orchestrator.run_cli import healsweep
-from tests.ray_nodes import NODE_ENV, start_node, why_no_hiding
+from tests.ray_nodes import NODE_ENV, start_node, wait_for_cpus, why_no_hiding
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
-@pytest.fixture
-def hidden_worker(tmp_path, monkeypatch):
-    """A CPU-0 head and a 2-CPU node that does not see ``tmp_path / "driver"``; yields (head, node)."""
+def _cluster(tmp_path, monkeypatch, head_cpus: int):
+    """A ``head_cpus``-CPU head and a 2-CPU node that does not see ``tmp_path / "driver"``; yields (head, node)."""
     if why := why_no_hiding():
         pytest.skip(why)
     driver = tmp_path / "driver"
     driver.mkdir()
     for k, v in NODE_ENV.items():
         monkeypatch.setenv(k, v)
-    head = start_node(0)
+    head = start_node(head_cpus)
     try:
         node = start_node(2, head.address, hide=str(driver),
                           env={k: None for k in os.environ if k.startswith(DRIVER_ONLY)})
         try:
+            wait_for_cpus(head.address, head_cpus + 2)  # both nodes there when the sweep starts
             yield head, node
         finally:
             node.stop()
     finally:
         head.stop()
+
+
+@pytest.fixture
+def hidden_worker(tmp_path, monkeypatch):
+    """The head has no CPU: every trial runs on the node without the driver's directory."""
+    yield from _cluster(tmp_path, monkeypatch, 0)
+
+
+@pytest.fixture
+def hidden_worker_and_head(tmp_path, monkeypatch):
+    yield from _cluster(tmp_path, monkeypatch, 1)
+
+
+SPEC = {"name": "hidden", "models": ["vit_digits"], "sparsities": [0.9], "calib_sizes": [64], "pruners": ["magnitude"],
+        "healers": ["starfish"], "search": {"trials_per_cell": 2, "lr": [1e-3, 3e-3], "epochs": [2, 3], "reevaluate": 0}}
 
 
 def test_a_node_without_the_run_directory_checkpoints_and_heals_into_the_store(tmp_path, aws_env, hidden_worker,
@@ -65,9 +81,7 @@ def test_a_node_without_the_run_directory_checkpoints_and_heals_into_the_store(t
     monkeypatch.setenv("HEALSWEEP_CHECKPOINT_INTERVAL_S", "0")  # to the workers through the job's runtime_env
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     uri = f"s3://{aws_env['bucket']}/hidden?endpoint_override={aws_env['host']}&scheme=http"
-    spec = parse_spec({"name": "hidden", "models": ["vit_digits"], "sparsities": [0.9], "calib_sizes": [64],
-                       "pruners": ["magnitude"], "healers": ["starfish"], "store": {"uri": uri, "shard_size": 16},
-                       "search": {"trials_per_cell": 2, "lr": [1e-3, 3e-3], "epochs": [2, 3], "reevaluate": 0}})
+    spec = parse_spec({**SPEC, "store": {"uri": uri, "shard_size": 16}})
     out = driver / "run"
     res = run_sweep(spec, out, driver / "store", driver / "cache", address=head.address, progress=False,
                     report=False)
@@ -108,3 +122,31 @@ def test_a_node_without_the_run_directory_checkpoints_and_heals_into_the_store(t
     lm.model.load_state_dict(load_file(str(tmp_path / "x" / "model.safetensors")))
     ev = lm.dataset["evaluation"]
     assert accuracy(lm.model.eval(), ev.images, ev.labels) == pytest.approx(run["metrics"]["healed_acc"], abs=1e-12)
+
+
+def test_with_a_local_store_a_node_without_the_run_directory_is_named_once_and_kept_out(tmp_path,
+                                                                                       hidden_worker_and_head,
+                                                                                       monkeypatch, capfd):
+    """No store URI: Ray Tune's storage is DIR/tune, which every node must see. The node that does not is named in
+    one line before any work and fenced; the sweep runs on the head, 0 failed (before: its trials' checkpoints
+    failed with Ray's "Unable to set up cluster storage", each counted against max_failures)."""
+    from orchestrator.rundir import records
+    from orchestrator.sweep.run import run_sweep
+
+    head, node = hidden_worker_and_head
+    driver = tmp_path / "driver"
+    monkeypatch.chdir(driver)
+    monkeypatch.setenv("HEALSWEEP_CHECKPOINT_INTERVAL_S", "0")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = driver / "run"
+    res = run_sweep(parse_spec(SPEC), out, driver / "store", driver / "cache", address=head.address, progress=False,
+                    report=False)
+    assert (res.trials_finished, res.trials_failed) == (2, 0)
+    lines = [re.sub(r"\(\S+\)", "(ADDR)", ln, count=1) for ln in capfd.readouterr().err.splitlines()
+             if "does not see the run directory" in ln]  # ADDR: the node's address as Ray has it
+    assert lines == [f"healsweep: node {node.node_id()[:12]} (ADDR) does not see the run directory {out}: kept "
+                     "out of this sweep (2 CPU held); share it with the nodes (Ray Tune writes the trials' checkpoints "
+                     "there), or set store.uri so that the nodes need only the store (docs/scaling.md, One storage URI)"]
+    trials = records.trials(records.scan(out / records.TRIALS_FILE)).values()
+    assert [t["mlflow"]["tags"]["node_id"] for t in trials] == [head.node_id()] * 2
+    assert sorted(t["weights"] for t in trials) == ["saved", "saved"]

@@ -2,6 +2,8 @@
 Python lacks the project: tests/e2e/test_cluster_scaleout.py::test_a_node_without_the_project_is_named_once_and_kept_out."""
 from __future__ import annotations
 
+import json
+
 from orchestrator.raytune.node_guard import install_hint, missing_project, node_line
 
 # What Ray 2.60 raises on the driver (measured on a `ray start` node whose Python lacks healsweep): a trial actor
@@ -43,3 +45,24 @@ def test_the_node_line_says_which_node_what_is_missing_and_what_to_do():
     assert line.startswith("node 8a5249332e49 (10.0.0.7) cannot import the project (No module named 'orchestrator')")
     assert "kept out of this sweep (2 CPU, 1 GPU held)" in line and install_hint() in line and "\n" not in line
     assert "restart Ray there" in line
+
+
+def test_a_node_that_does_not_see_the_run_directory_is_a_problem_only_when_it_must(tmp_path):
+    """What the probe reports (``node_facts``, run here as on a node) and what the guard makes of it: the run
+    directory's sweep.json must name the sweep; not asked (a remote store holds Tune's storage): no problem."""
+    from orchestrator.raytune.node_guard import UNSHARED, _problem, node_facts
+
+    run = tmp_path / "run"
+    run.mkdir()
+    assert node_facts()["sees_run_dir"] is None and _problem(node_facts()) is None  # not asked
+    assert node_facts(str(run), "0123456789ab")["sees_run_dir"] is False
+    assert _problem(node_facts(str(run), "0123456789ab")) == UNSHARED
+    (run / "sweep.json").write_text(json.dumps({"sweep_id": "0123456789ab"}))
+    assert _problem(node_facts(str(run), "0123456789ab")) is None
+    assert _problem(node_facts(str(run), "ffffffffffff")) == UNSHARED  # another sweep's directory at that path
+    assert _problem({"missing": ["orchestrator"], "sees_run_dir": False}) == "No module named 'orchestrator'"
+    node = {"NodeID": "8a5249332e49b4cb01e4aa8922cd3e" * 2, "NodeManagerAddress": "10.0.0.7", "Resources": {"CPU": 2.0}}
+    assert node_line(node, UNSHARED, str(run)) == (
+        f"node 8a5249332e49 (10.0.0.7) does not see the run directory {run}: kept out of this sweep (2 CPU held); "
+        "share it with the nodes (Ray Tune writes the trials' checkpoints there), or set store.uri so that the nodes "
+        "need only the store (docs/scaling.md, One storage URI)")
