@@ -15,7 +15,7 @@ from orchestrator.commands.common import CliError, not_a_dir
 from orchestrator.spec.checks import SpecError
 from orchestrator.spec.reach import check_server
 from orchestrator.raytune.cluster import is_remote, store_subdir
-from tasks.saved_trial import HEALED, TRIAL_JSON, healed_problem, trial_dir
+from tasks.saved_trial import TRIAL_JSON, healed_problem, trial_dir
 
 
 def add_parser(sub):
@@ -132,14 +132,16 @@ def fetch_stored(run_dir: Path, trial_id: str, dest: Path, healed_acc: float | N
         return None
     from tasks.store.healed import HealedStore
 
+    def accept(d: Path) -> str | None:
+        got = _final(d).get("healed_acc")
+        if healed_acc is not None and got != healed_acc:
+            return f"its copy there is of another run (healed_acc {got}, this run's {healed_acc})"
+        return None
+
     try:
-        why = HealedStore(store_subdir(uri, "healed")).fetch(str(meta.get("sweep_id")), trial_id, dest)
+        why = HealedStore(store_subdir(uri, "healed")).fetch(str(meta.get("sweep_id")), trial_id, dest, accept)
     except OSError as e:  # an unreachable endpoint, refused credentials
         why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    if why is None and healed_acc is not None and (got := _final(dest).get("healed_acc")) != healed_acc:
-        for name in (HEALED, TRIAL_JSON):
-            (dest / name).unlink(missing_ok=True)
-        why = f"its copy there is of another run (healed_acc {got}, this run's {healed_acc})"
     return f"the store has no usable copy ({why})" if why else None
 
 

@@ -22,8 +22,10 @@ gets a one-line warning.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import sys
+import tempfile
 import threading
 from importlib.metadata import PackageNotFoundError, version
 
@@ -56,7 +58,29 @@ def node_facts(run_dir: str | None = None, sweep_id: str = "") -> dict:
     function by importing this module first: where ``orchestrator`` is missing it never runs (the task fails with
     ModuleNotFoundError)."""
     return {"missing": [p for p in PACKAGES if importlib.util.find_spec(p) is None], "version": driver_version(),
-            "sees_run_dir": None if run_dir is None else sees_run_dir(run_dir, sweep_id)}
+            "sees_run_dir": None if run_dir is None else _writes_run_dir(run_dir, sweep_id)}
+
+
+def _writes_run_dir(run_dir: str, sweep_id: str) -> bool | None:
+    """Whether this node sees the run directory and can write there (what Tune's checkpoints need): False when
+    its sweep.json is missing or names another sweep, or a file cannot be created; None (ask again later) when
+    reading it failed otherwise (a stale NFS handle, an I/O error)."""
+    path = os.path.join(run_dir, "sweep.json")
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    if not sees_run_dir(run_dir, sweep_id):
+        return False
+    try:
+        fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".node-probe-")
+    except OSError:  # read-only there
+        return False
+    os.close(fd)
+    os.unlink(tmp)
+    return True
 
 
 def install_hint() -> str:
@@ -116,8 +140,9 @@ class NodeGuard:
                     self.say(node_line(node, problem, self.run_dir))
                     found.append(node["NodeID"])
                 elif facts.get("version") and driver_version() and facts["version"] != driver_version():
-                    self.say(f"node {node['NodeID'][:12]} ({node.get('NodeManagerAddress', '?')}) runs healsweep "
-                             f"{facts['version']}, the driver {driver_version()}: install the same version on it")
+                    theirs = "another healsweep" if facts["version"] == "another" else f"healsweep {facts['version']}"
+                    self.say(f"node {node['NodeID'][:12]} ({node.get('NodeManagerAddress', '?')}) runs {theirs}, "
+                             f"the driver {driver_version()}: install the same version on it")
             return found
 
     def check_soon(self) -> None:
@@ -126,6 +151,13 @@ class NodeGuard:
             return
         self._thread = threading.Thread(target=self.check, name="healsweep-node-guard", daemon=True)
         self._thread.start()
+
+    def wait_fenced(self, timeout: float = PROBE_TIMEOUT_S) -> None:
+        """Until every fence holds its node's CPUs and GPUs (a task submitted before could still land there)."""
+        import ray
+
+        if self.fences:
+            ray.wait([pg.ready() for pg in self.fences], num_returns=len(self.fences), timeout=timeout)
 
     def usable(self) -> bool:
         """Some alive node with CPUs is not fenced."""
@@ -158,8 +190,9 @@ def _probe(node_ids: list[str], run_dir: str | None = None, sweep_id: str = "") 
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     task = ray.remote(node_facts)
+    args = () if run_dir is None else (run_dir, sweep_id)  # no arguments: what an older healsweep's probe takes
     refs = [task.options(num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
-            .remote(run_dir, sweep_id) for n in node_ids]
+            .remote(*args) for n in node_ids]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PROBE_TIMEOUT_S) if refs else ([], [])
     out = []
     for ref in refs:
@@ -167,9 +200,14 @@ def _probe(node_ids: list[str], run_dir: str | None = None, sweep_id: str = "") 
             out.append(None)
             continue
         try:
-            out.append(ray.get(ref))
+            facts = ray.get(ref)
+            unsure = run_dir is not None and facts.get("sees_run_dir", False) is None  # asked again next time
+            out.append(None if unsure else facts)
         except ray.exceptions.RayError as e:
             missing = missing_project(e)
+            if missing is None and isinstance(e, ray.exceptions.RayTaskError) and "node_facts()" in str(e):
+                out.append({"missing": [], "version": "another"})  # an older probe without arguments: warned
+                continue
             out.append({"missing": [missing.split("'")[1]], "version": None} if missing else None)
     return out
 

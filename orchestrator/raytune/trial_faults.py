@@ -95,6 +95,7 @@ def install() -> None:
         if fault is None:
             if UNSHARED_STORAGE in str(exception) and (guard := node_guard.active()) is not None:
                 guard.check_soon()  # a node that joined without the run directory: named once and fenced
+                self._cleanup_cached_actors(force_all=True)  # its freed actors would take the next trials
             return tune_failure(self, trial, exception)
         printing, self._print_trial_errors = self._print_trial_errors, False  # our line instead of a traceback
         try:

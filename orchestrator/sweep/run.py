@@ -349,11 +349,14 @@ def check_nodes(s: SweepState) -> None:
     s.guard = NodeGuard(run_dir=must_see, sweep_id=s.info["sweep_id"])
     s.guard.check()
     if s.guard.bad and not s.guard.usable():
-        if all(s.guard.checked[n] == UNSHARED for n in s.guard.bad):
-            raise cluster.ClusterError(f"no node of the cluster with CPUs sees the run directory {s.out_dir}: share "
-                                       "it with the nodes, or set store.uri (docs/scaling.md, One storage URI)")
-        raise cluster.ClusterError(f"no node of the cluster can import the project: {install_hint()} on its nodes "
-                                   "and restart Ray there")
+        unshared = sum(s.guard.checked[n] == UNSHARED for n in s.guard.bad)
+        nodes = lambda k: f"{k} node{'s' if k > 1 else ''}"  # noqa: E731
+        why = ([f"{nodes(unshared)} without the run directory {s.out_dir} (share it with the nodes, or set "
+                "store.uri: docs/scaling.md, One storage URI)"] if unshared else []) + (
+            [f"{nodes(len(s.guard.bad) - unshared)} that cannot import the project ({install_hint()} on them and "
+             "restart Ray there)"] if len(s.guard.bad) > unshared else [])
+        raise cluster.ClusterError(f"no node of the cluster can run the sweep: {'; '.join(why)}")
+    s.guard.wait_fenced()  # the stages' tasks come next: none may land on a fenced node
 
 
 def missing_project_line(e: BaseException) -> str | None:

@@ -62,10 +62,10 @@ class HealedStore:
     def has(self, sweep_id: str, trial_id: str) -> bool:
         return self.fs.size(self._rel(sweep_id, trial_id, PAIR)) is not None
 
-    def fetch(self, sweep_id: str, trial_id: str, dest: Path) -> str | None:
+    def fetch(self, sweep_id: str, trial_id: str, dest: Path, accept=None) -> str | None:
         """Copy both files into ``dest`` (through a temporary directory beside it, renamed once checked); -> None
-        when ``dest`` then holds the pair, else why not (not in the store; a damaged or mixed copy, which is not
-        left in ``dest``)."""
+        when ``dest`` then holds the pair, else why not (not in the store; a damaged or mixed copy, or one that
+        ``accept(dir)`` refuses with a reason: nothing of it reaches ``dest``)."""
         raw = self.fs.read_bytes(self._rel(sweep_id, trial_id, PAIR))
         if raw is None:
             return f"not in {self.fs.uri}"
@@ -77,6 +77,8 @@ class HealedStore:
                                 source_filesystem=self.fs.fs, destination_filesystem=pafs.LocalFileSystem())
             if why := _check(Path(tmp), raw):
                 return f"the copy in {self.fs.uri} is damaged: {why}"
+            if accept is not None and (why := accept(Path(tmp))):
+                return why
             dest.mkdir(exist_ok=True)
             for name in FILES:
                 os.replace(Path(tmp) / name, dest / name)

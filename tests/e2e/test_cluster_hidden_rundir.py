@@ -150,3 +150,22 @@ def test_with_a_local_store_a_node_without_the_run_directory_is_named_once_and_k
     trials = records.trials(records.scan(out / records.TRIALS_FILE)).values()
     assert [t["mlflow"]["tags"]["node_id"] for t in trials] == [head.node_id()] * 2
     assert sorted(t["weights"] for t in trials) == ["saved", "saved"]
+
+
+def test_with_a_local_store_and_no_node_that_sees_the_run_directory_the_sweep_is_refused(tmp_path, hidden_worker,
+                                                                                        monkeypatch):
+    """The head has no CPU and the only node with CPUs does not see the run directory: one line, before any work."""
+    from orchestrator.raytune.cluster import ClusterError
+    from orchestrator.sweep.run import run_sweep
+
+    head, _ = hidden_worker
+    driver = tmp_path / "driver"
+    monkeypatch.chdir(driver)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(ClusterError) as e:
+        run_sweep(parse_spec(SPEC), driver / "run", driver / "store", driver / "cache", address=head.address,
+                  progress=False, report=False)
+    assert str(e.value) == (f"no node of the cluster can run the sweep: 1 node without the run directory "
+                            f"{driver / 'run'} (share it with the nodes, or set store.uri: docs/scaling.md, One "
+                            "storage URI)")
+    assert not (driver / "store").exists() and not (driver / "run" / "trials.jsonl").exists()  # no work done

@@ -49,7 +49,8 @@ def test_the_node_line_says_which_node_what_is_missing_and_what_to_do():
 
 def test_a_node_that_does_not_see_the_run_directory_is_a_problem_only_when_it_must(tmp_path):
     """What the probe reports (``node_facts``, run here as on a node) and what the guard makes of it: the run
-    directory's sweep.json must name the sweep; not asked (a remote store holds Tune's storage): no problem."""
+    directory's sweep.json must name the sweep, and the node must be able to write there (a probe file, removed);
+    not asked (a remote store holds Tune's storage): no problem."""
     from orchestrator.raytune.node_guard import UNSHARED, _problem, node_facts
 
     run = tmp_path / "run"
@@ -58,7 +59,8 @@ def test_a_node_that_does_not_see_the_run_directory_is_a_problem_only_when_it_mu
     assert node_facts(str(run), "0123456789ab")["sees_run_dir"] is False
     assert _problem(node_facts(str(run), "0123456789ab")) == UNSHARED
     (run / "sweep.json").write_text(json.dumps({"sweep_id": "0123456789ab"}))
-    assert _problem(node_facts(str(run), "0123456789ab")) is None
+    assert node_facts(str(run), "0123456789ab")["sees_run_dir"] is True  # and could write there: nothing left
+    assert _problem(node_facts(str(run), "0123456789ab")) is None and [p.name for p in run.iterdir()] == ["sweep.json"]
     assert _problem(node_facts(str(run), "ffffffffffff")) == UNSHARED  # another sweep's directory at that path
     assert _problem({"missing": ["orchestrator"], "sees_run_dir": False}) == "No module named 'orchestrator'"
     node = {"NodeID": "8a5249332e49b4cb01e4aa8922cd3e" * 2, "NodeManagerAddress": "10.0.0.7", "Resources": {"CPU": 2.0}}
