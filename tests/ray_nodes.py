@@ -162,22 +162,9 @@ def python_without_project(root: Path) -> str:
     return str(root / "bin" / "python")
 
 
-def _unshare() -> list[str]:
+def unshare_cmd() -> list[str]:
     """A mount namespace of its own (root: ``unshare -m``; otherwise inside a user namespace, ``-Urm``)."""
     return ["unshare", "-m" if os.geteuid() == 0 else "-Urm", "--propagation", "private"]
-
-
-def why_no_hiding() -> str | None:
-    """Why a node cannot be started with a path hidden from it here (no ``unshare``, or mount namespaces not
-    allowed), or None."""
-    if shutil.which("unshare") is None:
-        return "no unshare(1) on this machine"
-    with tempfile.TemporaryDirectory(prefix="hs-hide-") as d:
-        r = subprocess.run([*_unshare(), "sh", "-c", 'mount -t tmpfs none "$0" && touch "$0/x"', d],
-                           capture_output=True, text=True)
-        if r.returncode != 0 or os.path.exists(os.path.join(d, "x")):
-            return f"this machine does not allow a mount namespace ({r.stderr.strip()[:200]})"
-    return None
 
 
 def start_node(num_cpus: int, head_address: str | None = None, env: dict | None = None,
@@ -185,7 +172,8 @@ def start_node(num_cpus: int, head_address: str | None = None, env: dict | None 
     """A head (``head_address`` None) or a node joining ``head_address``, on 127.0.0.1 with free ports. ``env``:
     variables to set (None: unset); ``python``: the node's Python (its workers run it; default this one);
     ``hide``: a directory this node does not see (an empty tmpfs over it, in the node's own mount namespace: a
-    machine that does not share that file system; ``why_no_hiding`` says whether this machine allows it)."""
+    machine that does not share that file system; tests/e2e/test_cluster_hidden_rundir.py asks whether this machine
+    allows it)."""
     temp = tempfile.mkdtemp(prefix="hs-ray-", dir="/tmp")  # short: Ray's socket paths are length-limited
     p = free_ports(8)
     ports = ["--node-manager-port", p[0], "--object-manager-port", p[1], "--dashboard-agent-listen-port", p[2],
@@ -200,7 +188,7 @@ def start_node(num_cpus: int, head_address: str | None = None, env: dict | None 
            "--num-gpus", "0", "--object-store-memory", str(80 * 1024 * 1024), "--temp-dir", temp, "--block",
            "--disable-usage-stats"]
     if hide is not None:
-        cmd = [*_unshare(), "sh", "-c", 'mount -t tmpfs none "$0" && exec "$@"', str(hide), *cmd]
+        cmd = [*unshare_cmd(), "sh", "-c", 'mount -t tmpfs none "$0" && exec "$@"', str(hide), *cmd]
     log = os.path.join(temp, "ray_start.log")
     with open(log, "w") as fh:
         environ = {**os.environ, **NODE_ENV, **(env or {})}
@@ -213,17 +201,6 @@ def start_node(num_cpus: int, head_address: str | None = None, env: dict | None 
         node.stop()
         raise
     return node
-
-
-def wait_for_cpus(address: str, cpus: float, timeout: float = 60) -> None:
-    """Until the cluster at ``address`` lists ``cpus`` CPUs (a node's raylet is up before the GCS lists it), asked
-    from another process (this one's Ray stays unconnected)."""
-    code = ("import sys, time, ray; ray.init(address=sys.argv[1], log_to_driver=False); t0 = time.monotonic()\n"
-            "while ray.cluster_resources().get('CPU', 0) < float(sys.argv[2]):\n"
-            "    assert time.monotonic() - t0 < float(sys.argv[3]), ray.cluster_resources()\n"
-            "    time.sleep(0.2)\n")
-    subprocess.run([sys.executable, "-c", code, address, str(cpus), str(timeout)], check=True, timeout=timeout + 60,
-                   env={**os.environ, **NODE_ENV}, capture_output=True)
 
 
 # ------------------------------------------------------------------------------------------ a sweep on nodes

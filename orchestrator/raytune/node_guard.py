@@ -166,6 +166,15 @@ class NodeGuard:
         return any(n.get("Alive") and n.get("Resources", {}).get("CPU") and n["NodeID"] not in self.bad
                    for n in ray.nodes())
 
+    def refusal(self) -> str:
+        """The line when no node is left that could run the sweep: how many nodes of each kind, what to do."""
+        unshared = sum(self.checked[n] == UNSHARED for n in self.bad)
+        why = ([f"{_nodes(unshared)} without the run directory {self.run_dir} (share it with the nodes, or set "
+                "store.uri: docs/scaling.md, One storage URI)"] if unshared else []) + (
+            [f"{_nodes(len(self.bad) - unshared)} that cannot import the project ({install_hint()} on them and "
+             "restart Ray there)"] if len(self.bad) > unshared else [])
+        return f"no node of the cluster can run the sweep: {'; '.join(why)}"
+
     def release(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
@@ -174,6 +183,10 @@ class NodeGuard:
         for pg in self.fences:
             remove_placement_group(pg)
         self.fences = []
+
+
+def _nodes(k: int) -> str:
+    return f"{k} node{'s' if k > 1 else ''}"
 
 
 def _problem(facts: dict) -> str | None:

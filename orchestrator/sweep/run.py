@@ -23,7 +23,7 @@ from functools import partial
 from pathlib import Path
 
 from orchestrator.raytune import cluster, gcs_watch, node_guard
-from orchestrator.raytune.node_guard import UNSHARED, NodeGuard, install_hint, missing_project
+from orchestrator.raytune.node_guard import NodeGuard, install_hint, missing_project
 from orchestrator.raytune.resources import task_gpus, trial_device
 from orchestrator.raytune.tune_setup import drop_epoch_checkpoints, make_tuner, trial_config, tune_experiment
 from orchestrator.rundir import faults, interrupt
@@ -349,13 +349,7 @@ def check_nodes(s: SweepState) -> None:
     s.guard = NodeGuard(run_dir=must_see, sweep_id=s.info["sweep_id"])
     s.guard.check()
     if s.guard.bad and not s.guard.usable():
-        unshared = sum(s.guard.checked[n] == UNSHARED for n in s.guard.bad)
-        nodes = lambda k: f"{k} node{'s' if k > 1 else ''}"  # noqa: E731
-        why = ([f"{nodes(unshared)} without the run directory {s.out_dir} (share it with the nodes, or set "
-                "store.uri: docs/scaling.md, One storage URI)"] if unshared else []) + (
-            [f"{nodes(len(s.guard.bad) - unshared)} that cannot import the project ({install_hint()} on them and "
-             "restart Ray there)"] if len(s.guard.bad) > unshared else [])
-        raise cluster.ClusterError(f"no node of the cluster can run the sweep: {'; '.join(why)}")
+        raise cluster.ClusterError(s.guard.refusal())
     s.guard.wait_fenced()  # the stages' tasks come next: none may land on a fenced node
 
 

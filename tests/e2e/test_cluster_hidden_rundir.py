@@ -10,19 +10,47 @@ out of ``healsweep export``'s reach. Now Tune's storage and those weights are un
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
-import json
+import shutil
+import subprocess
+import sys
+import tempfile
 
 import pytest
 from safetensors.torch import load_file
 
-from orchestrator.spec import parse_spec
 from tests.cluster_fixtures import DRIVER_ONLY
 from tests.orchestrator.run_cli import healsweep
-from tests.ray_nodes import NODE_ENV, start_node, wait_for_cpus, why_no_hiding
+from tests.ray_nodes import NODE_ENV, start_node, sweep_cmd, unshare_cmd
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+
+def why_no_hiding() -> str | None:
+    """Why a node cannot be started with a path hidden from it here (no ``unshare``, or mount namespaces not
+    allowed), or None."""
+    if shutil.which("unshare") is None:
+        return "no unshare(1) on this machine"
+    with tempfile.TemporaryDirectory(prefix="hs-hide-") as d:
+        r = subprocess.run([*unshare_cmd(), "sh", "-c", 'mount -t tmpfs none "$0" && touch "$0/x"', d],
+                           capture_output=True, text=True)
+        if r.returncode != 0 or os.path.exists(os.path.join(d, "x")):
+            return f"this machine does not allow a mount namespace ({r.stderr.strip()[:200]})"
+    return None
+
+
+def wait_for_cpus(address: str, cpus: float, timeout: float = 60) -> None:
+    """Until the cluster at ``address`` lists ``cpus`` CPUs (a node's raylet is up before the GCS lists it), asked
+    from another process (this one's Ray stays unconnected)."""
+    code = ("import sys, time, ray; ray.init(address=sys.argv[1], log_to_driver=False); t0 = time.monotonic()\n"
+            "while ray.cluster_resources().get('CPU', 0) < float(sys.argv[2]):\n"
+            "    assert time.monotonic() - t0 < float(sys.argv[3]), ray.cluster_resources()\n"
+            "    time.sleep(0.2)\n")
+    r = subprocess.run([sys.executable, "-c", code, address, str(cpus), str(timeout)], timeout=timeout + 60,
+                       env={**os.environ, **NODE_ENV}, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def _cluster(tmp_path, monkeypatch, head_cpus: int):
@@ -57,6 +85,23 @@ def hidden_worker_and_head(tmp_path, monkeypatch):
     yield from _cluster(tmp_path, monkeypatch, 1)
 
 
+def _sweep(driver, spec: dict, address: str, timeout: float = 420):
+    """``healsweep run`` through the console script, as the scale-out tests run it: a driver process of its own
+    (a test process that ran Ray with another auth mode before would refuse the node's workers' reports) and a hard
+    time limit (a Ray wait blocked in C never sees pytest-timeout's signal). -> CompletedProcess."""
+    (driver / "spec.yaml").write_text(json.dumps(spec))  # JSON is YAML
+    cmd = sweep_cmd(driver / "spec.yaml", driver / "run", driver / "store", driver / "cache", address)
+    return subprocess.run(cmd, cwd=driver, env={**os.environ, **NODE_ENV}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _parent_metrics(out) -> dict:
+    from mlflow import MlflowClient
+
+    info = json.loads((out / "sweep.json").read_text())
+    return MlflowClient(info["tracking_uri"]).get_run(info["parent_run_id"]).data.metrics
+
+
 SPEC = {"name": "hidden", "models": ["vit_digits"], "sparsities": [0.9], "calib_sizes": [64], "pruners": ["magnitude"],
         "healers": ["starfish"], "search": {"trials_per_cell": 2, "lr": [1e-3, 3e-3], "epochs": [2, 3], "reevaluate": 0}}
 
@@ -64,12 +109,10 @@ SPEC = {"name": "hidden", "models": ["vit_digits"], "sparsities": [0.9], "calib_
 def test_a_node_without_the_run_directory_checkpoints_and_heals_into_the_store(tmp_path, aws_env, hidden_worker,
                                                                                monkeypatch):
     import pyarrow.fs as pafs
-    from mlflow import MlflowClient
 
     from orchestrator.commands.export import fetch_stored
     from orchestrator.raytune.cluster import store_subdir
     from orchestrator.rundir import records
-    from orchestrator.sweep.run import run_sweep
     from tasks.evaluate import accuracy
     from tasks.models.load import load_model
     from tasks.saved_trial import HEALED, healed_problem, trial_dir
@@ -81,13 +124,10 @@ def test_a_node_without_the_run_directory_checkpoints_and_heals_into_the_store(t
     monkeypatch.setenv("HEALSWEEP_CHECKPOINT_INTERVAL_S", "0")  # to the workers through the job's runtime_env
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     uri = f"s3://{aws_env['bucket']}/hidden?endpoint_override={aws_env['host']}&scheme=http"
-    spec = parse_spec({**SPEC, "store": {"uri": uri, "shard_size": 16}})
     out = driver / "run"
-    res = run_sweep(spec, out, driver / "store", driver / "cache", address=head.address, progress=False,
-                    report=False)
-    assert (res.trials_finished, res.trials_failed) == (2, 0)
-    parent = MlflowClient(res.tracking_uri).get_run(res.parent_run_id).data
-    assert parent.metrics["tune_checkpoint_bytes_freed"] > 0  # the worker's checkpoints reached the bucket
+    r = _sweep(driver, {**SPEC, "store": {"uri": uri, "shard_size": 16}}, head.address)
+    assert r.returncode == 0 and "2 trials finished, 0 failed" in r.stdout + r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
+    assert _parent_metrics(out)["tune_checkpoint_bytes_freed"] > 0  # the worker's checkpoints reached the bucket
 
     sweep_id = json.loads((out / "sweep.json").read_text())["sweep_id"]
     lines = sorted(records.trials(records.scan(out / records.TRIALS_FILE)).values(), key=lambda r: r["trial_id"])
@@ -126,23 +166,20 @@ def test_a_node_without_the_run_directory_checkpoints_and_heals_into_the_store(t
 
 def test_with_a_local_store_a_node_without_the_run_directory_is_named_once_and_kept_out(tmp_path,
                                                                                        hidden_worker_and_head,
-                                                                                       monkeypatch, capfd):
+                                                                                       monkeypatch):
     """No store URI: Ray Tune's storage is DIR/tune, which every node must see. The node that does not is named in
     one line before any work and fenced; the sweep runs on the head, 0 failed (before: its trials' checkpoints
     failed with Ray's "Unable to set up cluster storage", each counted against max_failures)."""
     from orchestrator.rundir import records
-    from orchestrator.sweep.run import run_sweep
 
     head, node = hidden_worker_and_head
     driver = tmp_path / "driver"
-    monkeypatch.chdir(driver)
     monkeypatch.setenv("HEALSWEEP_CHECKPOINT_INTERVAL_S", "0")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     out = driver / "run"
-    res = run_sweep(parse_spec(SPEC), out, driver / "store", driver / "cache", address=head.address, progress=False,
-                    report=False)
-    assert (res.trials_finished, res.trials_failed) == (2, 0)
-    lines = [re.sub(r"\(\S+\)", "(ADDR)", ln, count=1) for ln in capfd.readouterr().err.splitlines()
+    r = _sweep(driver, SPEC, head.address)
+    assert r.returncode == 0 and "2 trials finished, 0 failed" in r.stdout + r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = [re.sub(r"\(\S+\)", "(ADDR)", ln, count=1) for ln in r.stderr.splitlines()
              if "does not see the run directory" in ln]  # ADDR: the node's address as Ray has it
     assert lines == [f"healsweep: node {node.node_id()[:12]} (ADDR) does not see the run directory {out}: kept "
                      "out of this sweep (2 CPU held); share it with the nodes (Ray Tune writes the trials' checkpoints "
@@ -155,17 +192,12 @@ def test_with_a_local_store_a_node_without_the_run_directory_is_named_once_and_k
 def test_with_a_local_store_and_no_node_that_sees_the_run_directory_the_sweep_is_refused(tmp_path, hidden_worker,
                                                                                         monkeypatch):
     """The head has no CPU and the only node with CPUs does not see the run directory: one line, before any work."""
-    from orchestrator.raytune.cluster import ClusterError
-    from orchestrator.sweep.run import run_sweep
-
     head, _ = hidden_worker
     driver = tmp_path / "driver"
-    monkeypatch.chdir(driver)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    with pytest.raises(ClusterError) as e:
-        run_sweep(parse_spec(SPEC), driver / "run", driver / "store", driver / "cache", address=head.address,
-                  progress=False, report=False)
-    assert str(e.value) == (f"no node of the cluster can run the sweep: 1 node without the run directory "
-                            f"{driver / 'run'} (share it with the nodes, or set store.uri: docs/scaling.md, One "
-                            "storage URI)")
+    r = _sweep(driver, SPEC, head.address)
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"healsweep: error: no node of the cluster can run the sweep: 1 node without the run directory "
+        f"{driver / 'run'} (share it with the nodes, or set store.uri: docs/scaling.md, One storage URI)")
     assert not (driver / "store").exists() and not (driver / "run" / "trials.jsonl").exists()  # no work done

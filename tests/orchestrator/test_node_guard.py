@@ -68,3 +68,16 @@ def test_a_node_that_does_not_see_the_run_directory_is_a_problem_only_when_it_mu
         f"node 8a5249332e49 (10.0.0.7) does not see the run directory {run}: kept out of this sweep (2 CPU held); "
         "share it with the nodes (Ray Tune writes the trials' checkpoints there), or set store.uri so that the nodes "
         "need only the store (docs/scaling.md, One storage URI)")
+
+
+def test_the_refusal_counts_each_kind_of_node_and_says_what_to_do():
+    from orchestrator.raytune.node_guard import UNSHARED, NodeGuard
+
+    guard = NodeGuard(run_dir="/runs/a", sweep_id="0123456789ab")
+    guard.checked = {"a": UNSHARED, "b": UNSHARED, "c": "No module named 'orchestrator'", "d": None}
+    assert guard.refusal() == ("no node of the cluster can run the sweep: 2 nodes without the run directory /runs/a "
+                               "(share it with the nodes, or set store.uri: docs/scaling.md, One storage URI); 1 node "
+                               f"that cannot import the project ({install_hint()} on them and restart Ray there)")
+    guard.checked = {"c": "No module named 'tasks'"}
+    assert guard.refusal() == ("no node of the cluster can run the sweep: 1 node that cannot import the project "
+                               f"({install_hint()} on them and restart Ray there)")
