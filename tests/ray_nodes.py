@@ -168,12 +168,12 @@ def unshare_cmd() -> list[str]:
 
 
 def start_node(num_cpus: int, head_address: str | None = None, env: dict | None = None,
-               python: str | None = None, hide: str | None = None) -> RayNode:
+               python: str | None = None, hide: str | None = None, num_gpus: int = 0) -> RayNode:
     """A head (``head_address`` None) or a node joining ``head_address``, on 127.0.0.1 with free ports. ``env``:
     variables to set (None: unset); ``python``: the node's Python (its workers run it; default this one);
     ``hide``: a directory this node does not see (an empty tmpfs over it, in the node's own mount namespace: a
     machine that does not share that file system; tests/e2e/test_cluster_hidden_rundir.py asks whether this machine
-    allows it)."""
+    allows it); ``num_gpus``: Ray's logical GPUs of the node (no device behind them)."""
     temp = tempfile.mkdtemp(prefix="hs-ray-", dir="/tmp")  # short: Ray's socket paths are length-limited
     p = free_ports(8)
     ports = ["--node-manager-port", p[0], "--object-manager-port", p[1], "--dashboard-agent-listen-port", p[2],
@@ -185,7 +185,7 @@ def start_node(num_cpus: int, head_address: str | None = None, env: dict | None 
         address, role = head_address, ["--address", head_address]
     ray_cli = [python, "-m", "ray.scripts.scripts"] if python else [RAY]
     cmd = [*ray_cli, "start", *map(str, role + ports), "--node-ip-address", "127.0.0.1", "--num-cpus", str(num_cpus),
-           "--num-gpus", "0", "--object-store-memory", str(80 * 1024 * 1024), "--temp-dir", temp, "--block",
+           "--num-gpus", str(num_gpus), "--object-store-memory", str(80 * 1024 * 1024), "--temp-dir", temp, "--block",
            "--disable-usage-stats"]
     if hide is not None:
         cmd = [*unshare_cmd(), "sh", "-c", 'mount -t tmpfs none "$0" && exec "$@"', str(hide), *cmd]

@@ -159,21 +159,24 @@ class NodeGuard:
         if self.fences:
             ray.wait([pg.ready() for pg in self.fences], num_returns=len(self.fences), timeout=timeout)
 
-    def usable(self) -> bool:
-        """Some alive node with CPUs is not fenced."""
+    def unplaced(self, requests: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        """Those of ``requests`` (:func:`requests`) that no alive, unfenced node of the cluster can place."""
         import ray
 
-        return any(n.get("Alive") and n.get("Resources", {}).get("CPU") and n["NodeID"] not in self.bad
-                   for n in ray.nodes())
+        left = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in self.bad]
+        return {name: want for name, want in requests.items() if not placeable(left, want)}
 
-    def refusal(self) -> str:
-        """The line when no node is left that could run the sweep: how many nodes of each kind, what to do."""
+    def refusal(self, unplaced: dict[str, dict[str, float]] | None = None) -> str:
+        """The line when no node is left that could run the sweep: how many nodes of each kind, what to do, and
+        what no node left can place (``unplaced``: :meth:`unplaced`)."""
         unshared = sum(self.checked[n] == UNSHARED for n in self.bad)
         why = ([f"{_nodes(unshared)} without the run directory {self.run_dir} (share it with the nodes, or set "
                 "store.uri: docs/scaling.md, One storage URI)"] if unshared else []) + (
             [f"{_nodes(len(self.bad) - unshared)} that cannot import the project ({install_hint()} on them and "
              "restart Ray there)"] if len(self.bad) > unshared else [])
-        return f"no node of the cluster can run the sweep: {'; '.join(why)}"
+        wants = [f"a {name} ({_amount(want)})" for name, want in (unplaced or {}).items()]
+        left = f"; no node left can place {' or '.join(wants)}" if wants else ""
+        return f"no node of the cluster can run the sweep: {'; '.join(why)}{left}"
 
     def release(self) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -183,6 +186,26 @@ class NodeGuard:
         for pg in self.fences:
             remove_placement_group(pg)
         self.fences = []
+
+
+def requests(resources) -> dict[str, dict[str, float]]:
+    """What one trial and one dense task of a sweep ask Ray for (a ResourceSpec), as Ray resource names; a kind
+    asked for 0 is left out ({"trial": {"CPU": 1.0, "GPU": 0.5}, "dense task": {"CPU": 1.0}})."""
+    def one(cpus: float, gpus: float) -> dict[str, float]:
+        return {k: float(v) for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0}
+
+    return {"trial": one(resources.cpus_per_trial, resources.gpus_per_trial),
+            "dense task": one(resources.cpus_per_dense_task, resources.gpus_per_dense_task)}
+
+
+def placeable(nodes: list[dict[str, float]], want: dict[str, float]) -> bool:
+    """Whether one of ``nodes`` (their Ray resources) has at least ``want`` of every resource: a placement that
+    fits no single node waits for ever."""
+    return any(all(res.get(k, 0.0) >= v for k, v in want.items()) for res in nodes)
+
+
+def _amount(want: dict[str, float]) -> str:
+    return ", ".join(f"{v:g} {k}" for k, v in want.items()) or "nothing"
 
 
 def _nodes(k: int) -> str:

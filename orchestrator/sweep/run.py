@@ -348,8 +348,8 @@ def check_nodes(s: SweepState) -> None:
     must_see = None if cluster.is_remote(tune_home(s)) else str(s.out_dir)  # Tune's storage is the run directory
     s.guard = NodeGuard(run_dir=must_see, sweep_id=s.info["sweep_id"])
     s.guard.check()
-    if s.guard.bad and not s.guard.usable():
-        raise cluster.ClusterError(s.guard.refusal())
+    if s.guard.bad and (unplaced := s.guard.unplaced(node_guard.requests(s.spec.resources))):
+        raise cluster.ClusterError(s.guard.refusal(unplaced))  # e.g. a GPU sweep whose GPU nodes are all fenced
     s.guard.wait_fenced()  # the stages' tasks come next: none may land on a fenced node
 
 

@@ -53,8 +53,9 @@ def wait_for_cpus(address: str, cpus: float, timeout: float = 60) -> None:
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def _cluster(tmp_path, monkeypatch, head_cpus: int):
-    """A ``head_cpus``-CPU head and a 2-CPU node that does not see ``tmp_path / "driver"``; yields (head, node)."""
+def _cluster(tmp_path, monkeypatch, head_cpus: int, node_gpus: int = 0):
+    """A ``head_cpus``-CPU head and a 2-CPU node (and ``node_gpus`` logical GPUs) that does not see
+    ``tmp_path / "driver"``; yields (head, node)."""
     if why := why_no_hiding():
         pytest.skip(why)
     driver = tmp_path / "driver"
@@ -63,7 +64,7 @@ def _cluster(tmp_path, monkeypatch, head_cpus: int):
         monkeypatch.setenv(k, v)
     head = start_node(head_cpus)
     try:
-        node = start_node(2, head.address, hide=str(driver),
+        node = start_node(2, head.address, hide=str(driver), num_gpus=node_gpus,
                           env={k: None for k in os.environ if k.startswith(DRIVER_ONLY)})
         try:
             wait_for_cpus(head.address, head_cpus + 2)  # both nodes there when the sweep starts
@@ -83,6 +84,12 @@ def hidden_worker(tmp_path, monkeypatch):
 @pytest.fixture
 def hidden_worker_and_head(tmp_path, monkeypatch):
     yield from _cluster(tmp_path, monkeypatch, 1)
+
+
+@pytest.fixture
+def hidden_gpu_worker_and_head(tmp_path, monkeypatch):
+    """The only GPU (a logical one) is on the node without the driver's directory; the head has 2 CPUs."""
+    yield from _cluster(tmp_path, monkeypatch, 2, node_gpus=1)
 
 
 def _sweep(driver, spec: dict, address: str, timeout: float = 420):
@@ -199,5 +206,21 @@ def test_with_a_local_store_and_no_node_that_sees_the_run_directory_the_sweep_is
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stderr.strip().splitlines()[-1] == (
         f"healsweep: error: no node of the cluster can run the sweep: 1 node without the run directory "
-        f"{driver / 'run'} (share it with the nodes, or set store.uri: docs/scaling.md, One storage URI)")
+        f"{driver / 'run'} (share it with the nodes, or set store.uri: docs/scaling.md, One storage URI); no node "
+        "left can place a trial (1 CPU) or a dense task (1 CPU)")
+    assert not (driver / "store").exists() and not (driver / "run" / "trials.jsonl").exists()  # no work done
+
+
+def test_a_gpu_sweep_whose_only_gpu_node_is_kept_out_is_refused(tmp_path, hidden_gpu_worker_and_head, monkeypatch):
+    """The head sees the run directory but has no GPU; the GPU node does not see it (no store URI). Before
+    2026-12-02 the head's CPUs counted as a node left: the stages ran and the trials waited for a GPU for ever."""
+    head, _ = hidden_gpu_worker_and_head
+    driver = tmp_path / "driver"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    r = _sweep(driver, {**SPEC, "resources": {"gpus_per_trial": 0.5, "device": "cpu"}}, head.address, timeout=240)
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"healsweep: error: no node of the cluster can run the sweep: 1 node without the run directory "
+        f"{driver / 'run'} (share it with the nodes, or set store.uri: docs/scaling.md, One storage URI); no node "
+        "left can place a trial (1 CPU, 0.5 GPU)")
     assert not (driver / "store").exists() and not (driver / "run" / "trials.jsonl").exists()  # no work done

@@ -81,3 +81,24 @@ def test_the_refusal_counts_each_kind_of_node_and_says_what_to_do():
     guard.checked = {"c": "No module named 'tasks'"}
     assert guard.refusal() == ("no node of the cluster can run the sweep: 1 node that cannot import the project "
                                f"({install_hint()} on them and restart Ray there)")
+
+
+def test_what_a_sweep_asks_for_and_whether_a_node_left_can_place_it():
+    """A GPU sweep whose GPU nodes are all fenced cannot run on the CPU nodes left (before 2026-12-02 any unfenced
+    node with CPUs counted, and such a sweep waited for ever); each request on its own, every kind it asks for."""
+    from orchestrator.raytune.node_guard import UNSHARED, NodeGuard, placeable, requests
+    from orchestrator.spec.schema import ResourceSpec
+
+    gpu = ResourceSpec(cpus_per_trial=2, gpus_per_trial=0.25, cpus_per_dense_task=1, gpus_per_dense_task=1)
+    assert requests(gpu) == {"trial": {"CPU": 2.0, "GPU": 0.25}, "dense task": {"CPU": 1.0, "GPU": 1.0}}
+    assert requests(ResourceSpec()) == {"trial": {"CPU": 1.0}, "dense task": {"CPU": 1.0}}  # 0 GPU: not asked
+    cpu_head, small_gpu = {"CPU": 8.0, "memory": 1e9}, {"CPU": 1.0, "GPU": 1.0}
+    assert not placeable([cpu_head], {"CPU": 2.0, "GPU": 0.25}) and placeable([cpu_head], {"CPU": 2.0})
+    assert not placeable([small_gpu], {"CPU": 2.0, "GPU": 0.25})  # the GPU, but one CPU: never placed
+    assert placeable([cpu_head, {"CPU": 2.0, "GPU": 0.25}], {"CPU": 2.0, "GPU": 0.25})  # exactly enough
+    assert not placeable([], {"CPU": 1.0}) and placeable([{}], {})
+    guard = NodeGuard(run_dir="/runs/a", sweep_id="0123456789ab")
+    guard.checked = {"g": UNSHARED, "h": None}
+    assert guard.refusal({"trial": {"CPU": 2.0, "GPU": 0.25}}) == (
+        "no node of the cluster can run the sweep: 1 node without the run directory /runs/a (share it with the "
+        "nodes, or set store.uri: docs/scaling.md, One storage URI); no node left can place a trial (2 CPU, 0.25 GPU)")
