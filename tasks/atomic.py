@@ -1,12 +1,14 @@
 """Atomic file writes: the one temp-file-then-rename helper every writer of the project uses (masks, rankings,
 reference checkpoints, healed weights, diagnostics tables, store files on a local disk, streamed datasets' cached
-items), so a reader sees a file complete or not at all, and a crash leaves no partial file behind; and the one
-local file lock (``file_lock``) writers that must not race take."""
+items), so a reader sees a file complete or not at all, and a crash leaves no partial file behind; the one
+local file lock (``file_lock``) writers that must not race take; and the one file digest (``sha256_file``: checkpoint
+identities, the healed store's pair sums)."""
 from __future__ import annotations
 
 import contextlib
 import errno
 import fcntl
+import hashlib
 import os
 import shutil
 import tempfile
@@ -47,6 +49,15 @@ class DiskFullError(OSError):
 
     def __reduce__(self):  # crosses process boundaries (a Ray task's error) with its path and size
         return (type(self), (self.path, self.needed, self.what))
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """The full sha256 (64 hex) of a file's bytes, read in 8-MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def describe(path: str | os.PathLike) -> str:

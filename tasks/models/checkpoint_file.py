@@ -6,24 +6,15 @@ that does not match the expected one, a safetensors file that is truncated or no
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Mapping
 
+from tasks.atomic import sha256_file
 from tasks.models.base import ModelSourceError
 
 DIGEST_LEN = 16  # hex characters of the sha256 used in keys, file names and MLflow params
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    """The full sha256 (64 hex) of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def file_digest(path: str | os.PathLike) -> str:

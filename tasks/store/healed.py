@@ -9,7 +9,6 @@ nothing escapes the root. No pickle: safetensors and JSON, checked (sums, ``heal
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from tasks.atomic import sha256_file
 from tasks.saved_trial import HEALED, TRIAL_JSON, TRIAL_KEY_RE, healed_problem
 from tasks.store.fs import StoreFS
 
@@ -28,14 +28,6 @@ def _key(kind: str, key: str) -> str:
     if not isinstance(key, str) or not TRIAL_KEY_RE.match(key) or ".." in key:
         raise ValueError(f"{kind} {str(key)[:80]!r}: not a plain key (matching {TRIAL_KEY_RE.pattern})")
     return key
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class HealedStore:
@@ -56,7 +48,7 @@ class HealedStore:
         for name in FILES:
             pafs.copy_files(str(Path(src) / name), self.fs.path(self._rel(sweep_id, trial_id, name)),
                             source_filesystem=pafs.LocalFileSystem(), destination_filesystem=self.fs.fs)
-        sums = {n: _sha256(Path(src) / n) for n in FILES}
+        sums = {n: sha256_file(Path(src) / n) for n in FILES}
         self.fs.write_atomic(self._rel(sweep_id, trial_id, PAIR), json.dumps(sums, sort_keys=True).encode())
 
     def has(self, sweep_id: str, trial_id: str) -> bool:
@@ -93,5 +85,5 @@ def _check(d: Path, raw: bytes) -> str | None:
         return f"{PAIR} unreadable"
     if why := healed_problem(d):
         return why
-    off = [n for n in FILES if not isinstance(sums, dict) or sums.get(n) != _sha256(d / n)]
+    off = [n for n in FILES if not isinstance(sums, dict) or sums.get(n) != sha256_file(d / n)]
     return f"{', '.join(off)} not the file(s) {PAIR} names (two attempts of the trial wrote them)" if off else None
