@@ -8,13 +8,14 @@ trial runs again on resume.
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
 from typing import Any
 
 from orchestrator.rundir import faults, records
-from orchestrator.rundir.files import JOURNAL_FILE
+from orchestrator.rundir.files import JOURNAL_FILE, SWEEP_FILE
 from orchestrator.rundir.records import PARENT, TRIAL
 from tasks.saved_trial import weights_seen
 
@@ -103,9 +104,7 @@ class TrialRecorder:
                "optuna": optuna_part(study, trial, ask.stage, value, name),
                "mlflow": mlflow_part(client, self.run_of(ask.trial_id), STATUS.get(name, "FAILED"))}
         if name == "COMPLETE":  # its healed weights, as this driver sees them now (lifecycle/resume.py lost_weights)
-            rec["weights"] = weights_seen(self.path.parent, ask.trial_id)
-            if rec["weights"] == "elsewhere" and self.stored is not None and _stored(self.stored, ask.trial_id):
-                rec["weights"] = "store"  # a node without the run directory put them in the store's healed/
+            rec["weights"] = weights_where(self.path.parent, ask.trial_id, self.stored)
         records.append(self.path, rec)
         self.written += 1
 
@@ -123,6 +122,25 @@ def stored_weights(paths: dict, sweep_id: str):
     return stored
 
 
+def run_stored(out_dir: Path, sweep_id: str):
+    """:func:`stored_weights` of the sweep in ``out_dir`` (its sweep.json's ``store.uri``), for a record written
+    after the sweep (``backfill``); None when its store is not remote or sweep.json cannot tell."""
+    from orchestrator.raytune.cluster import is_remote, store_subdir
+
+    try:
+        uri = json.loads((Path(out_dir) / SWEEP_FILE).read_text(encoding="utf-8"))["spec"]["store"]["uri"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return stored_weights({"healed": store_subdir(uri, "healed")}, sweep_id) if is_remote(uri) else None
+
+
+def weights_where(run_dir: Path, trial_id: str, stored) -> str:
+    """A COMPLETE trial's ``weights``: "saved" (whole in the run directory), "store" (a node without the run
+    directory put them in the store's healed/: ``stored``, of :func:`stored_weights`) or "elsewhere"."""
+    seen = weights_seen(run_dir, trial_id)
+    return "store" if seen == "elsewhere" and stored is not None and _stored(stored, trial_id) else seen
+
+
 def _stored(stored, trial_id: str) -> bool:
     try:
         return bool(stored(trial_id))
@@ -138,6 +156,7 @@ def backfill(out_dir: Path, client, experiment: str, sweep_id: str, parent_id: s
     from orchestrator.search import Ask, journal_cells, open_journal
 
     path, storage = Path(out_dir) / records.TRIALS_FILE, open_journal(Path(out_dir) / JOURNAL_FILE)
+    stored = run_stored(out_dir, sweep_id)
     exp = client.get_experiment_by_name(experiment)
     runs = {} if exp is None else {
         r.data.tags.get("trial_id"): r.info.run_id for r in client.search_runs(
@@ -152,6 +171,6 @@ def backfill(out_dir: Path, client, experiment: str, sweep_id: str, parent_id: s
                     out.append({"kind": TRIAL, "trial_id": tid, "cell_id": cid,
                                 "optuna": optuna_part(study, t, stage, t.value, t.state.name),
                                 "mlflow": mlflow_part(client, runs.get(tid), STATUS[t.state.name]),
-                                **({"weights": weights_seen(out_dir, tid)} if t.state.name == "COMPLETE" else {})})
+                                **({"weights": weights_where(out_dir, tid, stored)} if t.state.name == "COMPLETE" else {})})
     records.rewrite(path, out)  # whole or not at all
     return len(out) - bool(parent_id)

@@ -140,6 +140,11 @@ def test_a_node_without_the_run_directory_checkpoints_and_heals_into_the_store(t
     lines = sorted(records.trials(records.scan(out / records.TRIALS_FILE)).values(), key=lambda r: r["trial_id"])
     assert sorted(r["weights"] for r in lines) == ["store", "store"]
     assert not (out / "trials").exists()  # nothing of them on the driver's disk
+    (out / records.TRIALS_FILE).unlink()  # a record rebuilt from the journal and MLflow asks the store too
+    r = healsweep("doctor", out, "--repair")
+    assert r.returncode == 0 and "written from the journal and MLflow (2 trials)" in r.stdout, r.stdout + r.stderr
+    rebuilt = records.trials(records.scan(out / records.TRIALS_FILE)).values()
+    assert sorted(x["weights"] for x in rebuilt) == ["store", "store"]  # before 2026-12-02: "elsewhere"
     fs, path = pafs.FileSystem.from_uri(store_subdir(uri, "healed"))
     held = {i.path[len(path) + 1:] for i in fs.get_file_info(pafs.FileSelector(path, recursive=True))
             if i.type == pafs.FileType.File}
