@@ -17,3 +17,10 @@ class ModelSourceError(ValueError):
 class DatasetError(ValueError):
     """A user-facing, one-line error about a dataset's files (missing folder, table column or split, too few
     items, unreadable file): the CLI prints it as ``healsweep: error: ...`` (exit 2), never a traceback."""
+
+
+class RunDirUnseen(RuntimeError):
+    """A trial on a node that does not see the driver's run directory while its healed weights must go there (the
+    store is not remote, so there is no ``healed/`` to put them in): it refuses to start, rather than heal and leave
+    the weights on that node's own disk. The driver (orchestrator/raytune/trial_faults.py) takes it as a fault of
+    the node: the node guard names and fences it, the trial runs again elsewhere."""

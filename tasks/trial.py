@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from tasks.errors import RunDirUnseen
 from tasks.evaluate import accuracy
 from tasks.export import save_healed
 from tasks.healing.base import HealConfig, HealContext
@@ -324,11 +325,15 @@ def final_metrics(p: TrialParams, st: _Setup, last: dict, heal_seconds: float) -
 
 
 def weights_home(p: TrialParams) -> str:
-    """Where this trial's healed weights go: "run_dir" (``out_dir/trials/<id>``, the usual case) or "store" (a
-    node that does not see the driver's run directory, with a remote store: ``<healed_root>/<sweep>/<id>``)."""
-    if p.healed_root and p.sweep_id and not sees_run_dir(p.out_dir, p.sweep_id):
+    """Where this trial's healed weights go: "run_dir" (``out_dir/trials/<id>``, the usual case; also a trial run
+    outside a sweep, without ``sweep_id``) or "store" (a node that does not see the driver's run directory, with a
+    remote store: ``<healed_root>/<sweep>/<id>``). RunDirUnseen on such a node without a remote store."""
+    if not p.sweep_id or sees_run_dir(p.out_dir, p.sweep_id):
+        return "run_dir"
+    if p.healed_root:
         return "store"
-    return "run_dir"
+    raise RunDirUnseen(f"this node does not see the run directory {p.out_dir} (no sweep.json of sweep {p.sweep_id} "
+                       "there) and the store is not remote: the healed weights would stay on this node's disk")
 
 
 def keep_healed(p: TrialParams, save: Callable[[Path], Any]) -> str:
@@ -353,6 +358,7 @@ def run_trial(p: TrialParams, report: Callable[[dict], None], *, start: Mapping[
     ``start`` continues the trial after that epoch with the same result as an uninterrupted run.
     """
     t_start = time.perf_counter()
+    weights_home(p)  # before any work: a node that could not keep the healed weights refuses the trial
     st = setup_trial(p)
     last, heal_seconds = heal_trial(p, st, report, start, checkpoint)
     final = final_metrics(p, st, last, heal_seconds)

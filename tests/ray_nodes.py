@@ -286,13 +286,15 @@ class SweepOnNodes:
     killed_actors: dict[str, int]  # per node: trial actors that ended before running a trial
 
 
-def join_after(trials: int, cpus: int, python: str | None = None):
+def join_after(trials: int, cpus: int, python: str | None = None, hide_run_dir: bool = False):
     """Event: a ``cpus``-CPU node starts once ``trials`` trials are COMPLETE (``python``: its Python, e.g.
-    :func:`python_without_project`; then without the test's PYTHONPATH)."""
+    :func:`python_without_project`; then without the test's PYTHONPATH; ``hide_run_dir``: the node does not see the
+    sweep's run directory, :func:`start_node`'s ``hide``)."""
     def event(out: Path, nodes: list, alive) -> int:
         while completed(out) < trials and alive():
             time.sleep(0.2)
-        nodes.append(start_node(cpus, nodes[0].address, **_python_env(python)))
+        hide = {"hide": str(out)} if hide_run_dir else {}
+        nodes.append(start_node(cpus, nodes[0].address, **_python_env(python), **hide))
         return int(time.time() * 1000)
     return event
 

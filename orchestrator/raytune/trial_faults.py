@@ -25,17 +25,20 @@ MLflow child run and the sweep exiting 1, although ``resources.max_failures`` wa
   is announced in one line per trial and the freed actors Tune keeps for reuse are stopped (the dead node's would
   fail every trial handed to them; healthy nodes' start new ones, seconds each, once); a node that cannot import
   the project is checked, named once and fenced by the sweep's NodeGuard (orchestrator/raytune/node_guard.py), and
-  so is a node that joined without the run directory when a trial's checkpoint there fails (that failure counts).
+  so is a node that joined without the run directory: a trial there refuses to start when its healed weights
+  could not reach the run directory (``tasks.errors.RunDirUnseen``, a node fault), or its checkpoint there fails
+  (Ray's "Unable to set up cluster storage"; that failure counts).
 * ``Trial._handle_ray_actor_error`` (where Tune decides whether an actor error counts: a preempted node's does
-  not): a node fault does not count against ``max_failures``, at most :data:`NODE_FAULT_RETRIES` times per trial
-  (a trial that takes its node down every time still ends); after that it counts like any failure.
+  not) and ``Trial._handle_ray_task_error`` (an exception in the trial: counted, but for ``RunDirUnseen``): a node
+  fault does not count against ``max_failures``, at most :data:`NODE_FAULT_RETRIES` times per trial (a trial that
+  takes its node down every time still ends); after that it counts like any failure.
 
 The retried trial goes back to the queue (PENDING) and gets a new actor where resources are free: Ray's GCS does
 not place the new actor on the dead node (its raylet no longer answers), so no sleep is needed for Ray to mark
-the node dead. Both wraps rely on Tune internals (``_trial_task_failure``, ``_resetting_trials``,
+the node dead. The wraps rely on Tune internals (``_trial_task_failure``, ``_resetting_trials``,
 ``_print_trial_errors``, ``_actor_cache``, ``_remove_actor``, ``Trial._handle_ray_actor_error``,
-``Trial.temporary_state``): pyproject pins Ray, and tests/e2e/test_trial_faults.py fails on a real TuneController
-when they change.
+``Trial._handle_ray_task_error``, ``Trial.temporary_state``): pyproject pins Ray, and tests/e2e/test_trial_faults.py
+fails on a real TuneController when they change.
 """
 from __future__ import annotations
 
@@ -45,9 +48,11 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 from orchestrator.raytune import node_guard
 from orchestrator.raytune.node_guard import missing_project
+from tasks.errors import RunDirUnseen
 
 # Ray Tune's error for a checkpoint written from a node that does not see its (local) storage: the run directory
 UNSHARED_STORAGE = "Unable to set up cluster storage"
+UNSEEN_FAULT = "its node does not see the run directory"  # a trial that refused to start there (RunDirUnseen)
 NODE_FAULT_RETRIES = 3  # per trial: node faults not counted against resources.max_failures
 _MARK = "_healsweep_trial_faults"
 _SEEN = "_healsweep_failures_seen"
@@ -63,6 +68,8 @@ def node_fault(exc: BaseException | None) -> str | None:
         return f"its node cannot import the project ({missing_project(exc)})"
     if isinstance(exc, RayTaskError):
         cause = exc.as_instanceof_cause()
+        if isinstance(cause, RunDirUnseen):  # the trial refused to start there (tasks/trial.py weights_home)
+            return UNSEEN_FAULT
         exc = cause if isinstance(cause, RayActorError) else None
     if isinstance(exc, ActorUnavailableError):
         return "its node is unreachable"
@@ -110,23 +117,33 @@ def install() -> None:
             return  # not counted: the trial is retried while max_failures stays for its own failures
         return tune_actor_error(self, exc)
 
+    def _handle_ray_task_error(self, exc):
+        if node_fault(exc) == UNSEEN_FAULT and node_faults(self) < NODE_FAULT_RETRIES:
+            self.temporary_state.healsweep_node_faults = node_faults(self) + 1
+            return  # not counted either: the node, not the trial, was at fault
+        return tune_task_error(self, exc)
+
+    tune_task_error = Trial._handle_ray_task_error
     setattr(_trial_task_failure, _MARK, True)
     _trial_task_failure.tune_failure, _handle_ray_actor_error.tune_actor_error = tune_failure, tune_actor_error
+    _handle_ray_task_error.tune_task_error = tune_task_error
     TuneController._trial_task_failure, Trial._handle_ray_actor_error = _trial_task_failure, _handle_ray_actor_error
+    Trial._handle_ray_task_error = _handle_ray_task_error
 
 
 def _after_fault(controller, trial, exc, fault: str) -> None:
-    """A node that cannot import the project: the sweep's NodeGuard checks the new nodes, names the bad one once
-    and fences it. A lost node: one line per trial, and the actors Tune keeps for reuse are stopped (those on the
-    lost node would fail every trial handed to them)."""
+    """A node that cannot import the project, or that does not see the run directory (a trial refused to start
+    there): the sweep's NodeGuard checks the new nodes, names the bad one once and fences it. A lost node: one
+    line per trial. Both but the first: the actors Tune keeps for reuse are stopped (those on the lost node would
+    fail every trial handed to them; those on a node without the run directory would take the next trials)."""
 
-    guard = node_guard.active()
-    if fault.startswith("its node cannot import") and guard is not None:
+    guard, project = node_guard.active(), fault.startswith("its node cannot import")
+    if not project:
+        controller._cleanup_cached_actors(force_all=True)
+    if (project or fault == UNSEEN_FAULT) and guard is not None:
         guard.check_soon()
         return
     _say(fault_line(trial, exc, fault))
-    if not fault.startswith("its node cannot import"):
-        controller._cleanup_cached_actors(force_all=True)
 
 
 def _say(text: str) -> None:

@@ -23,7 +23,8 @@ from safetensors.torch import load_file
 
 from tests.cluster_fixtures import DRIVER_ONLY
 from tests.orchestrator.run_cli import healsweep
-from tests.ray_nodes import NODE_ENV, start_node, sweep_cmd, unshare_cmd
+from tests.ray_nodes import (NODE_ENV, REPO, completed, join_after, run_on_nodes, scaleout_spec, start_node, sweep_cmd,
+                             unshare_cmd)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -229,3 +230,27 @@ def test_a_gpu_sweep_whose_only_gpu_node_is_kept_out_is_refused(tmp_path, hidden
         f"{driver / 'run'} (share it with the nodes, or set store.uri: docs/scaling.md, One storage URI); no node "
         "left can place a trial (1 CPU, 0.5 GPU)")
     assert not (driver / "store").exists() and not (driver / "run" / "trials.jsonl").exists()  # no work done
+
+
+def test_a_node_joining_without_the_run_directory_is_named_and_its_trials_run_on_the_head(tmp_path):
+    """A node joins after 3 trials without the run directory (no store URI) and trials shorter than a checkpoint
+    interval: no checkpoint fails there, so nothing named it before 2026-12-02, and the trials it took healed there,
+    their weights on its own disk ("elsewhere"). Now a trial refuses to start there (RunDirUnseen, a node fault:
+    not counted), the node is named once and fenced, and every trial finishes on the head with its weights saved."""
+    from orchestrator.rundir import records
+
+    if why := why_no_hiding():
+        pytest.skip(why)
+    spec = scaleout_spec(tmp_path / "spec.yaml", trials_per_cell=4)
+    cache = os.environ.get("HEALSWEEP_TEST_CACHE", str(REPO / ".healsweep" / "models"))
+    r = run_on_nodes(spec, tmp_path, tmp_path / "store", cache, head_cpus=1,
+                     event=join_after(3, 2, hide_run_dir=True), timeout=420)
+    out, t = tmp_path / "run", r.trials
+    assert len(set(t.trial_ids)) == len(t.runs) == completed(out) and t.failed == 0
+    assert set(t.per_node()) == {r.head_id}  # nothing finished on the node without the run directory
+    log = (tmp_path / "sweep.log").read_text()
+    assert "Traceback" not in log, log[-3000:]
+    [line] = [ln for ln in log.splitlines() if "does not see the run directory" in ln]
+    assert f"node {r.late_id[:12]} " in line and f"{out}: kept out of this sweep (2 CPU held)" in line, line
+    lines = records.trials(records.scan(out / records.TRIALS_FILE)).values()
+    assert {x["weights"] for x in lines if x["optuna"]["state"] == "COMPLETE"} == {"saved"}

@@ -319,7 +319,8 @@ def test_a_trial_that_does_not_see_the_run_directory_keeps_its_weights_in_the_st
     from orchestrator.tracking.recorder import stored_weights
     from tasks.saved_trial import HEALED, TRIAL_JSON, sees_run_dir
     from tasks.store.healed import PAIR, HealedStore
-    from tasks.trial import keep_healed, weights_home
+    from tasks.errors import RunDirUnseen
+    from tasks.trial import keep_healed, run_trial, weights_home
 
     root, _, _ = trial
     src = root / "run" / "trials" / "cell-0"
@@ -334,7 +335,12 @@ def test_a_trial_that_does_not_see_the_run_directory_keeps_its_weights_in_the_st
                        ('{"sweep_id": ', False), ('["0123456789ab"]', False)):
         (run / "sweep.json").write_text(text)
         assert sees_run_dir(run, sid) is seen and weights_home(p) == ("run_dir" if seen else "store"), text
-    assert weights_home(dataclasses.replace(p, healed_root="")) == "run_dir"  # a local store: the run dir, always
+    # a local store: the run directory or nothing; the trial refuses to start (a fault of the node: trial_faults)
+    local = dataclasses.replace(p, healed_root="")
+    with pytest.raises(RunDirUnseen, match=f"this node does not see the run directory {run} .no sweep.json of sweep "
+                                           f"{sid} there. and the store is not remote"):
+        run_trial(local, lambda m: pytest.fail("no epoch may run"))  # before loading anything (model "m": none)
+    assert weights_home(dataclasses.replace(local, sweep_id="")) == "run_dir"  # a trial outside a sweep
 
     copy = lambda d: shutil.copytree(src, d, dirs_exist_ok=True)  # noqa: E731 - what save_healed writes
     assert keep_healed(p, copy) == "store" and not (run / "trials").exists()

@@ -48,3 +48,28 @@ def test_the_fault_line_names_the_trial_what_happened_and_what_the_sweep_does():
     assert line.startswith("trial cell-3 lost its actor: its node is unreachable (ActorUnavailableError); retrying")
     assert f"node fault 1 of {NODE_FAULT_RETRIES}" in line and "\n" not in line
     assert fault_line(_trial("ERROR", NODE_FAULT_RETRIES), err, "its node died").endswith("the trial ends FAILED")
+
+
+def test_a_trial_that_refused_a_node_without_the_run_directory_is_a_node_fault_not_counted():
+    """tasks/trial.py refuses to start on a node that does not see the run directory when the store is not remote
+    (RunDirUnseen): a fault of the node (the guard fences it), retried without counting against max_failures, at most
+    NODE_FAULT_RETRIES times; the trial's own exceptions still count. On a real Tune Trial (no Ray needed)."""
+    from ray.tune.experiment.trial import Trial
+
+    from orchestrator.raytune import trial_faults
+    from orchestrator.raytune.trial_faults import UNSEEN_FAULT
+    from tasks.errors import RunDirUnseen
+
+    unseen = _task_error(RunDirUnseen("this node does not see the run directory /runs/a"))
+    assert node_fault(unseen) == UNSEEN_FAULT
+    assert node_fault(_task_error(RuntimeError("this node does not see the run directory /runs/a"))) is None
+    trial_faults.install()
+    t = Trial("__fake", stub=True, config={}, max_failures=0)
+    counted = []
+    for _ in range(NODE_FAULT_RETRIES + 1):
+        t._handle_ray_task_error(unseen)
+        counted.append(t.run_metadata.num_failures)
+    assert counted == [0] * NODE_FAULT_RETRIES + [1] and trial_faults.node_faults(t) == NODE_FAULT_RETRIES
+    own = Trial("__fake", stub=True, config={}, max_failures=0)
+    own._handle_ray_task_error(_task_error(ValueError("loss is nan")))
+    assert own.run_metadata.num_failures == 1 and not own.should_recover()
