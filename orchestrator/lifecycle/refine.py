@@ -15,7 +15,7 @@ from typing import Callable
 
 from orchestrator.lifecycle.continuation import RefineError, read_run
 from orchestrator.lifecycle.resume import prepare_resume
-from orchestrator.rundir.files import JOURNAL_FILE
+from orchestrator.rundir.files import JOURNAL_FILE, write_sweep
 from orchestrator.sweep.end import told_counts
 from tasks.catalog import changes_with_draw
 
@@ -184,6 +184,6 @@ def run_refinement(run_dir: Path, step: float = 0.005, *, address: str | None = 
     meta.setdefault("refinements", []).append(
         {"round": plan["round"], "step": step, "interval": list(plan["interval"]), "sparsities": plan["sparsities"],
          **counts})
-    (Path(run_dir) / "sweep.json").write_text(json.dumps(meta, indent=1, default=list), encoding="utf-8")
+    write_sweep(Path(run_dir), meta)  # whole or not at all
     plan.update(result=res, report=write_report(run_dir), **counts)  # counts: this round's
     return plan

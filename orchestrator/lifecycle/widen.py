@@ -25,7 +25,7 @@ from pathlib import Path
 
 from orchestrator.lifecycle.continuation import RefineError, read_run
 from orchestrator.lifecycle.resume import prepare_resume
-from orchestrator.rundir.files import JOURNAL_FILE
+from orchestrator.rundir.files import JOURNAL_FILE, write_sweep
 from orchestrator.sweep.end import told_counts
 
 
@@ -158,7 +158,7 @@ def run_widening(run_dir: Path, rounds: int = 1, factor: float = 4.0, *, address
                "trials_finished": res.trials_finished - before[0], "trials_failed": res.trials_failed - before[1]}
         meta = json.loads((run_dir / "sweep.json").read_text(encoding="utf-8"))  # run_sweep updated it
         meta.setdefault("widenings", []).append(rec)
-        (run_dir / "sweep.json").write_text(json.dumps(meta, indent=1, default=list), encoding="utf-8")
+        write_sweep(run_dir, meta)  # whole or not at all
         client = MlflowClient(res.tracking_uri or plan["tracking_uri"])
         every = sorted({c for w in meta["widenings"] for c in w["cells"]})
         # this round's (plan's came from before run_sweep, which settles stray parents); "" when a signal came first
