@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from orchestrator.raytune.cluster import is_remote, store_subdir
 from orchestrator.rundir import faults, records
 from orchestrator.rundir.files import JOURNAL_FILE, SWEEP_FILE
 from orchestrator.rundir.records import PARENT, TRIAL
@@ -125,8 +126,6 @@ def stored_weights(paths: dict, sweep_id: str):
 def run_stored(out_dir: Path, sweep_id: str):
     """:func:`stored_weights` of the sweep in ``out_dir`` (its sweep.json's ``store.uri``), for a record written
     after the sweep (``backfill``); None when its store is not remote or sweep.json cannot tell."""
-    from orchestrator.raytune.cluster import is_remote, store_subdir
-
     try:
         uri = json.loads((Path(out_dir) / SWEEP_FILE).read_text(encoding="utf-8"))["spec"]["store"]["uri"]
     except (OSError, ValueError, KeyError, TypeError):
