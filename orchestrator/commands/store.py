@@ -13,6 +13,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from orchestrator.commands.common import DEFAULT_HOME, CliError
+from orchestrator.commands.store_bucket import gc_bucket
 from orchestrator.rundir import records
 
 _WHERE_HELP = ("a run directory (its store is found from sweep.json), a store root as given to `healsweep run "
@@ -41,7 +42,10 @@ def add_parser(sub):
                                      "DAYS, or that no --keep-referenced RUN_DIR refers to (its targets.json); then "
                                      "the masks beside them by the same rule (a mask's last use is its file's mtime, "
                                      "touched by every sweep that reuses it; a run refers to the masks its "
-                                     "trials.jsonl names). Rankings and RR diagnostics are kept.")
+                                     "trials.jsonl names). Rankings and RR diagnostics are kept. With a remote "
+                                     "store also the bucket's tune/ (Ray Tune's storage: by age, or of sweeps the "
+                                     "runs are not) and healed/ (weights of trials on nodes without the run "
+                                     "directory: only of sweeps the --keep-referenced runs are not; never by age).")
     how = gc.add_mutually_exclusive_group(required=True)
     how.add_argument("--older-than", type=float, metavar="DAYS",
                      help="delete keys and masks last used more than DAYS ago")
@@ -234,6 +238,7 @@ def _gc(store, args, root) -> int:
           f"{freed / 1e6:.2f} MB")
     if root is not None and (root / "masks").is_dir():
         _gc_masks(root / "masks", args)
+    gc_bucket(store.root, args)  # a remote store: healed/ and tune/ beside the targets
     return 0
 
 
