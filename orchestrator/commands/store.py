@@ -13,7 +13,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from orchestrator.commands.common import DEFAULT_HOME, CliError
-from orchestrator.commands.store_bucket import gc_bucket
+from orchestrator.commands.store_bucket import bucket_rule, gc_bucket
 from orchestrator.rundir import records
 
 _WHERE_HELP = ("a run directory (its store is found from sweep.json), a store root as given to `healsweep run "
@@ -43,14 +43,18 @@ def add_parser(sub):
                                      "the masks beside them by the same rule (a mask's last use is its file's mtime, "
                                      "touched by every sweep that reuses it; a run refers to the masks its "
                                      "trials.jsonl names). Rankings and RR diagnostics are kept. With a remote "
-                                     "store also the bucket's tune/ (Ray Tune's storage: by age, or of sweeps the "
-                                     "runs are not) and healed/ (weights of trials on nodes without the run "
-                                     "directory: only of sweeps the --keep-referenced runs are not; never by age).")
+                                     "store also the bucket's tune/ (Ray Tune's storage, per sweep: by age, or of "
+                                     "sweeps the runs are not and not written in the last hour) and, with "
+                                     "--healed, healed/ (weights of trials on nodes without the run directory).")
     how = gc.add_mutually_exclusive_group(required=True)
     how.add_argument("--older-than", type=float, metavar="DAYS",
                      help="delete keys and masks last used more than DAYS ago")
     how.add_argument("--keep-referenced", action="append", metavar="RUN_DIR",
                      help="keep only keys and masks referenced by these run directories (repeatable)")
+    gc.add_argument("--healed", action="store_true",
+                    help="with --keep-referenced and a remote store: also delete the healed weights in the "
+                         "bucket (healed/<sweep id>/) of every sweep those runs are not (results, not a cache: "
+                         "never deleted by age or without this flag)")
     gc.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
     for q in (ls, gc):
         q.add_argument("where", nargs="?", metavar="WHERE", help=_WHERE_HELP)
@@ -211,7 +215,10 @@ def _referenced(run_dirs: list[str]) -> set[str]:
 def _gc(store, args, root) -> int:
     from tasks.store import KEY_RE
 
+    if args.healed and not args.keep_referenced:
+        raise CliError("--healed needs --keep-referenced RUN_DIR (healed weights are never deleted by age)")
     candidates = [n for n in store.fs.listdir() if KEY_RE.match(n)]
+    bucket = bucket_rule(str(store.root), args)  # checked before anything is deleted (the runs' sweep.json)
     if args.keep_referenced:
         keep = _referenced(args.keep_referenced)
         drop = [k for k in candidates if k not in keep]
@@ -238,7 +245,8 @@ def _gc(store, args, root) -> int:
           f"{freed / 1e6:.2f} MB")
     if root is not None and (root / "masks").is_dir():
         _gc_masks(root / "masks", args)
-    gc_bucket(store.root, args)  # a remote store: healed/ and tune/ beside the targets
+    if bucket is not None:  # a remote store: tune/ and healed/ beside the targets
+        gc_bucket(str(store.root), bucket, args.dry_run)
     return 0
 
 

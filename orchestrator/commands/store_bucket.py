@@ -1,13 +1,15 @@
 """``healsweep store gc`` with a remote store: what sweeps leave in the bucket beside the targets, per sweep.
 
-- ``healed/<sweep id>/``: the healed weights of trials that ran on nodes without the run directory
-  (tasks/store/healed.py; ``healsweep export`` fetches them from there);
 - ``tune/<name>-<sweep id>-s<session>/``: Ray Tune's storage on a cluster (its epoch checkpoints are dropped after
-  each fit; a driver that crashed leaves them, and the experiment state stays).
+  each fit; a driver that crashed leaves them, and the experiment state stays);
+- ``healed/<sweep id>/``: the healed weights of trials that ran on nodes without the run directory
+  (tasks/store/healed.py; ``healsweep export`` fetches them from there).
 
-``--keep-referenced RUN_DIR``: both, for every sweep those run directories are not (their sweep.json). ``--older-than
-DAYS``: Tune's storage last written more than DAYS ago; healed weights are results, not a cache, so age alone never
-deletes them. A directory that names no sweep is left alone.
+``--older-than DAYS``: Tune's storage last written more than DAYS ago. ``--keep-referenced RUN_DIR``: Tune's storage
+of every sweep those run directories are not (their sweep.json), and with ``--healed`` their healed weights too,
+unless written in the last hour (a sweep of another run directory, or another user's on a shared bucket, may be
+running there). Healed weights are results, not a cache: never deleted by age or without the flag.
+A directory that names no sweep is left alone.
 """
 from __future__ import annotations
 
@@ -22,6 +24,14 @@ from orchestrator.raytune.cluster import is_remote, store_subdir
 
 SWEEP_ID = re.compile(r"^[0-9a-f]{12}$")
 SESSION = re.compile(r"-([0-9a-f]{12})-s\d+$")  # a sweep's Tune experiment: <name>-<sweep id>-s<session>
+RECENT = timedelta(hours=1)  # --keep-referenced keeps Tune storage written since: a sweep may be running there
+
+
+@dataclass(frozen=True)
+class Rule:
+    keep: frozenset | None  # --keep-referenced: the runs' sweep ids; None: by age
+    cutoff: datetime  # only what was last written before it: by age, DAYS ago; by reference, RECENT ago
+    healed: bool  # --healed
 
 
 @dataclass
@@ -35,26 +45,36 @@ class SweepDir:
     newest: datetime | None  # its newest file's mtime (UTC); None: no file
 
 
-def gc_bucket(targets: str, args) -> None:
-    """Collect healed/ and tune/ beside the remote target store ``targets`` by ``args``' rule (module docstring);
-    prints one line per directory and a summary per kind. Nothing for a local store (it has neither)."""
+def bucket_rule(targets: str, args) -> Rule | None:
+    """The rule for the bucket beside the target store ``targets`` (None: a local store, which has neither);
+    CliError for a --keep-referenced run without a readable sweep.json, before anything is deleted."""
     if not is_remote(targets):
-        return
-    keep = referenced_sweeps(args.keep_referenced) if args.keep_referenced else None
-    cutoff = datetime.now(timezone.utc) - timedelta(days=args.older_than or 0)
+        return None
+    now = datetime.now(timezone.utc)
+    if args.keep_referenced:
+        return Rule(frozenset(referenced_sweeps(args.keep_referenced)), now - RECENT, bool(args.healed))
+    return Rule(None, now - timedelta(days=args.older_than), False)
+
+
+def gc_bucket(targets: str, rule: Rule, dry_run: bool) -> None:
+    """Collect tune/ and healed/ beside ``targets`` by ``rule`` (module docstring): a line per directory and a
+    summary per kind."""
     for kind in ("tune", "healed"):
         dirs = [d for d in sweep_dirs(store_subdir(targets, kind), kind) if d.sweep_id is not None]
-        if keep is None and kind == "healed":
+        if kind == "healed" and not rule.healed:
             if dirs:
                 print(f"healed: kept the weights of {len(dirs)} sweep(s) (results, not a cache: --keep-referenced "
-                      "RUN_DIR deletes those of every sweep it does not name)")
+                      "RUN_DIR --healed deletes those of every sweep the runs are not)")
             continue
-        drop = [d for d in dirs if (d.sweep_id not in keep if keep is not None else d.newest is None or d.newest < cutoff)]
+        mine = [d for d in dirs if rule.keep is None or d.sweep_id not in rule.keep]  # by age, or not referenced
+        drop = [d for d in mine if d.newest is not None and d.newest < rule.cutoff]
+        if rule.keep is not None and (busy := sum(d.newest is not None and d.newest >= rule.cutoff for d in mine)):
+            print(f"{kind}: kept {busy} sweep directories written in the last hour (a sweep may be running there)")
         for d in drop:
-            print(f"{'would delete' if args.dry_run else 'deleted'} {kind}/{d.name} ({d.files} files)")
-            if not args.dry_run:
+            print(f"{'would delete' if dry_run else 'deleted'} {kind}/{d.name} ({d.files} files)")
+            if not dry_run:
                 _delete(d, kind)
-        print(f"{kind}: {len(drop)} of {len(dirs)} sweep directories {'to delete' if args.dry_run else 'deleted'}, "
+        print(f"{kind}: {len(drop)} of {len(dirs)} sweep directories {'to delete' if dry_run else 'deleted'}, "
               f"{sum(d.size for d in drop) / 1e6:.2f} MB")
 
 

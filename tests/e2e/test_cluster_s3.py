@@ -202,12 +202,15 @@ def test_models_stage_on_a_worker_loads_the_shipped_weights(tmp_path, aws_env, c
 
 
 def test_store_gc_collects_the_buckets_healed_weights_and_tune_storage_per_sweep(tmp_path, aws_env):
-    """``healsweep store gc`` on an S3 store (orchestrator/commands/store_bucket.py): healed/<sweep id>/ and
-    tune/<name>-<sweep id>-s<n>/ of the sweeps the --keep-referenced runs are not; --older-than deletes only Tune's
-    storage (healed weights are results); a directory that names no sweep, and the targets' own keys, stay."""
+    """``healsweep store gc`` on an S3 store (orchestrator/commands/store_bucket.py): tune/<name>-<sweep id>-s<n>/
+    by age, or of the sweeps the --keep-referenced runs are not; healed/<sweep id>/ only of those, and only with
+    --healed (healed weights are results); nothing written in the last hour by reference (a sweep may be running
+    there); a directory that names no sweep stays."""
+    from datetime import datetime, timedelta, timezone
+
     import pyarrow.fs as pafs
 
-    from orchestrator.raytune.cluster import store_subdir
+    from orchestrator.commands.store_bucket import Rule, gc_bucket
     from tests.orchestrator.run_cli import healsweep
 
     uri = f"s3://{aws_env['bucket']}/gc?endpoint_override={aws_env['host']}&scheme=http"
@@ -221,27 +224,32 @@ def test_store_gc_collects_the_buckets_healed_weights_and_tune_storage_per_sweep
             f.write(b"x" * 1000)
     run = tmp_path / "run"
     run.mkdir()
-    (run / "sweep.json").write_text(json.dumps({"sweep_id": ours}))
     (run / "targets.json").write_text(json.dumps({"store": uri, "keys": {}}))
 
     def left() -> set[str]:
         return set(_objects(fs, base))
 
     before = left()
+    bad = healsweep("store", "gc", "--store", uri, "--keep-referenced", run)  # targets.json, but no sweep.json
+    assert bad.returncode == 2 and "has no readable sweep.json" in bad.stderr and left() == before, bad.stderr
+    assert healsweep("store", "gc", "--store", uri, "--older-than", "0", "--healed").returncode == 2
+    (run / "sweep.json").write_text(json.dumps({"sweep_id": ours}))
     r = healsweep("store", "gc", "--store", uri, "--older-than", "1")  # all written just now: nothing is old
     assert r.returncode == 0 and left() == before, r.stdout + r.stderr
     assert "healed: kept the weights of 2 sweep(s)" in r.stdout and "tune: 0 of 3 sweep directories deleted" in r.stdout
-    r = healsweep("store", "gc", "--store", uri, "--keep-referenced", run, "--dry-run")
-    assert r.returncode == 0 and left() == before, r.stdout + r.stderr
-    assert f"would delete healed/{other} (2 files)" in r.stdout and f"would delete tune/tiny-{other}-s1 (1 files)" in r.stdout
-    r = healsweep("store", "gc", "--store", uri, "--keep-referenced", run)
-    assert r.returncode == 0, r.stdout + r.stderr
+    r = healsweep("store", "gc", "--store", uri, "--keep-referenced", run, "--healed")
+    assert r.returncode == 0 and left() == before, r.stdout + r.stderr  # the other sweep may be running: kept
+    assert "tune: kept 2 sweep directories written in the last hour" in r.stdout, r.stdout
+    assert "healed: kept 1 sweep directories written in the last hour" in r.stdout, r.stdout
+    later = datetime.now(timezone.utc) + timedelta(minutes=1)  # the same rule once the hour has passed
+    gc_bucket(uri, Rule(frozenset({ours}), later, healed=False), dry_run=True)
+    assert left() == before
+    gc_bucket(uri, Rule(frozenset({ours}), later, healed=False), dry_run=False)
+    assert left() == before - {f"tune/tiny-{other}-s0/experiment_state.json", f"tune/tiny-{other}-s1/t/checkpoint_0/state.pt"}
+    gc_bucket(uri, Rule(frozenset({ours}), later, healed=True), dry_run=False)
     assert left() == {f"healed/{ours}/t-1/healed.safetensors", f"tune/tiny-{ours}-s0/experiment_state.json",
                       "tune/notes/readme.txt", "healed/not-a-sweep/x"}
-    assert "tune: 2 of 3 sweep directories deleted, 0.00 MB" in r.stdout and "healed: 1 of 2" in r.stdout
     r = healsweep("store", "gc", "--store", uri, "--older-than", "0")  # Tune's storage by age; healed weights kept
     assert r.returncode == 0 and left() == {f"healed/{ours}/t-1/healed.safetensors", "tune/notes/readme.txt",
                                             "healed/not-a-sweep/x"}, r.stdout + r.stderr
-    bad = healsweep("store", "gc", "--store", uri, "--keep-referenced", tmp_path)
-    assert bad.returncode == 2 and "no targets.json" in bad.stderr  # not a run directory: nothing deleted
-    assert store_subdir(uri, "healed").startswith(f"s3://{aws_env['bucket']}/gc/healed?")
+    assert f"deleted tune/tiny-{ours}-s0 (1 files)" in r.stdout and "tune: 1 of 1 sweep directories deleted" in r.stdout
