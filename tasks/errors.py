@@ -3,6 +3,8 @@ model or a dataset (a warm store and model cache) names them in its ``except`` c
 tasks.models or tasks.data, whose package faces import torch. Each is re-exported where it is raised."""
 from __future__ import annotations
 
+import re
+
 
 class ModelSourceError(ValueError):
     """A user-facing, one-line error about a model source (unknown name, missing weights, offline cache miss).
@@ -24,3 +26,12 @@ class RunDirUnseen(RuntimeError):
     store is not remote, so there is no ``healed/`` to put them in): it refuses to start, rather than heal and leave
     the weights on that node's own disk. The driver (orchestrator/raytune/trial_faults.py) takes it as a fault of
     the node: the node guard names and fences it, the trial runs again elsewhere."""
+
+
+UNSEEN_NODE = "[node {}]"  # appended to a RunDirUnseen's message by the trainable: the Ray node id it happened on
+
+
+def unseen_node(text: str) -> str | None:
+    """The node id a RunDirUnseen's message names (``UNSEEN_NODE``), or None."""
+    m = re.search(r"\[node ([0-9a-f]{8,})\]", text)
+    return m.group(1) if m else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 HEALED = "healed.safetensors"
@@ -60,13 +61,21 @@ def weights_seen(run_dir: Path, trial_id: str) -> str:
         return "elsewhere"
 
 
-def sees_run_dir(run_dir: str | Path, sweep_id: str) -> bool:
+def sees_run_dir(run_dir: str | Path, sweep_id: str, tries: int = 3) -> bool:
     """Whether this process sees the driver's run directory: its ``sweep.json`` names ``sweep_id``. A trial on a
-    node that does not share it (a cluster sharing only the store URI) sees no such file, or another sweep's."""
-    try:
-        meta = json.loads((Path(run_dir) / "sweep.json").read_bytes())
-    except (OSError, ValueError, RecursionError):
-        return False
+    node that does not share it (a cluster sharing only the store URI) sees no such file, or another sweep's. A
+    read error other than a missing file (a stale NFS handle while the driver replaces the file) is asked again,
+    ``tries`` times in all, 0.2 s apart."""
+    for attempt in range(tries):
+        try:
+            meta = json.loads((Path(run_dir) / "sweep.json").read_bytes())
+            break
+        except (FileNotFoundError, NotADirectoryError, ValueError, RecursionError):
+            return False
+        except OSError:
+            if attempt == tries - 1:
+                return False
+            time.sleep(0.2)
     return isinstance(meta, dict) and bool(sweep_id) and meta.get("sweep_id") == sweep_id
 
 

@@ -145,8 +145,11 @@ class NodeGuard:
                              f"the driver {driver_version()}: install the same version on it")
             return found
 
-    def check_soon(self) -> None:
-        """:meth:`check` in a thread (called from Tune's loop, which must not wait for the probe)."""
+    def check_soon(self, again: str | None = None) -> None:
+        """:meth:`check` in a thread (called from Tune's loop, which must not wait for the probe); ``again``: a node
+        that passed before to probe once more (a trial found it without the run directory since)."""
+        if again is not None and again in self.checked and self.checked[again] is None:
+            self.checked.pop(again, None)  # no lock: check() holds it through a probe, and Tune's loop must not wait
         if self._thread is not None and self._thread.is_alive():
             return
         self._thread = threading.Thread(target=self.check, name="healsweep-node-guard", daemon=True)

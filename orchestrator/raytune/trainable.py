@@ -33,8 +33,9 @@ from typing import Callable
 import torch
 
 from tasks.atomic import DiskFullError, is_disk_full
+from tasks.errors import UNSEEN_NODE, RunDirUnseen
 from tasks.healing import HealingDiverged
-from tasks.trial import TrialParams, run_trial
+from tasks.trial import TrialParams, run_trial, weights_home
 
 STATE_FILE = "state.pt"
 DEFAULT_CHECKPOINT_INTERVAL_S = 10.0
@@ -75,6 +76,11 @@ def tune_trainable(config: dict) -> None:
         importlib.import_module(module)
     fields = TrialParams.__dataclass_fields__
     params = TrialParams(**{k: v for k, v in config.items() if k in fields})
+    node = ray.get_runtime_context().get_node_id()
+    try:
+        weights_home(params)  # before its checkpoint is read: a node that could not keep the weights refuses it
+    except RunDirUnseen as e:  # the node's id, for the driver's node guard (orchestrator/raytune/trial_faults.py)
+        raise RunDirUnseen(f"{e} {UNSEEN_NODE.format(node)}") from None
     start = None
     ckpt = tune.get_checkpoint()
     if ckpt is not None:
@@ -109,7 +115,6 @@ def tune_trainable(config: dict) -> None:
         _send_checkpoint(tune, send, metrics, state)
 
     last_start = last["epoch"]
-    node = ray.get_runtime_context().get_node_id()
     try:
         run_trial(params, report, start=start, checkpoint=checkpoint)
     except HealingDiverged as e:

@@ -48,7 +48,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 
 from orchestrator.raytune import node_guard
 from orchestrator.raytune.node_guard import missing_project
-from tasks.errors import RunDirUnseen
+from tasks.errors import RunDirUnseen, unseen_node
 
 # Ray Tune's error for a checkpoint written from a node that does not see its (local) storage: the run directory
 UNSHARED_STORAGE = "Unable to set up cluster storage"
@@ -67,15 +67,31 @@ def node_fault(exc: BaseException | None) -> str | None:
     if isinstance(exc, RayActorError) and missing_project(exc):  # the actor died importing the trainable
         return f"its node cannot import the project ({missing_project(exc)})"
     if isinstance(exc, RayTaskError):
+        if _unseen(exc) is not None:  # the trial refused to start there
+            return UNSEEN_FAULT  # (tasks/trial.py weights_home, called first by the trainable)
         cause = exc.as_instanceof_cause()
-        if isinstance(cause, RunDirUnseen):  # the trial refused to start there (tasks/trial.py weights_home)
-            return UNSEEN_FAULT
         exc = cause if isinstance(cause, RayActorError) else None
     if isinstance(exc, ActorUnavailableError):
         return "its node is unreachable"
     if isinstance(exc, ActorDiedError) and (exc.preempted or "because its node has died" in str(exc)):
         return "its node died"
     return None
+
+
+def _unseen(exc: BaseException) -> RunDirUnseen | None:
+    """The RunDirUnseen a trial task failed with: its exception or what that was raised from (with
+    ``RAY_AIR_FULL_TRACEBACKS=1`` Tune leaves its own StartTraceback wrapper in front of it); None if none."""
+    e, depth = getattr(exc, "cause", None), 0
+    while e is not None and depth < 8:
+        if isinstance(e, RunDirUnseen):
+            return e
+        e, depth = e.__cause__ or e.__context__, depth + 1
+    return None
+
+
+def _unseen_node(exc: BaseException) -> str | None:
+    """The node a RunDirUnseen names (the trainable appends it), or None."""
+    return unseen_node(str(_unseen(exc) or ""))
 
 
 def node_faults(trial) -> int:
@@ -140,9 +156,17 @@ def _after_fault(controller, trial, exc, fault: str) -> None:
     guard, project = node_guard.active(), fault.startswith("its node cannot import")
     if not project:
         controller._cleanup_cached_actors(force_all=True)
-    if (project or fault == UNSEEN_FAULT) and guard is not None:
+    if project and guard is not None:
         guard.check_soon()
         return
+    if fault == UNSEEN_FAULT and guard is not None:
+        node = _unseen_node(exc)
+        if node is not None and guard.checked.get(node) is not None:
+            return  # fenced already (a trial placed there before its fence held): named once
+        passed = node is not None and node in guard.checked  # it passed the probe before: a mount lost since?
+        guard.check_soon(again=node if passed else None)
+        if node is not None and not passed:
+            return  # a node not checked yet (joined later): the guard's line names it
     _say(fault_line(trial, exc, fault))
 
 
@@ -155,7 +179,8 @@ def _say(text: str) -> None:
 def fault_line(trial, exc: BaseException, fault: str) -> str:
     """One line for a trial hit by a node fault: which trial, what happened, what the sweep does about it."""
     key = trial.config.get("trial_id", trial.trial_id)
-    what = f"trial {key} lost its actor: {fault} ({type(exc).__name__})"
+    what = (f"trial {key} did not start: {fault} (node {_unseen_node(exc) or '?'})" if fault == UNSEEN_FAULT
+            else f"trial {key} lost its actor: {fault} ({type(exc).__name__})")
     if trial.status == trial.PENDING:
         return (f"{what}; retrying it on another node (not counted against resources.max_failures: node fault "
                 f"{node_faults(trial)} of {NODE_FAULT_RETRIES} for this trial)")

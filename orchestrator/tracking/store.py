@@ -7,6 +7,7 @@ import json
 import sqlite3
 from pathlib import Path
 
+from orchestrator.rundir.files import write_sweep
 from orchestrator.tracking.template import seed_sqlite_store
 
 
@@ -61,7 +62,7 @@ def relocate(run_dir) -> bool:
         for table, col in (("experiments", "artifact_location"), ("runs", "artifact_uri")):
             con.execute(f"UPDATE {table} SET {col} = replace({col}, ?, ?)", (old + "/", str(run_dir) + "/"))
     meta["tracking_uri"] = local_tracking_uri(run_dir)
-    meta_p.write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    write_sweep(run_dir, meta)  # whole or not at all
     return True
 
 

@@ -4,6 +4,7 @@ that gives the healed model's logits and accuracy exactly."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -331,6 +332,10 @@ def test_a_trial_that_does_not_see_the_run_directory_keeps_its_weights_in_the_st
                     mask_key="k", store_uri="", mask_root="", cache_dir="", out_dir=str(run), trial_id="c-1",
                     sweep_id=sid, healed_root=str(tmp_path / "healed"))
     assert not sees_run_dir(run, sid) and weights_home(p) == "store"  # no sweep.json: another machine's directory
+    (run / "sweep.json").mkdir()  # unreadable, not missing (as a stale NFS handle): asked 3 times, then unseen
+    t0 = time.monotonic()
+    assert not sees_run_dir(run, sid) and time.monotonic() - t0 >= 0.4
+    (run / "sweep.json").rmdir()
     for text, seen in (('{"sweep_id": "0123456789ab"}', True), ('{"sweep_id": "ffffffffffff"}', False),
                        ('{"sweep_id": ', False), ('["0123456789ab"]', False)):
         (run / "sweep.json").write_text(text)

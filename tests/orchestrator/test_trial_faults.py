@@ -73,3 +73,49 @@ def test_a_trial_that_refused_a_node_without_the_run_directory_is_a_node_fault_n
     own = Trial("__fake", stub=True, config={}, max_failures=0)
     own._handle_ray_task_error(_task_error(ValueError("loss is nan")))
     assert own.run_metadata.num_failures == 1 and not own.should_recover()
+
+
+def test_the_unseen_fault_survives_full_tracebacks_names_its_node_and_reprobes_a_node_that_passed(monkeypatch):
+    """Tune keeps its StartTraceback in front of the trial's exception with RAY_AIR_FULL_TRACEBACKS=1; the trainable
+    appends the node id to RunDirUnseen's message; a node that passed the probe before is probed again (its mount
+    may be lost since), one fenced already is not, and the line says the trial did not start (nothing was lost)."""
+    from ray.air._internal.util import StartTraceback
+
+    from orchestrator.raytune import node_guard, trial_faults
+    from orchestrator.raytune.node_guard import UNSHARED, NodeGuard
+    from orchestrator.raytune.trial_faults import UNSEEN_FAULT, _after_fault
+    from tasks.errors import UNSEEN_NODE, RunDirUnseen, unseen_node
+
+    node = "8a5249332e49b4cb01e4aa8922cd3e8a5249332e49b4cb01e4aa89"
+    unseen = RunDirUnseen(f"this node does not see the run directory /runs/a {UNSEEN_NODE.format(node)}")
+    try:
+        try:
+            raise unseen
+        except RunDirUnseen as e:
+            raise StartTraceback from e
+    except StartTraceback as wrapped:
+        assert node_fault(_task_error(wrapped)) == UNSEEN_FAULT
+    assert unseen_node(str(unseen)) == node and unseen_node("no node here") is None
+
+    probed, said, cleaned = [], [], []
+    guard = NodeGuard(say=said.append, run_dir="/runs/a", sweep_id="0123456789ab")
+    guard.check = lambda: probed.append(dict(guard.checked)) or []  # what the probe would start from
+    controller = SimpleNamespace(_cleanup_cached_actors=lambda force_all: cleaned.append(force_all))
+    monkeypatch.setattr(trial_faults, "_say", said.append)
+    monkeypatch.setattr(node_guard, "_active", [guard])
+
+    def fault(checked):
+        guard.checked = dict(checked)
+        _after_fault(controller, _trial("PENDING", 1), _task_error(unseen), UNSEEN_FAULT)
+        if guard._thread is not None:
+            guard._thread.join(5)
+
+    fault({node: None, "other": None})  # passed before: forgotten, probed again, and the line says why
+    assert probed == [{"other": None}] and cleaned == [True]
+    assert said == [f"trial cell-3 did not start: {UNSEEN_FAULT} (node {node}); retrying it on another node (not "
+                    f"counted against resources.max_failures: node fault 1 of {NODE_FAULT_RETRIES} for this trial)"]
+    probed.clear(), said.clear()
+    fault({node: UNSHARED})  # fenced already: nothing to probe, nothing to say (its line was said once)
+    assert probed == [] and said == []
+    fault({})  # a node not checked yet: probed; the guard's own line will name it
+    assert probed == [{}] and said == []
