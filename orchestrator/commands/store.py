@@ -217,14 +217,14 @@ def _gc(store, args, root) -> int:
 
     if args.healed and not args.keep_referenced:
         raise CliError("--healed needs --keep-referenced RUN_DIR (healed weights are never deleted by age)")
+    if not args.keep_referenced and (not math.isfinite(args.older_than) or not 0 <= args.older_than <= 36500):
+        raise CliError(f"--older-than must be a number of days in [0, 36500], got {args.older_than:g}")
     candidates = [n for n in store.fs.listdir() if KEY_RE.match(n)]
     bucket = bucket_rule(str(store.root), args)  # checked before anything is deleted (the runs' sweep.json)
     if args.keep_referenced:
         keep = _referenced(args.keep_referenced)
         drop = [k for k in candidates if k not in keep]
     else:
-        if not math.isfinite(args.older_than) or not 0 <= args.older_than <= 36500:
-            raise CliError(f"--older-than must be a number of days in [0, 36500], got {args.older_than:g}")
         cutoff = datetime.now(timezone.utc) - timedelta(days=args.older_than)
 
         def last(k):

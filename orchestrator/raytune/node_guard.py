@@ -118,6 +118,8 @@ class NodeGuard:
         self.fences: list = []  # placement groups holding a bad node's CPUs/GPUs
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._pending = False  # check_soon was called since the running check took its node list
+        self._soon = threading.Lock()  # the thread and the flag (``_lock``: the checks themselves)
 
     @property
     def bad(self) -> list[str]:
@@ -147,13 +149,25 @@ class NodeGuard:
 
     def check_soon(self, again: str | None = None) -> None:
         """:meth:`check` in a thread (called from Tune's loop, which must not wait for the probe); ``again``: a node
-        that passed before to probe once more (a trial found it without the run directory since)."""
+        that passed before to probe once more (a trial found it without the run directory since). A call while a
+        check runs makes that thread check once more when it is done (its node list was taken before)."""
         if again is not None and again in self.checked and self.checked[again] is None:
             self.checked.pop(again, None)  # no lock: check() holds it through a probe, and Tune's loop must not wait
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._thread = threading.Thread(target=self.check, name="healsweep-node-guard", daemon=True)
-        self._thread.start()
+        with self._soon:  # never held through a probe
+            self._pending = True
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._check_while_asked, name="healsweep-node-guard",
+                                                daemon=True)
+                self._thread.start()
+
+    def _check_while_asked(self) -> None:
+        while True:
+            with self._soon:
+                if not self._pending:
+                    self._thread = None  # under the lock: a later check_soon starts a new thread
+                    return
+                self._pending = False
+            self.check()
 
     def wait_fenced(self, timeout: float = PROBE_TIMEOUT_S) -> None:
         """Until every fence holds its node's CPUs and GPUs (a task submitted before could still land there)."""
@@ -184,8 +198,8 @@ class NodeGuard:
     def release(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
-        if self._thread is not None:
-            self._thread.join(PROBE_TIMEOUT_S)
+        if (thread := self._thread) is not None:
+            thread.join(PROBE_TIMEOUT_S)
         for pg in self.fences:
             remove_placement_group(pg)
         self.fences = []

@@ -42,6 +42,7 @@ fails on a real TuneController when they change.
 """
 from __future__ import annotations
 
+import re
 import sys
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
@@ -52,6 +53,7 @@ from tasks.errors import RunDirUnseen, unseen_node
 
 # Ray Tune's error for a checkpoint written from a node that does not see its (local) storage: the run directory
 UNSHARED_STORAGE = "Unable to set up cluster storage"
+_RESTORE_MISSING = "Could not recover from checkpoint as it does not exist"  # Ray Tune's Trainable.restore
 UNSEEN_FAULT = "its node does not see the run directory"  # a trial that refused to start there (RunDirUnseen)
 NODE_FAULT_RETRIES = 3  # per trial: node faults not counted against resources.max_failures
 _MARK = "_healsweep_trial_faults"
@@ -78,20 +80,30 @@ def node_fault(exc: BaseException | None) -> str | None:
     return None
 
 
-def _unseen(exc: BaseException) -> RunDirUnseen | None:
-    """The RunDirUnseen a trial task failed with: its exception or what that was raised from (with
-    ``RAY_AIR_FULL_TRACEBACKS=1`` Tune leaves its own StartTraceback wrapper in front of it); None if none."""
+def _unseen(exc: BaseException) -> str | None:
+    """The message of the RunDirUnseen a trial task failed with, or None: its exception, what that was raised from,
+    or (with ``RAY_AIR_FULL_TRACEBACKS=1`` Tune's StartTraceback is the exception, and pickling to the driver drops
+    ``__cause__``) the remote traceback's text."""
     e, depth = getattr(exc, "cause", None), 0
     while e is not None and depth < 8:
         if isinstance(e, RunDirUnseen):
-            return e
+            return str(e)
         e, depth = e.__cause__ or e.__context__, depth + 1
-    return None
+    m = re.search(r"RunDirUnseen: (.+)", str(getattr(exc, "traceback_str", "") or ""))
+    return m.group(1) if m else None
 
 
 def _unseen_node(exc: BaseException) -> str | None:
     """The node a RunDirUnseen names (the trainable appends it), or None."""
-    return unseen_node(str(_unseen(exc) or ""))
+    return unseen_node(_unseen(exc) or "")
+
+
+def restore_unseen(trial, exc: BaseException) -> bool:
+    """A retried trial whose checkpoint (in the run directory: Ray Tune's storage without a store URI) its new node
+    cannot find: Tune's ``restore`` fails before the trainable runs. A fault of the node, as RunDirUnseen."""
+    guard = node_guard.active()
+    return (guard is not None and guard.run_dir is not None and trial.is_restoring
+            and _RESTORE_MISSING in str(exc) and guard.run_dir in str(exc))
 
 
 def node_faults(trial) -> int:
@@ -114,7 +126,7 @@ def install() -> None:
             return  # the same actor error, handed over twice (the actor's and the task's callback)
         seen[trial.trial_id] = exception
         self._resetting_trials.discard(trial)  # its actor is gone: no reset is running any more
-        fault = node_fault(exception)
+        fault = node_fault(exception) or (UNSEEN_FAULT if restore_unseen(trial, exception) else None)
         if fault is None:
             if UNSHARED_STORAGE in str(exception) and (guard := node_guard.active()) is not None:
                 guard.check_soon()  # a node that joined without the run directory: named once and fenced
@@ -128,23 +140,36 @@ def install() -> None:
         _after_fault(self, trial, exception, fault)
 
     def _handle_ray_actor_error(self, exc):
-        if not exc.preempted and node_fault(exc) and node_faults(self) < NODE_FAULT_RETRIES:
-            self.temporary_state.healsweep_node_faults = node_faults(self) + 1
+        if not exc.preempted and _uncounted(self, node_fault(exc) is not None):
             return  # not counted: the trial is retried while max_failures stays for its own failures
         return tune_actor_error(self, exc)
 
     def _handle_ray_task_error(self, exc):
-        if node_fault(exc) == UNSEEN_FAULT and node_faults(self) < NODE_FAULT_RETRIES:
-            self.temporary_state.healsweep_node_faults = node_faults(self) + 1
+        if _uncounted(self, node_fault(exc) == UNSEEN_FAULT):
             return  # not counted either: the node, not the trial, was at fault
         return tune_task_error(self, exc)
 
-    tune_task_error = Trial._handle_ray_task_error
+    def _handle_restore_error(self, exc):
+        if _uncounted(self, restore_unseen(self, exc)):
+            return
+        return tune_restore_error(self, exc)
+
+    tune_task_error, tune_restore_error = Trial._handle_ray_task_error, Trial._handle_restore_error
     setattr(_trial_task_failure, _MARK, True)
     _trial_task_failure.tune_failure, _handle_ray_actor_error.tune_actor_error = tune_failure, tune_actor_error
-    _handle_ray_task_error.tune_task_error = tune_task_error
+    _handle_ray_task_error.tune_task_error, _handle_restore_error.tune_restore_error = tune_task_error, tune_restore_error
     TuneController._trial_task_failure, Trial._handle_ray_actor_error = _trial_task_failure, _handle_ray_actor_error
-    Trial._handle_ray_task_error = _handle_ray_task_error
+    Trial._handle_ray_task_error, Trial._handle_restore_error = _handle_ray_task_error, _handle_restore_error
+
+
+def _uncounted(trial, node_is_at_fault: bool) -> bool:
+    """Whether a failure of ``trial`` is a node fault left out of max_failures (at most NODE_FAULT_RETRIES times per
+    trial); a node fault past that is counted, and the trial remembers it (its line says so)."""
+    trial.temporary_state.healsweep_fault_counted = node_is_at_fault and node_faults(trial) >= NODE_FAULT_RETRIES
+    if node_is_at_fault and node_faults(trial) < NODE_FAULT_RETRIES:
+        trial.temporary_state.healsweep_node_faults = node_faults(trial) + 1
+        return True
+    return False
 
 
 def _after_fault(controller, trial, exc, fault: str) -> None:
@@ -164,7 +189,7 @@ def _after_fault(controller, trial, exc, fault: str) -> None:
         if node is not None and guard.checked.get(node) is not None:
             return  # fenced already (a trial placed there before its fence held): named once
         passed = node is not None and node in guard.checked  # it passed the probe before: a mount lost since?
-        guard.check_soon(again=node if passed else None)
+        guard.check_soon(again=node if passed else None)  # probed (again); the guard names it if it is so
         if node is not None and not passed:
             return  # a node not checked yet (joined later): the guard's line names it
     _say(fault_line(trial, exc, fault))
@@ -179,8 +204,11 @@ def _say(text: str) -> None:
 def fault_line(trial, exc: BaseException, fault: str) -> str:
     """One line for a trial hit by a node fault: which trial, what happened, what the sweep does about it."""
     key = trial.config.get("trial_id", trial.trial_id)
-    what = (f"trial {key} did not start: {fault} (node {_unseen_node(exc) or '?'})" if fault == UNSEEN_FAULT
+    node = _unseen_node(exc) if fault == UNSEEN_FAULT else None
+    what = (f"trial {key} did not start: {fault}" + (f" (node {node[:12]})" if node else "") if fault == UNSEEN_FAULT
             else f"trial {key} lost its actor: {fault} ({type(exc).__name__})")
+    if trial.status == trial.PENDING and getattr(trial.temporary_state, "healsweep_fault_counted", False):
+        return f"{what}; retrying it (counted against resources.max_failures: its {NODE_FAULT_RETRIES} node faults are spent)"
     if trial.status == trial.PENDING:
         return (f"{what}; retrying it on another node (not counted against resources.max_failures: node fault "
                 f"{node_faults(trial)} of {NODE_FAULT_RETRIES} for this trial)")

@@ -75,10 +75,20 @@ def test_a_trial_that_refused_a_node_without_the_run_directory_is_a_node_fault_n
     assert own.run_metadata.num_failures == 1 and not own.should_recover()
 
 
+def _over_the_wire(exc: BaseException) -> BaseException:
+    """What the driver gets: Ray pickles a task's error with cloudpickle (``__cause__`` does not survive)."""
+    from ray import cloudpickle
+
+    return cloudpickle.loads(cloudpickle.dumps(exc))
+
+
 def test_the_unseen_fault_survives_full_tracebacks_names_its_node_and_reprobes_a_node_that_passed(monkeypatch):
-    """Tune keeps its StartTraceback in front of the trial's exception with RAY_AIR_FULL_TRACEBACKS=1; the trainable
-    appends the node id to RunDirUnseen's message; a node that passed the probe before is probed again (its mount
-    may be lost since), one fenced already is not, and the line says the trial did not start (nothing was lost)."""
+    """Tune keeps its StartTraceback in front of the trial's exception with RAY_AIR_FULL_TRACEBACKS=1 (its cause lost
+    on the way to the driver: the remote traceback's text tells); the trainable appends the node id to RunDirUnseen's
+    message; a node that passed the probe before is probed again (its mount may be lost since), one fenced already
+    is not, and the line says the trial did not start (nothing was lost)."""
+    import traceback
+
     from ray.air._internal.util import StartTraceback
 
     from orchestrator.raytune import node_guard, trial_faults
@@ -94,7 +104,9 @@ def test_the_unseen_fault_survives_full_tracebacks_names_its_node_and_reprobes_a
         except RunDirUnseen as e:
             raise StartTraceback from e
     except StartTraceback as wrapped:
-        assert node_fault(_task_error(wrapped)) == UNSEEN_FAULT
+        full = RayTaskError("train", "".join(traceback.format_exception(wrapped)), _over_the_wire(wrapped))
+    assert full.cause.__cause__ is None and node_fault(full) == UNSEEN_FAULT  # from the traceback's text
+    assert node_fault(_over_the_wire(_task_error(unseen))) == UNSEEN_FAULT
     assert unseen_node(str(unseen)) == node and unseen_node("no node here") is None
 
     probed, said, cleaned = [], [], []
@@ -104,18 +116,52 @@ def test_the_unseen_fault_survives_full_tracebacks_names_its_node_and_reprobes_a
     monkeypatch.setattr(trial_faults, "_say", said.append)
     monkeypatch.setattr(node_guard, "_active", [guard])
 
-    def fault(checked):
+    def fault(checked, exc=_task_error(unseen)):
         guard.checked = dict(checked)
-        _after_fault(controller, _trial("PENDING", 1), _task_error(unseen), UNSEEN_FAULT)
-        if guard._thread is not None:
-            guard._thread.join(5)
+        _after_fault(controller, _trial("PENDING", 1), exc, UNSEEN_FAULT)
+        if (t := guard._thread) is not None:
+            t.join(5)
 
     fault({node: None, "other": None})  # passed before: forgotten, probed again, and the line says why
     assert probed == [{"other": None}] and cleaned == [True]
-    assert said == [f"trial cell-3 did not start: {UNSEEN_FAULT} (node {node}); retrying it on another node (not "
-                    f"counted against resources.max_failures: node fault 1 of {NODE_FAULT_RETRIES} for this trial)"]
+    assert said == [f"trial cell-3 did not start: {UNSEEN_FAULT} (node {node[:12]}); retrying it on another node "
+                    f"(not counted against resources.max_failures: node fault 1 of {NODE_FAULT_RETRIES} for this trial)"]
     probed.clear(), said.clear()
     fault({node: UNSHARED})  # fenced already: nothing to probe, nothing to say (its line was said once)
     assert probed == [] and said == []
     fault({})  # a node not checked yet: probed; the guard's own line will name it
     assert probed == [{}] and said == []
+
+
+def test_a_retried_trial_whose_checkpoint_its_new_node_cannot_see_is_a_node_fault(monkeypatch):
+    """Without a store URI Ray Tune's storage is the run directory: a retried trial's ``restore`` on a node without
+    it fails before the trainable runs ("Could not recover from checkpoint ..."). A node fault (not counted, the
+    guard probes the unchecked nodes), but only with the run directory in the message and while restoring; past
+    NODE_FAULT_RETRIES it counts and the line says so."""
+    from ray.tune.experiment.trial import Trial
+
+    from orchestrator.raytune import node_guard, trial_faults
+    from orchestrator.raytune.node_guard import NodeGuard
+    from orchestrator.raytune.trial_faults import UNSEEN_FAULT, restore_unseen
+
+    trial_faults.install()
+    missing = ValueError("Could not recover from checkpoint as it does not exist on storage anymore. Got storage fs "
+                         "type `local` and path: /runs/a/tune/exp/trial_1/checkpoint_000001")
+    guard = NodeGuard(run_dir="/runs/a", sweep_id="0123456789ab")
+    monkeypatch.setattr(node_guard, "_active", [guard])
+    t = Trial("__fake", stub=True, config={"trial_id": "cell-3"}, max_failures=0)
+    assert not restore_unseen(t, missing)  # not restoring: not this fault
+    t.temporary_state.restoring_from = object()
+    assert restore_unseen(t, missing) and not restore_unseen(t, ValueError("Could not recover from checkpoint as it "
+                                                                           "does not exist ... path: /elsewhere/x"))
+    counted = []
+    for _ in range(NODE_FAULT_RETRIES + 1):
+        t._handle_restore_error(missing)
+        counted.append(t.run_metadata.num_failures)
+    assert counted == [0] * NODE_FAULT_RETRIES + [1]
+    t.status = t.PENDING
+    assert fault_line(t, missing, UNSEEN_FAULT) == (
+        f"trial cell-3 did not start: {UNSEEN_FAULT}; retrying it (counted against resources.max_failures: its "
+        f"{NODE_FAULT_RETRIES} node faults are spent)")
+    monkeypatch.setattr(node_guard, "_active", [NodeGuard(run_dir=None)])  # Tune's storage in the bucket
+    assert not restore_unseen(t, missing)
