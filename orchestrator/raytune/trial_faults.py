@@ -29,16 +29,19 @@ MLflow child run and the sweep exiting 1, although ``resources.max_failures`` wa
   could not reach the run directory (``tasks.errors.RunDirUnseen``, a node fault), or its checkpoint there fails
   (Ray's "Unable to set up cluster storage"; that failure counts).
 * ``Trial._handle_ray_actor_error`` (where Tune decides whether an actor error counts: a preempted node's does
-  not) and ``Trial._handle_ray_task_error`` (an exception in the trial: counted, but for ``RunDirUnseen``): a node
-  fault does not count against ``max_failures``, at most :data:`NODE_FAULT_RETRIES` times per trial (a trial that
-  takes its node down every time still ends); after that it counts like any failure.
+  not), ``Trial._handle_ray_task_error`` (an exception in the trial: counted, but for ``RunDirUnseen``) and
+  ``Trial._handle_restore_error`` (a retried trial whose checkpoint in the run directory its new node cannot see,
+  :func:`restore_unseen`): a node fault does not count against ``max_failures``, at most
+  :data:`NODE_FAULT_RETRIES` times per trial (a trial that takes its node down every time still ends); after that
+  it counts like any failure, and its line says so.
 
 The retried trial goes back to the queue (PENDING) and gets a new actor where resources are free: Ray's GCS does
 not place the new actor on the dead node (its raylet no longer answers), so no sleep is needed for Ray to mark
 the node dead. The wraps rely on Tune internals (``_trial_task_failure``, ``_resetting_trials``,
 ``_print_trial_errors``, ``_actor_cache``, ``_remove_actor``, ``Trial._handle_ray_actor_error``,
-``Trial._handle_ray_task_error``, ``Trial.temporary_state``): pyproject pins Ray, and tests/e2e/test_trial_faults.py
-fails on a real TuneController when they change.
+``Trial._handle_ray_task_error``, ``Trial._handle_restore_error``, ``Trial.is_restoring``,
+``Trial.temporary_state``): pyproject pins Ray, and tests/e2e/test_trial_faults.py fails on a real TuneController
+when they change (tests/orchestrator/test_trial_faults.py on a real Tune ``Trial``).
 """
 from __future__ import annotations
 
@@ -112,7 +115,8 @@ def node_faults(trial) -> int:
 
 
 def install() -> None:
-    """Wrap TuneController._trial_task_failure and Trial._handle_ray_actor_error (see the module docstring)."""
+    """Wrap TuneController._trial_task_failure and Trial's _handle_ray_actor_error, _handle_ray_task_error and
+    _handle_restore_error (see the module docstring)."""
     from ray.tune.execution.tune_controller import TuneController
     from ray.tune.experiment.trial import Trial
 
