@@ -134,8 +134,8 @@ class NodeGuard:
                      and (n.get("Resources", {}).get("CPU") or n.get("Resources", {}).get("GPU"))]
             found = []
             for node, facts in zip(nodes, _probe([n["NodeID"] for n in nodes], self.run_dir, self.sweep_id)):
-                if facts is None:  # no answer (in time, or the node went away): checked again next time
-                    continue
+                if facts is None or self.checked.get(node["NodeID"]):  # no answer (checked again next time), or
+                    continue  # marked bad by a trial meanwhile (:meth:`mark`)
                 self.checked[node["NodeID"]] = problem = _problem(facts)
                 if problem:
                     self.fences += fence(node)
@@ -147,12 +147,9 @@ class NodeGuard:
                              f"the driver {driver_version()}: install the same version on it")
             return found
 
-    def check_soon(self, again: str | None = None) -> None:
-        """:meth:`check` in a thread (called from Tune's loop, which must not wait for the probe); ``again``: a node
-        that passed before to probe once more (a trial found it without the run directory since). A call while a
+    def check_soon(self) -> None:
+        """:meth:`check` in a thread (called from Tune's loop, which must not wait for the probe). A call while a
         check runs makes that thread check once more when it is done (its node list was taken before)."""
-        if again is not None and again in self.checked and self.checked[again] is None:
-            self.checked.pop(again, None)  # no lock: check() holds it through a probe, and Tune's loop must not wait
         with self._soon:  # never held through a probe
             self._pending = True
             if self._thread is None:
@@ -168,6 +165,20 @@ class NodeGuard:
                     return
                 self._pending = False
             self.check()
+
+    def mark(self, node_id: str, problem: str) -> None:
+        """A node a trial found bad (a RunDirUnseen names it), probed or not: named and fenced now, from Tune's loop
+        (a probe takes a second, a trial refused there is retried within milliseconds); once per node."""
+        import ray
+
+        if self.checked.get(node_id):
+            return
+        node = next((n for n in ray.nodes() if n["NodeID"] == node_id and n.get("Alive")), None)
+        if node is None:
+            return
+        self.checked[node_id] = problem  # before the fence: a running check() leaves it alone
+        self.fences += fence(node)
+        self.say(node_line(node, problem, self.run_dir))
 
     def wait_fenced(self, timeout: float = PROBE_TIMEOUT_S) -> None:
         """Until every fence holds its node's CPUs and GPUs (a task submitted before could still land there)."""

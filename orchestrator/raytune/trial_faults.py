@@ -32,8 +32,8 @@ MLflow child run and the sweep exiting 1, although ``resources.max_failures`` wa
   not), ``Trial._handle_ray_task_error`` (an exception in the trial: counted, but for ``RunDirUnseen``) and
   ``Trial._handle_restore_error`` (a retried trial whose checkpoint in the run directory its new node cannot see,
   :func:`restore_unseen`): a node fault does not count against ``max_failures``, at most
-  :data:`NODE_FAULT_RETRIES` times per trial (a trial that takes its node down every time still ends); after that
-  it counts like any failure, and its line says so.
+  :data:`NODE_FAULT_RETRIES` times per trial (:data:`UNSEEN_RETRIES` for a node without the run directory; a trial
+  that takes its node down every time still ends); after that it counts like any failure, and its line says so.
 
 The retried trial goes back to the queue (PENDING) and gets a new actor where resources are free: Ray's GCS does
 not place the new actor on the dead node (its raylet no longer answers), so no sleep is needed for Ray to mark
@@ -59,6 +59,10 @@ UNSHARED_STORAGE = "Unable to set up cluster storage"
 _RESTORE_MISSING = "Could not recover from checkpoint as it does not exist"  # Ray Tune's Trainable.restore
 UNSEEN_FAULT = "its node does not see the run directory"  # a trial that refused to start there (RunDirUnseen)
 NODE_FAULT_RETRIES = 3  # per trial: node faults not counted against resources.max_failures
+# ... and refusals by a node without the run directory: such a trial fails before any work, and Tune may place its
+# retries there again until the node's fence holds (Tune's own pending placement groups are placed first): measured
+# 2026-12-02, a node joining mid-sweep: 1 and 4 refusals for the 2 trials it took
+UNSEEN_RETRIES = 10
 _MARK = "_healsweep_trial_faults"
 _SEEN = "_healsweep_failures_seen"
 
@@ -149,12 +153,12 @@ def install() -> None:
         return tune_actor_error(self, exc)
 
     def _handle_ray_task_error(self, exc):
-        if _uncounted(self, node_fault(exc) == UNSEEN_FAULT):
+        if _uncounted(self, node_fault(exc) == UNSEEN_FAULT, UNSEEN_RETRIES):
             return  # not counted either: the node, not the trial, was at fault
         return tune_task_error(self, exc)
 
     def _handle_restore_error(self, exc):
-        if _uncounted(self, restore_unseen(self, exc)):
+        if _uncounted(self, restore_unseen(self, exc), UNSEEN_RETRIES):
             return
         return tune_restore_error(self, exc)
 
@@ -166,11 +170,11 @@ def install() -> None:
     Trial._handle_ray_task_error, Trial._handle_restore_error = _handle_ray_task_error, _handle_restore_error
 
 
-def _uncounted(trial, node_is_at_fault: bool) -> bool:
-    """Whether a failure of ``trial`` is a node fault left out of max_failures (at most NODE_FAULT_RETRIES times per
+def _uncounted(trial, node_is_at_fault: bool, limit: int = NODE_FAULT_RETRIES) -> bool:
+    """Whether a failure of ``trial`` is a node fault left out of max_failures (at most ``limit`` node faults per
     trial); a node fault past that is counted, and the trial remembers it (its line says so)."""
-    trial.temporary_state.healsweep_fault_counted = node_is_at_fault and node_faults(trial) >= NODE_FAULT_RETRIES
-    if node_is_at_fault and node_faults(trial) < NODE_FAULT_RETRIES:
+    trial.temporary_state.healsweep_fault_counted = node_is_at_fault and node_faults(trial) >= limit
+    if node_is_at_fault and node_faults(trial) < limit:
         trial.temporary_state.healsweep_node_faults = node_faults(trial) + 1
         return True
     return False
@@ -189,13 +193,10 @@ def _after_fault(controller, trial, exc, fault: str) -> None:
         guard.check_soon()
         return
     if fault == UNSEEN_FAULT and guard is not None:
-        node = _unseen_node(exc)
-        if node is not None and guard.checked.get(node) is not None:
-            return  # fenced already (a trial placed there before its fence held): named once
-        passed = node is not None and node in guard.checked  # it passed the probe before: a mount lost since?
-        guard.check_soon(again=node if passed else None)  # probed (again); the guard names it if it is so
-        if node is not None and not passed:
-            return  # a node not checked yet (joined later): the guard's line names it
+        if (node := _unseen_node(exc)) is not None:  # the trial's own finding: named and fenced now, once (a probe
+            guard.mark(node, node_guard.UNSHARED)  # would take a second, the retries come within milliseconds)
+            return
+        guard.check_soon()  # a restore that failed there (no node id): the unchecked nodes are probed
     _say(fault_line(trial, exc, fault))
 
 
@@ -211,9 +212,10 @@ def fault_line(trial, exc: BaseException, fault: str) -> str:
     node = _unseen_node(exc) if fault == UNSEEN_FAULT else None
     what = (f"trial {key} did not start: {fault}" + (f" (node {node[:12]})" if node else "") if fault == UNSEEN_FAULT
             else f"trial {key} lost its actor: {fault} ({type(exc).__name__})")
+    limit = UNSEEN_RETRIES if fault == UNSEEN_FAULT else NODE_FAULT_RETRIES
     if trial.status == trial.PENDING and getattr(trial.temporary_state, "healsweep_fault_counted", False):
-        return f"{what}; retrying it (counted against resources.max_failures: its {NODE_FAULT_RETRIES} node faults are spent)"
+        return f"{what}; retrying it (counted against resources.max_failures: its {limit} node faults are spent)"
     if trial.status == trial.PENDING:
         return (f"{what}; retrying it on another node (not counted against resources.max_failures: node fault "
-                f"{node_faults(trial)} of {NODE_FAULT_RETRIES} for this trial)")
+                f"{node_faults(trial)} of {limit} for this trial)")
     return f"{what}; no retries left, the trial ends FAILED"

@@ -237,6 +237,7 @@ def test_a_node_joining_without_the_run_directory_is_named_and_its_trials_run_on
     interval: no checkpoint fails there, so nothing named it before 2026-12-02, and the trials it took healed there,
     their weights on its own disk ("elsewhere"). Now a trial refuses to start there (RunDirUnseen, a node fault:
     not counted), the node is named once and fenced, and every trial finishes on the head with its weights saved."""
+    from orchestrator.raytune.trial_faults import UNSEEN_RETRIES
     from orchestrator.rundir import records
 
     if why := why_no_hiding():
@@ -250,7 +251,9 @@ def test_a_node_joining_without_the_run_directory_is_named_and_its_trials_run_on
     assert set(t.per_node()) == {r.head_id}  # nothing finished on the node without the run directory
     log = (tmp_path / "sweep.log").read_text()
     assert "Traceback" not in log, log[-3000:]
-    [line] = [ln for ln in log.splitlines() if "does not see the run directory" in ln]
+    [line] = [ln for ln in log.splitlines() if "does not see the run directory" in ln]  # no trial's line either
     assert f"node {r.late_id[:12]} " in line and f"{out}: kept out of this sweep (2 CPU held)" in line, line
+    refused = [int(x.data.tags.get("node_faults", 0)) for x in t.runs]  # Tune may place a retry there again until
+    assert 1 <= sum(refused) and max(refused) < UNSEEN_RETRIES, refused  # the fence holds: none counted
     lines = records.trials(records.scan(out / records.TRIALS_FILE)).values()
     assert {x["weights"] for x in lines if x["optuna"]["state"] == "COMPLETE"} == {"saved"}

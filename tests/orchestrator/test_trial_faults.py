@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from ray.core.generated.common_pb2 import ActorDiedErrorContext, NodeDeathInfo
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
-from orchestrator.raytune.trial_faults import NODE_FAULT_RETRIES, fault_line, node_fault
+from orchestrator.raytune.trial_faults import NODE_FAULT_RETRIES, UNSEEN_RETRIES, fault_line, node_fault
 
 
 def _died(message: str, reason=None) -> ActorDiedError:
@@ -53,7 +53,7 @@ def test_the_fault_line_names_the_trial_what_happened_and_what_the_sweep_does():
 def test_a_trial_that_refused_a_node_without_the_run_directory_is_a_node_fault_not_counted():
     """tasks/trial.py refuses to start on a node that does not see the run directory when the store is not remote
     (RunDirUnseen): a fault of the node (the guard fences it), retried without counting against max_failures, at most
-    NODE_FAULT_RETRIES times; the trial's own exceptions still count. On a real Tune Trial (no Ray needed)."""
+    UNSEEN_RETRIES times; the trial's own exceptions still count. On a real Tune Trial (no Ray needed)."""
     from ray.tune.experiment.trial import Trial
 
     from orchestrator.raytune import trial_faults
@@ -66,10 +66,10 @@ def test_a_trial_that_refused_a_node_without_the_run_directory_is_a_node_fault_n
     trial_faults.install()
     t = Trial("__fake", stub=True, config={}, max_failures=0)
     counted = []
-    for _ in range(NODE_FAULT_RETRIES + 1):
+    for _ in range(UNSEEN_RETRIES + 1):
         t._handle_ray_task_error(unseen)
         counted.append(t.run_metadata.num_failures)
-    assert counted == [0] * NODE_FAULT_RETRIES + [1] and trial_faults.node_faults(t) == NODE_FAULT_RETRIES
+    assert counted == [0] * UNSEEN_RETRIES + [1] and trial_faults.node_faults(t) == UNSEEN_RETRIES
     own = Trial("__fake", stub=True, config={}, max_failures=0)
     own._handle_ray_task_error(_task_error(ValueError("loss is nan")))
     assert own.run_metadata.num_failures == 1 and not own.should_recover()
@@ -82,11 +82,11 @@ def _over_the_wire(exc: BaseException) -> BaseException:
     return cloudpickle.loads(cloudpickle.dumps(exc))
 
 
-def test_the_unseen_fault_survives_full_tracebacks_names_its_node_and_reprobes_a_node_that_passed(monkeypatch):
+def test_the_unseen_fault_survives_full_tracebacks_and_its_node_is_fenced_at_once(monkeypatch):
     """Tune keeps its StartTraceback in front of the trial's exception with RAY_AIR_FULL_TRACEBACKS=1 (its cause lost
     on the way to the driver: the remote traceback's text tells); the trainable appends the node id to RunDirUnseen's
-    message; a node that passed the probe before is probed again (its mount may be lost since), one fenced already
-    is not, and the line says the trial did not start (nothing was lost)."""
+    message, and the node guard fences that node at once (a probe takes a second, the retries come within
+    milliseconds); without a node id the unchecked nodes are probed and the line says the trial did not start."""
     import traceback
 
     from ray.air._internal.util import StartTraceback
@@ -109,35 +109,32 @@ def test_the_unseen_fault_survives_full_tracebacks_names_its_node_and_reprobes_a
     assert node_fault(_over_the_wire(_task_error(unseen))) == UNSEEN_FAULT
     assert unseen_node(str(unseen)) == node and unseen_node("no node here") is None
 
-    probed, said, cleaned = [], [], []
+    probed, marked, said, cleaned = [], [], [], []
     guard = NodeGuard(say=said.append, run_dir="/runs/a", sweep_id="0123456789ab")
     guard.check = lambda: probed.append(dict(guard.checked)) or []  # what the probe would start from
+    guard.mark = lambda node_id, problem: marked.append((node_id, problem))  # Ray's part: the e2e test
     controller = SimpleNamespace(_cleanup_cached_actors=lambda force_all: cleaned.append(force_all))
     monkeypatch.setattr(trial_faults, "_say", said.append)
     monkeypatch.setattr(node_guard, "_active", [guard])
 
-    def fault(checked, exc=_task_error(unseen)):
-        guard.checked = dict(checked)
+    def fault(exc):
         _after_fault(controller, _trial("PENDING", 1), exc, UNSEEN_FAULT)
         if (t := guard._thread) is not None:
             t.join(5)
 
-    fault({node: None, "other": None})  # passed before: forgotten, probed again, and the line says why
-    assert probed == [{"other": None}] and cleaned == [True]
-    assert said == [f"trial cell-3 did not start: {UNSEEN_FAULT} (node {node[:12]}); retrying it on another node "
-                    f"(not counted against resources.max_failures: node fault 1 of {NODE_FAULT_RETRIES} for this trial)"]
-    probed.clear(), said.clear()
-    fault({node: UNSHARED})  # fenced already: nothing to probe, nothing to say (its line was said once)
-    assert probed == [] and said == []
-    fault({})  # a node not checked yet: probed; the guard's own line will name it
-    assert probed == [{}] and said == []
+    fault(_task_error(unseen))  # the trial names its node: fenced now, no probe, no trial line (the guard's says it)
+    assert marked == [(node, UNSHARED)] and probed == [] and said == [] and cleaned == [True]
+    fault(_task_error(RunDirUnseen("this node does not see the run directory /runs/a")))  # no node id: probed
+    assert probed == [{}] and said == [f"trial cell-3 did not start: {UNSEEN_FAULT}; retrying it on another node "
+                                       f"(not counted against resources.max_failures: node fault 1 of "
+                                       f"{UNSEEN_RETRIES} for this trial)"]
 
 
 def test_a_retried_trial_whose_checkpoint_its_new_node_cannot_see_is_a_node_fault(monkeypatch):
     """Without a store URI Ray Tune's storage is the run directory: a retried trial's ``restore`` on a node without
     it fails before the trainable runs ("Could not recover from checkpoint ..."). A node fault (not counted, the
     guard probes the unchecked nodes), but only with the run directory in the message and while restoring; past
-    NODE_FAULT_RETRIES it counts and the line says so."""
+    UNSEEN_RETRIES it counts and the line says so."""
     from ray.tune.experiment.trial import Trial
 
     from orchestrator.raytune import node_guard, trial_faults
@@ -155,13 +152,13 @@ def test_a_retried_trial_whose_checkpoint_its_new_node_cannot_see_is_a_node_faul
     assert restore_unseen(t, missing) and not restore_unseen(t, ValueError("Could not recover from checkpoint as it "
                                                                            "does not exist ... path: /elsewhere/x"))
     counted = []
-    for _ in range(NODE_FAULT_RETRIES + 1):
+    for _ in range(UNSEEN_RETRIES + 1):
         t._handle_restore_error(missing)
         counted.append(t.run_metadata.num_failures)
-    assert counted == [0] * NODE_FAULT_RETRIES + [1]
+    assert counted == [0] * UNSEEN_RETRIES + [1]
     t.status = t.PENDING
     assert fault_line(t, missing, UNSEEN_FAULT) == (
         f"trial cell-3 did not start: {UNSEEN_FAULT}; retrying it (counted against resources.max_failures: its "
-        f"{NODE_FAULT_RETRIES} node faults are spent)")
+        f"{UNSEEN_RETRIES} node faults are spent)")
     monkeypatch.setattr(node_guard, "_active", [NodeGuard(run_dir=None)])  # Tune's storage in the bucket
     assert not restore_unseen(t, missing)
