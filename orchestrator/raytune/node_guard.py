@@ -134,9 +134,11 @@ class NodeGuard:
                      and (n.get("Resources", {}).get("CPU") or n.get("Resources", {}).get("GPU"))]
             found = []
             for node, facts in zip(nodes, _probe([n["NodeID"] for n in nodes], self.run_dir, self.sweep_id)):
-                if facts is None or self.checked.get(node["NodeID"]):  # no answer (checked again next time), or
-                    continue  # marked bad by a trial meanwhile (:meth:`mark`)
-                self.checked[node["NodeID"]] = problem = _problem(facts)
+                if facts is None:  # no answer (in time, or the node went away): checked again next time
+                    continue
+                problem = _problem(facts)
+                if not self._claim(node["NodeID"], problem):
+                    continue  # marked bad by a trial meanwhile (:meth:`mark`): fenced and named there
                 if problem:
                     self.fences += fence(node)
                     self.say(node_line(node, problem, self.run_dir))
@@ -164,21 +166,39 @@ class NodeGuard:
                     self._thread = None  # under the lock: a later check_soon starts a new thread
                     return
                 self._pending = False
-            self.check()
+            try:
+                self.check()
+            except Exception as e:  # noqa: BLE001 - the cluster going away: said; the next fault asks again
+                with self._soon:
+                    self._thread = None
+                self.say(f"checking the cluster's nodes failed ({type(e).__name__}: {str(e)[:200]}); asked again at "
+                         "the next node fault")
+                return
 
-    def mark(self, node_id: str, problem: str) -> None:
+    def _claim(self, node_id: str, problem: str | None) -> bool:
+        """Record ``problem`` for ``node_id`` unless a problem is recorded already (one fence, one line per node)."""
+        with self._soon:
+            if self.checked.get(node_id):
+                return False
+            self.checked[node_id] = problem
+            return True
+
+    def mark(self, node_id: str, problem: str) -> bool:
         """A node a trial found bad (a RunDirUnseen names it), probed or not: named and fenced now, from Tune's loop
-        (a probe takes a second, a trial refused there is retried within milliseconds); once per node."""
+        (a probe takes a second, a trial refused there is retried within milliseconds). -> whether this call named
+        it (False: named before, gone, or the cluster did not answer: the unchecked nodes are probed instead)."""
         import ray
 
-        if self.checked.get(node_id):
-            return
-        node = next((n for n in ray.nodes() if n["NodeID"] == node_id and n.get("Alive")), None)
-        if node is None:
-            return
-        self.checked[node_id] = problem  # before the fence: a running check() leaves it alone
-        self.fences += fence(node)
+        try:
+            node = next((n for n in ray.nodes() if n["NodeID"] == node_id and n.get("Alive")), None)
+            if node is None or not self._claim(node_id, problem):
+                return False
+            self.fences += fence(node)
+        except Exception:  # noqa: BLE001 - Tune's loop must go on: a probe decides instead
+            self.check_soon()
+            return False
         self.say(node_line(node, problem, self.run_dir))
+        return True
 
     def wait_fenced(self, timeout: float = PROBE_TIMEOUT_S) -> None:
         """Until every fence holds its node's CPUs and GPUs (a task submitted before could still land there)."""

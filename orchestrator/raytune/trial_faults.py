@@ -113,9 +113,14 @@ def restore_unseen(trial, exc: BaseException) -> bool:
             and _RESTORE_MISSING in str(exc) and guard.run_dir in str(exc))
 
 
-def node_faults(trial) -> int:
-    """Node faults of ``trial`` not counted against max_failures so far (this driver session)."""
-    return getattr(trial.temporary_state, "healsweep_node_faults", 0)
+_COUNTERS = {False: "healsweep_node_faults", True: "healsweep_unseen_faults"}  # lost/unusable nodes, refusals
+
+
+def node_faults(trial, unseen: bool | None = None) -> int:
+    """Node faults of ``trial`` not counted against max_failures so far (this driver session): of one kind
+    (``unseen``: refusals by a node without the run directory; False: nodes lost or without the project), or all."""
+    kinds = (False, True) if unseen is None else (unseen,)
+    return sum(getattr(trial.temporary_state, _COUNTERS[k], 0) for k in kinds)
 
 
 def install() -> None:
@@ -148,17 +153,17 @@ def install() -> None:
         _after_fault(self, trial, exception, fault)
 
     def _handle_ray_actor_error(self, exc):
-        if not exc.preempted and _uncounted(self, node_fault(exc) is not None):
+        if _uncounted(self, node_fault(exc) if not exc.preempted else None):
             return  # not counted: the trial is retried while max_failures stays for its own failures
         return tune_actor_error(self, exc)
 
     def _handle_ray_task_error(self, exc):
-        if _uncounted(self, node_fault(exc) == UNSEEN_FAULT, UNSEEN_RETRIES):
+        if _uncounted(self, node_fault(exc) if node_fault(exc) == UNSEEN_FAULT else None):
             return  # not counted either: the node, not the trial, was at fault
         return tune_task_error(self, exc)
 
-    def _handle_restore_error(self, exc):
-        if _uncounted(self, restore_unseen(self, exc), UNSEEN_RETRIES):
+    def _handle_restore_error(self, exc):  # Tune sends every error of a restoring trial here (a lost node's too)
+        if _uncounted(self, UNSEEN_FAULT if restore_unseen(self, exc) else node_fault(exc)):
             return
         return tune_restore_error(self, exc)
 
@@ -170,12 +175,15 @@ def install() -> None:
     Trial._handle_ray_task_error, Trial._handle_restore_error = _handle_ray_task_error, _handle_restore_error
 
 
-def _uncounted(trial, node_is_at_fault: bool, limit: int = NODE_FAULT_RETRIES) -> bool:
-    """Whether a failure of ``trial`` is a node fault left out of max_failures (at most ``limit`` node faults per
-    trial); a node fault past that is counted, and the trial remembers it (its line says so)."""
-    trial.temporary_state.healsweep_fault_counted = node_is_at_fault and node_faults(trial) >= limit
-    if node_is_at_fault and node_faults(trial) < limit:
-        trial.temporary_state.healsweep_node_faults = node_faults(trial) + 1
+def _uncounted(trial, fault: str | None) -> bool:
+    """Whether a failure of ``trial`` (``fault``: its node fault, None for its own failure) is left out of
+    max_failures: at most NODE_FAULT_RETRIES node faults per trial, UNSEEN_RETRIES refusals by a node without the run
+    directory, each kind its own count; one past that is counted, and the trial remembers it (its line says so)."""
+    unseen = fault == UNSEEN_FAULT
+    limit = UNSEEN_RETRIES if unseen else NODE_FAULT_RETRIES
+    trial.temporary_state.healsweep_fault_counted = fault is not None and node_faults(trial, unseen) >= limit
+    if fault is not None and node_faults(trial, unseen) < limit:
+        setattr(trial.temporary_state, _COUNTERS[unseen], node_faults(trial, unseen) + 1)
         return True
     return False
 
@@ -193,11 +201,26 @@ def _after_fault(controller, trial, exc, fault: str) -> None:
         guard.check_soon()
         return
     if fault == UNSEEN_FAULT and guard is not None:
-        if (node := _unseen_node(exc)) is not None:  # the trial's own finding: named and fenced now, once (a probe
-            guard.mark(node, node_guard.UNSHARED)  # would take a second, the retries come within milliseconds)
-            return
-        guard.check_soon()  # a restore that failed there (no node id): the unchecked nodes are probed
+        node = _unseen_node(exc) or _node_at(getattr(exc, "ip", None))  # a failed restore names only its address
+        if node is None:
+            guard.check_soon()  # the unchecked nodes are probed
+        elif guard.mark(node, node_guard.UNSHARED) or not getattr(trial.temporary_state, "healsweep_fault_counted",
+                                                                    False):
+            return  # named and fenced now (the guard's line), or a retry Tune placed there before the fence held
     _say(fault_line(trial, exc, fault))
+
+
+def _node_at(ip: str | None) -> str | None:
+    """The one alive node at address ``ip`` (None: unknown, or several nodes share it)."""
+    import ray
+
+    if not ip:
+        return None
+    try:
+        ids = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("NodeManagerAddress") == ip]
+    except Exception:  # noqa: BLE001 - Tune's loop must go on
+        return None
+    return ids[0] if len(ids) == 1 else None
 
 
 def _say(text: str) -> None:
@@ -212,10 +235,11 @@ def fault_line(trial, exc: BaseException, fault: str) -> str:
     node = _unseen_node(exc) if fault == UNSEEN_FAULT else None
     what = (f"trial {key} did not start: {fault}" + (f" (node {node[:12]})" if node else "") if fault == UNSEEN_FAULT
             else f"trial {key} lost its actor: {fault} ({type(exc).__name__})")
-    limit = UNSEEN_RETRIES if fault == UNSEEN_FAULT else NODE_FAULT_RETRIES
+    unseen = fault == UNSEEN_FAULT
+    limit = UNSEEN_RETRIES if unseen else NODE_FAULT_RETRIES
     if trial.status == trial.PENDING and getattr(trial.temporary_state, "healsweep_fault_counted", False):
         return f"{what}; retrying it (counted against resources.max_failures: its {limit} node faults are spent)"
     if trial.status == trial.PENDING:
         return (f"{what}; retrying it on another node (not counted against resources.max_failures: node fault "
-                f"{node_faults(trial)} of {limit} for this trial)")
+                f"{node_faults(trial, unseen)} of {limit} for this trial)")
     return f"{what}; no retries left, the trial ends FAILED"

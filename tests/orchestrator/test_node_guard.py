@@ -102,3 +102,46 @@ def test_what_a_sweep_asks_for_and_whether_a_node_left_can_place_it():
     assert guard.refusal({"trial": {"CPU": 2.0, "GPU": 0.25}}) == (
         "no node of the cluster can run the sweep: 1 node without the run directory /runs/a (share it with the "
         "nodes, or set store.uri: docs/scaling.md, One storage URI); no node left can place a trial (2 CPU, 0.25 GPU)")
+
+
+def test_check_soon_asks_again_after_a_failed_or_busy_check_and_a_node_is_claimed_once():
+    """A check that raises (the cluster going away) is said and ends its thread: the next request starts a new one
+    (before, a dead thread kept every later check from running); a request while a check runs makes it check once
+    more; a node recorded bad (by a trial's finding or a probe) is claimed once: one fence, one line."""
+    import threading
+
+    from orchestrator.raytune.node_guard import UNSHARED, NodeGuard
+
+    said, calls, gate = [], [], threading.Event()
+    guard = NodeGuard(say=said.append, run_dir="/runs/a", sweep_id="0123456789ab")
+
+    def check():
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise ConnectionError("GCS gone")
+        gate.wait(5)  # the second check is busy while another request comes
+        return []
+
+    guard.check = check
+
+    def settle():
+        for _ in range(100):
+            if (t := guard._thread) is None:
+                return
+            t.join(0.1)
+
+    guard.check_soon()
+    settle()
+    assert calls == [0] and said == ["checking the cluster's nodes failed (ConnectionError: GCS gone); asked again "
+                                     "at the next node fault"]
+    guard.check_soon()  # a new thread
+    for _ in range(100):
+        if len(calls) == 2:
+            break
+        threading.Event().wait(0.05)
+    guard.check_soon()  # while it is busy (its node list taken): once more afterwards
+    gate.set()
+    settle()
+    assert calls == [0, 1, 2] and guard._thread is None
+    assert guard._claim("n1", UNSHARED) and not guard._claim("n1", UNSHARED) and guard.checked == {"n1": UNSHARED}
+    assert guard._claim("n2", None) and guard._claim("n2", UNSHARED)  # a node that passed can be found bad later

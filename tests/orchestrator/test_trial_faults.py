@@ -37,9 +37,9 @@ def test_the_trials_own_failures_are_not_node_faults():
     assert node_fault(RuntimeError("boom")) is None and node_fault(None) is None
 
 
-def _trial(status: str, faults: int):
+def _trial(status: str, faults: int, unseen: int = 0):
     return SimpleNamespace(config={"trial_id": "cell-3"}, trial_id="abc", status=status, PENDING="PENDING",
-                           temporary_state=SimpleNamespace(healsweep_node_faults=faults))
+                           temporary_state=SimpleNamespace(healsweep_node_faults=faults, healsweep_unseen_faults=unseen))
 
 
 def test_the_fault_line_names_the_trial_what_happened_and_what_the_sweep_does():
@@ -112,18 +112,26 @@ def test_the_unseen_fault_survives_full_tracebacks_and_its_node_is_fenced_at_onc
     probed, marked, said, cleaned = [], [], [], []
     guard = NodeGuard(say=said.append, run_dir="/runs/a", sweep_id="0123456789ab")
     guard.check = lambda: probed.append(dict(guard.checked)) or []  # what the probe would start from
-    guard.mark = lambda node_id, problem: marked.append((node_id, problem))  # Ray's part: the e2e test
+    guard.mark = lambda node_id, problem: not marked.append((node_id, problem)) and len(marked) == 1  # named once
     controller = SimpleNamespace(_cleanup_cached_actors=lambda force_all: cleaned.append(force_all))
     monkeypatch.setattr(trial_faults, "_say", said.append)
     monkeypatch.setattr(node_guard, "_active", [guard])
 
-    def fault(exc):
-        _after_fault(controller, _trial("PENDING", 1), exc, UNSEEN_FAULT)
+    def fault(exc, trial=None):
+        _after_fault(controller, trial or _trial("PENDING", 0, unseen=1), exc, UNSEEN_FAULT)
         if (t := guard._thread) is not None:
             t.join(5)
 
     fault(_task_error(unseen))  # the trial names its node: fenced now, no probe, no trial line (the guard's says it)
     assert marked == [(node, UNSHARED)] and probed == [] and said == [] and cleaned == [True]
+    fault(_task_error(unseen))  # a retry Tune placed there before the fence held: nothing more to say
+    assert len(marked) == 2 and said == []
+    spent = _trial("PENDING", 0, unseen=UNSEEN_RETRIES)
+    spent.temporary_state.healsweep_fault_counted = True
+    fault(_task_error(unseen), spent)  # ... unless it was counted: the line says so
+    assert said == [f"trial cell-3 did not start: {UNSEEN_FAULT} (node {node[:12]}); retrying it (counted against "
+                    f"resources.max_failures: its {UNSEEN_RETRIES} node faults are spent)"]
+    said.clear()
     fault(_task_error(RunDirUnseen("this node does not see the run directory /runs/a")))  # no node id: probed
     assert probed == [{}] and said == [f"trial cell-3 did not start: {UNSEEN_FAULT}; retrying it on another node "
                                        f"(not counted against resources.max_failures: node fault 1 of "
@@ -162,3 +170,14 @@ def test_a_retried_trial_whose_checkpoint_its_new_node_cannot_see_is_a_node_faul
         f"{UNSEEN_RETRIES} node faults are spent)")
     monkeypatch.setattr(node_guard, "_active", [NodeGuard(run_dir=None)])  # Tune's storage in the bucket
     assert not restore_unseen(t, missing)
+    # a node that died while the trial restored (Tune sends every error of a restoring trial there): a node fault of
+    # the other kind, with its own count (refusals before do not use up its 3)
+    t.temporary_state.healsweep_unseen_faults = 4
+    t._handle_restore_error(_died("The actor died because its node has died. Node Id: 8a52"))
+    assert t.run_metadata.num_failures == 1 and _counts(t) == (1, 4)
+
+
+def _counts(t) -> tuple[int, int]:
+    from orchestrator.raytune.trial_faults import node_faults
+
+    return node_faults(t, unseen=False), node_faults(t, unseen=True)
