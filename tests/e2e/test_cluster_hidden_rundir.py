@@ -205,30 +205,27 @@ def test_with_a_local_store_a_node_without_the_run_directory_is_named_once_and_k
 def test_with_a_local_store_and_no_node_that_sees_the_run_directory_the_sweep_is_refused(tmp_path, hidden_worker,
                                                                                         monkeypatch):
     """The head has no CPU and the only node with CPUs does not see the run directory: one line, before any work."""
-    head, _ = hidden_worker
-    driver = tmp_path / "driver"
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    r = _sweep(driver, SPEC, head.address)
-    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stderr.strip().splitlines()[-1] == (
-        f"healsweep: error: no node of the cluster can run the sweep: 1 node without the run directory "
-        f"{driver / 'run'} (share it with the nodes, or set store.uri: docs/scaling.md, One storage URI); no node "
-        "left can place a trial (1 CPU) or a dense task (1 CPU)")
-    assert not (driver / "store").exists() and not (driver / "run" / "trials.jsonl").exists()  # no work done
+    _refused(tmp_path / "driver", SPEC, hidden_worker[0].address, "a trial (1 CPU) or a dense task (1 CPU)")
 
 
 def test_a_gpu_sweep_whose_only_gpu_node_is_kept_out_is_refused(tmp_path, hidden_gpu_worker_and_head, monkeypatch):
     """The head sees the run directory but has no GPU; the GPU node does not see it (no store URI). Before
     2026-12-02 the head's CPUs counted as a node left: the stages ran and the trials waited for a GPU for ever."""
-    head, _ = hidden_gpu_worker_and_head
-    driver = tmp_path / "driver"
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    r = _sweep(driver, {**SPEC, "resources": {"gpus_per_trial": 0.5, "device": "cpu"}}, head.address, timeout=240)
+    _refused(tmp_path / "driver", {**SPEC, "resources": {"gpus_per_trial": 0.5, "device": "cpu"}},
+             hidden_gpu_worker_and_head[0].address, "a trial (1 CPU, 0.5 GPU)")
+
+
+def _refused(driver, spec: dict, address: str, unplaced: str) -> None:
+    """The sweep is refused in one line (exit 2) naming the node without the run directory and what no node left
+    can place, before any work."""
+    r = _sweep(driver, spec, address, timeout=240)
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stderr.strip().splitlines()[-1] == (
         f"healsweep: error: no node of the cluster can run the sweep: 1 node without the run directory "
         f"{driver / 'run'} (share it with the nodes, or set store.uri: docs/scaling.md, One storage URI); no node "
-        "left can place a trial (1 CPU, 0.5 GPU)")
+        f"left can place {unplaced}")
     assert not (driver / "store").exists() and not (driver / "run" / "trials.jsonl").exists()  # no work done
 
 
