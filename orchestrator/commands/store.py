@@ -13,7 +13,8 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from orchestrator.commands.common import DEFAULT_HOME, CliError
-from orchestrator.commands.store_bucket import bucket_rule, gc_bucket
+from orchestrator.commands.store_bucket import bucket_entries, bucket_rule, gc_bucket
+from orchestrator.raytune.cluster import is_remote, store_subdir
 from orchestrator.rundir import records
 
 _WHERE_HELP = ("a run directory (its store is found from sweep.json), a store root as given to `healsweep run "
@@ -30,10 +31,13 @@ def add_parser(sub):
     ls = cmds.add_parser("ls", help="list target keys (model, rows, shards, size, last use), masks, rankings, "
                                     "diagnostics and quarantined files with sizes",
                          description="List every target key (model, rows, shards, MB, last use; damaged keys "
-                                     "marked), then the masks, rankings, diagnostics and quarantined files with sizes.")
+                                     "marked), then the masks, rankings, diagnostics and quarantined files with "
+                                     "sizes; for a remote store also the bucket's tune/ and healed/ per sweep.")
     vf = cmds.add_parser("verify", help="full checksum pass; exit code 1 if anything is damaged",
                          description="Check every manifest (readable, shards covering exactly its rows) and every "
-                                     "shard's size and sha256 (all keys, or KEY). Exit code 0: all sound; 1: damage "
+                                     "shard's size and sha256 (all keys, or KEY), then every mask beside them "
+                                     "(readable, its identity its key's, its content its digest; local or remote "
+                                     "store). Exit code 0: all sound; 1: damage "
                                      "found (the next sweep quarantines and recomputes it); 2: usage error.")
     vf.add_argument("where_key", nargs="*", metavar="WHERE|KEY",
                     help="where the store is (see WHERE) and/or one 32-hex-character key (default: every key)")
@@ -42,7 +46,8 @@ def add_parser(sub):
                                      "DAYS, or that no --keep-referenced RUN_DIR refers to (its targets.json); then "
                                      "the masks beside them by the same rule (a mask's last use is its file's mtime, "
                                      "touched by every sweep that reuses it; a run refers to the masks its "
-                                     "trials.jsonl names). Rankings and RR diagnostics are kept. With a remote "
+                                     "trials.jsonl names; a remote store keeps each mask's last use in "
+                                     "masks/.last_use/). Rankings and RR diagnostics are kept. With a remote "
                                      "store also the bucket's tune/ (Ray Tune's storage, per sweep: by age, or of "
                                      "sweeps the runs are not and not written in the last hour) and, with "
                                      "--healed, healed/ (weights of trials on nodes without the run directory).")
@@ -152,20 +157,24 @@ def _ls(store, args, root) -> int:
     print(f"{len(keys)} keys, {total / 1e6:.2f} MB")
     sections = [("quarantine", Path(store.fs.path(".quarantine")))] if store.fs.local else []
     sections += [(s, root / s) for s in _SIDE] if root is not None else []
-    for name, d in sections:
-        if not d.is_dir():
-            continue
-        entries = sorted(d.iterdir())
-        sizes = [_size(e) for e in entries]
-        print(f"\n{name}: {d}")
-        for e, b in zip(entries, sizes):
-            print(f"  {e.name + ('/' if e.is_dir() else ''):60} {b / 1e6:>10.2f} MB")
-        print(f"{name}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, {sum(sizes) / 1e6:.2f} MB")
+    listed = [(name, str(d), _local_entries(d)) for name, d in sections if d.is_dir()]
+    if is_remote(str(store.root)):  # a bucket: masks, rankings, diagnostics and Ray Tune's and healed weights
+        listed += bucket_entries(str(store.root), _SIDE + ("tune", "healed"))
+    for name, where, entries in listed:
+        print(f"\n{name}: {where}")
+        for label, b in entries:
+            print(f"  {label:60} {b / 1e6:>10.2f} MB")
+        print(f"{name}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, "
+              f"{sum(b for _, b in entries) / 1e6:.2f} MB")
     return 0
 
 
+def _local_entries(d: Path) -> list[tuple[str, int]]:
+    return [(e.name + ("/" if e.is_dir() else ""), _size(e)) for e in sorted(d.iterdir())]
+
+
 def _verify(store, args, root) -> int:
-    from tasks.store import MaskStore, StoreError
+    from tasks.store import StoreError
 
     keys = [args.key] if args.key else store.keys()
     damaged = 0
@@ -181,9 +190,21 @@ def _verify(store, args, root) -> int:
             print(f"{k} {what}: {problem}")
         print(f"{k}: {'DAMAGED' if bad else 'ok'}")
     print(f"{len(keys)} keys checked, {damaged} damaged")
-    if not args.key and root is not None and (root / "masks").is_dir():
-        damaged += _verify_masks(MaskStore(root / "masks"))
+    masks = None if args.key else _masks(str(store.root), root)
+    if masks is not None:
+        damaged += _verify_masks(masks)
     return 1 if damaged else 0
+
+
+def _masks(targets: str, root: Path | None):
+    """The mask store beside the targets (``<store.uri>/masks`` for a remote store, ``<root>/masks`` for a
+    local store root), or None when there is none."""
+    from tasks.store import MaskStore
+
+    if is_remote(targets):
+        masks = MaskStore(store_subdir(targets, "masks"), create=False)
+        return masks if masks.fs.is_dir("") else None
+    return MaskStore(root / "masks", create=False) if root is not None and (root / "masks").is_dir() else None
 
 
 def _verify_masks(masks) -> int:
@@ -193,8 +214,9 @@ def _verify_masks(masks) -> int:
         why = masks.problem(k)
         if why is not None:
             bad += 1
-            print(f"mask {k}: DAMAGED ({why}); healsweep doctor RUN_DIR --repair moves it aside, the next sweep "
-                  "recomputes it")
+            fix = ("the next sweep that uses it deletes it and computes it again" if masks.fs is not None else
+                   "healsweep doctor RUN_DIR --repair moves it aside, the next sweep recomputes it")
+            print(f"mask {k}: DAMAGED ({why}); {fix}")
     print(f"{len(keys)} masks checked, {bad} damaged")
     return bad
 
@@ -243,20 +265,17 @@ def _gc(store, args, root) -> int:
             store.delete(k)
     print(f"{len(drop)} of {len(candidates)} keys {'to delete' if args.dry_run else 'deleted'}, "
           f"{freed / 1e6:.2f} MB")
-    if root is not None and (root / "masks").is_dir():
-        _gc_masks(root / "masks", args)
+    if (masks := _masks(str(store.root), root)) is not None:
+        _gc_masks(masks, args)
     if bucket is not None:  # a remote store: tune/ and healed/ beside the targets
         gc_bucket(str(store.root), bucket, args.dry_run)
     return 0
 
 
-def _gc_masks(where: Path, args) -> None:
-    """The masks beside the targets, collected by the same rule: last used (the file's mtime: a sweep that reuses
-    a mask touches it) more than DAYS ago, or not referenced by the --keep-referenced runs' trials.jsonl (each
-    trial's ``mask_key``; a run without the record keeps every mask)."""
-    from tasks.store import MaskStore
-
-    masks = MaskStore(where)
+def _gc_masks(masks, args) -> None:
+    """The masks beside the targets (tasks/store/masks.py MaskStore, local or remote), collected by the same rule:
+    last used (a sweep that reuses a mask touches it) more than DAYS ago, or not referenced by the
+    --keep-referenced runs' trials.jsonl (each trial's ``mask_key``; a run without the record keeps every mask)."""
     keys = masks.keys()
     if args.keep_referenced:
         keep = _referenced_masks(args.keep_referenced)
@@ -265,14 +284,14 @@ def _gc_masks(where: Path, args) -> None:
             return
         drop = [k for k in keys if k not in keep]
     else:
-        cutoff = (datetime.now(timezone.utc) - timedelta(days=args.older_than)).timestamp()
-        drop = [k for k in keys if masks.path(k).stat().st_mtime < cutoff]
+        cutoff = datetime.now(timezone.utc) - timedelta(days=args.older_than)
+        drop = [k for k in keys if (t := masks.last_use(k)) is None or t < cutoff]
     freed = 0
     for k in drop:
-        freed += masks.path(k).stat().st_size
+        freed += masks.size(k) or 0
         print(f"{'would delete' if args.dry_run else 'deleted'} mask {k}")
         if not args.dry_run:
-            masks.path(k).unlink()
+            masks.delete(k)
     print(f"{len(drop)} of {len(keys)} masks {'to delete' if args.dry_run else 'deleted'}, {freed / 1e6:.2f} MB")
 
 

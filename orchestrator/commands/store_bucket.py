@@ -117,3 +117,26 @@ def referenced_sweeps(run_dirs: list[str]) -> set[str]:
                            "healsweep run directory") from None
         ids.add(str(sid))
     return ids
+
+
+def bucket_entries(targets: str, kinds: tuple[str, ...]) -> list[tuple[str, str, list[tuple[str, int]]]]:
+    """``healsweep store ls`` of a remote store: for each of ``kinds`` (masks, tune, ...) beside ``targets`` that
+    holds anything, (kind, its URI, [(entry directly under it, a directory's name ending in "/", bytes)])."""
+    import pyarrow.fs as pafs
+
+    out = []
+    for kind in kinds:
+        uri = store_subdir(targets, kind)
+        try:
+            fs, root = pafs.FileSystem.from_uri(uri)
+            infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
+        except OSError as e:  # an unreachable endpoint, refused credentials
+            raise CliError(f"store ls: cannot read {uri}: {str(e).strip().splitlines()[0][:200]}") from None
+        sizes: dict[str, int] = {}
+        for f in infos:
+            top, sep, _ = f.path[len(root.rstrip("/")) + 1:].partition("/")
+            label = top + ("/" if sep or f.type == pafs.FileType.Directory else "")
+            sizes[label] = sizes.get(label, 0) + ((f.size or 0) if f.type == pafs.FileType.File else 0)
+        if sizes:
+            out.append((kind, uri, sorted(sizes.items())))
+    return out

@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import os
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
 SUFFIX = ".safetensors"
+LAST_USE_DIR = ".last_use"  # a remote store's record of each mask's last use (MaskStore.touch)
 MASK_KIND = "mask/1"  # a sweep's mask identity (orchestrator/spec/plan.py): its key is the content key of it
 
 
@@ -39,19 +41,25 @@ class MaskStore:
     """Masks as ``<root>/<key>.safetensors``; ``root`` is a local directory or a pyarrow.fs URI (``s3://...``),
     so a node without a shared file system reads the masks the driver wrote."""
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike, create: bool = True) -> None:
+        """``create``: make the root now (False: a reader such as ``healsweep store ls``, which creates nothing)."""
         s = os.fspath(root)
         self.fs = None
         if "://" in s and not s.startswith("file://"):
-            self.fs, self.root = StoreFS(s), s
+            self.fs, self.root = StoreFS(s, create=create), s
         else:
             self.root = Path(s[len("file://"):] if s.startswith("file://") else s).resolve()
-            self.root.mkdir(parents=True, exist_ok=True)
+            if create:
+                self.root.mkdir(parents=True, exist_ok=True)
 
     def _name(self, key: str) -> str:
         if not isinstance(key, str) or not KEY_RE.match(key):
             raise StoreError(f"invalid mask key {key!r}")
         return f"{key}{SUFFIX}"
+
+    def _used(self, key: str) -> str:
+        """A remote mask's last-use record (relative to the root)."""
+        return f"{LAST_USE_DIR}/{self._name(key)[: -len(SUFFIX)]}"
 
     def path(self, key: str) -> Path:
         p = (Path(self.root) / self._name(key)).resolve()
@@ -60,17 +68,50 @@ class MaskStore:
         return p
 
     def keys(self) -> list[str]:
-        """Every mask key of a local store (a remote one: [])."""
+        """Every mask key in the store, local or remote (files ``<key>.safetensors`` directly under the root)."""
         if self.fs is not None:
-            return []
-        return sorted(p.name[: -len(SUFFIX)] for p in Path(self.root).glob(f"*{SUFFIX}")
-                      if KEY_RE.match(p.name[: -len(SUFFIX)]) and p.is_file() and not p.is_symlink())
+            names = [n for n in self.fs.listdir() if n.endswith(SUFFIX)]
+        else:
+            names = [p.name for p in Path(self.root).glob(f"*{SUFFIX}") if p.is_file() and not p.is_symlink()]
+        return sorted(k for k in (n[: -len(SUFFIX)] for n in names) if KEY_RE.match(k))
 
     def touch(self, key: str) -> None:
-        """Mark a local mask used now: its file's mtime is its last use (``healsweep store gc --older-than``)."""
-        if self.fs is None:
-            with contextlib.suppress(OSError):  # a read-only store: the mask is used all the same
+        """Mark a mask used now (``healsweep store gc --older-than``): a local file's mtime; a remote object cannot
+        change its time, so there its last use is written beside it (``.last_use/<key>``, an ISO timestamp)."""
+        with contextlib.suppress(OSError):  # a read-only store: the mask is used all the same
+            if self.fs is None:
                 os.utime(self.path(key))
+            else:
+                self.fs.write_atomic(self._used(key), datetime.now(timezone.utc).isoformat().encode())
+
+    def last_use(self, key: str) -> datetime | None:
+        """When the mask was last used (UTC): ``touch``'s record, else when it was written; None: no such mask."""
+        if self.fs is None:
+            with contextlib.suppress(OSError):
+                return datetime.fromtimestamp(self.path(key).stat().st_mtime, timezone.utc)
+            return None
+        raw = self.fs.read_bytes(self._used(key))
+        with contextlib.suppress(ValueError, UnicodeDecodeError):
+            if raw:
+                t = datetime.fromisoformat(raw.decode())
+                return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+        mt = self.fs.mtime(self._name(key))
+        return datetime.fromtimestamp(mt, timezone.utc) if mt is not None else None
+
+    def size(self, key: str) -> int | None:
+        """The mask file's bytes (None: no such mask)."""
+        if self.fs is not None:
+            return self.fs.size(self._name(key))
+        p = self.path(key)
+        return p.stat().st_size if p.is_file() else None
+
+    def delete(self, key: str) -> None:
+        """Delete a mask (and, remotely, its last-use record); a missing one is no error."""
+        if self.fs is not None:
+            self.fs.delete(self._name(key))
+            self.fs.delete(self._used(key))
+        else:
+            self.path(key).unlink(missing_ok=True)
 
     def has(self, key: str) -> bool:
         if self.fs is not None:
@@ -118,7 +159,7 @@ class MaskStore:
     def quarantine(self, key: str) -> str | None:
         """Move a local mask aside (``<root>/.quarantine/``); -> where, or None (remote: deleted instead)."""
         if self.fs is not None:
-            self.fs.delete(self._name(key))
+            self.delete(key)
             return None
         dst = Path(self.root) / ".quarantine" / self._name(key)
         dst.parent.mkdir(parents=True, exist_ok=True)

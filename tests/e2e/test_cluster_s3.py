@@ -90,6 +90,8 @@ def test_one_s3_uri_and_no_shared_file_system_on_a_two_node_cluster(tmp_path, aw
     assert data2.metrics["masks_computed"] == 0
     again = _objects(fs, path)
     assert {k: again[k] for k in masks} == {k: objs[k] for k in masks}  # nothing rewritten
+    used = masks[0].replace("masks/", "masks/.last_use/").removesuffix(".safetensors")
+    assert used not in objs and used in again  # the reuse is recorded for `healsweep store gc --older-than`
 
 
 def test_diagnostics_on_s3(tmp_path, aws_env):
@@ -253,3 +255,50 @@ def test_store_gc_collects_the_buckets_healed_weights_and_tune_storage_per_sweep
     assert r.returncode == 0 and left() == {f"healed/{ours}/t-1/healed.safetensors", "tune/notes/readme.txt",
                                             "healed/not-a-sweep/x"}, r.stdout + r.stderr
     assert f"deleted tune/tiny-{ours}-s0 (1 files)" in r.stdout and "tune: 1 of 1 sweep directories deleted" in r.stdout
+
+
+def test_store_ls_verify_and_gc_see_the_masks_in_the_bucket(tmp_path, aws_env):
+    """Masks on a remote store (``<store.uri>/masks``) are listed, verified and collected like local ones: the
+    mask stage's reuse is recorded in ``masks/.last_use/<key>`` (an object cannot change its time); a mask never
+    marked used dates from its upload."""
+    from datetime import datetime, timedelta, timezone
+
+    import pyarrow.fs as pafs
+    import torch
+
+    from orchestrator.raytune.cluster import store_subdir
+    from tasks.store import MaskStore
+    from tests.orchestrator.run_cli import healsweep
+
+    uri = f"s3://{aws_env['bucket']}/ms?endpoint_override={aws_env['host']}&scheme=http"
+    masks = MaskStore(store_subdir(uri, "masks"))
+    m1, m2, m3, bad = "1" * 32, "2" * 32, "3" * 32, "4" * 32
+    for k in (m1, m2, m3):
+        masks.save(k, {"w": torch.ones(64, dtype=torch.bool)}, {"k": k})
+    fs, base = pafs.FileSystem.from_uri(uri)
+    with fs.open_output_stream(f"{base}/masks/{bad}.safetensors") as f:
+        f.write(b"not a safetensors file")
+    with fs.open_output_stream(f"{base}/tune/tiny-0123456789ab-s0/experiment_state.json") as f:
+        f.write(b"x" * 3000)
+    old = (datetime.now(timezone.utc) - timedelta(days=10)).isoformat().encode()
+    for k in (m2, m3):
+        with fs.open_output_stream(f"{base}/masks/.last_use/{k}") as f:
+            f.write(old)
+    masks.touch(m3)  # m3 reused by a sweep just now
+    assert masks.keys() == [m1, m2, m3, bad] and masks.last_use(m3) > datetime.now(timezone.utc) - timedelta(minutes=5)
+
+    r = healsweep("store", "ls", "--store", uri)
+    assert r.returncode == 0, r.stderr
+    section = r.stdout.split("\nmasks: ", 1)[1].split("\n\n", 1)[0]
+    assert all(f"{k}.safetensors" in section for k in (m1, m2, m3, bad)) and "masks: 5 entries" in section, section
+    assert re.search(r"\n  tiny-0123456789ab-s0/ +0\.00 MB\ntune: 1 entry, 0\.00 MB", r.stdout), r.stdout
+    r = healsweep("store", "verify", "--store", uri)
+    assert r.returncode == 1 and "4 masks checked, 1 damaged" in r.stdout, r.stdout + r.stderr
+    assert f"mask {bad}: DAMAGED" in r.stdout and "the next sweep that uses it deletes it" in r.stdout
+    fs.delete_file(f"{base}/masks/{bad}.safetensors")
+
+    r = healsweep("store", "gc", "--store", uri, "--older-than", "5")
+    assert r.returncode == 0 and f"deleted mask {m2}" in r.stdout and "1 of 3 masks deleted" in r.stdout, r.stdout
+    assert masks.keys() == [m1, m3] and masks.last_use(m2) is None  # its last-use record went with it
+    assert fs.get_file_info(f"{base}/masks/.last_use/{m2}").type == pafs.FileType.NotFound
+    assert healsweep("store", "verify", "--store", uri).returncode == 0
