@@ -120,6 +120,7 @@ class NodeGuard:
         self._thread: threading.Thread | None = None
         self._pending = False  # check_soon was called since the running check took its node list
         self._soon = threading.Lock()  # the thread and the flag (``_lock``: the checks themselves)
+        self._released = False  # release() was called: no check starts, no fence is kept
 
     @property
     def bad(self) -> list[str]:
@@ -140,7 +141,8 @@ class NodeGuard:
                 if not self._claim(node["NodeID"], problem):
                     continue  # marked bad by a trial meanwhile (:meth:`mark`): fenced and named there
                 if problem:
-                    self.fences += fence(node)
+                    if not self._keep(fence(node)):
+                        continue  # the sweep ended while this node was probed: nothing to keep it out of
                     self.say(node_line(node, problem, self.run_dir))
                     found.append(node["NodeID"])
                 elif facts.get("version") and driver_version() and facts["version"] != driver_version():
@@ -153,6 +155,8 @@ class NodeGuard:
         """:meth:`check` in a thread (called from Tune's loop, which must not wait for the probe). A call while a
         check runs makes that thread check once more when it is done (its node list was taken before)."""
         with self._soon:  # never held through a probe
+            if self._released:
+                return
             self._pending = True
             if self._thread is None:
                 self._thread = threading.Thread(target=self._check_while_asked, name="healsweep-node-guard",
@@ -191,9 +195,8 @@ class NodeGuard:
 
         try:
             node = next((n for n in ray.nodes() if n["NodeID"] == node_id and n.get("Alive")), None)
-            if node is None or not self._claim(node_id, problem):
+            if node is None or not self._claim(node_id, problem) or not self._keep(fence(node)):
                 return False
-            self.fences += fence(node)
         except Exception:  # noqa: BLE001 - Tune's loop must go on: a probe decides instead
             self.check_soon()
             return False
@@ -226,14 +229,35 @@ class NodeGuard:
         left = f"; no node left can place {' or '.join(wants)}" if wants else ""
         return f"no node of the cluster can run the sweep: {'; '.join(why)}{left}"
 
+    def _keep(self, pgs: list) -> bool:
+        """Keep a node's fences (``pgs``) until :meth:`release`; once released they are removed at once (a check
+        still probing when the sweep ended would otherwise hold that node's CPUs and GPUs after it). -> kept."""
+        with self._soon:
+            if not self._released:
+                self.fences += pgs
+                return True
+        _remove(pgs)
+        return False
+
     def release(self) -> None:
+        """The sweep is over: no check starts any more, every fence is removed (also those a check still probing
+        adds later: :meth:`_keep`); waits up to a probe's time for a running check."""
+        with self._soon:
+            self._released, self._pending, thread = True, False, self._thread
+        if thread is not None:
+            thread.join(PROBE_TIMEOUT_S)
+        with self._soon:
+            pgs, self.fences = self.fences, []
+        _remove(pgs)
+
+
+def _remove(pgs: list) -> None:
+    """Remove these placement groups (fences)."""
+    if pgs:
         from ray.util.placement_group import remove_placement_group
 
-        if (thread := self._thread) is not None:
-            thread.join(PROBE_TIMEOUT_S)
-        for pg in self.fences:
+        for pg in pgs:
             remove_placement_group(pg)
-        self.fences = []
 
 
 def requests(resources) -> dict[str, dict[str, float]]:

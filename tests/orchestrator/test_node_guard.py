@@ -145,3 +145,22 @@ def test_check_soon_asks_again_after_a_failed_or_busy_check_and_a_node_is_claime
     assert calls == [0, 1, 2] and guard._thread is None
     assert guard._claim("n1", UNSHARED) and not guard._claim("n1", UNSHARED) and guard.checked == {"n1": UNSHARED}
     assert guard._claim("n2", None) and guard._claim("n2", UNSHARED)  # a node that passed can be found bad later
+
+
+def test_after_release_no_check_starts_and_a_late_fence_is_removed_at_once(monkeypatch):
+    """release() (the sweep is over) used to wait 60 s for a probing check and then clear the fences it held: a
+    check still probing past that added its fence afterwards, which held that node's CPUs and GPUs until Ray shut
+    down. Now a fence made after release is removed at once, and no check starts after release."""
+    import orchestrator.raytune.node_guard as node_guard
+    from orchestrator.raytune.node_guard import NodeGuard
+
+    removed = []
+    monkeypatch.setattr(node_guard, "_remove", removed.extend)  # Ray's remove_placement_group, recorded
+    guard = NodeGuard(say=lambda _: None)
+    early, late = object(), object()
+    assert guard._keep([early]) and guard.fences == [early] and removed == []
+    guard.release()
+    assert removed == [early] and guard.fences == []
+    assert not guard._keep([late]) and removed == [early, late] and guard.fences == []
+    guard.check_soon()
+    assert guard._thread is None and not guard._pending
