@@ -226,6 +226,11 @@ def _precheck(args) -> None:
         elif not args.spec:
             raise CliError("run: give a SPEC file, or --resume DIR")
         else:
+            if args.dry_run:  # the spec as written first: what the rewrite replaces is checked as its real run would
+                from orchestrator.spec.dry_run import check_recipe
+                from orchestrator.spec.load import read_spec_text, read_yaml
+
+                check_recipe(read_yaml(read_spec_text(args.spec)), Path(args.spec).resolve().parent)
             name = check_plain(_spec_mapping(args, data_root=None), Path(args.spec).resolve().parent)[1]
             probe_run_dir(Path(args.out or Path("runs") / name), resume=False)
     except (SpecError, ResumeError) as e:

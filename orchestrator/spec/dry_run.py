@@ -36,6 +36,27 @@ DRY_CLASSES = 10
 SUFFIX = "-dry-run"
 
 
+def check_recipe(raw: Any, base_dir: Any = None) -> None:
+    """The spec as written gets the registry-free checks of a real run (spec.parse.check_plain), every extra grid's
+    too, before the rewrite replaces what it checks (seeds, calibration sizes, search, heal, resources, store): a
+    dry run must not pass a spec its real run refuses. Models, data and weights are not checked (the dry run needs
+    none of them). SpecError (one line)."""
+    from orchestrator.spec.grids import GRID_KEYS, view_raw
+    from orchestrator.spec.parse import check_plain
+
+    d = check_plain(raw, base_dir)[0]
+    grids = d.get("grids")
+    for i, g in enumerate(grids if isinstance(grids, list) else ()):
+        if not isinstance(g, Mapping) or not isinstance(g.get("search") or {}, Mapping):
+            continue  # refused by the full check, in its own words
+        search = {k: v for k, v in (g.get("search") or {}).items() if v is not None}
+        view = view_raw(d, {k: g[k] for k in GRID_KEYS if k in g and k != "models" and g[k] is not None}, search, "")
+        try:
+            check_plain(view, base_dir)
+        except SpecError as e:
+            raise SpecError(f"grids[{i}].{e.path}" if e.path else f"grids[{i}]", e.message) from None
+
+
 def dry_run_spec(raw: Any, data_root: str | None) -> dict:
     """The spec mapping ``raw`` rewritten for a dry run (module docstring); ``data_root``: the generated image
     folder (None when the spec keeps the digits set). SpecError (one line) when ``raw`` is not a spec mapping."""
@@ -51,11 +72,11 @@ def dry_run_spec(raw: Any, data_root: str | None) -> dict:
     for key in ("pruners", "healers"):
         d[key] = _quick(d.get(key), key)
     d["calib_sizes"] = _capped(d.get("calib_sizes"))
-    d["seeds"] = list(d.get("seeds") or [0])[:1]
+    d["seeds"] = _first(d.get("seeds") or [0])
     d["search"] = _search(d.get("search"))
     for g in d.get("grids") or []:
         if isinstance(g, dict):  # keys a grid leaves out are the top level's (already rewritten)
-            for key, value in (("calib_sizes", _capped(g.get("calib_sizes"))), ("seeds", (g.get("seeds") or [])[:1])):
+            for key, value in (("calib_sizes", _capped(g.get("calib_sizes"))), ("seeds", _first(g.get("seeds")))):
                 if g.get(key):
                     g[key] = value
             for key in ("pruners", "healers"):
@@ -63,8 +84,9 @@ def dry_run_spec(raw: Any, data_root: str | None) -> dict:
                     g[key] = _quick(g[key], key)
             if isinstance(g.get("search"), Mapping):
                 g["search"] = _grid_search(g["search"])
-    heal = dict(d.get("heal") or {})
-    heal["batch_size"] = min(int(heal.get("batch_size", 32)), DRY_CALIB)
+    heal = dict(d["heal"]) if isinstance(d.get("heal"), Mapping) else {}
+    batch = heal.get("batch_size", 32)
+    heal["batch_size"] = min(batch, DRY_CALIB) if isinstance(batch, int) and not isinstance(batch, bool) else batch
     heal["latency_rounds"] = 1  # a structured pruner's latency timing: one round (a stand-in's speed means nothing)
     d["heal"] = heal
     d["resources"] = {"cpus_per_trial": 1, "gpus_per_trial": 0, "cpus_per_dense_task": 1, "gpus_per_dense_task": 0,
@@ -137,7 +159,14 @@ def _capped(sizes: Any) -> list | None:
     return sorted({min(n, DRY_CALIB) if isinstance(n, int) and not isinstance(n, bool) else n for n in sizes})
 
 
-def _search(search: Any) -> dict:
+def _first(seeds: Any) -> Any:
+    """The first seed of a list (anything else as given: refused by the spec check, in its own words)."""
+    return list(seeds)[:1] if isinstance(seeds, list) else seeds
+
+
+def _search(search: Any) -> Any:
+    if search is not None and not isinstance(search, Mapping):
+        return search  # refused by the spec check, in its own words
     s = {k: v for k, v in (search or {}).items() if k not in ("design", "explore", "startup_trials", "widen",
                                                                "scheduler", "asha_grace_period",
                                                                "asha_reduction_factor")}

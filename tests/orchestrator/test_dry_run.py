@@ -156,3 +156,41 @@ def test_a_dry_run_of_a_spec_with_calibration_draws_runs_no_reevaluation_and_no_
     assert parse_spec(raw).search.calib_draws == 2
     dry = parse_spec(dry_run_spec(raw, folder)).search
     assert (dry.reevaluate, dry.calib_draws) == (0, 0)
+
+
+TINY = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+
+
+@pytest.mark.parametrize("change, error", [
+    ({"heal": {"batch_size": "abc"}}, "heal.batch_size: must be an integer, got 'abc'"),
+    ({"seeds": [0, -1]}, "seeds[1]: must be >= 0, got -1"),
+    ({"calib_sizes": [128, "abc"]}, "calib_sizes[1]: must be an integer, got 'abc'"),
+    ({"resources": {"cpus_per_trial": -1}}, "resources.cpus_per_trial: must be > 0.0, got -1"),
+    ({"search": {**TINY["search"], "design": "foo"}}, "search.design: must be one of shared, tpe, grid, got 'foo'"),
+    ({"grids": [{"name": "g", "seeds": 5}]}, "grids[0].seeds: must be a non-empty list, got 5"),
+    ({"grids": [{"name": "g", "seeds": [0, -1]}]}, "grids[0].seeds[1]: must be >= 0, got -1"),
+    ({"grids": [{"name": "g", "search": {"trials_per_cell": -3}}]}, "grids[0].search.trials_per_cell: must be >= 1"),
+])
+def test_a_dry_run_refuses_what_its_real_run_refuses_before_the_rewrite(change, error):
+    """The rewrite replaces seeds, calibration sizes, search, heal and resources: a dry run used to pass specs its
+    real run refuses (or end in a traceback reading them). The spec as written gets the real run's plain checks."""
+    from orchestrator.spec import SpecError
+    from orchestrator.spec.dry_run import check_recipe
+
+    with pytest.raises(SpecError) as e:
+        check_recipe({**TINY, **change}, REPO / "configs")
+    assert str(e.value).startswith(error), str(e.value)
+    check_recipe(TINY, REPO / "configs")  # the recipe as shipped passes
+    for spec in sorted((REPO / "configs").glob("*.yaml")):  # and every shipped one
+        check_recipe(yaml.safe_load(spec.read_text()), spec.parent)
+
+
+def test_a_bad_spec_given_to_run_dry_run_is_one_line(tmp_path):
+    from tests.orchestrator.run_cli import healsweep
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**TINY, "grids": [{"name": "g", "seeds": 5}]}))
+    proc = healsweep("run", bad, "--dry-run", "--out", tmp_path / "run", "--quiet", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == ("healsweep: error: grids[0].seeds: must be a non-empty "
+                                                            "list, got 5"), proc.stderr
+    assert not (tmp_path / "run").exists()
