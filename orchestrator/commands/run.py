@@ -37,12 +37,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--store", metavar="DIR",
                    help=f"target/mask store root, shared across sweeps (default: {DEFAULT_HOME / 'store'}; "
                         f"with --dry-run: DIR/store)")
-    p.add_argument("--cache", metavar="DIR", default=str(DEFAULT_HOME / "models"),
-                   help="reference model cache (default: %(default)s)")
+    p.add_argument("--cache", metavar="DIR",
+                   help=f"reference model cache (default: {DEFAULT_HOME / 'models'})")
     p.add_argument("--address", help="Ray cluster address: HOST:PORT of the head's GCS, or 'auto' (the cluster this "
                                     "machine belongs to; printed); default: a fresh local Ray. ray:// is refused")
     p.add_argument("--num-cpus", type=int, help="CPUs for the local Ray instance (default: all)")
-    p.add_argument("--cpu-only", action="store_true", help="ignore the spec's GPU requests: run every task on CPU")
+    p.add_argument("--cpu-only", action="store_true", help="ignore the spec's GPU requests and its device: run every task on CPU")
     p.add_argument("--resources", metavar="K=V,...",
                    help="override the spec's resources, keys cpu, gpu (per trial), dense_cpu, dense_gpu; e.g. cpu=1,gpu=0")
     p.add_argument("--no-report", action="store_true", help="skip writing the report at the end")
@@ -216,10 +216,14 @@ def _precheck(args) -> None:
     try:
         if args.resources:
             parse_override(args.resources)
+        if args.cpu_only and args.resources and {"gpus_per_trial", "gpus_per_dense_task"} & set(
+                parse_override(args.resources)):
+            raise CliError("--cpu-only runs every task on the CPU: give it or --resources gpu=/dense_gpu=, not both")
         if args.resume:
             if args.spec or args.out or args.dry_run:
                 raise CliError("--resume DIR takes no SPEC, --out or --dry-run: the sweep's spec and paths are in DIR")
             info = read_sweep(Path(args.resume))
+            _same_paths(args, info)
             check_server(info["tracking_uri"], f"{Path(args.resume) / 'sweep.json'}: tracking_uri")
             probe_run_dir(Path(args.resume), resume=True)
             check_resumable(Path(args.resume))  # a damaged database, journal or record: one line before Ray
@@ -237,12 +241,20 @@ def _precheck(args) -> None:
         raise CliError(str(e)) from None
 
 
+def _same_paths(args, info: dict) -> None:
+    """--store and --cache with --resume: the sweep's own (recorded in sweep.json) or refused (they were ignored)."""
+    for flag, given, key in (("--store", args.store, "store"), ("--cache", args.cache, "cache")):
+        if given and Path(given).resolve() != Path(str(info.get(key))).resolve():
+            raise CliError(f"{flag} {given}: this sweep's {key} is {info.get(key)} (its sweep.json), which --resume "
+                           f"uses; leave {flag} out")
+
+
 def _resolve(args) -> tuple:
     """(spec, run dir, store dir, model cache) from the arguments or a resumed run dir; CliError when bad."""
     from orchestrator.raytune.resources import override_resources
     from orchestrator.spec import SpecError, parse_spec
 
-    store, cache = Path(args.store or DEFAULT_HOME / "store"), Path(args.cache)
+    store, cache = Path(args.store or DEFAULT_HOME / "store"), Path(args.cache or DEFAULT_HOME / "models")
     try:
         if args.resume:
             out = Path(args.resume)

@@ -30,10 +30,17 @@ def parse_override(text: str) -> dict[str, float]:
 
 
 def override_resources(spec: SweepSpec, text: str | None = None, cpu_only: bool = False) -> SweepSpec:
-    """The spec with its resources overridden; ``cpu_only`` zeroes every GPU request (trials run on CPU)."""
+    """The spec with its resources overridden; ``cpu_only`` zeroes every GPU request and makes a ``device: cuda``
+    spec compute on the CPU (every task runs there). SpecError for an override that leaves ``device: cuda`` with no
+    GPU per trial (the spec's own check refuses the same)."""
     changes = parse_override(text) if text else {}
     if cpu_only:
         changes.update(gpus_per_trial=0.0, gpus_per_dense_task=0.0)
+        if spec.resources.device == "cuda":
+            changes["device"] = "cpu"
+    elif changes.get("gpus_per_trial") == 0 and spec.resources.device == "cuda":
+        raise SpecError("--resources", "gpu=0 leaves the spec's resources.device cuda without a GPU per trial; "
+                                       "use --cpu-only to run every task on the CPU")
     return replace(spec, resources=replace(spec.resources, **changes)) if changes else spec
 
 

@@ -50,6 +50,22 @@ def test_resume_with_a_garbage_sweep_json(tmp_path, content):
     assert_one_line_exit_2(cli("run", "--resume", tmp_path), "sweep.json")
 
 
+def test_resume_refuses_a_store_or_cache_other_than_the_sweeps(tmp_path):
+    """--store and --cache were silently ignored by --resume (the sweep's own are in sweep.json): another path is
+    refused in one line; the sweep's own (the first command line repeated) is accepted."""
+    d = sweep_record(tmp_path / "run", tmp_path)
+    assert_one_line_exit_2(cli("run", "--resume", d, "--store", tmp_path / "other"),
+                           f"--store {tmp_path / 'other'}: this sweep's store is {tmp_path / 'store'}")
+    assert_one_line_exit_2(cli("run", "--resume", d, "--cache", tmp_path / "c2"), "--cache", "leave --cache out")
+    r = cli("run", "--resume", d, "--store", tmp_path / "store", "--cache", tmp_path / "cache")
+    assert "this sweep's" not in r.stderr, r.stderr  # past the check (this record has no database: refused later)
+
+
+def test_cpu_only_with_a_gpu_override_is_refused():
+    assert_one_line_exit_2(cli("run", REPO / "configs" / "tiny.yaml", "--cpu-only", "--resources", "cpu=1,gpu=0.5"),
+                           "--cpu-only runs every task on the CPU: give it or --resources gpu=/dense_gpu=, not both")
+
+
 @pytest.mark.parametrize("days", ["nan", "inf"])
 def test_store_gc_older_than_non_finite(tmp_path, days):
     (tmp_path / "targets").mkdir()

@@ -12,7 +12,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 from optuna.trial import TrialState
 
-from orchestrator.raytune.resources import override_resources, parse_override
+from orchestrator.raytune.resources import override_resources, parse_override, trial_device
 from orchestrator.rundir.files import told_states
 from orchestrator.search import PerCellOptunaSearch
 from orchestrator.spec import SpecError, parse_spec
@@ -344,6 +344,13 @@ def test_resource_override_turns_a_gpu_spec_into_a_cpu_run():
     o = override_resources(spec, "cpu=2,gpu=0.5")
     assert (o.resources.cpus_per_trial, o.resources.gpus_per_trial) == (2.0, 0.5)
     assert parse_override("gpu=0") == {"gpus_per_trial": 0.0}
+    cuda = parse_spec({**_gpu_spec(), "resources": {"gpus_per_trial": 1, "device": "cuda"}})
+    cpu = override_resources(cuda, cpu_only=True)  # a device: cuda spec on a machine without one: every trial
+    assert (cpu.resources.device, cpu.resources.gpus_per_trial) == ("cpu", 0)  # failed on cuda before
+    assert trial_device(cpu.resources) == "cpu" and trial_device(cuda.resources) == "cuda"
+    assert override_resources(spec, cpu_only=True).resources.device == "auto"  # auto with no GPU: the CPU
+    with pytest.raises(SpecError, match="gpu=0 leaves the spec's resources.device cuda"):
+        override_resources(cuda, "gpu=0")
     for bad in ("gpu", "tpu=1", "cpu=0", "gpu=1.5", "cpu=x"):
         with pytest.raises(SpecError, match="--resources"):
             parse_override(bad)
