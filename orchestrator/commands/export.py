@@ -92,6 +92,8 @@ def find_run(run_id: str, run_dir: str | None, runs: str, tracking_uri: str | No
         if not (d / "sweep.json").is_file():
             raise CliError(f"--run-dir {d}: not a run directory (no sweep.json)")
         uri = tracking_uri or _sweep_json(d).get("tracking_uri") or f"sqlite:///{(d / 'mlflow.db').resolve()}"
+        if not isinstance(uri, str):
+            raise CliError(f"{d}: sweep.json's tracking_uri is not a URI ({str(uri)[:40]!r}); give --tracking-uri")
         run = _get_run(uri, run_id)
         if run is None:
             raise CliError(f"run {run_id!r} not found in {uri}")

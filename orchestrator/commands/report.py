@@ -101,15 +101,16 @@ def main(args) -> int:
         except (ValueError, OSError):
             pass  # an unreadable sweep.json: check_sweep says so in one line
     check_sweep(d)
+    readme = getattr(args, "readme", None)
+    if readme and not Path(readme).is_file():  # before the report is rewritten: a refused command changes nothing
+        raise CliError(f"--readme {readme}: {'a directory, not a file' if Path(readme).is_dir() else 'no such file'}")
     from analysis.report import write_report
 
     paths = write_report(d)
     print(report_lines(paths))
-    if getattr(args, "readme", None):
+    if readme:
         from analysis.readme import ReadmeError, update_readme
 
-        if not Path(args.readme).is_file():
-            raise CliError(f"{args.readme}: no such file")
         try:
             names = update_readme(d, args.readme)
         except ReadmeError as e:

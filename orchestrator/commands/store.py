@@ -94,6 +94,8 @@ def _from_run_dir(d: Path) -> tuple[str, Path | None]:
             info = json.loads((d / "sweep.json").read_text())
             targets = (info["spec"].get("store") or {}).get("uri") or str(Path(info["store"]) / "targets")
         info = json.loads((d / "sweep.json").read_text()) if (d / "sweep.json").is_file() else {}
+        if not isinstance(info, dict):
+            raise TypeError(f"sweep.json holds a {type(info).__name__}, not an object")
     except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
         raise CliError(f"store: {d} is not a readable run directory ({type(e).__name__}: {e})") from None
     if not isinstance(targets, str) or not targets:

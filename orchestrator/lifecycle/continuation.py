@@ -2,7 +2,6 @@
 trials) and the error that refuses one in one line."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 
@@ -14,11 +13,14 @@ def read_run(run_dir: Path) -> tuple[dict, str, dict, object]:
     """(sweep.json, tracking URI, parent-run info, every trial's row) of a finished sweep; RefineError (one line)
     without sweep.json or without the sweep's parent run in MLflow. Shared by refinement and widening."""
     from analysis.runs import load_sweep_info, load_trials
+    from orchestrator.rundir.files import ResumeError, read_sweep
 
-    sj = Path(run_dir) / "sweep.json"
-    if not sj.is_file():
+    if not (Path(run_dir) / "sweep.json").is_file():
         raise RefineError(f"{run_dir}: not a run directory (no sweep.json)")
-    meta = json.loads(sj.read_text(encoding="utf-8"))
+    try:
+        meta = read_sweep(Path(run_dir))  # checked: an empty, torn or foreign sweep.json is one line
+    except ResumeError as e:
+        raise RefineError(str(e)) from None
     uri = meta.get("tracking_uri") or f"sqlite:///{(Path(run_dir) / 'mlflow.db').resolve()}"
     exp = meta.get("experiment") or "healsweep"
     info = load_sweep_info(uri, meta["sweep_id"], exp, meta.get("parent_run_id"))

@@ -54,6 +54,8 @@ def relocate(run_dir) -> bool:
     if not meta_p.exists() or not db.exists():
         return False
     meta = json.loads(meta_p.read_text(encoding="utf-8"))
+    if not isinstance(meta, dict):
+        return False  # not a sweep record (the caller's own check says so in one line)
     uri = str(meta.get("tracking_uri") or "")
     if not uri.startswith("sqlite:///") or not uri.endswith("/mlflow.db") or uri == local_tracking_uri(run_dir):
         return False

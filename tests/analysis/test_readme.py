@@ -51,6 +51,11 @@ def test_readme_blocks_from_the_report(tmp_path):
     assert bad.returncode == 2 and readme.read_text() == before
     assert bad.stderr.strip().splitlines()[-1] == (f"healsweep: error: {readme}: <!-- report:findings --> (line 3) "
                                                    "has no <!-- /report:findings --> after it")
+    mtime = (run_dir / "report.html").stat().st_mtime_ns
+    for missing, why in ((tmp_path / "none.md", "no such file"), (tmp_path, "a directory, not a file")):
+        bad = _run("report", str(run_dir), "--readme", str(missing))
+        assert bad.returncode == 2 and bad.stderr.strip() == f"healsweep: error: --readme {missing}: {why}", bad.stderr
+    assert (run_dir / "report.html").stat().st_mtime_ns == mtime  # refused before the report was rewritten
 
 
 def test_unpaired_markers_are_named_with_their_line():

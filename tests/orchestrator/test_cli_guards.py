@@ -219,3 +219,23 @@ def test_refine_num_cpus_0_and_export_to_a_server_that_is_down_are_one_line(tmp_
     assert_one_line_exit_2(cli("export", "0" * 32, "--out", tmp_path / "ex", "--run-dir", d, "--tracking-uri",
                                "http://127.0.0.1:1"), "--tracking-uri: cannot reach 127.0.0.1:1 within 3 s")
     assert time.monotonic() - t0 < 60 and not (tmp_path / "ex").exists()
+
+
+@pytest.mark.parametrize("content", ["", '{"sweep_id": "ab', "[1]", "{}", '{"tracking_uri": 5}'])
+def test_a_damaged_sweep_json_is_one_line_for_every_command_that_reads_it(tmp_path, capsys, content):
+    """refine (JSONDecodeError, KeyError), report, store ls/gc (AttributeError on a list) and export (a tracking_uri
+    that is not a string) ended in tracebacks on an empty, torn or foreign sweep.json; doctor and --resume did not."""
+    from orchestrator.cli import main
+
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "sweep.json").write_text(content)
+    commands = [["refine", str(d), "--dry-run"], ["report", str(d)], ["store", "ls", str(d)],
+                ["store", "gc", "--older-than", "1", "--dry-run", str(d)],
+                ["export", "0" * 32, "--out", str(tmp_path / "x"), "--run-dir", str(d)]]
+    for argv in commands:
+        code = main(argv)
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, (argv, code, err)
+        assert any(w in err for w in ("sweep.json", "not a readable run directory", "not found in")), (argv, err)
+    assert (d / "sweep.json").read_text() == content  # nothing rewritten
