@@ -106,9 +106,11 @@ def read_present(freeze: Sequence[Path], lists: Sequence[Path], names: Sequence[
     parts, sources = [], []
     for path in (*freeze, *lists):
         try:
-            parts.append(path.read_text())
+            parts.append(path.read_text(encoding="utf-8"))
         except OSError as e:
             raise BundleError(f"cannot read {path}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise BundleError(f"{path} is not a text file (not UTF-8): give the target's `pip freeze` output") from None
         sources.append(path.name)
     if names:
         parts.append("\n".join(names))

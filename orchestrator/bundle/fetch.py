@@ -39,11 +39,14 @@ def manylinux_platforms(platform: str) -> list[str]:
 
 def read_wheel(path: Path) -> Dist:
     """The Dist of wheel file ``path``: name and version from its METADATA, its Requires-Dist lines."""
-    with zipfile.ZipFile(path) as z:
-        meta = [n for n in z.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA")]
-        if len(meta) != 1:
-            raise BundleError(f"{path.name}: not a wheel (no single *.dist-info/METADATA)")
-        msg = email.parser.Parser().parsestr(z.read(meta[0]).decode("utf-8"), headersonly=True)
+    try:
+        with zipfile.ZipFile(path) as z:
+            meta = [n for n in z.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA")]
+            if len(meta) != 1:
+                raise BundleError(f"{path.name}: not a wheel (no single *.dist-info/METADATA)")
+            msg = email.parser.Parser().parsestr(z.read(meta[0]).decode("utf-8"), headersonly=True)
+    except (zipfile.BadZipFile, UnicodeDecodeError) as e:
+        raise BundleError(f"{path.name}: not a wheel ({type(e).__name__})") from None
     return Dist(canonicalize_name(msg["Name"]), Version(msg["Version"]), tuple(msg.get_all("Requires-Dist") or ()), path)
 
 

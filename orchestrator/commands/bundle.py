@@ -7,7 +7,8 @@ from pathlib import Path
 import orchestrator
 from orchestrator.bundle.build import BundleRequest, build_bundle, read_present
 from orchestrator.bundle.resolve import BundleError
-from orchestrator.commands.common import CliError
+from orchestrator.bundle.fetch import read_wheel
+from orchestrator.commands.common import CliError, not_a_dir
 
 DESCRIPTION = """\
 Build, on a machine with package access, one file holding exactly the wheels a TARGET machine lacks to run
@@ -62,11 +63,17 @@ def add_parser(sub):
 def main(args: argparse.Namespace) -> int:
     if not 0 < args.max_mb < float("inf"):  # nan compared False with every size: the limit was ignored
         raise CliError(f"--max-mb must be a positive number of MB, got {args.max_mb:g}")
+    if why := not_a_dir(str(args.out)):
+        raise CliError(f"--out: {why}")
+    if args.healsweep_wheel is not None and not args.healsweep_wheel.is_file():
+        raise CliError(f"--healsweep-wheel {args.healsweep_wheel}: no such file")
     index: list[str] = ["--no-index"] if args.no_index else []
     index += ["--index-url", args.index_url] if args.index_url else []
     for d in args.find_links:
         index += ["--find-links", str(d)]
     try:
+        if args.healsweep_wheel is not None:
+            read_wheel(args.healsweep_wheel)  # a wheel, before --out is made
         text, source = read_present(args.freeze, args.assume_present, args.present)
         req = BundleRequest(python=args.python, platform=args.platform, present_text=text, present_source=source,
                             out=args.out, name=args.name, extras=frozenset(args.extra), max_mb=args.max_mb,

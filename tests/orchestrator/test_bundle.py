@@ -96,6 +96,23 @@ def test_cli_says_what_is_missing_in_one_line(tmp_path, capsys):
     for bad in ("nan", "0", "inf"):  # nan compared False with every size: the limit was silently ignored
         assert main(["bundle", "--python", "3.12", "--present", "torch", "--out", str(tmp_path), "--max-mb", bad]) == 2
         assert capsys.readouterr().err.strip() == f"healsweep: error: --max-mb must be a positive number of MB, got {bad}"
+    # were tracebacks: --out a file, a missing or broken --healsweep-wheel, a freeze file that is not text
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "junk.whl").write_bytes(b"not a zip")
+    (tmp_path / "freeze.bin").write_bytes(b"torch==2\xff\xfe\n")
+    base = ["bundle", "--python", "3.12", "--no-index", "--strip", "none"]
+    for extra, line in (
+            (["--present", "torch", "--out", str(tmp_path / "afile")], f"--out: {tmp_path / 'afile'} is a file"),
+            (["--present", "torch", "--out", str(tmp_path / "o1"), "--healsweep-wheel", str(tmp_path / "no.whl")],
+             f"--healsweep-wheel {tmp_path / 'no.whl'}: no such file"),
+            (["--present", "torch", "--out", str(tmp_path / "o2"), "--healsweep-wheel", str(tmp_path / "junk.whl")],
+             "junk.whl: not a wheel (BadZipFile)"),
+            (["--freeze", str(tmp_path / "freeze.bin"), "--out", str(tmp_path / "o3")],
+             f"{tmp_path / 'freeze.bin'} is not a text file (not UTF-8)")):
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"healsweep: error: {line}"), err
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("o")]  # no --out directory left behind
 
 
 def test_markers_are_evaluated_for_the_target_not_this_machine():
