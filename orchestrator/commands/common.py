@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from orchestrator.rundir import interrupt
+from orchestrator.spec.checks import not_a_dir  # noqa: F401 - the commands' face
 
 DEFAULT_HOME = Path(".healsweep")
 
@@ -24,18 +25,6 @@ def load_spec_or_exit(path: str):
         return spec
     except SpecError as e:
         raise CliError(str(e)) from None
-
-
-def not_a_dir(value) -> str | None:
-    """Why ``value`` cannot be (or be created as) a directory: it, or the nearest of its parents that exists, is
-    a file; None otherwise (a path under a file failed only when the first write reached it: after Ray had
-    started, the models were loaded, or ``models train`` had trained)."""
-    p = Path(value).absolute()
-    for q in (p, *p.parents):
-        if q.exists():
-            return None if q.is_dir() else (f"{value} is a file, not a directory" if q == p else
-                                              f"{value} is under {q}, which is a file, not a directory")
-    return None
 
 
 def plural(n: int, word: str) -> str:

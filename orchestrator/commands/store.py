@@ -245,6 +245,9 @@ def _gc(store, args, root) -> int:
         raise CliError(f"--older-than must be a number of days in [0, 36500], got {args.older_than:g}")
     candidates = [n for n in store.fs.listdir() if KEY_RE.match(n)]
     bucket = bucket_rule(str(store.root), args)  # checked before anything is deleted (the runs' sweep.json)
+    if args.healed and bucket is None:
+        raise CliError("--healed: a local store has no healed weights to collect (they are in each run's trials/; "
+                       "healed/ exists only in a remote store.uri's bucket)")
     if args.keep_referenced:
         keep = _referenced(args.keep_referenced)
         drop = [k for k in candidates if k not in keep]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from pathlib import Path
 from typing import Any, Mapping
 
 # Bounds of a spec (a larger grid is a typo or an attack, not a sweep; say so before any work starts).
@@ -192,3 +193,15 @@ def local_path(v: str, base_dir: str | os.PathLike | None) -> str:
     file's directory; the working directory for a spec given as a mapping). Trials run in their own working
     directories (Ray Tune's trial directories) and on other nodes, so a relative path would name another file."""
     return os.path.abspath(os.path.join(base_dir or os.getcwd(), os.path.expanduser(v)))
+
+
+def not_a_dir(value) -> str | None:
+    """Why ``value`` cannot be (or be created as) a directory: it, or the nearest of its parents that exists, is
+    a file; None otherwise (a path under a file failed only when the first write reached it: after Ray had
+    started, the models were loaded, or ``models train`` had trained)."""
+    p = Path(value).absolute()
+    for q in (p, *p.parents):
+        if q.exists():
+            return None if q.is_dir() else (f"{value} is a file, not a directory" if q == p else
+                                              f"{value} is under {q}, which is a file, not a directory")
+    return None

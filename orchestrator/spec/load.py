@@ -95,7 +95,8 @@ def read_spec_text(path: str | Path) -> str:
     """A spec file's text: it exists, is at most MAX_BYTES, UTF-8 and text (SpecError otherwise)."""
     p = Path(path)
     if not p.is_file():
-        raise SpecError("spec", f"file not found: {excerpt(str(p), 200)}")
+        what = "a directory, not a spec file" if p.is_dir() else "not a regular file" if p.exists() else "file not found"
+        raise SpecError("spec", f"{what}: {excerpt(str(p), 200)}")
     size = p.stat().st_size
     if size > MAX_BYTES:
         raise SpecError("spec", f"{p.name} is {size} bytes; a spec may have at most {MAX_BYTES} bytes")

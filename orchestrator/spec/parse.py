@@ -41,6 +41,7 @@ from orchestrator.spec.checks import (
     excerpt,
     join,
     local_path,
+    not_a_dir,
 )
 from orchestrator.spec.compat import check_models, check_outputs, check_size
 from orchestrator.spec.grids import parse_grids, view_raw, views
@@ -300,7 +301,10 @@ def store_uri(v: Any, base_dir: str | Path | None) -> str:
             raise SpecError("store.uri", f"unknown scheme {shown}://; allowed: a local path or "
                                          f"{', '.join(s + '://' for s in STORE_SCHEMES)}")
         return uri
-    return local_path(uri, base_dir)
+    path = local_path(uri, base_dir)
+    if why := not_a_dir(path):  # else refused only by `healsweep run`, after `validate` had said ok
+        raise SpecError("store.uri", why)
+    return path
 
 
 def parse_mlflow(v: Any) -> MlflowSpec:

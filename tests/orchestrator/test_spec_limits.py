@@ -170,6 +170,11 @@ def test_unreachable_tracking_server_is_one_line_within_seconds(tmp_path):
     assert "mlflow.tracking_uri" in err
 
 
+def test_a_directory_given_as_the_spec_is_named_so(tmp_path):
+    with pytest.raises(SpecError, match="spec: a directory, not a spec file: "):  # was "file not found"
+        load_spec(tmp_path)
+
+
 def test_relative_store_uri_is_resolved_against_the_spec_file(tmp_path, monkeypatch):
     sub = tmp_path / "specs"
     sub.mkdir()
@@ -180,6 +185,10 @@ def test_relative_store_uri_is_resolved_against_the_spec_file(tmp_path, monkeypa
     assert parse_spec(mutated(store={"uri": "t"})).store.uri == str(tmp_path / "t")
     assert parse_spec(mutated(store={"uri": "s3://bucket/t"})).store.uri == "s3://bucket/t"
     assert parse_spec(mutated(store={"uri": str(tmp_path / "abs")})).store.uri == str(tmp_path / "abs")
+    (tmp_path / "afile").write_text("x")  # `validate` said ok, `run` refused it after Ray had started
+    for uri, why in (("afile", "is a file, not a directory"), ("afile/sub", "which is a file, not a directory")):
+        with pytest.raises(SpecError, match=f"store.uri: .*{why}"):
+            parse_spec(mutated(store={"uri": uri}))
 
 
 def test_peak_request_names_the_largest_placement():
@@ -209,3 +218,14 @@ def test_a_method_check_quoting_a_long_value_stays_short():
         parse_spec(mutated(pruners=[{"name": "rr", "settings": {"grid": grid}}]))
     assert e.value.path == "pruners[0].settings" and "strictly increasing" in str(e.value)
     assert len(e.value.message) <= 300 and "\n" not in str(e.value)
+
+
+def test_the_spec_reference_in_docs_usage_validates_as_written():
+    """docs/usage.md's annotated spec (every top-level key a user can give) is a spec that validates."""
+    import re
+
+    repo = Path(__file__).resolve().parents[2]
+    text = (repo / "docs" / "usage.md").read_text().split("## The spec", 1)[1]
+    raw = yaml.safe_load(re.search(r"```yaml\n(.*?)```", text, re.S).group(1))
+    spec = parse_spec(raw, base_dir=repo)
+    assert {"data_seed", "offline", "calib_seed", "grids", "search", "heal"} <= set(raw) and spec.grids

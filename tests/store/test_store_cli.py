@@ -68,6 +68,9 @@ def test_gc_older_than_and_keep_referenced(store_dir, tmp_path, capsys):
     assert main(["store", "gc", "--keep-referenced", str(run), "--store", str(home)]) == 0
     assert st.keys() == []
     assert main(["store", "gc", "--keep-referenced", str(tmp_path), "--store", str(home)]) == 2  # no targets.json
+    capsys.readouterr()
+    assert main(["store", "gc", "--keep-referenced", str(run), "--healed", "--store", str(home)]) == 2
+    assert "--healed: a local store has no healed weights" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["store", "gc", "--store", str(home)])  # one of the two modes is required
 
