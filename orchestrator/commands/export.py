@@ -27,11 +27,12 @@ def add_parser(sub):
                                    "The run directory is found under --runs unless --run-dir is given.")
     p.add_argument("run_id", metavar="RUN_ID", help="MLflow run id of a finished trial (a child run)")
     p.add_argument("--out", metavar="DIR", required=True, help="output directory")
-    p.add_argument("--run-dir", metavar="DIR", help="the sweep's run directory (holds sweep.json and trials/); "
-                                                    "default: found under --runs")
-    p.add_argument("--runs", metavar="DIR", default="runs",
-                   help="where to look for run directories (DIR/*/sweep.json) when --run-dir is not given "
-                        "(default: %(default)s)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--run-dir", metavar="DIR", help="the sweep's run directory (holds sweep.json and trials/); "
+                                                        "default: found under --runs")
+    where.add_argument("--runs", metavar="DIR", default="runs",
+                       help="where to look for run directories (DIR/*/sweep.json) when --run-dir is not given "
+                            "(default: %(default)s)")
     p.add_argument("--tracking-uri", metavar="URI",
                    help="MLflow tracking URI: the only one searched (default: $MLFLOW_TRACKING_URI, then the URIs "
                         "the run directories name)")

@@ -239,3 +239,12 @@ def test_a_damaged_sweep_json_is_one_line_for_every_command_that_reads_it(tmp_pa
         assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, (argv, code, err)
         assert any(w in err for w in ("sweep.json", "not a readable run directory", "not found in")), (argv, err)
     assert (d / "sweep.json").read_text() == content  # nothing rewritten
+
+
+def test_export_takes_run_dir_or_runs_not_both(tmp_path, capsys):
+    """--runs was silently ignored next to --run-dir (docs/usage.md: either one)."""
+    from orchestrator.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["export", "0" * 32, "--out", str(tmp_path / "x"), "--run-dir", str(tmp_path), "--runs", str(tmp_path)])
+    assert e.value.code == 2 and "argument --runs: not allowed with argument --run-dir" in capsys.readouterr().err
