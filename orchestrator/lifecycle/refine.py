@@ -49,8 +49,9 @@ def refine_interval(records: list[dict]) -> tuple[float, float] | None:
 
 def fine_grid(lo: float, hi: float, step: float, existing) -> list[float]:
     """lo + k·step strictly inside (lo, hi), rounded to 1e-6, minus sparsities already run."""
-    if not step >= MIN_STEP:  # a smaller step only repeats points after the rounding (1e-300 hung, listing 4e299)
-        raise RefineError(f"--step must be >= {MIN_STEP:g} (fine sparsities are rounded to 1e-6), got {step:g}")
+    if not MIN_STEP <= step < 1:  # a smaller step only repeats points after the rounding (1e-300 hung, listing 4e299)
+        raise RefineError(f"--step must be in [{MIN_STEP:g}, 1) (a sparsity step; fine sparsities are rounded to "
+                          f"1e-6), got {step:g}")
     have = {round(float(x), 6) for x in existing}
     n = int(math.floor((hi - lo) / step + 1e-9))
     pts = [round(lo + k * step, 6) for k in range(1, n + 1)]

@@ -38,8 +38,8 @@ def test_fine_grid_excludes_ends_and_existing():
     assert fine_grid(0.9, 0.95, 0.01, {0.9, 0.92, 0.95}) == [0.91, 0.93, 0.94]
     assert fine_grid(0.90, 0.92, 0.005, ()) == [0.905, 0.91, 0.915]
     assert len(fine_grid(0.9, 0.95, 1e-6, ())) == 49_999  # the smallest step the 1e-6 rounding keeps apart
-    for step in (0.0, 1e-300, float("nan")):  # 1e-300 hung (a 4e299-point range); nan passed `step <= 0`
-        with pytest.raises(RefineError, match=r"--step must be >= 1e-06 \(fine sparsities are rounded to 1e-6\)"):
+    for step in (0.0, 1e-300, float("nan"), 1.0, float("inf")):  # 1e-300 hung (a 4e299-point range); nan passed
+        with pytest.raises(RefineError, match=r"--step must be in \[1e-06, 1\) \(a sparsity step"):  # `step <= 0`
             fine_grid(0.9, 0.95, step, ())
 
 

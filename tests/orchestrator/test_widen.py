@@ -65,8 +65,8 @@ def test_refine_widen_cli_refusals(tmp_path):
                         (["--dry-run", "--widen-factor", "2"], "--widen-factor applies only with --widen"),
                         # nan and inf parse as floats: one line each (--step nan was a traceback, --widen-factor inf
                         # an OverflowError)
-                        (["--dry-run", "--step", "nan"], "--step must be >= 1e-06 (fine sparsities are rounded to "
-                                                         "1e-6), got nan"),
+                        (["--dry-run", "--step", "nan"], "--step must be in [1e-06, 1) (a sparsity step; fine "
+                                                         "sparsities are rounded to 1e-6), got nan"),
                         (["--widen", "--widen-factor", "inf"], "widen factor must be > 1 and <= 1e+06, got inf")):
         r = healsweep("refine", run_dir, *args)
         assert r.returncode == 2 and words in r.stderr and not r.stdout, (args, r.stderr)
