@@ -73,7 +73,10 @@ def fault_exit(e: Exception, args) -> int:
     """A fault at the edges as one line on stderr and its exit code (--verbose: its traceback too); anything
     else is raised again."""
 
-    found = one_line(e, getattr(args, "resume", None) or getattr(args, "dir", None) or getattr(args, "out", None))
+    run_dir = getattr(args, "resume", None) or getattr(args, "dir", None) or getattr(args, "out", None)
+    again = (f"run healsweep doctor {run_dir}{' --repair' * bool(getattr(args, 'repair', False))} again"
+             if getattr(args, "cmd", None) == "doctor" else None)
+    found = one_line(e, run_dir, again)
     if found is None:
         raise e
     if getattr(args, "verbose", False):

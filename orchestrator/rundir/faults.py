@@ -78,17 +78,19 @@ def _chain(e: BaseException):
         e = e.__cause__ or e.__context__ or getattr(e, "orig", None)
 
 
-def one_line(e: BaseException, run_dir: Path | str | None = None) -> tuple[str, int] | None:
-    """(message, exit code) for a fault at the edges, else None."""
+def one_line(e: BaseException, run_dir: Path | str | None = None, then: str | None = None) -> tuple[str, int] | None:
+    """(message, exit code) for a fault at the edges, else None. ``then``: what to run once space is freed
+    (default: continue with healsweep run --resume DIR; a failed repair: the repair again)."""
+    then = then or f"continue with healsweep run --resume {run_dir or 'DIR'}"
     for x in _chain(e):
         if isinstance(x, DiskFullError):
-            return f"{x}; free space there, then continue with healsweep run --resume {run_dir or 'DIR'}", 1
+            return f"{x}; free space there, then {then}", 1
     for x in _chain(e):
         text = str(x).lower()
         db = Path(run_dir) / "mlflow.db" if run_dir else "the MLflow tracking database"
         if any(m in text for m in DB_FULL):  # the database's path and the space left there, as for any file
             full = DiskFullError(db) if run_dir else f"no space left on device writing {db}"
-            return f"{full}; free space there, then continue with healsweep run --resume {run_dir or 'DIR'}", 1
+            return f"{full}; free space there, then {then}", 1
         if any(m in text for m in DB_DAMAGED) and _is_db_error(x):
             return str(damaged(db, str(x).splitlines()[0][:100], run_dir)), 2
         if any(m in text for m in DB_READ_ONLY):
@@ -97,7 +99,7 @@ def one_line(e: BaseException, run_dir: Path | str | None = None) -> tuple[str, 
         if is_disk_full(x):
             where = f" {x.filename}" if getattr(x, "filename", None) else ""
             return (f"no space left on device{where} ({errno.errorcode.get(x.errno, x.errno)}); free space, then "
-                    f"continue with healsweep run --resume {run_dir or 'DIR'}"), 1
+                    f"{then}"), 1
         if isinstance(x, OSError) and x.errno in NOT_WRITABLE:
             where = f" {x.filename}" if getattr(x, "filename", None) else ""
             return f"cannot write{where}: {x.strerror} ({errno.errorcode[x.errno]}); {_writable(run_dir)}", 1

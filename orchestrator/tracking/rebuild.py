@@ -263,18 +263,39 @@ def reopen_parent(client, exp_id: str, out_dir: Path, info: dict) -> str:
 
 
 def rebuild_tracking(out_dir: Path, info: dict, scan: records.Scan) -> dict[str, int]:
-    """A fresh tracking store for the run directory's own SQLite database (the old one, if any, is kept as
-    ``mlflow.db.damaged-<utc time>``), rebuilt from the record; sweep.json points at the new parent run."""
-    from orchestrator.tracking.logger import experiment_id
-
+    """A fresh tracking store for the run directory's own SQLite database, rebuilt from the record beside it
+    (``mlflow.db.rebuilding-<utc time>``) and moved into place only when whole: a rebuild that fails (a full disk,
+    a read-only directory) leaves the old database where it was and no half-built one (every later command then
+    ended in a traceback). The old one, if any, is kept as ``mlflow.db.damaged-<utc time>``; sweep.json points at
+    the new parent run."""
     out_dir = Path(out_dir).resolve()
     db = out_dir / "mlflow.db"
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    new = out_dir / f"mlflow.db.rebuilding-{stamp}"
+    # a read-only directory: its one line now, not after MLflow's retries (~2 minutes)
+    tempfile.TemporaryFile(dir=out_dir, prefix="mlflow.db.rebuilding-").close()
+    try:
+        parent_id, counts = _rebuild_into(new, out_dir, info, scan)
+    except BaseException:
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            Path(f"{new}{suffix}").unlink(missing_ok=True)
+        raise
     for suffix in ("", "-wal", "-shm", "-journal"):
         if Path(f"{db}{suffix}").exists():
             os.replace(f"{db}{suffix}", f"{db}.damaged-{stamp}{suffix}")
-    uri, experiment = local_tracking_uri(out_dir), info.get("experiment") or "healsweep"
-    keep_artifacts_inside(uri, out_dir, experiment)
+    os.replace(new, db)
+    info.update(tracking_uri=local_tracking_uri(out_dir), parent_run_id=parent_id)
+    write_sweep(out_dir, info)
+    return counts
+
+
+def _rebuild_into(new: Path, out_dir: Path, info: dict, scan: records.Scan) -> tuple[str, dict[str, int]]:
+    """The run directory's tracking store built in the SQLite file ``new`` (artifacts in out_dir/artifacts, as the
+    own store's): -> (the new parent run's id, sync_runs' counts)."""
+    from orchestrator.tracking.logger import experiment_id
+
+    uri, experiment = f"sqlite:///{new}", info.get("experiment") or "healsweep"
+    keep_artifacts_inside(uri, out_dir, experiment, own=True)
     client = open_tracking(uri, experiment)
     exp_id = experiment_id(client, experiment)
     old_parent, prec = info.get("parent_run_id"), records.parent(scan)
@@ -283,6 +304,4 @@ def rebuild_tracking(out_dir: Path, info: dict, scan: records.Scan) -> dict[str,
         client.log_artifacts(parent_id, str(old))
     counts = sync_runs(client, exp_id, info["sweep_id"], parent_id, records.trials(scan))
     client.set_terminated(parent_id, _parent_status(info, prec))
-    info.update(tracking_uri=uri, parent_run_id=parent_id)
-    write_sweep(out_dir, info)
-    return counts
+    return parent_id, counts

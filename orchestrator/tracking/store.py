@@ -26,19 +26,20 @@ def own_db(out_dir: Path, info: dict) -> bool:
     return where == Path(out_dir).resolve() or (where / "sweep.json").is_file()
 
 
-def keep_artifacts_inside(tracking_uri: str, out_dir, experiment: str) -> None:
+def keep_artifacts_inside(tracking_uri: str, out_dir, experiment: str, own: bool = False) -> None:
     """Never ``$PWD/mlruns`` (MLflow's default artifact root for a SQL store): with the run directory's own SQLite
     store, create the experiment with its artifact root in ``out_dir/artifacts``, so the run directory holds
     everything of a run; with another SQLite file (a spec's ``mlflow.tracking_uri``, possibly shared by sweeps),
     in ``mlartifacts`` beside that file (the MLflow server's default name). An existing experiment keeps its root;
-    a server or another database decides its own."""
-    own = tracking_uri == local_tracking_uri(out_dir)
+    a server or another database decides its own. ``own``: ``tracking_uri`` is the run directory's own store
+    built under another name (a rebuild, moved to DIR/mlflow.db when whole)."""
+    own = own or tracking_uri == local_tracking_uri(out_dir)
     if not own and not tracking_uri.startswith("sqlite:///"):
         return
     from mlflow import MlflowClient
 
-    if own:
-        seed_sqlite_store(Path(out_dir) / "mlflow.db")  # a copy, not ~1.5 CPU-s of table creation and migrations
+    if own:  # a copy, not ~1.5 CPU-s of table creation and migrations
+        seed_sqlite_store(Path(tracking_uri[len("sqlite:///"):]))
     root = Path(out_dir).resolve() / "artifacts" if own else Path(tracking_uri[len("sqlite:///"):]).parent / "mlartifacts"
     client = MlflowClient(tracking_uri)
     if client.get_experiment_by_name(experiment) is None:

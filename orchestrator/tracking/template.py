@@ -47,9 +47,10 @@ def seed_sqlite_store(db: str | os.PathLike) -> bool:
     try:
         if not tpl.exists():
             make_template(tpl)
-        atomic_write(db, lambda tmp: shutil.copyfile(tpl, tmp))
     except OSError:  # an unwritable template directory: MLflow creates the store itself, as without templates
         return False
+    atomic_write(db, lambda tmp: shutil.copyfile(tpl, tmp))  # db's own directory full or read-only: raised (MLflow
+    # creating the store there would fail too, half-built or after minutes of retries)
     with sqlite3.connect(db) as con:  # Default points at the creator's $PWD/mlruns: into the run directory
         con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0",
                     ((db.parent.resolve() / "artifacts" / "0").as_uri(),))

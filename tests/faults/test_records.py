@@ -112,6 +112,8 @@ def test_full_tracking_database_names_it(small_fs):
     msg, code = faults.one_line(wrapped, small_fs)
     assert code == 1 and msg.startswith(f"no space left on device writing the MLflow tracking database {db} (")
     assert "free there); free space there, then continue with healsweep run --resume" in msg
+    again = f"run healsweep doctor {small_fs} --repair again"  # a repair that met the full disk: the repair again
+    assert faults.one_line(wrapped, small_fs, again)[0].endswith(f"free there); free space there, then {again}")
 
 
 def test_what_fails_after_the_fault_that_stopped_the_sweep_gives_way_to_it(tmp_path):

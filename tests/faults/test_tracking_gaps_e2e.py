@@ -177,9 +177,10 @@ def test_a_stray_parent_run_is_deleted(reference, tmp_path):
 
 
 def test_a_database_rebuild_cut_short_is_finished_by_the_next_repair(reference, tmp_path, monkeypatch):
-    """doctor --repair killed while it rebuilt a damaged database (here: after 3 of 8 trial runs; sweep.json still
-    names the old parent): the next doctor recreates the parent, the 5 missing runs, and deletes the parent run the
-    cut-short rebuild had made; the report quotes the reference's numbers."""
+    """doctor --repair killed while it rebuilt a damaged database (here: after 3 of 8 trial runs): the rebuild is
+    made beside the database and moved into place only when whole, so the damaged database is still there, as it
+    was, and no half-built one (a full disk there left a database that every later command failed on); the next
+    doctor rebuilds it whole; the report quotes the reference's numbers."""
     from mlflow import MlflowClient
 
     from orchestrator.rundir import records
@@ -187,7 +188,8 @@ def test_a_database_rebuild_cut_short_is_finished_by_the_next_repair(reference, 
     from orchestrator.tracking import rebuild
 
     run = copy_run(reference, tmp_path / "run")
-    (run / "mlflow.db").write_bytes(bytes(range(256)) * 400)
+    damaged = bytes(range(256)) * 400
+    (run / "mlflow.db").write_bytes(damaged)
     made, create = [], rebuild.create_run
 
     def killed_after_3(*a, **kw):
@@ -199,8 +201,12 @@ def test_a_database_rebuild_cut_short_is_finished_by_the_next_repair(reference, 
     with pytest.raises(KeyboardInterrupt):
         rebuild.rebuild_tracking(run, read_sweep(run), records.scan(run / "trials.jsonl"))
     monkeypatch.undo()  # doctor runs in this process (tests/faults/helpers.py cli)
+    assert len(made) == 3 and (run / "mlflow.db").read_bytes() == damaged  # untouched
+    assert not list(run.glob("mlflow.db.rebuilding-*")) and not list(run.glob("mlflow.db.damaged-*"))
     r = ok(cli("doctor", run, "--repair"))
-    assert "5 run(s) recreated" in r.stdout and "deleted 1 stray parent run(s)" in r.stdout, r.stdout
+    assert f"rebuilt from trials.jsonl ({len(recorded(run))} trial runs and the parent run)" in r.stdout, r.stdout
+    assert "stray" not in r.stdout
+    assert [p.read_bytes() for p in run.glob("mlflow.db.damaged-*")] == [damaged]  # kept aside once replaced
     ok(cli("doctor", run))
     info = json.loads((run / "sweep.json").read_text())
     client = MlflowClient(info["tracking_uri"])
