@@ -3,6 +3,8 @@ design writes them there: orchestrator/search/converge.py, ``search.converge``).
 (no ``converge``) have no such record: every searched cell ran ``trials_per_cell`` trials."""
 from __future__ import annotations
 
+import json
+import tempfile
 from pathlib import Path
 
 from .runs import stage_of
@@ -20,9 +22,10 @@ def search_stops(run_dir: str | Path) -> dict[str, dict]:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
+    with tempfile.TemporaryDirectory(prefix="healsweep-stops-") as d:
+        studies = _studies(path, Path(d) / JOURNAL)
     out: dict[str, dict] = {}
-    for s in storage.get_all_studies():
+    for s in studies:
         attrs = s.user_attrs
         cid = attrs.get("cell_id", s.study_name)
         rec = out.setdefault(cid, {})
@@ -31,6 +34,34 @@ def search_stops(run_dir: str | Path) -> dict[str, dict]:
         if "reevaluate_target" in attrs:
             rec["reevaluate_target"] = attrs["reevaluate_target"]
     return {c: r for c, r in out.items() if "reason" in r}
+
+
+def _studies(path: Path, scratch: Path) -> list:
+    """Every study the journal replays: the file itself, or, when a line of it is damaged (torn, NUL bytes, not an
+    Optuna operation: the report is read-only, ``healsweep doctor --repair`` mends the journal), a copy of its
+    intact lines (``scratch``)."""
+    import optuna
+
+    def read(p: Path) -> list:
+        return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(p))).get_all_studies()
+
+    errors = (ValueError, KeyError, TypeError, AttributeError, IndexError)  # json's errors are ValueErrors
+    try:
+        return read(path)
+    except errors:
+        scratch.write_bytes(b"".join(line for line in path.read_bytes().splitlines(keepends=True) if _operation(line)))
+    try:
+        return read(scratch)
+    except errors:  # an intact operation that needs a lost one (its study's creation): no stop is known
+        return []
+
+
+def _operation(line: bytes) -> bool:
+    """Whether ``line`` is one whole journal operation (a JSON object with an ``op_code``, ending in a newline)."""
+    try:
+        return line.endswith(b"\n") and isinstance(op := json.loads(line), dict) and "op_code" in op
+    except (ValueError, TypeError):
+        return False
 
 
 def stop_summary(stops: dict[str, dict], cells) -> str:
