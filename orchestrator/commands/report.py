@@ -43,7 +43,7 @@ def sqlite_path(uri: str) -> Path | None:
 def check_sweep(d: Path) -> dict:
     """sweep.json of ``d`` after checking that its sweep exists in MLflow, without creating anything there."""
 
-    if not (d / "sweep.json").is_file():
+    if not (d / "sweep.json").is_file() and not (d / TRIALS_FILE).is_file():
         raise CliError(f"no sweep in {d} (no sweep.json)")
     try:
         info = read_sweep(d)

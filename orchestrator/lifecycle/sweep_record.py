@@ -19,13 +19,14 @@ from orchestrator.tracking.store import local_tracking_uri
 
 
 def sweep_damage(out_dir: Path) -> str | None:
-    """Why ``out_dir``'s sweep.json cannot be read, or None (a missing one: None too, read_sweep says so)."""
+    """Why ``out_dir``'s sweep.json cannot be read, or None; a missing one is damage only in a run directory (its
+    trials.jsonl is there: rebuilt as an unreadable one is), else None (read_sweep says it is no run directory)."""
     if not (Path(out_dir) / SWEEP_FILE).is_file():
-        return None
+        return "missing" if (Path(out_dir) / records.TRIALS_FILE).is_file() else None
     try:
         return spec_lacks(read_sweep(Path(out_dir)))
     except ResumeError as e:
-        return str(e).split(": ", 1)[-1]
+        return str(e).split(": ", 1)[-1].split("; rebuild it with healsweep doctor")[0]
 
 
 def rebuilt_sweep(out_dir: Path, cache: Path) -> dict:
@@ -64,7 +65,9 @@ def rebuild_sweep(out_dir: Path, cache: Path) -> str:
     """Write the rebuilt sweep.json, the damaged one kept beside it as ``sweep.json.damaged``; -> what was done."""
     out_dir = Path(out_dir)
     info = rebuilt_sweep(out_dir, cache)
-    (out_dir / SWEEP_FILE).replace(out_dir / f"{SWEEP_FILE}.damaged")
+    kept = (out_dir / SWEEP_FILE).is_file()  # a lost one: nothing to keep
+    if kept:
+        (out_dir / SWEEP_FILE).replace(out_dir / f"{SWEEP_FILE}.damaged")
     write_sweep(out_dir, info)
-    return (f"rebuilt from {records.TRIALS_FILE}, {DB_FILE} and the parent run's spec.json (the damaged one kept "
-            f"as {SWEEP_FILE}.damaged)")
+    return (f"rebuilt from {records.TRIALS_FILE}, {DB_FILE} and the parent run's spec.json"
+            + (f" (the damaged one kept as {SWEEP_FILE}.damaged)" if kept else ""))

@@ -40,14 +40,26 @@ _SPEC_KEYS = ("models", "sparsities", "calib_sizes", "pruners", "healers", "seed
 
 
 def read_sweep(out_dir: Path) -> dict:
-    """DIR/sweep.json, checked: ResumeError (one line) when it is missing, unreadable or lacks a field."""
+    """DIR/sweep.json, checked: ResumeError (one line) when it is missing, unreadable or lacks a field; in a run
+    directory (its trials.jsonl is there) the line names the repair that rebuilds it."""
+    try:
+        return _checked_sweep(Path(out_dir))
+    except ResumeError as e:
+        if not (Path(out_dir) / records.TRIALS_FILE).is_file():
+            raise
+        raise ResumeError(f"{e}; rebuild it with healsweep doctor {out_dir} --repair") from None
+
+
+def _checked_sweep(out_dir: Path) -> dict:
     f = out_dir / SWEEP_FILE
     if not f.is_file():
+        if (out_dir / records.TRIALS_FILE).is_file():
+            raise ResumeError(f"{f}: missing ({records.TRIALS_FILE} is there: a run directory that lost it)")
         raise ResumeError(f"{out_dir}: not a run directory (no {SWEEP_FILE})")
     try:
         info = json.loads(f.read_bytes()[: 64 << 20].decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise ResumeError(f"{f}: unreadable ({type(e).__name__}: {str(e)[:100]}); not a healsweep sweep record") from None
+        raise ResumeError(f"{f}: unreadable ({type(e).__name__}: {str(e)[:100]})") from None
     if not isinstance(info, dict):
         raise ResumeError(f"{f}: expected a JSON object, got {type(info).__name__}")
     for k, t in _SWEEP_KEYS.items():

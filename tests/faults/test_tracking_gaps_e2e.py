@@ -40,6 +40,27 @@ def test_a_sweep_json_missing_a_field_is_refused_and_rebuilt(reference, tmp_path
     assert nothing_to_resume(run) == (8, 0)
 
 
+def test_a_deleted_sweep_json_is_named_and_rebuilt(reference, tmp_path):
+    """A run directory whose sweep.json was deleted (its trials.jsonl still there) was "not a run directory" to
+    resume, report and doctor alike, and doctor never rebuilt it (an empty one it did): now each names the repair,
+    and doctor --repair rebuilds it as for an unreadable one; the sweep is complete again."""
+    from orchestrator.lifecycle.resume import nothing_to_resume
+
+    run = copy_run(reference, tmp_path / "run")
+    (run / "sweep.json").unlink()
+    repair = f"rebuild it with healsweep doctor {run} --repair"
+    one_line(cli("run", "--resume", run), 2, "sweep.json: missing (trials.jsonl is there", repair)
+    one_line(cli("report", run), 2, "sweep.json: missing", repair)
+    r = cli("doctor", run)
+    assert r.returncode == 1 and "sweep.json: damaged (missing); lost: the model cache it named" in r.stdout, r.stdout
+    r = ok(cli("doctor", run, "--repair"))
+    assert "rebuilt from trials.jsonl, mlflow.db and the parent run's spec.json\n" in r.stdout, r.stdout
+    got, ref = json.loads((run / "sweep.json").read_text()), reference_info(reference)
+    assert {k: v for k, v in got.items() if k not in ("tracking_uri", "cache")} == \
+        {k: v for k, v in ref.items() if k not in ("tracking_uri", "cache")}
+    assert nothing_to_resume(run) == (8, 0) and not (run / "sweep.json.damaged").exists()
+
+
 def reference_info(reference):
     return json.loads((reference["run"] / "sweep.json").read_text())
 
