@@ -336,6 +336,10 @@ def run(out_dir: Path, repair: bool, say: Callable[[str], None] = print, cache: 
             say(p.line())
     for p in problems:
         say(f"not repaired: {p.line()}")
+    stuck = [p for p in problems if not p.hint]  # a hinted one is repaired as its hint says
+    then = (f"continue with healsweep run --resume {out_dir}" if not stuck else "what is left cannot be repaired "
+            "from this run directory's own files (a resume would refuse it too): restore them from a copy, or run the "
+            "sweep again into another --out")
     say(f"{fixed} repair(s)" + (f", {len(problems)} problem(s) left" if problems else ", nothing left")
-        + "".join(f" ({p.hint})" for p in problems if p.hint) + f"; continue with healsweep run --resume {out_dir}")
+        + "".join(f" ({p.hint})" for p in problems if p.hint) + f"; {then}")
     return 1 if problems else 0

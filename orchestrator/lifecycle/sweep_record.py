@@ -37,9 +37,12 @@ def rebuilt_sweep(out_dir: Path, cache: Path) -> dict:
     if parent is None or not isinstance(parent.get("run_id"), str):
         raise ResumeError(f"{records.TRIALS_FILE} has no parent-run line to rebuild it from")
     db = out_dir / DB_FILE
-    if not db.is_file() or db_problem(db):
-        raise ResumeError(f"the run directory's {DB_FILE} is {'damaged' if db.is_file() else 'missing'} (a sweep "
-                          "tracked on a server cannot be rebuilt: its URI was only in sweep.json)")
+    if db.is_file() and db_problem(db):
+        raise ResumeError(f"the run directory's {DB_FILE} is damaged too (each is rebuilt from the other: restore one "
+                          "of them from a copy)")
+    if not db.is_file():
+        raise ResumeError(f"the run directory's {DB_FILE} is missing (a sweep tracked on a server cannot be rebuilt: "
+                          "its URI was only in sweep.json)")
     spec_file = out_dir / "artifacts" / parent["run_id"] / "artifacts" / "spec.json"
     try:
         spec = json.loads(spec_file.read_text(encoding="utf-8"))
