@@ -91,7 +91,9 @@ def find_run(run_id: str, run_dir: str | None, runs: str, tracking_uri: str | No
     if run_dir:
         d = Path(run_dir)
         if not (d / "sweep.json").is_file():
-            raise CliError(f"--run-dir {d}: not a run directory (no sweep.json)")
+            lost = (d / "trials.jsonl").is_file()  # a run directory that lost its sweep.json
+            raise CliError(f"--run-dir {d}: " + (f"sweep.json missing; rebuild it with healsweep doctor {d} --repair"
+                                                 if lost else "not a run directory (no sweep.json)"))
         uri = tracking_uri or _sweep_json(d).get("tracking_uri") or f"sqlite:///{(d / 'mlflow.db').resolve()}"
         if not isinstance(uri, str):
             raise CliError(f"{d}: sweep.json's tracking_uri is not a URI ({str(uri)[:40]!r}); give --tracking-uri")

@@ -13,7 +13,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from orchestrator.commands.common import DEFAULT_HOME, CliError
-from orchestrator.commands.store_bucket import bucket_entries, bucket_rule, gc_bucket
+from orchestrator.commands.store_bucket import RECENT, bucket_entries, bucket_rule, gc_bucket
 from orchestrator.raytune.cluster import is_remote, store_subdir
 from orchestrator.rundir import records
 
@@ -288,6 +288,12 @@ def _gc_masks(masks, args) -> None:
             print(f"masks: kept all {len(keys)}: a --keep-referenced run has no trials.jsonl to name its masks")
             return
         drop = [k for k in keys if k not in keep]
+        if masks.fs is not None:  # a bucket, maybe shared: a sweep of another run directory may be using a mask now
+            recent = datetime.now(timezone.utc) - RECENT
+            busy = {k for k in drop if (t := masks.last_use(k)) is not None and t >= recent}
+            if busy:
+                print(f"masks: kept {len(busy)} used in the last hour (a sweep may be running there)")
+            drop = [k for k in drop if k not in busy]
     else:
         cutoff = datetime.now(timezone.utc) - timedelta(days=args.older_than)
         drop = [k for k in keys if (t := masks.last_use(k)) is None or t < cutoff]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from orchestrator.rundir.files import ResumeError, read_sweep
+
 
 class RefineError(ValueError):
     """Why a sweep cannot be refined (one line)."""
@@ -13,10 +15,7 @@ def read_run(run_dir: Path) -> tuple[dict, str, dict, object]:
     """(sweep.json, tracking URI, parent-run info, every trial's row) of a finished sweep; RefineError (one line)
     without sweep.json or without the sweep's parent run in MLflow. Shared by refinement and widening."""
     from analysis.runs import load_sweep_info, load_trials
-    from orchestrator.rundir.files import ResumeError, read_sweep
 
-    if not (Path(run_dir) / "sweep.json").is_file():
-        raise RefineError(f"{run_dir}: not a run directory (no sweep.json)")
     try:
         meta = read_sweep(Path(run_dir))  # checked: an empty, torn or foreign sweep.json is one line
     except ResumeError as e:

@@ -43,15 +43,11 @@ def rebuilt_sweep(out_dir: Path, cache: Path) -> dict:
     if not db.is_file():
         raise ResumeError(f"the run directory's {DB_FILE} is missing (a sweep tracked on a server cannot be rebuilt: "
                           "its URI was only in sweep.json)")
-    spec_file = out_dir / "artifacts" / parent["run_id"] / "artifacts" / "spec.json"
-    try:
-        spec = json.loads(spec_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ResumeError(f"the parent run's spec ({spec_file}) is unreadable ({type(e).__name__})") from None
     from mlflow import MlflowClient
 
     client = MlflowClient(local_tracking_uri(out_dir))
-    run = client.get_run(parent["run_id"])
+    run = _parent_run(client, parent)
+    spec = _spec(out_dir, (run.info.run_id, parent["run_id"]))
     dense = {str(m.step): int(m.value) for m in client.get_metric_history(run.info.run_id,
                                                                            "dense_forward_images_session")}
     out = {"sweep_id": str((parent.get("tags") or {}).get("sweep_id") or run.data.tags.get("sweep_id")),
@@ -62,6 +58,34 @@ def rebuilt_sweep(out_dir: Path, cache: Path) -> dict:
     if run.data.tags.get("partial") == "false":  # the sweep ended complete: so does the rebuilt record of it
         out["complete"] = {"told": len(records.trials(records.scan(out_dir / records.TRIALS_FILE)))}
     return out
+
+
+def _parent_run(client, parent: dict):
+    """The sweep's parent run in the database: the record's, or (a database rebuilt since gave it a new id) the
+    one run tagged as this sweep's parent; ResumeError when there is none."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_run(parent["run_id"])
+    except MlflowException:
+        pass
+    sweep = (parent.get("tags") or {}).get("sweep_id")
+    exps = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(exps, f"tags.sweep_id = '{sweep}' and tags.`healsweep.role` = 'sweep'",
+                              order_by=["attributes.start_time DESC"]) if sweep and exps else []
+    if not runs:
+        raise ResumeError(f"its parent run ({parent['run_id']}, sweep {sweep}) is not in the run directory's {DB_FILE}")
+    return runs[0]
+
+
+def _spec(out_dir: Path, run_ids: tuple[str, ...]) -> dict:
+    """The parent run's spec artifact (spec.json) under the first of ``run_ids`` that has one."""
+    files = [out_dir / "artifacts" / r / "artifacts" / "spec.json" for r in run_ids]
+    f = next((f for f in files if f.is_file()), files[-1])
+    try:
+        return json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ResumeError(f"the parent run's spec ({f}) is unreadable ({type(e).__name__})") from None
 
 
 def rebuild_sweep(out_dir: Path, cache: Path) -> str:

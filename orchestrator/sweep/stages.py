@@ -134,9 +134,11 @@ def mask_stage(cells: list[Cell], models: Mapping[str, ModelInfo], mask_root: st
     for c in cells:
         ident = c.mask_identity(models[c.model].digest, models[c.model].calib_digest)
         keys[c.cell_id] = key = content_key(ident)
-        if key in checked or masks.has(key) and _intact(masks, key, events):
+        if key in checked:
+            continue  # another healer of the same mask
+        if masks.has(key) and _intact(masks, key, events):
             checked.add(key)
-            masks.touch(key)  # its last use, for `healsweep store gc --older-than`
+            masks.touch(key)  # its last use, for `healsweep store gc --older-than` (remote: a write per mask)
             continue
         rr = diagnostics.get(c.cell_id) if diagnostics else None
         groups.setdefault((c.model, c.pruner), {})[key] = MaskJob(

@@ -15,12 +15,13 @@ import json
 import os
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 from orchestrator.rundir import records
 from orchestrator.rundir.files import told_states, write_sweep
 from orchestrator.tracking.store import keep_artifacts_inside, local_tracking_uri, open_tracking
-from tasks.atomic import DiskFullError, is_disk_full
+from tasks.atomic import TMP_PREFIX, DiskFullError, is_disk_full
 
 DONE = ("COMPLETE", "FAIL", "PRUNED")
 
@@ -271,9 +272,11 @@ def rebuild_tracking(out_dir: Path, info: dict, scan: records.Scan) -> dict[str,
     out_dir = Path(out_dir).resolve()
     db = out_dir / "mlflow.db"
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    new = out_dir / f"mlflow.db.rebuilding-{stamp}"
+    # a temporary file's name (doctor names and removes one a killed rebuild left), unique to this attempt (MLflow
+    # keeps an engine per URI: a second attempt at the same name would meet the first one's closed file)
+    new = out_dir / f"{TMP_PREFIX}{uuid.uuid4().hex[:8]}-mlflow.db.rebuilding-{stamp}"
     # a read-only directory: its one line now, not after MLflow's retries (~2 minutes)
-    tempfile.TemporaryFile(dir=out_dir, prefix="mlflow.db.rebuilding-").close()
+    tempfile.TemporaryFile(dir=out_dir, prefix=f"{TMP_PREFIX}mlflow.db.rebuilding-").close()
     try:
         parent_id, counts = _rebuild_into(new, out_dir, info, scan)
     except BaseException:
@@ -284,9 +287,22 @@ def rebuild_tracking(out_dir: Path, info: dict, scan: records.Scan) -> dict[str,
         if Path(f"{db}{suffix}").exists():
             os.replace(f"{db}{suffix}", f"{db}.damaged-{stamp}{suffix}")
     os.replace(new, db)
+    _reconnect(local_tracking_uri(out_dir), f"sqlite:///{new}")
     info.update(tracking_uri=local_tracking_uri(out_dir), parent_run_id=parent_id)
     write_sweep(out_dir, info)
     return counts
+
+
+def _reconnect(*uris: str) -> None:
+    """Close the pooled connections MLflow keeps per database URI (one engine each, for the process's life): they
+    still read the file that was at the path before the rebuilt one replaced it (later commands in this process
+    found the damaged database again)."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    engines = getattr(SqlAlchemyStore, "_engine_map", {})  # MLflow's cache (3.x); without it nothing is kept
+    for uri in uris:
+        if (engine := engines.get(uri)) is not None:
+            engine.dispose()
 
 
 def _rebuild_into(new: Path, out_dir: Path, info: dict, scan: records.Scan) -> tuple[str, dict[str, int]]:
@@ -300,8 +316,25 @@ def _rebuild_into(new: Path, out_dir: Path, info: dict, scan: records.Scan) -> t
     exp_id = experiment_id(client, experiment)
     old_parent, prec = info.get("parent_run_id"), records.parent(scan)
     parent_id = _parent(client, exp_id, info, prec)
-    for old in (out_dir / "artifacts").glob(f"*/{old_parent}/artifacts") if old_parent else ():
-        client.log_artifacts(parent_id, str(old))
+    arts = out_dir / "artifacts"  # <run id>/artifacts (the experiment's root), or an older <experiment>/<run id>/
+    for old in [arts / old_parent / "artifacts", *arts.glob(f"*/{old_parent}/artifacts")] if old_parent else ():
+        if old.is_dir():
+            client.log_artifacts(parent_id, str(old))
     counts = sync_runs(client, exp_id, info["sweep_id"], parent_id, records.trials(scan))
-    client.set_terminated(parent_id, _parent_status(info, prec))
+    _sweep_facts(client, parent_id, info, prec)
     return parent_id, counts
+
+
+def _sweep_facts(client, parent_id: str, info: dict, prec: dict | None) -> None:
+    """What sweep.json holds that a later rebuild of sweep.json reads from the parent run (lifecycle/sweep_record.py):
+    each session's dense images (metric ``dense_forward_images_session``) and, for a sweep that ended complete, the
+    end's ``partial`` tag; then the run's status."""
+    from mlflow.entities import Metric, RunTag
+
+    now, status = int(time.time() * 1000), _parent_status(info, prec)
+    dense = info.get("dense_forward_images") if isinstance(info.get("dense_forward_images"), dict) else {}
+    metrics = [Metric("dense_forward_images_session", float(v), now, int(k)) for k, v in dense.items()
+               if str(k).isdigit() and isinstance(v, (int, float))]
+    tags = [RunTag("partial", "false")] if status == "FINISHED" else []
+    client.log_batch(parent_id, metrics=metrics, tags=tags)
+    client.set_terminated(parent_id, status)

@@ -85,18 +85,21 @@ class MaskStore:
                 self.fs.write_atomic(self._used(key), datetime.now(timezone.utc).isoformat().encode())
 
     def last_use(self, key: str) -> datetime | None:
-        """When the mask was last used (UTC): ``touch``'s record, else when it was written; None: no such mask."""
+        """When the mask was last used (UTC): the later of ``touch``'s record and when it was written (a record
+        older than the object: the mask was written again since); None: no such mask."""
         if self.fs is None:
             with contextlib.suppress(OSError):
                 return datetime.fromtimestamp(self.path(key).stat().st_mtime, timezone.utc)
             return None
-        raw = self.fs.read_bytes(self._used(key))
+        mt = self.fs.mtime(self._name(key))
+        if mt is None:
+            return None
+        written, raw = datetime.fromtimestamp(mt, timezone.utc), self.fs.read_bytes(self._used(key))
         with contextlib.suppress(ValueError, UnicodeDecodeError):
             if raw:
                 t = datetime.fromisoformat(raw.decode())
-                return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
-        mt = self.fs.mtime(self._name(key))
-        return datetime.fromtimestamp(mt, timezone.utc) if mt is not None else None
+                return max(written, t if t.tzinfo else t.replace(tzinfo=timezone.utc))
+        return written
 
     def size(self, key: str) -> int | None:
         """The mask file's bytes (None: no such mask)."""

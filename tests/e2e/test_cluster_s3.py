@@ -257,18 +257,22 @@ def test_store_gc_collects_the_buckets_healed_weights_and_tune_storage_per_sweep
     assert f"deleted tune/tiny-{ours}-s0 (1 files)" in r.stdout and "tune: 1 of 1 sweep directories deleted" in r.stdout
 
 
-def test_store_ls_verify_and_gc_see_the_masks_in_the_bucket(tmp_path, aws_env):
+def test_store_ls_verify_and_gc_see_the_masks_in_the_bucket(tmp_path, aws_env, capsys):
     """Masks on a remote store (``<store.uri>/masks``) are listed, verified and collected like local ones: the
-    mask stage's reuse is recorded in ``masks/.last_use/<key>`` (an object cannot change its time); a mask never
-    marked used dates from its upload."""
+    mask stage's reuse is recorded in ``masks/.last_use/<key>`` (an object cannot change its time; a record older
+    than the object, left by a gc that raced a reuse, loses to it); by reference, a mask used in the last hour
+    stays (a sweep of another run directory may be using it, as for tune/ and healed/)."""
+    import time
     from datetime import datetime, timedelta, timezone
 
     import pyarrow.fs as pafs
     import torch
 
+    from orchestrator.cli import main
     from orchestrator.raytune.cluster import store_subdir
+    from orchestrator.rundir import records
     from tasks.store import MaskStore
-    from tests.orchestrator.run_cli import healsweep
+    from tests.faults.helpers import trial_line
 
     uri = f"s3://{aws_env['bucket']}/ms?endpoint_override={aws_env['host']}&scheme=http"
     masks = MaskStore(store_subdir(uri, "masks"))
@@ -280,25 +284,33 @@ def test_store_ls_verify_and_gc_see_the_masks_in_the_bucket(tmp_path, aws_env):
         f.write(b"not a safetensors file")
     with fs.open_output_stream(f"{base}/tune/tiny-0123456789ab-s0/experiment_state.json") as f:
         f.write(b"x" * 3000)
-    old = (datetime.now(timezone.utc) - timedelta(days=10)).isoformat().encode()
-    for k in (m2, m3):
-        with fs.open_output_stream(f"{base}/masks/.last_use/{k}") as f:
-            f.write(old)
-    masks.touch(m3)  # m3 reused by a sweep just now
-    assert masks.keys() == [m1, m2, m3, bad] and masks.last_use(m3) > datetime.now(timezone.utc) - timedelta(minutes=5)
+    with fs.open_output_stream(f"{base}/masks/.last_use/{m2}") as f:  # older than the object: the object's time
+        f.write((datetime.now(timezone.utc) - timedelta(days=10)).isoformat().encode())
+    assert masks.keys() == [m1, m2, m3, bad] and masks.last_use(m2) > datetime.now(timezone.utc) - timedelta(minutes=5)
 
-    r = healsweep("store", "ls", "--store", uri)
-    assert r.returncode == 0, r.stderr
-    section = r.stdout.split("\nmasks: ", 1)[1].split("\n\n", 1)[0]
-    assert all(f"{k}.safetensors" in section for k in (m1, m2, m3, bad)) and "masks: 5 entries" in section, section
-    assert re.search(r"\n  tiny-0123456789ab-s0/ +0\.00 MB\ntune: 1 entry, 0\.00 MB", r.stdout), r.stdout
-    r = healsweep("store", "verify", "--store", uri)
-    assert r.returncode == 1 and "4 masks checked, 1 damaged" in r.stdout, r.stdout + r.stderr
-    assert f"mask {bad}: DAMAGED" in r.stdout and "the next sweep that uses it deletes it" in r.stdout
+    def cli(*argv) -> tuple[int, str]:
+        code = main([*map(str, argv)])
+        return code, capsys.readouterr().out
+
+    code, out = cli("store", "ls", "--store", uri)
+    section = out.split("\nmasks: ", 1)[1].split("\n\n", 1)[0]
+    assert code == 0 and all(f"{k}.safetensors" in section for k in (m1, m2, m3, bad)), out
+    assert "masks: 5 entries" in section and re.search(r"\n  tiny-0123456789ab-s0/ +0\.00 MB\ntune: 1 entry", out), out
+    code, out = cli("store", "verify", "--store", uri)
+    assert code == 1 and "4 masks checked, 1 damaged" in out and f"mask {bad}: DAMAGED" in out, out
+    assert "the next sweep that uses it deletes it" in out
     fs.delete_file(f"{base}/masks/{bad}.safetensors")
 
-    r = healsweep("store", "gc", "--store", uri, "--older-than", "5")
-    assert r.returncode == 0 and f"deleted mask {m2}" in r.stdout and "1 of 3 masks deleted" in r.stdout, r.stdout
-    assert masks.keys() == [m1, m3] and masks.last_use(m2) is None  # its last-use record went with it
-    assert fs.get_file_info(f"{base}/masks/.last_use/{m2}").type == pafs.FileType.NotFound
-    assert healsweep("store", "verify", "--store", uri).returncode == 0
+    run = tmp_path / "run"  # a run that used none of these masks
+    run.mkdir()
+    (run / "targets.json").write_text(json.dumps({"store": uri, "keys": {}}))
+    (run / "sweep.json").write_text(json.dumps({"sweep_id": "0123456789ab"}))
+    records.append(run / records.TRIALS_FILE, trial_line("c-0", tags={"mask_key": "5" * 32}))
+    code, out = cli("store", "gc", "--store", uri, "--keep-referenced", run)
+    assert code == 0 and "masks: kept 3 used in the last hour" in out and masks.keys() == [m1, m2, m3], out
+    time.sleep(6)
+    masks.touch(m3)  # m3 reused by a sweep just now
+    code, out = cli("store", "gc", "--store", uri, "--older-than", 4 / 86400)  # 4 s
+    assert code == 0 and "2 of 3 masks deleted" in out and masks.keys() == [m3], out
+    assert masks.last_use(m2) is None and fs.get_file_info(f"{base}/masks/.last_use/{m2}").type == pafs.FileType.NotFound
+    assert cli("store", "verify", "--store", uri)[0] == 0

@@ -265,24 +265,6 @@ def test_a_damaged_sweep_json_with_nothing_to_rebuild_it_from_is_one_line(refere
     assert (run / "sweep.json").read_text() == "[]"
 
 
-def test_what_the_run_directory_cannot_repair_is_said_so(reference, tmp_path):
-    """The record gone and the database damaged: doctor --repair said "continue with healsweep run --resume", which
-    refused and sent the user back to doctor; a damaged sweep.json beside a damaged database was "not rebuildable"
-    because of a tracking server it never had. Both now say what is left to do."""
-    run = copy_run(reference, tmp_path / "run")
-    (run / "trials.jsonl").unlink()
-    (run / "mlflow.db").write_bytes((run / "mlflow.db").read_bytes()[: 4096])
-    r = cli("doctor", run, "--repair")
-    assert r.returncode == 1 and r.stdout.rstrip().endswith(
-        "what is left cannot be repaired from this run directory's own files (a resume would refuse it too): restore "
-        "them from a copy, or run the sweep again into another --out"), r.stdout
-    run = copy_run(reference, tmp_path / "run2")
-    (run / "sweep.json").write_text("")
-    (run / "mlflow.db").write_bytes((run / "mlflow.db").read_bytes()[: 4096])
-    one_line(cli("doctor", run, "--repair"), 2, "and not rebuildable: the run directory's mlflow.db is damaged too "
-             "(each is rebuilt from the other: restore one of them from a copy)")
-
-
 def test_a_journal_cut_in_half_is_not_told_as_a_torn_last_write(reference, tmp_path):
     """A journal truncated mid-file ends in a torn line too; doctor said only "torn last line (a write cut short)".
     It now says how many recorded trials the intact lines lack; a torn last write alone says nothing more."""

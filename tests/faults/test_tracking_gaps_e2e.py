@@ -59,6 +59,13 @@ def test_a_deleted_sweep_json_is_named_and_rebuilt(reference, tmp_path):
     assert {k: v for k, v in got.items() if k not in ("tracking_uri", "cache")} == \
         {k: v for k, v in ref.items() if k not in ("tracking_uri", "cache")}
     assert nothing_to_resume(run) == (8, 0) and not (run / "sweep.json.damaged").exists()
+    # after a database rebuild (a new parent run id; the record keeps the old one): found by its tags, its spec
+    # copied with it (the copy looked for an artifacts layout the run directory does not have: a traceback)
+    (run / "mlflow.db").write_bytes((run / "mlflow.db").read_bytes()[:4096])
+    ok(cli("doctor", run, "--repair"))
+    (run / "sweep.json").unlink()
+    ok(cli("doctor", run, "--repair"))
+    assert json.loads((run / "sweep.json").read_text())["spec"] == ref["spec"] and nothing_to_resume(run) == (8, 0)
 
 
 def reference_info(reference):
@@ -237,3 +244,21 @@ def test_a_database_rebuild_cut_short_is_finished_by_the_next_repair(reference, 
     assert trial_runs(run) == recorded(run)
     ok(cli("report", run))
     assert quoted(run) == reference["quoted"]
+
+
+def test_what_the_run_directory_cannot_repair_is_said_so(reference, tmp_path):
+    """The record gone and the database damaged: doctor --repair said "continue with healsweep run --resume", which
+    refused and sent the user back to doctor; a damaged sweep.json beside a damaged database was "not rebuildable"
+    because of a tracking server it never had. Both now say what is left to do."""
+    run = copy_run(reference, tmp_path / "run")
+    (run / "trials.jsonl").unlink()
+    (run / "mlflow.db").write_bytes((run / "mlflow.db").read_bytes()[: 4096])
+    r = cli("doctor", run, "--repair")
+    assert r.returncode == 1 and r.stdout.rstrip().endswith(
+        "what is left cannot be repaired from this run directory's own files (a resume would refuse it too): restore "
+        "them from a copy, or run the sweep again into another --out"), r.stdout
+    run = copy_run(reference, tmp_path / "run2")
+    (run / "sweep.json").write_text("")
+    (run / "mlflow.db").write_bytes((run / "mlflow.db").read_bytes()[: 4096])
+    one_line(cli("doctor", run, "--repair"), 2, "and not rebuildable: the run directory's mlflow.db is damaged too "
+             "(each is rebuilt from the other: restore one of them from a copy)")

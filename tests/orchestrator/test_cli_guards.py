@@ -248,3 +248,12 @@ def test_export_takes_run_dir_or_runs_not_both(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["export", "0" * 32, "--out", str(tmp_path / "x"), "--run-dir", str(tmp_path), "--runs", str(tmp_path)])
     assert e.value.code == 2 and "argument --runs: not allowed with argument --run-dir" in capsys.readouterr().err
+
+
+def test_export_names_the_repair_of_a_run_directory_that_lost_its_sweep_json(tmp_path, capsys):
+    from orchestrator.cli import main
+
+    (tmp_path / "trials.jsonl").write_text("")
+    assert main(["export", "0" * 32, "--out", str(tmp_path / "x"), "--run-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (f"healsweep: error: --run-dir {tmp_path}: sweep.json missing; rebuild "
+                                               f"it with healsweep doctor {tmp_path} --repair")
