@@ -265,7 +265,7 @@ def reopen_parent(client, exp_id: str, out_dir: Path, info: dict) -> str:
 
 def rebuild_tracking(out_dir: Path, info: dict, scan: records.Scan) -> dict[str, int]:
     """A fresh tracking store for the run directory's own SQLite database, rebuilt from the record beside it
-    (``mlflow.db.rebuilding-<utc time>``) and moved into place only when whole: a rebuild that fails (a full disk,
+    (``.tmp-<hex>-mlflow.db.rebuilding-<utc time>``) and moved into place only when whole: a rebuild that fails (a full disk,
     a read-only directory) leaves the old database where it was and no half-built one (every later command then
     ended in a traceback). The old one, if any, is kept as ``mlflow.db.damaged-<utc time>``; sweep.json points at
     the new parent run."""
