@@ -182,8 +182,10 @@ class TargetStore:
         except StoreError as e:
             return str(e)
         size = self.fs.size(rel)
+        if size is None:
+            return f"missing ({info.get('bytes')} bytes recorded)"
         if size != info.get("bytes"):
-            return f"missing or truncated ({size} bytes on disk, {info.get('bytes')} recorded)"
+            return f"truncated or grown ({size} bytes on disk, {info.get('bytes')} recorded)"
         if checksum and self.fs.sha256(rel) != info.get("sha256"):
             return "fails its sha256 check"
         return None
