@@ -178,6 +178,18 @@ def test_missing_shards_resume(tmp_path):
     assert st.missing_shards(KEY, 14, 4) == [plan[1], plan[2], plan[3]]
 
 
+
+def test_check_shard_says_missing_or_the_sizes(tmp_path):
+    st = TargetStore(tmp_path)
+    info = st.write_shard(KEY, 0, 0, {k: v[:4] for k, v in make_blocks(4, torch.float16).items()})
+    assert st.check_shard(KEY, info) is None
+    f = st.key_dir(KEY) / info["file"]
+    f.write_bytes(f.read_bytes()[:-1])
+    assert st.check_shard(KEY, info) == f"truncated or grown ({info['bytes'] - 1} bytes on disk, {info['bytes']} recorded)"
+    f.unlink()  # said "missing or truncated (None bytes on disk, ...)"
+    assert st.check_shard(KEY, info) == f"missing ({info['bytes']} bytes recorded)"
+
+
 def test_truncated_or_corrupt_shard(tmp_path):
     st = TargetStore(tmp_path)
     blocks = make_blocks(12, torch.float16)
