@@ -214,10 +214,8 @@ def _precheck(args) -> None:
         if value and (why := not_a_dir(value)):
             raise CliError(f"{flag}: {why}")
     try:
-        if args.resources:
-            parse_override(args.resources)
-        if args.cpu_only and args.resources and {"gpus_per_trial", "gpus_per_dense_task"} & set(
-                parse_override(args.resources)):
+        override = parse_override(args.resources) if args.resources else {}
+        if args.cpu_only and {"gpus_per_trial", "gpus_per_dense_task"} & set(override):
             raise CliError("--cpu-only runs every task on the CPU: give it or --resources gpu=/dense_gpu=, not both")
         if args.resume:
             if args.spec or args.out or args.dry_run:
@@ -230,12 +228,7 @@ def _precheck(args) -> None:
         elif not args.spec:
             raise CliError("run: give a SPEC file, or --resume DIR")
         else:
-            if args.dry_run:  # the spec as written first: what the rewrite replaces is checked as its real run would
-                from orchestrator.spec.dry_run import check_recipe
-                from orchestrator.spec.load import read_spec_text, read_yaml
-
-                check_recipe(read_yaml(read_spec_text(args.spec)), Path(args.spec).resolve().parent)
-            name = check_plain(_spec_mapping(args, data_root=None), Path(args.spec).resolve().parent)[1]
+            name = check_plain(_spec_mapping(args, data_root=None, check=True), Path(args.spec).resolve().parent)[1]
             probe_run_dir(Path(args.out or Path("runs") / name), resume=False)
     except (SpecError, ResumeError) as e:
         raise CliError(str(e)) from None
@@ -277,12 +270,15 @@ def _resolve(args) -> tuple:
     return spec, out, store, cache
 
 
-def _spec_mapping(args, data_root: str | None) -> dict:
-    """SPEC's YAML mapping; with --dry-run rewritten for it (orchestrator/spec/dry_run.py)."""
-    from orchestrator.spec.dry_run import dry_run_spec
+def _spec_mapping(args, data_root: str | None, check: bool = False) -> dict:
+    """SPEC's YAML mapping; with --dry-run rewritten for it (orchestrator/spec/dry_run.py), the spec as written
+    checked first with ``check`` (what the rewrite replaces, as its real run would check it)."""
+    from orchestrator.spec.dry_run import check_recipe, dry_run_spec
     from orchestrator.spec.load import read_spec_text, read_yaml
 
     raw = read_yaml(read_spec_text(args.spec))
+    if args.dry_run and check:
+        check_recipe(raw, Path(args.spec).resolve().parent)
     return dry_run_spec(raw, data_root) if args.dry_run else raw
 
 

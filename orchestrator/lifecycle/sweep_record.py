@@ -24,9 +24,9 @@ def sweep_damage(out_dir: Path) -> str | None:
     if not (Path(out_dir) / SWEEP_FILE).is_file():
         return "missing" if (Path(out_dir) / records.TRIALS_FILE).is_file() else None
     try:
-        return spec_lacks(read_sweep(Path(out_dir)))
+        return spec_lacks(read_sweep(Path(out_dir), repair_hint=False))
     except ResumeError as e:
-        return str(e).split(": ", 1)[-1].split("; rebuild it with healsweep doctor")[0]
+        return str(e).split(": ", 1)[-1]
 
 
 def rebuilt_sweep(out_dir: Path, cache: Path) -> dict:

@@ -39,13 +39,14 @@ _SWEEP_KEYS = {"sweep_id": str, "tracking_uri": str, "store": str, "cache": str,
 _SPEC_KEYS = ("models", "sparsities", "calib_sizes", "pruners", "healers", "seeds", "search", "heal")
 
 
-def read_sweep(out_dir: Path) -> dict:
+def read_sweep(out_dir: Path, repair_hint: bool = True) -> dict:
     """DIR/sweep.json, checked: ResumeError (one line) when it is missing, unreadable or lacks a field; in a run
-    directory (its trials.jsonl is there) the line names the repair that rebuilds it."""
+    directory (its trials.jsonl is there) the line names the repair that rebuilds it (``repair_hint``; doctor,
+    which is that repair, reads it without)."""
     try:
         return _checked_sweep(Path(out_dir))
     except ResumeError as e:
-        if not (Path(out_dir) / records.TRIALS_FILE).is_file():
+        if not repair_hint or not (Path(out_dir) / records.TRIALS_FILE).is_file():
             raise
         raise ResumeError(f"{e}; rebuild it with healsweep doctor {out_dir} --repair") from None
 

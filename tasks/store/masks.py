@@ -59,7 +59,8 @@ class MaskStore:
 
     def _used(self, key: str) -> str:
         """A remote mask's last-use record (relative to the root)."""
-        return f"{LAST_USE_DIR}/{self._name(key)[: -len(SUFFIX)]}"
+        self._name(key)  # the key checked
+        return f"{LAST_USE_DIR}/{key}"
 
     def path(self, key: str) -> Path:
         p = (Path(self.root) / self._name(key)).resolve()
