@@ -32,6 +32,7 @@ from .reported import reported
 from .runs import grid_names, load_sweep_info, load_trials, pattern_sort_key
 from .search_space import _box, flag_boundary, search_bounds, widened_cells
 from .search_stops import attach, explored_lr, search_stops, stop_table
+from .sweep_state import state_note
 
 __all__ = ["write_report", "write_report_from", "model_table", "model_figure", "run_url"]
 
@@ -263,7 +264,7 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
                       experiment: str = "healsweep", title: str | None = None,
                       settings: dict | None = None, search: dict | None = None,
                       widened: dict | None = None, stops: dict | None = None,
-                      parent_run_id: str | None = None) -> dict[str, Path]:
+                      parent_run_id: str | None = None, driver: str | None = None) -> dict[str, Path]:
     """Write ``out_dir/report.html``, ``report.md``, ``bands.json`` and ``fig_<model>*.png`` (+ layout sidecars).
 
     ``settings``: optional ``{"cts": {...CTSSettings fields}, "bands": {...BandSettings fields}}``.
@@ -272,7 +273,8 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
     ``widened``: cell id -> the search box of its last widening round (orchestrator/lifecycle/widen.py; ``widened_cells``
     reads them from sweep.json): those cells' boundary is that box, and the findings name them.
     ``stops``: cell id -> why its search stopped (``search_stops.search_stops``: ``search.converge``).
-    ``parent_run_id``: the sweep's parent run (sweep.json's; ``load_sweep_info``).
+    ``parent_run_id``: the sweep's parent run (sweep.json's; ``load_sweep_info``). ``driver``: what holds the run
+    directory, for a sweep whose parent run is RUNNING (``sweep_state.state_note``; None: not looked at).
     Each cell's winner is picked by the sweep's search objective (the parent run's ``objective`` param).
     """
     from .bands import BandSettings
@@ -304,7 +306,7 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
                        trials[model_of == model], objective, {c: _box(b) for c, b in (widened or {}).items()},
                        bounds=search)
     line = " · ".join(f"{k}: {v}" for k, v in summary)
-    partial = _partial_note(info.get("partial"), out.resolve())
+    partial = state_note(info, int((trials["status"] == "FINISHED").sum()), out.resolve(), driver)
     md = [f"# Sweep report: {name}", "", *([f"**{partial}**", ""] if partial else []), _md_cell(line), ""]
     md += findings_md(fs, how)
     md += ["## Details", "", "### How to read this", "", HOW_TO_READ, ""]
@@ -325,14 +327,6 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
         ht += mht + trans.html.get(model, [])
     ht.append("</details>")
     return _write_pages(out, name, md, ht, trans.bands_json)
-
-
-def _partial_note(partial: dict | None, out: Path) -> str:
-    """The first-screen line of a sweep a signal interrupted (parent run tagged ``partial=true``)."""
-    if not partial:
-        return ""
-    return (f"Partial sweep: interrupted by {partial['signal']} with {partial['finished']} of {partial['planned']} "
-            f"trials finished; the findings cover those trials only. Resume with healsweep run --resume {out}")
 
 
 def _model_details(model: str, mt: pd.DataFrame, mb: pd.DataFrame, taken: set[str], out: Path,
@@ -384,8 +378,9 @@ def _transition_sections(best, models, info, out, tracking_uri, settings):
                           BandSettings(**settings.get("bands", {})), lamp=load_lamp(tracking_uri, info["run_id"]))
 
 
-def write_report(run_dir: str | Path) -> dict[str, Path]:
-    """Report for the sweep described by ``run_dir/sweep.json``, written into ``run_dir``."""
+def write_report(run_dir: str | Path, driver: str | None = None) -> dict[str, Path]:
+    """Report for the sweep described by ``run_dir/sweep.json``, written into ``run_dir`` (``driver``:
+    ``write_report_from``'s)."""
     run_dir = Path(run_dir)
     meta = json.loads((run_dir / "sweep.json").read_text(encoding="utf-8"))
     uri = meta.get("tracking_uri") or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
@@ -393,4 +388,4 @@ def write_report(run_dir: str | Path) -> dict[str, Path]:
                              experiment=meta.get("experiment") or "healsweep",
                              title=meta.get("name"), settings=meta.get("analysis"),
                              search=search_bounds(meta.get("spec")), widened=widened_cells(meta),
-                             stops=search_stops(run_dir), parent_run_id=meta.get("parent_run_id"))
+                             stops=search_stops(run_dir), parent_run_id=meta.get("parent_run_id"), driver=driver)

@@ -21,7 +21,10 @@ def add_parser(sub):
                                    "record, drop torn or damaged lines, remove temporary files, quarantine damaged "
                                    "shards and masks (recomputed by healsweep run --resume DIR). Healed weights lost "
                                    "since their trial was recorded are named; their numbers stand, and only "
-                                   "--rerun-lost-weights has the resume heal those trials again. Exit code 0: sound "
+                                   "--rerun-lost-weights has the resume heal those trials again. A sweep whose driver "
+                                   "was killed (its parent run left RUNNING, no live driver) is named, and --repair "
+                                   "records it as interrupted. --repair refuses while a driver runs the sweep, and "
+                                   "holds the run directory against one while it repairs. Exit code 0: sound "
                                    "(or repaired); 1: problems found (left); 2: DIR is not a run directory.")
     p.add_argument("dir", metavar="DIR", help="run directory of a sweep (holds sweep.json)")
     p.add_argument("--repair", action="store_true", help="repair what can be repaired (without it: only report)")

@@ -8,7 +8,7 @@ from urllib.parse import unquote, urlparse
 from orchestrator.commands.common import CliError, report_lines
 from orchestrator.lifecycle.resume import DB_FILE, db_problem, own_db
 from orchestrator.rundir.faults import damaged
-from orchestrator.rundir.files import ResumeError, read_sweep
+from orchestrator.rundir.files import ResumeError, lock_holder, read_sweep
 from orchestrator.rundir.records import TRIALS_FILE
 from orchestrator.spec.checks import SpecError
 from orchestrator.spec.reach import check_server
@@ -22,6 +22,8 @@ def add_parser(sub):
                                    "and sweep id) back from MLflow alone and rewrite DIR/report.html (self-contained, "
                                    "figures embedded), DIR/report.md and DIR/bands.json: best trial per cell, "
                                    "healer comparisons, repairability bands and the calibration transition score. "
+                                   "A sweep that did not end complete says so first: interrupted, still running, or "
+                                   "left unended by a killed driver (with the resume command). "
                                    "Nothing is recomputed; Ray is not started. Exit code 2 when DIR holds no sweep "
                                    "(no sweep.json, or its MLflow database or parent run is missing).")
     p.add_argument("dir", metavar="DIR", help="run directory of a sweep (holds sweep.json), e.g. runs/tiny")
@@ -106,7 +108,7 @@ def main(args) -> int:
         raise CliError(f"--readme {readme}: {'a directory, not a file' if Path(readme).is_dir() else 'no such file'}")
     from analysis.report import write_report
 
-    paths = write_report(d)
+    paths = write_report(d, driver=lock_holder(d) or "")  # a sweep left RUNNING: in progress, or its driver gone
     print(report_lines(paths))
     if readme:
         from analysis.readme import ReadmeError, update_readme

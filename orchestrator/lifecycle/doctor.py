@@ -11,7 +11,11 @@ is damaged, what was lost); with ``repair``, what can be repaired is repaired, i
 3. the Optuna journal: torn, damaged, not replaying or disagreeing with the record -> rebuilt from it;
 4. leftover temporary files (``.tmp-*``) in the run directory and the store: removed;
 5. the target store: damaged or missing shards and unreadable manifests moved to its quarantine (the next
-   ``healsweep run --resume`` recomputes exactly those rows: tasks/store).
+   ``healsweep run --resume`` recomputes exactly those rows: tasks/store);
+6. a sweep left unended (its parent run RUNNING, no live driver: lifecycle/unended.py): recorded as interrupted.
+
+A repair holds the run directory's lock (a sweep's driver holds it while it runs): it refuses while a driver runs
+the sweep, and no sweep starts in the directory while it repairs.
 """
 from __future__ import annotations
 
@@ -23,8 +27,10 @@ from typing import Callable
 from orchestrator.lifecycle import resume
 from orchestrator.lifecycle.store_check import store_problems
 from orchestrator.lifecycle.sweep_record import rebuild_sweep, rebuilt_sweep, sweep_damage
+from orchestrator.lifecycle.unended import mark_unended, parent_state
 from orchestrator.rundir import records
-from orchestrator.rundir.files import JOURNAL_FILE, SWEEP_FILE, ResumeError, read_sweep
+from orchestrator.rundir.files import (JOURNAL_FILE, SWEEP_FILE, ResumeError, holder_words, lock_holder, lock_run_dir,
+                                       read_sweep, release_run_dir)
 from orchestrator.tracking.rebuild import (drop_stray_parents, journal_disagrees, parent_gone, rebuild_journal,
                                           rebuild_tracking, reopen_parent, runs_off, stray_parents, sync_runs)
 from orchestrator.tracking.recorder import backfill
@@ -45,9 +51,10 @@ class Problem:
 
 
 class Doctor:
-    def __init__(self, out_dir: Path, rerun_lost: bool = False) -> None:
+    def __init__(self, out_dir: Path, rerun_lost: bool = False, live: str | None = None) -> None:
         self.dir = Path(out_dir).resolve()
         self.rerun_lost = rerun_lost  # --rerun-lost-weights: a trial whose healed weights are lost runs again
+        self.live = live  # what holds the run directory now (files.lock_holder), None: nothing
         self.info = read_sweep(self.dir)
         self.record = self.dir / records.TRIALS_FILE
         self.journal = self.dir / JOURNAL_FILE
@@ -58,7 +65,7 @@ class Doctor:
     # ------------------------------------------------------------------ checks, in repair order
     def examine(self) -> list[Problem]:
         return [*self.check_record(), *self.check_weights(), *self.check_tracking(), *self.check_journal(),
-                *self.check_temp(), *self.check_store()]
+                *self.check_temp(), *self.check_store(), *self.check_ended()]
 
     def check_record(self) -> list[Problem]:
         s, out = self._scan(), []
@@ -274,6 +281,35 @@ class Doctor:
 
         return store_problems(self.dir, self.info, Problem)
 
+    def _parent(self) -> tuple[str, dict] | None:
+        """(status, tags) of the parent run in the run directory's own sound database, else None (a tracking server
+        is not contacted; a damaged database is check_tracking's)."""
+        db = self.dir / resume.DB_FILE
+        if self.live or not resume.own_db(self.dir, self.info) or not db.exists() or resume.db_problem(db):
+            return None
+        return parent_state(self._client(write=False), self.info.get("parent_run_id"))
+
+    def check_ended(self) -> list[Problem]:
+        state = self._parent()
+        if state is None or state[0] != "RUNNING":
+            return []
+        return [Problem(str(self.dir), "the sweep did not end: no healsweep driver holds it, yet its parent run is "
+                        "RUNNING (its last driver stopped without a trace: killed, or its machine went down)",
+                        "the work of the trials that were running then (they run again on resume)",
+                        lambda: self._mark_unended(), hint=f"or continue it at once with healsweep run --resume {self.dir}")]
+
+    def _mark_unended(self) -> str:
+        client = self._client()
+        return mark_unended(client, self._exp_id(client), self.info, self.journal, records.trials(self._scan()))
+
+    def partial(self) -> str:
+        """" (the sweep is partial: ...)" for a sweep recorded as interrupted, else ""."""
+        state = self._parent()
+        if state is None or state[1].get("partial") != "true":
+            return ""
+        return (f" (the sweep is partial: interrupted by {state[1].get('interrupted_by') or 'a signal'} with "
+                f"{state[1].get('trials_finished', '?')} trials finished; continue with healsweep run --resume {self.dir})")
+
 
 def _readable_cache(out_dir: Path) -> Path | None:
     """The model cache a damaged but readable sweep.json names (a field missing), else None."""
@@ -292,9 +328,27 @@ def _unlink(p: Path) -> str:
 def run(out_dir: Path, repair: bool, say: Callable[[str], None] = print, cache: Path | None = None,
         rerun_lost: bool = False) -> int:
     """Check (and with ``repair`` repair) ``out_dir``; -> exit code: 0 sound or repaired, 1 problems left. A repair
-    can reveal the next problem (a record line dropped: the journal now disagrees), so repairs go in passes. A
-    damaged sweep.json comes first: nothing else can be read without it (``cache``: the model cache a rebuilt one
-    names, not recorded elsewhere; ``rerun_lost``: ``Doctor``'s)."""
+    holds the run directory's lock (RunLockedError while a sweep's driver or another repair holds it); a check
+    beside a live driver says that what it is writing may show as a problem (``_run``)."""
+    out_dir = Path(out_dir)
+    held = lock_holder(out_dir)
+    if not repair or not any((out_dir / f).is_file() for f in (SWEEP_FILE, records.TRIALS_FILE)):
+        if held:  # (not a run directory: refused in _run's own words)
+            what = "repairing it" if held.endswith(" doctor") else "running this sweep"
+            say(f"{out_dir.resolve()}: {holder_words(held)} is {what} now: a file it is writing may show as a problem")
+        return _run(out_dir, repair, say, cache, rerun_lost, held)
+    lock_run_dir(out_dir, role="doctor")
+    try:
+        return _run(out_dir, repair, say, cache, rerun_lost, None)
+    finally:
+        release_run_dir(out_dir)
+
+
+def _run(out_dir: Path, repair: bool, say: Callable[[str], None], cache: Path | None, rerun_lost: bool,
+         live: str | None) -> int:
+    """``run``'s check and repair. A repair can reveal the next problem (a record line dropped: the journal now
+    disagrees), so repairs go in passes. A damaged sweep.json comes first: nothing else can be read without it
+    (``cache``: the model cache a rebuilt one names, not recorded elsewhere; ``rerun_lost``, ``live``: ``Doctor``'s)."""
     if (why := sweep_damage(out_dir)) is not None:
         kept = _readable_cache(out_dir)  # a readable one (a field missing) keeps its model cache
         cache = kept or Path(cache or "models")
@@ -311,12 +365,12 @@ def run(out_dir: Path, repair: bool, say: Callable[[str], None] = print, cache: 
                 "--repair")
             return 1
         say(f"repaired {Path(out_dir).resolve() / SWEEP_FILE}: {rebuild_sweep(out_dir, cache)}")
-    doc = Doctor(out_dir, rerun_lost)
+    doc = Doctor(out_dir, rerun_lost, live)
     problems = doc.examine()
     for p in problems:
         say(p.line())
     if not problems:
-        say(f"{doc.dir}: every file checked, no problem found")
+        say(f"{doc.dir}: every file checked, no problem found{doc.partial()}")
         return 0
     if not repair:
         say(f"{len(problems)} problem(s); repair with healsweep doctor {out_dir} --repair"

@@ -134,25 +134,47 @@ def probe_run_dir(out_dir: Path, resume: bool) -> None:
 
     if not resume and (out_dir / JOURNAL_FILE).exists():
         raise existing_sweep(out_dir)
-    if (out_dir / LOCK_FILE).is_file():
-        with open(out_dir / LOCK_FILE) as f:  # a probe: the flock is dropped when the file closes
-            try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise _locked(out_dir, f.read().strip()[:40] or "unknown") from None
+    holder = lock_holder(out_dir)
+    if holder is not None:
+        raise _locked(out_dir, holder)
+
+
+def lock_holder(out_dir: Path) -> str | None:
+    """What DIR/driver.lock says of the live process holding it ("<pid>" for a sweep's driver, "<pid> doctor" for
+    ``healsweep doctor --repair``), or None when no live process does (no lock file, or its holder died: the kernel
+    dropped its flock). A probe: the flock taken here is dropped when the file closes."""
+    try:
+        f = open(Path(out_dir) / LOCK_FILE)  # noqa: SIM115 - closed below
+    except OSError:  # no lock file (never run, or not a run directory), or unreadable
+        return None
+    with f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip()[:40] or "unknown"
+    return None
+
+
+def holder_words(holder: str) -> str:
+    """``lock_holder``'s text in words: "a healsweep driver (pid N)" or "healsweep doctor --repair (pid N)"."""
+    pid, _, role = holder.partition(" ")
+    return f"healsweep doctor --repair (pid {pid})" if role == "doctor" else f"a healsweep driver (pid {pid})"
 
 
 def _locked(out_dir: Path, holder: str) -> RunLockedError:
+    if holder.partition(" ")[2] == "doctor":
+        return RunLockedError(f"{out_dir}: {holder_words(holder)} is repairing this run directory; wait for it to end")
     return RunLockedError(f"{out_dir}: another healsweep driver (pid {holder}) is running this sweep; "
                           "wait for it to end or stop it first")
 
 
-def lock_run_dir(out_dir: Path):
+def lock_run_dir(out_dir: Path, role: str = ""):
     """Hold DIR/driver.lock for this process's lifetime (one driver per run directory); returns the open file.
 
     An exclusive, non-blocking fcntl.flock: the kernel drops it when its holder dies, so a dead driver's lock is
-    stale by construction and simply taken over (the file is rewritten with our pid). Another live driver holding
-    it is a RunLockedError naming its pid. Calling again in the same process returns the held lock.
+    stale by construction and simply taken over (the file is rewritten with our pid, and ``role``: "doctor" for a
+    repair, which no sweep may run beside). Another live holder is a RunLockedError naming it. Calling again in
+    the same process returns the held lock.
     """
 
     key = str(Path(out_dir).resolve())
@@ -169,7 +191,7 @@ def lock_run_dir(out_dir: Path):
         raise _locked(out_dir, holder) from None
     f.seek(0)
     f.truncate()
-    f.write(f"{os.getpid()}\n")
+    f.write(f"{os.getpid()}{' ' + role if role else ''}\n")
     f.flush()
     _HELD[key] = f
     return f

@@ -167,6 +167,13 @@ def runs_off(client, exp_id: str | None, sweep_id: str, trials: dict[str, dict])
         len(runs.get(t, [])) != 1 or runs[t][0].info.status != rec["mlflow"]["status"]))
 
 
+def unrecorded_running(client, exp_id: str, sweep_id: str, trials: dict[str, dict]) -> list[str]:
+    """Run ids of the sweep's trial runs left RUNNING whose trial the record does not hold: the trials that were
+    running when a driver stopped without ending the sweep (they run again on resume, under a new run)."""
+    return sorted(r.info.run_id for t, rs in _trial_runs(client, exp_id, sweep_id).items() if t not in trials
+                  for r in rs if r.info.status == "RUNNING")
+
+
 def sync_runs(client, exp_id: str, sweep_id: str, parent_id: str, trials: dict[str, dict]) -> dict[str, int]:
     """Every recorded trial with exactly one MLflow run, in its recorded status; -> counts created / deleted /
     ended (a run left RUNNING or otherwise off its record, set to the recorded status)."""

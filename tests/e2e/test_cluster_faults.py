@@ -15,8 +15,9 @@ from optuna.trial import TrialState
 
 from orchestrator.raytune.resources import override_resources
 from orchestrator.lifecycle.resume import prepare_resume
-from orchestrator.rundir.files import told_states
+from orchestrator.rundir.files import read_sweep, told_states
 from orchestrator.spec import load_spec, parse_spec
+from tests.orchestrator.run_cli import lock_held
 from tests.orchestrator.test_orchestration import _gpu_spec
 
 pytestmark = pytest.mark.e2e
@@ -118,8 +119,40 @@ search: {trials_per_cell: 2, lr: [1.0e-3, 3.0e-3], epochs: [2, 2], startup_trial
 """
 
 
-def test_killed_driver_resumes_without_rerunning_or_duplicating(tmp_path, model_cache):
-    from orchestrator.rundir.files import read_sweep
+def _unended_is_named_then_recorded(out: Path, capsys) -> None:
+    """A driver killed with SIGKILL runs no end: doctor said "no problem found" and the report nothing of a resume.
+    Beside a live driver (another process holding the run directory's lock) the report says the sweep is in
+    progress and doctor --repair refuses; with none, doctor names the unended sweep, the report says to resume, and
+    doctor --repair records it as interrupted (the parent run KILLED and partial, no trial run left RUNNING)."""
+    from orchestrator.cli import main
+    from orchestrator.lifecycle.unended import UNSEEN
+
+    client, runs = _child_runs(f"sqlite:///{out / 'mlflow.db'}", read_sweep(out)["sweep_id"])
+    done = sum(r.info.status == "FINISHED" for r in runs)  # what MLflow holds (its writes trail the journal's)
+    first = lambda: (out / "report.md").read_text().splitlines()[2]  # noqa: E731 - the first screen's first line
+    with lock_held(out) as driver:
+        assert main(["report", str(out)]) == 0
+        assert first().startswith(f"**Sweep in progress: a healsweep driver (pid {driver.pid}) is running it; "
+                                  f"{done} trials finished so far")
+        assert main(["doctor", str(out), "--repair"]) == 2
+        assert f"another healsweep driver (pid {driver.pid}) is running this sweep" in capsys.readouterr().err
+    assert main(["doctor", str(out)]) == 1
+    assert "the sweep did not end: no healsweep driver holds it, yet its parent run is RUNNING" in capsys.readouterr().out
+    assert main(["report", str(out)]) == 0
+    assert first() == (f"**Unfinished sweep: its driver stopped without ending it (killed, or its machine went down) "
+                       f"with {done} trials finished; the findings cover those trials only. Resume with healsweep run "
+                       f"--resume {out.resolve()}**")
+    assert main(["doctor", str(out), "--repair"]) == 0
+    parent = client.get_run(read_sweep(out)["parent_run_id"])
+    told = sum(st == TrialState.COMPLETE for st in told_states(out / "optuna.journal").values())
+    assert parent.info.status == "KILLED" and (parent.data.tags["partial"], parent.data.tags["interrupted_by"],
+                                               parent.data.tags["trials_finished"]) == ("true", UNSEEN, str(told))
+    assert not [r for r in _child_runs(client.tracking_uri, read_sweep(out)["sweep_id"])[1] if r.info.status == "RUNNING"]
+    capsys.readouterr()
+    assert main(["doctor", str(out)]) == 0 and "(the sweep is partial: interrupted by" in capsys.readouterr().out
+
+
+def test_killed_driver_resumes_without_rerunning_or_duplicating(tmp_path, model_cache, capsys):
     from orchestrator.sweep.run import run_sweep
 
     (tmp_path / "kill.yaml").write_text(KILL_SPEC)
@@ -146,6 +179,7 @@ def test_killed_driver_resumes_without_rerunning_or_duplicating(tmp_path, model_
     before = told_states(journal)
     done_before = {k for k, s in before.items() if s == TrialState.COMPLETE}
     assert 1 <= len(done_before) < 8  # 2 cells x (2 searched + 2 re-evaluations of the winner)
+    _unended_is_named_then_recorded(out, capsys)
     info = read_sweep(out)
     spec = load_spec(tmp_path / "kill.yaml")
     prepare_resume(out)  # what healsweep run --resume does before the sweep

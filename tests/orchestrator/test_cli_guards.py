@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import pytest
 import yaml
 
 from orchestrator.spec import load_spec
+from tests.orchestrator.run_cli import lock_held
 
 REPO = Path(__file__).resolve().parents[2]
 EXE = Path(sys.executable).with_name("healsweep")
@@ -98,17 +98,9 @@ def test_report_without_a_sweep_creates_nothing(tmp_path):
 
 def test_second_driver_on_a_run_dir_is_refused_and_a_dead_drivers_lock_is_taken_over(tmp_path):
     d = sweep_record(tmp_path / "run", tmp_path)
-    holder = subprocess.Popen(  # a live driver: holds the run directory's lock like run_sweep does
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from orchestrator.rundir.files import "
-         "lock_run_dir; lock_run_dir(Path(sys.argv[1])); print('locked', flush=True); time.sleep(600)", str(d)],
-        cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with lock_held(d) as holder:  # a live driver: holds the run directory's lock like run_sweep does
         r = cli("run", "--resume", d)
         assert_one_line_exit_2(r, f"another healsweep driver (pid {holder.pid}) is running this sweep")
-    finally:
-        os.kill(holder.pid, signal.SIGKILL)
-        holder.wait()
     from orchestrator.rundir.files import lock_run_dir, release_run_dir
 
     time.sleep(0.1)
@@ -257,3 +249,22 @@ def test_export_names_the_repair_of_a_run_directory_that_lost_its_sweep_json(tmp
     assert main(["export", "0" * 32, "--out", str(tmp_path / "x"), "--run-dir", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == (f"healsweep: error: --run-dir {tmp_path}: sweep.json missing; rebuild "
                                                f"it with healsweep doctor {tmp_path} --repair")
+
+
+def test_doctor_repair_and_a_driver_keep_out_of_each_others_run_directory(tmp_path):
+    """doctor --repair rewrote what a live driver was writing (its temporary files, the database), and a sweep could
+    start in the middle of a repair: each now holds the run directory's lock against the other, and a check beside
+    a live driver says what holds the directory before its problem lines."""
+    d = sweep_record(tmp_path / "run", tmp_path)
+    with lock_held(d) as driver:
+        assert_one_line_exit_2(cli("doctor", d, "--repair"), f"another healsweep driver (pid {driver.pid}) is running "
+                               "this sweep; wait for it to end or stop it first")
+        r = cli("doctor", d)
+        assert r.stdout.splitlines()[0] == (f"{d.resolve()}: a healsweep driver (pid {driver.pid}) is running this "
+                                            "sweep now: a file it is writing may show as a problem"), r.stdout
+    with lock_held(d, "doctor") as repair:
+        assert_one_line_exit_2(cli("run", "--resume", d), f"{d}: healsweep doctor --repair (pid {repair.pid}) is "
+                               "repairing this run directory; wait for it to end")
+        assert cli("doctor", d).stdout.startswith(f"{d.resolve()}: healsweep doctor --repair (pid {repair.pid}) is "
+                                                  "repairing it now")
+    assert (d / "driver.lock").read_text().split()[1] == "doctor"  # the holder's role, written beside its pid

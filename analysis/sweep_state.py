@@ -1,0 +1,27 @@
+"""The report's first-screen line for a sweep that has not ended complete: one interrupted (a signal, the loss of
+its Ray cluster, or a stop nobody saw that ``healsweep doctor --repair`` recorded), one still running, or one whose
+driver stopped without ending it (SIGKILL, the OOM killer, a machine that went down: its parent run is left
+RUNNING and no live process holds the run directory)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def state_note(info: dict, finished: int, out: Path, driver: str | None) -> str:
+    """"" for a sweep that ended complete, else the line. ``info``: ``runs.load_sweep_info``'s; ``finished``: its
+    trial runs FINISHED in MLflow; ``driver``: None when not looked at (the report the sweep's own driver writes,
+    after it marked the parent run), "" when no live process holds the run directory, else what holds it (its lock
+    file's text: "<pid>" for a driver, "<pid> doctor" for a repair)."""
+    resume = f"Resume with healsweep run --resume {out}"
+    p = info.get("partial")
+    if p:
+        done = f"{p['finished']} of {p['planned']}" if p.get("planned") else str(p["finished"])
+        return (f"Partial sweep: interrupted by {p['signal']} with {done} trials finished; the findings cover those "
+                f"trials only. {resume}")
+    if info.get("status") != "RUNNING" or driver is None or driver.endswith(" doctor"):
+        return ""  # (a repair holding the run directory: what it leaves is told once it ends)
+    if driver:
+        return (f"Sweep in progress: a healsweep driver (pid {driver.split()[0]}) is running it; {finished} trials "
+                "finished so far, and the findings cover those only.")
+    return (f"Unfinished sweep: its driver stopped without ending it (killed, or its machine went down) with "
+            f"{finished} trials finished; the findings cover those trials only. {resume}")
