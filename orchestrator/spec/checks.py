@@ -17,6 +17,7 @@ MAX_LIST = 1_000  # items of any list (sparsities, calib_sizes, seeds, pruners, 
 MAX_TRIALS_PER_CELL = 10_000
 MAX_EPOCHS = 10_000
 MAX_STEPS = 10_000_000
+MAX_LR = 10.0  # search.lr: a learning rate, not a typo (1e300 validated, and every trial diverged)
 # Search objectives and their direction (docs/methods.md#search); analysis/runs.py OBJECTIVE_MODES mirrors it
 # (analysis may not import orchestrator).
 OBJECTIVES = {"selection_acc": "max", "heldout_align": "min"}

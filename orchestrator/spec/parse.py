@@ -18,6 +18,7 @@ from orchestrator.spec.checks import (
     DEVICES,
     MAX_EPOCHS,
     MAX_LATTICE,
+    MAX_LR,
     MAX_REEVALUATE,
     MAX_SEED,
     MAX_STEPS,
@@ -143,7 +144,7 @@ def parse_search(v: Any) -> SearchSpec:
     if "epochs" in d or ("steps" not in d and d.get("scheduler") == "asha"):  # epochs searched: no default steps
         d = {"epochs": ASHA_EPOCHS, **d, "steps": None}
     s = SearchSpec(**d)
-    lo_hi = check_pair(s.lr, "search.lr", float, 0.0, lo_open=True)
+    lo_hi = check_pair(s.lr, "search.lr", float, 0.0, lo_open=True, hi=MAX_LR)
     steps = None if s.steps is None else check_pair(s.steps, "search.steps", int, 1, hi=MAX_STEPS)
     epochs = None if steps is not None else check_pair(s.epochs, "search.epochs", int, 1, hi=MAX_EPOCHS)
     objective = check_choice(s.objective, "search.objective", tuple(OBJECTIVES))

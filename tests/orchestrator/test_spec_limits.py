@@ -129,6 +129,8 @@ def test_bad_plugins(tmp_path, plugins, words):
     ({"search": {"trials_per_cell": 1e9}}, "search.trials_per_cell", "must be an integer"),
     ({"search": {"trials_per_cell": 20_000}}, "search.trials_per_cell", "must be <= 10000"),
     ({"search": {"epochs": [1, 10**9]}}, "search.epochs[1]", "must be <= 10000"),
+    ({"search": {"lr": [1e-4, 1e300]}}, "search.lr[1]", "must be <= 10"),  # validated, every trial diverged
+    ({"grids": [{"name": "g", "search": {"lr": [20, 30]}}]}, "grids[0].search.lr[0]", "must be <= 10"),
     ({"sparsities": [i / 1000 for i in range(1000)], "seeds": list(range(30))}, "spec", "at most 100000 are allowed"),
 ])
 def test_specs_that_cannot_run_are_rejected_by_the_cli(tmp_path, top, field, words):
