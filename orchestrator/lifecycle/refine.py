@@ -157,10 +157,13 @@ def run_refinement(run_dir: Path, step: float = 0.005, *, address: str | None = 
     plan = plan_refinement(run_dir, step)
     meta = plan["meta"]
     try:
-        spec = refine_spec(parse_spec(meta["spec"]), plan["sparsities"])
+        coarse = parse_spec(meta["spec"])
+        one = refine_spec(coarse, plan["sparsities"][:1])
     except SpecError as e:
         raise RefineError(f"sweep.json spec: {e}") from None
-    plan["trials"] = sum(count_trials(spec).values())
+    # every fine sparsity holds the same cells (the main grid, pruners that follow the sparsity list): counted on
+    # one, not listed for each (a --step of 1e-6 listed ~400k sparsities' cells for ~75 s before the refusal)
+    plan["trials"] = sum(count_trials(one).values()) * len(plan["sparsities"])
     plan["seconds_per_trial"], plan["estimate"] = trial_wall(plan)
     if told is not None:
         told(plan)
@@ -175,6 +178,7 @@ def run_refinement(run_dir: Path, step: float = 0.005, *, address: str | None = 
     from analysis.report import write_report
     from orchestrator.sweep.run import run_sweep
 
+    spec = refine_spec(coarse, plan["sparsities"])
     done_before, failed_before = told_counts(Path(run_dir) / JOURNAL_FILE)  # the whole sweep's, so far
 
     prepare_resume(Path(run_dir))  # damaged files: one line; torn last lines dropped; journal agrees with the record

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -130,5 +131,10 @@ def test_cli_dry_run_prints_trials_and_estimate_and_max_trials_refuses(tmp_path)
         "healsweep: error: 4 new trials (1 sparsity x 4, about 24 s) exceed --max-trials 3; raise it, or use a "
         "coarser --step (see --dry-run)"]
     assert json.loads((run_dir / "sweep.json").read_text()).get("refinements") is None  # nothing ran
+    t0 = time.monotonic()  # the finest step: 449,996 new sparsities, counted on one (listing each took ~75 s)
+    r = healsweep("refine", run_dir, "--step", "1e-6", "--max-trials", "3")
+    assert r.returncode == 2 and r.stderr.startswith("healsweep: error: 1799984 new trials (449996 sparsities x 4, "
+                                                     "about "), r.stderr
+    assert time.monotonic() - t0 < 40, time.monotonic() - t0  # 8-10 s here, with the CLI's start-up
     r = healsweep("refine", tmp_path / "nope")
     assert r.returncode == 2 and "not a run directory" in r.stderr
