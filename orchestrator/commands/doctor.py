@@ -5,7 +5,8 @@ from pathlib import Path
 
 from orchestrator.commands.common import DEFAULT_HOME, CliError
 from orchestrator.lifecycle import doctor
-from orchestrator.rundir.files import ResumeError
+from orchestrator.lifecycle.sweep_record import sweep_damage
+from orchestrator.rundir.files import SWEEP_FILE, ResumeError, read_sweep
 from orchestrator.sweep.console import quiet_libraries
 
 
@@ -31,6 +32,8 @@ def add_parser(sub):
     p.add_argument("--rerun-lost-weights", action="store_true",
                    help="with --repair: drop the records of trials whose healed weights are lost, so that the next "
                         "healsweep run --resume heals them again (its numbers replace the recorded ones)")
+    p.add_argument("--cache", metavar="DIR", help="the model cache a rebuilt sweep.json names (only for a damaged "
+                   "sweep.json; default: the one it named, if still readable, else ./.healsweep/models)")
     p.add_argument("--verbose", action="store_true", help="show a traceback for an unexpected failure")
     p.set_defaults(func=main)
     return p
@@ -43,6 +46,11 @@ def main(args) -> int:
     try:
         if args.rerun_lost_weights and not args.repair:
             raise CliError("--rerun-lost-weights repairs: give --repair with it")
-        return doctor.run(Path(args.dir), args.repair, cache=DEFAULT_HOME / "models", rerun_lost=args.rerun_lost_weights)
+        d = Path(args.dir)
+        if args.cache and (d / SWEEP_FILE).is_file() and sweep_damage(d) is None:
+            raise CliError(f"--cache names the model cache of a rebuilt sweep.json; {d / SWEEP_FILE} is sound (its "
+                           f"cache: {read_sweep(d).get('cache')}): leave --cache out")
+        return doctor.run(d, args.repair, cache=args.cache and Path(args.cache), rerun_lost=args.rerun_lost_weights,
+                          default_cache=DEFAULT_HOME / "models")
     except ResumeError as e:
         raise CliError(str(e)) from None

@@ -326,38 +326,41 @@ def _unlink(p: Path) -> str:
 
 
 def run(out_dir: Path, repair: bool, say: Callable[[str], None] = print, cache: Path | None = None,
-        rerun_lost: bool = False) -> int:
+        rerun_lost: bool = False, default_cache: Path | None = None) -> int:
     """Check (and with ``repair`` repair) ``out_dir``; -> exit code: 0 sound or repaired, 1 problems left. A repair
     holds the run directory's lock (RunLockedError while a sweep's driver or another repair holds it); a check
-    beside a live driver says that what it is writing may show as a problem (``_run``)."""
+    beside a live driver says that what it is writing may show as a problem (``_run``). ``cache``: the model cache
+    a rebuilt sweep.json names (``--cache``; else the one a readable damaged one named, else ``default_cache``)."""
     out_dir = Path(out_dir)
     held = lock_holder(out_dir)
     if not repair or not any((out_dir / f).is_file() for f in (SWEEP_FILE, records.TRIALS_FILE)):
         if held:  # (not a run directory: refused in _run's own words)
             what = "repairing it" if held.endswith(" doctor") else "running this sweep"
             say(f"{out_dir.resolve()}: {holder_words(held)} is {what} now: a file it is writing may show as a problem")
-        return _run(out_dir, repair, say, cache, rerun_lost, held)
+        return _run(out_dir, repair, say, (cache, default_cache), rerun_lost, held)
     lock_run_dir(out_dir, role="doctor")
     try:
-        return _run(out_dir, repair, say, cache, rerun_lost, None)
+        return _run(out_dir, repair, say, (cache, default_cache), rerun_lost, None)
     finally:
         release_run_dir(out_dir)
 
 
-def _run(out_dir: Path, repair: bool, say: Callable[[str], None], cache: Path | None, rerun_lost: bool,
+def _run(out_dir: Path, repair: bool, say: Callable[[str], None], caches: tuple, rerun_lost: bool,
          live: str | None) -> int:
     """``run``'s check and repair. A repair can reveal the next problem (a record line dropped: the journal now
     disagrees), so repairs go in passes. A damaged sweep.json comes first: nothing else can be read without it
-    (``cache``: the model cache a rebuilt one names, not recorded elsewhere; ``rerun_lost``, ``live``: ``Doctor``'s)."""
+    (``caches``: ``run``'s cache and default_cache, the model cache a rebuilt one names, not recorded elsewhere;
+    ``rerun_lost``, ``live``: ``Doctor``'s)."""
     if (why := sweep_damage(out_dir)) is not None:
         kept = _readable_cache(out_dir)  # a readable one (a field missing) keeps its model cache
-        cache = kept or Path(cache or "models")
+        cache = Path(caches[0]) if caches[0] else kept or Path(caches[1] or "models")
         try:
             rebuilt_sweep(out_dir, cache)
         except ResumeError as e:  # nothing to rebuild it from: read_sweep's own one line (exit 2)
             raise ResumeError(f"{Path(out_dir) / SWEEP_FILE}: damaged ({why}) and not rebuildable: {e}") from None
-        lost = (f"nothing (its model cache {cache} kept)" if kept else
-                f"the model cache it named (the rebuilt one names {cache.resolve()})")
+        lost = (f"nothing (its model cache {cache} kept)" if kept and cache == kept else
+                f"nothing (its model cache {kept} replaced by --cache {cache.resolve()})" if kept else
+                f"the model cache it named (the rebuilt one names {cache.resolve()}; --cache chooses it)")
         say(f"{Path(out_dir).resolve() / SWEEP_FILE}: damaged ({why}); lost: {lost}; the rest is rebuilt from "
             f"{records.TRIALS_FILE} and {resume.DB_FILE}")
         if not repair:

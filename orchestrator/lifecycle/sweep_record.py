@@ -4,8 +4,8 @@ Every command reads sweep.json first (the sweep id, the tracking URI, the store,
 them all, ``doctor --repair`` included, though nothing in it is unique: the trial record's parent line names the
 parent run and the sweep id, the run directory's own SQLite database holds the parent run (its experiment, the
 ``store`` param, each session's ``dense_forward_images_session``), and the parent run's ``spec.json`` artifact lies
-under ``DIR/artifacts``. Only the model cache is not recorded elsewhere: the rebuilt file names the default one, and
-the problem line says so. A sweep tracked on a server cannot be rebuilt (its URI was only in sweep.json).
+under ``DIR/artifacts``. Only the model cache is not recorded elsewhere: the rebuilt file names ``doctor --cache`` or the
+default one, and the problem line says so. A sweep tracked on a server cannot be rebuilt (its URI was only in sweep.json).
 """
 from __future__ import annotations
 

@@ -53,9 +53,10 @@ def test_a_deleted_sweep_json_is_named_and_rebuilt(reference, tmp_path):
     one_line(cli("report", run), 2, "sweep.json: missing", repair)
     r = cli("doctor", run)
     assert r.returncode == 1 and "sweep.json: damaged (missing); lost: the model cache it named" in r.stdout, r.stdout
-    r = ok(cli("doctor", run, "--repair"))
+    r = ok(cli("doctor", run, "--repair", "--cache", tmp_path / "models"))  # the cache it names: not recorded elsewhere
     assert "rebuilt from trials.jsonl, mlflow.db and the parent run's spec.json\n" in r.stdout, r.stdout
     got, ref = json.loads((run / "sweep.json").read_text()), reference_info(reference)
+    assert got["cache"] == str((tmp_path / "models").resolve())
     assert {k: v for k, v in got.items() if k not in ("tracking_uri", "cache")} == \
         {k: v for k, v in ref.items() if k not in ("tracking_uri", "cache")}
     assert nothing_to_resume(run) == (8, 0) and not (run / "sweep.json.damaged").exists()

@@ -268,3 +268,14 @@ def test_doctor_repair_and_a_driver_keep_out_of_each_others_run_directory(tmp_pa
         assert cli("doctor", d).stdout.startswith(f"{d.resolve()}: healsweep doctor --repair (pid {repair.pid}) is "
                                                   "repairing it now")
     assert (d / "driver.lock").read_text().split()[1] == "doctor"  # the holder's role, written beside its pid
+
+
+def test_doctor_cache_is_for_a_rebuilt_sweep_json_only(tmp_path):
+    """--cache names the model cache of a rebuilt sweep.json (recorded nowhere else); beside a sound one it would be
+    ignored: refused in one line, nothing written."""
+    d = sweep_record(tmp_path / "run", tmp_path)
+    before = (d / "sweep.json").read_text()
+    assert_one_line_exit_2(cli("doctor", d, "--repair", "--cache", tmp_path / "c2"), f"--cache names the model cache "
+                           f"of a rebuilt sweep.json; {d / 'sweep.json'} is sound (its cache: {tmp_path / 'cache'}): "
+                           "leave --cache out")
+    assert (d / "sweep.json").read_text() == before and sorted(p.name for p in d.iterdir()) == ["sweep.json"]
