@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from orchestrator.commands.common import DEFAULT_HOME, CliError
 from orchestrator.commands.store_bucket import RECENT, bucket_entries, bucket_rule, gc_bucket
 from orchestrator.raytune.cluster import is_remote, store_subdir
-from orchestrator.rundir import records
+from orchestrator.rundir import records, store_users
 
 _WHERE_HELP = ("a run directory (its store is found from sweep.json), a store root as given to `healsweep run "
                "--store` (targets in DIR/targets), or the target store itself (path or pyarrow.fs URI)")
@@ -50,7 +51,10 @@ def add_parser(sub):
                                      "masks/.last_use/). Rankings and RR diagnostics are kept. With a remote "
                                      "store also the bucket's tune/ (Ray Tune's storage, per sweep: by age, or of "
                                      "sweeps the runs are not and not written in the last hour) and, with "
-                                     "--healed, healed/ (weights of trials on nodes without the run directory).")
+                                     "--healed, healed/ (weights of trials on nodes without the run directory). "
+                                     "A local store's gc is refused while a sweep uses it (each live sweep holds a "
+                                     "lock file under STORE/.users/; --dry-run still lists), and a sweep starting "
+                                     "meanwhile waits for the gc to end.")
     how = gc.add_mutually_exclusive_group(required=True)
     how.add_argument("--older-than", type=float, metavar="DAYS",
                      help="delete keys and masks last used more than DAYS ago")
@@ -248,6 +252,31 @@ def _gc(store, args, root) -> int:
     if args.healed and bucket is None:
         raise CliError("--healed: a local store has no healed weights to collect (they are in each run's trials/; "
                        "healed/ exists only in a remote store.uri's bucket)")
+    if bucket is not None:  # no locks on a bucket (--keep-referenced keeps what was used in the last hour there)
+        return _collect(store, args, root, candidates, bucket)
+    users_root = root or Path(str(store.root)).parent  # a sweep holds its store root (targets/ inside it)
+    try:
+        me = store_users.hold(users_root, "gc", f"healsweep store gc (pid {os.getpid()})")
+    except OSError as e:  # a read-only store: nothing to collect there, but a dry run can still list
+        if not args.dry_run:
+            raise CliError(f"store gc: cannot write {users_root / store_users.USERS} ({e.strerror or e})") from None
+        me = None
+    try:
+        if sweeps := store_users.live(users_root, "sweep"):
+            if not args.dry_run:
+                raise CliError(f"store gc: {users_root} is in use now by {' and '.join(sweeps[:3])}"
+                               f"{' and more' if len(sweeps) > 3 else ''}: gc could delete the targets and masks a "
+                               "sweep reads; run it when no sweep uses the store")
+            print(f"note: {users_root} is in use now by {' and '.join(sweeps[:3])}: a real gc is refused until it "
+                  "is not")
+        return _collect(store, args, root, candidates, None)
+    finally:
+        store_users.release(me)
+
+
+def _collect(store, args, root, candidates: list[str], bucket) -> int:
+    """``_gc``'s collection, once no live sweep uses a local store: target keys, masks, a bucket's tune/ and
+    healed/."""
     if args.keep_referenced:
         keep = _referenced(args.keep_referenced)
         drop = [k for k in candidates if k not in keep]

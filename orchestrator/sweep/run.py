@@ -26,7 +26,7 @@ from orchestrator.raytune import cluster, gcs_watch, node_guard
 from orchestrator.raytune.node_guard import NodeGuard, install_hint, missing_project
 from orchestrator.raytune.resources import task_gpus, trial_device
 from orchestrator.raytune.tune_setup import drop_epoch_checkpoints, make_tuner, trial_config, tune_experiment
-from orchestrator.rundir import faults, interrupt
+from orchestrator.rundir import faults, interrupt, store_users
 from orchestrator.rundir.files import JOURNAL_FILE, existing_sweep, lock_run_dir, read_sweep, record_dense, release_run_dir, write_sweep
 from orchestrator.spec import SweepSpec, configured_tracking_uri
 from orchestrator.spec.plan import expand_cells, grid_searches
@@ -263,6 +263,17 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, 
     cluster.check_store_uri(spec.store.uri)  # one line for an unreachable endpoint / missing bucket
     clock = clock or StageClock(enabled=progress)
     s = open_sweep(spec, out_dir, store_dir, cache_dir, resume, refine_round, clock)
+    user = store_users.sweep_holds(s.store_dir, s.out_dir)  # store gc keeps out while this sweep runs
+    try:
+        return _started(s, address, num_cpus, verbose, owns_ray, models, t0, progress, report)
+    finally:
+        store_users.release(user)
+
+
+def _started(s: SweepState, address: str | None, num_cpus: int | None, verbose: bool, owns_ray: bool,
+             models: dict | None, t0: float, progress: bool, report: bool) -> SweepResult:
+    """``run_sweep`` once its run directory and store are held: Ray, the stages, the end."""
+    clock = s.clock
     s.on_cluster, s.preloaded = bool(address), models
     models_ready = None if address else Handoff(background(_timed_models, s, progress))  # local: while Ray starts
     if owns_ray:  # started by the caller (healsweep run: while the spec was checked)

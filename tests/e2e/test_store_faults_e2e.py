@@ -1,6 +1,6 @@
 """End to end, on real Ray: a sweep over a store with a truncated manifest and a rotted shard (mtime restored)
 quarantines both, recomputes only the damaged rows and logs the integrity events; a second driver on a live
-run directory is refused (issue 16.1-16.3, 16.9)."""
+run directory is refused (issue 16.1-16.3, 16.9), and so is a store gc on the store it uses."""
 from __future__ import annotations
 
 import json
@@ -69,13 +69,23 @@ def test_second_driver_is_refused_while_the_first_is_alive(tmp_path, model_cache
                              stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and first.poll() is None and not (out / "sweep.json").is_file():
+        users = tmp_path / "store" / ".users"
+        while time.time() < deadline and first.poll() is None and not list(users.glob("sweep-*")):
             time.sleep(0.2)
         assert first.poll() is None and (out / "driver.lock").read_text().strip() == str(first.pid)
         r = subprocess.run([str(EXE), "run", "--resume", str(out)], capture_output=True, text=True, cwd=REPO,
                            env=env, timeout=120)
         assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
         assert f"another healsweep driver (pid {first.pid}) is running this sweep" in r.stderr
+        # store gc deleted the targets and masks of a live sweep (every trial then failed): refused while it runs
+        gc = [str(EXE), "store", "gc", "--older-than", "0", "--store", str(tmp_path / "store")]
+        r = subprocess.run(gc, capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+        using = f"{tmp_path / 'store'} is in use now by a sweep (pid {first.pid}, run directory {out})"
+        assert r.returncode == 2 and r.stderr.strip() == (
+            f"healsweep: error: store gc: {using}: gc could delete the targets and masks a sweep reads; run it when "
+            "no sweep uses the store")
+        r = subprocess.run([*gc, "--dry-run"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+        assert r.returncode == 0 and f"note: {using}: a real gc is refused" in r.stdout, r.stdout + r.stderr
         assert first.poll() is None  # the first driver goes on undisturbed
     finally:
         try:
@@ -83,3 +93,5 @@ def test_second_driver_is_refused_while_the_first_is_alive(tmp_path, model_cache
         except ProcessLookupError:
             pass
         first.wait()
+    r = subprocess.run(gc, capture_output=True, text=True, cwd=REPO, env=env, timeout=120)  # its driver is gone
+    assert r.returncode == 0 and not list(users.iterdir()), r.stdout + r.stderr  # its stale file removed too
