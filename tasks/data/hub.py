@@ -35,12 +35,15 @@ class HFTable(ImageTable):
 
     def __init__(self, ds, image_column: str = "image", label_column: str | None = "label", ident: str = "") -> None:
         self.ds, self.image_column, self.label_column = ds, image_column, label_column
+        self.where = f"split {str(ds.split)!r}" if getattr(ds, "split", None) else "the dataset"
+        missing_column(list(ds.column_names), image_column, label_column,
+                       f"{self.where} of the Hugging Face dataset" if self.where != "the dataset" else
+                       "the Hugging Face dataset")
         self._labels = (np.asarray(ds[label_column], dtype=np.int64) if label_column in ds.column_names
                         else np.full(len(ds), -1, dtype=np.int64))
         feat = ds.features.get(label_column) if label_column else None
         self.num_classes = int(getattr(feat, "num_classes", 0) or (self._labels.max() + 1 if len(ds) else 0))
         self.ident = ident or f"hf:{ds._fingerprint}"
-        self.where = f"split {str(ds.split)!r}" if getattr(ds, "split", None) else "the dataset"
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -90,6 +93,14 @@ class StreamTable(ImageTable):
         return self._labels[idx]
 
 
+def missing_column(columns: list[str], image_column: str, label_column: str | None, where: str) -> None:
+    """DatasetError naming a column the spec gives (``image_column``, ``label_column``) that ``where`` lacks: a
+    missing label column gave every image the label -1, and every accuracy 0 % with no error."""
+    for key, c in (("image_column", image_column), ("label_column", label_column)):
+        if c is not None and c not in columns:
+            raise DatasetError(f"{where} has no column {c!r} ({key}); its columns: {', '.join(map(str, columns))}")
+
+
 def _take(stream, n: int, seed: int, buffer_size: int, image_column: str, label_column: str | None,
           ident: str) -> tuple[list, list[int], list[int]]:
     """The first ``n`` items of ``stream`` after its seeded shuffle buffer: (undecoded image cells, positions in
@@ -104,6 +115,8 @@ def _take(stream, n: int, seed: int, buffer_size: int, image_column: str, label_
     stream = stream.shuffle(seed=seed, buffer_size=buffer_size)
     items, pos, lab = [], [], []
     for ex in stream.take(n):
+        if not items:  # a stream's columns are known from its first item (its features may be None)
+            missing_column([c for c in ex if c != "__pos"], image_column, label_column, f"stream {ident or 'dataset'}")
         items.append(ex[image_column])
         pos.append(ex["__pos"])
         v = ex.get(label_column, -1) if label_column else -1

@@ -190,3 +190,13 @@ def test_the_check_refuses_a_source_with_one_class(tmp_path, name, key):
         with pytest.raises(DatasetError, match=rf"^{key}: the (image folder|table) '.*' holds 1 class; "
                                                r"classification needs at least 2$"):
             check({key: str(where), "sizes": sizes})
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_column_the_dataset_lacks_is_one_line(generated, streaming):
+    """A misspelt label_column gave every image the label -1: the sweep finished with every accuracy 0 % and no
+    error; a misspelt image_column ended in a KeyError traceback. Each is now one line naming the column."""
+    path, kw = str(generated["hf"]), ({"streaming": True, "buffer_size": 4} if streaming else {})
+    for key in ("label_column", "image_column"):
+        with pytest.raises(DatasetError, match=f"has no column 'lbl' \\({key}\\); its columns: image, label$"):
+            _load("hf", path=path, **kw, **{key: "lbl"})
