@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Mapping
 
@@ -98,11 +99,33 @@ def read_state_dict(path: str | os.PathLike, sha256: str | None = None):
     try:
         sd = torch.load(str(p), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001
-        raise ModelSourceError(f"checkpoint {str(p)!r}: not loadable with weights_only=True: "
-                               f"{str(e).strip().splitlines()[0][:200]}") from None
+        why = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip().splitlines()[0][:160]  # torch's message, no ANSI codes
+        raise ModelSourceError(f"checkpoint {str(p)!r}: not loadable with weights_only=True (only tensors are read: a "
+                               f"whole pickled model is not; save model.state_dict() instead): {why}") from None
     for key in ("state_dict", "model", "model_state_dict"):  # common wrappers
         if isinstance(sd, Mapping) and isinstance(sd.get(key), Mapping):
             sd = sd[key]
     if not isinstance(sd, Mapping) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise ModelSourceError(f"checkpoint {str(p)!r}: expected a mapping of parameter names to tensors")
     return dict(sd)
+
+
+def fit_problem(model_sd: Mapping, file_sd: Mapping) -> str:
+    """Why a state dict does not load into a model with ``strict=True``, in one line: missing and unexpected keys
+    and shape mismatches with examples, and the likely cause (a ``module.`` prefix, another ``num_classes``). torch's
+    own message starts with a header line and puts every key on the next ones."""
+    missing = [k for k in model_sd if k not in file_sd]
+    extra = [k for k in file_sd if k not in model_sd]
+    shapes = [k for k in model_sd if k in file_sd and tuple(model_sd[k].shape) != tuple(file_sd[k].shape)]
+    parts = ([f"{len(missing)} missing key(s) (e.g. {', '.join(missing[:2])})"] if missing else []) + \
+        ([f"{len(extra)} unexpected (e.g. {', '.join(extra[:2])})"] if extra else []) + \
+        [f"{len(shapes)} of another shape (e.g. {k}: file {list(file_sd[k].shape)}, model {list(model_sd[k].shape)})"
+         for k in shapes[:1]]
+    hint = ""
+    if extra and all(k.startswith("module.") for k in extra) and {k[7:] for k in extra} >= set(missing):
+        hint = "; its keys carry a 'module.' prefix (a DistributedDataParallel save): strip it"
+    elif shapes and set(shapes) <= set(list(model_sd)[-2:]):  # only the classifier (its weight and bias)
+        k = shapes[0]
+        hint = (f"; the last layer differs: the file's has {file_sd[k].shape[0]} outputs (set num_classes: "
+                f"{file_sd[k].shape[0]})")
+    return (", ".join(parts) or "the state dict does not load") + hint

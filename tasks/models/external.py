@@ -21,7 +21,7 @@ import torch.nn as nn
 from tasks.data.splits import load_dataset
 from tasks.models.base import (MODEL_SOURCES, MODELS, REF_KEYS, ExternalSource, LoadedModel, ModelRef, ModelSourceError,
                                timm_transform)
-from tasks.models.checkpoint_file import check_sha256, file_digest, read_state_dict, safetensors_header
+from tasks.models.checkpoint_file import check_sha256, file_digest, fit_problem, read_state_dict, safetensors_header
 from tasks.net import hub_url, unreachable
 
 
@@ -196,11 +196,12 @@ class CheckpointSource(ExternalSource):
         model = src.build(inner, pretrained=False)
         if pretrained:
             self.check(ref)
+            sd = read_state_dict(ref.path, ref.sha256)
             try:
-                model.load_state_dict(read_state_dict(ref.path, ref.sha256), strict=True)
-            except RuntimeError as e:
+                model.load_state_dict(sd, strict=True)
+            except RuntimeError:
                 raise ModelSourceError(f"model {ref.name!r}: checkpoint {ref.path} does not fit {ref.arch!r}: "
-                                       f"{str(e).strip().splitlines()[0][:300]}") from None
+                                       f"{fit_problem(model.state_dict(), sd)[:400]}") from None
         return model
 
     def load(self, ref: ModelRef) -> nn.Module:

@@ -23,7 +23,7 @@ from tasks.atomic import atomic_write_bytes
 from tasks.data.splits import DatasetSplits, load_dataset
 from tasks.evaluate import accuracy
 from tasks.models.base import MODELS, LoadedModel, ModelSourceError, ReferenceModel, TrainRecipe
-from tasks.models.checkpoint_file import DIGEST_LEN, checkpoint_meta, read_state_dict, verify
+from tasks.models.checkpoint_file import DIGEST_LEN, checkpoint_meta, fit_problem, read_state_dict, verify
 from tasks.models.weights import DATA_SEED, SHIPPED
 
 
@@ -186,10 +186,11 @@ def load_reference(name: str, *, data_seed: int = 0, path: str | os.PathLike | N
     sha, meta = check_checkpoint(name, path, sha256, data_seed, data.digest)
     torch.manual_seed(0)
     model = src.build(src.arch)
+    sd = read_state_dict(path, sha)
     try:
-        model.load_state_dict(read_state_dict(path, sha), strict=True)
-    except RuntimeError as e:
+        model.load_state_dict(sd, strict=True)
+    except RuntimeError:
         raise ModelSourceError(f"checkpoint {str(path)!r}: does not fit {name}: "
-                               f"{str(e).strip().splitlines()[0][:300]}") from None
+                               f"{fit_problem(model.state_dict(), sd)[:400]}") from None
     model.eval()
     return LoadedModel(name, model, sha[:DIGEST_LEN], data, {**meta, "sha256": sha, "path": str(path)})
