@@ -295,6 +295,8 @@ def load_external(source: Mapping[str, Any], dataset: Mapping[str, Any], data_se
     short = too_few_outputs(ref.name, model, dataset["name"], data.num_classes)
     if short:  # labels past the logits: every trial would fail
         raise ModelSourceError(short)
+    if bad := forward_problem(ref.name, model, data["evaluation"].images[:1]):  # e.g. another input size
+        raise ModelSourceError(bad)
     info = {"model": ref.name, "source": ref.source, "arch": ref.builder, "weights": ref.weights,
             "dense_eval_acc": float("nan"), "transform": transform_id}  # dense accuracy: measured by each trial
     return LoadedModel(ref.name, model, src.digest(ref), data, info)
@@ -308,6 +310,20 @@ def too_few_outputs(name: str, model: nn.Module, dataset: str, classes: int) -> 
         return ""
     return (f"model {name!r} has {outputs} outputs but dataset {dataset!r} has {classes} classes; "
             f"set num_classes: {classes} on the model entry")
+
+
+def forward_problem(name: str, model: nn.Module, x: torch.Tensor) -> str:
+    """'' when ``model`` takes the preprocessed images ``x`` (1, C, H, W), else the one-line refusal: an input size
+    the model does not take ended the dense stage in a traceback (timm's "Input height (48) doesn't match model")."""
+    try:
+        with torch.no_grad():
+            model(x)
+    except Exception as e:  # noqa: BLE001 - whatever the architecture raises on an input it does not take
+        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        return (f"model {name!r}: a forward pass on one preprocessed image {list(x.shape[1:])} fails ({why}); the "
+                "preprocessing size must be one the model takes (for timm, model_args img_size and "
+                "pretrained_cfg_overlay input_size)")
+    return ""
 
 
 def num_outputs(model: nn.Module) -> int | None:

@@ -37,3 +37,17 @@ def test_a_whole_pickled_model_says_to_save_its_state_dict(tmp_path):
     with pytest.raises(ModelSourceError, match=r"save model.state_dict\(\) instead\): Weights only load failed") as e:
         read_state_dict(tmp_path / "full.pt")
     assert "\x1b[" not in str(e.value)  # torch's ANSI bold codes stripped
+
+
+def test_an_input_size_the_model_does_not_take_is_one_line():
+    """A timm ViT built for 32 px fed 48-px images ended the dense stage in a 73-line traceback."""
+    import timm
+
+    from tasks.models.external import forward_problem
+
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=1, num_classes=4).eval()
+    assert forward_problem("v", vit, torch.zeros(1, 3, 32, 32)) == ""
+    assert forward_problem("v", vit, torch.zeros(1, 3, 48, 48)) == (
+        "model 'v': a forward pass on one preprocessed image [3, 48, 48] fails (Input height (48) doesn't match model "
+        "(32).); the preprocessing size must be one the model takes (for timm, model_args img_size and "
+        "pretrained_cfg_overlay input_size)")
