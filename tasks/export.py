@@ -137,7 +137,12 @@ def load_trial(trial_dir: Path) -> tuple[nn.Module, dict, dict, dict]:
     if missing:
         raise ValueError(f"{trial_dir}: healed parameter {missing[0]!r} is not in the rebuilt model")
     model.load_state_dict(healed, strict=False)
-    masks = MaskStore(params["mask_root"]).load(params["mask_key"])
+    try:
+        masks = MaskStore(params["mask_root"]).load(params["mask_key"])
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{trial_dir}: its mask {params['mask_key']} is gone from {params['mask_root']} "
+                                "(healsweep store gc collects masks no kept run refers to); a sweep of the same spec "
+                                "on that store computes it again (masks are deterministic)") from None
     bad = mask_violations(model, masks)
     if bad:
         raise ValueError(f"{trial_dir}: {bad} masked weights are nonzero in the healed weights")

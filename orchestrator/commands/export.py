@@ -7,8 +7,10 @@ search (a run directory outside ``runs/``, or two copies of one sweep).
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from orchestrator.commands.common import CliError, not_a_dir
@@ -178,8 +180,6 @@ def earlier_export(out: Path, run_id: str) -> str | None:
 
 
 def main(args) -> int:
-    from tasks.export import export_trial
-
     run_dir, uri, run = find_run(args.run_id, args.run_dir, args.runs, args.tracking_uri)
     if run.data.tags.get("healsweep.role") != "trial":
         raise CliError(f"run {args.run_id!r} is not a trial run (tag healsweep.role != 'trial')")
@@ -188,8 +188,29 @@ def main(args) -> int:
     info = {**run.data.params, "run_id": args.run_id, "metrics": dict(run.data.metrics)}
     if why := not_a_dir(args.out):
         raise CliError(f"--out: {why}")
-    if not args.force and (why := earlier_export(Path(args.out), args.run_id)):
-        raise CliError(f"--out: {why}")
+    with _one_export_at_a_time(Path(args.out)):  # two exports to one --out: the second sees the first's files
+        if not args.force and (why := earlier_export(Path(args.out), args.run_id)):
+            raise CliError(f"--out: {why}")
+        return _export(args, run_dir, run, info)
+
+
+@contextmanager
+def _one_export_at_a_time(out: Path):
+    """An exclusive fcntl lock on ``out``'s parent directory (no lock file is left behind) for the check and the
+    writes: two exports started together to one --out both passed the check, and one silently replaced the other."""
+    parent = out.absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # waits while another healsweep export writes beside it
+        yield
+    finally:
+        os.close(fd)
+
+
+def _export(args, run_dir: Path, run, info: dict) -> int:
+    from tasks.export import export_trial
+
     fetched = None
     try:
         d = trial_dir(run_dir, run.data.tags.get("trial_id", ""))

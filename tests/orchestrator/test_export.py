@@ -4,6 +4,7 @@ that gives the healed model's logits and accuracy exactly."""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from tasks.models import get_adapter, load_model, parse_ref
 from tasks.pruning import MaskStore, make_masks
 from tasks.store import TargetStore
 from tasks.trial import TrialParams, run_trial
-from tests.orchestrator.run_cli import healsweep
+from tests.orchestrator.run_cli import HEALSWEEP, env, healsweep
 from tests.models.test_sources import N_CLASSES, SIZES, TINY, _images, _tiny_checkpoint
 
 
@@ -187,6 +188,15 @@ def test_damaged_healed_files_are_named_not_a_traceback(trial, tmp_path):
     with pytest.raises(FileNotFoundError, match=f"deleted since it was recorded: then healsweep doctor {tmp_path / 'run'} --repair "
                                                    "--rerun-lost-weights heals it again"):
         load_trial(tmp_path / "run" / "trials" / "noweights-0")
+    masks = tmp_path / "masks"  # the mask a store gc collected: named, and how it comes back (was a bare errno)
+    shutil.copytree(root / "masks", masks)
+    whole_json = json.loads((whole / TRIAL_JSON).read_text())
+    whole_json["params"]["mask_root"] = str(masks)
+    (whole / TRIAL_JSON).write_text(json.dumps(whole_json))
+    (masks / f"{'b' * 32}.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=f"whole-0: its mask {'b' * 32} is gone from {masks} \\(healsweep "
+                                                "store gc collects masks no kept run refers to\\); a sweep of the same"):
+        load_trial(whole)
 
 
 def test_trial_dir_accepts_trial_keys_only(tmp_path):
@@ -306,6 +316,14 @@ def test_export_keeps_an_earlier_export_of_another_run(trial, tmp_path):
     assert r.returncode == 2 and r.stderr.strip() == (
         f"healsweep: error: --out: {out} already holds model.safetensors, mask.safetensors, model_card.md; choose "
         "another --out or pass --force to replace it")
+    # two exports started together to one --out: both passed the check, and one silently replaced the other
+    both = tmp_path / "both"
+    procs = [subprocess.Popen([str(HEALSWEEP), "export", i, "--out", str(both), "--tracking-uri", uri, "--run-dir",
+                               str(root / "run")], env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in ids]
+    codes = sorted((p.wait(timeout=300), p.communicate()[1]) for p in procs)
+    held = json.loads((both / "model_card.json").read_text())["mlflow_run_id"]
+    assert [c for c, _ in codes] == [0, 2] and f"{both} already holds the export of run '{held}'" in codes[1][1]
 
 
 def test_a_trial_that_does_not_see_the_run_directory_keeps_its_weights_in_the_store(trial, tmp_path):
