@@ -87,10 +87,12 @@ def _size(n: int) -> str:
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None], mode: int = FILE_MODE,
-                 fsync: bool = False) -> Path:
+                 fsync: bool = False, replace: bool = True) -> Path:
     """Call ``write(tmp_path)`` on a temporary file next to ``path``, then rename it into place (atomic on POSIX).
     The temporary file is removed if ``write`` fails; the final file gets ``mode`` (mkstemp creates 0600).
     ``fsync``: flush the file's data to disk before the rename (the target store's shards and manifests).
+    ``replace`` False: put it in place only if ``path`` does not exist (a hard link: FileExistsError when another
+    writer was first, whose file then stays as it is).
     A full disk is a :class:`DiskFullError` naming ``path`` and what the temporary file had reached when the disk
     filled (``atomic_write_bytes``: the bytes it needed)."""
     path = Path(path)
@@ -104,7 +106,10 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], mode: in
         if fsync:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)  # FileExistsError: another writer's whole file is there
     except Exception as e:
         if not is_disk_full(e) or isinstance(e, DiskFullError):
             raise

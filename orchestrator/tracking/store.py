@@ -38,8 +38,9 @@ def keep_artifacts_inside(tracking_uri: str, out_dir, experiment: str, own: bool
         return
     from mlflow import MlflowClient
 
-    if own:  # a copy, not ~1.5 CPU-s of table creation and migrations
-        seed_sqlite_store(Path(tracking_uri[len("sqlite:///"):]))
+    # a copy, not ~1.5 CPU-s of table creation and migrations; for a shared file also what keeps two sweeps that
+    # start together from both creating its tables (one ended in "table latest_metrics already exists")
+    seed_sqlite_store(Path(tracking_uri[len("sqlite:///"):]))
     root = Path(out_dir).resolve() / "artifacts" if own else Path(tracking_uri[len("sqlite:///"):]).parent / "mlartifacts"
     client = MlflowClient(tracking_uri)
     if client.get_experiment_by_name(experiment) is None:

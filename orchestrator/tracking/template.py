@@ -49,13 +49,18 @@ def seed_sqlite_store(db: str | os.PathLike) -> bool:
             make_template(tpl)
     except OSError:  # an unwritable template directory: MLflow creates the store itself, as without templates
         return False
-    atomic_write(db, lambda tmp: shutil.copyfile(tpl, tmp))  # db's own directory full or read-only: raised (MLflow
-    # creating the store there would fail too, half-built or after minutes of retries)
-    with sqlite3.connect(db) as con:  # Default points at the creator's $PWD/mlruns: into the run directory
-        con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0",
-                    ((db.parent.resolve() / "artifacts" / "0").as_uri(),))
-    con.close()
-    return True
+    def write(tmp: str) -> None:
+        shutil.copyfile(tpl, tmp)
+        with sqlite3.connect(tmp) as con:  # Default points at the creator's $PWD/mlruns: into the run directory
+            con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0",
+                        ((db.parent.resolve() / "artifacts" / "0").as_uri(),))
+        con.close()
+
+    try:  # whole, and only where no store is yet: two sweeps seeding one shared file keep the first's (MLflow
+        atomic_write(db, write, replace=False)  # creating its tables in both ended one in "table already exists")
+    except FileExistsError:
+        return False
+    return True  # db's own directory full or read-only: raised (MLflow creating the store there would fail too)
 
 
 def make_template(tpl: Path) -> None:

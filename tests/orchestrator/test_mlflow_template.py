@@ -65,3 +65,32 @@ def test_unwritable_template_directory_leaves_the_store_to_mlflow(tmp_path, monk
     monkeypatch.setenv(mt.TEMPLATE_ENV, str(blocker / "templates"))
     db = tmp_path / "mlflow.db"
     assert mt.seed_sqlite_store(db) is False and not db.exists()
+
+
+def test_sweeps_opening_one_new_shared_store_together_all_get_it(tmp_path, monkeypatch):
+    """Two sweeps started together on one new shared SQLite file (a spec's mlflow.tracking_uri or
+    MLFLOW_TRACKING_URI) both had MLflow create its tables: one ended in "table latest_metrics already exists". The
+    store is now seeded whole and only where none is yet: four processes opening it at once all find one store."""
+    import subprocess
+    import sys
+
+    from tests.orchestrator.run_cli import REPO, env
+
+    monkeypatch.setenv(mt.TEMPLATE_ENV, str(tmp_path / "templates"))
+    mt.make_template(mt.template_path(tmp_path / "templates"))  # (made once; the race is over the shared file)
+    uri, go = f"sqlite:///{tmp_path / 'shared' / 'mlflow.db'}", tmp_path / "go"
+    code = ("import sys, time; from pathlib import Path\n"
+            "from orchestrator.tracking.store import keep_artifacts_inside, open_tracking\n"
+            "while not Path(sys.argv[2]).exists(): time.sleep(0.005)\n"
+            "keep_artifacts_inside(sys.argv[1], Path(sys.argv[3]), 'healsweep')\n"
+            "c = open_tracking(sys.argv[1], 'healsweep')\n"
+            "print(c.get_experiment_by_name('healsweep').experiment_id)")
+    (tmp_path / "shared").mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", code, uri, str(go), str(tmp_path / f"run{i}")], cwd=REPO,
+                              env=env(**{mt.TEMPLATE_ENV: str(tmp_path / "templates")}), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(4)]
+    go.touch()
+    outs = [p.communicate(timeout=100) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [e[-800:] for _, e in outs]
+    assert len({o.strip() for o, _ in outs}) == 1  # one experiment, found by all
+    assert not [p for p in (tmp_path / "shared").iterdir() if p.name.startswith(".tmp-")]
