@@ -13,7 +13,7 @@ from orchestrator.lifecycle.refine import (
 from orchestrator.lifecycle.widen import run_widening
 from orchestrator.raytune.cluster import ClusterError
 from orchestrator.rundir import faults
-from orchestrator.rundir.files import ResumeError
+from orchestrator.rundir.files import ResumeError, holder_words, lock_holder, locked_error
 from orchestrator.spec.checks import MAX_WIDEN_ROUNDS
 
 STEP, WIDEN_FACTOR, WIDEN_ROUNDS = 0.005, 4.0, 1  # the defaults of --step, --widen-factor, --widen-rounds
@@ -88,6 +88,10 @@ def _print_plan(plan: dict) -> None:
 
 def main(args) -> int:
     _flags(args)
+    if (held := lock_holder(Path(args.dir))) and not args.dry_run:  # refused before Ray starts, not after
+        raise CliError(str(locked_error(Path(args.dir), held)))
+    if held:  # the plan is read from what has finished so far
+        print(f"note: {holder_words(held)} is running this sweep now: this plan is from the trials finished so far")
     if args.widen:
         return _widen(args)
     try:

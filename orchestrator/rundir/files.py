@@ -136,7 +136,7 @@ def probe_run_dir(out_dir: Path, resume: bool) -> None:
         raise existing_sweep(out_dir)
     holder = lock_holder(out_dir)
     if holder is not None:
-        raise _locked(out_dir, holder)
+        raise locked_error(out_dir, holder)
 
 
 def lock_holder(out_dir: Path) -> str | None:
@@ -161,7 +161,7 @@ def holder_words(holder: str) -> str:
     return f"healsweep doctor --repair (pid {pid})" if role == "doctor" else f"a healsweep driver (pid {pid})"
 
 
-def _locked(out_dir: Path, holder: str) -> RunLockedError:
+def locked_error(out_dir: Path, holder: str) -> RunLockedError:
     if holder.partition(" ")[2] == "doctor":
         return RunLockedError(f"{out_dir}: {holder_words(holder)} is repairing this run directory; wait for it to end")
     return RunLockedError(f"{out_dir}: another healsweep driver (pid {holder}) is running this sweep; "
@@ -188,7 +188,7 @@ def lock_run_dir(out_dir: Path, role: str = ""):
         f.seek(0)
         holder = f.read().strip()[:40] or "unknown"
         f.close()
-        raise _locked(out_dir, holder) from None
+        raise locked_error(out_dir, holder) from None
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}{' ' + role if role else ''}\n")

@@ -279,3 +279,14 @@ def test_doctor_cache_is_for_a_rebuilt_sweep_json_only(tmp_path):
                            f"of a rebuilt sweep.json; {d / 'sweep.json'} is sound (its cache: {tmp_path / 'cache'}): "
                            "leave --cache out")
     assert (d / "sweep.json").read_text() == before and sorted(p.name for p in d.iterdir()) == ["sweep.json"]
+
+
+def test_refine_of_a_running_sweep_is_refused_before_ray_and_its_dry_run_says_so(tmp_path):
+    """refine started Ray and only then met the run directory's lock; its dry run planned from a sweep still running
+    without a word."""
+    d = sweep_record(tmp_path / "run", tmp_path)
+    with lock_held(d) as driver:
+        assert_one_line_exit_2(cli("refine", d), f"another healsweep driver (pid {driver.pid}) is running this sweep")
+        r = cli("refine", d, "--dry-run")
+        assert r.stdout.startswith(f"note: a healsweep driver (pid {driver.pid}) is running this sweep now: this plan "
+                                   "is from the trials finished so far"), r.stdout
