@@ -109,7 +109,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], mode: in
         if replace:
             os.replace(tmp, path)
         else:
-            os.link(tmp, path)  # FileExistsError: another writer's whole file is there
+            _publish_new(tmp, path)
     except Exception as e:
         if not is_disk_full(e) or isinstance(e, DiskFullError):
             raise
@@ -119,6 +119,19 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], mode: in
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
     return path
+
+
+def _publish_new(tmp: str, path: Path) -> None:
+    """``tmp`` as ``path`` only if ``path`` does not exist (FileExistsError): a hard link, atomic; on a file system
+    without hard links (vfat/exFAT, many SMB and FUSE mounts) a check and a rename, which leaves a window."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError:  # EPERM / EOPNOTSUPP / EXDEV: no hard links here
+        if path.exists():
+            raise FileExistsError(errno.EEXIST, "exists", str(path)) from None
+        os.replace(tmp, path)
 
 
 def atomic_write_bytes(path: str | os.PathLike, data, fsync: bool = False) -> Path:

@@ -24,7 +24,7 @@ from orchestrator.sweep.draws import totals
 from orchestrator.spec.schema import converge_of
 from orchestrator.sweep.state import Handoff, ParentRun, SweepState
 from orchestrator.tracking.rebuild import drop_stray_parents, parent_gone, reopen_parent, sync_runs
-from orchestrator.tracking.store import keep_artifacts_inside, open_tracking, own_db
+from orchestrator.tracking.store import experiment_id, keep_artifacts_inside, open_tracking, own_db
 
 
 def start(s: SweepState) -> Handoff[ParentRun]:
@@ -56,8 +56,7 @@ def converge_param(raw) -> str:
 def parent_run(s: SweepState) -> ParentRun:
     """The sweep's MLflow parent run: created once, reopened on resume/refine; diagnostics logged to it. Works on
     a copy of sweep.json's contents (written to the file here); the caller takes the run id from the result."""
-    from orchestrator.tracking.logger import experiment_id, start_parent  # ray.tune + MLflow: this thread's imports
-
+    from orchestrator.tracking.logger import start_parent  # ray.tune + MLflow: this thread's imports
     spec, info = s.spec, dict(s.info)
     client = tracking_inside(info["tracking_uri"], s.out_dir, spec.mlflow.experiment)
     spec_json = json.dumps(spec.to_dict(), indent=1, default=list)
@@ -115,8 +114,6 @@ def log_stages(s: SweepState, client, parent: str) -> None:
 def sync_record(s: SweepState, client, parent: str) -> None:
     """Every trial of the record (DIR/trials.jsonl) has its one MLflow run: one that the tracking store lost is
     recreated from the record (orchestrator/tracking/rebuild.py)."""
-    from orchestrator.tracking.logger import experiment_id
-
     trials = records.trials(records.scan(s.out_dir / records.TRIALS_FILE))
     if trials:
         sync_runs(client, experiment_id(client, s.spec.mlflow.experiment), s.info["sweep_id"], parent, trials)

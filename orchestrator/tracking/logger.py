@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ray.tune import Callback
 
+from orchestrator.tracking.store import experiment_id
 from orchestrator.tracking.writer import AsyncMlflowWriter
 
 if TYPE_CHECKING:
@@ -26,11 +27,6 @@ TUNE_KEYS = {"epoch", "final", "training_iteration", "timestamp", "time_this_ite
              "time_since_restore", "iterations_since_restore", "done", "date", "hostname", "node_ip",
              "trial_id", "experiment_id", "config", "should_checkpoint", "checkpoint_dir_name", "diverged",
              "disk_full", "disk_full_path", "disk_full_needed", "disk_full_what"}
-
-
-def experiment_id(client: MlflowClient, name: str) -> str:
-    exp = client.get_experiment_by_name(name)
-    return exp.experiment_id if exp else client.create_experiment(name)
 
 
 def start_parent(client: MlflowClient, experiment: str, sweep_id: str, name: str, params: Mapping[str, Any]) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from orchestrator.rundir import records
 from orchestrator.rundir.files import told_states, write_sweep
-from orchestrator.tracking.store import keep_artifacts_inside, local_tracking_uri, open_tracking
+from orchestrator.tracking.store import experiment_id, keep_artifacts_inside, local_tracking_uri, open_tracking
 from tasks.atomic import TMP_PREFIX, DiskFullError, is_disk_full
 
 DONE = ("COMPLETE", "FAIL", "PRUNED")
@@ -315,8 +315,6 @@ def _reconnect(*uris: str) -> None:
 def _rebuild_into(new: Path, out_dir: Path, info: dict, scan: records.Scan) -> tuple[str, dict[str, int]]:
     """The run directory's tracking store built in the SQLite file ``new`` (artifacts in out_dir/artifacts, as the
     own store's): -> (the new parent run's id, sync_runs' counts)."""
-    from orchestrator.tracking.logger import experiment_id
-
     uri, experiment = f"sqlite:///{new}", info.get("experiment") or "healsweep"
     keep_artifacts_inside(uri, out_dir, experiment, own=True)
     client = open_tracking(uri, experiment)

@@ -42,9 +42,7 @@ def keep_artifacts_inside(tracking_uri: str, out_dir, experiment: str, own: bool
     # start together from both creating its tables (one ended in "table latest_metrics already exists")
     seed_sqlite_store(Path(tracking_uri[len("sqlite:///"):]))
     root = Path(out_dir).resolve() / "artifacts" if own else Path(tracking_uri[len("sqlite:///"):]).parent / "mlartifacts"
-    client = MlflowClient(tracking_uri)
-    if client.get_experiment_by_name(experiment) is None:
-        client.create_experiment(experiment, artifact_location=root.resolve().as_uri())
+    experiment_id(MlflowClient(tracking_uri), experiment, root.resolve().as_uri())  # (a duplicate: the first's)
 
 
 def relocate(run_dir) -> bool:
@@ -70,12 +68,27 @@ def relocate(run_dir) -> bool:
     return True
 
 
+def experiment_id(client, name: str, artifact_location: str | None = None) -> str:
+    """The experiment's id, created when missing. Two sweeps starting together on one shared store can both find
+    it missing: the second's create fails as a duplicate, and it takes the first's."""
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=artifact_location)
+    except MlflowException:
+        exp = client.get_experiment_by_name(name)
+        if exp is None:  # not a duplicate: MLflow's own error
+            raise
+        return exp.experiment_id
+
+
 def open_tracking(uri: str, experiment: str):
     """The MLflow client with its experiment ready (a new SQLite store creates its tables: seconds), opened
     while the models, dense and mask stages run."""
     from mlflow import MlflowClient
-
-    from orchestrator.tracking.logger import experiment_id
 
     client = MlflowClient(uri)
     experiment_id(client, experiment)
