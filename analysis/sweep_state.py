@@ -13,15 +13,15 @@ def state_note(info: dict, finished: int, out: Path, driver: str | None) -> str:
     after it marked the parent run), "" when no live process holds the run directory, else what holds it (its lock
     file's text: "<pid>" for a driver, "<pid> doctor" for a repair)."""
     resume = f"Resume with healsweep run --resume {out}"
-    p = info.get("partial")
+    if info.get("status") == "RUNNING" and driver is not None and not driver.endswith(" doctor"):
+        if driver:  # a resume of an interrupted sweep runs it too: its old partial tag no longer says how it stands
+            return (f"Sweep in progress: a healsweep driver (pid {driver.split()[0]}) is running it; {finished} "
+                    "trials finished so far, and the findings cover those only.")
+        return (f"Unfinished sweep: its driver stopped without ending it (killed, or its machine went down) with "
+                f"{finished} trials finished; the findings cover those trials only. {resume}")
+    p = info.get("partial")  # (a repair holding the run directory: what it leaves is told once it ends)
     if p:
         done = f"{p['finished']} of {p['planned']}" if p.get("planned") else str(p["finished"])
         return (f"Partial sweep: interrupted by {p['signal']} with {done} trials finished; the findings cover those "
                 f"trials only. {resume}")
-    if info.get("status") != "RUNNING" or driver is None or driver.endswith(" doctor"):
-        return ""  # (a repair holding the run directory: what it leaves is told once it ends)
-    if driver:
-        return (f"Sweep in progress: a healsweep driver (pid {driver.split()[0]}) is running it; {finished} trials "
-                "finished so far, and the findings cover those only.")
-    return (f"Unfinished sweep: its driver stopped without ending it (killed, or its machine went down) with "
-            f"{finished} trials finished; the findings cover those trials only. {resume}")
+    return ""

@@ -26,7 +26,8 @@ def add_parser(sub):
                                    "was killed (its parent run left RUNNING, no live driver) is named, and --repair "
                                    "records it as interrupted. --repair refuses while a driver runs the sweep, and "
                                    "holds the run directory against one while it repairs. Exit code 0: sound "
-                                   "(or repaired); 1: problems found (left); 2: DIR is not a run directory.")
+                                   "(or repaired); 1: problems found (left); 2: DIR is not a run directory, or a live "
+                                   "driver holds it (--repair).")
     p.add_argument("dir", metavar="DIR", help="run directory of a sweep (holds sweep.json)")
     p.add_argument("--repair", action="store_true", help="repair what can be repaired (without it: only report)")
     p.add_argument("--rerun-lost-weights", action="store_true",

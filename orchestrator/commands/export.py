@@ -7,7 +7,7 @@ search (a run directory outside ``runs/``, or two copies of one sweep).
 """
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import json
 import os
 from contextlib import contextmanager
@@ -17,6 +17,7 @@ from orchestrator.commands.common import CliError, not_a_dir
 from orchestrator.spec.checks import SpecError
 from orchestrator.spec.reach import check_server
 from orchestrator.raytune.cluster import is_remote, store_subdir
+from tasks.atomic import file_lock
 from tasks.saved_trial import TRIAL_JSON, healed_problem, trial_dir
 
 
@@ -196,16 +197,21 @@ def main(args) -> int:
 
 @contextmanager
 def _one_export_at_a_time(out: Path):
-    """An exclusive fcntl lock on ``out``'s parent directory (no lock file is left behind) for the check and the
-    writes: two exports started together to one --out both passed the check, and one silently replaced the other."""
-    parent = out.absolute().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(parent, os.O_RDONLY)
+    """An exclusive lock on ``out/.export.lock`` (tasks.atomic.file_lock: a file opened for writing, so it holds on
+    NFS too) for the check and the writes: two exports started together to one --out both passed the check, and
+    one silently replaced the other. An --out this call made and left without an export is removed again."""
+    made = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    lock = out / ".export.lock"
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # waits while another healsweep export writes beside it
-        yield
+        with file_lock(lock, on_wait=lambda: print(f"waiting for another healsweep export to {out} to end",
+                                                   flush=True)):
+            yield
     finally:
-        os.close(fd)
+        if made and not any(p.name in EXPORT_FILES for p in out.iterdir()):
+            lock.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                out.rmdir()
 
 
 def _export(args, run_dir: Path, run, info: dict) -> int:

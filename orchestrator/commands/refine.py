@@ -91,7 +91,8 @@ def main(args) -> int:
     if (held := lock_holder(Path(args.dir))) and not args.dry_run:  # refused before Ray starts, not after
         raise CliError(str(locked_error(Path(args.dir), held)))
     if held:  # the plan is read from what has finished so far
-        print(f"note: {holder_words(held)} is running this sweep now: this plan is from the trials finished so far")
+        what = "repairing its run directory" if held.endswith(" doctor") else "running this sweep"
+        print(f"note: {holder_words(held)} is {what} now: this plan is from the trials finished so far")
     if args.widen:
         return _widen(args)
     try:

@@ -16,7 +16,7 @@ from orchestrator.lifecycle.resume import check_resumable, note, nothing_to_resu
 from orchestrator.lifecycle.widen import run_widening
 from orchestrator.raytune.cluster import ClusterError, check_store_uri, connect  # light: no ray import
 from orchestrator.rundir import faults
-from orchestrator.rundir.files import ResumeError, probe_run_dir, read_sweep, record_complete
+from orchestrator.rundir.files import ResumeError, lock_run_dir, probe_run_dir, read_sweep, record_complete
 from orchestrator.spec.dry_run import DRY_SIZES
 from orchestrator.spec.reach import check_server
 from orchestrator.sweep.background import background
@@ -309,6 +309,7 @@ def _run(args, spec, out: Path, store: Path, cache: Path, clock, owns_ray: bool 
     try:
         widen = spec.search.widen  # extra rounds past the search boundary
         if args.resume:
+            lock_run_dir(out)  # before its files are settled: no doctor --repair or second driver meanwhile
             trials = prepare_resume(out)  # damaged files: one line; torn last lines dropped; journal agrees with it
             if line := weights_note(out, trials):
                 note(line)

@@ -254,24 +254,26 @@ def _gc(store, args, root) -> int:
                        "healed/ exists only in a remote store.uri's bucket)")
     if bucket is not None:  # no locks on a bucket (--keep-referenced keeps what was used in the last hour there)
         return _collect(store, args, root, candidates, bucket)
-    users_root = root or Path(str(store.root)).parent  # a sweep holds its store root (targets/ inside it)
+    roots = list(dict.fromkeys(r for r in (root, Path(str(store.root)).parent) if r is not None))  # where sweeps
+    mine = []  # using these targets hold (sweep/run.py store_roots): the store directory, the targets' parent
     try:
-        me = store_users.hold(users_root, "gc", f"healsweep store gc (pid {os.getpid()})")
-    except OSError as e:  # a read-only store: nothing to collect there, but a dry run can still list
-        if not args.dry_run:
-            raise CliError(f"store gc: cannot write {users_root / store_users.USERS} ({e.strerror or e})") from None
-        me = None
-    try:
-        if sweeps := store_users.live(users_root, "sweep"):
+        for r in roots:
+            try:
+                mine.append(store_users.hold(r, "gc", f"healsweep store gc (pid {os.getpid()})"))
+            except OSError as e:  # a read-only store: nothing to collect there, but a dry run can still list
+                if not args.dry_run:
+                    raise CliError(f"store gc: cannot write {r / store_users.USERS} ({e.strerror or e})") from None
+        if sweeps := [u for r in roots for u in store_users.live(r, "sweep")]:
             if not args.dry_run:
-                raise CliError(f"store gc: {users_root} is in use now by {' and '.join(sweeps[:3])}"
+                raise CliError(f"store gc: {roots[0]} is in use now by {' and '.join(sweeps[:3])}"
                                f"{' and more' if len(sweeps) > 3 else ''}: gc could delete the targets and masks a "
                                "sweep reads; run it when no sweep uses the store")
-            print(f"note: {users_root} is in use now by {' and '.join(sweeps[:3])}: a real gc is refused until it "
+            print(f"note: {roots[0]} is in use now by {' and '.join(sweeps[:3])}: a real gc is refused until it "
                   "is not")
         return _collect(store, args, root, candidates, None)
     finally:
-        store_users.release(me)
+        for f in mine:
+            store_users.release(f)
 
 
 def _collect(store, args, root, candidates: list[str], bucket) -> int:

@@ -15,7 +15,7 @@ from typing import Callable
 
 from orchestrator.lifecycle.continuation import RefineError, read_run
 from orchestrator.lifecycle.resume import prepare_resume
-from orchestrator.rundir.files import JOURNAL_FILE, write_sweep
+from orchestrator.rundir.files import JOURNAL_FILE, lock_run_dir, write_sweep
 from orchestrator.sweep.end import told_counts
 from tasks.catalog import changes_with_draw
 
@@ -181,6 +181,7 @@ def run_refinement(run_dir: Path, step: float = 0.005, *, address: str | None = 
     spec = refine_spec(coarse, plan["sparsities"])
     done_before, failed_before = told_counts(Path(run_dir) / JOURNAL_FILE)  # the whole sweep's, so far
 
+    lock_run_dir(Path(run_dir))  # before its files are settled: no doctor --repair or second driver meanwhile
     prepare_resume(Path(run_dir))  # damaged files: one line; torn last lines dropped; journal agrees with the record
     res = run_sweep(spec, Path(run_dir), Path(meta["store"]), Path(meta["cache"]), address=address,
                     progress=progress, report=False, num_cpus=num_cpus, refine_round=plan["round"])

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from orchestrator.lifecycle.continuation import RefineError, read_run
 from orchestrator.lifecycle.resume import prepare_resume
-from orchestrator.rundir.files import JOURNAL_FILE, write_sweep
+from orchestrator.rundir.files import JOURNAL_FILE, lock_run_dir, write_sweep
 from orchestrator.sweep.end import told_counts
 
 
@@ -149,6 +149,7 @@ def run_widening(run_dir: Path, rounds: int = 1, factor: float = 4.0, *, address
         if not plan["cells"]:
             break
         spec = round_spec(plan["meta"], plan, study_sizes(run_dir / JOURNAL_FILE, plan["cells"]))
+        lock_run_dir(run_dir)  # before its files are settled: no doctor --repair or second driver meanwhile
         prepare_resume(run_dir)  # damaged files: one line; torn last lines dropped; journal agrees with the record
         before = told_counts(run_dir / JOURNAL_FILE)  # the whole sweep's, so far
         res = run_sweep(spec, run_dir, Path(plan["meta"]["store"]), Path(plan["meta"]["cache"]), address=address,

@@ -148,10 +148,12 @@ def lock_holder(out_dir: Path) -> str | None:
     except OSError:  # no lock file (never run, or not a run directory), or unreadable
         return None
     with f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        try:  # shared: works on a file opened for reading (NFS turns flock into a POSIX lock, whose exclusive kind
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)  # needs it open for writing) and still conflicts
+        except BlockingIOError:  # with the holder's exclusive lock
             return f.read().strip()[:40] or "unknown"
+        except OSError:  # a file system without locks: cannot tell (a repair's own lock_run_dir still decides)
+            return None
     return None
 
 

@@ -27,10 +27,15 @@ def hold(root: Path, role: str, what: str) -> IO[str]:
     name = f"{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp = d / f".{name}"
     f = open(tmp, "w+", encoding="utf-8")  # noqa: SIM115 - held until release
-    fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # its own file: nobody else locks it but a look, for an instant
-    f.write(what)
-    f.flush()
-    os.replace(tmp, d / name)  # the lock is on the file, not the name: held under its final name
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # its own file: nobody else locks it but a look, for an instant
+        f.write(what)
+        f.flush()
+        os.replace(tmp, d / name)  # the lock is on the file, not the name: held under its final name
+    except BaseException:
+        f.close()
+        tmp.unlink(missing_ok=True)
+        raise
     return f
 
 
@@ -48,25 +53,39 @@ def live(root: Path, role: str) -> list[str]:
     out = []
     for p in sorted((Path(root) / USERS).glob(f"{role}-*")):
         try:
-            with open(p, encoding="utf-8", errors="replace") as f:
-                try:
-                    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    out.append(f.read(300).strip() or p.name)
-                    continue
-            p.unlink(missing_ok=True)  # its holder is gone
+            f = open(p, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed below
         except OSError:
-            continue  # removed meanwhile, or unreadable: not ours to judge
+            continue  # removed meanwhile
+        with f:
+            try:  # shared and non-blocking: works on a file opened for reading, on NFS too (files.lock_holder)
+                fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError as e:  # held (BlockingIOError), or a lock this file system cannot take: counted as live
+                out.append(f.read(300).strip() or p.name if isinstance(e, BlockingIOError) else f"{p.name} (unknown)")
+                continue
+        p.unlink(missing_ok=True)  # its holder is gone
     return out
 
 
-def sweep_holds(root: Path, run_dir: Path, say: Callable[[str], None] = print, poll_s: float = 0.5) -> IO[str]:
-    """A sweep's hold on the local store at ``root`` (made if missing), after any ``store gc`` running there ended."""
-    f = hold(root, "sweep", f"a sweep (pid {os.getpid()}, run directory {run_dir})")
-    told = False
-    while gcs := live(root, "gc"):
-        if not told:
-            say(f"store: waiting for {gcs[0]} to end on {root}")
-            told = True
-        time.sleep(poll_s)
-    return f
+def sweep_holds(roots: list[Path], run_dir: Path, say: Callable[[str], None] = print,
+                poll_s: float = 0.5) -> list[IO[str]]:
+    """A sweep's holds on the local store roots it reads (its store directory; a local ``store.uri``'s parent),
+    after any ``store gc`` running there ended. A root this process cannot write (a read-only store, one whose
+    ``.users`` another account made) gets no hold: the sweep goes on (it only reads there), unseen by a gc there."""
+    held = []
+    try:
+        for root in dict.fromkeys(Path(r) for r in roots):
+            try:
+                held.append(hold(root, "sweep", f"a sweep (pid {os.getpid()}, run directory {run_dir})"))
+            except OSError:
+                continue
+            told = False
+            while gcs := live(root, "gc"):
+                if not told:
+                    say(f"store: waiting for {gcs[0]} to end on {root}")
+                    told = True
+                time.sleep(poll_s)
+    except BaseException:
+        for f in held:
+            release(f)
+        raise
+    return held

@@ -263,11 +263,22 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, 
     cluster.check_store_uri(spec.store.uri)  # one line for an unreachable endpoint / missing bucket
     clock = clock or StageClock(enabled=progress)
     s = open_sweep(spec, out_dir, store_dir, cache_dir, resume, refine_round, clock)
-    user = store_users.sweep_holds(s.store_dir, s.out_dir)  # store gc keeps out while this sweep runs
+    users = store_users.sweep_holds(store_roots(spec.store.uri, s.store_dir), s.out_dir)  # store gc keeps out
     try:
         return _started(s, address, num_cpus, verbose, owns_ray, models, t0, progress, report)
     finally:
-        store_users.release(user)
+        for f in users:
+            store_users.release(f)
+
+
+def store_roots(uri: str | None, store_dir: Path) -> list[Path]:
+    """The local directories where ``healsweep store gc`` looks for a sweep's hold (store_users.py): its store
+    directory, and for a local ``store.uri`` that path's parent (gc run on the targets finds it there); none for a
+    remote store (a bucket has no locks)."""
+    if uri and cluster.is_remote(uri):
+        return []
+    local = [Path(uri[len("file://"):] if uri.startswith("file://") else uri).expanduser().resolve().parent] if uri else []
+    return [Path(store_dir), *local]
 
 
 def _started(s: SweepState, address: str | None, num_cpus: int | None, verbose: bool, owns_ray: bool,

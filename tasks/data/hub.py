@@ -33,10 +33,11 @@ class LazyStream:
 class HFTable(ImageTable):
     """A map-style ``datasets.Dataset`` (Arrow-backed, memory-mapped: nothing is read until asked)."""
 
-    def __init__(self, ds, image_column: str = "image", label_column: str | None = "label", ident: str = "") -> None:
+    def __init__(self, ds, image_column: str = "image", label_column: str | None = "label", ident: str = "",
+                 need_labels: bool = True) -> None:
         self.ds, self.image_column, self.label_column = ds, image_column, label_column
         self.where = f"split {str(ds.split)!r}" if getattr(ds, "split", None) else "the dataset"
-        missing_column(list(ds.column_names), image_column, label_column,
+        missing_column(list(ds.column_names), image_column, label_column if need_labels else None,
                        f"{self.where} of the Hugging Face dataset" if self.where != "the dataset" else
                        "the Hugging Face dataset")
         self._labels = (np.asarray(ds[label_column], dtype=np.int64) if label_column in ds.column_names
@@ -65,9 +66,9 @@ class StreamTable(ImageTable):
     only: the digest (``ident``) is the same with the cache on or off."""
 
     def __init__(self, stream, n: int, seed: int, buffer_size: int = 10_000, image_column: str = "image",
-                 label_column: str | None = "label", ident: str = "", stamp: str = "") -> None:
+                 label_column: str | None = "label", ident: str = "", stamp: str = "", need_labels: bool = True) -> None:
         self.ident = f"stream:{ident}:seed={seed}:buffer={buffer_size}"
-        take = lambda: _take(stream, n, seed, buffer_size, image_column, label_column, ident)  # noqa: E731
+        take = lambda: _take(stream, n, seed, buffer_size, image_column, label_column, ident, need_labels)  # noqa: E731
         root = stream_cache.cache_root()
         key = {"ident": ident, "stamp": stamp, "seed": seed, "buffer": buffer_size, "image": image_column,
                "label": label_column}
@@ -95,14 +96,15 @@ class StreamTable(ImageTable):
 
 def missing_column(columns: list[str], image_column: str, label_column: str | None, where: str) -> None:
     """DatasetError naming a column the spec gives (``image_column``, ``label_column``) that ``where`` lacks: a
-    missing label column gave every image the label -1, and every accuracy 0 % with no error."""
+    missing label column gave every image the label -1, and every accuracy 0 % with no error. (A hub split that
+    serves only calibration images needs no labels: its caller passes ``label_column`` None.)"""
     for key, c in (("image_column", image_column), ("label_column", label_column)):
         if c is not None and c not in columns:
             raise DatasetError(f"{where} has no column {c!r} ({key}); its columns: {', '.join(map(str, columns))}")
 
 
 def _take(stream, n: int, seed: int, buffer_size: int, image_column: str, label_column: str | None,
-          ident: str) -> tuple[list, list[int], list[int]]:
+          ident: str, need_labels: bool = True) -> tuple[list, list[int], list[int]]:
     """The first ``n`` items of ``stream`` after its seeded shuffle buffer: (undecoded image cells, positions in
     the unshuffled stream, labels; -1 where none). DatasetError when the stream is shorter."""
     from datasets import Image
@@ -116,7 +118,8 @@ def _take(stream, n: int, seed: int, buffer_size: int, image_column: str, label_
     items, pos, lab = [], [], []
     for ex in stream.take(n):
         if not items:  # a stream's columns are known from its first item (its features may be None)
-            missing_column([c for c in ex if c != "__pos"], image_column, label_column, f"stream {ident or 'dataset'}")
+            missing_column([c for c in ex if c != "__pos"], image_column, label_column if need_labels else None,
+                           f"stream {ident or 'dataset'}")
         items.append(ex[image_column])
         pos.append(ex["__pos"])
         v = ex.get(label_column, -1) if label_column else -1
@@ -170,13 +173,14 @@ def hf_splits(name: str, by_split: Mapping[str, Any], sizes: Mapping[str, int], 
         ds = by_split[s]
         if id(ds) not in made:
             key = f"{ident}:{getattr(ds, 'split', None) or len(made)}"
+            labels = any(by_split[t] is ds for t in SPLITS if t != "calibration")  # calibration needs none
             if isinstance(ds, (IterableDataset, LazyStream)):
                 need = sum(sizes[t] for t in SPLITS if by_split[t] is ds)
                 made[id(ds)] = (key, StreamTable(ds, need, seed, buffer_size, image_column, label_column, key,
-                                                      stamp))
+                                                      stamp, labels))
                 shuffle[key] = False  # the shuffle buffer already fixed a seeded order
             else:
-                made[id(ds)] = (key, HFTable(ds, image_column, label_column, key + f":{ds._fingerprint}"))
+                made[id(ds)] = (key, HFTable(ds, image_column, label_column, key + f":{ds._fingerprint}", labels))
         tables[s] = made[id(ds)]
     nc = num_classes or max(getattr(t, "num_classes", 0) for _, t in tables.values())
     data = build_splits(name, tables, sizes, seed, transform, transform_id, nc, shuffle)

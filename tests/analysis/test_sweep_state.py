@@ -27,3 +27,12 @@ def test_a_running_parent_run_is_in_progress_or_unended_by_what_holds_the_run_di
                                            f"trials only. {RESUME}")
     assert state_note(info, 5, OUT, "4242 doctor") == ""  # doctor --repair holds it: told once it ends
     assert state_note({"status": "FINISHED", "partial": None}, 8, OUT, "") == ""
+
+
+def test_a_running_resume_of_an_interrupted_sweep_is_in_progress_not_partial():
+    """The parent run of an interrupted sweep keeps its partial tag while a resume runs it (RUNNING again): the
+    report said "Partial sweep: interrupted by SIGTERM" beside the live driver, and the old counts after a kill."""
+    info = {"status": "RUNNING", "partial": {"finished": "3", "planned": "8", "signal": "SIGTERM"}}
+    assert state_note(info, 5, OUT, "4242").startswith("Sweep in progress: a healsweep driver (pid 4242)")
+    assert state_note(info, 5, OUT, "").startswith("Unfinished sweep: its driver stopped without ending it")
+    assert state_note(info, 5, OUT, None).startswith("Partial sweep: interrupted by SIGTERM with 3 of 8")

@@ -200,3 +200,20 @@ def test_a_column_the_dataset_lacks_is_one_line(generated, streaming):
     for key in ("label_column", "image_column"):
         with pytest.raises(DatasetError, match=f"has no column 'lbl' \\({key}\\); its columns: image, label$"):
             _load("hf", path=path, **kw, **{key: "lbl"})
+
+
+def test_an_unlabeled_split_may_serve_calibration_only(generated, tmp_path):
+    """Calibration needs no labels: a hub split without the label column still serves it; serving selection or
+    evaluation it is refused in one line."""
+    import datasets
+
+    saved = datasets.load_from_disk(str(generated["hf"]))["train"]
+    datasets.DatasetDict({"train": saved.select(range(12)),
+                          "unlabeled": saved.select(range(12, 20)).remove_columns("label")}).save_to_disk(
+        str(tmp_path / "two"))
+    d = _load("hf", path=str(tmp_path / "two"), splits={"calibration": "unlabeled"},
+              sizes={"train": 0, "calibration": 6, "selection": 4, "evaluation": 6})
+    assert len(d["calibration"]) == 6 and d["calibration"].labels is None and d.num_classes == 4
+    with pytest.raises(DatasetError, match="has no column 'label' \\(label_column\\); its columns: image$"):
+        _load("hf", path=str(tmp_path / "two"), splits={"evaluation": "unlabeled"},
+              sizes={"train": 0, "calibration": 6, "selection": 4, "evaluation": 6})

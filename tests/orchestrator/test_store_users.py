@@ -46,10 +46,31 @@ def test_a_sweep_waits_for_a_running_gc(tmp_path):
     with held_by_another_process(tmp_path, "gc", "healsweep store gc (pid 7)") as gc:
         threading.Timer(1.5, gc.kill).start()  # the gc ends after 1.5 s
         t0 = time.monotonic()
-        mine = store_users.sweep_holds(tmp_path, tmp_path / "run", say=said.append, poll_s=0.1)
+        mine = store_users.sweep_holds([tmp_path, tmp_path], tmp_path / "run", say=said.append, poll_s=0.1)
         waited = time.monotonic() - t0
     try:
         assert waited >= 1.4 and said == [f"store: waiting for healsweep store gc (pid 7) to end on {tmp_path}"]
-        assert store_users.live(tmp_path, "sweep")[0].endswith(f"run directory {tmp_path / 'run'})")
+        assert len(mine) == 1 and store_users.live(tmp_path, "sweep")[0].endswith(f"run directory {tmp_path / 'run'})")
     finally:
-        store_users.release(mine)
+        store_users.release(mine[0])
+
+
+def test_a_store_this_user_cannot_write_gets_no_hold_and_the_sweep_goes_on(tmp_path):
+    """Read-only stores are supported (a sweep reads their targets): making .users there failed the sweep."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    (ro / store_users.USERS).write_text("not a directory")  # (root ignores chmod: a file where the folder goes)
+    mine = store_users.sweep_holds([ro, tmp_path], tmp_path / "run")
+    try:
+        assert len(mine) == 1 and len(store_users.live(tmp_path, "sweep")) == 1
+    finally:
+        store_users.release(mine[0])
+
+
+def test_a_sweeps_store_roots_are_its_directory_and_a_local_uris_parent(tmp_path):
+    from orchestrator.sweep.run import store_roots
+
+    assert store_roots(None, tmp_path) == [tmp_path]
+    assert store_roots(str(tmp_path / "data" / "targets"), tmp_path) == [tmp_path, tmp_path / "data"]
+    assert store_roots(f"file://{tmp_path}/data/targets", tmp_path) == [tmp_path, tmp_path / "data"]
+    assert store_roots("s3://bucket/targets", tmp_path) == []  # a bucket has no locks
