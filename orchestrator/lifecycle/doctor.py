@@ -27,7 +27,7 @@ from typing import Callable
 from orchestrator.lifecycle import resume
 from orchestrator.lifecycle.store_check import store_problems
 from orchestrator.lifecycle.sweep_record import rebuild_sweep, rebuilt_sweep, sweep_damage
-from orchestrator.lifecycle.unended import mark_unended, parent_state
+from orchestrator.lifecycle.unended import mark_unended, parent_state, partial_words
 from orchestrator.rundir import records
 from orchestrator.rundir.files import (JOURNAL_FILE, SWEEP_FILE, ResumeError, holder_words, lock_holder, lock_run_dir,
                                        read_sweep, release_run_dir)
@@ -305,10 +305,7 @@ class Doctor:
     def partial(self) -> str:
         """" (the sweep is partial: ...)" for a sweep recorded as interrupted, else ""."""
         state = self._parent()
-        if state is None or state[1].get("partial") != "true":
-            return ""
-        return (f" (the sweep is partial: interrupted by {state[1].get('interrupted_by') or 'a signal'} with "
-                f"{state[1].get('trials_finished', '?')} trials finished; continue with healsweep run --resume {self.dir})")
+        return partial_words(state[1], self.dir) if state is not None else ""
 
 
 def _readable_cache(out_dir: Path) -> Path | None:

@@ -33,3 +33,12 @@ def mark_unended(client, exp_id: str, info: dict, journal: Path, trials: dict[st
     mark_parent(client, info["parent_run_id"], finished, failed, None, None, lost=UNSEEN)
     return (f"the parent run marked KILLED and partial ({finished} trials finished)"
             + (f", {len(ids)} trial run(s) that were running marked KILLED" if ids else ""))
+
+
+def partial_words(tags: dict, run_dir: Path) -> str:
+    """" (the sweep is partial: ...)" for a parent run tagged ``partial=true`` (doctor's "no problem found" line),
+    else ""."""
+    if tags.get("partial") != "true":
+        return ""
+    return (f" (the sweep is partial: interrupted by {tags.get('interrupted_by') or 'a signal'} with "
+            f"{tags.get('trials_finished', '?')} trials finished; continue with healsweep run --resume {run_dir})")
