@@ -263,11 +263,10 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, 
     cluster.check_store_uri(spec.store.uri)  # one line for an unreachable endpoint / missing bucket
     clock = clock or StageClock(enabled=progress)
     s = open_sweep(spec, out_dir, store_dir, cache_dir, resume, refine_round, clock)
-    users = store_users.sweep_holds(store_roots(spec.store.uri, s.store_dir), s.out_dir)  # store gc keeps out
     try:
         return _started(s, address, num_cpus, verbose, owns_ray, models, t0, progress, report)
     finally:
-        for f in users:
+        for f in s.store_holds:  # taken before the stages read the store (_before_trials)
             store_users.release(f)
 
 
@@ -345,6 +344,8 @@ def _before_trials(s: SweepState, models_ready: Handoff[ModelsPart] | None, prog
     cluster.check_fits(s.spec.resources.peak_request(), ray.nodes(), autoscaling=s.on_cluster)  # else Tune waits
     try:
         take_models(s, models_ready.get() if models_ready is not None else _timed_models(s, progress))
+        # store gc keeps out from here on (a refused sweep made nothing in the store, not even its hold)
+        s.store_holds = store_users.sweep_holds(store_roots(s.spec.store.uri, s.store_dir), s.out_dir)
         dense_and_masks(s, progress)
         _forget_loaded_models()
     except ray.exceptions.RayError as e:  # a node that joined since the check, without the project: one line

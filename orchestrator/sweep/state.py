@@ -127,6 +127,7 @@ class SweepState:
     draws: list = field(default_factory=list)  # search.calib_draws: orchestrator/sweep/draws.py Draw per other draw
     on_cluster: bool = False  # --address given: model, mask and dense work goes to Ray tasks on the workers
     guard: NodeGuard | None = None  # on a cluster: nodes that cannot import the project
+    store_holds: list = field(default_factory=list)  # open lock files: store gc keeps out (rundir/store_users.py)
     parent_stage: Handoff[ParentRun] | None = None
     tune: TuneParts = field(default_factory=TuneParts)
     dense_total: int = 0  # dense forward images over every session of the sweep (resume/refine included)
