@@ -1,13 +1,12 @@
 """Who is using a local store now, so that ``healsweep store gc`` never deletes what a live sweep reads.
 
-Each sweep's driver holds an fcntl lock on a file of its own under ``<store root>/.users/`` for as long as it runs
-(the file names its run directory); ``store gc`` holds one too, then refuses while any sweep's is held, and a sweep
-that finds a gc's held waits for it to end. Each takes its own file before it looks for the other's, so of a sweep
-and a gc starting together at least one sees the other. The kernel drops a lock when its holder dies: a killed
-sweep's file is stale by construction, and the next look removes it. A file is locked before it gets its final
-name (a look never sees a file between its creation and its lock). Remote (bucket) stores have no such lock: their
-gc keeps what was used in the last hour (orchestrator/commands/store_bucket.py).
-"""
+Each sweep's driver holds an fcntl lock on a file of its own under ``<store root>/.users/`` from just before its
+stages read the store to its end (the file names its run directory); ``store gc`` holds one too, then refuses while
+any sweep's is held, and a sweep that finds a gc's held waits for it to end. Each takes its own file before it looks
+for the other's, so of a sweep and a gc starting together at least one sees the other. The kernel drops a lock when
+its holder dies: a killed sweep's file is stale by construction, and the next look removes it. A file is locked
+before it gets its final name (a look never sees a file between its creation and its lock). Remote (bucket) stores
+have no such lock: their gc keeps what was used in the last hour (orchestrator/commands/store_bucket.py)."""
 from __future__ import annotations
 
 import fcntl
