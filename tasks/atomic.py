@@ -148,18 +148,36 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 
 
 @contextlib.contextmanager
-def file_lock(path: str | os.PathLike, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+def file_lock(path: str | os.PathLike, on_wait: Callable[[], None] | None = None,
+              remove: bool = False) -> Iterator[None]:
     """An exclusive ``fcntl.flock`` on ``path`` (created if missing) across this machine's processes; waits for it,
     calling ``on_wait()`` first when another process holds it. The kernel drops the lock when the block ends or its
-    holder dies (a crash leaves no stale lock)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
-    try:
+    holder dies (a crash leaves no stale lock). ``remove``: the file is deleted before the lock is let go (nothing
+    left behind); a waiter that then holds the deleted file sees it is no longer the one at ``path`` and locks
+    that one instead."""
+    told = False
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            if on_wait is not None:
+            if on_wait is not None and not told:
                 on_wait()
+                told = True
             fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            current = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            current = False
+        if current or not remove:
+            break
+        os.close(fd)  # the holder before removed it: lock the file now at that name
+    try:
         yield
     finally:
+        if remove:
+            Path(path).unlink(missing_ok=True)
         os.close(fd)  # releases the lock

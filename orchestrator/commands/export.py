@@ -8,7 +8,6 @@ search (a run directory outside ``runs/``, or two copies of one sweep).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 from contextlib import contextmanager
@@ -18,6 +17,7 @@ from orchestrator.commands.common import CliError, not_a_dir
 from orchestrator.spec.checks import SpecError
 from orchestrator.spec.reach import check_server
 from orchestrator.raytune.cluster import is_remote, store_subdir
+from tasks.atomic import file_lock
 from tasks.saved_trial import TRIAL_JSON, healed_problem, trial_dir
 
 
@@ -204,37 +204,14 @@ def _one_export_at_a_time(out: Path):
     and left without an export is removed."""
     made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    lock = out / ".export.lock"
-    fd = _take(lock, out)
     try:
-        yield
+        with file_lock(out / ".export.lock", remove=True,
+                       on_wait=lambda: print(f"waiting for another healsweep export to {out} to end", flush=True)):
+            yield
     finally:
-        lock.unlink(missing_ok=True)
-        os.close(fd)
         if made and not any(p.name in EXPORT_FILES for p in out.iterdir()):
             with contextlib.suppress(OSError):
                 out.rmdir()
-
-
-def _take(lock: Path, out: Path) -> int:
-    """The fd holding the exclusive lock on the file now at ``lock`` (``_one_export_at_a_time``)."""
-    told = False
-    while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if not told:
-                print(f"waiting for another healsweep export to {out} to end", flush=True)
-                told = True
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            same = os.stat(lock).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            return fd
-        os.close(fd)  # the holder before removed it: take the lock of the file at that name now
 
 
 def _export(args, run_dir: Path, run, info: dict) -> int:
