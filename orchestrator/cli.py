@@ -12,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from orchestrator.commands import COMMANDS
 from orchestrator.commands.common import CliError
+from orchestrator.rundir import interrupt
 from orchestrator.rundir.faults import one_line
 
 
@@ -37,13 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    interrupt.opened(None)  # no sweep opened by this command yet (tests call main several times in one process)
     try:
         code = args.func(args)
     except CliError as e:
         print(f"healsweep: error: {e}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:  # Ctrl-C before a sweep handles it (orchestrator/rundir/interrupt.py): no traceback
-        print("healsweep: interrupted", file=sys.stderr)
+        print(interrupt.escaped_line(), file=sys.stderr)
         code = 130
     except BrokenPipeError as e:  # `healsweep store ls | head`: the reader left; quiet, as a shell tool is
         code = 141 if stdout_gone() else fault_exit(e, args)  # 128 + SIGPIPE

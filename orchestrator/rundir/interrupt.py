@@ -19,7 +19,7 @@ import threading
 from contextlib import contextmanager
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_state: dict = {"signum": None, "raising": False, "previous": {}}
+_state: dict = {"signum": None, "raising": False, "previous": {}, "run_dir": None}
 
 
 class SweepInterrupted(KeyboardInterrupt):
@@ -33,6 +33,12 @@ class SweepInterrupted(KeyboardInterrupt):
 def received() -> int | None:
     """The signal that interrupted the running sweep (None: not interrupted; reset when ``catching`` ends)."""
     return _state["signum"]
+
+
+def record(signum: int) -> None:
+    """Note ``signum`` as the sweep's interrupt unless a signal is recorded already."""
+    if _state["signum"] is None:
+        _state["signum"] = signum
 
 
 def exit_code(signum: int) -> int:
@@ -78,6 +84,19 @@ def raising():
         yield
     finally:
         _state["raising"] = False
+
+
+def opened(run_dir) -> None:
+    """A sweep recorded itself in ``run_dir`` (sweep.json): an interrupt that escapes the sweep's own handling from
+    here on (Ctrl-C while Ray starts for ``refine``, a KeyboardInterrupt raised inside Ray) names its resume."""
+    _state["run_dir"] = run_dir
+
+
+def escaped_line() -> str:
+    """The CLI's line for a KeyboardInterrupt no sweep handled: with the resume command once a sweep was opened."""
+    if _state["run_dir"] is None:
+        return "healsweep: interrupted"
+    return f"healsweep: interrupted; resume with healsweep run --resume {_state['run_dir']}"
 
 
 def line(finished: int, planned: int | None, failed: int, run_dir) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import sys
 import time
 import uuid
@@ -64,6 +65,7 @@ def open_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path,
                 "experiment": spec.mlflow.experiment, "store": str(store_dir), "cache": str(cache_dir),
                 "spec": spec.to_dict()}
     write_sweep(out_dir, info)
+    interrupt.opened(out_dir)
     paths = store_paths(spec.store.uri, store_dir, cache_dir)
     paths["out"] = str(out_dir)
     return SweepState(spec, out_dir, store_dir, cache_dir, info, paths, resume, refine_round, clock)
@@ -305,8 +307,9 @@ def _run_and_end(s: SweepState, t0: float, started_ray: bool, models_ready: Hand
         try:
             with interrupt.raising():
                 _before_trials(s, models_ready, progress)
-        except interrupt.SweepInterrupted:
+        except KeyboardInterrupt:  # SweepInterrupted, or one raised inside Ray's wait on a stage's tasks
             early = True
+            interrupt.record(signal.SIGINT)  # (the latter: no handler of ours ran; the sweep ends the same way)
         if early:
             finished, failed, seconds = sweep_end.ended_early(s, t0)
         else:

@@ -149,3 +149,29 @@ def test_ctrl_c_outside_a_sweep_is_one_line_and_130(capsys, monkeypatch):
     monkeypatch.setattr(cli, "build_parser", lambda: parser)
     assert cli.main([]) == 130
     assert capsys.readouterr().err == "healsweep: interrupted\n"
+
+
+def test_ctrl_c_after_a_sweep_recorded_itself_names_the_resume(capsys, monkeypatch, tmp_path):
+    """Once a sweep wrote sweep.json (orchestrator/sweep/run.py open_sweep), a KeyboardInterrupt that escapes its
+    own handling (Ctrl-C while Ray starts for refine) says how to continue; the next command starts without it."""
+    import argparse
+
+    from orchestrator import cli
+    from orchestrator.rundir import interrupt
+
+    def opened_then_interrupted(args):
+        interrupt.opened(tmp_path / "run")
+        raise KeyboardInterrupt
+
+    parser = argparse.ArgumentParser()
+    parser.set_defaults(func=opened_then_interrupted)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    assert cli.main([]) == 130
+    assert capsys.readouterr().err == f"healsweep: interrupted; resume with healsweep run --resume {tmp_path / 'run'}\n"
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    parser.set_defaults(func=interrupted)
+    assert cli.main([]) == 130
+    assert capsys.readouterr().err == "healsweep: interrupted\n"
