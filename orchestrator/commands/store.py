@@ -161,6 +161,11 @@ def _ls(store, args, root) -> int:
         print(f"{k}  {model:14} {rows:>7} {shards:>6} {size / 1e6:>10.2f}  "
               f"{used.isoformat(timespec='seconds') if used else 'never'}")
     print(f"{len(keys)} keys, {total / 1e6:.2f} MB")
+    for k in (part := _unfinished(store, keys)):
+        shards = sum(n.endswith(".arrow") for n in store.fs.listdir(k))
+        print(f"{k}  {'UNFINISHED':14} {'?':>7} {shards:>6} {store.key_bytes(k) / 1e6:>10.2f}  no manifest")
+    if part:
+        print(f"{len(part)} unfinished ({UNFINISHED})")
     sections = [("quarantine", Path(store.fs.path(".quarantine")))] if store.fs.local else []
     sections += [(s, root / s) for s in _SIDE] if root is not None else []
     listed = [(name, str(d), _local_entries(d)) for name, d in sections if d.is_dir()]
@@ -179,6 +184,18 @@ def _local_entries(d: Path) -> list[tuple[str, int]]:
     return [(e.name + ("/" if e.is_dir() else ""), _size(e)) for e in sorted(d.iterdir())]
 
 
+UNFINISHED = ("no manifest: a sweep is writing these targets now, or its dense stage stopped midway; the next sweep "
+              "that needs them completes them, store gc collects them by age")
+
+
+def _unfinished(store, keys: list[str]) -> list[str]:
+    """Key directories without a manifest (``store.keys()`` lists complete target sets only)."""
+    from tasks.store import KEY_RE
+
+    done = set(keys)
+    return [n for n in sorted(store.fs.listdir()) if KEY_RE.match(n) and n not in done]
+
+
 def _verify(store, args, root) -> int:
     from tasks.store import StoreError
 
@@ -195,7 +212,10 @@ def _verify(store, args, root) -> int:
         for what, problem in bad:
             print(f"{k} {what}: {problem}")
         print(f"{k}: {'DAMAGED' if bad else 'ok'}")
-    print(f"{len(keys)} keys checked, {damaged} damaged")
+    part = [] if args.key else _unfinished(store, keys)
+    for k in part:
+        print(f"{k}: unfinished ({UNFINISHED})")
+    print(f"{len(keys)} keys checked, {damaged} damaged" + (f", {len(part)} unfinished" if part else ""))
     masks = None if args.key else _masks(str(store.root), root)
     if masks is not None:
         damaged += _verify_masks(masks)

@@ -52,6 +52,26 @@ def test_verify_exit_codes(store_dir, capsys):
     assert main(["store", "ls", "--store", str(home / "nope")]) == 2
 
 
+def test_ls_and_verify_name_a_key_without_its_manifest(store_dir, capsys):
+    """A dense stage killed midway leaves shards and no manifest: `store ls` said "1 keys" and `store verify` checked
+    nothing of it. Both now name it unfinished (not damaged); the next ensure_targets completes it without
+    recomputing the shards already there."""
+    home, st = store_dir
+    (st.key_dir(K2) / "manifest.json").unlink()
+    size = st.key_bytes(K2)
+    assert main(["store", "ls", "--store", str(home)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    row = next(line for line in out if line.startswith(K2)).split()
+    assert row[1:4] == ["UNFINISHED", "?", "2"] and float(row[4]) == pytest.approx(size / 1e6, abs=0.01)
+    assert "1 keys, " in "\n".join(out) and any(line.startswith("1 unfinished (no manifest: ") for line in out)
+    assert main(["store", "verify", "--store", str(home)]) == 0
+    out = capsys.readouterr().out
+    assert f"{K2}: unfinished (no manifest: " in out and "1 keys checked, 0 damaged, 1 unfinished" in out
+    runner = Runner(st, K2)
+    ensure_targets(st, K2, 6, 4, runner, meta={"model": "m6"}, dtype="float16")
+    assert runner.calls == [] and st.keys() == [K1, K2]  # both shards were whole: only the manifest was written
+
+
 def test_gc_older_than_and_keep_referenced(store_dir, tmp_path, capsys):
     home, st = store_dir
     st.open(K1).close()
