@@ -128,7 +128,8 @@ def _widen(args) -> int:
     except (RefineError, ResumeError, ClusterError) as e:
         raise CliError(str(e)) from None
     if not done:
-        print("no winner sits on the search boundary: nothing to widen")
+        print("no winner sits on the search boundary, or only on the spec's own limits (lr 10, the longest healing): "
+              "nothing to widen")
         return 0
     for d in done:
         res = d["result"]

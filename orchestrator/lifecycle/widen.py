@@ -26,18 +26,20 @@ from pathlib import Path
 from orchestrator.lifecycle.continuation import RefineError, read_run
 from orchestrator.lifecycle.resume import prepare_resume
 from orchestrator.rundir.files import JOURNAL_FILE, lock_run_dir, write_sweep
+from orchestrator.spec.checks import MAX_LR
 from orchestrator.sweep.end import told_counts
 
 
-def widened_box(bounds: dict, hit: set[str], factor: float, max_length: int) -> dict:
+def widened_box(bounds: dict, hit: set[str], factor: float, max_length: int, max_lr: float = MAX_LR) -> dict:
     """``bounds`` {"lr": [lo, hi], "epochs" | "steps": [lo, hi]} shifted by ``factor`` past the edges in ``hit``:
-    lr cap -> [lo·f, hi·f]; lr floor -> [lo/f, hi/f]; both -> [lo/f, hi·f]; epochs (steps) cap ->
-    [min(hi, ceil(lo·f)), ceil(hi·f)] (at most ``max_length``). Edges not hit stay."""
+    lr cap -> [lo·g, hi·g] with g = min(f, max_lr / hi) (the spec's lr bound: a box at it stays); lr floor ->
+    [lo/f, hi/f]; both -> [lo/f, hi·g]; epochs (steps) cap -> [min(hi, ceil(lo·f)), ceil(hi·f)] (at most
+    ``max_length``). Edges not hit stay."""
     key = "steps" if bounds.get("steps") else "epochs"
     (lo, hi), (elo, ehi) = bounds["lr"], bounds[key]
+    g = max(1.0, min(factor, max_lr / hi))  # rounds compounding past the cap: [x, 5] x 4 asked for lr 80
     cap, floor = "lr_cap" in hit, "lr_floor" in hit
-    lr = [lo / factor if floor else lo * factor if cap else lo, hi / factor if floor and not cap else
-          hi * factor if cap else hi]
+    lr = [lo / factor if floor else lo * g if cap else lo, hi * g if cap else hi / factor if floor else hi]
     if "length_cap" in hit:
         elo, ehi = min(ehi, math.ceil(elo * factor)), min(max_length, math.ceil(ehi * factor))
     return {"lr": [float(x) for x in lr], key: [int(elo), int(ehi)]}
@@ -73,7 +75,10 @@ def plan_widening(run_dir: Path, factor: float) -> dict:
     boxes = {}
     for grid, hit in hits.items():
         base = union_box(current[grid])
-        boxes[grid] = widened_box(base, hit, factor, MAX_STEPS if base.get("steps") else MAX_EPOCHS)
+        box = widened_box(base, hit, factor, MAX_STEPS if base.get("steps") else MAX_EPOCHS)
+        if box != base:  # else every edge it hit is a bound of the spec's (lr 10, the longest healing): no round
+            boxes[grid] = box
+    cells = {c: grid for c, grid in cells.items() if grid in boxes}
     return {"meta": meta, "round": len(meta.get("widenings", [])) + 1, "cells": cells, "boxes": boxes,
             "parent_run_id": info["run_id"], "tracking_uri": uri}
 

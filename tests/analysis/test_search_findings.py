@@ -68,6 +68,11 @@ def test_widened_box_shifts_past_the_edges_hit():
                                                                          pytest.approx(7.5e-4)], "epochs": [4, 32]}
     assert widened_box(b, {"lr_floor", "lr_cap"}, 2, 100)["lr"] == [pytest.approx(5e-5), pytest.approx(6e-3)]
     assert widened_box({"lr": [1e-3, 1e-2], "steps": [8, 64]}, {"length_cap"}, 4, 100)["steps"] == [32, 100]
+    # the spec's lr bound (orchestrator/spec/checks.py MAX_LR = 10): rounds compounding past it asked for lr 80
+    assert widened_box({"lr": [1.0, 5.0], "epochs": [1, 4]}, {"lr_cap"}, 4, 100)["lr"] == [2.0, 10.0]
+    at_bound = {"lr": [2.0, 10.0], "epochs": [1, 4]}
+    assert widened_box(at_bound, {"lr_cap"}, 4, 100) == at_bound  # nothing left to widen: plan_widening drops it
+    assert widened_box(at_bound, {"lr_cap", "lr_floor"}, 4, 100)["lr"] == [0.5, 10.0]
     assert union_box([b, {"lr": [2e-4, 1e-2], "epochs": [2, 16]}]) == {"lr": [1e-4, 1e-2], "epochs": [1, 16]}
     meta = {"widenings": [{"round": 1, "cells": {"c1": b}}, {"round": 2, "cells": {"c1": {"lr": [1, 2], "epochs": [1, 2]}}}]}
     assert widened_cells(meta) == {"c1": {"round": 2, "lr": [1, 2], "epochs": [1, 2]}}
