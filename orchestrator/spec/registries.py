@@ -120,7 +120,8 @@ def resolve_healer(name: str, settings: Mapping[str, Any] | None = None):
 def reference_ref(name: str, offline: bool) -> dict:
     """``tasks.models.parse_ref(name).to_dict()`` of a reference model given by its name (no file, no torch)."""
     return {"name": name, "source": "reference", "arch": "", "pretrained": False, "weights": None, "path": None,
-            "num_classes": None, "offline": bool(offline), "init_seed": 0, "model_args": None, "sha256": None}
+            "num_classes": None, "offline": bool(offline), "init_seed": 0, "model_args": None, "sha256": None,
+            "input_size": None}
 
 
 def check_shipped_seed(name: str, data_seed: int) -> str | None:

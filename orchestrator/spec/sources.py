@@ -1,7 +1,7 @@
 """Spec parsing for model sources and dataset settings (``models`` mapping entries, ``dataset`` mapping).
 
 ``models`` entries are names (reference models, or timm names) or mappings {name, source, arch, pretrained,
-weights, path, num_classes, model_args, init_seed}; ``dataset`` is a name or {name: ..., <settings>}.
+weights, path, num_classes, model_args, init_seed, sha256, input_size}; ``dataset`` is a name or {name: ..., <settings>}.
 """
 from __future__ import annotations
 

@@ -41,8 +41,8 @@ class ImageDataset:
         allowed = self.allowed(sweep)
         if sweep and "image_size" in settings:
             raise ValueError("image_size: not a sweep setting: each model preprocesses images its own way (its timm "
-                             "data config or its torchvision weights' transforms), which sets their size; for a timm model set "
-                             "model_args: {pretrained_cfg_overlay: {input_size: [3, N, N]}}")
+                             "data config or its torchvision weights' transforms), which sets their size; set the model "
+                             "entry's input_size: N")
         unknown = sorted(set(settings) - allowed)
         if unknown:
             raise ValueError(f"{unknown[0]}: unknown dataset setting; allowed: {', '.join(sorted(allowed))}")

@@ -51,7 +51,7 @@ MODELS: Registry[ReferenceModel] = Registry("model")
 
 
 REF_KEYS = ("name", "source", "arch", "pretrained", "weights", "path", "num_classes", "offline", "init_seed",
-            "model_args", "sha256")
+            "model_args", "sha256", "input_size")
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,8 @@ class ModelRef:
     init_seed: int = 0  # random init (pretrained off, or layers a checkpoint does not cover)
     model_args: Mapping[str, Any] | None = None  # extra builder arguments (timm: img_size, depth, drop_path_rate...)
     sha256: str | None = None  # with `path`: the file's expected sha256 (16-64 hex); a mismatch is refused
+    input_size: int | list[int] | None = None  # evaluation preprocessing size N or [H, W] (timm's eval transform at
+    # that size); for a model whose source does not say it: a torchvision builder without weights, a checkpoint
 
     @property
     def builder(self) -> str:
@@ -94,11 +96,11 @@ class ExternalSource:
 
     def digest(self, ref: ModelRef) -> str:
         """Identity of the weights (part of every content key built on this model)."""
-        return _digest({k: v for k, v in ref.to_dict().items() if k not in ("name", "offline", "sha256")})
+        return _digest({k: v for k, v in ref.to_dict().items() if k not in ("name", "offline", "sha256", "input_size")})
 
     def transform(self, ref: ModelRef, model: nn.Module) -> tuple[Callable, str]:
         """(PIL image -> (C, H, W) float tensor, a stable description of it)."""
-        return timm_transform(model)
+        return timm_transform(model, ref.input_size)
 
 
 MODEL_SOURCES: Registry[ExternalSource] = Registry("model source", instances=True)
@@ -108,9 +110,11 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def timm_transform(model: nn.Module) -> tuple[Callable, str]:
-    """Evaluation preprocessing from the model's timm data config (resolve_data_config + create_transform)."""
+def timm_transform(model: nn.Module, input_size: int | list[int] | None = None) -> tuple[Callable, str]:
+    """Evaluation preprocessing from the model's timm data config (resolve_data_config + create_transform);
+    ``input_size`` (N or [H, W]) replaces its size (a model timm has no config for gets timm's defaults: 224)."""
     from timm.data import create_transform, resolve_data_config
 
-    cfg = resolve_data_config({}, model=model)
+    size = None if input_size is None else [input_size] * 2 if isinstance(input_size, int) else list(input_size)
+    cfg = resolve_data_config({} if size is None else {"input_size": (3, *size)}, model=model)
     return create_transform(**cfg, is_training=False), "timm:" + json.dumps(cfg, sort_keys=True, default=list)

@@ -128,7 +128,9 @@ class TorchvisionSource(ExternalSource):
         if ref.builder not in list_models():
             raise ModelSourceError(f"model {ref.name!r}: {ref.builder!r} is not a torchvision model builder "
                                    f"(e.g. vit_b_16, vit_l_16, resnet18)")
-        _tv_weights(ref)
+        if _tv_weights(ref) is not None and ref.input_size is not None:
+            raise ModelSourceError(f"model {ref.name!r}: input_size is set by the weights {ref.weights}' own "
+                                   "preprocessing; input_size is for a builder without weights (or a checkpoint)")
         if ref.pretrained and not ref.weights:
             raise ModelSourceError(f"model {ref.name!r}: torchvision pretrained weights need `weights`, "
                                    f"e.g. ViT_B_16_Weights.IMAGENET1K_V1")
@@ -159,8 +161,8 @@ class TorchvisionSource(ExternalSource):
 
     def transform(self, ref: ModelRef, model: nn.Module) -> tuple[Callable, str]:
         w = _tv_weights(ref)
-        if w is None:
-            return timm_transform(model)
+        if w is None:  # no weights enum to say it: timm's eval transform (at input_size, else timm's 224 px)
+            return timm_transform(model, ref.input_size)
         return w.transforms(), f"torchvision:{ref.weights}"
 
 
@@ -178,7 +180,7 @@ class CheckpointSource(ExternalSource):
                                    f"torchvision:<builder>)")
         src, _, arch = ref.arch.rpartition(":")
         inner = ModelRef(ref.name, src or "timm", arch, False, None, None, ref.num_classes, ref.offline, ref.init_seed,
-                         ref.model_args)
+                         ref.model_args, input_size=ref.input_size)
         return MODEL_SOURCES.get(inner.source), inner
 
     def check(self, ref: ModelRef) -> None:
@@ -251,6 +253,8 @@ def parse_ref(item: Any, offline: bool = False) -> ModelRef:
     if nc is not None and (not isinstance(nc, int) or isinstance(nc, bool) or nc < 1):
         raise ModelSourceError(f"must be a positive integer, got {nc!r}", field="num_classes")
     d["sha256"] = check_sha256(d.get("sha256"), "sha256")
+    if d.get("input_size") is not None:
+        d["input_size"] = check_input_size(d["input_size"])
     if d["sha256"] and not d.get("path"):
         raise ModelSourceError("pins the file given by `path`; give `path` too", field="sha256")
     d["offline"] = bool(d.get("offline", False) or offline)
@@ -268,6 +272,16 @@ def parse_ref(item: Any, offline: bool = False) -> ModelRef:
     else:
         MODEL_SOURCES.get(ref.source).check(ref)
     return ref
+
+
+def check_input_size(v: Any) -> int | list[int]:
+    """A model entry's ``input_size``: N or [H, W], each in [8, 4096] pixels."""
+    sizes = [v] if not isinstance(v, (list, tuple)) else list(v)
+    ok = len(sizes) in ((1,) if not isinstance(v, (list, tuple)) else (2,))
+    if not ok or not all(isinstance(x, int) and not isinstance(x, bool) and 8 <= x <= 4096 for x in sizes):
+        raise ModelSourceError(f"must be N or [H, W] pixels, each an integer in [8, 4096], got {v!r}",
+                               field="input_size")
+    return v if isinstance(v, int) else sizes
 
 
 def build_untrained(ref: ModelRef, device: str = "cpu") -> nn.Module:
@@ -321,8 +335,8 @@ def forward_problem(name: str, model: nn.Module, x: torch.Tensor) -> str:
     except Exception as e:  # noqa: BLE001 - whatever the architecture raises on an input it does not take
         why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         return (f"model {name!r}: a forward pass on one preprocessed image {list(x.shape[1:])} fails ({why}); the "
-                "preprocessing size must be one the model takes (for timm, model_args img_size and "
-                "pretrained_cfg_overlay input_size)")
+                "preprocessing size must be one the model takes (the model entry's input_size; for timm also "
+                "model_args img_size)")
     return ""
 
 

@@ -49,5 +49,5 @@ def test_an_input_size_the_model_does_not_take_is_one_line():
     assert forward_problem("v", vit, torch.zeros(1, 3, 32, 32)) == ""
     assert forward_problem("v", vit, torch.zeros(1, 3, 48, 48)) == (
         "model 'v': a forward pass on one preprocessed image [3, 48, 48] fails (Input height (48) doesn't match model "
-        "(32).); the preprocessing size must be one the model takes (for timm, model_args img_size and "
-        "pretrained_cfg_overlay input_size)")
+        "(32).); the preprocessing size must be one the model takes (the model entry's input_size; for timm also "
+        "model_args img_size)")

@@ -238,6 +238,27 @@ def test_external_model_loads_with_its_dataset(tmp_path, sources):
     assert lm.dataset["evaluation"].images[:2].shape == (2, 3, 32, 32)
 
 
+def test_input_size_sets_the_preprocessing_of_a_torchvision_checkpoint(tmp_path, sources):
+    """A torchvision builder has no data config: its checkpoint was preprocessed at timm's 224 px whatever it was
+    trained at (a digits ResNet trained at 64 px scored 32.8 %, 98.4 % at its own size). The entry's input_size
+    sets the size; the weights' digest (every content key) does not change, the data's digest does."""
+    from safetensors.torch import save_file
+    from torchvision.models import resnet18
+
+    path = tmp_path / "r18.safetensors"
+    save_file({k: v.contiguous() for k, v in resnet18(num_classes=N_CLASSES).state_dict().items()}, str(path))
+    entry = {"name": "r", "source": "checkpoint", "arch": "torchvision:resnet18", "path": str(path),
+             "num_classes": N_CLASSES}
+    ds = {"name": "imagefolder", "root": str(sources["folder"]), "sizes": SIZES}
+    at_24 = load_external(parse_ref({**entry, "input_size": 24}).to_dict(), ds)
+    at_20x28 = load_external(parse_ref({**entry, "input_size": [20, 28]}).to_dict(), ds)
+    default = load_external(parse_ref(entry).to_dict(), ds)
+    assert at_24.dataset["evaluation"].images[:2].shape == (2, 3, 24, 24)
+    assert at_20x28.dataset["evaluation"].images[:1].shape == (1, 3, 20, 28)
+    assert default.dataset["evaluation"].images[:1].shape == (1, 3, 224, 224)
+    assert at_24.digest == default.digest == file_digest(path) and at_24.dataset.digest != default.dataset.digest
+
+
 def test_the_driver_builds_an_external_model_once_and_gets_copies(tmp_path, sources, monkeypatch):
     """``load_model_shared`` (the driver's stages load one model several times): a random-init timm model is built
     once per process and arguments, every call gets its own deep copy with the first build's weights bit for bit,
@@ -291,6 +312,12 @@ def test_the_driver_builds_an_external_model_once_and_gets_copies(tmp_path, sour
     ({"name": "resnet18", "num_classes": 0}, "num_classes: must be a positive integer"),
     ({"name": "vit_digits", "weights": "x"}, "weights: not a setting of reference models"),
     ({"name": "v", "source": "torchvision", "arch": "vit_b_16", "pretrained": True}, "need `weights`"),
+    ({"name": "r", "source": "torchvision", "arch": "resnet18", "input_size": 0}, "input_size: must be N or [H, W]"),
+    ({"name": "r", "source": "torchvision", "arch": "resnet18", "input_size": [64]}, "input_size: must be N or [H, W]"),
+    ({"name": "r", "source": "torchvision", "arch": "resnet18", "input_size": True}, "input_size: must be N or [H, W]"),
+    ({"name": "r", "source": "torchvision", "arch": "resnet18", "weights": "ResNet18_Weights.IMAGENET1K_V1",
+      "input_size": 64}, "input_size is set by the weights ResNet18_Weights.IMAGENET1K_V1' own preprocessing"),
+    ({"name": "vit_digits", "input_size": 64}, "input_size: not a setting of reference models"),
 ])
 def test_bad_model_entries(entry, words):
     with pytest.raises(ModelSourceError) as e:
