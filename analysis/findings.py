@@ -165,7 +165,10 @@ def _warnings(mb: pd.DataFrame, failed: list[str], why: str = "", trials: pd.Dat
                    f"be under-tuned: {cell_list(edge, lambda r: r.search_boundary)}.")
     seeds = mb.groupby(["pruner", "healer", "pattern", "calib_size"], dropna=False)["seed"].nunique()
     if len(seeds) and seeds.max() <= 1:
-        out.append("Single seed: no point has a spread or a confidence interval; differences are not tested.")
+        measured = "noise" in mb.columns and mb["noise"].astype(float).notna().any()  # re-evaluations (reported.py)
+        out.append("Single seed: no point has a spread or a confidence interval; differences are tested against the "
+                   "measured noise only (search + re-healing), not across seeds." if measured else
+                   "Single seed: no point has a spread or a confidence interval; differences are not tested.")
     budget = _budget_warning(mb)
     if budget:
         out.append(budget)

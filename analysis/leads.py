@@ -44,8 +44,8 @@ class Lead:
     ok: bool
 
     def why(self) -> str:
-        """"resolved: noise ±x pp" (or "not resolved: ...")."""
-        within = f"noise ±{100 * self.band:.2f} pp" if not math.isnan(self.band) else "noise not measured"
+        """"resolved: 2 noise units = ±x pp" (or "not resolved: ..."): ``band`` is 2 units already (reported.Z)."""
+        within = f"{Z:g} noise units = ±{100 * self.band:.2f} pp" if not math.isnan(self.band) else "noise not measured"
         return f"{'resolved' if self.ok else 'not resolved'}: {within}"
 
     def interval(self, sign: int = 1) -> str:
@@ -73,7 +73,7 @@ def lead(vn: VN, a: str, b: str) -> Lead:
 
 
 def lead_text(vn: VN, a: str, b: str) -> tuple[bool, str]:
-    """(whether ``a``'s lead over ``b`` is resolved, "+x pp vs b [95 % CI lo, hi], n=N (resolved: noise ±y pp)")."""
+    """(whether ``a``'s lead over ``b`` is resolved, "+x pp vs b [95 % CI lo, hi], n=N (resolved: 2 noise units = ±y pp)")."""
     d = lead(vn, a, b)
     if d.mean is None:
         return False, f"vs {b}: no shared seed"

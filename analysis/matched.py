@@ -16,7 +16,7 @@ __all__ = ["matched_lines"]
 
 def matched_lines(gb: pd.DataFrame) -> list[str]:
     """One line per (sparsity, calibration size) that two or more patterns reach, e.g. "At sparsity 0.5 (calib 64), by pattern:
-    magnitude 0.5 × starfish 99.7 % · nm 2:4 × starfish 97.2 % -2.50 pp (resolved: noise ±1.20 pp)". gb: one row per
+    magnitude 0.5 × starfish 99.7 % · nm 2:4 × starfish 97.2 % -2.50 pp (resolved: 2 noise units = ±1.20 pp)". gb: one row per
     cell of one grid (pattern, sparsity, calib_size, pruner, healer, seed, healed_acc, noise)."""
     if not {"sparsity", "pattern"} <= set(gb.columns):
         return []

@@ -90,6 +90,23 @@ def test_healing_that_lowers_accuracy_beyond_noise_is_warned_about():
     assert healing_lowered(mb.assign(noise=0.0)) == ""  # zero noise: no evaluation-set size logged, nothing claimed
 
 
+def test_the_single_seed_warning_says_whether_leads_were_tested_against_noise():
+    """One seed per point: with re-evaluations (measured noise) the leads are tested against that noise, and the
+    warning said "differences are not tested" beside "9 of 14 best-method leads resolved"."""
+    from analysis.findings import _warnings
+
+    mb = pd.DataFrame(dict(pruner="magnitude", healer=["starfish", "crbn"], pattern="0.5", calib_size=64, seed=0,
+                           lr=1e-3, batch_size=32, search_boundary="", pruned_acc=0.5, healed_acc=[0.9, 0.8],
+                           noise=[0.01, 0.02]))
+    measured = [w for w in _warnings(mb, []) if w.startswith("Single seed")]
+    assert measured == ["Single seed: no point has a spread or a confidence interval; differences are tested "
+                        "against the measured noise only (search + re-healing), not across seeds."]
+    unmeasured = [w for w in _warnings(mb.assign(noise=float("nan")), []) if w.startswith("Single seed")]
+    assert unmeasured == ["Single seed: no point has a spread or a confidence interval; differences are not tested."]
+    two = pd.concat([mb, mb.assign(seed=1)], ignore_index=True)  # each point on two seeds: no such warning
+    assert not [w for w in _warnings(two, []) if w.startswith("Single seed")]
+
+
 def test_best_rows_paired_interval_and_single_seed():
     rows = []
     for healer, accs in (("starfish", (0.80, 0.70, 0.75)), ("mse", (0.78, 0.69, 0.70))):
@@ -117,9 +134,9 @@ def test_a_lead_is_resolved_only_beyond_the_measured_noise():
         return pd.DataFrame([dict(pruner="magnitude", healer=h, pattern="0.9", calib_size=64, seed=0, mask_key="x",
                                   healed_acc=a, noise=n) for h, a, n in (("starfish", 0.9, na), ("mse", 0.8, nb))])
     (r,) = best_rows(rows(0.03, 0.02))
-    assert r["vs_healer"] == "+10.00 pp vs mse (resolved: noise ±7.21 pp)" and r["resolved"]
+    assert r["vs_healer"] == "+10.00 pp vs mse (resolved: 2 noise units = ±7.21 pp)" and r["resolved"]
     (r,) = best_rows(rows(0.04, 0.04))
-    assert r["vs_healer"] == "+10.00 pp vs mse (not resolved: noise ±11.31 pp)" and not r["resolved"]
+    assert r["vs_healer"] == "+10.00 pp vs mse (not resolved: 2 noise units = ±11.31 pp)" and not r["resolved"]
     assert r["tied"] == ["magnitude × mse"]
     assert headline([r]) == "0.9: magnitude × starfish 90.0 % (≈ magnitude × mse: lead not resolved)"
 

@@ -23,7 +23,7 @@ def test_each_pattern_at_one_sparsity_is_told_as_its_best_combo_and_its_gap_to_t
     # corp: 2 hypot(0.5, 1.0) pp = 2.24 pp > 0.50 pp; nm's best is crbn (96 %): 2 hypot(0.5, 0.5) = 1.41 pp < 2.00 pp
     assert matched_lines(gb) == [
         "At sparsity 0.5 (calib 64), by pattern: magnitude 0.5 × starfish 98.0 % · corp 0.5-structured × starfish "
-        "97.5 % -0.50 pp (not resolved: noise ±2.24 pp) · nm 2:4 × crbn 96.0 % -2.00 pp (resolved: noise ±1.41 pp)."]
+        "97.5 % -0.50 pp (not resolved: 2 noise units = ±2.24 pp) · nm 2:4 × crbn 96.0 % -2.00 pp (resolved: 2 noise units = ±1.41 pp)."]
     assert matched_lines(gb[gb["pattern"] != "2:4"].assign(sparsity=lambda d: d["pattern"].map(
         {"0.5": 0.5, "0.9": 0.9, "0.5-structured": 0.75}))) == []  # no two patterns share a sparsity
     assert matched_lines(gb.drop(columns="sparsity")) == []  # an old sweep without the sparsity column
@@ -35,7 +35,7 @@ def test_two_seeds_pair_their_gap_on_the_seed():
     (line,) = matched_lines(gb)
     # 3 pp on both seeds: the paired interval has no spread; a mean's noise sqrt(2 * 0.1²)/2 pp, the band 2 hypot of both
     assert line.startswith("At sparsity 0.5 (calib 64), by pattern: magnitude 0.5 × starfish 97.0 % · nm 2:4 × "
-                           "starfish 94.0 % -3.00 pp [95 % CI -3.00, -3.00], n=2 (resolved: noise ±0.20 pp)."), line
+                           "starfish 94.0 % -3.00 pp [95 % CI -3.00, -3.00], n=2 (resolved: 2 noise units = ±0.20 pp)."), line
 
 
 def test_one_pruner_twice_at_a_pattern_is_its_best_cell_and_a_gap_against_the_shared_seeds_is_not_resolved():
@@ -44,16 +44,16 @@ def test_one_pruner_twice_at_a_pattern_is_its_best_cell_and_a_gap_against_the_sh
     gb = pd.DataFrame([_cell("erk", "0.5", 0.5, "starfish", 0.90, 0.005), _cell("erk", "0.5", 0.5, "starfish", 0.97, 0.005),
                        _cell("nm", "2:4", 0.5, "starfish", 0.95, 0.005)])
     assert matched_lines(gb) == ["At sparsity 0.5 (calib 64), by pattern: erk 0.5 × starfish 97.0 % · nm 2:4 × starfish "
-                                 "95.0 % -2.00 pp (resolved: noise ±1.41 pp)."]
+                                 "95.0 % -2.00 pp (resolved: 2 noise units = ±1.41 pp)."]
     # magnitude: 99 % (seed 0), 80 % (seed 1); nm: seed 1 only, 85 %. Means 89.5 vs 85.0, but on seed 1 nm leads
     gb = pd.DataFrame([_cell("magnitude", "0.5", 0.5, "starfish", a, 0.005, seed=s) for s, a in ((0, 0.99), (1, 0.80))]
                       + [_cell("nm", "2:4", 0.5, "starfish", 0.85, 0.005, seed=1)])
     assert matched_lines(gb) == ["At sparsity 0.5 (calib 64), by pattern: magnitude 0.5 × starfish 89.5 % · nm 2:4 × "
-                                 "starfish 85.0 % +5.00 pp (not resolved: noise ±1.22 pp)."]
+                                 "starfish 85.0 % +5.00 pp (not resolved: 2 noise units = ±1.22 pp)."]
 
 
 def test_a_gap_of_zero_is_told_without_a_minus():
     gb = pd.DataFrame([_cell("magnitude", "0.5", 0.5, "starfish", 0.98, 0.005),
                        _cell("nm", "2:4", 0.5, "starfish", 0.98, 0.005)])
     assert matched_lines(gb) == ["At sparsity 0.5 (calib 64), by pattern: magnitude 0.5 × starfish 98.0 % · nm 2:4 × "
-                                 "starfish 98.0 % +0.00 pp (not resolved: noise ±1.41 pp)."]
+                                 "starfish 98.0 % +0.00 pp (not resolved: 2 noise units = ±1.41 pp)."]
