@@ -281,14 +281,21 @@ def stop_summary_of(gb: pd.DataFrame) -> str:
 
 
 def identical_mask_lines(gb: pd.DataFrame) -> list[tuple[bool, str]]:
-    """(agree, line) per group of cells whose pruners produced the same mask: the same question asked twice
-    must get the same answer within noise (analysis/reported.identical_masks)."""
+    """(agree, line): one line per group of cells whose pruners produced the same mask and whose quoted numbers
+    disagree beyond noise (the same question asked twice, answered differently: analysis/reported.identical_masks),
+    and one line summing up the groups that agree."""
+    groups = identical_masks(gb)
     out = []
-    for g in identical_masks(gb):
+    for g in (g for g in groups if not g["agree"]):
         vals = " vs ".join(f"{c['pruner']} {100 * c['healed_acc']:.1f} %" for c in g["cells"])
-        verdict = "agree within noise" if g["agree"] else "DISAGREE beyond noise"
-        out.append((g["agree"], f"Identical masks ({g['healer']}, {g['cells'][0]['pattern']}, calib {g['calib_size']}, "
-                                f"seed {g['seed']}): {vals}: {verdict} (gap {100 * g['gap']:.2f} pp)."))
+        out.append((False, f"Identical masks ({g['healer']}, {g['cells'][0]['pattern']}, calib {g['calib_size']}, "
+                           f"seed {g['seed']}): {vals}: DISAGREE beyond noise (gap {100 * g['gap']:.2f} pp)."))
+    if agree := [g for g in groups if g["agree"]]:
+        pruners = sorted({" = ".join(sorted(c["pruner"] for c in g["cells"])) for g in agree})
+        at = sorted({g["cells"][0]["pattern"] for g in agree})
+        out.append((True, f"Identical masks: in {len(agree)} cell group(s) two pruners produced the same mask "
+                          f"({', '.join(pruners)} at {', '.join(at)}); their quoted numbers agree within noise "
+                          f"(largest gap {100 * max(g['gap'] for g in agree):.2f} pp)."))
     return out
 
 

@@ -263,13 +263,18 @@ def resolved(a: float, noise_a: float, b: float, noise_b: float, z: float = Z) -
 
 def identical_masks(best: pd.DataFrame) -> list[dict]:
     """Cells of one grid, model, calibration size, healer and seed whose pruners produced the same mask (same
-    ``mask_key``): the same question asked twice, so their quoted numbers must agree within noise.
+    ``mask_digest``, the mask's content; ``mask_key`` names the pruner's settings, so two pruners never share one:
+    grouped by it, the check never fired; sweeps without the digest param: ``mask_key``): the same question asked
+    twice, so their quoted numbers must agree within noise.
     -> one record per group: the cells (pruner, quoted accuracy, noise), the largest gap and whether it is
     within noise (``agree``)."""
-    if "mask_key" not in best.columns:
+    if "mask_key" not in best.columns and "mask_digest" not in best.columns:
         return []
-    keys = ["grid", "model", "calib_size", "healer", "seed", "mask_key"]
-    df = best.assign(grid=grid_names(best)).dropna(subset=["mask_key"])
+    keys = ["grid", "model", "calib_size", "healer", "seed", "same_mask"]
+    same = best["mask_digest"] if "mask_digest" in best.columns else pd.Series(None, index=best.index, dtype=object)
+    if "mask_key" in best.columns:
+        same = same.where(same.notna(), best["mask_key"])
+    df = best.assign(grid=grid_names(best), same_mask=same).dropna(subset=["same_mask"])
     out = []
     for key, g in df.groupby(keys, dropna=False, sort=True):
         if g["pruner"].nunique() < 2:

@@ -328,3 +328,21 @@ def test_uniform_grid_step_is_one_number_despite_float_differences():
     pts = [dict(sparsity=x, label="transition", n_seeds=3, healed_std=0.01) for x in (0.85, 0.9, 0.95)]
     (r,) = ranges([{"pruner": "magnitude", "healer": "mse", "calib_size": 128, "points": pts}], None)
     assert r.resolution == "grid step 5 pp"  # 0.9-0.85 and 0.95-0.9 differ in the 17th digit
+
+
+def test_identical_mask_groups_that_agree_are_one_note_and_each_disagreement_a_warning():
+    """The default sweep's uniform and magnitude masks are one mask at 0.9 and 0.95 (8 groups): one note sums
+    them up; a group whose numbers differ beyond noise is a warning of its own."""
+    from analysis.findings import identical_mask_lines
+
+    rows = [dict(grid="main", model="m", calib_size=c, healer="starfish", seed=0, mask_key=f"k-{p}",
+                 mask_digest=f"d{pat}{c}", pruner=p, pattern=pat, healed_acc=a, noise=0.01)
+            for pat, c, a in (("0.9", 64, 0.95), ("0.95", 64, 0.80), ("0.95", 256, 0.84))
+            for p in ("uniform", "magnitude")]
+    rows[-1]["healed_acc"] = 0.50  # magnitude 0.95 calib 256: 34 pp from uniform's, noise 1 pp
+    lines = identical_mask_lines(pd.DataFrame(rows))
+    assert lines == [
+        (False, "Identical masks (starfish, 0.95, calib 256, seed 0): uniform 84.0 % vs magnitude 50.0 %: DISAGREE "
+                "beyond noise (gap 34.00 pp)."),
+        (True, "Identical masks: in 2 cell group(s) two pruners produced the same mask (magnitude = uniform at 0.9, "
+               "0.95); their quoted numbers agree within noise (largest gap 0.00 pp).")]

@@ -160,6 +160,13 @@ def test_identical_masks_must_agree_within_noise():
     rows[1]["healed_acc"] = 0.965
     (g,) = identical_masks(pd.DataFrame(rows))
     assert g["agree"]
+    # the mask's content decides: two pruners' keys always differ (the default sweep's uniform and magnitude masks
+    # at 0.9 had one digest and two keys, and the check never fired); a digest seen once is no group
+    digests = pd.DataFrame([dict(r, mask_key=f"key-{r['pruner']}", mask_digest=d)
+                            for r, d in zip(rows, ("91559190b432932e", "91559190b432932e", "71287704d1d67e3e"))])
+    (g,) = identical_masks(digests)
+    assert {c["pruner"] for c in g["cells"]} == {"uniform", "magnitude"} and g["same_mask"] == "91559190b432932e"
+    assert identical_masks(digests.assign(mask_digest=["a", "b", "c"])) == []
 
 
 def test_the_quoted_row_is_the_configuration_the_design_reevaluated_not_always_the_best_draw():
