@@ -1,6 +1,7 @@
 """healsweep refine DIR: run a fine sparsity grid inside the transition band of a finished sweep."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from orchestrator.commands.common import CliError, interrupted_exit, report_lines
@@ -12,7 +13,7 @@ from orchestrator.lifecycle.refine import (
 )
 from orchestrator.lifecycle.widen import run_widening
 from orchestrator.raytune.cluster import ClusterError
-from orchestrator.rundir import faults
+from orchestrator.rundir import faults, interrupt
 from orchestrator.rundir.files import ResumeError, holder_words, lock_holder, locked_error
 from orchestrator.spec.checks import MAX_WIDEN_ROUNDS
 
@@ -81,6 +82,9 @@ def _print_plan(plan: dict) -> None:
     plan came out after the round's own lines)."""
     lo, hi = plan["interval"]
     n, t, per = len(plan["sparsities"]), plan["trials"], plan["seconds_per_trial"]
+    if plan.get("continues"):  # orchestrator/lifecycle/refine.py plan_refinement
+        print(f"refine round {plan['round']} was interrupted: it goes on (step {plan['step']:g}; finished trials "
+              "are not run again)")
     print(f"transition band {lo:g}–{hi:g}: {n} new sparsit{'y' if n == 1 else 'ies'} ({_listing(plan['sparsities'])})")
     est = f"about {duration(t * per)} ({per:.1f} s per trial: {plan['estimate']})" if per else plan["estimate"]
     print(f"{t} new trial{'' if t == 1 else 's'}, {est}", flush=True)
@@ -114,7 +118,11 @@ def main(args) -> int:
     print(f"refine round {plan['round']}: {plan['trials_finished']} trials finished, {plan['trials_failed']} failed "
           f"(the sweep: {res.trials_finished} and {res.trials_failed}), dense forward images {res.dense_forward_images}")
     print(report_lines(plan["report"]))
-    return interrupted_exit(res) or (0 if res.trials_failed == 0 else 1)
+    if res.interrupted is not None:  # the round's own counts (the sweep's finished over the round's plan read "22 of 4")
+        print(f"interrupted: {plan['trials_finished']} of refine round {plan['round']}'s {plan['trials']} trials "
+              f"finished; continue it with healsweep refine {args.dir}", file=sys.stderr)
+        return interrupt.exit_code(res.interrupted)
+    return 0 if res.trials_failed == 0 else 1
 
 
 def _widen(args) -> int:

@@ -64,6 +64,15 @@ def plan_refinement(run_dir: Path, step: float) -> dict:
     from analysis.runs import best_per_cell
 
     meta, uri, info, trials = read_run(run_dir)
+    if info["run_id"] is None:
+        raise RefineError(f"{run_dir}: parent run of sweep {meta['sweep_id']} not found in MLflow")
+    heal = trials.loc[trials["status"] == "FINISHED", "heal_seconds"].dropna() if "heal_seconds" in trials else ()
+    common = {"meta": meta, "parent_run_id": info["run_id"], "tracking_uri": uri,
+              "heal_seconds": [float(x) for x in heal]}
+    last = (meta.get("refinements") or [{}])[-1]
+    if last.get("interrupted"):  # its sparsities count as run once some trial finished: the round goes on instead
+        return {**common, "interval": tuple(last["interval"]), "sparsities": list(last["sparsities"]),
+                "round": last["round"], "step": last["step"], "continues": True}
     best = best_per_cell(trials, info["objective"])  # winners picked by the sweep's search objective
     if "grid" in best:  # extra grids (e.g. a healer comparison) do not shape the main grid's refinement
         best = best[best["grid"].isna() | (best["grid"] == "main")]
@@ -79,12 +88,8 @@ def plan_refinement(run_dir: Path, step: float) -> dict:
     if not sparsities:
         raise RefineError(f"{run_dir}: transition band {interval[0]:g}–{interval[1]:g} already has every "
                           f"sparsity at step {step:g}")
-    if info["run_id"] is None:
-        raise RefineError(f"{run_dir}: parent run of sweep {meta['sweep_id']} not found in MLflow")
-    heal = trials.loc[trials["status"] == "FINISHED", "heal_seconds"].dropna() if "heal_seconds" in trials else ()
-    return {"meta": meta, "interval": interval, "sparsities": sparsities, "parent_run_id": info["run_id"],
-            "round": len(meta.get("refinements", [])) + 1, "tracking_uri": uri,
-            "heal_seconds": [float(x) for x in heal]}
+    return {**common, "interval": interval, "sparsities": sparsities, "round": len(meta.get("refinements", [])) + 1,
+            "step": step, "continues": False}
 
 
 def count_trials(spec) -> dict[str, int]:
@@ -187,9 +192,15 @@ def run_refinement(run_dir: Path, step: float = 0.005, *, address: str | None = 
                     progress=progress, report=False, num_cpus=num_cpus, refine_round=plan["round"])
     meta = json.loads((Path(run_dir) / "sweep.json").read_text(encoding="utf-8"))  # run_sweep updated it
     counts = {"trials_finished": res.trials_finished - done_before, "trials_failed": res.trials_failed - failed_before}
-    meta.setdefault("refinements", []).append(
-        {"round": plan["round"], "step": step, "interval": list(plan["interval"]), "sparsities": plan["sparsities"],
-         **counts})
+    rounds = meta.setdefault("refinements", [])
+    before = rounds.pop() if plan["continues"] else {}  # an interrupted round's record: this run goes on with it
+    rec = {"round": plan["round"], "step": plan["step"], "interval": list(plan["interval"]),
+           "sparsities": plan["sparsities"],
+           **{k: v + before.get(k, 0) for k, v in counts.items()}}  # the round's, over its runs
+    if res.interrupted is not None:  # `healsweep refine DIR` continues it (plan_refinement), whatever its --step
+        rec["interrupted"] = True
+    rounds.append(rec)
     write_sweep(Path(run_dir), meta)  # whole or not at all
+    counts = {k: rec[k] for k in counts}
     plan.update(result=res, report=write_report(run_dir), **counts)  # counts: this round's
     return plan

@@ -221,6 +221,8 @@ def tune_stage(s: SweepState, progress: bool, report: bool = True) -> None:
         clock.say("[trials] " + ", ".join(f"grid {g}: {upto}{n} trials" for g, n in grids.items())
                   + f" over {len(per_cell)} cells, {t.concurrency} at a time")
         t.planned = searcher.already_done + searcher.total
+        if s.refine_round is not None or s.spec.cells:  # a round over some cells: planned, like finished, counts
+            t.planned = sum(sweep_end.told_counts(s.journal)) + searcher.total  # the sweep's (it read "22 of 4")
         prog = TrialProgress(per_cell, progress, dropped=(lambda: searcher.dropped) if searcher.converging else None)
         name = f"{spec.name}-{s.info['sweep_id']}-s{s.session}"
         tuner = make_tuner(s.spec, s.out_dir, name, searcher, t.max_concurrent, [logger_cb, prog.callback],

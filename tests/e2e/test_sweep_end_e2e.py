@@ -119,3 +119,45 @@ def test_interrupted_sweep_says_so_and_resumes_without_running_a_trial_twice(tmp
     assert parent.data.tags["trials_finished"] == "8"
     assert "Partial sweep" not in (out / "report.md").read_text()
     assert re.search(r"Trials: 8 \(8 finished, 0 failed\)", (out / "report.md").read_text())
+
+
+@pytest.mark.timeout(1500)
+def test_an_interrupted_refine_round_says_its_own_counts_and_refine_continues_it(tmp_path):
+    """Ctrl-C during `healsweep refine`: it printed "22 of 4 trials finished" (the sweep's finished over the round's
+    plan) and told the user to `run --resume`, which resumes the main grid only (0 trials): the stopped trials'
+    runs stayed RUNNING and the next `refine` refused ("already has every sparsity"). Now the line counts the round
+    and `healsweep refine DIR` continues it: every trial once, none left RUNNING, the round recorded whole."""
+    out = tmp_path / "run"
+    first = subprocess.run(_cmd(tmp_path, str(REPO / "configs" / "tiny.yaml"), "--out", str(out)),
+                           capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=800)
+    assert first.returncode == 0, first.stderr[-3000:]
+    refine = [str(HEALSWEEP), "refine", str(out), "--num-cpus", "2", "--quiet"]
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen([*refine, "--step", "0.02"], stdout=subprocess.PIPE, stderr=err, text=True,
+                                env=_env(), cwd=tmp_path, start_new_session=True)
+        deadline = time.monotonic() + 600
+        while _finished(out) < 9:  # a trial of the round finished, others still to come
+            assert proc.poll() is None and time.monotonic() < deadline, "the round ended before it was interrupted"
+            time.sleep(0.3)
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=300)
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert proc.returncode == 130 and "Traceback" not in stderr, (proc.returncode, stderr[-3000:])
+    rec = read_sweep(out)["refinements"][-1]
+    planned = int(stdout.split(" new trial")[0].rsplit("\n", 1)[-1])  # the plan's line: "N new trials, about ..."
+    assert rec["interrupted"] and 1 <= rec["trials_finished"] < planned
+    assert [ln for ln in stderr.splitlines() if ln.startswith("interrupted")] == [
+        f"interrupted: {rec['trials_finished']} of refine round 1's {planned} trials finished; continue it with "
+        f"healsweep refine {out}"]
+    tags = _parent(out).data.tags  # the report's partial line reads them: the sweep's finished over the sweep's plan
+    assert (tags["trials_finished"], tags["trials_planned"]) == (str(_finished(out)), str(8 + planned))
+
+    again = subprocess.run(refine, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=800)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "refine round 1 was interrupted: it goes on (step 0.02" in again.stdout
+    rec = read_sweep(out)["refinements"]
+    assert len(rec) == 1 and "interrupted" not in rec[0] and rec[0]["trials_finished"] == planned
+    runs = _children(out)
+    keys = [r.data.tags["trial_id"] for r in runs]
+    assert len(keys) == len(set(keys)) == 8 + planned and all(r.info.status == "FINISHED" for r in runs)
+    assert _parent(out).data.tags["partial"] == "false" and "Partial sweep" not in (out / "report.md").read_text()
