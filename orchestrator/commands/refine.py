@@ -34,9 +34,9 @@ def add_parser(sub):
     p.add_argument("--num-cpus", type=int, help="CPUs for the local Ray instance (default: all)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the fine grid, its number of trials and a time estimate from this sweep's measured "
-                        "trial times, and stop")
+                        "trial times, and stop (not with --widen)")
     p.add_argument("--max-trials", type=int, metavar="N",
-                   help=f"refuse a refinement of more than N trials (default: {MAX_TRIALS})")
+                   help=f"refuse a refinement of more than N trials (default: {MAX_TRIALS}; not with --widen)")
     p.add_argument("--widen", action="store_true",
                    help="instead of a fine sparsity grid: search past the search-space boundary for the cells whose "
                         "winner sits on it (orchestrator/lifecycle/widen.py; what search.widen does after a run)")

@@ -215,8 +215,9 @@ def _precheck(args) -> None:
             raise CliError(f"{flag}: {why}")
     try:
         override = parse_override(args.resources) if args.resources else {}
-        if args.cpu_only and {"gpus_per_trial", "gpus_per_dense_task"} & set(override):
-            raise CliError("--cpu-only runs every task on the CPU: give it or --resources gpu=/dense_gpu=, not both")
+        if args.cpu_only and any(override.get(k) for k in ("gpus_per_trial", "gpus_per_dense_task")):  # gpu=0 agrees
+            raise CliError("--cpu-only runs every task on the CPU: give it or --resources gpu=/dense_gpu= above 0, "
+                           "not both")
         if args.resume:
             if args.spec or args.out or args.dry_run:
                 raise CliError("--resume DIR takes no SPEC, --out or --dry-run: the sweep's spec and paths are in DIR")

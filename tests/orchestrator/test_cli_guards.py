@@ -61,9 +61,15 @@ def test_resume_refuses_a_store_or_cache_other_than_the_sweeps(tmp_path):
     assert "this sweep's" not in r.stderr, r.stderr  # past the check (this record has no database: refused later)
 
 
-def test_cpu_only_with_a_gpu_override_is_refused():
+def test_cpu_only_with_a_gpu_override_is_refused(tmp_path):
     assert_one_line_exit_2(cli("run", REPO / "configs" / "tiny.yaml", "--cpu-only", "--resources", "cpu=1,gpu=0.5"),
-                           "--cpu-only runs every task on the CPU: give it or --resources gpu=/dense_gpu=, not both")
+                           "--cpu-only runs every task on the CPU: give it or --resources gpu=/dense_gpu= above 0")
+    # gpu=0 says the same as --cpu-only (usage.md gives them side by side): past that check, refused further on
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "optuna.journal").write_text("")
+    r = cli("run", REPO / "configs" / "tiny.yaml", "--cpu-only", "--resources", "cpu=1,gpu=0,dense_gpu=0", "--out",
+            tmp_path / "run")
+    assert r.returncode == 2 and "--cpu-only" not in r.stderr and "already" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("days", ["nan", "inf"])
