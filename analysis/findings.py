@@ -20,7 +20,7 @@ from .bands import BandSettings, chance_limit
 from .leads import ranked, tied_with, values, winner
 from .matched import matched_lines
 from .noise_line import noise_line
-from .reported import Z, identical_masks
+from .reported import Z, closed_form, identical_masks
 from .runs import cell_list, grid_names, pattern_sort_key
 from .search_reach import lone_warning
 
@@ -96,8 +96,8 @@ class Findings:
 
 
 def flag_of(warning: str) -> str:
-    """'23 of 68 winning trials sit on the search boundary, so …: cells' -> '23 of 68 winning trials sit on the
-    search boundary'; other warnings: their first sentence (up to ':' or '.', outside parentheses)."""
+    """'23 of 34 searched cells' winners sit on the search boundary, so …: cells' -> '23 of 34 searched cells'
+    winners sit on the search boundary'; other warnings: their first sentence (up to ':' or '.', outside parentheses)."""
     depth = 0
     for i, ch in enumerate(warning):
         depth += (ch == "(") - (ch == ")")
@@ -161,7 +161,8 @@ def _warnings(mb: pd.DataFrame, failed: list[str], why: str = "", trials: pd.Dat
     at_budget = edge["search_boundary"].astype(str).str.fullmatch(r"\d+ of \d+ (steps|epochs)")
     edge = edge[~at_budget]  # on the length cap only: the declared budget (the first screen's budget line), not under-tuned
     if len(edge):
-        out.append(f"{len(edge)} of {len(mb)} winning trials sit on the search boundary, so those accuracies may "
+        searched = int((~closed_form(mb)).sum())  # a closed-form cell (CR+BN, none) searches nothing: no boundary
+        out.append(f"{len(edge)} of {searched} searched cells' winners sit on the search boundary, so those accuracies may "
                    f"be under-tuned: {cell_list(edge, lambda r: r.search_boundary)}.")
     seeds = mb.groupby(["pruner", "healer", "pattern", "calib_size"], dropna=False)["seed"].nunique()
     if len(seeds) and seeds.max() <= 1:
@@ -179,9 +180,20 @@ def _warnings(mb: pd.DataFrame, failed: list[str], why: str = "", trials: pd.Dat
     if lone:
         out.append(lone)
     if failed:
-        out.append(f"Cells without a finished trial ({len(failed)}): {', '.join(failed[:6])}"
-                   + (" …" if len(failed) > 6 else "") + "." + why)
+        out.append(f"Cells without a finished trial ({len(failed)}): {_failed_names(failed, trials)}; their "
+                   "sparsities are missing from the ranges above." + why)
     return out
+
+
+def _failed_names(failed: list[str], trials: pd.DataFrame | None) -> str:
+    """'magnitude/starfish 0.95 n=64 seed 0 (cell a53415a4fef8), …' from the cells' trials (the id alone without)."""
+    cols = {"cell_id", "pruner", "healer", "pattern", "calib_size", "seed"}
+    if trials is None or not cols <= set(trials.columns):
+        return ", ".join(failed[:6]) + (" …" if len(failed) > 6 else "")
+    rows = trials[trials["cell_id"].isin(failed)].drop_duplicates("cell_id")
+    known = cell_list(rows, lambda r: f"cell {r.cell_id}")
+    unnamed = [c for c in failed if c not in set(rows["cell_id"])]
+    return ", ".join(x for x in (known, ", ".join(unnamed)) if x)
 
 
 def dense_at_chance(mb: pd.DataFrame) -> str:

@@ -47,5 +47,16 @@ def agreement_line(a: dict | None) -> str:
            f"Spearman ρ(−heldout_align, selection_acc) median {a['rho_median']:.2f} (min {a['rho_min']:.2f}) over "
            f"{a['cells']} cells")
     return (f"Label-free selection (heldout_align, calibration images no trial trained on): {rho}; picking each "
-            f"cell's trial by it instead of selection accuracy loses {a['lost_mean']:+.2f} pp evaluation accuracy on "
-            f"average (worst {a['lost_max']:+.2f} pp) over {a['n_picked']} cells.")
+            f"cell's trial by it instead of selection accuracy {_change(a['lost_mean'])} evaluation accuracy on "
+            f"average ({_worst(a['lost_max'])}) over {a['n_picked']} cells.")
+
+
+def _worst(lost: float) -> str:
+    return f"worst cell: loses {lost:.2f} pp" if round(lost, 2) > 0 else "no cell loses"
+
+
+def _change(lost: float) -> str:
+    """'loses 0.17 pp' / 'gains 0.02 pp' / 'changes nothing' (``lost``: pp lost, negative when gained)."""
+    if round(lost, 2) == 0:
+        return "changes nothing"
+    return f"{'loses' if lost > 0 else 'gains'} {abs(lost):.2f} pp"

@@ -366,7 +366,7 @@ def _write_pages(out: Path, name: str, md: list[str], ht: list[str], bands_json:
 def _transition_sections(best, models, info, out, tracking_uri, settings):
     from .bands import BandSettings
     from .cts import CTSSettings
-    from .rr import load_diagnostics, load_lamp
+    from .rr import load_diagnostics, load_lamp, logged_diagnostics
     from .transition_report import build_sections
 
     cts_kw = dict(settings.get("cts", {}))
@@ -375,7 +375,8 @@ def _transition_sections(best, models, info, out, tracking_uri, settings):
     return build_sections(best, [m for m in models if m != UNKNOWN_MODEL],
                           load_diagnostics(tracking_uri, info["run_id"]), out, tracking_uri,
                           lambda eid, rid: run_url(tracking_uri, eid, rid), CTSSettings(**cts_kw),
-                          BandSettings(**settings.get("bands", {})), lamp=load_lamp(tracking_uri, info["run_id"]))
+                          BandSettings(**settings.get("bands", {})), lamp=load_lamp(tracking_uri, info["run_id"]),
+                          logged=logged_diagnostics(tracking_uri, info["run_id"]))
 
 
 def write_report(run_dir: str | Path, driver: str | None = None) -> dict[str, Path]:

@@ -41,8 +41,9 @@ HOW_TO_READ = {
     "alloc": "Per-layer sparsity of the RR allocation minus ERK's at target {t:g}% (diagnostics have no seed "
              "dimension, so no error bars). Positive: RR prunes the layer harder than ERK; negative: RR "
              "protects it. LAMP is not shown: it needs the weights, which the analysis never loads.",
-    "table": "Seed statistics per point: healed accuracy and retention as mean ± sample std over seeds (each "
-             "seed's best trial by the sweep's search objective). Run links open each seed's MLflow run.",
+    "table": "Seed statistics per point: healed accuracy and retention as mean ± sample std over seeds, each seed's "
+             "number the one the report quotes (its cell's winner by the sweep's search objective, re-healed on "
+             "fresh seeds when search.reevaluate > 0: their mean). Run links open each seed's MLflow run.",
 }
 
 
@@ -145,15 +146,20 @@ def _jrr_section(w: _Writer, curves, lamp: dict, targets) -> list[dict]:
         f"<td>{r[c]:.3f}</td>" if c in r else "<td>–</td>" for c in cols) + "</tr>" for r in rows)
     w.ht.append(f"<table><tr><th>target</th>{cells}</tr>{body}</table>")
     if not lamp:
-        w.note("LAMP: no diagnostics/<model>.lamp.json on the parent run (sweeps before LAMP logging).")
+        w.note("LAMP: no diagnostics/<model>.lamp.json on the parent run (a sweep before LAMP logging, or the file "
+               "was deleted).")
     return rows
 
 
-def _cts_for(model: str, diags: dict, cts_st: CTSSettings, w: _Writer, lamp: dict | None = None) -> dict | None:
+def _cts_for(model: str, diags: dict, cts_st: CTSSettings, w: _Writer, lamp: dict | None = None,
+             logged: bool = False) -> dict | None:
     from .rr import allocations, curves_from_frame, model_cts
 
     if model not in diags:
-        w.note("No RR diagnostics were logged for this model (diagnostics/<model>.parquet on the parent run), "
+        w.note(f"RR diagnostics were logged for this model (parent-run tag diagnostics_key.{model}) but "
+               f"diagnostics/{model}.parquet is missing from the parent run's artifacts (deleted, or not copied "
+               "with the run directory), so there is no calibration transition score." if logged else
+               "No RR diagnostics were logged for this model (diagnostics/<model>.parquet on the parent run), "
                "so there is no calibration transition score.")
         return None
     try:
@@ -197,27 +203,32 @@ def _cts_for(model: str, diags: dict, cts_st: CTSSettings, w: _Writer, lamp: dic
 
 def build_sections(best: pd.DataFrame, models: list[str], diags: dict[str, pd.DataFrame], out_dir,
                    tracking_uri: str, url_of, cts_st: CTSSettings = CTSSettings(),
-                   band_st: BandSettings = BandSettings(), lamp: dict | None = None) -> Sections:
+                   band_st: BandSettings = BandSettings(), lamp: dict | None = None,
+                   logged: set[str] = frozenset()) -> Sections:
+    """``logged``: models whose diagnostics the parent run's tags say were logged (analysis/rr.logged_diagnostics)."""
     sec = Sections(bands_json={"settings": json_clean({"cts": cts_st.to_dict(), "bands": band_st.to_dict()}),
                                "models": {}})
     for model in models:
         md, ht = [], []
         w = _Writer(out_dir, model, md, ht)
-        cts = _cts_for(model, diags, cts_st, w, (lamp or {}).get(model))
+        cts = _cts_for(model, diags, cts_st, w, (lamp or {}).get(model), model in logged)
         mb = best[best["model"].astype("object") == model]
         recs = bands(mb, {model: cts} if cts else None, band_st) if not mb.empty else []
-        for pruner in sorted({r["pruner"] for r in recs}):
-            pr = [r for r in recs if r["pruner"] == pruner]
-            w.heading(f"Repairability bands: {pruner}")
-            w.figure(bands_figure(pr, f"{model} / {pruner}: healed accuracy and bands", cts),
-                     f"bands_{_safe(pruner)}", f"{model} {pruner}: bands",
-                     HOW_TO_READ["bands"].format(ret=band_st.retention, z=band_st.z))
-            for line in _agreement_lines(pr):
-                w.note(line)
-        if recs:
-            w.heading("Seed statistics per healer")
+        grids = sorted({r.get("grid") or "main" for r in recs}, key=lambda g: (g != "main", g))
+        for grid in grids:  # grids are never mixed in one figure or table (a healer comparison beside the main grid)
+            gr = [r for r in recs if (r.get("grid") or "main") == grid]
+            named, stem = (f" (grid {grid})", f"{_safe(grid)}_") if grid != "main" else ("", "")
+            for pruner in sorted({r["pruner"] for r in gr}):
+                pr = [r for r in gr if r["pruner"] == pruner]
+                w.heading(f"Repairability bands: {pruner}{named}")
+                w.figure(bands_figure(pr, f"{model} / {pruner}{named}: healed accuracy and bands", cts),
+                         f"bands_{stem}{_safe(pruner)}", f"{model} {pruner}{named}: bands",
+                         HOW_TO_READ["bands"].format(ret=band_st.retention, z=band_st.z))
+                for line in _agreement_lines(pr):
+                    w.note(line)
+            w.heading(f"Seed statistics per healer{named}")
             w.note(HOW_TO_READ["table"])
-            _points_table(w, recs, url_of)
+            _points_table(w, gr, url_of)
         sec.md[model], sec.html[model] = md, ht
         sec.bands_json["models"][model] = json_clean({
             "cts": None if cts is None else {k: v for k, v in cts.items() if k != "settings"},

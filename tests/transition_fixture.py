@@ -36,8 +36,8 @@ def build_store(root, model: str = "resnet_digits", diagnostics: bool = True) ->
     uri = f"sqlite:///{root / 'mlflow.db'}"
     client = MlflowClient(uri)
     exp = client.create_experiment("healsweep", artifact_location=(root / "art").as_uri())
-    parent = client.create_run(exp, tags={"sweep_id": SWEEP, "healsweep.role": "sweep",
-                                          f"diagnostics_key.{model}": "k0"}, run_name="trans").info.run_id
+    tags = {"sweep_id": SWEEP, "healsweep.role": "sweep"} | ({f"diagnostics_key.{model}": "k0"} if diagnostics else {})
+    parent = client.create_run(exp, tags=tags, run_name="trans").info.run_id  # the tag: a sweep that logged them
     diag = root / f"{model}.parquet"
     if diagnostics:
         diagnostics_frame(model).to_parquet(diag)

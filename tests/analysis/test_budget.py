@@ -38,4 +38,4 @@ def test_only_non_budget_edges_are_warned_about():
                        "seed": [0, 0], "lr": [1e-3, 1e-2], "batch_size": [32, 32], "steps": [64, 64],
                        "search_boundary": ["64 of 64 steps", "lr 0.01 at the 0.01 cap; 64 of 64 steps"]})
     (w,) = [x for x in _warnings(mb, []) if "search boundary" in x]
-    assert w.startswith("1 of 2 winning trials sit on the search boundary") and "0.95" in w
+    assert w.startswith("1 of 2 searched cells' winners sit on the search boundary") and "0.95" in w

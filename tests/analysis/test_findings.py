@@ -287,7 +287,10 @@ def test_heldout_agreement_spearman_and_accuracy_lost():
     a = agreement(pd.DataFrame(rows))
     assert a["cells"] == 2 and a["rho_median"] == pytest.approx(0.0) and a["rho_min"] == pytest.approx(-1.0)
     assert a["lost_mean"] == pytest.approx(12.5) and a["lost_max"] == pytest.approx(25.0)
-    assert "loses +12.50 pp evaluation accuracy on average (worst +25.00 pp) over 2 cells" in agreement_line(a)
+    assert "loses 12.50 pp evaluation accuracy on average (worst cell: loses 25.00 pp) over 2 cells" in agreement_line(a)
+    # the default sweep's "loses -0.02 pp ... (worst +0.00 pp)": a gain, and no cell worse
+    assert "gains 0.02 pp evaluation accuracy on average (no cell loses)" in agreement_line(
+        {**a, "lost_mean": -0.02, "lost_max": 0.0})
     assert agreement(pd.DataFrame(rows).drop(columns="heldout_align")) is None
     # re-evaluations are no candidates (they repeat the winner on other seeds or draws): a re-evaluation of cell a
     # with the best heldout_align and a poor accuracy changes nothing; neither do a closed-form cell's runs on other
@@ -311,8 +314,9 @@ def test_first_screen_summaries_headline_flags_and_folded_columns():
     assert headline(rows) == ("0.5: magnitude × crbn 97.2 % (calib 64) · "
                               "0.9: global × starfish 93.9 % (calib 256)")
     assert headline(rows[2:3]) == "0.9: magnitude × starfish 61.7 %"  # one calibration size: not named
-    assert flag_of("23 of 68 winning trials sit on the search boundary, so those accuracies may be under-tuned: "
-                   "global/starfish 0.9 n=64 seed 0 (8 of 8 epochs).") == "23 of 68 winning trials sit on the search boundary"
+    assert flag_of("23 of 34 searched cells' winners sit on the search boundary, so those accuracies may be "
+                   "under-tuned: global/starfish 0.9 n=64 seed 0 (lr 0.01 at the 0.01 cap).") == (
+        "23 of 34 searched cells' winners sit on the search boundary")
     assert flag_of("Calibration sizes get different optimisation budgets for the same epochs (64 images: 2 "
                    "steps/epoch (batch 32)): comparing ...") == "Calibration sizes get different optimisation budgets for the same epochs"
     assert flag_of("Single seed: no point has a spread.") == "Single seed"
@@ -328,6 +332,19 @@ def test_uniform_grid_step_is_one_number_despite_float_differences():
     pts = [dict(sparsity=x, label="transition", n_seeds=3, healed_std=0.01) for x in (0.85, 0.9, 0.95)]
     (r,) = ranges([{"pruner": "magnitude", "healer": "mse", "calib_size": 128, "points": pts}], None)
     assert r.resolution == "grid step 5 pp"  # 0.9-0.85 and 0.95-0.9 differ in the 17th digit
+
+
+def test_failed_cells_are_named_by_what_they_are():
+    """'Cells without a finished trial (1): a53415a4fef8.' named a hash only; the row it leaves out said nothing."""
+    from analysis.findings import _warnings
+
+    mb = pd.DataFrame(dict(pruner="magnitude", healer="starfish", pattern=["0.5", "0.9"], calib_size=64, seed=[0, 1],
+                           lr=1e-3, batch_size=32, search_boundary=""))
+    trials = pd.DataFrame(dict(cell_id=["a53415a4fef8", "a53415a4fef8"], pruner="magnitude", healer="starfish",
+                               pattern="0.95", calib_size=64, seed=0))
+    (w,) = [w for w in _warnings(mb, ["a53415a4fef8", "ffff"], "", trials) if w.startswith("Cells without")]
+    assert w == ("Cells without a finished trial (2): magnitude/starfish 0.95 n=64 seed 0 (cell a53415a4fef8), ffff; "
+                 "their sparsities are missing from the ranges above.")
 
 
 def test_identical_mask_groups_that_agree_are_one_note_and_each_disagreement_a_warning():

@@ -92,6 +92,40 @@ def test_report_without_diagnostics(tmp_path):
            "| 95 % | n/a (no CTS) |" in md  # CTS column: n/a, not a band; 95 %: its class is within the seeds' noise
 
 
+def test_diagnostics_logged_but_gone_are_not_called_never_logged(tmp_path):
+    """An artifact deleted (or a run directory copied without it): the report said "No RR diagnostics were logged",
+    false while the parent run's diagnostics_key tag says they were."""
+    sweep = tf.build_store(tmp_path)
+    for f in (tmp_path / "art").rglob(f"{MODEL}.parquet"):
+        f.unlink()
+    run_dir = tmp_path / "run"
+    tf.write_sweep_json(run_dir, sweep["uri"])
+    md = write_report(run_dir)["md"].read_text()
+    assert (f"RR diagnostics were logged for this model (parent-run tag diagnostics_key.{MODEL}) but "
+            f"diagnostics/{MODEL}.parquet is missing from the parent run's artifacts") in md
+    assert "No RR diagnostics were logged" not in md
+
+
+def test_grids_get_their_own_band_figures_and_tables(tmp_path):
+    """A healer comparison grid's cells were drawn in the main grid's figure and table, unlabelled."""
+    from mlflow.entities import Param
+
+    sweep = tf.build_store(tmp_path)
+    client = MlflowClient(sweep["uri"])
+    for cell, rid in sweep["ids"].items():
+        client.log_batch(rid, params=[Param("grid", "healers" if cell.startswith("none-") else "main")])
+    run_dir = tmp_path / "run"
+    tf.write_sweep_json(run_dir, sweep["uri"])
+    md = write_report(run_dir)["md"].read_text()
+    for heading in ("Repairability bands: magnitude", "Repairability bands: magnitude (grid healers)",
+                    "Seed statistics per healer", "Seed statistics per healer (grid healers)"):
+        assert f"\n{heading}\n" in md or f"#### {heading}\n" in md or f"### {heading}\n" in md, heading
+    assert (run_dir / f"fig_{MODEL}_bands_magnitude.png").is_file()
+    assert (run_dir / f"fig_{MODEL}_bands_healers_magnitude.png").is_file()
+    main_table = md.split("Seed statistics per healer\n")[1].split("Seed statistics per healer (grid healers)")[0]
+    assert "| starfish |" in main_table and "| none |" not in main_table
+
+
 def test_json_clean():
     from analysis.transition_report import json_clean
 
