@@ -47,7 +47,13 @@ def _best_grid(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     return ["sparsity", *(f"calib {n}" for n in calibs)], body
 
 
+NO_FINDINGS = ("No trial finished, so there are no findings: the trials below failed or have not run (a partial "
+               "sweep says how to resume it above).")
+
+
 def findings_md(fs: list[Findings], how: str) -> list[str]:
+    if not fs:  # (the how-to line would describe numbers there are none of)
+        return ["## Findings", "", NO_FINDINGS, ""]
     md = ["## Findings", "", how, ""]
     for f in fs:
         md += [f"### {f.model} — grid `{f.grid}`", ""]
@@ -70,6 +76,8 @@ def findings_html(fs: list[Findings], how: str) -> list[str]:
     on every row shown once in its caption), the best-per-sparsity table and the warnings in full."""
     e = _h.escape
     heads = dict(zip(Range.__dataclass_fields__, _RANGE_HEADS))
+    if not fs:
+        return [f'<section id="findings"><h2>Findings</h2><p class="warn">{e(NO_FINDINGS)}</p></section>']
     ht = ['<section id="findings"><h2>Findings</h2><div class="models">']
     for f in fs:
         ht.append(f'<div class="model"><h3>{e(f.model)} <span class="grid">grid {e(f.grid)}</span></h3>')

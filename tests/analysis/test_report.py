@@ -308,6 +308,23 @@ def test_partial_sweep_says_so_on_the_first_screen(tmp_path):
     assert md[2].startswith("Sweep: cut · ") and " · Cells: 1 · Calibration draw: calib_seed 3 · Tracking URI: " in md[2]
 
 
+def test_a_sweep_with_no_finished_trial_says_so_where_the_findings_go(tmp_path):
+    """Every trial failed: the Findings heading was followed by nothing but a how-to line about quoted numbers."""
+    from analysis.findings_render import NO_FINDINGS
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp_id = client.create_experiment("healsweep", artifact_location=(tmp_path / "art").as_uri())
+    parent = client.create_run(exp_id, tags={"sweep_id": SWEEP, "healsweep.role": "sweep"},
+                               run_name="none").info.run_id
+    _trial(client, exp_id, parent, SWEEP, cell="c1", trial="t0", model="resnet18", pattern="0.5", calib=64,
+           status="FAILED", failure="RuntimeError: boom")
+    paths = write_report_from(uri, SWEEP, tmp_path / "run")
+    md = paths["md"].read_text()
+    assert f"## Findings\n\n{NO_FINDINGS}\n" in md and "Ranges are the repairability bands" not in md
+    assert NO_FINDINGS in paths["html"].read_text()
+
+
 def test_common_failure_counts_the_reasons_of_the_cells_asked():
     from analysis.findings import common_failure
 
