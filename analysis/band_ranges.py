@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 def fmt_range(lo: float | None, hi: float | None, below: float | None, above: float | None) -> str:
     """'80–90 %' with the grid gap to the neighbours: '(80±5)–90 %' is not readable, so the resolution is
-    given separately; here a one-sided range reads '≤ 70 %' / '≥ 95 %' at the ends of the tested grid."""
+    given separately; here a one-sided range reads '≤ 70 %' / '≥ 95 %' at the ends of the tested grid; "none in
+    grid": no tested sparsity is in that class ("none tested" read as if no point had been tested)."""
     if lo is None:
-        return "none tested"
+        return "none in grid"
     a, b = f"{100 * lo:g}", f"{100 * hi:g}"
     if below is None and above is None:
         return f"{a}–{b} %" if lo != hi else f"{a} %"
@@ -85,9 +86,9 @@ def monotone(points: list[dict]) -> bool:
 def _listed(points: list[dict], label: str) -> str:
     """'50 %, 90 %': the sparsities of one class, for a row whose classes are not monotone."""
     xs = [f"{100 * p['sparsity']:g} %" for p in points if p["label"] == label]
-    return ", ".join(xs) if xs else "none tested"
+    return ", ".join(xs) if xs else "none in grid"
 
 
 def _collapse(span) -> str:
     lo = span[0]
-    return "none tested" if lo is None else f"from {100 * lo:g} %"
+    return "none in grid" if lo is None else f"from {100 * lo:g} %"

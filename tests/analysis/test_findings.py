@@ -40,7 +40,7 @@ def test_ranges_name_the_edges_and_the_grid_step():
     assert (r.recoverable, r.transition, r.collapse) == ("up to 70 %", "80–90 %", "from 95 %")
     assert r.resolution == "grid step 5–20 pp" and r.seeds == "n=2, max std 1.0 pp" and r.cts == "85–92.5 %"
     (r,) = ranges([_rec(["transition", "transition"], [0.8, 0.9], n=1, std=0.0)], None)
-    assert (r.recoverable, r.collapse, r.seeds, r.cts) == ("none tested", "none tested", "n=1 (no spread)",
+    assert (r.recoverable, r.collapse, r.seeds, r.cts) == ("none in grid", "none in grid", "n=1 (no spread)",
                                                           "n/a (no CTS)")
     assert fmt_range(0.9, 0.95, 0.85, None) == "≥ 90 %"
 
@@ -49,7 +49,7 @@ def test_a_row_whose_classes_step_back_lists_its_sparsities():
     """collapse at 50 %, transition at 70 %, collapse at 90 % (a random-init model's noise): the hulls read
     'collapse from 50 %' beside 'transition 70 %'; such a row lists each class's sparsities and says why."""
     (r,) = ranges([_rec(["collapse", "transition", "collapse"], [0.5, 0.7, 0.9], n=1, std=0.0)], None)
-    assert (r.recoverable, r.transition, r.collapse) == ("none tested", "70 %", "50 %, 90 %")
+    assert (r.recoverable, r.transition, r.collapse) == ("none in grid", "70 %", "50 %, 90 %")
     assert r.resolution == "grid step 20 pp; not monotone in sparsity"
     (r,) = ranges([_rec(["recoverable", "transition", "collapse"], [0.5, 0.7, 0.9])], None)  # monotone: hulls
     assert (r.recoverable, r.transition, r.collapse) == ("50 % (lowest tested)", "70 %", "from 90 %")
@@ -320,9 +320,9 @@ def test_first_screen_summaries_headline_flags_and_folded_columns():
     assert flag_of("Calibration sizes get different optimisation budgets for the same epochs (64 images: 2 "
                    "steps/epoch (batch 32)): comparing ...") == "Calibration sizes get different optimisation budgets for the same epochs"
     assert flag_of("Single seed: no point has a spread.") == "Single seed"
-    r = [Range("erk", "crbn", "64", "90 %", "≥ 95 %", "none tested", "grid step 5 pp", "n=1 (no spread)", "none",
+    r = [Range("erk", "crbn", "64", "90 %", "≥ 95 %", "none in grid", "grid step 5 pp", "n=1 (no spread)", "none",
                "95–97 %"),
-         Range("rr", "crbn", "64", "none tested", "90–95 %", "none tested", "grid step 5 pp", "n=3, max std 1.0 pp",
+         Range("rr", "crbn", "64", "none in grid", "90–95 %", "none in grid", "grid step 5 pp", "n=3, max std 1.0 pp",
                "none", "95–97 %")]
     assert _folded(r) == {"resolution": "grid step 5 pp", "unresolved": "none", "cts": "95–97 %"}  # seeds differ: stays a column
     assert _folded(r[:1]) == {}  # one row: nothing to fold
