@@ -27,7 +27,7 @@ def add_parser(sub):
     ver.set_defaults(func=main_verify)
     tr = cmds.add_parser("train", help="train a reference model into the model cache (a new checkpoint)",
                          description="Train reference model NAME with its recipe on the train split of --data-seed "
-                                     "(about 40 s for vit_digits and 12 s for resnet_digits on 2 quiet cores) and "
+                                     "(about 45 s for vit_digits and 20 s for resnet_digits on 2 quiet cores) and "
                                      "write CACHE/NAME-<sha256[:16]>.safetensors. Prints the file, its sha256, its "
                                      "evaluation accuracy and the spec entry that uses it. The same machine and "
                                      "seeds give the same bytes; another CPU type gives other weights (other "
