@@ -166,7 +166,8 @@ def _warnings(mb: pd.DataFrame, failed: list[str], why: str = "", trials: pd.Dat
                    f"be under-tuned: {cell_list(edge, lambda r: r.search_boundary)}.")
     seeds = mb.groupby(["pruner", "healer", "pattern", "calib_size"], dropna=False)["seed"].nunique()
     if len(seeds) and seeds.max() <= 1:
-        measured = "noise" in mb.columns and mb["noise"].astype(float).notna().any()  # re-evaluations (reported.py)
+        searched = mb[~closed_form(mb)] if len(mb[~closed_form(mb)]) else mb  # a closed-form cell's noise is binomial
+        measured = "noise" in mb.columns and searched["noise"].astype(float).notna().all()  # re-evaluations
         out.append("Single seed: no point has a spread or a confidence interval; differences are tested against the "
                    "measured noise only (search + re-healing), not across seeds." if measured else
                    "Single seed: no point has a spread or a confidence interval; differences are not tested.")
@@ -298,11 +299,12 @@ def identical_mask_lines(gb: pd.DataFrame) -> list[tuple[bool, str]]:
     and one line summing up the groups that agree."""
     groups = identical_masks(gb)
     out = []
-    for g in (g for g in groups if not g["agree"]):
+    for g in (g for g in groups if g["agree"] is not True):
         vals = " vs ".join(f"{c['pruner']} {100 * c['healed_acc']:.1f} %" for c in g["cells"])
+        verdict = "DISAGREE beyond noise" if g["agree"] is False else "differ, noise not measured (search.reevaluate 0)"
         out.append((False, f"Identical masks ({g['healer']}, {g['cells'][0]['pattern']}, calib {g['calib_size']}, "
-                           f"seed {g['seed']}): {vals}: DISAGREE beyond noise (gap {100 * g['gap']:.2f} pp)."))
-    if agree := [g for g in groups if g["agree"]]:
+                           f"seed {g['seed']}): {vals}: {verdict} (gap {100 * g['gap']:.2f} pp)."))
+    if agree := [g for g in groups if g["agree"] is True]:
         pruners = sorted({" = ".join(sorted(c["pruner"] for c in g["cells"])) for g in agree})
         at = sorted({g["cells"][0]["pattern"] for g in agree})
         out.append((True, f"Identical masks: in {len(agree)} cell group(s) two pruners produced the same mask "

@@ -47,8 +47,8 @@ def agreement_line(a: dict | None) -> str:
            f"Spearman ρ(−heldout_align, selection_acc) median {a['rho_median']:.2f} (min {a['rho_min']:.2f}) over "
            f"{a['cells']} cells")
     return (f"Label-free selection (heldout_align, calibration images no trial trained on): {rho}; picking each "
-            f"cell's trial by it instead of selection accuracy {_change(a['lost_mean'])} evaluation accuracy on "
-            f"average ({_worst(a['lost_max'])}) over {a['n_picked']} cells.")
+            f"cell's trial by it instead of selection accuracy {_change(a['lost_mean'])} on average "
+            f"({_worst(a['lost_max'])}) over {a['n_picked']} cells.")
 
 
 def _worst(lost: float) -> str:
@@ -56,7 +56,8 @@ def _worst(lost: float) -> str:
 
 
 def _change(lost: float) -> str:
-    """'loses 0.17 pp' / 'gains 0.02 pp' / 'changes nothing' (``lost``: pp lost, negative when gained)."""
+    """'loses 0.17 pp evaluation accuracy' / 'gains ...' / 'leaves evaluation accuracy unchanged' (``lost``: pp
+    lost, negative when gained)."""
     if round(lost, 2) == 0:
-        return "changes nothing"
-    return f"{'loses' if lost > 0 else 'gains'} {abs(lost):.2f} pp"
+        return "leaves evaluation accuracy unchanged"
+    return f"{'loses' if lost > 0 else 'gains'} {abs(lost):.2f} pp evaluation accuracy"

@@ -267,7 +267,7 @@ def identical_masks(best: pd.DataFrame) -> list[dict]:
     grouped by it, the check never fired; sweeps without the digest param: ``mask_key``): the same question asked
     twice, so their quoted numbers must agree within noise.
     -> one record per group: the cells (pruner, quoted accuracy, noise), the largest gap and whether it is
-    within noise (``agree``)."""
+    within noise (``agree``; None: a gap and no measured noise to judge it by)."""
     if "mask_key" not in best.columns and "mask_digest" not in best.columns:
         return []
     keys = ["grid", "model", "calib_size", "healer", "seed", "same_mask"]
@@ -283,8 +283,9 @@ def identical_masks(best: pd.DataFrame) -> list[dict]:
                  "noise": float(r.noise) if pd.notna(r.noise) else None} for r in g.itertuples(index=False)]
         vals = [r["healed_acc"] for r in rows]
         hi, lo = max(rows, key=lambda r: r["healed_acc"]), min(rows, key=lambda r: r["healed_acc"])
-        agree = not resolved(hi["healed_acc"], hi["noise"] if hi["noise"] is not None else math.nan,
-                             lo["healed_acc"], lo["noise"] if lo["noise"] is not None else math.nan)
+        unknown = hi["noise"] is None or lo["noise"] is None  # no re-evaluation: nothing to judge a gap by
+        agree = True if max(vals) == min(vals) else None if unknown else not resolved(
+            hi["healed_acc"], hi["noise"], lo["healed_acc"], lo["noise"])
         out.append({**dict(zip(keys, (str(k) for k in key))), "cells": rows, "gap": max(vals) - min(vals),
                     "agree": agree})
     return out

@@ -4,6 +4,7 @@ driver stopped without ending it (SIGKILL, the OOM killer, a machine that went d
 RUNNING and no live process holds the run directory)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -12,7 +13,8 @@ def state_note(info: dict, finished: int, out: Path, driver: str | None) -> str:
     trial runs FINISHED in MLflow; ``driver``: None when not looked at (the report the sweep's own driver writes,
     after it marked the parent run), "" when no live process holds the run directory, else what holds it (its lock
     file's text: "<pid>" for a driver, "<pid> doctor" for a repair)."""
-    resume = f"Resume with healsweep run --resume {out}"
+    rnd = interrupted_refine(out)  # a refine round is continued by refine: run --resume resumes the main grid only
+    resume = f"Continue it with healsweep refine {out}" if rnd else f"Resume with healsweep run --resume {out}"
     if info.get("status") == "RUNNING" and driver is not None and not driver.endswith(" doctor"):
         if driver:  # a resume of an interrupted sweep runs it too: its old partial tag no longer says how it stands
             return (f"Sweep in progress: a healsweep driver (pid {driver.split()[0]}) is running it; {finished} "
@@ -25,3 +27,14 @@ def state_note(info: dict, finished: int, out: Path, driver: str | None) -> str:
         return (f"Partial sweep: interrupted by {p['signal']} with {done} trials finished; the findings cover those "
                 f"trials only. {resume}")
     return ""
+
+
+def interrupted_refine(run_dir: Path) -> int | None:
+    """The round of ``run_dir``'s last refinement when sweep.json marks it ``interrupted`` (stopped, or still
+    running: orchestrator/lifecycle/refine.py marks a round before it starts), else None (no sweep.json either)."""
+    try:
+        rounds = json.loads((Path(run_dir) / "sweep.json").read_text(encoding="utf-8")).get("refinements") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    last = rounds[-1] if rounds and isinstance(rounds[-1], dict) else {}
+    return int(last["round"]) if last.get("interrupted") and "round" in last else None

@@ -157,8 +157,9 @@ def _cts_for(model: str, diags: dict, cts_st: CTSSettings, w: _Writer, lamp: dic
 
     if model not in diags:
         w.note(f"RR diagnostics were logged for this model (parent-run tag diagnostics_key.{model}) but "
-               f"diagnostics/{model}.parquet is missing from the parent run's artifacts (deleted, or not copied "
-               "with the run directory), so there is no calibration transition score." if logged else
+               f"diagnostics/{model}.parquet is missing from the parent run's artifacts or could not be read (deleted, "
+               "not copied with the run directory, or an artifact store out of reach), so there is no calibration "
+               "transition score." if logged else
                "No RR diagnostics were logged for this model (diagnostics/<model>.parquet on the parent run), "
                "so there is no calibration transition score.")
         return None

@@ -119,7 +119,7 @@ def main(args) -> int:
           f"(the sweep: {res.trials_finished} and {res.trials_failed}), dense forward images {res.dense_forward_images}")
     print(report_lines(plan["report"]))
     if res.interrupted is not None:  # the round's own counts (the sweep's finished over the round's plan read "22 of 4")
-        print(f"interrupted: {plan['trials_finished']} of refine round {plan['round']}'s {plan['trials']} trials "
+        print(f"interrupted: {plan['trials_finished']} of refine round {plan['round']}'s {plan['round_trials']} trials "
               f"finished; continue it with healsweep refine {args.dir}", file=sys.stderr)
         return interrupt.exit_code(res.interrupted)
     return 0 if res.trials_failed == 0 else 1

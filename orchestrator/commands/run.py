@@ -222,6 +222,10 @@ def _precheck(args) -> None:
             if args.spec or args.out or args.dry_run:
                 raise CliError("--resume DIR takes no SPEC, --out or --dry-run: the sweep's spec and paths are in DIR")
             info = read_sweep(Path(args.resume))
+            last = (info.get("refinements") or [{}])[-1]  # marked before it starts (orchestrator/lifecycle/refine.py)
+            if isinstance(last, dict) and last.get("interrupted"):
+                raise CliError(f"refine round {last.get('round')} of {args.resume} did not finish: continue it with "
+                               f"healsweep refine {args.resume} (run --resume resumes the main grid only)")
             _same_paths(args, info)
             check_server(info["tracking_uri"], f"{Path(args.resume) / 'sweep.json'}: tracking_uri")
             probe_run_dir(Path(args.resume), resume=True)

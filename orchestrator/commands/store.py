@@ -192,8 +192,18 @@ def _unfinished(store, keys: list[str]) -> list[str]:
     """Key directories without a manifest (``store.keys()`` lists complete target sets only)."""
     from tasks.store import KEY_RE
 
+    from tasks.store import StoreError
+
+    def ours(name: str) -> bool:  # (a key directory that is a link out of the root is skipped, as keys() does)
+        try:
+            store.key_dir(name)
+            store.key_bytes(name)
+        except StoreError:
+            return False
+        return True
+
     done = set(keys)
-    return [n for n in sorted(store.fs.listdir()) if KEY_RE.match(n) and n not in done]
+    return [n for n in sorted(store.fs.listdir()) if KEY_RE.match(n) and n not in done and ours(n)]
 
 
 def _verify(store, args, root) -> int:

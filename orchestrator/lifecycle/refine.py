@@ -15,6 +15,7 @@ from typing import Callable
 
 from orchestrator.lifecycle.continuation import RefineError, read_run
 from orchestrator.lifecycle.resume import prepare_resume
+from orchestrator.rundir import faults
 from orchestrator.rundir.files import JOURNAL_FILE, lock_run_dir, write_sweep
 from orchestrator.sweep.end import told_counts
 from tasks.catalog import changes_with_draw
@@ -145,6 +146,18 @@ def refine_spec(spec, sparsities: list[float]):
     return replace(spec, sparsities=tuple(sparsities), pruners=pruners, grids=())  # the main grid only
 
 
+def _record_round(run_dir: Path, plan: dict, counts: dict, interrupted: bool) -> None:
+    """sweep.json ``refinements``: this round's record (replacing its earlier one), ``interrupted`` while it has not
+    ended complete: the next ``healsweep refine DIR`` continues it (plan_refinement)."""
+    meta = json.loads((run_dir / "sweep.json").read_text(encoding="utf-8"))  # run_sweep may have updated it
+    rounds = meta.setdefault("refinements", [])
+    if rounds and rounds[-1].get("round") == plan["round"]:
+        rounds.pop()
+    rounds.append({"round": plan["round"], "step": plan["step"], "interval": list(plan["interval"]),
+                   "sparsities": plan["sparsities"], **counts, **({"interrupted": True} if interrupted else {})})
+    write_sweep(run_dir, meta)  # whole or not at all
+
+
 MAX_TRIALS = 200  # default budget of one refinement round (healsweep refine --max-trials)
 
 
@@ -168,12 +181,38 @@ def run_refinement(run_dir: Path, step: float = 0.005, *, address: str | None = 
         raise RefineError(f"sweep.json spec: {e}") from None
     # every fine sparsity holds the same cells (the main grid, pruners that follow the sparsity list): counted on
     # one, not listed for each (a --step of 1e-6 listed ~400k sparsities' cells for ~75 s before the refusal)
-    plan["trials"] = sum(count_trials(one).values()) * len(plan["sparsities"])
+    plan["round_trials"] = sum(count_trials(one).values()) * len(plan["sparsities"])
+    last = (meta.get("refinements") or [{}])[-1] if plan["continues"] else {}
+    plan["trials"] = max(0, plan["round_trials"] - last.get("trials_finished", 0) - last.get("trials_failed", 0))
     plan["seconds_per_trial"], plan["estimate"] = trial_wall(plan)
     if told is not None:
         told(plan)
     if dry_run:
         return plan
+    if plan["trials"] > max_trials:
+        per = plan["round_trials"] / len(plan["sparsities"])
+        about = f", about {duration(plan['trials'] * plan['seconds_per_trial'])}" if plan["seconds_per_trial"] else ""
+        ns, coarser = len(plan["sparsities"]), "" if plan["continues"] else ", or use a coarser --step"
+        raise RefineError(f"{plan['trials']} new trials ({ns} sparsit{'y' if ns == 1 else 'ies'} x {per:g}{about}"
+                          f"{', what is left of the interrupted round' if plan['continues'] else ''}) exceed "
+                          f"--max-trials {max_trials}; raise it{coarser} (see --dry-run)")
+    from analysis.report import write_report
+    from orchestrator.sweep.run import run_sweep
+
+    spec = refine_spec(coarse, plan["sparsities"])
+    done_before, failed_before = told_counts(Path(run_dir) / JOURNAL_FILE)  # the whole sweep's, so far
+
+    lock_run_dir(Path(run_dir))  # before its files are settled: no doctor --repair or second driver meanwhile
+    prepare_resume(Path(run_dir))  # damaged files: one line; torn last lines dropped; journal agrees with the record
+    ran = {k: last.get(k, 0) for k in ("trials_finished", "trials_failed")}  # the round's runs before this one
+    _record_round(Path(run_dir), plan, ran, interrupted=True)  # until it ends: a fault, SIGKILL or a lost cluster
+    res = run_sweep(spec, Path(run_dir), Path(meta["store"]), Path(meta["cache"]), address=address,  # leave it to
+                    progress=progress, report=False, num_cpus=num_cpus, refine_round=plan["round"])  # continue
+    counts = {"trials_finished": ran["trials_finished"] + res.trials_finished - done_before,
+              "trials_failed": ran["trials_failed"] + res.trials_failed - failed_before}
+    _record_round(Path(run_dir), plan, counts, interrupted=res.interrupted is not None or faults.stopped() is not None)
+    plan.update(result=res, report=write_report(run_dir), **counts)  # counts: this round's, over its runs
+    return plan
     if plan["trials"] > max_trials:
         per = plan["trials"] / len(plan["sparsities"])
         about = f", about {duration(plan['trials'] * plan['seconds_per_trial'])}" if plan["seconds_per_trial"] else ""

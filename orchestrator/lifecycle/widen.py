@@ -5,7 +5,8 @@ as a continuation of the same sweep (docs/methods.md#search).
 "On the boundary" is the report's definition (analysis/findings.py ``edges``; the report tags such winners
 ``search_boundary``). Per grid, the round's box is the box the grid's boundary cells were searched in (a cell
 widened before: its last widened box; several: their union) shifted by ``factor`` past the edges they hit
-(``widened_box``: lr cap -> [lo·f, hi·f], floor -> [lo/f, hi/f], epochs or steps cap -> up to hi·f), so the round
+(``widened_box``: lr cap -> [lo·g, hi·g] with g = min(f, 10 / hi), 10 being the spec's lr bound; floor ->
+[lo/f, hi/f]; epochs or steps cap -> up to hi·f; a grid whose box does not move gets no round), so the round
 explores past the edge instead of resampling the old box. Each cell's Optuna study goes on in the new space
 (same journal and study: TPE still sees the first round's trials). Each widened cell's study is brought to (its
 most trials among the round's cells) + trials_per_cell trials: ``trials_per_cell`` more per cell when every cell

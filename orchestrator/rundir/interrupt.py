@@ -19,7 +19,7 @@ import threading
 from contextlib import contextmanager
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_state: dict = {"signum": None, "raising": False, "previous": {}, "run_dir": None}
+_state: dict = {"signum": None, "raising": False, "previous": {}, "run_dir": None, "continue": None}
 
 
 class SweepInterrupted(KeyboardInterrupt):
@@ -86,17 +86,19 @@ def raising():
         _state["raising"] = False
 
 
-def opened(run_dir) -> None:
+def opened(run_dir, command: str | None = None) -> None:
     """A sweep recorded itself in ``run_dir`` (sweep.json): an interrupt that escapes the sweep's own handling from
-    here on (Ctrl-C while Ray starts for ``refine``, a KeyboardInterrupt raised inside Ray) names its resume."""
-    _state["run_dir"] = run_dir
+    here on (Ctrl-C while Ray starts for ``refine``, a KeyboardInterrupt raised inside Ray) names how to go on:
+    ``command`` (a refine round: ``healsweep refine DIR``), else ``healsweep run --resume DIR``."""
+    _state["run_dir"], _state["continue"] = run_dir, command
 
 
 def escaped_line() -> str:
     """The CLI's line for a KeyboardInterrupt no sweep handled: with the resume command once a sweep was opened."""
     if _state["run_dir"] is None:
         return "healsweep: interrupted"
-    return f"healsweep: interrupted; resume with healsweep run --resume {_state['run_dir']}"
+    how = _state["continue"] or f"healsweep run --resume {_state['run_dir']}"
+    return f"healsweep: interrupted; {'continue' if _state['continue'] else 'resume'} with {how}"
 
 
 def line(finished: int, planned: int | None, failed: int, run_dir) -> str:

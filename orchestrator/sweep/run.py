@@ -65,7 +65,7 @@ def open_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path,
                 "experiment": spec.mlflow.experiment, "store": str(store_dir), "cache": str(cache_dir),
                 "spec": spec.to_dict()}
     write_sweep(out_dir, info)
-    interrupt.opened(out_dir)
+    interrupt.opened(out_dir, f"healsweep refine {out_dir}" if refine_round is not None else None)
     paths = store_paths(spec.store.uri, store_dir, cache_dir)
     paths["out"] = str(out_dir)
     return SweepState(spec, out_dir, store_dir, cache_dir, info, paths, resume, refine_round, clock)
@@ -220,9 +220,8 @@ def tune_stage(s: SweepState, progress: bool, report: bool = True) -> None:
         upto = "up to " if searcher.converging else ""  # search.converge: each cell's count is a cap
         clock.say("[trials] " + ", ".join(f"grid {g}: {upto}{n} trials" for g, n in grids.items())
                   + f" over {len(per_cell)} cells, {t.concurrency} at a time")
-        t.planned = searcher.already_done + searcher.total
-        if s.refine_round is not None or s.spec.cells:  # a round over some cells: planned, like finished, counts
-            t.planned = sum(sweep_end.told_counts(s.journal)) + searcher.total  # the sweep's (it read "22 of 4")
+        # like finished (sweep/end.py), the sweep's: its told trials, every grid and round, and what this run plans
+        t.planned = sum(sweep_end.told_counts(s.journal)) + searcher.total  # (a refine round read "22 of 4")
         prog = TrialProgress(per_cell, progress, dropped=(lambda: searcher.dropped) if searcher.converging else None)
         name = f"{spec.name}-{s.info['sweep_id']}-s{s.session}"
         tuner = make_tuner(s.spec, s.out_dir, name, searcher, t.max_concurrent, [logger_cb, prog.callback],

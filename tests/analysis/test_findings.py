@@ -291,6 +291,8 @@ def test_heldout_agreement_spearman_and_accuracy_lost():
     # the default sweep's "loses -0.02 pp ... (worst +0.00 pp)": a gain, and no cell worse
     assert "gains 0.02 pp evaluation accuracy on average (no cell loses)" in agreement_line(
         {**a, "lost_mean": -0.02, "lost_max": 0.0})
+    assert "instead of selection accuracy leaves evaluation accuracy unchanged on average (no cell loses)" in \
+        agreement_line({**a, "lost_mean": 0.001, "lost_max": 0.0})
     assert agreement(pd.DataFrame(rows).drop(columns="heldout_align")) is None
     # re-evaluations are no candidates (they repeat the winner on other seeds or draws): a re-evaluation of cell a
     # with the best heldout_align and a poor accuracy changes nothing; neither do a closed-form cell's runs on other
@@ -363,3 +365,29 @@ def test_identical_mask_groups_that_agree_are_one_note_and_each_disagreement_a_w
                 "beyond noise (gap 34.00 pp)."),
         (True, "Identical masks: in 2 cell group(s) two pruners produced the same mask (magnitude = uniform at 0.9, "
                "0.95); their quoted numbers agree within noise (largest gap 0.00 pp).")]
+
+
+
+def test_identical_masks_without_measured_noise_are_not_said_to_agree():
+    """search.reevaluate 0: no noise to judge a gap by; 'agree within noise (largest gap 40.00 pp)' was printed."""
+    from analysis.findings import identical_mask_lines
+
+    rows = [dict(grid="main", model="m", calib_size=64, healer="starfish", seed=0, mask_key=f"k-{p}", mask_digest="d",
+                 pruner=p, pattern="0.9", healed_acc=a, noise=float("nan")) for p, a in (("uniform", 0.9), ("magnitude", 0.5))]
+    assert identical_mask_lines(pd.DataFrame(rows)) == [(False, (
+        "Identical masks (starfish, 0.9, calib 64, seed 0): uniform 90.0 % vs magnitude 50.0 %: differ, noise not "
+        "measured (search.reevaluate 0) (gap 40.00 pp)."))]
+    rows[1]["healed_acc"] = 0.9  # the same number: agree, noise or not
+    assert identical_mask_lines(pd.DataFrame(rows))[0][0] is True
+
+
+def test_single_seed_warning_counts_only_the_searched_cells_noise():
+    """A closed-form cell's noise is binomial, always there: with no re-evaluation of the searched cells the leads
+    were not tested against search noise, and the warning said they were."""
+    from analysis.findings import _warnings
+
+    mb = pd.DataFrame(dict(pruner="magnitude", healer=["starfish", "crbn"], pattern="0.5", calib_size=64, seed=0,
+                           lr=[1e-3, 0.0], batch_size=32, search_boundary="", pruned_acc=0.5, healed_acc=[0.9, 0.8],
+                           noise=[float("nan"), 0.02]))
+    assert [w for w in _warnings(mb, []) if w.startswith("Single seed")] == [
+        "Single seed: no point has a spread or a confidence interval; differences are not tested."]

@@ -36,3 +36,17 @@ def test_a_running_resume_of_an_interrupted_sweep_is_in_progress_not_partial():
     assert state_note(info, 5, OUT, "4242").startswith("Sweep in progress: a healsweep driver (pid 4242)")
     assert state_note(info, 5, OUT, "").startswith("Unfinished sweep: its driver stopped without ending it")
     assert state_note(info, 5, OUT, None).startswith("Partial sweep: interrupted by SIGTERM with 3 of 8")
+
+
+def test_an_interrupted_refine_round_is_continued_by_refine(tmp_path):
+    """`run --resume` resumes the main grid only: a refine round sweep.json marks interrupted (orchestrator/lifecycle/
+    refine.py, from before it starts) is continued by `healsweep refine DIR`, whatever stopped it."""
+    import json
+
+    (tmp_path / "sweep.json").write_text(json.dumps({"refinements": [
+        {"round": 1, "trials_finished": 4}, {"round": 2, "trials_finished": 1, "interrupted": True}]}))
+    info = {"status": "KILLED", "partial": {"finished": "9", "planned": "16", "signal": "SIGINT"}}
+    assert state_note(info, 9, tmp_path, None).endswith(f"Continue it with healsweep refine {tmp_path}")
+    assert state_note({"status": "RUNNING"}, 9, tmp_path, "").endswith(f"Continue it with healsweep refine {tmp_path}")
+    (tmp_path / "sweep.json").write_text(json.dumps({"refinements": [{"round": 1, "trials_finished": 4}]}))
+    assert state_note(info, 9, tmp_path, None).endswith(f"Resume with healsweep run --resume {tmp_path}")

@@ -61,6 +61,18 @@ def test_resume_refuses_a_store_or_cache_other_than_the_sweeps(tmp_path):
     assert "this sweep's" not in r.stderr, r.stderr  # past the check (this record has no database: refused later)
 
 
+def test_resume_of_an_interrupted_refine_round_points_to_refine(tmp_path):
+    """run --resume ran 0 trials of a stopped refine round (its cells are not the main grid's), marked the sweep
+    complete and left the round's stopped trials RUNNING: refused, naming the command that continues it."""
+    d = sweep_record(tmp_path / "run", tmp_path)
+    rec = json.loads((d / "sweep.json").read_text())
+    rec["refinements"] = [{"round": 1, "step": 0.02, "interval": [0.8, 0.9], "sparsities": [0.82],
+                           "trials_finished": 1, "trials_failed": 0, "interrupted": True}]
+    (d / "sweep.json").write_text(json.dumps(rec))
+    assert_one_line_exit_2(cli("run", "--resume", d), f"refine round 1 of {d} did not finish: continue it with "
+                           f"healsweep refine {d} (run --resume resumes the main grid only)")
+
+
 def test_cpu_only_with_a_gpu_override_is_refused(tmp_path):
     assert_one_line_exit_2(cli("run", REPO / "configs" / "tiny.yaml", "--cpu-only", "--resources", "cpu=1,gpu=0.5"),
                            "--cpu-only runs every task on the CPU: give it or --resources gpu=/dense_gpu= above 0")

@@ -175,3 +175,11 @@ def test_ctrl_c_after_a_sweep_recorded_itself_names_the_resume(capsys, monkeypat
     parser.set_defaults(func=interrupted)
     assert cli.main([]) == 130
     assert capsys.readouterr().err == "healsweep: interrupted\n"
+
+    def refine_opened_then_interrupted(args):  # a refine round: refine continues it (run --resume would not)
+        interrupt.opened(tmp_path / "run", f"healsweep refine {tmp_path / 'run'}")
+        raise KeyboardInterrupt
+
+    parser.set_defaults(func=refine_opened_then_interrupted)
+    assert cli.main([]) == 130
+    assert capsys.readouterr().err == f"healsweep: interrupted; continue with healsweep refine {tmp_path / 'run'}\n"

@@ -72,6 +72,19 @@ def test_ls_and_verify_name_a_key_without_its_manifest(store_dir, capsys):
     assert runner.calls == [] and st.keys() == [K1, K2]  # both shards were whole: only the manifest was written
 
 
+def test_a_key_directory_linked_out_of_the_root_is_not_listed(store_dir, tmp_path, capsys):
+    """keys() skips such a name as not ours; the unfinished listing must too (it ended `store ls` with exit 2)."""
+    home, st = store_dir
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (st.key_dir(K1).parent / content_key("linked")).symlink_to(outside, target_is_directory=True)
+    assert main(["store", "ls", "--store", str(home)]) == 0
+    out = capsys.readouterr().out
+    assert content_key("linked") not in out and "unfinished" not in out
+    assert main(["store", "verify", "--store", str(home)]) == 0
+    assert content_key("linked") not in capsys.readouterr().out
+
+
 def test_gc_older_than_and_keep_referenced(store_dir, tmp_path, capsys):
     home, st = store_dir
     st.open(K1).close()
