@@ -21,7 +21,7 @@ from .leads import ranked, tied_with, values, winner
 from .matched import matched_lines
 from .noise_line import noise_line
 from .reported import Z, closed_form, identical_masks
-from .runs import cell_list, grid_names, pattern_sort_key
+from .runs import cell_list, grid_names, grid_order, pattern_sort_key
 from .search_reach import lone_warning
 
 __all__ = ["Findings", "grid_names", "ranges", "best_rows", "boundary", "edges", "findings", "fmt_range", "FIXED_HEALERS"]
@@ -157,17 +157,17 @@ def _warnings(mb: pd.DataFrame, failed: list[str], why: str = "", trials: pd.Dat
     cells whose search found at most one configuration above chance)."""
     chance = dense_at_chance(mb)
     out = [chance] if chance else []
+    searched = mb[~closed_form(mb)]  # a closed-form cell (CR+BN, none) searches nothing: no boundary, binomial noise
     edge = mb[mb["search_boundary"].astype(bool)] if "search_boundary" in mb.columns else mb.iloc[:0]
     at_budget = edge["search_boundary"].astype(str).str.fullmatch(r"\d+ of \d+ (steps|epochs)")
     edge = edge[~at_budget]  # on the length cap only: the declared budget (the first screen's budget line), not under-tuned
     if len(edge):
-        searched = int((~closed_form(mb)).sum())  # a closed-form cell (CR+BN, none) searches nothing: no boundary
-        out.append(f"{len(edge)} of {searched} searched cells' winners sit on the search boundary, so those accuracies may "
+        out.append(f"{len(edge)} of {len(searched)} searched cells' winners sit on the search boundary, so those accuracies may "
                    f"be under-tuned: {cell_list(edge, lambda r: r.search_boundary)}.")
     seeds = mb.groupby(["pruner", "healer", "pattern", "calib_size"], dropna=False)["seed"].nunique()
     if len(seeds) and seeds.max() <= 1:
-        searched = mb[~closed_form(mb)] if len(mb[~closed_form(mb)]) else mb  # a closed-form cell's noise is binomial
-        measured = "noise" in mb.columns and searched["noise"].astype(float).notna().all()  # re-evaluations
+        judged = searched if len(searched) else mb
+        measured = "noise" in mb.columns and judged["noise"].astype(float).notna().all()  # re-evaluations
         out.append("Single seed: no point has a spread or a confidence interval; differences are tested against the "
                    "measured noise only (search + re-healing), not across seeds." if measured else
                    "Single seed: no point has a spread or a confidence interval; differences are not tested.")
@@ -262,7 +262,7 @@ def findings(best: pd.DataFrame, model: str, recs: list[dict], cts: dict | None,
     grids = grid_names(best)
     tgrids = grid_names(trials) if trials is not None else None
     out = []
-    for grid in sorted(set(grids), key=lambda g: (g != "main", g)):
+    for grid in grid_order(grids):
         gb = best[grids == grid]
         gr = [r for r in recs if (r.get("grid") or "main") == grid]
         why = common_failure(trials, failed[grid]) if failed.get(grid) else ""

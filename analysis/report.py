@@ -29,7 +29,7 @@ from .layout import save_png
 from .paired import healer_panels, paired_sections
 from .report_style import REPORT_CSS
 from .reported import reported
-from .runs import grid_names, load_sweep_info, load_trials, pattern_sort_key
+from .runs import grid_names, grid_order, load_sweep_info, load_trials, pattern_sort_key
 from .search_space import _box, flag_boundary, search_bounds, widened_cells
 from .search_stops import attach, explored_lr, search_stops, stop_table
 from .sweep_state import state_note
@@ -342,7 +342,7 @@ def _model_details(model: str, mt: pd.DataFrame, mb: pd.DataFrame, taken: set[st
         msg = f"No finished trials for this model ({_plural(len(mt), 'run')}, none FINISHED)." + common_failure(mt)
         return md + [f"_{msg}_"], ht + [f'<p class="note">{e(msg)}</p>']
     grids, tgrids = grid_names(mb), grid_names(mt)
-    for grid in sorted(set(grids), key=lambda g: (g != "main", g)):
+    for grid in grid_order(grids):
         gmd, ght = _grid_sections(mb[grids == grid], mt[tgrids == grid], model, grid, taken, out,
                                   tracking_uri, colors)
         md += gmd
@@ -366,7 +366,7 @@ def _write_pages(out: Path, name: str, md: list[str], ht: list[str], bands_json:
 def _transition_sections(best, models, info, out, tracking_uri, settings):
     from .bands import BandSettings
     from .cts import CTSSettings
-    from .rr import load_diagnostics, load_lamp, logged_diagnostics
+    from .rr import load_diagnostics, load_lamp
     from .transition_report import build_sections
 
     cts_kw = dict(settings.get("cts", {}))
@@ -376,7 +376,7 @@ def _transition_sections(best, models, info, out, tracking_uri, settings):
                           load_diagnostics(tracking_uri, info["run_id"]), out, tracking_uri,
                           lambda eid, rid: run_url(tracking_uri, eid, rid), CTSSettings(**cts_kw),
                           BandSettings(**settings.get("bands", {})), lamp=load_lamp(tracking_uri, info["run_id"]),
-                          logged=logged_diagnostics(tracking_uri, info["run_id"]))
+                          logged=set(info.get("diagnostics") or ()))
 
 
 def write_report(run_dir: str | Path, driver: str | None = None) -> dict[str, Path]:

@@ -20,7 +20,7 @@ from mlflow.tracking import MlflowClient
 from .cts import CTSSettings, compute_cts
 from tasks.allocation_rules import erk_sparsities, greedy_allocate
 
-__all__ = ["RRCurves", "curves_from_frame", "load_diagnostics", "logged_diagnostics", "load_lamp", "allocations", "model_cts", "jrr_table"]
+__all__ = ["RRCurves", "curves_from_frame", "load_diagnostics", "load_lamp", "allocations", "model_cts", "jrr_table"]
 
 DIAG_DIR = "diagnostics"
 DIAG_COLUMNS = ("model", "layer", "n_weights", "shape", "sparsity", "D_raw", "D_repair", "R")
@@ -74,18 +74,6 @@ def load_diagnostics(tracking_uri: str, parent_run_id: str | None) -> dict[str, 
             df = pd.read_parquet(local)
             out[Path(a.path).stem if df.empty else str(df["model"].iloc[0])] = df
     return out
-
-
-def logged_diagnostics(tracking_uri: str, parent_run_id: str | None) -> set[str]:
-    """Models whose RR diagnostics the sweep logged (parent-run tags ``diagnostics_key.<model>``, set with the
-    artifact): a model here without its ``diagnostics/`` artifact lost the file, it was not never computed."""
-    if not parent_run_id:
-        return set()
-    try:
-        tags = MlflowClient(tracking_uri).get_run(parent_run_id).data.tags
-    except Exception:  # noqa: BLE001 - no parent run: nothing known
-        return set()
-    return {k[len("diagnostics_key."):] for k in tags if k.startswith("diagnostics_key.")}
 
 
 def load_lamp(tracking_uri: str, parent_run_id: str | None) -> dict[str, dict[float, dict[str, float]]]:

@@ -229,18 +229,19 @@ def quoted_per_cell(trials: pd.DataFrame, objective: str = "selection_acc") -> p
 
 def load_sweep_info(tracking_uri: str, sweep_id: str, experiment: str = "healsweep",
                     parent_run_id: str | None = None) -> dict:
-    """``{"name", "run_id", "experiment_id", "objective", "calib_seed", "partial", "status"}`` of the sweep's parent
-    run (values None if absent; ``objective``: the parent run's ``objective`` param, "selection_acc" when absent;
-    ``calib_seed``: its param, 0 when absent (the data seed's calibration order); ``partial``: None, or for a sweep
-    interrupted (tag ``partial=true``) ``{"finished", "planned", "signal"}`` from its tags, ``planned`` None when it
-    stopped before its trials were planned; ``status``: the run's MLflow status, RUNNING while a driver runs the sweep
-    or after one stopped without ending it).
+    """``{"name", "run_id", "experiment_id", "objective", "calib_seed", "partial", "status", "diagnostics"}`` of the
+    sweep's parent run (values None if absent; ``objective``: the parent run's ``objective`` param, "selection_acc"
+    when absent; ``calib_seed``: its param, 0 when absent (the data seed's calibration order); ``partial``: None, or
+    for a sweep interrupted (tag ``partial=true``) ``{"finished", "planned", "signal"}`` from its tags, ``planned``
+    None when it stopped before its trials were planned; ``status``: the run's MLflow status, RUNNING while a driver
+    runs the sweep or after one stopped without ending it; ``diagnostics``: the models whose RR diagnostics it logged, from its
+    ``diagnostics_key.<model>`` tags, set with the artifact).
     ``parent_run_id`` (sweep.json's): that one first, should a stray second parent run of the sweep exist (a start or
     a repair cut short: healsweep doctor deletes it)."""
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     info = {"name": None, "run_id": None, "objective": "selection_acc", "calib_seed": 0, "partial": None,
-            "status": None, "experiment_id": exp.experiment_id if exp is not None else None}
+            "status": None, "experiment_id": exp.experiment_id if exp is not None else None, "diagnostics": []}
     if exp is None:
         return info
     filt = f"tags.sweep_id = {_quote(sweep_id)} and tags.`{ROLE_TAG}` = 'sweep'"
@@ -252,6 +253,7 @@ def load_sweep_info(tracking_uri: str, sweep_id: str, experiment: str = "healswe
         info["objective"] = run.data.params.get("objective", "selection_acc")
         info["calib_seed"] = int(run.data.params.get("calib_seed", 0))
         tags = run.data.tags
+        info["diagnostics"] = sorted(k[len("diagnostics_key."):] for k in tags if k.startswith("diagnostics_key."))
         if tags.get("partial") == "true":
             info["partial"] = {"finished": tags.get("trials_finished", "?"), "planned": tags.get("trials_planned") or None,
                                "signal": tags.get("interrupted_by") or "a signal"}
@@ -263,6 +265,11 @@ def grid_names(best: pd.DataFrame) -> pd.Series:
     g = best["grid"] if "grid" in best.columns else pd.Series(index=best.index, dtype="object")
     ok = g.notna() & ~g.astype(str).isin(("", "nan", "None"))
     return g.astype("object").where(ok, "main").astype(str)
+
+
+def grid_order(names) -> list[str]:
+    """The distinct grid names, "main" first, then by name (the order every report section lists grids in)."""
+    return sorted(set(names), key=lambda g: (g != "main", g))
 
 
 def pattern_sparsity(pattern: str) -> float:

@@ -19,6 +19,7 @@ from .bands import BandSettings, bands
 from .cts import CTSSettings
 from .layout import save_png
 from .figures import allocation_figure, bands_figure, cts_figure, rr_heatmap
+from .runs import grid_order
 
 __all__ = ["Sections", "build_sections", "HOW_TO_READ", "json_clean"]
 
@@ -206,7 +207,7 @@ def build_sections(best: pd.DataFrame, models: list[str], diags: dict[str, pd.Da
                    tracking_uri: str, url_of, cts_st: CTSSettings = CTSSettings(),
                    band_st: BandSettings = BandSettings(), lamp: dict | None = None,
                    logged: set[str] = frozenset()) -> Sections:
-    """``logged``: models whose diagnostics the parent run's tags say were logged (analysis/rr.logged_diagnostics)."""
+    """``logged``: models whose diagnostics the parent run's tags say were logged (analysis/runs.load_sweep_info's ``diagnostics``)."""
     sec = Sections(bands_json={"settings": json_clean({"cts": cts_st.to_dict(), "bands": band_st.to_dict()}),
                                "models": {}})
     for model in models:
@@ -215,8 +216,8 @@ def build_sections(best: pd.DataFrame, models: list[str], diags: dict[str, pd.Da
         cts = _cts_for(model, diags, cts_st, w, (lamp or {}).get(model), model in logged)
         mb = best[best["model"].astype("object") == model]
         recs = bands(mb, {model: cts} if cts else None, band_st) if not mb.empty else []
-        grids = sorted({r.get("grid") or "main" for r in recs}, key=lambda g: (g != "main", g))
-        for grid in grids:  # grids are never mixed in one figure or table (a healer comparison beside the main grid)
+        # grids are never mixed in one figure or table (a healer comparison beside the main grid)
+        for grid in grid_order(r.get("grid") or "main" for r in recs):
             gr = [r for r in recs if (r.get("grid") or "main") == grid]
             named, stem = (f" (grid {grid})", f"{_safe(grid)}_") if grid != "main" else ("", "")
             for pruner in sorted({r["pruner"] for r in gr}):

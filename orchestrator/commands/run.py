@@ -16,7 +16,8 @@ from orchestrator.lifecycle.resume import check_resumable, note, nothing_to_resu
 from orchestrator.lifecycle.widen import run_widening
 from orchestrator.raytune.cluster import ClusterError, check_store_uri, connect  # light: no ray import
 from orchestrator.rundir import faults
-from orchestrator.rundir.files import ResumeError, lock_run_dir, probe_run_dir, read_sweep, record_complete
+from orchestrator.rundir.files import (ResumeError, interrupted_round, lock_run_dir, probe_run_dir, read_sweep,
+                                       record_complete)
 from orchestrator.spec.dry_run import DRY_SIZES
 from orchestrator.spec.reach import check_server
 from orchestrator.sweep.background import background
@@ -222,8 +223,7 @@ def _precheck(args) -> None:
             if args.spec or args.out or args.dry_run:
                 raise CliError("--resume DIR takes no SPEC, --out or --dry-run: the sweep's spec and paths are in DIR")
             info = read_sweep(Path(args.resume))
-            last = (info.get("refinements") or [{}])[-1]  # marked before it starts (orchestrator/lifecycle/refine.py)
-            if isinstance(last, dict) and last.get("interrupted"):
+            if last := interrupted_round(info):
                 raise CliError(f"refine round {last.get('round')} of {args.resume} did not finish: continue it with "
                                f"healsweep refine {args.resume} (run --resume resumes the main grid only)")
             _same_paths(args, info)

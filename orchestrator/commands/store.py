@@ -190,14 +190,11 @@ UNFINISHED = ("no manifest: a sweep is writing these targets now, or its dense s
 
 def _unfinished(store, keys: list[str]) -> list[str]:
     """Key directories without a manifest (``store.keys()`` lists complete target sets only)."""
-    from tasks.store import KEY_RE
-
-    from tasks.store import StoreError
+    from tasks.store import KEY_RE, StoreError
 
     def ours(name: str) -> bool:  # (a key directory that is a link out of the root is skipped, as keys() does)
         try:
             store.key_dir(name)
-            store.key_bytes(name)
         except StoreError:
             return False
         return True

@@ -16,7 +16,7 @@ from typing import Callable
 from orchestrator.lifecycle.continuation import RefineError, read_run
 from orchestrator.lifecycle.resume import prepare_resume
 from orchestrator.rundir import faults
-from orchestrator.rundir.files import JOURNAL_FILE, lock_run_dir, write_sweep
+from orchestrator.rundir.files import JOURNAL_FILE, interrupted_round, lock_run_dir, write_sweep
 from orchestrator.sweep.end import told_counts
 from tasks.catalog import changes_with_draw
 
@@ -60,7 +60,8 @@ def fine_grid(lo: float, hi: float, step: float, existing) -> list[float]:
 
 
 def plan_refinement(run_dir: Path, step: float) -> dict:
-    """Read sweep.json + MLflow; return {"meta", "interval", "sparsities", "parent_run_id", "round"}."""
+    """Read sweep.json + MLflow; return {"meta", "interval", "sparsities", "parent_run_id", "round", "step",
+    "continues" (an interrupted round goes on), "ran" (its trials finished and failed so far), ...}."""
     from analysis.bands import BandSettings, bands
     from analysis.runs import best_per_cell
 
@@ -70,10 +71,10 @@ def plan_refinement(run_dir: Path, step: float) -> dict:
     heal = trials.loc[trials["status"] == "FINISHED", "heal_seconds"].dropna() if "heal_seconds" in trials else ()
     common = {"meta": meta, "parent_run_id": info["run_id"], "tracking_uri": uri,
               "heal_seconds": [float(x) for x in heal]}
-    last = (meta.get("refinements") or [{}])[-1]
-    if last.get("interrupted"):  # its sparsities count as run once some trial finished: the round goes on instead
+    if last := interrupted_round(meta):  # its sparsities count as run once a trial finished: the round goes on
         return {**common, "interval": tuple(last["interval"]), "sparsities": list(last["sparsities"]),
-                "round": last["round"], "step": last["step"], "continues": True}
+                "round": last["round"], "step": last["step"], "continues": True,
+                "ran": {k: last.get(k, 0) for k in ("trials_finished", "trials_failed")}}
     best = best_per_cell(trials, info["objective"])  # winners picked by the sweep's search objective
     if "grid" in best:  # extra grids (e.g. a healer comparison) do not shape the main grid's refinement
         best = best[best["grid"].isna() | (best["grid"] == "main")]
@@ -90,7 +91,7 @@ def plan_refinement(run_dir: Path, step: float) -> dict:
         raise RefineError(f"{run_dir}: transition band {interval[0]:g}–{interval[1]:g} already has every "
                           f"sparsity at step {step:g}")
     return {**common, "interval": interval, "sparsities": sparsities, "round": len(meta.get("refinements", [])) + 1,
-            "step": step, "continues": False}
+            "step": step, "continues": False, "ran": {"trials_finished": 0, "trials_failed": 0}}
 
 
 def count_trials(spec) -> dict[str, int]:
@@ -182,8 +183,8 @@ def run_refinement(run_dir: Path, step: float = 0.005, *, address: str | None = 
     # every fine sparsity holds the same cells (the main grid, pruners that follow the sparsity list): counted on
     # one, not listed for each (a --step of 1e-6 listed ~400k sparsities' cells for ~75 s before the refusal)
     plan["round_trials"] = sum(count_trials(one).values()) * len(plan["sparsities"])
-    last = (meta.get("refinements") or [{}])[-1] if plan["continues"] else {}
-    plan["trials"] = max(0, plan["round_trials"] - last.get("trials_finished", 0) - last.get("trials_failed", 0))
+    ran = plan["ran"]  # the round's runs before this one (a continued round)
+    plan["trials"] = max(0, plan["round_trials"] - ran["trials_finished"] - ran["trials_failed"])
     plan["seconds_per_trial"], plan["estimate"] = trial_wall(plan)
     if told is not None:
         told(plan)
@@ -204,7 +205,6 @@ def run_refinement(run_dir: Path, step: float = 0.005, *, address: str | None = 
 
     lock_run_dir(Path(run_dir))  # before its files are settled: no doctor --repair or second driver meanwhile
     prepare_resume(Path(run_dir))  # damaged files: one line; torn last lines dropped; journal agrees with the record
-    ran = {k: last.get(k, 0) for k in ("trials_finished", "trials_failed")}  # the round's runs before this one
     _record_round(Path(run_dir), plan, ran, interrupted=True)  # until it ends: a fault, SIGKILL or a lost cluster
     res = run_sweep(spec, Path(run_dir), Path(meta["store"]), Path(meta["cache"]), address=address,  # leave it to
                     progress=progress, report=False, num_cpus=num_cpus, refine_round=plan["round"])  # continue

@@ -39,6 +39,13 @@ _SWEEP_KEYS = {"sweep_id": str, "tracking_uri": str, "store": str, "cache": str,
 _SPEC_KEYS = ("models", "sparsities", "calib_sizes", "pruners", "healers", "seeds", "search", "heal")
 
 
+def interrupted_round(info: dict) -> dict | None:
+    """sweep.json's last ``refinements`` record when it is marked ``interrupted`` (orchestrator/lifecycle/refine.py
+    marks a round before it starts, unmarks it once it ends complete), else None."""
+    last = (info.get("refinements") or [None])[-1]
+    return last if isinstance(last, dict) and last.get("interrupted") else None
+
+
 def read_sweep(out_dir: Path, repair_hint: bool = True) -> dict:
     """DIR/sweep.json, checked: ResumeError (one line) when it is missing, unreadable or lacks a field; in a run
     directory (its trials.jsonl is there) the line names the repair that rebuilds it (``repair_hint``; doctor,

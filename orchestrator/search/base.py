@@ -128,6 +128,12 @@ class SearchDesign:
             out[length] = IntDistribution(lo, hi, log=length == "steps")  # a budget: log scale, like lr
         return out
 
+    def told_in_sweep(self) -> int:
+        """Trials told in every study the journal held when this run opened it (every grid and round of the sweep,
+        not only this run's cells; read from the storage already replayed, not the file again)."""
+        return sum(t.state in DONE for studies in self._known.values() for sid in studies.values()
+                   for t in self.storage.get_all_trials(sid, deepcopy=False))
+
     def trials_of(self, cell_id: str) -> int:
         return 1 if cell_id in self.fixed else self.budgets[cell_id].trials
 

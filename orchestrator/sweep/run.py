@@ -221,7 +221,7 @@ def tune_stage(s: SweepState, progress: bool, report: bool = True) -> None:
         clock.say("[trials] " + ", ".join(f"grid {g}: {upto}{n} trials" for g, n in grids.items())
                   + f" over {len(per_cell)} cells, {t.concurrency} at a time")
         # like finished (sweep/end.py), the sweep's: its told trials, every grid and round, and what this run plans
-        t.planned = sum(sweep_end.told_counts(s.journal)) + searcher.total  # (a refine round read "22 of 4")
+        t.planned = searcher.design.told_in_sweep() + searcher.total  # (a refine round read "22 of 4")
         prog = TrialProgress(per_cell, progress, dropped=(lambda: searcher.dropped) if searcher.converging else None)
         name = f"{spec.name}-{s.info['sweep_id']}-s{s.session}"
         tuner = make_tuner(s.spec, s.out_dir, name, searcher, t.max_concurrent, [logger_cb, prog.callback],
