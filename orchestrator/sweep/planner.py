@@ -5,7 +5,8 @@
   and the reader overlaps it: recomputing adds a forward pass per step; benchmarks/gpu_check.py measures both on
   the CPU too). On GPU trials one Ray task per model, with a trial's resources, times a few real healing steps
   each way (tasks/healing/planner.py) on the GPU Ray gives it and picks the faster. The result is cached under
-  ``<store dir>/planner/`` by model digest, GPU name, torch version, batch size, heal precision, compile, graph and
+  ``<store dir>/planner/`` by model digest, calibration images (their digest covers size and preprocessing: a
+  model entry's ``input_size``), GPU name, torch version, batch size, heal precision, compile, graph and
   channels_last, and store dtype (``probe_identity``), so a machine type is measured once per configuration.
 """
 from __future__ import annotations
@@ -21,17 +22,18 @@ from orchestrator.raytune.resources import ray_task, task_device, trial_device
 CPU_REASON = "CPU trials: the store (a recompute adds a forward pass per step; no probe)"
 
 
-def probe_identity(digest: str, device: str, torch_version: str, batch: int, heal: Mapping[str, Any], dtype: str,
-                   scope: str) -> dict[str, Any]:
-    """What a cached decision holds for: the model's weights, the GPU, torch, and every setting that changes a
-    step's cost (batch, heal.precision, heal.compile, heal.graph, heal.channels_last, store dtype, scope)."""
-    return {"model_digest": digest, "device": device, "torch": torch_version, "batch": batch,
-            "precision": heal["precision"], "compile": heal["compile"], "graph": heal["graph"],
+def probe_identity(digest: str, calib_digest: str, device: str, torch_version: str, batch: int,
+                   heal: Mapping[str, Any], dtype: str, scope: str) -> dict[str, Any]:
+    """What a cached decision holds for: the model's weights, its calibration images (their size: a model entry's
+    ``input_size`` changes the step's cost), the GPU, torch, and every setting that changes a step's cost (batch,
+    heal.precision, heal.compile, heal.graph, heal.channels_last, store dtype, scope)."""
+    return {"model_digest": digest, "calibration": calib_digest, "device": device, "torch": torch_version,
+            "batch": batch, "precision": heal["precision"], "compile": heal["compile"], "graph": heal["graph"],
             "channels_last": heal["channels_last"], "dtype": dtype, "scope": scope}
 
 
 def _probe_task(model: str, cache: str, data_seed: int, load_kw: dict, scope: str, batch: int, heal: dict,
-                dtype: str, device_setting: str, digest: str, cache_dir: str) -> dict[str, Any]:
+                dtype: str, device_setting: str, digest: str, calib_digest: str, cache_dir: str) -> dict[str, Any]:
     """On the worker: the cached decision for this GPU, or a new measurement (then cached). ``heal``: precision,
     compile, graph and channels_last, as the trials run them."""
     import ray
@@ -44,7 +46,7 @@ def _probe_task(model: str, cache: str, data_seed: int, load_kw: dict, scope: st
 
     device = task_device(device_setting, ray.get_gpu_ids())
     name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
-    ident = probe_identity(digest, name, torch.__version__, batch, heal, dtype, scope)
+    ident = probe_identity(digest, calib_digest, name, torch.__version__, batch, heal, dtype, scope)
     path = Path(cache_dir) / f"{content_key(ident)}.json"
     if path.exists():
         return {**json.loads(path.read_text()), "cached": True}
@@ -88,7 +90,8 @@ def plan_target_modes(spec, models: Mapping, modes: dict[str, str], cache: str, 
         task = ray_task(_probe_task, res.cpus_per_trial, res.gpus_per_trial)
         refs = {m: task.remote(m, str(cache), spec.data_seed, spec.load_kwargs(m), models[m].scope,
                                spec.heal.batch_size, heal_settings(spec.heal), spec.store.dtype, res.device,
-                               models[m].digest, str(Path(store_dir) / "planner")) for m in probes}
+                               models[m].digest, models[m].calib_digest, str(Path(store_dir) / "planner"))
+                for m in probes}
         for m, ref in refs.items():
             out = ray.get(ref)
             modes[m] = out["pick"]

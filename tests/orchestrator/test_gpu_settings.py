@@ -141,7 +141,11 @@ def test_a_cached_planner_decision_holds_for_one_heal_configuration():
 
     heal = heal_settings(parse_spec(BASE).heal)
     assert heal == {"precision": "fp32", "compile": "off", "graph": "off", "channels_last": "auto"}
-    keys = {content_key(probe_identity("d" * 64, "NVIDIA H200", "2.11.0", 32, {**heal, **change}, "float16", "mlp"))
+    keys = {content_key(probe_identity("d" * 64, "c" * 16, "NVIDIA H200", "2.11.0", 32, {**heal, **change},
+                                       "float16", "mlp"))
             for change in ({}, {"graph": "step"}, {"compile": "blocks"}, {"channels_last": True},
                            {"precision": "bf16"})}
     assert len(keys) == 5
+    # the same weights on calibration images of another size (a model entry's input_size: its data digest)
+    assert content_key(probe_identity("d" * 64, "e" * 16, "NVIDIA H200", "2.11.0", 32, heal, "float16", "mlp")) \
+        not in keys
