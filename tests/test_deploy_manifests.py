@@ -4,8 +4,11 @@ Dockerfile in the repository."""
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,12 +69,60 @@ def test_the_mlflow_service_the_rayjob_logs_to_exists():
     (c,) = dep["spec"]["template"]["spec"]["containers"]
     assert c["image"] in _built_images()
     assert "mlflow.healsweep.svc.cluster.local:5000" in c["args"][0]  # MLflow 3 checks the Host header
+    # no authentication on the server: only this namespace's pods reach it (where NetworkPolicy is enforced)
+    pol = docs["NetworkPolicy"]
+    assert pol["metadata"]["namespace"] == "healsweep" and pol["spec"]["podSelector"]["matchLabels"] == svc["spec"]["selector"]
+    (rule,) = pol["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {}}] and rule["ports"] == [{"protocol": "TCP", "port": 5000}]
 
 
-def test_cluster_yaml_filters_rsync_and_documents_tmux():
+def test_every_pod_can_write_its_volumes():
+    """The images run as `ray` (uid 1000, group users = 100); a fresh PVC is root-owned: without fsGroup the MLflow
+    server cannot create its database and crash-loops, and the trials cannot write the shared run directory."""
+    (job,) = _docs(REPO / "configs" / "k8s" / "kuberay-rayjob.yaml")
+    rc = job["spec"]["rayClusterSpec"]
+    docs = {d["kind"]: d for d in _docs(REPO / "configs" / "k8s" / "mlflow.yaml")}
+    pods = [rc["headGroupSpec"]["template"], *(g["template"] for g in rc["workerGroupSpecs"]),
+            docs["Deployment"]["spec"]["template"]]
+    for t in pods:
+        assert t["spec"].get("volumes") and t["spec"]["securityContext"]["fsGroup"] == 100, t
+    for df in (REPO / "docker").glob("Dockerfile.*"):
+        assert "COPY --chown=ray:users" in df.read_text(), df  # the group fsGroup names
+
+
+def test_cluster_yaml_documents_tmux_and_the_tracking_server():
     text = (REPO / "cluster.yaml").read_text()
     d = yaml.safe_load(text)
     assert {"cluster_name", "provider", "available_node_types", "head_node_type"} <= set(d)
-    assert {".venv", "runs", ".healsweep"} <= set(d["rsync_exclude"])
     assert "ray exec cluster.yaml --tmux" in text
     assert any("MLFLOW_TRACKING_URI=http://" in c for c in d["head_setup_commands"])
+    assert "bash ~/healsweep/docker/mlflow-head.sh start" in d["head_setup_commands"]  # tests/e2e/test_mlflow_head.py
+    assert "mlflow-head.sh backup' && ray down cluster.yaml" in text
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(shutil.which("rsync") is None, reason="rsync not installed")
+def test_cluster_yaml_syncs_the_shipped_weights_and_not_what_runs_make(tmp_path):
+    """``ray up`` rsyncs this checkout to every node with cluster.yaml's rsync_exclude/rsync_filter, as Ray's command
+    runner builds the arguments. A `.gitignore` filter dropped the shipped reference weights (rsync reads its `!`
+    exceptions as excludes): the default sweep could not load its models on the nodes."""
+    from ray.autoscaler._private.command_runner import SSHCommandRunner
+
+    d = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    args = SSHCommandRunner._create_rsync_filter_args(None, {"rsync_exclude": d.get("rsync_exclude"),
+                                                              "rsync_filter": d.get("rsync_filter")})
+    src = tmp_path / "checkout"  # the repository's files plus what a user's runs leave beside them
+    for rel in subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / rel, src / rel)
+    made = ["runs/default/mlflow.db", ".healsweep/store/x.arrow", ".venv/bin/python", "mlflow.db", "store/x",
+            ".git/HEAD", "orchestrator/__pycache__/cli.cpython-311.pyc", "healsweep.egg-info/PKG-INFO"]
+    for rel in made:
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text("x")
+    out = subprocess.run(["rsync", "-a", "-n", "--out-format=%n", *args, f"{src}/", str(tmp_path / "node")],
+                         capture_output=True, text=True, check=True).stdout.split()
+    synced = {p.rstrip("/") for p in out}
+    shipped = {f"tasks/models/weights/{m}.safetensors" for m in ("vit_digits", "resnet_digits")}
+    assert shipped <= synced and "tasks/store/core.py" in synced and "configs/default.yaml" in synced
+    assert not {rel for rel in made if rel in synced}, sorted(rel for rel in made if rel in synced)
