@@ -57,11 +57,12 @@ def _grid_design_notes(searches: dict) -> list[str]:
     a grid's search inherits the top level's trials_per_cell)."""
     out = []
     for g, s in searches.items():
-        points = s.lattice[0] * s.lattice[1]
+        points = s.points
         if s.design == "grid" and s.trials_per_cell != points:
             where = f"grid {g}: " if len(searches) > 1 else ""
+            of = "" if points == s.lattice[0] * s.lattice[1] else ": its distinct points"
             out.append(f"{where}design 'grid' runs all {points} lattice points of a cell (search.lattice "
-                       f"{s.lattice[0]} x {s.lattice[1]}); search.trials_per_cell {s.trials_per_cell} is not used")
+                       f"{s.lattice[0]} x {s.lattice[1]}{of}); search.trials_per_cell {s.trials_per_cell} is not used")
     return out
 
 

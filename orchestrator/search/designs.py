@@ -60,7 +60,7 @@ class GridDesign(_LatticeDesign):
     def trials_of(self, cell_id: str) -> int:
         if cell_id in self.fixed:
             return 1
-        a, b = self.budgets[cell_id].lattice
+        a, b = self.sizes(cell_id)  # the distinct points (equal bounds, integer lengths rounding together: fewer)
         return a * b
 
     def propose(self, cell_id: str, number: int, wave: int) -> dict:

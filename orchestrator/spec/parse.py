@@ -44,6 +44,7 @@ from orchestrator.spec.checks import (
     local_path,
     not_a_dir,
 )
+from orchestrator.spec.axes import axis_sizes
 from orchestrator.spec.compat import check_models, check_outputs, check_size
 from orchestrator.spec.grids import parse_grids, view_raw, views
 from orchestrator.spec.methods import check_healer_data, parse_healers, parse_methods
@@ -162,7 +163,7 @@ def parse_search(v: Any) -> SearchSpec:
                       scheduler, check_num(s.asha_grace_period, "search.asha_grace_period", int, 1,
                                            epochs[1] if epochs else MAX_EPOCHS),
                       check_num(s.asha_reduction_factor, "search.asha_reduction_factor", int, 2, 1000),
-                      steps, parse_widen(s.widen), *parse_design(s, scheduler))
+                      steps, parse_widen(s.widen), *parse_design(s, scheduler, lo_hi, steps or epochs))
     out = replace(out, converge=parse_converge(s.converge, out.design))
     return replace(out, calib_draws=check_num(s.calib_draws, "search.calib_draws", int, 0, MAX_REEVALUATE))
 
@@ -193,8 +194,10 @@ def parse_converge(v: Any, design: str) -> dict | None:
     return {k: check_num(x, f"search.converge.{k}", CONVERGE_KEYS[k][0], *CONVERGE_KEYS[k][1:]) for k, x in d.items()}
 
 
-def parse_design(s: SearchSpec, scheduler: str) -> tuple[str, int, int, tuple[int, int]]:
-    """``search.design``, ``reevaluate``, ``explore`` and ``lattice``, checked against each other."""
+def parse_design(s: SearchSpec, scheduler: str, lr: tuple[float, float], length: tuple[int, int]
+                 ) -> tuple[str, int, int, tuple[int, int]]:
+    """``search.design``, ``reevaluate``, ``explore`` and ``lattice``, checked against each other and against the
+    distinct points of the box (``lr`` and ``length``, checked already)."""
     default = "tpe" if scheduler == "asha" else "shared"
     design = default if s.design is None else check_choice(s.design, "search.design", DESIGNS)
     reevaluate = check_num(s.reevaluate, "search.reevaluate", int, 0, MAX_REEVALUATE)
@@ -206,10 +209,13 @@ def parse_design(s: SearchSpec, scheduler: str) -> tuple[str, int, int, tuple[in
     if scheduler == "asha" and design != "tpe":
         raise SpecError("search.design", f"scheduler 'asha' stops trials by timing; it works with design 'tpe' only, "
                                          f"got {design!r}")
-    if design == "shared" and trials > lattice[0] * lattice[1]:
-        raise SpecError("search.trials_per_cell", f"design 'shared' tries each of the {lattice[0] * lattice[1]} "
-                                                  f"lattice points at most once per cell; got {trials} trials "
-                                                  "(raise search.lattice or lower the trials)")
+    a, b = axis_sizes(lr, length, lattice)
+    if design == "shared" and trials > a * b:
+        fewer = "" if (a, b) == lattice else (f" ({a} lr x {b} length values: equal bounds give one value, integer "
+                                              "lengths that round together one)")
+        raise SpecError("search.trials_per_cell", f"the box has {a * b} distinct lattice point(s){fewer}; design "
+                                                  f"'shared' tries each at most once per cell, got {trials} trials "
+                                                  "(widen the box, raise search.lattice or lower the trials)")
     if design == "shared" and explore > trials:
         raise SpecError("search.explore", f"first-wave points ({explore}) cannot exceed search.trials_per_cell "
                                           f"({trials})")

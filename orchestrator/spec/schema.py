@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
+from orchestrator.spec.axes import axis_sizes
+
 
 @dataclass(frozen=True)
 class MethodRef:
@@ -78,8 +80,15 @@ class SearchSpec:
     def per_cell(self) -> int:
         """Trials a searched cell runs: its search trials (every lattice point under design grid), then the
         re-evaluations of its winner."""
-        search = self.lattice[0] * self.lattice[1] if self.design == "grid" else self.trials_per_cell
+        search = self.points if self.design == "grid" else self.trials_per_cell
         return search + self.reevaluate
+
+    @property
+    def points(self) -> int:
+        """The distinct lattice points of the box: ``lattice`` a x b, fewer where bounds are equal or integer
+        lengths round together (orchestrator/spec/axes.py)."""
+        a, b = axis_sizes(self.lr, self.length[1], self.lattice)
+        return a * b
 
     @property
     def max_per_cell(self) -> int:

@@ -182,6 +182,15 @@ def test_grid_design_tries_every_lattice_point_once(tmp_path):
     assert pts == {(a, b) for a in lattice.log_axis(1e-4, 1e-2, 5) for b in lattice.log_axis(4, 64, 3, integer=True)}
 
 
+def test_grid_design_runs_each_distinct_point_once_when_lengths_round_together(tmp_path):
+    """Steps [4, 6] on a 3-point axis is 4, 5, 6 but [4, 5] is 4, 5: the grid runs the distinct points, once each
+    (it ran the nominal a x b, repeating configurations)."""
+    budget = Budget(trials=1, lr=(1e-3, 3e-3), length=("steps", (4, 5)), reevaluate=0, explore=1, lattice=(2, 3))
+    got = [g for g in run(make("grid", tmp_path, _cells(1), budget=budget)) if g["stage"] == "search"]
+    assert sorted((g["lr"], g["steps"]) for g in got) == sorted((a, b) for a in lattice.log_axis(1e-3, 3e-3, 2)
+                                                                 for b in (4, 5))
+
+
 def test_lattice_math():
     assert lattice.log_axis(1e-4, 1e-2, 3) == [1e-4, 1e-3, 1e-2]
     assert lattice.log_axis(4, 64, 5, integer=True) == [4, 8, 16, 32, 64]

@@ -129,7 +129,14 @@ def test_searcher_minimises_heldout_align_and_searches_steps(tmp_path):
     ({"reevaluate": 9}, "search.reevaluate: must be"),
     ({"reevaluate": -1}, "search.reevaluate: must be"),
     ({"design": "random"}, "search.design: must be"),
-    ({"trials_per_cell": 46}, "search.trials_per_cell: design 'shared' tries each of the 45 lattice points"),
+    ({"trials_per_cell": 46, "epochs": [1, 8]}, "search.trials_per_cell: the box has 45 distinct lattice point(s); "
+                                                "design 'shared'"),
+    # a box with fewer distinct points than trials: validate passed it and `run` died in the searcher's first wave
+    # (ValueError: no free lattice point left)
+    ({"trials_per_cell": 3, "lr": [2e-3, 2e-3], "epochs": [3, 3]},
+     "search.trials_per_cell: the box has 1 distinct lattice point(s) (1 lr x 1 length values"),
+    ({"trials_per_cell": 11, "lr": [1e-3, 3e-3], "epochs": [3, 4], "lattice": [5, 5]},
+     "search.trials_per_cell: the box has 10 distinct lattice point(s) (5 lr x 2 length values"),
     ({"trials_per_cell": 3, "explore": 4}, "search.explore: first-wave points (4) cannot exceed"),
     ({"design": "shared", "scheduler": "asha"}, "search.design: scheduler 'asha' stops trials by timing"),
     ({"lattice": [9]}, "search.lattice: must be [lr points, length points]"),

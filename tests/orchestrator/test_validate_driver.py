@@ -88,6 +88,10 @@ def test_validate_counts_the_cells_plan_expands(config, monkeypatch, tmp_path):
      "ok: 1 cell, 6 trials (design 'grid' runs all 6 lattice points of a cell (search.lattice 3 x 2); "
      "search.trials_per_cell 4 is not used)"),
     ({"design": "grid", "lattice": [2, 2], "trials_per_cell": 4, "reevaluate": 0}, ["starfish"], "ok: 1 cell, 4 trials"),
+    # epochs [3, 4] on 5 points is 2 values: 10 trials ran 4 distinct configurations, each 2-3 times
+    ({"design": "grid", "lattice": [2, 5], "epochs": [3, 4], "trials_per_cell": 3, "reevaluate": 0}, ["starfish"],
+     "ok: 1 cell, 4 trials (design 'grid' runs all 4 lattice points of a cell (search.lattice 2 x 5: its distinct "
+     "points); search.trials_per_cell 3 is not used)"),
     ({"trials_per_cell": 1, "reevaluate": 0}, ["none"], "ok: 1 cell, 1 trial (1 cell whose healer does not train "
                                                          "runs 1 trial)"),
     ({"trials_per_cell": 2, "reevaluate": 2, "calib_draws": 2}, ["starfish"], "ok: 1 cell, 4 trials (re-evaluations "
