@@ -286,7 +286,7 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
     name = title or info["name"] or sweep_id
     objective = info.get("objective") or "selection_acc"
     best = flag_boundary(attach(reported(trials, objective), stops or {}), search, tracking_uri, widened,
-                         explored_lr(trials))  # re-evaluated numbers
+                         explored_lr(trials), trials.loc[trials["boundary_tag"] == "true", "run_id"])  # re-evaluated
     model_of = trials["model"].astype("object").fillna(UNKNOWN_MODEL)
     models = sorted(set(model_of))
     summary = _summary(trials, name, sweep_id, tracking_uri, info.get("calib_seed") or 0)

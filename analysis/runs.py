@@ -37,6 +37,7 @@ STR_COLUMNS = (
     "run_id", "experiment_id", "status", "cell_id", "trial_id", "store_key", "pattern",
     "model", "pruner", "scope", "healer", "granularity", "failure_reason", "mask_key", "grid", "model_digest", "stage",
     "precision", "mask_digest", "pruner_settings", "healer_settings",
+    "boundary_tag",  # the run's search_boundary tag as a report left it ("true" / "false"): search_space.flag_boundary
 )
 _TAG_COLUMNS = ("cell_id", "trial_id", "store_key", "pattern", "failure_reason", "mask_key", "stage")
 _STR_PARAMS = ("model", "pruner", "scope", "healer", "granularity", "grid", "model_digest",  # digest: the weights' sha256
@@ -138,7 +139,7 @@ def load_trials(tracking_uri: str, sweep_id: str, experiment: str = "healsweep")
         tags, params = run.data.tags, run.data.params
         rec = {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id,
                "status": run.info.status}
-        rec.update({c: tags.get(c) for c in _TAG_COLUMNS})
+        rec.update({c: tags.get(c) for c in _TAG_COLUMNS}, boundary_tag=tags.get("search_boundary"))
         rec.update({c: params.get(c) for c in (*_STR_PARAMS, *FLOAT_PARAM_COLUMNS, *INT_COLUMNS)})
         rec.update({f"metric:{k}": v for k, v in run.data.metrics.items()})
         records.append(rec)

@@ -4,6 +4,8 @@ the boxes of widening rounds (sweep.json ``widenings``, written by orchestrator/
 (``analysis.findings.boundary``)."""
 from __future__ import annotations
 
+from typing import Iterable
+
 import pandas as pd
 
 from .findings import edges
@@ -12,9 +14,12 @@ from .search_stops import RECOVERED
 
 
 def flag_boundary(best: pd.DataFrame, search: dict | None, tracking_uri: str | None = None,
-                  widened: dict | None = None, explored: dict | None = None) -> pd.DataFrame:
+                  widened: dict | None = None, explored: dict | None = None, tagged: Iterable[str] = ()
+                  ) -> pd.DataFrame:
     """Add ``search_boundary`` ('' or the reason) to each winner; with ``tracking_uri``, tag every gradient
-    winner's MLflow run ``search_boundary`` = "true"/"false" (+ ``search_boundary_reason``). ``widened``: cell
+    winner's MLflow run ``search_boundary`` = "true"/"false" (+ ``search_boundary_reason``), and set "false" on the
+    runs of ``tagged`` (run ids a report tagged "true" before) that are no winner's now: a resume, a refine round
+    or a widening found a better trial (the old tag said a non-winner sat on the boundary). ``widened``: cell
     id -> its widened search box, which replaces its grid's. ``explored``: cell id -> (lowest, highest) lr its
     search tried (``search_stops.explored_lr``): an lr edge the search tried past is no edge (``searched_edges``).
     A winner whose search stopped "recovered" (``search_stop``: at the dense model's accuracy, within the noise
@@ -36,6 +41,10 @@ def flag_boundary(best: pd.DataFrame, search: dict | None, tracking_uri: str | N
                 client.set_tag(r.run_id, "search_boundary", "true" if r.search_boundary else "false")
                 if r.search_boundary:
                     client.set_tag(r.run_id, "search_boundary_reason", r.search_boundary)
+        for run_id in sorted(set(tagged) - set(best["run_id"])):
+            client.set_tag(run_id, "search_boundary", "false")
+            if "search_boundary_reason" in client.get_run(run_id).data.tags:
+                client.delete_tag(run_id, "search_boundary_reason")
     return best
 
 

@@ -76,3 +76,32 @@ def test_widened_box_shifts_past_the_edges_hit():
     assert union_box([b, {"lr": [2e-4, 1e-2], "epochs": [2, 16]}]) == {"lr": [1e-4, 1e-2], "epochs": [1, 16]}
     meta = {"widenings": [{"round": 1, "cells": {"c1": b}}, {"round": 2, "cells": {"c1": {"lr": [1, 2], "epochs": [1, 2]}}}]}
     assert widened_cells(meta) == {"c1": {"round": 2, "lr": [1, 2], "epochs": [1, 2]}}
+
+
+def test_a_boundary_tag_left_on_a_former_winner_is_cleared(tmp_path):
+    """A resume, refine round or widening finds a better trial: the old winner's ``search_boundary`` "true" tag
+    stayed on a run that no longer wins (the report listed no boundary winner, MLflow one)."""
+    from mlflow import MlflowClient
+
+    from analysis.runs import ROLE_TAG, load_trials
+    from analysis.search_space import flag_boundary
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("healsweep")
+    ids = {}
+    for name, lr in (("old", 1e-2), ("new", 1e-3)):  # old: at the 0.01 cap, a winner once; new: inside the box
+        run = client.create_run(exp, tags={"sweep_id": "s", ROLE_TAG: "trial", "cell_id": "c", "trial_id": name})
+        client.log_param(run.info.run_id, "lr", lr)
+        client.set_terminated(run.info.run_id)
+        ids[name] = run.info.run_id
+    client.set_tag(ids["old"], "search_boundary", "true")
+    client.set_tag(ids["old"], "search_boundary_reason", "lr 0.01 at the 0.01 cap")
+    trials = load_trials(uri, "s", "healsweep")
+    tagged = trials.loc[trials["boundary_tag"] == "true", "run_id"]
+    assert list(tagged) == [ids["old"]]
+    best = pd.DataFrame([dict(run_id=ids["new"], cell_id="c", lr=1e-3, steps=16, epochs=2, grid="main")])
+    out = flag_boundary(best, {"main": {"lr": [1e-4, 1e-2], "steps": [4, 64]}}, uri, tagged=tagged)
+    assert list(out["search_boundary"]) == [""]
+    old, new = (client.get_run(ids[k]).data.tags for k in ("old", "new"))
+    assert old["search_boundary"] == new["search_boundary"] == "false" and "search_boundary_reason" not in old
