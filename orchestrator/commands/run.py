@@ -322,15 +322,38 @@ def _run(args, spec, out: Path, store: Path, cache: Path, clock, owns_ray: bool 
                         report=not args.no_report and not widen, num_cpus=args.num_cpus, resume=bool(args.resume),
                         verbose=args.verbose, clock=clock, owns_ray=owns_ray, models=models)
         if widen and res.interrupted is None and faults.stopped() is None:  # a fault: no widening round
-            rounds = run_widening(out, widen["rounds"], widen["factor"], address=args.address,
-                                  progress=not args.quiet, num_cpus=args.num_cpus, report=not args.no_report,
-                                  total=True)
+            try:
+                rounds = run_widening(out, widen["rounds"], widen["factor"], address=args.address,
+                                      progress=not args.quiet, num_cpus=args.num_cpus, report=not args.no_report,
+                                      total=True)
+            except KeyboardInterrupt:  # Ctrl-C between the sweep and a round (or two rounds): no sweep's handler
+                res = _stopped_between_rounds(res, out)
+                rounds = []
             res = _widened(res, rounds, out, not args.no_report)
         elif widen and not args.no_report:  # interrupted before widening: the partial sweep's report
             res = _widened(res, [], out, True)
     except (ResumeError, StoreBudgetError, ClusterError, RefineError, ModelSourceError, DatasetError) as e:
         raise CliError(str(getattr(e, "cause", None) or e)) from None  # a Ray task's error: its cause's line
     return res
+
+
+def _stopped_between_rounds(res, out: Path):
+    """A Ctrl-C that reached the driver outside the sweep's and its rounds' own handling (while a widening round is
+    planned, or Ray starts for it): the parent run KILLED and tagged partial as for an interrupt during the trials
+    (it stayed FINISHED, partial=false, with no report), the counts the journal holds. ``run --resume`` runs the
+    rounds not recorded in sweep.json."""
+    import signal
+
+    from mlflow import MlflowClient
+
+    from orchestrator.rundir.files import JOURNAL_FILE
+    from orchestrator.sweep.end import mark_parent, told_counts
+
+    finished, failed = told_counts(out / JOURNAL_FILE)
+    info = read_sweep(out)  # a round's resume may have opened the parent again: sweep.json names the current one
+    mark_parent(MlflowClient(info.get("tracking_uri") or res.tracking_uri), info.get("parent_run_id") or
+                res.parent_run_id, finished, failed, res.trials_planned, signal.SIGINT)
+    return replace(res, trials_finished=finished, trials_failed=failed, interrupted=int(signal.SIGINT))
 
 
 def _widened(res, rounds: list[dict], out: Path, report: bool):

@@ -125,7 +125,9 @@ class MlflowTrialLogger(Callback):
             if self.replace:
                 for old in self.client.search_runs([self.exp_id], f"tags.sweep_id = '{self.sweep_id}' and "
                                                                   f"tags.trial_id = '{key}'"):
-                    self.client.delete_run(old.info.run_id)
+                    if old.info.status == "RUNNING":  # the stopped session's run: ended as what happened to it
+                        self.client.set_terminated(old.info.run_id, "KILLED")
+                    self.client.delete_run(old.info.run_id)  # kept by MLflow as deleted (hidden; `mlflow gc`)
             run = self.client.create_run(self.exp_id, run_name=key, tags=tags)
             self.runs[key] = run.info.run_id
             self.client.log_batch(run.info.run_id, params=params)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
+from mlflow.entities import ViewType
 
 from orchestrator.rundir.files import read_sweep, told_states
 
@@ -113,6 +114,13 @@ def test_interrupted_sweep_says_so_and_resumes_without_running_a_trial_twice(tmp
     keys = [r.data.tags["trial_id"] for r in runs]
     assert len(keys) == len(set(keys)) == 8 and all(r.info.status == "FINISHED" for r in runs)
     assert {k: v for k, v in ((r.data.tags["trial_id"], r.info.run_id) for r in runs) if k in before} == before
+    # the stopped trials' runs of the first session: deleted (hidden) and ended KILLED, none left RUNNING
+    info = read_sweep(out)
+    client = MlflowClient(info["tracking_uri"])
+    gone = client.search_runs([client.get_experiment_by_name(info["experiment"]).experiment_id],
+                              f"tags.sweep_id = '{info['sweep_id']}' and tags.`healsweep.role` = 'trial'",
+                              run_view_type=ViewType.DELETED_ONLY)
+    assert all(r.info.status == "KILLED" for r in gone), [(r.data.tags["trial_id"], r.info.status) for r in gone]
     assert _finished(out) == 8
     parent = _parent(out)
     assert parent.info.status == "FINISHED" and parent.data.tags["partial"] == "false"
@@ -161,3 +169,45 @@ def test_an_interrupted_refine_round_says_its_own_counts_and_refine_continues_it
     keys = [r.data.tags["trial_id"] for r in runs]
     assert len(keys) == len(set(keys)) == 8 + planned and all(r.info.status == "FINISHED" for r in runs)
     assert _parent(out).data.tags["partial"] == "false" and "Partial sweep" not in (out / "report.md").read_text()
+
+
+# configs/tiny.yaml's model with one widening round (its seed puts a winner on the lr edge: 6 trials, then 3 more)
+WIDEN = {"name": "widen", "models": ["vit_digits"], "sparsities": [0.9], "calib_sizes": [128, 256],
+         "pruners": ["magnitude"], "healers": ["starfish"],
+         "search": {"trials_per_cell": 2, "lr": [1e-3, 3e-3], "epochs": [3, 5], "reevaluate": 1, "sampler_seed": 1,
+                    "widen": {"rounds": 1, "factor": 4}}}
+# Ctrl-C where a real one lands between the sweep's trials and its widening round: in plan_widening, after the
+# sweep's own signal handling ended (a KeyboardInterrupt, Python's default SIGINT handler)
+CTRL_C_IN_PLANNING = ("import sys\nimport orchestrator.lifecycle.widen as w\n"
+                      "def ctrl_c(*a, **k):\n    raise KeyboardInterrupt\n"
+                      "w.plan_widening = ctrl_c\nfrom orchestrator.cli import main\nsys.exit(main())")
+
+
+@pytest.mark.timeout(900)
+def test_ctrl_c_before_a_widening_round_ends_partial_and_the_resume_runs_the_round(tmp_path):
+    """It exited 130 with the resume line, but the parent run stayed FINISHED with partial=false and no report was
+    written: the sweep read as complete. Now KILLED and partial as any interrupted sweep, a partial report; the
+    resume runs the round and ends complete."""
+    import yaml
+
+    spec, out = tmp_path / "widen.yaml", tmp_path / "run"
+    spec.write_text(yaml.safe_dump(WIDEN))
+    first = subprocess.run([sys.executable, "-c", CTRL_C_IN_PLANNING, *_cmd(tmp_path, str(spec), "--out", str(out))[1:]],
+                           capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=800)
+    assert first.returncode == 130 and "Traceback" not in first.stderr, (first.returncode, first.stderr[-3000:])
+    done = _finished(out)
+    assert [ln for ln in first.stderr.splitlines() if ln.startswith("interrupted")] == [
+        f"interrupted: {done} of {done} trials finished; resume with healsweep run --resume {out}"]
+    parent = _parent(out)
+    assert parent.info.status == "KILLED" and parent.data.tags["partial"] == "true"
+    assert parent.data.tags["interrupted_by"] == "SIGINT" and "widenings" not in read_sweep(out)
+    assert "Partial sweep" in (out / "report.md").read_text()
+
+    resumed = subprocess.run([*_cmd(tmp_path, "--resume", str(out))], capture_output=True, text=True, env=_env(),
+                             cwd=tmp_path, timeout=800)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rounds = read_sweep(out)["widenings"]
+    assert len(rounds) == 1 and rounds[0]["trials_finished"] >= 1 and _finished(out) > done
+    parent = _parent(out)
+    assert parent.info.status == "FINISHED" and parent.data.tags["partial"] == "false"
+    assert "Partial sweep" not in (out / "report.md").read_text()
