@@ -20,29 +20,47 @@ def precision_note(gb: pd.DataFrame) -> str:
     return f"Healed in {' and '.join(PRECISION_WORDS.get(p, p) for p in used)} (heal.precision; the authors heal in fp32)."
 
 
-def budget_line(gb: pd.DataFrame, bounds: dict | None) -> str:
+def budget_line(gb: pd.DataFrame, bounds: dict | None, trials: pd.DataFrame | None = None) -> str:
     """'Budget: bands and leads hold within 64 optimizer steps per trial (search.steps 4–64; lr 0.0001–0.01).'
     for one grid's winners ``gb`` and its search bounds ({"lr", "steps" | "epochs"}), followed by the precision
-    note when the winners did not heal in fp32; '' when neither is known."""
-    return " ".join(x for x in (_budget(gb, bounds), precision_note(gb)) if x)
+    note when the winners did not heal in fp32; '' when neither is known. ``trials``: the grid's trials: a box
+    its trials went past (a widening round, ``refine --widen``, a converging search) is the budget, named so."""
+    return " ".join(x for x in (_budget(gb, bounds, searched_bounds(bounds, trials)), precision_note(gb)) if x)
 
 
-def _budget(gb: pd.DataFrame, bounds: dict | None) -> str:
+def searched_bounds(bounds: dict | None, trials: pd.DataFrame | None) -> dict | None:
+    """``bounds`` stretched to the lr and training length the grid's gradient trials ran (lr > 0)."""
+    if not bounds or trials is None or "lr" not in trials.columns:
+        return bounds
+    g = trials[pd.to_numeric(trials["lr"], errors="coerce") > 0]
+    out = {k: list(v) if v else v for k, v in bounds.items()}
+    key = "steps" if bounds.get("steps") else "epochs"
+    for k, cast in (("lr", float), (key, int)):
+        v = pd.to_numeric(g[k], errors="coerce").dropna() if k in g.columns else pd.Series(dtype=float)
+        if out.get(k) and len(v):
+            out[k] = [min(out[k][0], cast(v.min())), max(out[k][1], cast(v.max()))]
+    return out
+
+
+def _budget(gb: pd.DataFrame, declared: dict | None, bounds: dict | None) -> str:
     if not bounds:
         return ""
-    lr = bounds.get("lr") or [math.nan, math.nan]
-    box = f"lr {lr[0]:.2g}–{lr[1]:.2g}"
-    if bounds.get("steps"):
-        lo, hi = bounds["steps"]
-        return (f"Budget: bands and leads hold within {hi} optimizer step{'s' if hi != 1 else ''} per trial "
-                f"(search.steps {lo}–{hi}; {box}).")
-    lo, hi = bounds.get("epochs") or (None, None)
+    key = "steps" if bounds.get("steps") else "epochs"
+    lo, hi = bounds.get(key) or (None, None)
     if hi is None:
         return ""
+    lr = bounds.get("lr") or [math.nan, math.nan]
+    box = f"search.{key} {lo}–{hi}; lr {lr[0]:.2g}–{lr[1]:.2g}"
+    if bounds != declared:  # the trials went past the spec's box: what they ran is the budget
+        d = declared.get("lr") or [math.nan, math.nan]
+        box = (f"searched {key} {lo}–{hi}, lr {lr[0]:.2g}–{lr[1]:.2g}: past the spec's search.{key} "
+               f"{declared[key][0]}–{declared[key][1]}, lr {d[0]:.2g}–{d[1]:.2g}")
+    if key == "steps":
+        return f"Budget: bands and leads hold within {hi} optimizer step{'s' if hi != 1 else ''} per trial ({box})."
     g = gb[gb["calib_size"].notna()] if "calib_size" in gb.columns else gb.iloc[:0]
     sizes = sorted({(int(n), int(b) if pd.notna(b) else 32)
                     for n, b in zip(g["calib_size"], g.get("batch_size", pd.Series(32, index=g.index)))})
     per = {n: hi * math.ceil(n / b) for n, b in sizes}
     steps = ", ".join(f"{per[n]} optimizer step{'s' if per[n] != 1 else ''} at {n} images" for n, _ in sizes)
     return (f"Budget: bands and leads hold within {hi} epoch{'s' if hi != 1 else ''} per trial"
-            + (f" ({steps}, batch {sizes[0][1]})" if steps else "") + f" (search.epochs {lo}–{hi}; {box}).")
+            + (f" ({steps}, batch {sizes[0][1]})" if steps else "") + f" ({box}).")

@@ -268,7 +268,7 @@ def findings(best: pd.DataFrame, model: str, recs: list[dict], cts: dict | None,
         why = common_failure(trials, failed[grid]) if failed.get(grid) else ""
         gt = trials[tgrids == grid] if trials is not None else None
         f = Findings(model, grid, ranges(gr, cts), best_rows(gb), _warnings(gb, failed.get(grid, []), why, gt),
-                     budget=budget_line(gb, (bounds or {}).get(grid) or (bounds or {}).get("main")))
+                     budget=budget_line(gb, (bounds or {}).get(grid) or (bounds or {}).get("main"), gt))
         line = agreement_line(agreement(gt)) if gt is not None else ""
         f.notes = [OBJECTIVE_NOTE] if objective == "heldout_align" else []
         f.notes += [line] if line else []

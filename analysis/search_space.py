@@ -49,14 +49,16 @@ def flag_boundary(best: pd.DataFrame, search: dict | None, tracking_uri: str | N
 
 
 def searched_edges(row, box: dict | None, explored: tuple[float, float] | None) -> dict[str, str]:
-    """``findings.edges`` of the winner ``row`` against ``box``, less an lr edge its search tried past (a lower
-    lr below a floor winner, a higher one above a cap winner: ``explored`` = (lowest, highest) lr tried): a
-    converging search (orchestrator/search/converge.py) widens the box past a winning edge, and a winner with
-    worse results beyond it is not on the edge of what was searched."""
+    """``findings.edges`` of the winner ``row`` against ``box``, less an lr edge its search tried past: an lr
+    below the box's floor for a floor winner, above its cap for a cap winner (``explored`` = (lowest, highest) lr
+    tried). A converging search (orchestrator/search/converge.py) walks past a winning edge, and a winner with worse
+    results beyond it is not on the edge of what was searched; a trial inside the box nearer its edge than the
+    winner (TPE's draws) is no search past it."""
     out = edges(row, box)
-    if explored and "lr_cap" in out and explored[1] > float(row["lr"]) * (1 + 1e-9):
+    lo, hi = (box or {}).get("lr") or (0.0, float("inf"))
+    if explored and "lr_cap" in out and explored[1] > max(float(row["lr"]), hi) * (1 + 1e-9):
         out.pop("lr_cap")
-    if explored and "lr_floor" in out and explored[0] < float(row["lr"]) * (1 - 1e-9):
+    if explored and "lr_floor" in out and explored[0] < min(float(row["lr"]), lo) * (1 - 1e-9):
         out.pop("lr_floor")
     return out
 

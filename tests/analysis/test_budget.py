@@ -39,3 +39,22 @@ def test_only_non_budget_edges_are_warned_about():
                        "search_boundary": ["64 of 64 steps", "lr 0.01 at the 0.01 cap; 64 of 64 steps"]})
     (w,) = [x for x in _warnings(mb, []) if "search boundary" in x]
     assert w.startswith("1 of 2 searched cells' winners sit on the search boundary") and "0.95" in w
+
+
+def test_a_budget_the_trials_went_past_is_the_one_stated():
+    """A widening round (search.widen, refine --widen) or a converging search runs past the spec's box: the first
+    screen said "within 5 epochs (search.epochs 3–5; lr 0.001–0.003)" under a winner healed 7 epochs at lr 0.012."""
+    gb = pd.DataFrame({"calib_size": [128], "batch_size": [32]})
+    declared = {"lr": [1e-3, 3e-3], "epochs": [3, 5]}
+    trials = pd.DataFrame({"lr": [1e-3, 3e-3, 1.2e-2, 0.0], "epochs": [3, 5, 7, 0]})  # lr 0: a closed-form cell
+    assert budget_line(gb, declared, trials) == (
+        "Budget: bands and leads hold within 7 epochs per trial (28 optimizer steps at 128 images, batch 32) "
+        "(searched epochs 3–7, lr 0.001–0.012: past the spec's search.epochs 3–5, lr 0.001–0.003).")
+    inside = trials.iloc[:2]
+    assert budget_line(gb, declared, inside) == budget_line(gb, declared) == (
+        "Budget: bands and leads hold within 5 epochs per trial (20 optimizer steps at 128 images, batch 32) "
+        "(search.epochs 3–5; lr 0.001–0.003).")
+    steps = pd.DataFrame({"lr": [4e-4, 1e-3], "steps": [8, 16]})
+    assert budget_line(gb, {"lr": [1e-3, 1e-2], "steps": [4, 64]}, steps).endswith(
+        "within 64 optimizer steps per trial (searched steps 4–64, lr 0.0004–0.01: past the spec's search.steps 4–64, "
+        "lr 0.001–0.01).")

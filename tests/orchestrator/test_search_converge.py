@@ -192,6 +192,11 @@ def test_the_report_does_not_flag_an_lr_edge_its_search_tried_past():
     row = {"lr": 1.78e-2, "steps": 64}
     assert set(searched_edges(row, box, (1e-4, 1.78e-2))) == {"lr_cap", "length_cap"}  # nothing tried above it
     assert set(searched_edges(row, box, (1e-4, 3.16e-2))) == {"length_cap"}  # a worse lr above it was tried
+    # TPE inside the box: a trial nearer the floor than the winner (1.0001e-3 vs 1.048e-3) tried nothing below the
+    # floor, so the winner (4 % into the log range) sits on it (it was not flagged)
+    tpe_box, floor_row = {"lr": [1e-3, 3e-3], "epochs": [3, 5]}, {"lr": 1.048e-3, "epochs": 4}
+    assert set(searched_edges(floor_row, tpe_box, (1.0001e-3, 2.9e-3))) == {"lr_floor"}
+    assert set(searched_edges(floor_row, tpe_box, (5.6e-4, 2.9e-3))) == set()  # a walk below the floor: tried past
 
 
 def test_the_report_does_not_flag_the_edge_of_a_recovered_cell():
