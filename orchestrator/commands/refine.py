@@ -21,7 +21,8 @@ STEP, WIDEN_FACTOR, WIDEN_ROUNDS = 0.005, 4.0, 1  # the defaults of --step, --wi
 
 
 def add_parser(sub):
-    p = sub.add_parser("refine", help="refine a finished sweep's transition band with a fine sparsity grid",
+    p = sub.add_parser("refine", help="refine a finished sweep: a fine sparsity grid in its transition band, or "
+                                           "(--widen) a search past the boundary its winners sit on",
                        description="Read DIR/sweep.json and the sweep's MLflow runs, find the sparsity range "
                                    "where healed accuracy is in transition, run the fine grid inside it as a "
                                    "continuation of the same sweep (cached targets, masks and diagnostics are "

@@ -14,8 +14,10 @@ def add_parser(sub):
     p = sub.add_parser("validate", help="validate a sweep spec and print its grid size",
                        description="Check SPEC against the registries (models, datasets, pruners, healers, scopes) "
                                    "and the bounds of every field, then print its number of cells and trials (per "
-                                   "grid when it has extra grids). Nothing is trained, computed or logged; Ray and "
-                                   "MLflow are not started. A bad spec is one line naming the field, exit code 2.")
+                                   "grid when it has extra grids). Nothing is trained or logged; Ray and MLflow are "
+                                   "not started. The verdicts of the model/method checks are cached in "
+                                   "./.healsweep/checks (HEALSWEEP_CHECK_CACHE: another directory, or off). A bad "
+                                   "spec is one line naming the field, exit code 2.")
     p.add_argument("spec", metavar="SPEC", help="sweep spec (YAML), e.g. configs/tiny.yaml")
     p.set_defaults(func=main)
     return p
@@ -41,6 +43,7 @@ def main(args) -> int:
     total = "up to " if any(upto.values()) else ""  # search.converge: trials_per_cell and re-evaluations are caps
     if total:
         notes.append("search.converge: a cell stops when its search converges, so these are caps")
+    notes += _search_notes(searches)
     if spec.search.calib_draws:  # orchestrator/sweep/draws.py: what each draw adds before the trials
         notes.append(f"re-evaluations heal on {spec.search.calib_draws} other calibration draw(s), each with its own "
                      "dense targets and, for pruners that read images, masks")
@@ -50,6 +53,20 @@ def main(args) -> int:
         print("  " + "; ".join(f"grid {g}: {plural(per[g], 'cell')}, {upto[g]}{plural(trials[g], 'trial')}"
                                for g in searches))
     return 0
+
+
+def _search_notes(searches: dict) -> list[str]:
+    """Settings that change the count: ``search.widen`` adds rounds (not counted: how many cells sit on the
+    boundary is known only after the search); ``startup_trials`` is TPE's, unused by the other designs."""
+    out = []
+    for g, s in searches.items():
+        where = f"grid {g}: " if len(searches) > 1 else ""
+        if s.widen:
+            out.append(f"{where}search.widen: up to {s.widen['rounds']} more round(s) of trials for the cells whose "
+                       "winner sits on the search boundary, not counted here")
+        if s.startup_trials is not None and s.design != "tpe":
+            out.append(f"{where}search.startup_trials (TPE's random trials) is not used by design '{s.design}'")
+    return list(dict.fromkeys(out))
 
 
 def _grid_design_notes(searches: dict) -> list[str]:

@@ -92,6 +92,11 @@ def test_validate_counts_the_cells_plan_expands(config, monkeypatch, tmp_path):
     ({"design": "grid", "lattice": [2, 5], "epochs": [3, 4], "trials_per_cell": 3, "reevaluate": 0}, ["starfish"],
      "ok: 1 cell, 4 trials (design 'grid' runs all 4 lattice points of a cell (search.lattice 2 x 5: its distinct "
      "points); search.trials_per_cell 3 is not used)"),
+    ({"trials_per_cell": 2, "reevaluate": 0, "widen": {"rounds": 2, "factor": 4}}, ["starfish"],
+     "ok: 1 cell, 2 trials (search.widen: up to 2 more round(s) of trials for the cells whose winner sits on the "
+     "search boundary, not counted here)"),
+    ({"trials_per_cell": 2, "reevaluate": 0, "startup_trials": 2}, ["starfish"],
+     "ok: 1 cell, 2 trials (search.startup_trials (TPE's random trials) is not used by design 'shared')"),
     ({"trials_per_cell": 1, "reevaluate": 0}, ["none"], "ok: 1 cell, 1 trial (1 cell whose healer does not train "
                                                          "runs 1 trial)"),
     ({"trials_per_cell": 2, "reevaluate": 2, "calib_draws": 2}, ["starfish"], "ok: 1 cell, 4 trials (re-evaluations "
