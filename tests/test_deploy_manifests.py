@@ -126,3 +126,32 @@ def test_cluster_yaml_syncs_the_shipped_weights_and_not_what_runs_make(tmp_path)
     shipped = {f"tasks/models/weights/{m}.safetensors" for m in ("vit_digits", "resnet_digits")}
     assert shipped <= synced and "tasks/store/core.py" in synced and "configs/default.yaml" in synced
     assert not {rel for rel in made if rel in synced}, sorted(rel for rel in made if rel in synced)
+
+
+def test_the_documented_sweep_commands_parse_and_put_trials_on_the_gpus():
+    """cluster.yaml's header command and the RayJob's entrypoint, through healsweep's own argument parser: flags that
+    exist, and (configs/default.yaml runs CPU trials) a GPU share per trial on the GPU workers, which sat idle."""
+    import shlex
+
+    from orchestrator.cli import build_parser
+
+    text = (REPO / "cluster.yaml").read_text()
+    block = text[text.index("#   ray exec cluster.yaml --tmux"):text.index("cluster_name:")]
+    quoted = " ".join(ln.lstrip("# ").rstrip("\\").strip() for ln in block.splitlines()).split("'")[1]
+    (job,) = _docs(REPO / "configs" / "k8s" / "kuberay-rayjob.yaml")
+    for command in (quoted.split("&&", 1)[1], job["spec"]["entrypoint"]):
+        argv = shlex.split(command)
+        assert argv[0] == "healsweep", command
+        args = build_parser().parse_args(argv[1:])
+        res = dict(kv.split("=") for kv in args.resources.split(","))
+        assert 0 < float(res["gpu"]) < 1 and args.address == "auto", command
+
+
+def test_every_ray_node_and_the_driver_run_without_token_auth():
+    """Ray 2.60 turns token auth on for `ray start --head` when ~/.ray/auth_token exists (an earlier local ray.init
+    on the head writes one): then no worker joins. Every start command and the driver's shell set the mode."""
+    d = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    for cmd in d["head_start_ray_commands"] + d["worker_start_ray_commands"]:
+        if "ray start" in cmd:
+            assert cmd.index("export RAY_AUTH_MODE=disabled") < cmd.index("ray start"), cmd
+    assert any("export RAY_AUTH_MODE=disabled' >> ~/.bashrc" in c for c in d["head_setup_commands"])
