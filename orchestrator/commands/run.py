@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import threading
 import time
@@ -16,7 +17,7 @@ from orchestrator.lifecycle.resume import check_resumable, note, nothing_to_resu
 from orchestrator.lifecycle.widen import run_widening
 from orchestrator.raytune.cluster import ClusterError, check_store_uri, connect  # light: no ray import
 from orchestrator.rundir import faults
-from orchestrator.rundir.files import (ResumeError, interrupted_round, lock_run_dir, probe_run_dir, read_sweep,
+from orchestrator.rundir.files import (JOURNAL_FILE, ResumeError, interrupted_round, lock_run_dir, probe_run_dir, read_sweep,
                                        record_complete)
 from orchestrator.spec.dry_run import DRY_SIZES
 from orchestrator.spec.reach import check_server
@@ -342,11 +343,8 @@ def _stopped_between_rounds(res, out: Path):
     planned, or Ray starts for it): the parent run KILLED and tagged partial as for an interrupt during the trials
     (it stayed FINISHED, partial=false, with no report), the counts the journal holds. ``run --resume`` runs the
     rounds not recorded in sweep.json."""
-    import signal
-
     from mlflow import MlflowClient
 
-    from orchestrator.rundir.files import JOURNAL_FILE
     from orchestrator.sweep.end import mark_parent, told_counts
 
     finished, failed = told_counts(out / JOURNAL_FILE)
