@@ -257,8 +257,7 @@ def test_input_size_sets_the_preprocessing_of_a_torchvision_checkpoint(tmp_path,
     assert at_20x28.dataset["evaluation"].images[:1].shape == (1, 3, 20, 28)
     assert default.dataset["evaluation"].images[:1].shape == (1, 3, 224, 224)
     assert at_24.digest == default.digest == file_digest(path) and at_24.dataset.digest != default.dataset.digest
-    # the calibration images' digest (keys the planner's cached timing: orchestrator/sweep/planner.py) follows
-    assert at_24.dataset.split_digest("calibration") != default.dataset.split_digest("calibration")
+    assert at_24.dataset.split_digest("calibration") != default.dataset.split_digest("calibration")  # planner's key
     tv = MODEL_SOURCES.get("torchvision")  # a builder without weights: the entry's digest is its settings
     plain = parse_ref({"name": "r", "source": "torchvision", "arch": "resnet18", "num_classes": N_CLASSES})
     sized = parse_ref({"name": "r", "source": "torchvision", "arch": "resnet18", "num_classes": N_CLASSES,
