@@ -33,12 +33,15 @@ def searched_bounds(bounds: dict | None, trials: pd.DataFrame | None) -> dict | 
     if not bounds or trials is None or "lr" not in trials.columns:
         return bounds
     g = trials[pd.to_numeric(trials["lr"], errors="coerce") > 0]
+    if "status" in g.columns:  # what finished trials ran (a failed one's length was never healed through)
+        g = g[g["status"] == "FINISHED"]
     out = {k: list(v) if v else v for k, v in bounds.items()}
     key = "steps" if bounds.get("steps") else "epochs"
-    for k, cast in (("lr", float), (key, int)):
+    for k, cast, tol in (("lr", float, 1e-5), (key, int, 0.0)):  # lr: the lattice's 6 significant figures
         v = pd.to_numeric(g[k], errors="coerce").dropna() if k in g.columns else pd.Series(dtype=float)
         if out.get(k) and len(v):
-            out[k] = [min(out[k][0], cast(v.min())), max(out[k][1], cast(v.max()))]
+            lo, hi = cast(v.min()), cast(v.max())
+            out[k] = [lo if lo < out[k][0] * (1 - tol) else out[k][0], hi if hi > out[k][1] * (1 + tol) else out[k][1]]
     return out
 
 

@@ -89,8 +89,10 @@ case "${1:-}" in
       exit 1
     fi
     mkdir -p "$shared"
-    copy_db "$db" "$backup"
-    echo "mlflow-head: $db backed up to $backup"
+    copy_db "$db" "$db.backup-tmp"  # on the head's disk: the read lock is short, not held over an NFS write
+    [ -e "$backup" ] && cp -p "$backup" "$backup.prev"  # the backup before it (an empty head must not erase it)
+    cp "$db.backup-tmp" "$backup.tmp" && mv "$backup.tmp" "$backup" && rm -f "$db.backup-tmp"
+    echo "mlflow-head: $db backed up to $backup (the previous one: $backup.prev)"
     ;;
   *)
     echo "usage: bash docker/mlflow-head.sh start|backup (settings: the comment at the top of this file)" >&2

@@ -349,9 +349,12 @@ def _stopped_between_rounds(res, out: Path):
 
     finished, failed = told_counts(out / JOURNAL_FILE)
     info = read_sweep(out)  # a round's resume may have opened the parent again: sweep.json names the current one
-    mark_parent(MlflowClient(info.get("tracking_uri") or res.tracking_uri), info.get("parent_run_id") or
-                res.parent_run_id, finished, failed, res.trials_planned, signal.SIGINT)
-    return replace(res, trials_finished=finished, trials_failed=failed, interrupted=int(signal.SIGINT))
+    client, parent = MlflowClient(info.get("tracking_uri") or res.tracking_uri), info.get("parent_run_id") or res.parent_run_id
+    tagged = client.get_run(parent).data.tags.get("trials_planned") or "0"  # a finished round's plan, if one ran
+    planned = max(res.trials_planned, int(tagged) if tagged.isdigit() else 0, finished + failed)
+    mark_parent(client, parent, finished, failed, planned, signal.SIGINT)
+    return replace(res, trials_finished=finished, trials_failed=failed, trials_planned=planned,
+                   interrupted=int(signal.SIGINT))
 
 
 def _widened(res, rounds: list[dict], out: Path, report: bool):

@@ -213,33 +213,3 @@ def run_refinement(run_dir: Path, step: float = 0.005, *, address: str | None = 
     _record_round(Path(run_dir), plan, counts, interrupted=res.interrupted is not None or faults.stopped() is not None)
     plan.update(result=res, report=write_report(run_dir), **counts)  # counts: this round's, over its runs
     return plan
-    if plan["trials"] > max_trials:
-        per = plan["trials"] / len(plan["sparsities"])
-        about = f", about {duration(plan['trials'] * plan['seconds_per_trial'])}" if plan["seconds_per_trial"] else ""
-        ns = len(plan["sparsities"])
-        raise RefineError(f"{plan['trials']} new trials ({ns} sparsit{'y' if ns == 1 else 'ies'} x {per:g}{about}) "
-                          f"exceed --max-trials {max_trials}; raise it, or use a coarser --step (see --dry-run)")
-    from analysis.report import write_report
-    from orchestrator.sweep.run import run_sweep
-
-    spec = refine_spec(coarse, plan["sparsities"])
-    done_before, failed_before = told_counts(Path(run_dir) / JOURNAL_FILE)  # the whole sweep's, so far
-
-    lock_run_dir(Path(run_dir))  # before its files are settled: no doctor --repair or second driver meanwhile
-    prepare_resume(Path(run_dir))  # damaged files: one line; torn last lines dropped; journal agrees with the record
-    res = run_sweep(spec, Path(run_dir), Path(meta["store"]), Path(meta["cache"]), address=address,
-                    progress=progress, report=False, num_cpus=num_cpus, refine_round=plan["round"])
-    meta = json.loads((Path(run_dir) / "sweep.json").read_text(encoding="utf-8"))  # run_sweep updated it
-    counts = {"trials_finished": res.trials_finished - done_before, "trials_failed": res.trials_failed - failed_before}
-    rounds = meta.setdefault("refinements", [])
-    before = rounds.pop() if plan["continues"] else {}  # an interrupted round's record: this run goes on with it
-    rec = {"round": plan["round"], "step": plan["step"], "interval": list(plan["interval"]),
-           "sparsities": plan["sparsities"],
-           **{k: v + before.get(k, 0) for k, v in counts.items()}}  # the round's, over its runs
-    if res.interrupted is not None:  # `healsweep refine DIR` continues it (plan_refinement), whatever its --step
-        rec["interrupted"] = True
-    rounds.append(rec)
-    write_sweep(Path(run_dir), meta)  # whole or not at all
-    counts = {k: rec[k] for k in counts}
-    plan.update(result=res, report=write_report(run_dir), **counts)  # counts: this round's
-    return plan

@@ -21,7 +21,7 @@ def log_axis(lo: float, hi: float, k: int, integer: bool = False) -> list[float]
             if not out or r != out[-1]:
                 out.append(r)
         return out
-    return [float(f"{v:.6g}") for v in vals]  # printable, and the same float on every machine
+    return list(dict.fromkeys(float(f"{v:.6g}") for v in vals))  # printable, the same on every machine; distinct
 
 
 def axis_sizes(lr: tuple[float, float], length: tuple[int, int], lattice: tuple[int, int]) -> tuple[int, int]:

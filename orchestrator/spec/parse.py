@@ -212,7 +212,7 @@ def parse_design(s: SearchSpec, scheduler: str, lr: tuple[float, float], length:
     a, b = axis_sizes(lr, length, lattice)
     if design == "shared" and trials > a * b:
         fewer = "" if (a, b) == lattice else (f" ({a} lr x {b} length values: equal bounds give one value, integer "
-                                              "lengths that round together one)")
+                                              "lengths that round to the same value count once)")
         raise SpecError("search.trials_per_cell", f"the box has {a * b} distinct lattice point(s){fewer}; design "
                                                   f"'shared' tries each at most once per cell, got {trials} trials "
                                                   "(widen the box, raise search.lattice or lower the trials)")

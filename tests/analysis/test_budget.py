@@ -58,3 +58,13 @@ def test_a_budget_the_trials_went_past_is_the_one_stated():
     assert budget_line(gb, {"lr": [1e-3, 1e-2], "steps": [4, 64]}, steps).endswith(
         "within 64 optimizer steps per trial (searched steps 4–64, lr 0.0004–0.01: past the spec's search.steps 4–64, "
         "lr 0.001–0.01).")
+
+
+def test_the_lattice_rounding_and_failed_trials_do_not_stretch_the_budget():
+    """log_axis prints lr at 6 significant figures (0.0123457 above a 0.0123456789 bound): no "past the box"; a
+    failed trial's length was never healed through."""
+    gb = pd.DataFrame({"calib_size": [128], "batch_size": [32]})
+    declared = {"lr": [1e-4, 0.0123456789], "steps": [4, 64]}
+    trials = pd.DataFrame({"lr": [1e-4, 0.0123457, 1e-3], "steps": [4, 64, 128],
+                           "status": ["FINISHED", "FINISHED", "FAILED"]})
+    assert budget_line(gb, declared, trials) == budget_line(gb, declared)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,11 +42,17 @@ def _pid(stdout: str) -> int:
     return int(stdout.split("server pid ")[1].split()[0])
 
 
-def _stop(pid: int) -> None:
+def _stop(pid: int, port: int | None = None) -> None:
     try:
         os.killpg(os.getpgid(pid), signal.SIGTERM)  # the server and its uvicorn workers
     except ProcessLookupError:
         pass
+    deadline = time.monotonic() + 30
+    while port is not None and time.monotonic() < deadline:  # until the port is free (the new head's own)
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                return
+        time.sleep(0.2)
 
 
 @pytest.mark.timeout(300)
@@ -70,7 +78,7 @@ def test_the_head_starts_one_tracking_server_and_a_new_head_restores_its_backup(
         backup = _ray_runs("bash ~/healsweep/docker/mlflow-head.sh backup", env)
         assert backup.returncode == 0, backup.stderr
         assert (shared / "mlflow-backup.db").stat().st_size > 0 and not (shared / "mlflow-backup.db.tmp").exists()
-        _stop(pids[0])
+        _stop(pids[0], port)
         (home / "mlflow.db").unlink()  # `ray down`: the head's disk is gone
 
         new_head = _ray_runs(cmd, env)

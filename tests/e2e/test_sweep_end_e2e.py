@@ -120,7 +120,7 @@ def test_interrupted_sweep_says_so_and_resumes_without_running_a_trial_twice(tmp
     gone = client.search_runs([client.get_experiment_by_name(info["experiment"]).experiment_id],
                               f"tags.sweep_id = '{info['sweep_id']}' and tags.`healsweep.role` = 'trial'",
                               run_view_type=ViewType.DELETED_ONLY)
-    assert all(r.info.status == "KILLED" for r in gone), [(r.data.tags["trial_id"], r.info.status) for r in gone]
+    assert gone and all(r.info.status == "KILLED" for r in gone), [(r.data.tags["trial_id"], r.info.status) for r in gone]
     assert _finished(out) == 8
     parent = _parent(out)
     assert parent.info.status == "FINISHED" and parent.data.tags["partial"] == "false"

@@ -195,6 +195,7 @@ def test_lattice_math():
     assert lattice.log_axis(1e-4, 1e-2, 3) == [1e-4, 1e-3, 1e-2]
     assert lattice.log_axis(4, 64, 5, integer=True) == [4, 8, 16, 32, 64]
     assert lattice.log_axis(3, 8, 5, integer=True) == [3, 4, 5, 6, 8]  # rounded, de-duplicated
+    assert lattice.log_axis(1e-3, 1.0000001e-3, 5) == [1e-3]  # lr values that print the same are one point
     assert lattice.distinct([(0, 0), (0, 0), (0, 0)], (2, 2)) == [(0, 0), (0, 1), (1, 0)]
     assert list(lattice.centred([1.0, 3.0, 5.0], ["a", "a", "b"])) == [-1.0, 1.0, 0.0]
     # two cells on a 3x1 lattice, y = level + 2u - u² exactly: the fit recovers the shape whatever the levels
