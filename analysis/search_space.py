@@ -4,6 +4,7 @@ the boxes of widening rounds (sweep.json ``widenings``, written by orchestrator/
 (``analysis.findings.boundary``)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable
 
 import pandas as pd
@@ -33,6 +34,7 @@ def flag_boundary(best: pd.DataFrame, search: dict | None, tracking_uri: str | N
                for (_, r), g in zip(best.iterrows(), grids)]
     best = best.assign(search_boundary=reasons)
     if tracking_uri:
+        from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri)
@@ -43,7 +45,7 @@ def flag_boundary(best: pd.DataFrame, search: dict | None, tracking_uri: str | N
                     client.set_tag(r.run_id, "search_boundary_reason", r.search_boundary)
         for run_id in sorted(set(tagged) - set(best["run_id"])):
             client.set_tag(run_id, "search_boundary", "false")
-            if "search_boundary_reason" in client.get_run(run_id).data.tags:
+            with contextlib.suppress(MlflowException):  # no reason tag: nothing to remove (no get_run per run)
                 client.delete_tag(run_id, "search_boundary_reason")
     return best
 
