@@ -35,3 +35,12 @@ def unseen_node(text: str) -> str | None:
     """The node id a RunDirUnseen's message names (``UNSEEN_NODE``), or None."""
     m = re.search(r"\[node ([0-9a-f]{8,})\]", text)
     return m.group(1) if m else None
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """An exception's first non-blank line, stripped and cut to ``limit`` characters, or its type's name when its
+    message is empty (``str(e).splitlines()[0]`` raised IndexError inside the very ``except`` that called it)."""
+    for line in str(e).splitlines():
+        if line.strip():
+            return line.strip()[:limit]
+    return type(e).__name__

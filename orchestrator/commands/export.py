@@ -19,6 +19,7 @@ from orchestrator.spec.reach import check_server
 from orchestrator.raytune.cluster import is_remote, store_subdir
 from tasks.atomic import file_lock
 from tasks.saved_trial import TRIAL_JSON, healed_problem, trial_dir
+from tasks.errors import first_line
 
 
 def add_parser(sub):
@@ -149,7 +150,7 @@ def fetch_stored(run_dir: Path, trial_id: str, dest: Path, healed_acc: float | N
     try:
         why = HealedStore(store_subdir(uri, "healed")).fetch(str(meta.get("sweep_id")), trial_id, dest, accept)
     except OSError as e:  # an unreachable endpoint, refused credentials
-        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        why = f"{type(e).__name__}: {first_line(e) if str(e) else ''}"
     return f"the store has no usable copy ({why})" if why else None
 
 

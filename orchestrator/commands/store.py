@@ -17,6 +17,7 @@ from orchestrator.commands.common import DEFAULT_HOME, CliError
 from orchestrator.commands.store_bucket import RECENT, bucket_entries, bucket_rule, gc_bucket
 from orchestrator.raytune.cluster import is_remote, store_subdir
 from orchestrator.rundir import records, store_users
+from tasks.errors import first_line
 
 _WHERE_HELP = ("a run directory (its store is found from sweep.json), a store root as given to `healsweep run "
                "--store` (targets in DIR/targets), or the target store itself (path or pyarrow.fs URI)")
@@ -130,7 +131,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         store = TargetStore(targets)
     except (StoreError, OSError, ValueError) as e:  # ValueError: pyarrow's ArrowInvalid (an unknown URI scheme)
-        raise CliError(f"store: cannot open {targets}: {str(e).strip().splitlines()[0][:200]}") from None
+        raise CliError(f"store: cannot open {targets}: {first_line(e, 200)}") from None
     try:
         return {"ls": _ls, "verify": _verify, "gc": _gc}[args.store_cmd](store, args, root)
     except StoreError as e:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from orchestrator.commands.common import CliError
 from orchestrator.raytune.cluster import is_remote, store_subdir
+from tasks.errors import first_line
 
 SWEEP_ID = re.compile(r"^[0-9a-f]{12}$")
 SESSION = re.compile(r"-([0-9a-f]{12})-s\d+$")  # a sweep's Tune experiment: <name>-<sweep id>-s<session>
@@ -95,7 +96,7 @@ def sweep_dirs(uri: str, kind: str) -> list[SweepDir]:
             out.append(SweepDir(fs, d.path, d.base_name, m.group(m.lastindex or 0) if m else None, len(files),
                                 sum(f.size or 0 for f in files), max(times) if times else None))
     except OSError as e:  # an unreachable endpoint, refused credentials
-        raise CliError(f"store gc: cannot read {uri}: {str(e).strip().splitlines()[0][:200]}") from None
+        raise CliError(f"store gc: cannot read {uri}: {first_line(e, 200)}") from None
     return out
 
 
@@ -103,7 +104,7 @@ def _delete(d: SweepDir, kind: str) -> None:
     try:
         d.fs.delete_dir(d.path)
     except OSError as e:
-        raise CliError(f"store gc: could not delete {kind}/{d.name}: {str(e).strip().splitlines()[0][:200]}") from None
+        raise CliError(f"store gc: could not delete {kind}/{d.name}: {first_line(e, 200)}") from None
 
 
 def referenced_sweeps(run_dirs: list[str]) -> set[str]:
@@ -131,7 +132,7 @@ def bucket_entries(targets: str, kinds: tuple[str, ...]) -> list[tuple[str, str,
             fs, root = pafs.FileSystem.from_uri(uri)
             infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
         except OSError as e:  # an unreachable endpoint, refused credentials
-            raise CliError(f"store ls: cannot read {uri}: {str(e).strip().splitlines()[0][:200]}") from None
+            raise CliError(f"store ls: cannot read {uri}: {first_line(e, 200)}") from None
         sizes: dict[str, int] = {}
         for f in infos:
             top, sep, _ = f.path[len(root.rstrip("/")) + 1:].partition("/")

@@ -22,6 +22,7 @@ from orchestrator.tracking.recorder import backfill
 from orchestrator.tracking.store import local_tracking_uri, own_db, relocate  # noqa: F401 - own_db: resume's face
 from tasks.atomic import TMP_PREFIX
 from tasks.saved_trial import healed_problem, trial_dir
+from tasks.errors import first_line
 
 DB_FILE = "mlflow.db"
 # The tables (and their columns, stable across MLflow's schema versions) that a sweep's runs live in
@@ -44,7 +45,7 @@ def db_problem(db: Path) -> str | None:
         finally:
             con.close()
     except sqlite3.Error as e:
-        return str(e).splitlines()[0][:160] or type(e).__name__
+        return first_line(e, 160)
     if rows != [("ok",)]:
         return "integrity check: " + "; ".join(str(r[0]) for r in rows[:2])[:160]
     return None

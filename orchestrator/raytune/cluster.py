@@ -22,6 +22,7 @@ import socket
 import sys
 
 from orchestrator.raytune.native_log import held_native_lines
+from tasks.errors import first_line
 
 # Environment variables a sweep's workers need from the driver: object-store credentials and endpoint
 # (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL, ...), Google
@@ -169,7 +170,7 @@ def _explain(e: BaseException, address: str) -> str:
     if "Could not find any running Ray instance" in text:
         return ("--address auto: no running Ray cluster found on this machine (set RAY_ADDRESS or give HOST:PORT, "
                 "or omit --address for a local Ray)")
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    first = first_line(e)
     return f"cannot connect to the Ray cluster at {address}: {first}"
 
 
@@ -288,7 +289,7 @@ def check_store_uri(uri: str | None) -> None:
     try:
         fs, path = pafs.FileSystem.from_uri(uri)
     except Exception as e:  # ArrowInvalid: unknown query keys, bad scheme
-        raise ClusterError(f"store.uri {uri}: {str(e).splitlines()[0]}") from None
+        raise ClusterError(f"store.uri {uri}: {first_line(e)}") from None
     bucket = path.split("/", 1)[0]
     try:
         info = fs.get_file_info(bucket)
@@ -299,7 +300,7 @@ def check_store_uri(uri: str | None) -> None:
         elif "ACCESS_DENIED" in msg or "SIGNATURE" in msg or "INVALID_ACCESS_KEY" in msg or "403" in msg:
             why = "the endpoint refused the credentials (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
         else:
-            why = msg.strip().splitlines()[0]
+            why = first_line(e)
         raise ClusterError(f"store.uri {uri}: {why}") from None
     if info.type == pafs.FileType.NotFound:
         raise ClusterError(f"store.uri {uri}: bucket {bucket!r} does not exist at that endpoint (create it first, "

@@ -11,6 +11,7 @@ from orchestrator.raytune.cluster import is_remote, store_subdir
 from orchestrator.raytune.trial_entry import tune_trainable
 from orchestrator.spec import SweepSpec
 from orchestrator.spec.plan import Cell
+from tasks.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def _drop_remote_checkpoints(uri: str) -> int:
                     fs.delete_dir(ckpt.path)
                     freed += sum(f.size or 0 for f in files if f.type == pafs.FileType.File)
     except OSError as e:
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        why = first_line(e)
         log.warning("Tune's epoch checkpoints under %s not all removed (%s)", uri, why)
     return freed
 

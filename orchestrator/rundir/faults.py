@@ -18,6 +18,7 @@ from pathlib import Path
 
 from orchestrator.rundir.files import ResumeError
 from tasks.atomic import DiskFullError, is_disk_full
+from tasks.errors import first_line
 
 _state: dict = {"error": None}
 DB_DAMAGED = ("database disk image is malformed", "file is not a database", "file is encrypted or is not a database",
@@ -92,7 +93,7 @@ def one_line(e: BaseException, run_dir: Path | str | None = None, then: str | No
             full = DiskFullError(db) if run_dir else f"no space left on device writing {db}"
             return f"{full}; free space there, then {then}", 1
         if any(m in text for m in DB_DAMAGED) and _is_db_error(x):
-            return str(damaged(db, str(x).splitlines()[0][:100], run_dir)), 2
+            return str(damaged(db, first_line(x, 100), run_dir)), 2
         if any(m in text for m in DB_READ_ONLY):
             return f"cannot write {db}: it is read-only; {_writable(run_dir)}", 1
     for x in _chain(e):

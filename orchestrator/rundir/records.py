@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from tasks.atomic import DiskFullError, atomic_write_bytes, is_disk_full
+from tasks.errors import first_line
 
 TRIALS_FILE = "trials.jsonl"
 TRIAL, PARENT = "trial", "parent"
@@ -139,7 +140,7 @@ def scan(path: Path, check: Callable[[bytes], dict] = check_record) -> Scan:
 
 
 def _why(e: Exception) -> str:
-    return str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+    return first_line(e, 120)
 
 
 def drop_torn(s: Scan) -> int:

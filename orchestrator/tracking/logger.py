@@ -228,9 +228,10 @@ class MlflowTrialLogger(Callback):
 
 def _say(line: str) -> None:
     """One line per trial failure on stderr: Tune's own traceback per failure is off unless --verbose
-    (orchestrator/sweep/console.py, TUNE_PRINT_ALL_TRIAL_ERRORS)."""
+    (orchestrator/sweep/console.py, TUNE_PRINT_ALL_TRIAL_ERRORS). Written above the trials' progress bar."""
+    from tqdm.auto import tqdm
 
-    print(f"healsweep: {line}", file=sys.stderr)
+    tqdm.write(f"healsweep: {line}", file=sys.stderr)
 
 
 def _error_line(trial) -> str:

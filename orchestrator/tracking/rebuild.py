@@ -221,10 +221,14 @@ def parent_gone(client, parent_id: str | None) -> str | None:
     """Why the sweep's parent run cannot be reopened ("deleted", "missing"), or None when it can."""
     if not parent_id:
         return None
+    from mlflow.exceptions import MlflowException
+
     try:
         run = client.get_run(parent_id)
-    except Exception:  # noqa: BLE001 - MLflow's RESOURCE_DOES_NOT_EXIST (its rows deleted)
-        return "missing"
+    except MlflowException as e:  # its rows deleted; any other error (a server's timeout, 5xx, refused credentials)
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":  # is raised: "missing" would reopen a new parent run and
+            return "missing"  # re-point every trial run at it
+        raise
     return "deleted" if run.info.lifecycle_stage != "active" else None
 
 

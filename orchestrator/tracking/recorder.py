@@ -91,11 +91,11 @@ class TrialRecorder:
         if not self.parent_done:
             try:
                 rec = parent_record(client, self.parent_of())
-            except Exception:  # noqa: BLE001 - without its parent line a rebuild names the parent after the spec
-                rec = None
+            except Exception:  # noqa: BLE001 - without its parent line a rebuild names the parent after the spec;
+                rec = None  # the next trial's record tries again
             if rec is not None:
                 records.append(self.path, rec)
-            self.parent_done = True
+                self.parent_done = True
         study = self.design.study(ask.cell_id, ask.stage)
         trial = study.trials[ask.number]
         name = getattr(state, "name", str(state))

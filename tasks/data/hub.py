@@ -14,6 +14,7 @@ import numpy as np
 from tasks.data import stream_cache
 from tasks.data.splits import SPLITS, DatasetError, DatasetSplits
 from tasks.data.tables import ImageTable, assert_disjoint, build_splits, to_pil
+from tasks.errors import first_line
 
 
 class LazyStream:
@@ -204,7 +205,7 @@ def hub_by_split(path: str, config: str | None, mapping: Mapping[str, str], stre
         try:
             return datasets.load_dataset(path, config, split=hub_split, streaming=streaming, revision=revision)
         except Exception as e:  # noqa: BLE001 - network, auth, cache misses: one line
-            msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            msg = first_line(e, 300)
             raise DatasetError(f"dataset {path!r} split {hub_split!r}: {msg}") from None
 
     # a stream is opened only when its items are not in the machine's stream cache (StreamTable)
@@ -224,7 +225,7 @@ def saved_by_split(path: str, mapping: Mapping[str, str], streaming: bool) -> di
     try:
         saved = datasets.load_from_disk(str(path))
     except Exception as e:  # noqa: BLE001 - damaged or foreign files: one line
-        msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        msg = first_line(e, 300)
         raise DatasetError(f"dataset {path!r}: cannot read the saved dataset: {msg}") from None
     splits = dict(saved) if isinstance(saved, datasets.DatasetDict) else {str(saved.split or "train"): saved}
     opened = {}

@@ -30,6 +30,7 @@ from typing import Any, Mapping
 import pyarrow as pa
 
 from tasks.atomic import atomic_write, file_lock
+from tasks.errors import DatasetError, first_line
 
 CACHE_ENV = "HEALSWEEP_STREAM_CACHE"
 SCHEMA = pa.schema([("bytes", pa.large_binary()), ("path", pa.string()), ("pos", pa.int64()), ("label", pa.int64())])
@@ -84,11 +85,16 @@ def open_cached(path: Path, n: int) -> pa.Table | None:
         table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
         if not table.schema.equals(SCHEMA):
             raise ValueError(f"schema {table.schema.names}")
-    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
-        print(f"healsweep: stream cache {path.name} is damaged ({str(e).splitlines()[0][:120]}); streaming again",
+    except FileNotFoundError:  # removed since is_file()
+        return None
+    except ValueError as e:  # pyarrow's ArrowInvalid (a truncated or foreign file) is a ValueError; damaged: made again
+        print(f"healsweep: stream cache {path.name} is damaged ({first_line(e, 120)}); streaming again",
               file=sys.stderr)
         path.unlink(missing_ok=True)
         return None
+    except OSError as e:  # unreadable, not damaged (permissions, too many open files): kept, and said
+        raise DatasetError(f"stream cache {str(path)!r} cannot be read: {first_line(e)} (it is kept; fix its "
+                           f"permissions, or delete it to stream again)") from None
     return table.slice(0, n) if table.num_rows >= n else None
 
 

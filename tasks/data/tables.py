@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from tasks.data.splits import SPLITS, DatasetError, DatasetSplits, SplitData
+from tasks.errors import first_line
 
 # Threads that decode and preprocess the rows of one batch (HEALSWEEP_DECODE_THREADS; default: up to 8).
 DECODE_THREADS = int(os.environ.get("HEALSWEEP_DECODE_THREADS", min(8, os.cpu_count() or 1)))
@@ -48,8 +49,8 @@ def to_pil(x: Any):
         return img.convert("RGB")
     except OSError as e:  # PIL's UnidentifiedImageError, a truncated file, a missing path: one line
         where = x.get("path") if isinstance(x, Mapping) else x if isinstance(x, (str, Path)) else None
-        raise DatasetError(f"cannot decode image {str(where)!r}: {str(e).splitlines()[0][:200]}" if where
-                           else f"cannot decode an image: {str(e).splitlines()[0][:200]}") from None
+        raise DatasetError(f"cannot decode image {str(where)!r}: {first_line(e, 200)}" if where
+                           else f"cannot decode an image: {first_line(e, 200)}") from None
 
 
 class ImageTable:
@@ -191,7 +192,7 @@ def _one_line(root: str | Path):
     try:
         yield
     except FileNotFoundError as e:
-        raise DatasetError(f"image folder {str(root)!r}: {str(e).splitlines()[0][:300]}") from None
+        raise DatasetError(f"image folder {str(root)!r}: {first_line(e, 300)}") from None
 
 
 def class_folders(root: str | Path) -> list[str]:
@@ -256,7 +257,7 @@ def _arrow_read(p: Path, read: Callable[[Any], Any]) -> Any:
         raise
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid (a ValueError): not Parquet / Arrow IPC
         raise DatasetError(f"image table {str(p)!r} is not a readable {fmt} file: "
-                           f"{str(e).strip().splitlines()[0][:300]}") from None
+                           f"{first_line(e, 300)}") from None
 
 
 def table_rows(path: str | Path) -> int:

@@ -14,6 +14,7 @@ from typing import Mapping
 
 from tasks.atomic import sha256_file
 from tasks.models.base import ModelSourceError
+from tasks.errors import first_line
 
 DIGEST_LEN = 16  # hex characters of the sha256 used in keys, file names and MLflow params
 
@@ -95,11 +96,11 @@ def read_state_dict(path: str | os.PathLike, sha256: str | None = None):
             return load_file(str(p))
         except Exception as e:  # noqa: BLE001 - a header that passed the size check but not safetensors' own
             raise ModelSourceError(f"checkpoint {str(p)!r}: not a valid safetensors file: "
-                                   f"{str(e).strip().splitlines()[0][:200]}") from None
+                                   f"{first_line(e, 200)}") from None
     try:
         sd = torch.load(str(p), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001
-        why = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip().splitlines()[0][:160]  # torch's message, no ANSI codes
+        why = re.sub(r"\x1b\[[0-9;]*m", "", first_line(e, 400))[:160]  # torch's message, no ANSI codes
         raise ModelSourceError(f"checkpoint {str(p)!r}: not loadable with weights_only=True (only tensors are read: a "
                                f"whole pickled model is not; save model.state_dict() instead): {why}") from None
     for key in ("state_dict", "model", "model_state_dict"):  # common wrappers

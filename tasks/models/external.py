@@ -23,6 +23,7 @@ from tasks.models.base import (MODEL_SOURCES, MODELS, REF_KEYS, ExternalSource, 
                                timm_transform)
 from tasks.models.checkpoint_file import check_sha256, file_digest, fit_problem, read_state_dict, safetensors_header
 from tasks.net import hub_url, unreachable
+from tasks.errors import first_line
 
 
 def is_offline(ref: ModelRef) -> bool:
@@ -100,7 +101,7 @@ class TimmSource(ExternalSource):
         try:
             return timm.create_model(name, pretrained=pretrained, **kw)
         except Exception as e:  # noqa: BLE001 - network/cache errors become one line
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            msg = first_line(e)
             raise ModelSourceError(f"model {ref.name!r}: timm could not create {name!r}: {msg}") from None
 
 
@@ -152,7 +153,7 @@ class TorchvisionSource(ExternalSource):
         try:
             return get_model(ref.builder, weights=w, **kw)
         except Exception as e:  # noqa: BLE001
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            msg = first_line(e)
             raise ModelSourceError(f"model {ref.name!r}: torchvision could not build {ref.builder!r}: {msg}") from None
 
     def load(self, ref: ModelRef) -> nn.Module:
@@ -333,7 +334,7 @@ def forward_problem(name: str, model: nn.Module, x: torch.Tensor) -> str:
         with torch.no_grad():
             model(x)
     except Exception as e:  # noqa: BLE001 - whatever the architecture raises on an input it does not take
-        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        why = first_line(e, 200)
         return (f"model {name!r}: a forward pass on one preprocessed image {list(x.shape[1:])} fails ({why}); the "
                 "preprocessing size must be one the model takes (the model entry's input_size; for timm also "
                 "model_args img_size)")

@@ -7,12 +7,12 @@ import math
 import os
 from datetime import datetime, timezone
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from tasks.errors import first_line
 from tasks.store.fs import StoreFS
 from tasks.store.format import (_FILE_RE, BATCH_ROWS, DTYPE_NAMES, FORMAT, KEY_RE, LAST_USE, LOCK, MANIFEST, QUARANTINE,
                                 VERIFIED, StoreError, canonical_json, log, producer_versions, shard_name, sidecar_name)
@@ -168,8 +168,13 @@ class TargetStore:
 
     def _mark_verified(self, key: str, entries: dict[str, dict]) -> None:
         if entries:
-            v = {**self._verified(key), **entries}
+            self._write_verified(key, {**self._verified(key), **entries})
+
+    def _write_verified(self, key: str, v: dict) -> None:
+        try:
             self.fs.write_atomic(self._rel(key, VERIFIED), canonical_json(v).encode())
+        except OSError as e:  # a read-only store (or a full disk) still serves reads: the record is only a log
+            log.warning("could not record the verified shards of %s: %s", key, first_line(e))
 
     def _stamp(self, key: str, info: dict) -> dict:
         rel = self._rel(key, str(info.get("file")))
@@ -190,30 +195,26 @@ class TargetStore:
             return "fails its sha256 check"
         return None
 
-    def verify(self, key: str, num_rows: int | None = None, *, full: bool = True) -> list[tuple[dict, str]]:
+    def verify(self, key: str, num_rows: int | None = None) -> list[tuple[dict, str]]:
         """[(shard info, problem)] for the shards covering [0, num_rows), each checked by size and sha256.
 
         Integrity policy: every check hashes the bytes (no size/mtime shortcut: bit rot keeps both). verified.json
-        records the last pass of each shard and loses the entry of a shard found bad; nothing trusts it.
-        ``full`` is accepted for compatibility and ignored (always a full check)."""
+        records the last pass of each shard and loses the entry of a shard found bad; nothing trusts it (a store
+        that cannot be written keeps serving reads without it)."""
         m = self.manifest(key)
         if m is None:
             raise StoreError(f"key {key} has no manifest (missing or not finalized)")
         n = m["num_rows"] if num_rows is None else num_rows
         verified = self._verified(key)
         bad, good = [], {}
-        for s in m["shards"]:
-            if s["row_start"] >= n:
-                continue
-            problem = self.check_shard(key, s, checksum=True)
-            if problem:
+        for s in (s for s in m["shards"] if s["row_start"] < n):
+            if problem := self.check_shard(key, s, checksum=True):
                 bad.append((s, problem))
             elif verified.get(s["file"]) != (st := self._stamp(key, s)):
                 good[s["file"]] = st
         cleared = {s["file"] for s, _ in bad} & set(verified)
         if good or cleared:
-            v = {f: e for f, e in {**verified, **good}.items() if f not in cleared}
-            self.fs.write_atomic(self._rel(key, VERIFIED), canonical_json(v).encode())
+            self._write_verified(key, {f: e for f, e in {**verified, **good}.items() if f not in cleared})
         return bad
 
     def quarantine(self, key: str, name: str) -> str | None:
@@ -328,12 +329,12 @@ class TargetStore:
                              f"(want {shapes}, {dtype}, {want_rows} from {info['row_start']})")
 
     # ------------------------------------------------------------------------------------------ reads
-    def open(self, key: str, num_rows: int | None = None, *, verify: bool | str = True, touch: bool = True,
+    def open(self, key: str, num_rows: int | None = None, *, verify: bool = True, touch: bool = True,
              blocks: Sequence[str] | None = None) -> TargetReader:
         """Reader over rows [0, num_rows) (default: all); only shards covering that prefix are touched. ``blocks``:
         the columns it reads and hands out (default: all; e.g. only ``logits`` for logit distillation).
 
-        ``verify`` (default True; "first" is an old spelling of it): every needed shard's size and sha256 are
+        ``verify`` (default True): every needed shard's size and sha256 are
         checked on every open, i.e. once per reader (per trial); False checks sizes only (benchmarks).
         """
         m = self.manifest(key)

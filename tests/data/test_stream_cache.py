@@ -181,3 +181,34 @@ def test_processes_started_together_stream_once(data, tmp_path):
     assert len({(o["digest"], o["pixels"]) for o in outs}) == 1
     x = _load(data)["calibration"].images[:]
     assert outs[0]["pixels"] == hashlib.sha256(x.numpy().tobytes()).hexdigest()
+
+
+_NO_FDS = """
+import errno, os, resource, sys
+from pathlib import Path
+from tasks.data.stream_cache import open_cached
+from tasks.errors import DatasetError
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+try:
+    while True:
+        os.open(os.devnull, os.O_RDONLY)  # every descriptor taken: the cache file cannot be opened (EMFILE)
+except OSError as e:
+    assert e.errno == errno.EMFILE
+try:
+    open_cached(Path(sys.argv[1]), 3)
+except DatasetError as e:
+    print(e)
+"""
+
+
+def test_a_cache_file_that_cannot_be_opened_is_kept_and_named(data, tmp_path):
+    """Too many open files (or no permission) is not damage: the file was deleted as damaged and streamed again;
+    now one line names it and it stays."""
+    _load(data)
+    (f,) = (tmp_path / "cache").glob("*.arrow")
+    before = f.read_bytes()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    r = subprocess.run([sys.executable, "-c", _NO_FDS, str(f)], env=env, capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith(f"stream cache {str(f)!r} cannot be read: [Errno 24]") and "is damaged" not in r.stderr
+    assert f.read_bytes() == before

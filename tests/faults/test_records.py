@@ -184,3 +184,69 @@ def test_a_file_the_command_cannot_write_is_one_line(tmp_path):
             OSError(no, why, str(tmp_path / "driver.lock"))
         msg, code = faults.one_line(err, tmp_path)
         assert code == 1 and msg.startswith(f"cannot write {err.filename}: {why} ({errno.errorcode[no]}); make ")
+
+
+def test_the_parent_line_is_written_once_the_parent_run_can_be_read(tmp_path):
+    """The first trial's record asks MLflow for the parent run's line; when that read fails (the run not there yet,
+    a tracking server's hiccup) the next trial's record tries again: it was marked done, so no parent line was ever
+    written and a rebuild named the parent after the spec."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    parent = client.create_run(client.create_experiment("e")).info.run_id
+    ids = iter(["0" * 32, parent, parent])  # the first read: no such run
+    journal = tmp_path / "optuna.journal"
+    searcher = make_searcher(_cells(3), {c["cell_id"]: BUDGET for c in _cells(3)}, "grid", 7, journal)
+    searcher.record = TrialRecorder(tmp_path, searcher.design, lambda: client, lambda key: None,
+                                    lambda: next(ids, parent))
+    run(searcher)
+    s = records.scan(tmp_path / records.TRIALS_FILE)
+    kinds = [r["kind"] for r in s.records]
+    assert kinds.count(records.PARENT) == 1 and kinds.index(records.PARENT) == 1  # after the first trial's line
+    assert records.parent(s)["run_id"] == parent
+
+
+def test_parent_gone_is_only_a_run_that_does_not_exist(tmp_path, monkeypatch):
+    """``parent_gone`` says "missing" (a new parent run is opened, every trial run re-pointed) only for MLflow's
+    RESOURCE_DOES_NOT_EXIST; a tracking server that answers 503 is an error, not a missing parent."""
+    import http.server
+    import threading
+
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from orchestrator.tracking.rebuild import parent_gone
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.create_run(client.create_experiment("e")).info.run_id
+    assert parent_gone(client, run) is None and parent_gone(client, "0" * 32) == "missing"
+    client.delete_run(run)
+    assert parent_gone(client, run) == "deleted"
+
+    class Busy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(503)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    try:
+        with pytest.raises(MlflowException) as e:
+            parent_gone(MlflowClient(f"http://127.0.0.1:{srv.server_address[1]}"), run)
+        assert e.value.error_code != "RESOURCE_DOES_NOT_EXIST"
+    finally:
+        srv.shutdown()
+
+
+def test_first_line_of_any_error_message():
+    """The one-line cause every user-facing error quotes: ``str(e).splitlines()[0]`` raised IndexError (inside the
+    very ``except``) for an exception with an empty message, and quoted a blank first line."""
+    from tasks.errors import first_line
+
+    assert first_line(OSError()) == "OSError" and first_line(ValueError("  \n")) == "ValueError"
+    assert first_line(ValueError("\n  header too large  \nat byte 8")) == "header too large"
+    assert first_line(RuntimeError("x" * 300), 120) == "x" * 120

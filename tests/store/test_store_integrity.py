@@ -186,3 +186,43 @@ def test_the_mask_stage_moves_a_damaged_mask_aside_and_computes_it_again(tmp_pat
     got = store.load(k5)
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert not mask_stage(cells, models, root, cache, spec.data_seed).computed  # intact now: reused
+
+
+
+_NO_WRITES = """
+import contextlib, io, resource, signal, sys, tempfile
+import torch  # noqa: F401 - imports first: some write a probe file in the temp dir
+from orchestrator.cli import main
+from tasks.store import TargetStore
+tempfile.gettempdir()
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit is then EFBIG, an OSError
+resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+if sys.argv[1] == "open":
+    with TargetStore(sys.argv[2]).open(sys.argv[3]) as rd:
+        print(sorted(rd.load_all()))
+else:
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_store_that_cannot_be_written_still_verifies_and_serves_reads(tmp_path):
+    """A store on a read-only mount or bucket: ``verify`` wrote verified.json (a log nothing trusts) unguarded, so
+    every verified open and ``store verify`` ended in the OS's error. Writes fail here for real (RLIMIT_FSIZE 0: EFBIG
+    for root too); the reads and the checks go on, a bad shard is still found."""
+    st = TargetStore(tmp_path / "targets")
+    ensure(st, K1, 12, Runner(st, K1))
+    (st.key_dir(K1) / "verified.json").unlink()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+
+    def child(*args):
+        return subprocess.run([sys.executable, "-c", _NO_WRITES, *args], capture_output=True, text=True, env=env,
+                              timeout=100)
+
+    r = child("open", str(st.root), K1)
+    assert r.returncode == 0 and r.stdout.strip() == str(sorted(SHAPES)), r.stderr[-2000:]
+    assert "could not record the verified shards of" in r.stderr and not (st.key_dir(K1) / "verified.json").exists()
+    r = child("store", "verify", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    rot(st.key_dir(K1) / "shard-00002.arrow", 100)
+    r = child("store", "verify", str(tmp_path))
+    assert r.returncode == 1 and "shard-00002.arrow (rows 8-12): fails its sha256 check" in r.stdout, r.stdout + r.stderr
