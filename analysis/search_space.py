@@ -25,7 +25,9 @@ def flag_boundary(best: pd.DataFrame, search: dict | None, tracking_uri: str | N
     search tried (``search_stops.explored_lr``): an lr edge the search tried past is no edge (``searched_edges``).
     A winner whose search stopped "recovered" (``search_stop``: at the dense model's accuracy, within the noise
     floor) is not flagged: nothing better lies past its edge beyond the noise."""
-    if not search or best.empty:
+    if not search or best.empty:  # nothing can sit on a boundary: every earlier "true" is stale
+        if tracking_uri and (stale := sorted(set(tagged))):
+            _untag(tracking_uri, stale)
         return best.assign(search_boundary="")
     grids, widened = grid_names(best), widened or {}
     reasons = ["" if str(r.get("search_stop", "")).startswith(RECOVERED) else
@@ -34,7 +36,6 @@ def flag_boundary(best: pd.DataFrame, search: dict | None, tracking_uri: str | N
                for (_, r), g in zip(best.iterrows(), grids)]
     best = best.assign(search_boundary=reasons)
     if tracking_uri:
-        from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(tracking_uri)
@@ -43,11 +44,21 @@ def flag_boundary(best: pd.DataFrame, search: dict | None, tracking_uri: str | N
                 client.set_tag(r.run_id, "search_boundary", "true" if r.search_boundary else "false")
                 if r.search_boundary:
                     client.set_tag(r.run_id, "search_boundary_reason", r.search_boundary)
-        for run_id in sorted(set(tagged) - set(best["run_id"])):
-            client.set_tag(run_id, "search_boundary", "false")
-            with contextlib.suppress(MlflowException):  # no reason tag: nothing to remove (no get_run per run)
-                client.delete_tag(run_id, "search_boundary_reason")
+        _untag(client, sorted(set(tagged) - set(best["run_id"])))
     return best
+
+
+def _untag(client, run_ids: list[str]) -> None:
+    """``search_boundary`` = "false" on ``run_ids`` and their reason removed (``client``: an MlflowClient or a
+    tracking URI)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(client) if isinstance(client, str) else client
+    for run_id in run_ids:
+        client.set_tag(run_id, "search_boundary", "false")
+        with contextlib.suppress(MlflowException):  # no reason tag: nothing to remove (no get_run per run)
+            client.delete_tag(run_id, "search_boundary_reason")
 
 
 def searched_edges(row, box: dict | None, explored: tuple[float, float] | None) -> dict[str, str]:

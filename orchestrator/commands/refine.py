@@ -132,15 +132,16 @@ def _widen(args) -> int:
         raise CliError(f"--widen-rounds must be in [1, {MAX_WIDEN_ROUNDS}] (as search.widen.rounds), "
                        f"got {args.widen_rounds}")
     try:
-        done = run_widening(Path(args.dir), args.widen_rounds, args.widen_factor, address=args.address,
-                            progress=not args.quiet, num_cpus=args.num_cpus)
+        with interrupt.catching():  # over every round: a Ctrl-C between two ends the next one at once, partial
+            done = run_widening(Path(args.dir), args.widen_rounds, args.widen_factor, address=args.address,
+                                progress=not args.quiet, num_cpus=args.num_cpus)
     except (RefineError, ResumeError, ClusterError) as e:
         raise CliError(str(e)) from None
     if not done:
         print("no winner sits on the search boundary, or only on the spec's own limits (lr 10, the longest healing): "
               "nothing to widen")
         return 0
-    for d in done:
+    for d in (d for d in done if d.get("started", True)):
         res = d["result"]
         print(f"widen round {d['round']}: {len(d['cells'])} cells, {d['trials_finished']} trials finished, "
               f"{d['trials_failed']} failed (the sweep: {res.trials_finished} and {res.trials_failed})")

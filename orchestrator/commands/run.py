@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import threading
 import time
@@ -16,8 +15,8 @@ from orchestrator.lifecycle.continuation import RefineError
 from orchestrator.lifecycle.resume import check_resumable, note, nothing_to_resume, prepare_resume, weights_note
 from orchestrator.lifecycle.widen import run_widening
 from orchestrator.raytune.cluster import ClusterError, check_store_uri, connect  # light: no ray import
-from orchestrator.rundir import faults
-from orchestrator.rundir.files import (JOURNAL_FILE, ResumeError, interrupted_round, lock_run_dir, probe_run_dir, read_sweep,
+from orchestrator.rundir import faults, interrupt
+from orchestrator.rundir.files import (ResumeError, interrupted_round, lock_run_dir, probe_run_dir, read_sweep,
                                        record_complete)
 from orchestrator.spec.dry_run import DRY_SIZES
 from orchestrator.spec.reach import check_server
@@ -308,7 +307,9 @@ def _dry_run(args) -> tuple:
 
 
 def _run(args, spec, out: Path, store: Path, cache: Path, clock, owns_ray: bool = False, models: dict | None = None):
-    """The sweep, then its widening rounds when the spec asks for them (orchestrator/lifecycle/widen.py)."""
+    """The sweep, then its widening rounds when the spec asks for them (orchestrator/lifecycle/widen.py). One
+    ``interrupt.catching`` holds the signals over all of them: a Ctrl-C between the sweep and a round (or two
+    rounds) is recorded, and the next round ends at once, its parent run KILLED and partial."""
     from orchestrator.sweep.dense import StoreBudgetError
     from orchestrator.sweep.run import run_sweep
 
@@ -319,48 +320,27 @@ def _run(args, spec, out: Path, store: Path, cache: Path, clock, owns_ray: bool 
             trials = prepare_resume(out)  # damaged files: one line; torn last lines dropped; journal agrees with it
             if line := weights_note(out, trials):
                 note(line)
-        res = run_sweep(spec, out, store, cache, address=args.address, progress=not args.quiet,
-                        report=not args.no_report and not widen, num_cpus=args.num_cpus, resume=bool(args.resume),
-                        verbose=args.verbose, clock=clock, owns_ray=owns_ray, models=models)
-        if widen and res.interrupted is None and faults.stopped() is None:  # a fault: no widening round
-            try:
+        with interrupt.catching():
+            res = run_sweep(spec, out, store, cache, address=args.address, progress=not args.quiet,
+                            report=not args.no_report and not widen, num_cpus=args.num_cpus,
+                            resume=bool(args.resume), verbose=args.verbose, clock=clock, owns_ray=owns_ray,
+                            models=models)
+            if widen and res.interrupted is None and faults.stopped() is None:  # a fault: no widening round
                 rounds = run_widening(out, widen["rounds"], widen["factor"], address=args.address,
                                       progress=not args.quiet, num_cpus=args.num_cpus, report=not args.no_report,
                                       total=True)
-            except KeyboardInterrupt:  # Ctrl-C between the sweep and a round (or two rounds): no sweep's handler
-                res = _stopped_between_rounds(res, out)
-                rounds = []
-            res = _widened(res, rounds, out, not args.no_report)
-        elif widen and not args.no_report:  # interrupted before widening: the partial sweep's report
-            res = _widened(res, [], out, True)
+                res = _widened(res, rounds, out, not args.no_report)
+            elif widen and not args.no_report:  # interrupted before widening: the partial sweep's report
+                res = _widened(res, [], out, True)
     except (ResumeError, StoreBudgetError, ClusterError, RefineError, ModelSourceError, DatasetError) as e:
         raise CliError(str(getattr(e, "cause", None) or e)) from None  # a Ray task's error: its cause's line
     return res
 
 
-def _stopped_between_rounds(res, out: Path):
-    """A Ctrl-C that reached the driver outside the sweep's and its rounds' own handling (while a widening round is
-    planned, or Ray starts for it): the parent run KILLED and tagged partial as for an interrupt during the trials
-    (it stayed FINISHED, partial=false, with no report), the counts the journal holds. ``run --resume`` runs the
-    rounds not recorded in sweep.json."""
-    from mlflow import MlflowClient
-
-    from orchestrator.sweep.end import mark_parent, told_counts
-
-    finished, failed = told_counts(out / JOURNAL_FILE)
-    info = read_sweep(out)  # a round's resume may have opened the parent again: sweep.json names the current one
-    client, parent = MlflowClient(info.get("tracking_uri") or res.tracking_uri), info.get("parent_run_id") or res.parent_run_id
-    tagged = client.get_run(parent).data.tags.get("trials_planned") or "0"  # a finished round's plan, if one ran
-    planned = max(res.trials_planned, int(tagged) if tagged.isdigit() else 0, finished + failed)
-    mark_parent(client, parent, finished, failed, planned, signal.SIGINT)
-    return replace(res, trials_finished=finished, trials_failed=failed, trials_planned=planned,
-                   interrupted=int(signal.SIGINT))
-
-
 def _widened(res, rounds: list[dict], out: Path, report: bool):
     """The sweep's result with the widening rounds' trials added (and the report they rewrote)."""
 
-    for d in rounds:
+    for d in (d for d in rounds if d.get("started", True)):
         print(f"widen round {d['round']}: {len(d['cells'])} cells on the search boundary searched past it")
     if not rounds:
         if report:

@@ -141,7 +141,8 @@ def run_widening(run_dir: Path, rounds: int = 1, factor: float = 4.0, *, address
                  total: bool = False) -> list[dict]:
     """Up to ``rounds`` widening rounds (fewer when no winner is left on the boundary); rewrites the report.
     ``total``: ``rounds`` counts the rounds the sweep already ran (``search.widen`` of a resumed sweep: no round
-    twice). -> one record per round run (what sweep.json ``widenings`` holds, plus the sweep result)."""
+    twice). -> one record per round run (what sweep.json ``widenings`` holds, plus the sweep result); the last
+    one ``started: False`` (its result only) when a signal stopped the round before its trials."""
     from mlflow import MlflowClient
 
     from orchestrator.sweep.run import run_sweep
@@ -160,6 +161,9 @@ def run_widening(run_dir: Path, rounds: int = 1, factor: float = 4.0, *, address
         before = told_counts(run_dir / JOURNAL_FILE)  # the whole sweep's, so far
         res = run_sweep(spec, run_dir, Path(plan["meta"]["store"]), Path(plan["meta"]["cache"]), address=address,
                         progress=progress, report=False, num_cpus=num_cpus, resume=True)
+        if res.interrupted is not None and not res.trials_planned:  # a signal before its trials: not recorded, so
+            done.append({"round": plan["round"], "started": False, "result": res})  # the resume runs the round
+            break
         rec = {"round": plan["round"], "factor": factor,
                "cells": {c: {**plan["boxes"][g]} for c, g in plan["cells"].items()},
                "trials_finished": res.trials_finished - before[0], "trials_failed": res.trials_failed - before[1]}

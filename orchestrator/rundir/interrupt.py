@@ -19,7 +19,7 @@ import threading
 from contextlib import contextmanager
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_state: dict = {"signum": None, "raising": False, "previous": {}, "run_dir": None, "continue": None}
+_state: dict = {"signum": None, "raising": False, "previous": {}, "run_dir": None, "continue": None, "depth": 0}
 
 
 class SweepInterrupted(KeyboardInterrupt):
@@ -31,7 +31,8 @@ class SweepInterrupted(KeyboardInterrupt):
 
 
 def received() -> int | None:
-    """The signal that interrupted the running sweep (None: not interrupted; reset when ``catching`` ends)."""
+    """The signal that interrupted the running sweep (None: not interrupted; reset when the outermost ``catching``
+    ends)."""
     return _state["signum"]
 
 
@@ -57,21 +58,35 @@ def _handle(signum, frame) -> None:
 @contextmanager
 def catching():
     """Hold the SIGINT/SIGTERM handlers for a sweep (main thread only; elsewhere a no-op) and restore the previous
-    ones on exit. Inside, ``raising()`` marks the stages a signal abandons."""
+    ones on exit. Inside, ``raising()`` marks the stages a signal abandons.
+
+    Nested: a command that runs several sweeps (``run`` with widening rounds) holds them over all of them, so a
+    signal between two sweeps is recorded like one during a sweep (the next sweep then ends at once, marked
+    partial), not a KeyboardInterrupt wherever it lands. Each sweep's own ``catching`` (after ``ray.init``, which
+    installs Ray's SIGTERM handler) installs ours again and keeps the outer one's state; only the outermost resets
+    it on exit."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # read by Tune at each fit()
-    _state.update(signum=None, raising=False, previous={s: signal.getsignal(s) for s in SIGNALS})
-    for sig in SIGNALS:
-        signal.signal(sig, _handle)
+    outer = _state["depth"] == 0
+    if outer:
+        os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"  # read by Tune at each fit()
+        _state.update(signum=None, raising=False, previous={})
+    if _state["signum"] is None:  # (after a first signal the previous handlers are in place: a second one ends it)
+        for sig in SIGNALS:
+            if (held := signal.getsignal(sig)) is not _handle:  # the caller's, or one installed since (Ray's)
+                _state["previous"][sig] = held
+            signal.signal(sig, _handle)
+    _state["depth"] += 1
     try:
         yield
     finally:
-        for sig, prev in _state["previous"].items():
-            if prev is not None:
-                signal.signal(sig, prev)
-        _state.update(signum=None, raising=False, previous={})  # the sweep's result holds the signal
+        _state["depth"] -= 1
+        if outer:
+            for sig, prev in _state["previous"].items():
+                if prev is not None:
+                    signal.signal(sig, prev)
+            _state.update(signum=None, raising=False, previous={})  # the sweep's result holds the signal
 
 
 @contextmanager

@@ -102,13 +102,36 @@ def summary_stage(s: SweepState, t_start: float, signum: int | None = None) -> t
 
 
 def ended_early(s: SweepState, t0: float) -> tuple[int, int, float]:
-    """A sweep interrupted before its trials: the journal's counts (earlier sessions), the parent run (if it was
-    opened) KILLED and tagged partial."""
+    """A sweep interrupted before its trials: the journal's counts (earlier sessions), the parent run KILLED and
+    tagged partial: the one its parent stage opened, else the one sweep.json names (a resumed sweep or a widening
+    round stopped before that stage: the parent of a complete sweep read FINISHED, partial=false)."""
     finished, failed = told_counts(s.journal)
     run = s.tracking()  # the parent stage, if it had started
     if run.run_id:
         mark_parent(run.client, run.run_id, finished, failed, None, received())
+    elif s.info.get("parent_run_id"):
+        _mark_recorded_parent(s.info["tracking_uri"], s.info["parent_run_id"], finished, failed)
     return finished, failed, time.time() - t0
+
+
+def _mark_recorded_parent(uri: str, parent: str, finished: int, failed: int) -> None:
+    """``mark_parent`` on sweep.json's parent run, its earlier plan kept (``trials_planned``); a parent that is gone
+    is left to the resume, which reopens it."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    client = MlflowClient(uri)
+    try:
+        run = client.get_run(parent)
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return
+        raise
+    if run.info.lifecycle_stage != "active":
+        return
+    tagged = run.data.tags.get("trials_planned") or ""
+    planned = max(int(tagged), finished + failed) if tagged.isdigit() else None
+    mark_parent(client, parent, finished, failed, planned, received())
 
 
 def start_report(out_dir: Path, clock: StageClock):

@@ -105,3 +105,8 @@ def test_a_boundary_tag_left_on_a_former_winner_is_cleared(tmp_path):
     assert list(out["search_boundary"]) == [""]
     old, new = (client.get_run(ids[k]).data.tags for k in ("old", "new"))
     assert old["search_boundary"] == new["search_boundary"] == "false" and "search_boundary_reason" not in old
+    client.set_tag(ids["new"], "search_boundary", "true")  # a report with no search box to hold them to (early
+    client.set_tag(ids["new"], "search_boundary_reason", "x")  # return) left every earlier "true" in place
+    flag_boundary(best, None, uri, tagged=[ids["new"]])
+    new = client.get_run(ids["new"]).data.tags
+    assert new["search_boundary"] == "false" and "search_boundary_reason" not in new

@@ -176,10 +176,10 @@ WIDEN = {"name": "widen", "models": ["vit_digits"], "sparsities": [0.9], "calib_
          "pruners": ["magnitude"], "healers": ["starfish"],
          "search": {"trials_per_cell": 2, "lr": [1e-3, 3e-3], "epochs": [3, 5], "reevaluate": 1, "sampler_seed": 1,
                     "widen": {"rounds": 1, "factor": 4}}}
-# Ctrl-C where a real one lands between the sweep's trials and its widening round: in plan_widening, after the
-# sweep's own signal handling ended (a KeyboardInterrupt, Python's default SIGINT handler)
-CTRL_C_IN_PLANNING = ("import sys\nimport orchestrator.lifecycle.widen as w\n"
-                      "def ctrl_c(*a, **k):\n    raise KeyboardInterrupt\n"
+# a real SIGINT between the sweep's trials and its widening round (in plan_widening: the sweep's own handling has
+# ended, the command's goes on); the round is planned, then stops before its trials
+CTRL_C_IN_PLANNING = ("import os, signal, sys\nimport orchestrator.lifecycle.widen as w\nplan = w.plan_widening\n"
+                      "def ctrl_c(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT)\n    return plan(*a, **k)\n"
                       "w.plan_widening = ctrl_c\nfrom orchestrator.cli import main\nsys.exit(main())")
 
 
@@ -197,7 +197,8 @@ def test_ctrl_c_before_a_widening_round_ends_partial_and_the_resume_runs_the_rou
     assert first.returncode == 130 and "Traceback" not in first.stderr, (first.returncode, first.stderr[-3000:])
     done = _finished(out)
     assert [ln for ln in first.stderr.splitlines() if ln.startswith("interrupted")] == [
-        f"interrupted: {done} of {done} trials finished; resume with healsweep run --resume {out}"]
+        f"interrupted before the trials started ({done} finished earlier); resume with healsweep run --resume {out}"]
+    assert "widen round" not in first.stdout  # the round did not run
     parent = _parent(out)
     assert parent.info.status == "KILLED" and parent.data.tags["partial"] == "true"
     assert parent.data.tags["interrupted_by"] == "SIGINT" and "widenings" not in read_sweep(out)

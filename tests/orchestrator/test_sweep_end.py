@@ -127,6 +127,45 @@ def test_first_signal_stops_the_sweep_second_one_gets_the_previous_handler():
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_a_command_holding_the_signals_over_several_sweeps_keeps_one_between_them():
+    """``run`` with widening rounds holds ``catching`` over its sweeps: a SIGINT between two of them is recorded
+    (it raised a KeyboardInterrupt wherever it landed), the next sweep's stages do not start, a handler installed
+    meanwhile (ray.init's SIGTERM) is what a second signal gets, and only the outermost exit restores and resets."""
+    import os
+    import signal
+
+    from orchestrator.rundir import interrupt
+
+    seen = []
+    before_int, before_term = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        with interrupt.catching():
+            with interrupt.catching():  # the sweep
+                pass
+            assert signal.getsignal(signal.SIGINT) is not before_int  # still held between the sweeps
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+            assert interrupt.received() == signal.SIGINT
+            signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))  # ray.init of the next round
+            with interrupt.catching():  # the widening round: the signal is kept, its stages abandoned
+                assert interrupt.received() == signal.SIGINT
+                with pytest.raises(interrupt.SweepInterrupted), interrupt.raising():
+                    pytest.fail("a stage ran after the interrupt")
+            assert interrupt.received() == signal.SIGINT
+        assert interrupt.received() is None and signal.getsignal(signal.SIGINT) is before_int
+        with interrupt.catching():
+            signal.signal(signal.SIGTERM, lambda s, f: seen.append(-s))  # Ray's, installed before the inner one
+            with interrupt.catching():
+                os.kill(os.getpid(), signal.SIGTERM)  # ours: recorded
+                time.sleep(0.2)
+                os.kill(os.getpid(), signal.SIGTERM)  # the second: Ray's
+                time.sleep(0.2)
+        assert seen == [-signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGINT, before_int)
+        signal.signal(signal.SIGTERM, before_term)
+
+
 def test_interrupted_line():
     from orchestrator.rundir.interrupt import line
 
