@@ -308,11 +308,11 @@ class SearchDesign:
         study = self.study(slot.cell_id, REEVALUATE)
         if slot.number is not None:
             t = study.trials[slot.number]
-            if "heal_seed" not in t.user_attrs:  # lost with a rebuilt journal: derived again (winner, seed n)
+            if "heal_seed" not in t.user_attrs:  # lost with a rebuilt journal: derived again (winner, its seed k)
                 best = self.pick(slot.cell_id)
                 if best is None:
                     return None
-                seed = reevaluation_seeds(int(self.cells[slot.cell_id].get("seed", 0)), slot.number + 1)[slot.number]
+                seed = self._fresh_seed(slot.cell_id, study, best.params, slot.number)
                 study._storage.set_trial_user_attr(t._trial_id, "heal_seed", seed)
                 for name, dist in best.distributions.items():
                     study._storage.set_trial_param(t._trial_id, name, dist.to_internal_repr(best.params[name]), dist)
@@ -323,12 +323,20 @@ class SearchDesign:
         if best is None:
             return None
         self.counts.ask((slot.cell_id, REEVALUATE))
-        n = len(study.get_trials(deepcopy=False))
-        seed = reevaluation_seeds(int(self.cells[slot.cell_id].get("seed", 0)), n + 1)[n]
+        seed = self._fresh_seed(slot.cell_id, study, best.params)
         study.enqueue_trial(dict(best.params), user_attrs={"heal_seed": seed, "winner": best.number},
                             skip_if_exists=False)
         number = study.ask(self.space(slot.cell_id)).number
         return Ask(slot.cell_id, number, self._params(slot.cell_id, best.params), REEVALUATE, seed)
+
+    def _fresh_seed(self, cell_id: str, study, params: dict, before: int | None = None) -> int:
+        """The healing seed of the next re-evaluation of ``params`` in the cell (of trial ``before``, asked again):
+        ``reevaluation_seeds``' k-th, k = how many re-evaluations of the same configuration came first. A winner a
+        widening or refine round found heals on the seeds (and calibration draws) every other winner did, not on
+        the study's next ones; the same configuration never twice on one seed."""
+        k = sum(1 for t in study.get_trials(deepcopy=False)
+                if (before is None or t.number < before) and t.params == dict(params))
+        return reevaluation_seeds(int(self.cells[cell_id].get("seed", 0)), k + 1)[k]
 
     def remember_ceiling(self, ask: Ask, ceiling: float, n_selection: float = math.nan) -> None:
         """Keep the dense model's value of the objective a trial reported as its user attr ``CEILING`` (and the

@@ -90,10 +90,16 @@ def reevaluation_draws(calib_seed: int, n: int) -> list[int]:
     return [1000 * (k + 1) + calib_seed for k in range(n)]
 
 
-def draw_of_reevaluation(number: int, n_draws: int) -> int | None:
-    """Which of the ``n_draws`` draws re-evaluation ``number`` (0-based, its trial number in the cell's reevaluate
-    study) heals on, cycling; None when there are none (every trial on the sweep's own draw)."""
-    return number % n_draws if n_draws else None
+def reevaluation_index(seed: int, heal_seed: int) -> int:
+    """k of ``reevaluation_seeds(seed, n)[k] == heal_seed``: the re-evaluation's rank among those of its
+    configuration (``base._fresh_seed``)."""
+    return (heal_seed - seed) // 1000 - 1
+
+
+def draw_of_reevaluation(index: int, n_draws: int) -> int | None:
+    """Which of the ``n_draws`` draws the ``index``-th re-evaluation of a configuration (``reevaluation_index``)
+    heals on, cycling; None when there are none (every trial on the sweep's own draw)."""
+    return index % n_draws if n_draws else None
 
 
 def study_label(cell: Mapping[str, Any]) -> str:

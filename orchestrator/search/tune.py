@@ -27,7 +27,7 @@ from optuna.trial import TrialState
 from ray.tune.search import Searcher
 
 from orchestrator.search.base import CEILING, FINISHED, N_SELECTION, REEVALUATE, SEARCH, Ask, Budget, SearchDesign
-from orchestrator.search.records import draw_of_reevaluation
+from orchestrator.search.records import draw_of_reevaluation, reevaluation_index
 from orchestrator.search.registry import DESIGNS
 from orchestrator.spec.schema import converge_of
 from tasks.atomic import DiskFullError
@@ -112,7 +112,8 @@ class DesignSearcher(Searcher):
                "trial_id": a.trial_id, "stage": a.stage}
         if a.heal_seed is not None:
             cfg["heal_seed"] = a.heal_seed
-        j = draw_of_reevaluation(a.number, len(self.draws)) if a.stage == REEVALUATE else None
+        j = (draw_of_reevaluation(reevaluation_index(int(self.design.cells[a.cell_id].get("seed", 0)), a.heal_seed),
+                                  len(self.draws)) if a.stage == REEVALUATE and a.heal_seed is not None else None)
         if j is not None:  # this re-evaluation heals on another calibration draw: its targets, mask, images
             cfg.update(self.draws[j][a.cell_id])
         return cfg

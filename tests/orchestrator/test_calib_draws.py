@@ -57,6 +57,10 @@ def test_draw_seeds_are_never_the_sweeps_own_nor_those_of_the_next_calib_seed():
         assert not mine & nxt
     assert [draw_of_reevaluation(n, 2) for n in range(5)] == [0, 1, 0, 1, 0]
     assert draw_of_reevaluation(3, 0) is None
+    from orchestrator.search.records import reevaluation_index, reevaluation_seeds
+
+    for seed in (0, 7, 999, 1001):  # the draw of a re-evaluation follows its rank among its configuration's
+        assert [reevaluation_index(seed, h) for h in reevaluation_seeds(seed, 4)] == [0, 1, 2, 3]
 
 
 def test_draw_specs_are_the_sweep_at_each_draws_calib_seed():

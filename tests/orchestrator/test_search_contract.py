@@ -93,6 +93,28 @@ def test_every_trial_is_asked_once_in_the_space_and_winners_are_reevaluated_on_f
     assert len(states) == s.total and all(st == TrialState.COMPLETE for st in states.values())
 
 
+def test_a_winner_found_by_a_widening_round_heals_on_the_seeds_every_winner_did(design, tmp_path):
+    """A widening round (orchestrator/lifecycle/widen.py: the box and the counts raised, the same journal) that
+    finds a new winner re-evaluates it: on seeds 1000, 2000 like every other cell's winner (it got the study's next
+    ones, 3000 and 4000, so its quoted mean was not on the seeds it is compared on); a winner the round keeps heals
+    on its next seeds, never one twice."""
+    cells = _cells(2)
+    run(make(design, tmp_path, cells))
+    wider = Budget(trials=BUDGET.trials + 3, lr=(1e-4, 1e-1), length=BUDGET.length, reevaluate=4, explore=2,
+                   lattice=BUDGET.lattice)
+    s = make_searcher(cells, {c["cell_id"]: wider for c in cells}, design, 0, tmp_path / "j")
+    got = run(s)
+    again = {}
+    for g in (g for g in got if g["stage"] == "reevaluate"):
+        again.setdefault((g["cell_id"], g["lr"], g["steps"]), []).append(g["heal_seed"])
+    first = {(cid, t.params["lr"], t.params["steps"]) for cid in s.design.cells
+             for t in s.design.study(cid, "reevaluate").trials[:2]}
+    assert again and all(seeds == (reevaluation_seeds(0, 4)[2:] if cfg in first else reevaluation_seeds(0, 2))
+                         for cfg, seeds in again.items()), again
+    if design != "grid":  # the grid design tried every lattice point of the old box: the wider one has new ones
+        assert any(cfg not in first for cfg in again)
+
+
 def test_noise_report_is_the_reevaluations_mean_std_and_count(design, tmp_path):
     cells = _cells(2)
     s = make(design, tmp_path, cells)
