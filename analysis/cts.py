@@ -3,7 +3,7 @@ Repairability paper §5.3) from RR diagnostics alone.
 
 Inputs are the per-layer RR curves R_ℓ(s) on the candidate grid (the diagnostics table of a sweep);
 no accuracy is read. Pure numpy; allocations are passed in as callables so this module never
-needs the allocation solvers (``analysis.rr`` wires in ``tasks.allocation``).
+needs the allocation solvers (``analysis.rr`` wires in ``tasks.allocation_rules``).
 
 Definitions (all over an ascending list of target sparsities s_1 < ... < s_K):
 

@@ -23,15 +23,15 @@ from tasks.atomic import atomic_write_text
 
 from .accuracy_figure import healer_colors, model_figure
 from .figures import healers_figure
-from .findings import common_failure, findings
-from .findings_render import FINDINGS_HOW, QUOTED, findings_html, findings_md
+from .findings import common_failure
+from .findings_render import findings_html, findings_md
 from .layout import save_png
 from .paired import healer_panels, paired_sections
 from .report_style import REPORT_CSS
-from .reported import reported
-from .runs import grid_names, grid_order, load_sweep_info, load_trials, pattern_sort_key
-from .search_space import _box, flag_boundary, search_bounds, widened_cells
-from .search_stops import attach, explored_lr, search_stops, stop_table
+from .report_sweep import UNKNOWN_MODEL, SweepResults, all_findings, findings_how, load_sweep
+from .runs import grid_names, grid_order, pattern_sort_key
+from .search_space import search_bounds, widened_cells
+from .search_stops import search_stops, stop_table
 from .sweep_state import state_note
 
 __all__ = ["write_report", "write_report_from", "model_table", "model_figure", "run_url"]
@@ -59,7 +59,6 @@ HEALERS_HOW = ("How to read this: one panel per pruner × pattern × calibration
                "healed accuracy. Each grey line is one seed, i.e. one mask shared by every healer, so parallel "
                "lines mean a consistent (paired) difference and crossing lines mean the order changes with the "
                "seed. Black bars: mean ± std over seeds.")
-UNKNOWN_MODEL = "(unknown model)"
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -251,16 +250,6 @@ def _grid_sections(mb, mt, model, grid, taken, out, tracking_uri, colors):
     return md, ht
 
 
-def _failed_cells(mt: pd.DataFrame, mb: pd.DataFrame) -> dict[str, list[str]]:
-    grids = grid_names(mt)
-    out: dict[str, list[str]] = {}
-    for grid in set(grids):
-        missing = sorted(set(mt.loc[grids == grid, "cell_id"].dropna()) - set(mb["cell_id"]))
-        if missing:
-            out[grid] = missing
-    return out
-
-
 def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
                       experiment: str = "healsweep", title: str | None = None,
                       settings: dict | None = None, search: dict | None = None,
@@ -278,56 +267,47 @@ def write_report_from(tracking_uri: str, sweep_id: str, out_dir: str | Path,
     directory, for a sweep whose parent run is RUNNING (``sweep_state.state_note``; None: not looked at).
     Each cell's winner is picked by the sweep's search objective (the parent run's ``objective`` param).
     """
-    from .bands import BandSettings
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    trials = load_trials(tracking_uri, sweep_id, experiment)
-    info = load_sweep_info(tracking_uri, sweep_id, experiment, parent_run_id)
-    name = title or info["name"] or sweep_id
-    objective = info.get("objective") or "selection_acc"
-    best = flag_boundary(attach(reported(trials, objective), stops or {}), search, tracking_uri, widened,
-                         explored_lr(trials), trials.loc[trials["boundary_tag"] == "true", "run_id"])  # re-evaluated
-    model_of = trials["model"].astype("object").fillna(UNKNOWN_MODEL)
-    models = sorted(set(model_of))
-    summary = _summary(trials, name, sweep_id, tracking_uri, info.get("calib_seed") or 0)
-    trans = _transition_sections(best, models, info, out, tracking_uri, settings or {})
-    bst = BandSettings(**(settings or {}).get("bands", {}))
-    rehealed = "n_reevaluated" in best.columns and bool((best["n_reevaluated"].fillna(0) > 0).any())
-    how = FINDINGS_HOW.format(ret=bst.retention, z=bst.z, quoted=QUOTED[rehealed])
+    sw = load_sweep(tracking_uri, sweep_id, experiment, title, parent_run_id, search, widened, stops)
+    summary = _summary(sw.trials, sw.name, sweep_id, tracking_uri, sw.info.get("calib_seed") or 0)
+    trans = _transition_sections(sw.best, sw.models, sw.info, out, tracking_uri, settings or {})
+    fs = all_findings(sw, trans.bands_json, widened, search)
+    partial = state_note(sw.info, int((sw.trials["status"] == "FINISHED").sum()), out.resolve(), driver)
+    md, ht = _page_head(sw.name, summary, partial, fs, findings_how(sw.best, settings))
+    dmd, dht = _details(sw, trans, out, tracking_uri)
+    return _write_pages(out, sw.name, md + dmd, ht + dht, trans.bands_json)
 
+
+def _page_head(name: str, summary: list[tuple], partial: str | None, fs: list, how: str) -> tuple[list[str], list[str]]:
+    """The page above the details (markdown lines, html parts): title, the partial-sweep warning, the summary
+    line, the findings."""
     e = html.escape
-    fs = []
-    for model in models:
-        mb = best[best["model"].astype("object").fillna(UNKNOWN_MODEL) == model]
-        if mb.empty:
-            continue
-        mj = trans.bands_json["models"].get(model, {})
-        fs += findings(mb, model, mj.get("bands", []), mj.get("cts"), _failed_cells(trials[model_of == model], mb),
-                       trials[model_of == model], objective, {c: _box(b) for c, b in (widened or {}).items()},
-                       bounds=search)
     line = " · ".join(f"{k}: {v}" for k, v in summary)
-    partial = state_note(info, int((trials["status"] == "FINISHED").sum()), out.resolve(), driver)
-    md = [f"# Sweep report: {name}", "", *([f"**{partial}**", ""] if partial else []), _md_cell(line), ""]
-    md += findings_md(fs, how)
-    md += ["## Details", "", "### How to read this", "", HOW_TO_READ, ""]
+    md = [f"# Sweep report: {name}", "", *([f"**{partial}**", ""] if partial else []), _md_cell(line), "",
+          *findings_md(fs, how)]
     ht = [f"<h1>Sweep report: {e(name)}</h1>", *([f'<p class="partial">{e(partial)}</p>'] if partial else []),
-          f'<p class="sum">{e(line)}</p>', *findings_html(fs, how),
-          "<details><summary>Details: per-cell tables, figures, CTS and RR diagnostics</summary>",
-          "<h2>How to read this</h2>", f"<p>{e(HOW_TO_READ)}</p>"]
-    if not models:
+          f'<p class="sum">{e(line)}</p>', *findings_html(fs, how)]
+    return md, ht
+
+
+def _details(sw: SweepResults, trans, out: Path, tracking_uri: str) -> tuple[list[str], list[str]]:
+    """The collapsed details (markdown lines, html parts): how to read them, then each model's tables and
+    figures followed by its CTS and RR sections."""
+    md = ["## Details", "", "### How to read this", "", HOW_TO_READ, ""]
+    ht = ["<details><summary>Details: per-cell tables, figures, CTS and RR diagnostics</summary>",
+          "<h2>How to read this</h2>", f"<p>{html.escape(HOW_TO_READ)}</p>"]
+    if not sw.models:
         md.append("_No trial runs found for this sweep._")
         ht.append('<p class="note">No trial runs found for this sweep.</p>')
     taken: set[str] = set()
-    colors = healer_colors(best["healer"].dropna())
-    for model in models:
-        mmd, mht = _model_details(model, trials[model_of == model],
-                                  best[best["model"].astype("object").fillna(UNKNOWN_MODEL) == model],
-                                  taken, out, tracking_uri, colors)
+    colors = healer_colors(sw.best["healer"].dropna())
+    for model in sw.models:
+        mmd, mht = _model_details(model, sw.trials[sw.model_of == model], sw.best_of(model), taken, out,
+                                  tracking_uri, colors)
         md += mmd + trans.md.get(model, [])
         ht += mht + trans.html.get(model, [])
-    ht.append("</details>")
-    return _write_pages(out, name, md, ht, trans.bands_json)
+    return md, ht + ["</details>"]
 
 
 def _model_details(model: str, mt: pd.DataFrame, mb: pd.DataFrame, taken: set[str], out: Path,

@@ -3,7 +3,7 @@ scales with layers × candidates.
 
 Per layer: one dense forward to capture the layer's input (fixed cost), then per candidate sparsity one
 pruned layer application, one CR (γ) and one BN re-estimation (per-candidate cost). The figures are in-process
-and single-threaded (``tasks.rr.model_diagnostics``); ``--ray`` also times the cached Ray stage end to end
+and single-threaded (``tasks.pruning.rr.model_diagnostics``); ``--ray`` also times the cached Ray stage end to end
 (model loading in every task included) on a fresh diagnostics root, then its rerun (must compute nothing).
 
     python benchmarks/bench_rr_diagnostics.py --cache .healsweep/models [--images 128] [--ray]

@@ -19,7 +19,7 @@ _TOL = 1e-12
 
 
 def n_pruned(numel: int, sparsity: float) -> int:
-    """Exact number of weights removed from ``numel`` at ``sparsity`` (round half up; as tasks.pruners)."""
+    """Exact number of weights removed from ``numel`` at ``sparsity`` (round half up; as tasks.pruning)."""
     return int(math.floor(sparsity * numel + 0.5))
 
 

@@ -1,8 +1,8 @@
 """Atomic file writes: the one temp-file-then-rename helper every writer of the project uses (masks, rankings,
 reference checkpoints, healed weights, diagnostics tables, store files on a local disk, streamed datasets' cached
 items), so a reader sees a file complete or not at all, and a crash leaves no partial file behind; the one
-local file lock (``file_lock``) writers that must not race take; and the one file digest (``sha256_file``: checkpoint
-identities, the healed store's pair sums)."""
+local file lock (``file_lock``) writers that must not race take; and the one file digest (``sha256_file``/``sha256_stream``:
+checkpoint identities, the healed store's pair sums, the target store's shard checks, a bundle's wheels)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 FILE_MODE = 0o644  # files are shared artefacts (exports, caches): readable by the group and others
 
@@ -53,10 +53,16 @@ class DiskFullError(OSError):
 
 def sha256_file(path: str | os.PathLike) -> str:
     """The full sha256 (64 hex) of a file's bytes, read in 8-MiB chunks."""
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
+        return sha256_stream(f)
+
+
+def sha256_stream(f: BinaryIO) -> str:
+    """The full sha256 (64 hex) of what is left to read in the binary stream ``f`` (a local file, or a pyarrow
+    input stream of a remote store), read in 8-MiB chunks."""
+    h = hashlib.sha256()
+    while chunk := f.read(8 << 20):
+        h.update(chunk)
     return h.hexdigest()
 
 

@@ -123,7 +123,7 @@ def make_heal_case(kind: str, scope: str, sparsity: float = 0.8, pruner: str = "
                        ctx=PruneContext(model, adapter, entries, calib_images=imgs))
     apply_masks(model, masks)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    extra = {}  # optional context some healers need (present once tasks.heal.HealContext defines the fields)
+    extra = {}  # optional context some healers need (present once tasks.healing.HealContext defines the fields)
     names = {f.name for f in fields(HealContext)}
     if "dense_model" in names:
         extra["dense_model"] = lambda: copy.deepcopy(dense)

@@ -5,7 +5,6 @@ environment the walk used), the digest of the freeze the missing set was compute
 packages were an assumption (a name listed without a version)."""
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import lzma
@@ -14,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
+
+from tasks.atomic import sha256_file
 
 FORMAT = 1
 TOP = "healsweep-offline"  # the archive's one top-level directory
@@ -62,9 +63,8 @@ class Manifest:
 
 
 def wheel_entry(path: Path, name: str, version: str, requires: Sequence[str]) -> dict:
-    data = path.read_bytes()
-    return {"file": path.name, "name": name, "version": version, "sha256": hashlib.sha256(data).hexdigest(),
-            "size": len(data), "requires": list(requires)}
+    return {"file": path.name, "name": name, "version": version, "sha256": sha256_file(path),
+            "size": path.stat().st_size, "requires": list(requires)}
 
 
 def write_archive(out: Path, manifest: Manifest, wheels: Sequence[Path], preset: int, log) -> int:

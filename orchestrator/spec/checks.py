@@ -19,14 +19,14 @@ MAX_EPOCHS = 10_000
 MAX_STEPS = 10_000_000
 MAX_LR = 10.0  # search.lr: a learning rate, not a typo (1e300 validated, and every trial diverged)
 # Search objectives and their direction (docs/methods.md#search); analysis/runs.py OBJECTIVE_MODES mirrors it
-# (analysis may not import orchestrator).
+# (analysis may not import orchestrator; tests/orchestrator/test_search_spec.py holds the two equal).
 OBJECTIVES = {"selection_acc": "max", "heldout_align": "min"}
 MAX_WIDEN_ROUNDS = 10
 MAX_WIDEN_FACTOR = 1e6  # search.widen.factor and refine --widen-factor
 # Search designs (orchestrator/search registers them; the spec is checked without importing it) and their bounds.
 DESIGNS = ("shared", "tpe", "grid")
 # heal.precision: the names of tasks.healing.precision.PRECISIONS, here so that checking a spec imports no torch
-# (tests/orchestrator/test_precision_spec.py holds the two equal)
+# (tests/orchestrator/test_gpu_settings.py::test_precision_names_are_the_tasks_registry holds the two equal)
 PRECISIONS = ("fp32", "tf32", "bf16")
 # heal.compile: tasks.healing.compiled.COMPILE_MODES (held equal by tests/orchestrator/test_gpu_settings.py)
 COMPILE_MODES = ("off", "blocks")

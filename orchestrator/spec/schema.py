@@ -174,7 +174,7 @@ class SweepSpec:
     store: StoreSpec = StoreSpec()
     mlflow: MlflowSpec = MlflowSpec()
     plugins: tuple[str, ...] = ()  # modules imported before validation and in every trial (custom methods)
-    model_refs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> tasks.sources.ModelRef dict
+    model_refs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> tasks.models.ModelRef dict
     dataset_settings: Mapping[str, Any] = field(default_factory=dict)  # `dataset: {name: ..., <settings>}`
     offline: bool = False  # no downloads: weights must be in the local cache
     # which calibration images: 0 = the first n of the data seed's calibration order; k > 0 = the first n of a

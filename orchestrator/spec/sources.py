@@ -153,16 +153,6 @@ def _architecture(ref_json: str):
     return build_untrained(ModelRef(**json.loads(ref_json)), device="meta")
 
 
-def untrained(spec, name: str):
-    """A spec's model architecture for validation and adapter defaults: no download, no training. External
-    models are built on the meta device (shapes only: seconds, not minutes, for DeiT3-H); reference models
-    on the CPU as before."""
-    from tasks.models import ModelRef, build_untrained
-
-    ref = ModelRef(**(spec.model_refs.get(name) or {"name": name}))
-    return build_untrained(ref, device="cpu" if ref.source == "reference" else "meta")
-
-
 def dataset_layout(name: str, seed: int, settings: Mapping | None = None):
     """A dataset's split layout: names, sizes and which splits carry labels, without pixels. Enough for calibration
     capacity and healers' ``check_data`` (e.g. ``ce`` needs a labeled train split). ``settings`` (a dataset that

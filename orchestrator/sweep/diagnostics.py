@@ -5,7 +5,7 @@ A diagnostics table is computed only for cells whose pruner needs one (pruners w
 raw_shift, repair_residual, rr), once per distinct identity (model digest, calibration digest, scope, grid,
 images, τ rule), and reused by every later sweep on the same store:
 ``<store root>/diagnostics/<key>.parquet`` (``<store.uri>/diagnostics/`` when the store is remote, so every node
-reads them without a shared file system) with columns ``tasks.rr.COLUMNS``; the Parquet metadata holds the
+reads them without a shared file system) with columns ``tasks.pruning.rr.COLUMNS``; the Parquet metadata holds the
 identity and the Ray node ids that computed it (``healsweep.nodes``). The sweep logs each table as an
 artifact of its parent run (``diagnostics/<model>.parquet``) with the tag ``diagnostics_key.<model>``.
 """

@@ -2,7 +2,7 @@
 Hugging Face dataset, and presets for ImageNet-1k (the STARFISH paper's protocol) and CIFAR-10/100.
 
 Each loader takes ``seed``, the model's preprocessing (``transform`` + ``transform_id``, from
-``tasks.sources``) and the spec's ``dataset`` settings; ``check(settings)`` validates the settings without
+``tasks.models``) and the spec's ``dataset`` settings; ``check(settings)`` validates the settings without
 reading data and returns the largest calibration size they allow.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Statistics come from the *dense* model on the calibration images (paper Alg. 1: one pass, then compensate every
 module independently), gathered through tasks.stats in float64. MLP: ridge/OAS affine prediction of the removed
 hidden units from the kept ones, folded into fc2's kept columns and bias. Q/K: per head, the Sylvester ridge
-solve on the Q/K Grams, folded into the kept q/k rows *and their biases* (see tasks.corp_math). Masked entries
+solve on the Q/K Grams, folded into the kept q/k rows *and their biases* (see tasks.healing.corp_math). Masked entries
 stay exactly 0; the only entries outside the prunable weights it changes are fc2 biases and the q/k entries of
 the kept dims of the qkv bias (``may_change``).
 """

@@ -1,4 +1,4 @@
-"""Healer ``crbn``: the CR+BN repair operator (tasks/repair.py) as a closed-form healer (no gradients).
+"""Healer ``crbn``: the CR+BN repair operator (tasks/pruning/repair.py) as a closed-form healer (no gradients).
 
 It reports no epochs (no ``train_loss``); like every healer its trial logs ``heldout_align``, the STARFISH cosine
 alignment loss on held-out calibration images, comparable across healers. lr/epochs of the search are ignored.

@@ -20,7 +20,8 @@ Settings every gradient healer shares (docs/methods.md#starfish):
   the whole fused tensor trains (V rows included; never the bias). ``qk``: only the Q/K rows.
 The per-epoch report key ``train_loss`` is the healer's own training objective (cosine alignment for STARFISH,
 MSE, KL, CE, ...; MLflow metric ``train_loss``); the label-free ``heldout_align`` is measured by the trial.
-Healers other than STARFISH and chains of healers: tasks/healers.py.
+The healers on this loop: tasks/healing/objectives.py; closed-form healers: tasks/healing/crbn.py and corp.py; chains of
+healers: tasks/healing/chain.py.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ reports); only the objective differs:
 - ``starfish``:    cosine alignment of every block output with the dense model's (the method).
 - ``mse``:         mean squared error to the same cached dense block outputs as STARFISH.
 - ``kl``:          KL(dense || pruned) on logits (T = 1, batchmean); dense logits come from the target store's
-                   pseudo-block ``tasks.targets.LOGITS``. No block hooks are installed.
+                   pseudo-block ``tasks.healing.targets.LOGITS``. No block hooks are installed.
 - ``ce``:          cross-entropy on labels, the fine-tuning baseline. Its labeled set is ``HealContext.labeled``:
                    the first calib_size items of the dataset's TRAIN split (budget-matched to the calibration
                    set; train is disjoint from calibration/selection/evaluation, and the calibration split is

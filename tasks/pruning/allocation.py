@@ -1,11 +1,11 @@
 """Allocation rules for unstructured magnitude pruning, registered as pruners (docs/methods.md#relative-repairability-crbn-rr).
 
-Each rule decides per-layer sparsities (tasks/allocation.py); the pruner turns them into exact integer counts
+Each rule decides per-layer sparsities (tasks/pruning/allocation_math.py); the pruner turns them into exact integer counts
 and removes the smallest-|w| weights of each layer. Global count: ``uniform`` rounds per layer like
 ``magnitude``; every other rule prunes exactly n_pruned(Σ n_l, target) weights in total (largest remainder).
 
 The repairability family (``raw_shift``: g = D_raw, ``repair_residual``: g = D_repair, ``rr``: g = R) reads
-its diagnostics table from ``PruneContext.diagnostics["rr"]`` (columnar, tasks/rr.py ``COLUMNS``), computed by
+its diagnostics table from ``PruneContext.diagnostics["rr"]`` (columnar, tasks/pruning/rr.py ``COLUMNS``), computed by
 the orchestrator's cached diagnostics stage. Outside a sweep (library use, unit tests) a missing table is
 computed from ``ctx.calib_images`` on the spot. Greedy allocations on the grid overshoot the target by at most
 one step; ``fit_budget`` scales them by one common factor to the exact target (also below the grid's first

@@ -1,5 +1,5 @@
 """CORP (the CORP paper, docs/methods.md#corp): structured ViT masks (pruner ``corp``); the closed-form compensation (healer
-``corp``) lives in tasks.corp_heal.
+``corp``) lives in tasks.healing.corp.
 
 Units: MLP hidden channels (row j of fc1 and its bias entry, column j of fc2) and, per attention head, Q/K
 dimension pairs (row j of the head's query and key weights and their bias entries; V untouched). Sparsity =

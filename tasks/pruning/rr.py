@@ -39,7 +39,7 @@ MEASURE_AT = ("conv", "bn")
 def distortion(a: torch.Tensor, b: torch.Tensor, eps: float = EPS) -> torch.Tensor:
     """d(a, b) = (1/C) Σ_c ‖a_c − b_c‖² / (‖a_c‖² + ε) per example.
 
-    a, b: (N, C, L) (see ``tasks.repair.to_channels``) -> (N,) float64.
+    a, b: (N, C, L) (see ``tasks.pruning.repair.to_channels``) -> (N,) float64.
     """
     a, b = a.double(), b.double()
     num = ((a - b) ** 2).sum(-1)  # (N, C)

@@ -16,7 +16,7 @@ groups for the full scope; B = depth when the scope holds only attention or only
    (micro-batch 1 = per-sample, the default). Saliency of a weight = F w^2 (OBD's 1/2 H w^2 up to the
    constant), summed over the unit's weights and biases and divided by the unit's weight count (saliency per
    removed weight; inside a group every unit has the same size, so this only sets where xNES starts).
-2. Global: xNES (tasks/xnes.py) over z in R^B, block weights c = exp(z) (log-space keeps weights positive:
+2. Global: xNES (tasks/pruning/xnes.py) over z in R^B, block weights c = exp(z) (log-space keeps weights positive:
    a negative weight would invert a block's order; m0 = 0, Sigma0 = sigma0^2 I as in the paper's m<-0, S<-I).
    Unit score = c_group * s_unit. Fitness of z = mean over the fitness sparsities (default 0.1, 0.25, 0.4,
    0.6) of the mean cosine similarity between PCA-projected final embeddings of the dense and the pruned model

@@ -4,7 +4,6 @@ SubTreeFileSystem) through the same small set of operations."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import uuid
@@ -13,10 +12,9 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from tasks.atomic import TMP_PREFIX, atomic_write_bytes, file_lock
+from tasks.atomic import TMP_PREFIX, atomic_write_bytes, file_lock, sha256_stream
 
 log = logging.getLogger("healsweep.store")
-_CHUNK = 8 << 20
 
 
 class StoreFS:
@@ -103,11 +101,8 @@ class StoreFS:
             self.fs.delete_dir(self.path(rel))
 
     def sha256(self, rel: str) -> str:
-        h = hashlib.sha256()
         with self.fs.open_input_stream(self.path(rel)) as f:
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
-        return h.hexdigest()
+            return sha256_stream(f)
 
     def open_random(self, rel: str, mmap: bool = True):
         """Random-access file: memory-mapped when local and ``mmap``, else a pyarrow input file."""

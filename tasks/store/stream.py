@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import Callable, Hashable, Iterator
@@ -36,13 +35,6 @@ from tasks.cuda_streams import side_stream
 
 Segment = tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]  # (window sources, local index (m,), rows (m,))
 Buffers = Callable[[int], dict[str, torch.Tensor]]  # n -> {block: (n, width) int16}
-
-
-def _as_int16(a: np.ndarray) -> torch.Tensor:
-    """(rows, width) uint16 view -> int16 tensor sharing it (read-only memory maps included)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # a read-only memory map: the tensor is only read
-        return torch.from_numpy(a.view(np.int16))
 
 
 def shard_columns(reader, si: int) -> tuple[object, dict[str, np.ndarray]]:

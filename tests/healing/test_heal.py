@@ -1,4 +1,4 @@
-"""STARFISH healing loop (tasks.heal) on tiny random-init models: invariants, determinism, divergence."""
+"""STARFISH healing loop (tasks.healing.loop) on tiny random-init models: invariants, determinism, divergence."""
 import pytest
 import torch
 

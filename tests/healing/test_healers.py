@@ -1,4 +1,4 @@
-"""Healers beyond STARFISH (tasks.healers): hand-checked objectives, what each one reads, composition, checks."""
+"""Healers beyond STARFISH (tasks.healing): hand-checked objectives, what each one reads, composition, checks."""
 import math
 
 import pytest

@@ -1,4 +1,4 @@
-"""Alignment objectives (tasks.losses) against hand-computed values, both granularities."""
+"""Alignment objectives (tasks.healing.losses) against hand-computed values, both granularities."""
 import math
 
 import numpy as np

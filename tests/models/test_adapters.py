@@ -1,4 +1,4 @@
-"""Model adapters (tasks.adapters): block discovery, hand-listed scopes, unsupported models, block shapes."""
+"""Model adapters (tasks.models.*adapter*): block discovery, hand-listed scopes, unsupported models, block shapes."""
 import pytest
 import torch
 import torch.nn as nn

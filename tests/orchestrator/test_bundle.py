@@ -3,6 +3,7 @@ re-picks), slimmed wheels that pip still installs, and a whole bundle of small w
 real ``pip download`` from a local directory (no network), installed by install.py with no index."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -217,6 +218,9 @@ def test_bundle_of_small_wheels_installs_with_no_index(tmp_path):
     with tarfile.open(archive) as tar:
         names = tar.getnames()
         manifest = json.load(tar.extractfile("healsweep-offline/manifest.json"))
+        packed = {w["file"]: tar.extractfile(f"healsweep-offline/wheels/{w['file']}").read() for w in manifest["wheels"]}
+    assert all((w["size"], w["sha256"]) == (len(packed[w["file"]]), hashlib.sha256(packed[w["file"]]).hexdigest())
+               for w in manifest["wheels"])
     assert {w["file"] for w in manifest["wheels"]} == {"fakeapp-0.1-py3-none-any.whl", "fakedep-1.1-py3-none-any.whl",
                                                        "fakeleaf-0.3-py3-none-any.whl"}
     assert "healsweep-offline/install.py" in names and manifest["target"]["python"] == HERE_PY

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from orchestrator.spec import SpecError, parse_spec
+from orchestrator.spec.checks import OBJECTIVES
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
@@ -28,6 +29,13 @@ def refused(d) -> str:
     with pytest.raises(SpecError) as e:
         parse_spec(d)
     return str(e.value)
+
+
+def test_objectives_and_their_directions_are_the_ones_analysis_ranks_by():
+    """analysis may not import orchestrator, so it keeps its own copy of the spec's objectives: the two agree."""
+    from analysis.runs import OBJECTIVE_MODES
+
+    assert OBJECTIVES == OBJECTIVE_MODES
 
 
 def test_heldout_align_objective_accepted_and_refused_where_it_cannot_be_measured():

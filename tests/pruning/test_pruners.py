@@ -1,4 +1,4 @@
-"""Mask generators (tasks.pruners) and mask artifacts (tasks.masks): exact counts, exact selections."""
+"""Mask generators (tasks.pruning) and mask artifacts (tasks.store.masks): exact counts, exact selections."""
 import json
 
 import numpy as np

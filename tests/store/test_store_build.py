@@ -143,6 +143,11 @@ def test_pyarrow_filesystem_roots(tmp_path, how):
         assert bits_equal(got[k], full[k]) and bits_equal(rr[k], full[k][torch.from_numpy(rows)])
     root = tmp_path / "s" if how == "uri" else tmp_path / "s" / "stores" / "a"
     assert (root / KEY / "manifest.json").is_file()
+    shard = root / KEY / "shard-00001.arrow"  # one flipped byte, size unchanged: only the sha256 read catches it
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    assert [(s["file"], why) for s, why in st.verify(KEY)] == [("shard-00001.arrow", "fails its sha256 check")]
     with pytest.raises(StoreError):
         st.open("../" + KEY[3:])
 
