@@ -280,7 +280,7 @@ def _gc(store, args, root) -> int:
     if args.healed and bucket is None:
         raise CliError("--healed: a local store has no healed weights to collect (they are in each run's trials/; "
                        "healed/ exists only in a remote store.uri's bucket)")
-    if bucket is not None:  # no locks on a bucket (--keep-referenced keeps what was used in the last hour there)
+    if bucket is not None:  # no locks on a bucket (--keep-referenced keeps what was used or written in the last hour)
         return _collect(store, args, root, candidates, bucket)
     roots = list(dict.fromkeys(r for r in (root, Path(str(store.root)).parent) if r is not None))  # where sweeps
     mine = []  # using these targets hold (sweep/run.py store_roots): the store directory, the targets' parent
@@ -310,17 +310,15 @@ def _collect(store, args, root, candidates: list[str], bucket) -> int:
     if args.keep_referenced:
         keep = _referenced(args.keep_referenced)
         drop = [k for k in candidates if k not in keep]
+        if bucket is not None:  # no locks there: a sweep of another run directory may be reading or writing a key
+            recent = datetime.now(timezone.utc) - RECENT
+            busy = {k for k in drop if (t := _last_activity(store, k)) is not None and t >= recent}
+            if busy:
+                print(f"kept {len(busy)} keys used or written in the last hour (a sweep may be running there)")
+            drop = [k for k in drop if k not in busy]
     else:
         cutoff = datetime.now(timezone.utc) - timedelta(days=args.older_than)
-
-        def last(k):
-            t = store.last_use(k)
-            if t is None:
-                mt = store.fs.mtime(f"{k}/manifest.json") or store.fs.mtime(k)
-                t = datetime.fromtimestamp(mt, timezone.utc) if mt else None
-            return t
-
-        drop = [k for k in candidates if (t := last(k)) is None or t < cutoff]
+        drop = [k for k in candidates if (t := _last_activity(store, k)) is None or t < cutoff]
     freed = 0
     for k in drop:
         freed += store.key_bytes(k)
@@ -334,6 +332,15 @@ def _collect(store, args, root, candidates: list[str], bucket) -> int:
     if bucket is not None:  # a remote store: tune/ and healed/ beside the targets
         gc_bucket(str(store.root), bucket, args.dry_run)
     return 0
+
+
+def _last_activity(store, key: str) -> datetime | None:
+    """When ``key`` was last used (its last-use record) or else written (its newest file: a key a sweep is writing
+    has shards but neither a manifest nor a last use yet, and was deleted as ageless on a bucket)."""
+    if (t := store.last_use(key)) is not None:
+        return t
+    mt = store.fs.newest_mtime(key)
+    return datetime.fromtimestamp(mt, timezone.utc) if mt else None
 
 
 def _gc_masks(masks, args) -> None:

@@ -60,6 +60,7 @@ def ensure_targets(store: TargetStore, key: str, num_rows: int, shard_size: int,
             keep = [s for s in m["shards"] if s["index"] not in bad]
             have = m["num_rows"]
             if have >= num_rows and not todo:
+                store.touch(key)  # a use: gc by age or by recent use keeps it until this sweep's trials open it
                 return res
             if num_rows > have:
                 appended = store.shard_plan(num_rows, shard_size, have, max(s["index"] for s in m["shards"]) + 1)

@@ -59,6 +59,15 @@ class StoreFS:
         sel = pafs.FileSelector(self.path(rel), allow_not_found=True)
         return sorted(fi.base_name for fi in self.fs.get_file_info(sel))
 
+    def newest_mtime(self, rel: str) -> float | None:
+        """The latest mtime of the files directly under ``rel``, from one listing (a bucket has no directory mtimes:
+        a key being written has shards, but no manifest and no last use yet)."""
+        if not self.is_dir(rel):
+            return None
+        sel = pafs.FileSelector(self.path(rel), allow_not_found=True)
+        return max((fi.mtime.timestamp() for fi in self.fs.get_file_info(sel)
+                    if fi.type == pafs.FileType.File and fi.mtime), default=None)
+
     def mkdir(self, rel: str) -> None:
         self.fs.create_dir(self.path(rel), recursive=True)
 

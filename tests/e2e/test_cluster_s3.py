@@ -314,3 +314,39 @@ def test_store_ls_verify_and_gc_see_the_masks_in_the_bucket(tmp_path, aws_env, c
     assert code == 0 and "2 of 3 masks deleted" in out and masks.keys() == [m3], out
     assert masks.last_use(m2) is None and fs.get_file_info(f"{base}/masks/.last_use/{m2}").type == pafs.FileType.NotFound
     assert cli("store", "verify", "--store", uri)[0] == 0
+
+
+def test_store_gc_on_a_bucket_keeps_the_target_keys_a_sweep_is_using_or_writing(tmp_path, aws_env, capsys):
+    """No locks on a bucket: ``gc --keep-referenced`` deleted every target key the given runs do not name, one a
+    sweep of another run directory was reading included (its trials then failed: "key has no manifest"), and
+    ``gc --older-than`` deleted a key being written (shards, no manifest, no last use: no age on S3, where
+    directories have no mtime; the writer died in CopyObject). A key used or written in the last hour stays;
+    one idle past the cutoff still goes."""
+    import time
+
+    from orchestrator.cli import main
+    from tasks.store import TargetStore, content_key, ensure_targets
+    from tests.store_helpers import Runner, fake_targets
+
+    uri = f"s3://{aws_env['bucket']}/busy?endpoint_override={aws_env['host']}&scheme=http"
+    st = TargetStore(uri)
+    done, writing = content_key({"busy": 1}), content_key({"busy": 2})
+    ensure_targets(st, done, 8, 4, Runner(st, done), meta={"model": "fake"}, dtype="float16",
+                   calibration_rows=list(range(8)))
+    st.write_shard(writing, 0, 0, {k: v[:4] for k, v in fake_targets(4).items()})  # a sweep's dense stage, mid-way
+
+    def cli(*argv) -> tuple[int, str]:
+        code = main([*map(str, argv)])
+        return code, capsys.readouterr().out
+
+    run = tmp_path / "run"  # a run that uses neither key
+    run.mkdir()
+    (run / "targets.json").write_text(json.dumps({"store": uri, "keys": {}}))
+    (run / "sweep.json").write_text(json.dumps({"sweep_id": "0123456789ab"}))
+    code, out = cli("store", "gc", "--store", uri, "--keep-referenced", run)
+    assert code == 0 and "kept 2 keys used or written in the last hour" in out and "0 of 2 keys deleted" in out, out
+    code, out = cli("store", "gc", "--store", uri, "--older-than", 30)
+    assert code == 0 and "0 of 2 keys deleted" in out, out
+    time.sleep(6)
+    code, out = cli("store", "gc", "--store", uri, "--older-than", 4 / 86400)  # 4 s: both idle past it now
+    assert code == 0 and "2 of 2 keys deleted" in out, out
