@@ -72,15 +72,16 @@ def _wait_http(url: str, timeout: float, proc=None, log: str | None = None) -> N
 
 @pytest.fixture(scope="session")
 def moto_s3():
-    """moto_server with auth ENFORCED (after 3 free calls spent on an IAM user + key + s3:* policy, every request
-    must be signed with that key). Yields endpoint, host, bucket, key, secret, region."""
+    """moto_server with auth ENFORCED (after 6 free calls spent on two IAM users, their keys and policies: s3:*, and
+    a read-only one, every request must be signed). Yields endpoint, host, bucket, key, secret, region, ro_key,
+    ro_secret."""
     pytest.importorskip("moto")
     boto3 = pytest.importorskip("boto3")
     port = free_port()
     exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
     proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True,
-                            env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"})
+                            env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "6"})
     endpoint = f"http://127.0.0.1:{port}"
     try:
         _wait_http(endpoint + "/moto-api/", 30, proc)
@@ -91,10 +92,16 @@ def moto_s3():
         iam.put_user_policy(UserName="ci", PolicyName="s3-all", PolicyDocument=json.dumps(
             {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
         key, secret = k["AccessKeyId"], k["SecretAccessKey"]
+        iam.create_user(UserName="reader")
+        ro = iam.create_access_key(UserName="reader")["AccessKey"]
+        iam.put_user_policy(UserName="reader", PolicyName="s3-read", PolicyDocument=json.dumps(
+            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Resource": "*",
+                                                     "Action": ["s3:GetObject", "s3:ListBucket", "s3:HeadBucket"]}]}))
         boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret,
                      region_name="us-east-1").create_bucket(Bucket="hs-test")
         yield {"endpoint": endpoint, "host": f"127.0.0.1:{port}", "bucket": "hs-test", "key": key,
-               "secret": secret, "region": "us-east-1"}
+               "secret": secret, "region": "us-east-1",
+               "ro_key": ro["AccessKeyId"], "ro_secret": ro["SecretAccessKey"]}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(10)

@@ -129,7 +129,7 @@ def main(args: argparse.Namespace) -> int:
     targets, root = locate(where)
     args.key = key
     try:
-        store = TargetStore(targets)
+        store = TargetStore(targets, create="://" not in str(targets))  # ls/verify on a bucket: reads only
     except (StoreError, OSError, ValueError) as e:  # ValueError: pyarrow's ArrowInvalid (an unknown URI scheme)
         raise CliError(f"store: cannot open {targets}: {first_line(e, 200)}") from None
     try:

@@ -294,17 +294,28 @@ def check_store_uri(uri: str | None) -> None:
     try:
         info = fs.get_file_info(bucket)
     except OSError as e:
-        msg = str(e)
-        if "NETWORK_CONNECTION" in msg or "Could not connect" in msg or "curlCode" in msg:
-            why = "cannot reach the endpoint (check endpoint_override / AWS_ENDPOINT_URL and the network)"
-        elif "ACCESS_DENIED" in msg or "SIGNATURE" in msg or "INVALID_ACCESS_KEY" in msg or "403" in msg:
-            why = "the endpoint refused the credentials (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
-        else:
-            why = first_line(e)
-        raise ClusterError(f"store.uri {uri}: {why}") from None
+        raise ClusterError(f"store.uri {uri}: {_refusal(e)}") from None
     if info.type == pafs.FileType.NotFound:
         raise ClusterError(f"store.uri {uri}: bucket {bucket!r} does not exist at that endpoint (create it first, "
                            "or check the bucket name and endpoint_override)")
+    probe = f"{path.rstrip('/')}/.healsweep-write-probe-{os.getpid()}"
+    try:  # a sweep writes targets, masks and Tune's storage there: read-only credentials failed after Ray started
+        with fs.open_output_stream(probe) as f:
+            f.write(b"")
+        fs.delete_file(probe)
+    except OSError as e:
+        raise ClusterError(f"store.uri {uri}: cannot write there: {_refusal(e)} (a sweep writes its targets, "
+                           "masks and Tune's storage under it: the credentials need PutObject and DeleteObject)") from None
+
+
+def _refusal(e: OSError) -> str:
+    """An S3/GCS client error in a person's words: unreachable, refused credentials, else its first line."""
+    msg = str(e)
+    if "NETWORK_CONNECTION" in msg or "Could not connect" in msg or "curlCode" in msg:
+        return "cannot reach the endpoint (check endpoint_override / AWS_ENDPOINT_URL and the network)"
+    if "ACCESS_DENIED" in msg or "SIGNATURE" in msg or "INVALID_ACCESS_KEY" in msg or "403" in msg:
+        return "the endpoint refused the credentials (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
+    return first_line(e)
 
 
 # ------------------------------------------------------------------------------------------ one storage URI

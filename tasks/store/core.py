@@ -32,8 +32,8 @@ class TargetStore:
     ``gs://…``), or a path inside ``filesystem`` (any ``pyarrow.fs.FileSystem``, e.g. SubTreeFileSystem).
     """
 
-    def __init__(self, root: str | os.PathLike, filesystem=None):
-        self.fs = StoreFS(root, filesystem)
+    def __init__(self, root: str | os.PathLike, filesystem=None, create: bool = True):
+        self.fs = StoreFS(root, filesystem, create)  # create False: a reader (read-only credentials on a bucket)
         self.root = Path(self.fs.base) if self.fs.local else self.fs.uri
 
     # ---------------------------------------------------------------------------------------- names

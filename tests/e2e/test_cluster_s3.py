@@ -350,3 +350,29 @@ def test_store_gc_on_a_bucket_keeps_the_target_keys_a_sweep_is_using_or_writing(
     time.sleep(6)
     code, out = cli("store", "gc", "--store", uri, "--older-than", 4 / 86400)  # 4 s: both idle past it now
     assert code == 0 and "2 of 2 keys deleted" in out, out
+
+
+def test_read_only_credentials_list_and_verify_and_a_sweep_refuses_them_in_one_line(aws_env, monkeypatch, capsys):
+    """``store ls``/``verify`` made the store's root first (a PutObject): read-only credentials got exit 2 for a
+    read. A sweep's check only HEADed the bucket, so read-only credentials passed it and the dense stage died in a
+    traceback after Ray started; now one line before any work, and the probe leaves nothing behind."""
+    import pyarrow.fs as pafs
+
+    from orchestrator.cli import main
+    from orchestrator.raytune.cluster import ClusterError, check_store_uri
+    from tasks.store import TargetStore, content_key, ensure_targets
+    from tests.store_helpers import Runner
+
+    uri = f"s3://{aws_env['bucket']}/ro?endpoint_override={aws_env['host']}&scheme=http"
+    st, key = TargetStore(uri), content_key({"ro": 1})
+    ensure_targets(st, key, 8, 4, Runner(st, key), meta={"model": "fake"}, dtype="float16",
+                   calibration_rows=list(range(8)))
+    check_store_uri(uri)  # read-write: passes
+    fs, base = pafs.FileSystem.from_uri(uri)
+    assert not [i for i in fs.get_file_info(pafs.FileSelector(base)) if "probe" in i.path]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", aws_env["ro_key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", aws_env["ro_secret"])
+    assert main(["store", "ls", "--store", uri]) == 0 and key in capsys.readouterr().out
+    assert main(["store", "verify", "--store", uri]) == 0
+    with pytest.raises(ClusterError, match=r"cannot write there: the endpoint refused the credentials"):
+        check_store_uri(uri)
