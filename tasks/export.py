@@ -22,6 +22,7 @@ import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
 from tasks.atomic import atomic_write
+from tasks.errors import first_line
 from tasks.models.adapter import get_adapter
 from tasks.models.base import MODEL_SOURCES, MODELS, ModelRef
 from tasks.models.load import load_model
@@ -129,8 +130,12 @@ def load_trial(trial_dir: Path) -> tuple[nn.Module, dict, dict, dict]:
     if why := healed_problem(trial_dir):  # a truncated file ended the export in safetensors' own traceback
         raise ValueError(f"{trial_dir}: {why}; healsweep doctor {trial_dir.parent.parent} --repair "
                          f"--rerun-lost-weights heals that trial again")
-    rec = json.loads((trial_dir / TRIAL_JSON).read_text())
-    params, final = rec["params"], rec["final"]
+    try:
+        rec = json.loads((trial_dir / TRIAL_JSON).read_text())
+        params, final = rec["params"], rec["final"]
+    except (KeyError, TypeError, ValueError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{trial_dir / TRIAL_JSON}: unreadable or incomplete ({type(e).__name__}: {first_line(e)})"
+                         ) from None
     model = dense_model(params)
     healed = load_file(str(trial_dir / HEALED))
     missing = sorted(set(healed) - set(model.state_dict()))
@@ -143,6 +148,9 @@ def load_trial(trial_dir: Path) -> tuple[nn.Module, dict, dict, dict]:
         raise FileNotFoundError(f"{trial_dir}: its mask {params['mask_key']} is gone from {params['mask_root']} "
                                 "(healsweep store gc collects masks no kept run refers to); a sweep of the same spec "
                                 "on that store computes it again (masks are deterministic)") from None
+    except Exception as e:  # noqa: BLE001 - StoreError (another key's mask), safetensors' own (a truncated file)
+        raise ValueError(f"{trial_dir}: its mask {params['mask_key']} in {params['mask_root']} is damaged "
+                         f"({first_line(e)}); the next sweep that uses it computes it again") from None
     bad = mask_violations(model, masks)
     if bad:
         raise ValueError(f"{trial_dir}: {bad} masked weights are nonzero in the healed weights")

@@ -73,6 +73,17 @@ def _get_run(uri: str, run_id: str):
         return None
 
 
+def _own_uri(d: Path, meta: dict):
+    """sweep.json's tracking URI, or the run directory's own SQLite store when the directory was moved or copied
+    (sweep.json still names the old place: what ``tracking.store.relocate`` rewrites; an export reads, so it does
+    not rewrite)."""
+    uri = meta.get("tracking_uri")
+    if (isinstance(uri, str) and uri.startswith("sqlite:///") and uri.endswith("/mlflow.db")
+            and (d / "mlflow.db").is_file()):
+        return f"sqlite:///{(d / 'mlflow.db').resolve()}"
+    return uri
+
+
 def _candidates(runs: Path) -> tuple[list[tuple[Path, dict]], list[str]]:
     """-> ([(run directory, its sweep.json)], [why each unreadable one was skipped]): one damaged run directory
     under ``runs`` does not stop the export of a run in another."""
@@ -98,19 +109,23 @@ def find_run(run_id: str, run_dir: str | None, runs: str, tracking_uri: str | No
             lost = (d / "trials.jsonl").is_file()  # a run directory that lost its sweep.json
             raise CliError(f"--run-dir {d}: " + (f"sweep.json missing; rebuild it with healsweep doctor {d} --repair"
                                                  if lost else "not a run directory (no sweep.json)"))
-        uri = tracking_uri or _sweep_json(d).get("tracking_uri") or f"sqlite:///{(d / 'mlflow.db').resolve()}"
+        meta = _sweep_json(d)
+        uri = tracking_uri or _own_uri(d, meta) or f"sqlite:///{(d / 'mlflow.db').resolve()}"
         if not isinstance(uri, str):
             raise CliError(f"{d}: sweep.json's tracking_uri is not a URI ({str(uri)[:40]!r}); give --tracking-uri")
         run = _get_run(uri, run_id)
         if run is None:
             raise CliError(f"run {run_id!r} not found in {uri}")
+        if (sweep := run.data.tags.get("sweep_id")) != meta.get("sweep_id"):  # one tracking store, two sweeps: the
+            raise CliError(f"run {run_id!r} is of sweep {sweep}, but {d} holds sweep {meta.get('sweep_id')}: "  # other's
+                           "give that sweep's run directory, or leave out --run-dir")  # trial of the same id was exported
         return d, uri, run
     cands, skipped = _candidates(Path(runs))
     if tracking_uri:  # asked for: no other store is searched
         uris = [tracking_uri]
     else:
         uris = [os.environ["MLFLOW_TRACKING_URI"]] if os.environ.get("MLFLOW_TRACKING_URI") else []
-        uris += [m["tracking_uri"] for _, m in cands if isinstance(m.get("tracking_uri"), str)]
+        uris += [u for d, m in cands if isinstance(u := _own_uri(d, m), str)]
     for uri in dict.fromkeys(uris):  # each distinct tracking URI once, in order
         run = _get_run(uri, run_id)
         if run is None:

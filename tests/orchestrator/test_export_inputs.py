@@ -1,0 +1,70 @@
+"""``healsweep export`` given the wrong or a changed run directory, and a trial whose saved files are damaged: one
+line naming what is wrong, never a card that mixes two runs, never a traceback (the export user's findings)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.orchestrator.run_cli import healsweep
+from tests.orchestrator.test_export import trial  # noqa: F401 - the module's real trial (fixture)
+
+
+def _run(uri: str, sweep: str) -> str:
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("healsweep")
+    exp_id = exp.experiment_id if exp else client.create_experiment("healsweep")
+    run = client.create_run(exp_id, tags={"healsweep.role": "trial", "trial_id": "c0ffee-0", "sweep_id": sweep})
+    client.set_terminated(run.info.run_id, "FINISHED")
+    return run.info.run_id
+
+
+def test_run_dir_of_another_sweep_and_a_moved_run_dir(tmp_path):
+    """Two sweeps on one tracking store with the same trial ids: ``--run-dir`` of the other sweep exported the other
+    sweep's weights under this run's card (rc 0). A moved run directory (sweep.json still names the old path): the
+    export looked in the old database ("not found") until a report relocated it."""
+    uri = f"sqlite:///{tmp_path / 'shared.db'}"
+    for name, sweep in (("a", "s1"), ("b", "s2")):
+        (tmp_path / "runs" / name / "trials").mkdir(parents=True)
+        (tmp_path / "runs" / name / "sweep.json").write_text(json.dumps({"tracking_uri": uri, "sweep_id": sweep}))
+    s1 = _run(uri, "s1")
+    r = healsweep("export", s1, "--out", "x", "--run-dir", "runs/b", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"healsweep: error: run '{s1}' is of sweep s1, but runs/b holds sweep s2: give that sweep's run directory, "
+        "or leave out --run-dir"), r.stderr
+    moved = tmp_path / "elsewhere" / "m"
+    (moved / "trials").mkdir(parents=True)
+    m = _run(f"sqlite:///{moved / 'mlflow.db'}", "s3")
+    (moved / "sweep.json").write_text(json.dumps({"tracking_uri": f"sqlite:///{tmp_path / 'runs' / 'm' / 'mlflow.db'}",
+                                                  "sweep_id": "s3"}))
+    for where in (["--run-dir", str(moved)], ["--runs", str(moved.parent)]):
+        r = healsweep("export", m, "--out", "x", *where, cwd=tmp_path)
+        assert r.returncode == 2 and "c0ffee-0: no healed.safetensors" in r.stderr, (where, r.stderr)  # run found
+    assert json.loads((moved / "sweep.json").read_text())["tracking_uri"].startswith(f"sqlite:///{tmp_path / 'runs'}")
+
+
+def test_a_damaged_mask_or_trial_json_is_one_error(trial, tmp_path):  # noqa: F811
+    """A mask file replaced or truncated in the store, or a trial.json without its final result, ended the export
+    in StoreError's, safetensors' or a KeyError's traceback."""
+    from tasks.export import load_trial
+    from tasks.saved_trial import TRIAL_JSON
+
+    root, _, _ = trial
+    d = tmp_path / "run" / "trials" / "cell-0"
+    shutil.copytree(root / "run" / "trials" / "cell-0", d)
+    masks = tmp_path / "masks"
+    shutil.copytree(root / "masks", masks)
+    rec = json.loads((d / TRIAL_JSON).read_text())
+    rec["params"]["mask_root"] = str(masks)
+    (d / TRIAL_JSON).write_text(json.dumps(rec))
+    f = masks / f"{'b' * 32}.safetensors"
+    f.write_bytes(f.read_bytes()[:40])
+    with pytest.raises(ValueError, match=f"cell-0: its mask {'b' * 32} in {masks} is damaged \\(.+\\); the next "
+                                         "sweep that uses it computes it again"):
+        load_trial(d)
+    del rec["final"]
+    (d / TRIAL_JSON).write_text(json.dumps(rec))
+    with pytest.raises(ValueError, match=f"{TRIAL_JSON}: unreadable or incomplete \\(KeyError: 'final'\\)"):
+        load_trial(d)
