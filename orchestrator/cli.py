@@ -76,8 +76,10 @@ def fault_exit(e: Exception, args) -> int:
     else is raised again."""
 
     run_dir = getattr(args, "resume", None) or getattr(args, "dir", None) or getattr(args, "out", None)
+    cmd = getattr(args, "cmd", None)
     again = (f"run healsweep doctor {run_dir}{' --repair' * bool(getattr(args, 'repair', False))} again"
-             if getattr(args, "cmd", None) == "doctor" else None)
+             if cmd == "doctor" else f"run healsweep export {getattr(args, 'run_id', 'RUN_ID')} again"
+             if cmd == "export" else None)  # an export's --out is no run directory: nothing to resume
     found = one_line(e, run_dir, again)
     if found is None:
         raise e

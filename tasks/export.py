@@ -186,14 +186,31 @@ def export_trial(trial_dir: Path, out: Path, run_info: Mapping[str, Any] | None 
         "mlflow_run_id": info.get("run_id"),
         "trial_id": params.get("trial_id", params.get("trial_key")),  # trial_key: trial.json of runs before the rename
     }
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"model": out / "model.safetensors", "mask": out / "mask.safetensors", "card_json": out / "model_card.json",
-             "card_md": out / "model_card.md"}
-    _save_tensors(paths["model"], model.state_dict(), {"format": "pt", "healsweep": json.dumps(card["reload"])})
-    _save_tensors(paths["mask"], {k: v.to(torch.uint8) for k, v in masks.items()}, {"format": "healsweep-mask/1"})
-    _save_text(paths["card_json"], json.dumps(card, indent=1, default=str))
-    _save_text(paths["card_md"], card_markdown(card))
-    return paths
+    return _write_export(out, model, masks, card)
+
+
+def _write_export(out: Path, model: nn.Module, masks: Mapping[str, torch.Tensor], card: dict) -> dict[str, Path]:
+    """The four files, all or none: written into ``out/.export-staging`` first, then renamed into place, the card
+    last (a full disk left model.safetensors alone in --out, and the retry was refused as another run's export;
+    over an earlier export it would have mixed the two)."""
+    import shutil
+
+    names = {"model": "model.safetensors", "mask": "mask.safetensors", "card_md": "model_card.md",
+             "card_json": "model_card.json"}
+    stage = out / ".export-staging"
+    shutil.rmtree(stage, ignore_errors=True)  # an export killed before its renames (one export at a time: locked)
+    try:
+        _save_tensors(stage / names["model"], model.state_dict(),
+                      {"format": "pt", "healsweep": json.dumps(card["reload"])})
+        _save_tensors(stage / names["mask"], {k: v.to(torch.uint8) for k, v in masks.items()},
+                      {"format": "healsweep-mask/1"})
+        _save_text(stage / names["card_md"], card_markdown(card))
+        _save_text(stage / names["card_json"], json.dumps(card, indent=1, default=str))
+        for name in names.values():
+            (stage / name).replace(out / name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return {k: out / n for k, n in names.items()}
 
 
 def _merge(*codes: str) -> str:

@@ -68,3 +68,44 @@ def test_a_damaged_mask_or_trial_json_is_one_error(trial, tmp_path):  # noqa: F8
     (d / TRIAL_JSON).write_text(json.dumps(rec))
     with pytest.raises(ValueError, match=f"{TRIAL_JSON}: unreadable or incomplete \\(KeyError: 'final'\\)"):
         load_trial(d)
+
+
+def test_an_export_that_runs_out_of_space_leaves_nothing(trial, tmp_path):  # noqa: F811
+    """On a full disk the export wrote model.safetensors, then failed: --out held the model alone, and the retry
+    was refused as "another run's export". All four files or none now. A real full file system: a tmpfs with room
+    for the model but not its mask (root only; skipped where mounting is not allowed)."""
+    import os
+    import subprocess
+
+    from tasks.atomic import DiskFullError
+    from tasks.export import export_trial
+
+    root, _, _ = trial
+    d = root / "run" / "trials" / "cell-0"
+    whole = export_trial(d, tmp_path / "whole")
+    need = whole["model"].stat().st_size + whole["mask"].stat().st_size // 2
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    size = -(-need // 4096) * 4096
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        with pytest.raises(DiskFullError):
+            export_trial(d, mnt / "x")
+        assert sorted(p.name for p in (mnt / "x").iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_a_full_disk_during_an_export_says_to_run_the_export_again(tmp_path, capsys):
+    """It said "continue with healsweep run --resume <--out>": an export's --out is no run directory."""
+    import argparse
+
+    from orchestrator.cli import fault_exit
+    from tasks.atomic import DiskFullError
+
+    args = argparse.Namespace(cmd="export", run_id="0" * 32, out=str(tmp_path / "x"))
+    assert fault_exit(DiskFullError(tmp_path / "x" / "mask.safetensors"), args) == 1
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith(f"free space there, then run healsweep export {'0' * 32} again") and "--resume" not in err
