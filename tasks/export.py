@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import shutil
 import textwrap
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -193,8 +194,6 @@ def _write_export(out: Path, model: nn.Module, masks: Mapping[str, torch.Tensor]
     """The four files, all or none: written into ``out/.export-staging`` first, then renamed into place, the card
     last (a full disk left model.safetensors alone in --out, and the retry was refused as another run's export;
     over an earlier export it would have mixed the two)."""
-    import shutil
-
     names = {"model": "model.safetensors", "mask": "mask.safetensors", "card_md": "model_card.md",
              "card_json": "model_card.json"}
     stage = out / ".export-staging"

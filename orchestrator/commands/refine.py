@@ -132,11 +132,16 @@ def _widen(args) -> int:
         raise CliError(f"--widen-rounds must be in [1, {MAX_WIDEN_ROUNDS}] (as search.widen.rounds), "
                        f"got {args.widen_rounds}")
     try:
-        with interrupt.catching():  # over every round: a Ctrl-C between two ends the next one at once, partial
+        with interrupt.catching():  # over every round: a Ctrl-C between two stops the next one before its trials
             done = run_widening(Path(args.dir), args.widen_rounds, args.widen_factor, address=args.address,
                                 progress=not args.quiet, num_cpus=args.num_cpus)
+            late = interrupt.received()  # after the last round (its report): said, not lost
     except (RefineError, ResumeError, ClusterError) as e:
         raise CliError(str(e)) from None
+    if done and not done[-1].get("started", True):  # not recorded: nothing of it to resume
+        print(f"interrupted before widening round {done[-1]['round']} started; run healsweep refine {args.dir} "
+              f"--widen again for it", file=sys.stderr)
+        return interrupt.exit_code(done[-1]["result"].interrupted)
     if not done:
         print("no winner sits on the search boundary, or only on the spec's own limits (lr 10, the longest healing): "
               "nothing to widen")
@@ -146,4 +151,6 @@ def _widen(args) -> int:
         print(f"widen round {d['round']}: {len(d['cells'])} cells, {d['trials_finished']} trials finished, "
               f"{d['trials_failed']} failed (the sweep: {res.trials_finished} and {res.trials_failed})")
     print(report_lines(done[-1]["report"]))
+    if late is not None and done[-1]["result"].interrupted is None:
+        return interrupt.exit_code(late)
     return interrupted_exit(done[-1]["result"]) or (0 if all(d["result"].trials_failed == 0 for d in done) else 1)

@@ -332,6 +332,8 @@ def _run(args, spec, out: Path, store: Path, cache: Path, clock, owns_ray: bool 
                 res = _widened(res, rounds, out, not args.no_report)
             elif widen and not args.no_report:  # interrupted before widening: the partial sweep's report
                 res = _widened(res, [], out, True)
+            if res.interrupted is None and (sig := interrupt.received()) is not None:  # after the last sweep (its
+                res = replace(res, interrupted=sig)  # report, a round that found no cell): not ended complete
     except (ResumeError, StoreBudgetError, ClusterError, RefineError, ModelSourceError, DatasetError) as e:
         raise CliError(str(getattr(e, "cause", None) or e)) from None  # a Ray task's error: its cause's line
     return res

@@ -335,12 +335,12 @@ def _collect(store, args, root, candidates: list[str], bucket) -> int:
 
 
 def _last_activity(store, key: str) -> datetime | None:
-    """When ``key`` was last used (its last-use record) or else written (its newest file: a key a sweep is writing
-    has shards but neither a manifest nor a last use yet, and was deleted as ageless on a bucket)."""
-    if (t := store.last_use(key)) is not None:
-        return t
+    """When ``key`` was last used (its last-use record) or written (its newest file), whichever is later: a key a
+    sweep is writing has shards but neither a manifest nor a last use yet (it was deleted as ageless on a bucket),
+    and one it extends or repairs has new shards under an old last use."""
     mt = store.fs.newest_mtime(key)
-    return datetime.fromtimestamp(mt, timezone.utc) if mt else None
+    times = [t for t in (store.last_use(key), datetime.fromtimestamp(mt, timezone.utc) if mt else None) if t]
+    return max(times, default=None)
 
 
 def _gc_masks(masks, args) -> None:

@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import uuid
 import socket
 import sys
 
@@ -298,14 +299,19 @@ def check_store_uri(uri: str | None) -> None:
     if info.type == pafs.FileType.NotFound:
         raise ClusterError(f"store.uri {uri}: bucket {bucket!r} does not exist at that endpoint (create it first, "
                            "or check the bucket name and endpoint_override)")
-    probe = f"{path.rstrip('/')}/.healsweep-write-probe-{os.getpid()}"
-    try:  # a sweep writes targets, masks and Tune's storage there: read-only credentials failed after Ray started
+    probe = f"{path.rstrip('/')}/.healsweep-write-probe-{uuid.uuid4().hex}"
+    need = "a sweep writes and replaces its targets, masks and Tune's storage under it: the credentials need " \
+           "PutObject and DeleteObject"
+    try:  # read-only credentials passed the HEAD and failed in the dense stage, after Ray started
         with fs.open_output_stream(probe) as f:
             f.write(b"")
+    except OSError as e:
+        raise ClusterError(f"store.uri {uri}: cannot write there: {_refusal(e)} ({need})") from None
+    try:
         fs.delete_file(probe)
     except OSError as e:
-        raise ClusterError(f"store.uri {uri}: cannot write there: {_refusal(e)} (a sweep writes its targets, "
-                           "masks and Tune's storage under it: the credentials need PutObject and DeleteObject)") from None
+        raise ClusterError(f"store.uri {uri}: can write but not delete there ({_refusal(e)}; {need}); the probe "
+                           f"object {probe} is left behind") from None
 
 
 def _refusal(e: OSError) -> str:

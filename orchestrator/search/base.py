@@ -334,9 +334,11 @@ class SearchDesign:
         ``reevaluation_seeds``' k-th, k = how many re-evaluations of the same configuration came first. A winner a
         widening or refine round found heals on the seeds (and calibration draws) every other winner did, not on
         the study's next ones; the same configuration never twice on one seed."""
-        k = sum(1 for t in study.get_trials(deepcopy=False)
-                if (before is None or t.number < before) and t.params == dict(params))
-        return reevaluation_seeds(int(self.cells[cell_id].get("seed", 0)), k + 1)[k]
+        same = [t for t in study.get_trials(deepcopy=False)
+                if (before is None or t.number < before) and t.params == dict(params)]
+        used = {t.user_attrs.get("heal_seed") for t in same}  # (a study begun before this rule numbered by trial:
+        seeds = reevaluation_seeds(int(self.cells[cell_id].get("seed", 0)), len(same) + len(used) + 1)
+        return next(x for x in seeds[len(same):] + seeds[:len(same)] if x not in used)  # skip what it used)
 
     def remember_ceiling(self, ask: Ask, ceiling: float, n_selection: float = math.nan) -> None:
         """Keep the dense model's value of the objective a trial reported as its user attr ``CEILING`` (and the

@@ -29,6 +29,7 @@ from orchestrator.sweep.background import background
 from orchestrator.sweep.console import StageClock
 from orchestrator.sweep.draws import totals
 from orchestrator.sweep.state import SweepState
+from tasks.errors import first_line
 
 
 def shutdown_ray() -> None:
@@ -109,8 +110,12 @@ def ended_early(s: SweepState, t0: float) -> tuple[int, int, float]:
     run = s.tracking()  # the parent stage, if it had started
     if run.run_id:
         mark_parent(run.client, run.run_id, finished, failed, None, received())
-    elif s.info.get("parent_run_id"):
-        _mark_recorded_parent(s.info["tracking_uri"], s.info["parent_run_id"], finished, failed)
+    elif s.info.get("parent_run_id") and not s.info.get("complete"):  # a complete sweep's extra round added nothing
+        try:
+            _mark_recorded_parent(s.info["tracking_uri"], s.info["parent_run_id"], finished, failed)
+        except Exception as e:  # noqa: BLE001 - a tracking server's hiccup: the interrupt's own line still comes
+            print(f"healsweep: could not mark the parent run interrupted ({type(e).__name__}: {first_line(e)})",
+                  file=sys.stderr)
     return finished, failed, time.time() - t0
 
 
