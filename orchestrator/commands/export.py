@@ -16,6 +16,7 @@ from pathlib import Path
 from orchestrator.commands.common import CliError, not_a_dir
 from orchestrator.spec.checks import SpecError
 from orchestrator.spec.reach import check_server
+from orchestrator.tracking.store import local_tracking_uri, moved_from
 from orchestrator.raytune.cluster import is_remote, store_subdir
 from tasks.atomic import file_lock
 from tasks.saved_trial import TRIAL_JSON, healed_problem, trial_dir
@@ -77,11 +78,7 @@ def _own_uri(d: Path, meta: dict):
     """sweep.json's tracking URI, or the run directory's own SQLite store when the directory was moved or copied
     (sweep.json still names the old place: what ``tracking.store.relocate`` rewrites; an export reads, so it does
     not rewrite)."""
-    uri = meta.get("tracking_uri")
-    if (isinstance(uri, str) and uri.startswith("sqlite:///") and uri.endswith("/mlflow.db")
-            and (d / "mlflow.db").is_file()):
-        return f"sqlite:///{(d / 'mlflow.db').resolve()}"
-    return uri
+    return local_tracking_uri(d) if moved_from(d, meta) else meta.get("tracking_uri")
 
 
 def _candidates(runs: Path) -> tuple[list[tuple[Path, dict]], list[str]]:

@@ -45,6 +45,16 @@ def keep_artifacts_inside(tracking_uri: str, out_dir, experiment: str, own: bool
     experiment_id(MlflowClient(tracking_uri), experiment, root.resolve().as_uri())  # (a duplicate: the first's)
 
 
+def moved_from(run_dir, meta: dict) -> str | None:
+    """The directory a moved or copied run directory's sweep.json still names (its tracking URI is the SQLite store
+    inside another directory while ``run_dir`` has its own), else None."""
+    uri = str(meta.get("tracking_uri") or "")
+    if (not uri.startswith("sqlite:///") or not uri.endswith("/mlflow.db") or uri == local_tracking_uri(run_dir)
+            or not (Path(run_dir) / "mlflow.db").is_file()):
+        return None
+    return uri[len("sqlite:///"):-len("/mlflow.db")]
+
+
 def relocate(run_dir) -> bool:
     """A run directory copied or moved elsewhere: point its sweep.json and its SQLite store (experiment artifact
     locations, run artifact URIs) at the new place. True when something was rewritten."""
@@ -56,10 +66,9 @@ def relocate(run_dir) -> bool:
     meta = json.loads(meta_p.read_text(encoding="utf-8"))
     if not isinstance(meta, dict):
         return False  # not a sweep record (the caller's own check says so in one line)
-    uri = str(meta.get("tracking_uri") or "")
-    if not uri.startswith("sqlite:///") or not uri.endswith("/mlflow.db") or uri == local_tracking_uri(run_dir):
+    old = moved_from(run_dir, meta)
+    if old is None:
         return False
-    old = uri[len("sqlite:///"):-len("/mlflow.db")]
     with sqlite3.connect(db) as con:
         for table, col in (("experiments", "artifact_location"), ("runs", "artifact_uri")):
             con.execute(f"UPDATE {table} SET {col} = replace({col}, ?, ?)", (old + "/", str(run_dir) + "/"))
