@@ -1,9 +1,11 @@
 """Test-only healers for the orchestration tests (imported through a spec's ``plugins`` list, so Ray workers
-register them too). Both are STARFISH with an injected fault:
+register them too). Each is STARFISH with an injected fault:
 
 - ``test_flaky``: raises RuntimeError at the start of epoch 2 on the first attempt of a trial (an attempt
   counter file under ``settings.marker_dir``); every attempt appends the epoch it started from to that file.
 - ``test_nan``: the loss becomes NaN at the first step of epoch 2 -> HealingDiverged.
+- ``test_broken``: raises RuntimeError before healing while the file ``settings.marker_dir/broken`` exists (a fault
+  that is mended between two sessions: ``run --resume --retry-failed``).
 """
 from __future__ import annotations
 
@@ -59,5 +61,15 @@ class NanHealer(_Faulty):
         return value * float("nan") if self._state["epoch"] >= 1 else value
 
 
+class BrokenHealer(_Faulty):
+    name = "test_broken"
+
+    def heal(self, ctx, cfg, on_epoch=None):
+        if (Path(cfg.settings["marker_dir"]) / "broken").exists():
+            raise RuntimeError("injected failure: the marker file 'broken' exists")
+        return super().heal(ctx, cfg, on_epoch)
+
+
 HEALERS.register("test_flaky")(FlakyHealer())
 HEALERS.register("test_nan")(NanHealer())
+HEALERS.register("test_broken")(BrokenHealer())

@@ -21,6 +21,7 @@ from orchestrator.rundir.files import (ResumeError, interrupted_round, lock_run_
 from orchestrator.spec.dry_run import DRY_SIZES
 from orchestrator.spec.reach import check_server
 from orchestrator.sweep.background import background
+from orchestrator.tracking.retry import retryable
 from orchestrator.tracking.store import relocate
 from orchestrator.sweep.console import StageClock, process_age, quiet_libraries
 from tasks.errors import DatasetError, ModelSourceError  # no torch: a warm sweep loads no model and no dataset
@@ -35,6 +36,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("spec", nargs="?", help="sweep spec (YAML), e.g. configs/default.yaml (not with --resume)")
     p.add_argument("--out", metavar="DIR", help="run directory (default: runs/<spec name>)")
     p.add_argument("--resume", metavar="DIR", help="continue the sweep recorded in run directory DIR")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="with --resume: run the sweep's failed trials again (those that raised or met a full disk; "
+                        "a diverged trial is its configuration's result and is kept); their new MLflow runs replace "
+                        "the failed ones")
     p.add_argument("--store", metavar="DIR",
                    help=f"target/mask store root, shared across sweeps (default: {DEFAULT_HOME / 'store'}; "
                         f"with --dry-run: DIR/store)")
@@ -71,7 +76,8 @@ def main(args) -> int:
     clock = StageClock(enabled=not args.quiet)
     clock.add("imports", process_age())
     _precheck(args)
-    if args.resume and (done := nothing_to_resume(Path(args.resume))) is not None:
+    if args.resume and not (args.retry_failed and retryable(Path(args.resume))) and \
+            (done := nothing_to_resume(Path(args.resume))) is not None:
         return _complete_already(Path(args.resume), *done, report=not args.no_report)
     spec, out, store, cache, models, owns_ray = _resolve_while_ray_starts(args, clock)
     try:
@@ -91,7 +97,14 @@ def main(args) -> int:
                         time.perf_counter() - started, res.tracking_uri))
     if res.report:
         print(report_lines(res.report))
+    _retry_hint(out, res.trials_failed)
     return interrupted_exit(res) or (0 if res.trials_failed == 0 else 1)  # SIGINT/SIGTERM: one line, 128 + signal
+
+
+def _retry_hint(out: Path, failed: int) -> None:
+    """After a sweep with failed trials: how to run again those a retry would (not the diverged ones)."""
+    if failed and (n := retryable(out)):
+        note(f"{n} failed trial(s) can run again: healsweep run --resume {out} --retry-failed")
 
 
 def _complete_already(out: Path, finished: int, failed: int, report: bool) -> int:
@@ -112,6 +125,7 @@ def _complete_already(out: Path, finished: int, failed: int, report: bool) -> in
     print(summary_lines(info["sweep_id"], finished, failed, 0, time.perf_counter() - t0, info["tracking_uri"]))
     if paths:
         print(report_lines(paths))
+    _retry_hint(out, failed)
     return 0
 
 
@@ -219,6 +233,8 @@ def _precheck(args) -> None:
         if args.cpu_only and any(override.get(k) for k in ("gpus_per_trial", "gpus_per_dense_task")):  # gpu=0 agrees
             raise CliError("--cpu-only runs every task on the CPU: give it or --resources gpu=/dense_gpu= above 0, "
                            "not both")
+        if args.retry_failed and not args.resume:
+            raise CliError("--retry-failed runs the failed trials of a sweep: give it with --resume DIR")
         if args.resume:
             if args.spec or args.out or args.dry_run:
                 raise CliError("--resume DIR takes no SPEC, --out or --dry-run: the sweep's spec and paths are in DIR")
@@ -324,7 +340,7 @@ def _run(args, spec, out: Path, store: Path, cache: Path, clock, owns_ray: bool 
             res = run_sweep(spec, out, store, cache, address=args.address, progress=not args.quiet,
                             report=not args.no_report and not widen, num_cpus=args.num_cpus,
                             resume=bool(args.resume), verbose=args.verbose, clock=clock, owns_ray=owns_ray,
-                            models=models)
+                            models=models, retry_failed=args.retry_failed)
             if widen and res.interrupted is None and faults.stopped() is None:  # a fault: no widening round
                 rounds = run_widening(out, widen["rounds"], widen["factor"], address=args.address,
                                       progress=not args.quiet, num_cpus=args.num_cpus, report=not args.no_report,

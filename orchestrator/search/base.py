@@ -186,15 +186,20 @@ class SearchDesign:
 
     # ------------------------------------------------------------------ the contract
     def ready(self, slot: _Slot) -> bool:
-        """May this slot be asked now? Re-evaluations wait for every search trial of their cell."""
-        if slot.number is not None:
-            return True  # asked before a restart: its parameters are fixed
+        """May this slot be asked now? Re-evaluations wait for every search trial of their cell (one asked before a
+        restart too, when it is to be derived from the winner that a retried trial may change: tracking/retry.py)."""
+        if slot.number is not None:  # asked before a restart: its parameters are fixed, or derived from the winner
+            return slot.stage != REEVALUATE or self._seeded(slot) or self._search_done(slot.cell_id)
         if slot.stage == REEVALUATE:
             return self._search_done(slot.cell_id)
         return True
 
     def _search_done(self, cell_id: str) -> bool:
         return self.done((cell_id, SEARCH))
+
+    def _seeded(self, slot: _Slot) -> bool:
+        """A re-evaluation asked before a restart that still has its healing seed (and so its configuration)."""
+        return "heal_seed" in self.study(slot.cell_id, REEVALUATE).get_trials(deepcopy=False)[slot.number].user_attrs
 
     def priority(self, slot: _Slot) -> int:
         """Among ready slots the highest is asked first (ties: queue order); it changes when a trial runs, never
@@ -314,6 +319,7 @@ class SearchDesign:
                     return None
                 seed = self._fresh_seed(slot.cell_id, study, best.params, slot.number)
                 study._storage.set_trial_user_attr(t._trial_id, "heal_seed", seed)
+                study._storage.set_trial_user_attr(t._trial_id, "winner", best.number)
                 for name, dist in best.distributions.items():
                     study._storage.set_trial_param(t._trial_id, name, dist.to_internal_repr(best.params[name]), dist)
                 t = study.trials[slot.number]

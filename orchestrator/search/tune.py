@@ -54,15 +54,16 @@ class DesignSearcher(Searcher):
         # rundir/faults.py ``stop``, set by the trials stage); without one the error is raised here.
         self.on_fault: Callable[[BaseException], None] = _raise
         self._untold = _Pending()  # tells handed to ``defer`` and not yet run
+        self._errors: list[Callable[[], None]] = []  # failed trials' tells, held for Tune's callbacks (below)
 
     # Tune pickles the searcher with the Tuner (tuner.pkl): the count of queued tells and the recorder are this
     # process's only.
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_untold", "record", "on_fault")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_untold", "_errors", "record", "on_fault")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._untold, self.record, self.on_fault = _Pending(), None, _raise
+        self._untold, self._errors, self.record, self.on_fault = _Pending(), [], None, _raise
 
     @property
     def total(self) -> int:
@@ -100,6 +101,7 @@ class DesignSearcher(Searcher):
         return True  # the space is the design's; metric/mode were fixed at construction
 
     def suggest(self, trial_id: str) -> dict | None:
+        self.flush_errors()
         a = self.design.ask()
         if a is None and not self._live and self._untold.wait():  # the results it waits for are being told
             a = self.design.ask()
@@ -137,7 +139,10 @@ class DesignSearcher(Searcher):
             self.on_fault(DiskFullError(result.get("disk_full_path") or "?", int(result.get("disk_full_needed") or 0),
                                         result.get("disk_full_what") or None))
             return
-        if error or not result or self.metric not in result or result.get("diverged"):
+        if error:  # told after Tune's own callbacks ran: the logger's on_trial_error writes the run's failure_reason
+            self._untold.add()  # then, which the trial's record reads back (Tune calls them after this method)
+            self._errors.append(lambda: self._told(a, None, TrialState.FAIL))
+        elif not result or self.metric not in result or result.get("diverged"):
             self._tell(lambda: self._told(a, None, TrialState.FAIL))
         elif not result.get("final"):
             self._tell(lambda: self._told(a, None, TrialState.PRUNED))
@@ -146,6 +151,13 @@ class DesignSearcher(Searcher):
             sel = self.metric == "selection_acc"
             ceiling = (result.get(CEILING), result.get(N_SELECTION)) if sel else None
             self._tell(lambda: self._told(a, value, TrialState.COMPLETE, ceiling))
+
+    def flush_errors(self) -> None:
+        """The failed trials' tells, handed to ``defer`` on Tune's thread once its step is over (the next ask, or the
+        end of the trials): after the MLflow writes its callbacks queued for them."""
+        held, self._errors = self._errors, []
+        for fn in held:
+            self._defer(lambda fn=fn: self._untold.run(fn))
 
     def _told(self, a: Ask, value: float | None, state: TrialState, ceiling: tuple | None = None) -> None:
         """The trial's record (DIR/trials.jsonl, the commit point: a record that cannot be written raises, and

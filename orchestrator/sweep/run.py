@@ -41,6 +41,7 @@ from orchestrator.sweep.planner import decision_line, plan_target_modes
 from orchestrator.sweep.state import Handoff, ModelsPart, SweepResult, SweepState
 from orchestrator.tracking import store as tracking_store
 from orchestrator.tracking.recorder import TrialRecorder, stored_weights
+from orchestrator.tracking.retry import drop_failed, retry_lines
 from orchestrator.tracking.writer import AsyncMlflowWriter
 
 
@@ -201,6 +202,8 @@ def tune_stage(s: SweepState, progress: bool, report: bool = True) -> None:
         draws = [trial_overrides(d, s.cells, j) for j, d in enumerate(s.draws)]  # each for the cells it prepared
         t.concurrency = cluster.present_concurrency(spec.resources, ray.cluster_resources())  # at start; logged
         t.max_concurrent = cluster.tune_concurrency(spec.resources, {})
+        if s.retry_failed:  # before the design reads the journal: those trials are asked again
+            retry_lines(drop_failed(s.out_dir, {c.cell_id for c in s.cells}), clock.say)
         t.writer = writer = AsyncMlflowWriter(lambda: s.tracking().client)
         t.searcher = searcher = PerCellOptunaSearch(
             configs, spec.search.trials_per_cell, spec.search.lr, spec.search.epochs, spec.search.sampler_seed,
@@ -232,6 +235,7 @@ def tune_stage(s: SweepState, progress: bool, report: bool = True) -> None:
         with cluster.pending_limit(spec.resources, searcher.total), node_guard.guarding(s.guard), \
                 gcs_watch.watching(lost):
             tuner.fit()  # trials queue for nodes that join later; one that cannot import the project is fenced
+        searcher.flush_errors()  # trials that failed after the last ask
         t.freed = drop_epoch_checkpoints(tune_experiment(tune_home(s), name))
     t.seconds = time.perf_counter() - t0
     clock.add("trials", t.seconds)
@@ -249,7 +253,8 @@ def tune_home(s: SweepState) -> str:
 def run_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, *, address: str | None = None,
               progress: bool = True, report: bool = True, num_cpus: int | None = None,
               resume: bool = False, refine_round: int | None = None, verbose: bool = False,
-              clock: StageClock | None = None, owns_ray: bool = False, models: dict | None = None) -> SweepResult:
+              clock: StageClock | None = None, owns_ray: bool = False, models: dict | None = None,
+              retry_failed: bool = False) -> SweepResult:
     """Run a sweep into ``out_dir``; with ``resume``, continue the sweep recorded there, its run directory prepared
     by the caller (``lifecycle.resume.prepare_resume``; orchestrator/rundir/files.py):
     its sweep id, MLflow parent run and Optuna journal are reused, told trials are not run again. With
@@ -258,7 +263,8 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, 
     ``clock``: the CLI's, already holding the imports/spec stages; stage lines print unless ``progress`` is off.
     ``owns_ray``: the caller started Ray for this sweep (``healsweep run`` starts it while the spec is checked):
     shut it down at the end like a Ray this call started. ``models``: ``stages.prepare_models``'s result when the
-    caller loaded them already (``healsweep run``, while Ray starts)."""
+    caller loaded them already (``healsweep run``, while Ray starts). ``retry_failed`` (with ``resume``): the
+    failed trials of its cells run again (orchestrator/tracking/retry.py)."""
     faults.clear()  # a fault stops only the sweep that met it (orchestrator/rundir/faults.py)
     quiet_libraries(verbose)
     t0 = time.time()
@@ -266,6 +272,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, store_dir: Path, cache_dir: Path, 
     cluster.check_store_uri(spec.store.uri)  # one line for an unreachable endpoint / missing bucket
     clock = clock or StageClock(enabled=progress)
     s = open_sweep(spec, out_dir, store_dir, cache_dir, resume, refine_round, clock)
+    s.retry_failed = retry_failed and resume
     try:
         return _started(s, address, num_cpus, verbose, owns_ray, models, t0, progress, report)
     finally:

@@ -131,6 +131,7 @@ class SweepState:
     parent_stage: Handoff[ParentRun] | None = None
     tune: TuneParts = field(default_factory=TuneParts)
     dense_total: int = 0  # dense forward images over every session of the sweep (resume/refine included)
+    retry_failed: bool = False  # run --resume --retry-failed: failed trials asked again (tracking/retry.py)
 
     def tracking(self) -> ParentRun:
         """The parent run once the parent stage is done (joined at the first call; its error re-raised here);

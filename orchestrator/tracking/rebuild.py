@@ -17,6 +17,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Collection
 
 from orchestrator.rundir import records
 from orchestrator.rundir.files import told_states, write_sweep
@@ -81,8 +82,10 @@ def _asked(t=None):
                                      user_attrs=t.user_attrs)
 
 
-def rebuild_journal(journal: Path, trials: dict[str, dict]) -> dict[str, int]:
-    """Rewrite ``journal`` from the record (see the module docstring); -> counts told / asked."""
+def rebuild_journal(journal: Path, trials: dict[str, dict], forget: Collection[tuple[str, int]] = ()) -> dict[str, int]:
+    """Rewrite ``journal`` from the record (see the module docstring); -> counts told / asked. ``forget``: (study,
+    number) of trials the record does not hold that are asked again without what the old journal knows of them
+    (the design derives them again: a re-evaluation of a winner that may change, orchestrator/tracking/retry.py)."""
     import optuna
     from optuna.study import StudyDirection
 
@@ -101,7 +104,8 @@ def rebuild_journal(journal: Path, trials: dict[str, dict]) -> dict[str, int]:
             told, asked = rec.get(name, {}).get("trials", {}), old.get(name, {}).get("trials", {})
             for n in range(max([*told, *asked], default=-1) + 1):
                 counts["told" if n in told else "asked"] += 1
-                storage.create_new_trial(sid, template_trial=_from_record(told[n]) if n in told else _asked(asked.get(n)))
+                again = None if (name, n) in forget else asked.get(n)
+                storage.create_new_trial(sid, template_trial=_from_record(told[n]) if n in told else _asked(again))
         del storage
         os.replace(tmp, journal)
     except OSError as e:

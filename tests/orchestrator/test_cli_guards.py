@@ -94,7 +94,8 @@ def test_store_gc_older_than_non_finite(tmp_path, days):
     (["--resources", "gpu=inf"], "--resources"), (["--resources", "cpu=nan"], "--resources"),
     (["--num-cpus", "-1"], "--num-cpus"), (["--out", "FILE"], "is a file"),
     # under a file: NotADirectoryError's traceback once Ray had started and the models were loaded
-    (["--out", "FILE/sub"], "which is a file"), (["--store", "FILE/sub"], "which is a file")])
+    (["--out", "FILE/sub"], "which is a file"), (["--store", "FILE/sub"], "which is a file"),
+    (["--retry-failed"], "give it with --resume DIR")])
 def test_run_rejects_bad_flags_before_ray(tmp_path, extra, needle):
     (tmp_path / "FILE").write_text("x")
     extra = [str(tmp_path / a) if a.startswith("FILE") else a for a in extra]
