@@ -140,7 +140,8 @@ def _tied_text(tied: list[str]) -> str:
 
 def common_failure(trials: pd.DataFrame | None, cells: list[str] | None = None) -> str:
     """' Most common failure (k of n failed trials): REASON.' over the trials (of ``cells``) that logged a
-    ``failure_reason`` (the last line of the trial's error: orchestrator/tracking/logger.py); '' when none did."""
+    ``failure_reason`` (the last line of the trial's error: orchestrator/tracking/logger.py), and how many of them a
+    retry runs again (orchestrator/tracking/retry.py: all but the diverged ones); '' when none did."""
     if trials is None or "failure_reason" not in trials.columns:
         return ""
     t = trials if cells is None else trials[trials["cell_id"].isin(cells)]
@@ -149,7 +150,10 @@ def common_failure(trials: pd.DataFrame | None, cells: list[str] | None = None) 
     if reasons.empty:
         return ""
     top = reasons.value_counts()  # (reason -> count), most common first
-    return f" Most common failure ({top.iloc[0]} of {len(reasons)} failed trials): {top.index[0][:300]}."
+    raised = int((~reasons.str.startswith("HealingDiverged")).sum())  # not a configuration's result: retried
+    again = (f" {raised} of them raised an error, not divergence: healsweep run --resume DIR --retry-failed runs them "
+             "again once its cause is mended." if raised else "")
+    return f" Most common failure ({top.iloc[0]} of {len(reasons)} failed trials): {top.index[0][:300]}.{again}"
 
 
 def _warnings(mb: pd.DataFrame, failed: list[str], why: str = "", trials: pd.DataFrame | None = None) -> list[str]:

@@ -330,6 +330,11 @@ def test_common_failure_counts_the_reasons_of_the_cells_asked():
 
     t = pd.DataFrame({"cell_id": ["a", "a", "b", "b", "c", "c"],
                       "failure_reason": ["X: bad", "Y: worse", "X: bad", None, "", "Z: other"]})
-    assert common_failure(t, ["a", "b"]) == " Most common failure (2 of 3 failed trials): X: bad."
-    assert common_failure(t, ["c"]) == " Most common failure (1 of 1 failed trials): Z: other."
+    retry = " raised an error, not divergence: healsweep run --resume DIR --retry-failed runs them again once its " \
+        "cause is mended."
+    assert common_failure(t, ["a", "b"]) == " Most common failure (2 of 3 failed trials): X: bad. 3 of them" + retry
+    assert common_failure(t, ["c"]) == " Most common failure (1 of 1 failed trials): Z: other. 1 of them" + retry
+    nan = pd.DataFrame({"cell_id": ["a", "a"], "failure_reason": ["HealingDiverged: nan at epoch 2", "OSError: x"]})
+    assert common_failure(nan.iloc[:1]) == " Most common failure (1 of 1 failed trials): HealingDiverged: nan at epoch 2."
+    assert common_failure(nan).endswith(". 1 of them" + retry)
     assert common_failure(t.iloc[3:5], None) == "" and common_failure(None) == ""

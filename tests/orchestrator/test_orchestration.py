@@ -73,6 +73,7 @@ def test_search_round_major_and_restart_reruns_untold_trials_with_same_params(tm
     assert [c["trial_id"] for c in cfgs] == ["cellA-0", "cellB-0", "cellA-1"]
     assert all(c["x"] == (1 if c["cell_id"] == "cellA" else 2) and 1 <= c["epochs"] <= 5 for c in cfgs)
     s.on_trial_complete("t1", {"selection_acc": 0.5, "epoch": 1}, error=True)
+    s.flush_errors()  # Tune's step after the error (its callbacks wrote the failure_reason): the tell is handed on
     # driver dies here: cellA-1 asked, never told; cellB-1 never asked
     r = PerCellOptunaSearch(CELLS, 2, (1e-4, 1e-2), (1, 5), 0, j)
     assert r.total == 2 and r.rerun == ["cellA-1"] and r.already_done == 2
