@@ -121,13 +121,18 @@ def _varying(best: pd.DataFrame, col: str) -> bool:
 @dataclass
 class Table:
     headers: list[str]
-    rows: list[list[str]]
+    rows: list[list[str]]  # the text cells: every header but the last ``len(links[i])``
     run_ids: list[str] = field(default_factory=list)
     experiment_ids: list[str] = field(default_factory=list)
+    links: list[list[list[str]]] = field(default_factory=list)  # per row, per run column: its run ids
+
+
+RUNS_OF_MEAN = "runs of healed (%)"  # the runs whose mean the healed column quotes (healsweep export takes any)
 
 
 def model_table(best: pd.DataFrame) -> Table:
-    """Formatted rows (last column = run id) for one model's best-per-cell frame."""
+    """Formatted rows for one model's best-per-cell frame; the run columns (the winner's run; with re-evaluated
+    winners, the runs of the quoted mean) are ``links``."""
     best = _sorted_rows(best)
     extra = [c for c in ("scope", "granularity", "seed") if _varying(best, c)]
     steps = "steps" in best.columns and bool(best["steps"].notna().any())  # a steps-based search
@@ -135,8 +140,8 @@ def model_table(best: pd.DataFrame) -> Table:
     headers = ["pruner", "pattern", "sparsity", "calib size", "dense (%)", "pruned (%)",
                "healed (%)", "retention", "best lr", *(["steps"] if steps else []), "epochs", "trials", "healer",
                *(["winner's own draw (%)"] if again else []), *extra,
-               "MLflow run"]
-    rows = []
+               "MLflow run", *([RUNS_OF_MEAN] if again else [])]
+    rows, links = [], []
     for r in best.itertuples(index=False):
         fixed = _num(r.lr) == 0.0 and (_num(r.epochs) or 0) == 0
         rows.append([
@@ -148,10 +153,12 @@ def model_table(best: pd.DataFrame) -> Table:
             "–" if fixed else _fmt_int(r.epochs),
             _fmt_trials(int(r.n_trials), int(r.n_failed)), str(r.healer),
             *([_fmt(r.healed_acc_search, ".2f", 100) if r.n_reevaluated else "–"] if again else []),
-            *(str(getattr(r, c)) for c in extra), str(r.run_id),
+            *(str(getattr(r, c)) for c in extra),
         ])
+        quoted = str(getattr(r, "quoted_run_ids", "") or r.run_id).split(";")
+        links.append([[str(r.run_id)], *([quoted] if again else [])])
     return Table(headers, rows, [str(x) for x in best["run_id"]],
-                 [str(x) for x in best["experiment_id"]])
+                 [str(x) for x in best["experiment_id"]], links)
 
 
 def _healed(r) -> str:
@@ -168,16 +175,16 @@ def _md_cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-_LEFT = {"pruner", "pattern", "healer", "scope", "granularity", "MLflow run"}
+_LEFT = {"pruner", "pattern", "healer", "scope", "granularity", "MLflow run", RUNS_OF_MEAN}
 
 
 def _md_table(t: Table, tracking_uri: str) -> str:
     lines = ["| " + " | ".join(_md_cell(h) for h in t.headers) + " |",
              "|" + "|".join("---" if h in _LEFT else "---:" for h in t.headers) + "|"]
-    for row, rid, eid in zip(t.rows, t.run_ids, t.experiment_ids):
-        url = run_url(tracking_uri, eid, rid)
-        cells = [_md_cell(c) for c in row[:-1]] + [f"[{rid}]({url})" if url else f"`{rid}`"]
-        lines.append("| " + " | ".join(cells) + " |")
+    for row, cols, eid in zip(t.rows, t.links, t.experiment_ids):
+        runs = [", ".join(f"[{rid}]({url})" if (url := run_url(tracking_uri, eid, rid)) else f"`{rid}`"
+                          for rid in ids) for ids in cols]
+        lines.append("| " + " | ".join([_md_cell(c) for c in row] + runs) + " |")
     return "\n".join(lines)
 
 
@@ -186,11 +193,11 @@ def _html_table(t: Table, tracking_uri: str) -> str:
     head = "".join(f"<th>{e(h)}</th>" for h in t.headers)
     cls = ['<td class="l">' if h in _LEFT else "<td>" for h in t.headers]
     body = []
-    for row, rid, eid in zip(t.rows, t.run_ids, t.experiment_ids):
-        url = run_url(tracking_uri, eid, rid)
-        last = f'<a href="{e(url)}">{e(rid)}</a>' if url else f"<code>{e(rid)}</code>"
-        body.append("<tr>" + "".join(f"{td}{e(c)}</td>" for td, c in zip(cls, row[:-1]))
-                    + f'<td class="l">{last}</td></tr>')
+    for row, cols, eid in zip(t.rows, t.links, t.experiment_ids):
+        runs = ["<br>".join(f'<a href="{e(url)}">{e(rid)}</a>' if (url := run_url(tracking_uri, eid, rid))
+                            else f"<code>{e(rid)}</code>" for rid in ids) for ids in cols]
+        body.append("<tr>" + "".join(f"{td}{e(c)}</td>" for td, c in zip(cls, row))
+                    + "".join(f'<td class="l">{c}</td>' for c in runs) + "</tr>")
     return f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n" + "\n".join(body) + \
         "\n</tbody>\n</table>"
 

@@ -69,6 +69,8 @@ def reported(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.DataF
     - ``healed_acc``: the re-evaluations' mean (the winner's own accuracy when there are none; a closed-form cell
       on other draws: the mean over them and its own),
     - ``healed_acc_search``: the winner's own accuracy, ``healed_acc_sd``: the re-evaluations' std,
+    - ``quoted_run_ids``: the runs whose mean ``healed_acc`` is, ";"-joined in id order (the winner's run alone
+      when there are no re-evaluations),
     - ``n_reevaluated``: finished re-evaluations (a closed-form cell on other draws: its own trial counted too),
       ``n_draws``: the other calibration draws they healed on,
       ``retention``: ``healed_acc / dense_acc``,
@@ -85,6 +87,7 @@ def reported(trials: pd.DataFrame, objective: str = "selection_acc") -> pd.DataF
     searched = trials[(stage_of(trials) != "reevaluate") & (trials["status"] == "FINISHED")]
     best["healed_acc_sd"] = best["cell_id"].map(stats["std"]) if stats is not None else np.nan
     best["healed_acc"] = m.where(m.notna(), best["healed_acc_search"])
+    best["quoted_run_ids"] = _quoted_runs(again, best)
     dense = best["dense_acc"].astype(float)
     best["retention"] = np.where(dense > 0, best["healed_acc"] / dense.where(dense > 0, 1.0), 0.0)
     return _noise(best, searched, objective)
@@ -104,6 +107,14 @@ def _with_own_draw(again: pd.DataFrame, best: pd.DataFrame) -> pd.DataFrame:
     own = best[closed_form(best) & best["cell_id"].isin(again["cell_id"])]
     return pd.concat([again, own[[c for c in again.columns if c in own.columns]]], ignore_index=True) \
         if len(own) else again
+
+
+def _quoted_runs(again: pd.DataFrame, best: pd.DataFrame) -> pd.Series:
+    """Per cell (``best``'s index): the runs its quoted ``healed_acc`` averages, ";"-joined in id order: the
+    re-evaluations (and a closed-form cell's own trial on other draws), else the winner's run alone."""
+    runs = again.groupby("cell_id")["run_id"].agg(lambda s: ";".join(sorted(map(str, s)))) if len(again) else {}
+    return pd.Series([runs.get(c) or str(r) for c, r in zip(best["cell_id"], best["run_id"])], index=best.index,
+                     dtype=object)
 
 
 def _draws(again: pd.DataFrame, best: pd.DataFrame) -> pd.Series:
@@ -291,10 +302,12 @@ def identical_masks(best: pd.DataFrame) -> list[dict]:
     return out
 
 
-def cell_results(tracking_uri: str, sweep_id: str, experiment: str = "healsweep") -> pd.DataFrame:
-    """Per cell, exactly the number the report quotes (``healed_acc``), its spread and noise, read back from
-    MLflow: what users and benchmarks compare runs with (benchmarks/bench_retest.py). Cells are picked by the
-    sweep's own search objective (the parent run's ``objective`` param)."""
-    trials = load_trials(tracking_uri, sweep_id, experiment)
+def cell_results(tracking_uri: str, sweep_id: str, experiment: str = "healsweep",
+                 cell_id: str | None = None) -> pd.DataFrame:
+    """Per cell, exactly the number the report quotes (``healed_acc``, the mean over ``quoted_run_ids``), its
+    spread and noise, read back from MLflow: what users and benchmarks compare runs with (benchmarks/bench_retest.py)
+    and what an export's card quotes (``cell_id``: that cell alone; its noise then lacks the family's pooling).
+    Cells are picked by the sweep's own search objective (the parent run's ``objective`` param)."""
+    trials = load_trials(tracking_uri, sweep_id, experiment, cell_id)
     objective = load_sweep_info(tracking_uri, sweep_id, experiment).get("objective") or "selection_acc"
     return reported(trials, objective)

@@ -121,8 +121,10 @@ def _typed(df: pd.DataFrame, extra_metrics: tuple[str, ...]) -> pd.DataFrame:
     return out.reset_index(drop=True)
 
 
-def load_trials(tracking_uri: str, sweep_id: str, experiment: str = "healsweep") -> pd.DataFrame:
-    """One row per trial run (tag ``healsweep.role`` = "trial") of ``sweep_id``.
+def load_trials(tracking_uri: str, sweep_id: str, experiment: str = "healsweep",
+                cell_id: str | None = None) -> pd.DataFrame:
+    """One row per trial run (tag ``healsweep.role`` = "trial") of ``sweep_id`` (of its cell ``cell_id`` alone
+    when given: what ``healsweep export`` reads for one card).
 
     Columns: see ``STR_COLUMNS`` (str, NaN when the tag/param is absent), ``FLOAT_PARAM_COLUMNS``
     (float64), ``INT_COLUMNS`` (nullable Int64, <NA> when absent), ``METRIC_COLUMNS`` plus any other
@@ -134,6 +136,8 @@ def load_trials(tracking_uri: str, sweep_id: str, experiment: str = "healsweep")
     if exp is None:
         return _empty_frame()
     filt = f"tags.sweep_id = {_quote(sweep_id)} and tags.`{ROLE_TAG}` = 'trial'"
+    if cell_id is not None:
+        filt += f" and tags.cell_id = {_quote(cell_id)}"
     records = []
     for run in _search(client, exp.experiment_id, filt):
         tags, params = run.data.tags, run.data.params

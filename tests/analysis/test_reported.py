@@ -219,3 +219,16 @@ def test_the_draws_a_cells_reevaluations_healed_on_are_counted():
     assert out.loc["c", "n_draws"] == 0  # no re-evaluation
     plain = reported(pd.DataFrame([{k: v for k, v in r.items() if k != "calib_seed"} for r in rows]))
     assert plain.set_index("cell_id")["n_draws"].to_dict() == {"a": 0, "b": 0, "c": 0}  # sweeps before the key
+
+
+@pytest.mark.timeout(60)
+def test_the_quoted_number_names_the_runs_it_averages():
+    """The report quoted a re-evaluation mean beside the search winner's run id alone: the runs behind the number
+    appeared nowhere, and an export of the winner gave another number (99.72 in the report, 99.44 on the card)."""
+    rows = [_trial("a", "search", 0.90, 0.95, run="w"), _trial("a", "reevaluate", 0.80, 0.85, heal_seed=1000, run="r2"),
+            _trial("a", "reevaluate", 0.84, 0.86, heal_seed=2000, run="r1"),
+            _trial("a", "reevaluate", 0.10, 0.1, lr=1e-4, heal_seed=3000, run="r9"),  # another configuration
+            _trial("b", "search", 0.70, 0.75, run="wb")]
+    out = reported(pd.DataFrame(rows)).set_index("cell_id")
+    assert out.loc["a", "quoted_run_ids"] == "r1;r2" and out.loc["a", "healed_acc"] == pytest.approx(0.82)
+    assert out.loc["b", "quoted_run_ids"] == "wb"  # no re-evaluations: the winner's own number
