@@ -10,6 +10,7 @@ Every exported file is world-readable (0644): an export is meant to be shared.
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import re
@@ -24,16 +25,36 @@ from safetensors.torch import load_file, save_file
 
 from tasks.atomic import atomic_write
 from tasks.errors import first_line
+from tasks.healing.chain import resolve_healer
+from tasks.model_card import card_markdown, parse_settings
 from tasks.models.adapter import get_adapter
 from tasks.models.base import MODEL_SOURCES, MODELS, ModelRef
 from tasks.models.load import load_model
-from tasks.pruning.base import achieved_sparsity, mask_violations
+from tasks.pruning.base import achieved_sparsity, mask_digest, mask_violations
 from tasks.saved_trial import HEALED, TRIAL_JSON, healed_problem
 from tasks.store.masks import MaskStore
 
 def _save_tensors(path: Path, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str] | None = None) -> None:
     data = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    atomic_write(path, lambda tmp: save_file(data, tmp, metadata=dict(meta or {})))  # 0644: shared artefacts
+
+    def write(tmp) -> None:
+        save_file(data, tmp, metadata=dict(meta or {}))
+        canonical_header(tmp)
+    atomic_write(path, write)  # 0644: shared artefacts
+
+
+def canonical_header(path) -> None:
+    """Rewrite a safetensors file's JSON header with its keys sorted (in place, the same length): safetensors
+    writes its metadata in hash-map order, which differs between processes, so two exports of one run differed
+    in bytes. The data (and every offset into it) is unchanged."""
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        head = json.loads(f.read(n))
+        text = json.dumps(head, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) > n:  # not safetensors' compact JSON: leave it as written
+            return
+        f.seek(8)
+        f.write(text + b" " * (n - len(text)))  # safetensors pads its header with spaces too
 
 
 def _save_text(path: Path, text: str) -> None:
@@ -159,22 +180,27 @@ def load_trial(trial_dir: Path) -> tuple[nn.Module, dict, dict, dict]:
 
 
 def export_trial(trial_dir: Path, out: Path, run_info: Mapping[str, Any] | None = None) -> dict[str, Path]:
-    """Rebuild the healed model of a finished trial and write it, its mask and a model card to ``out``."""
+    """Rebuild the healed model of a finished trial and write it, its mask and a model card to ``out``.
+    ``run_info``: the MLflow run's params, plus ``run_id``, ``metrics``, ``tags`` and ``report`` (the report's
+    number for the run's cell: ``{"healed_acc", "run_ids"}``, or None)."""
     trial_dir, out = Path(trial_dir), Path(out)
     model, masks, params, final = load_trial(trial_dir)
     entries = get_adapter(model).scope(model, params["scope"])
     info, load_kw = dict(run_info or {}), dict(params.get("load_kw") or {})
     prep = preprocessing(params, model)
     card = {
-        "format": "healsweep-model-card/2",
+        "format": "healsweep-model-card/3",
+        **_origin(params, final, masks, info),
         "model": params["model"], "source": _source(params) or {"source": "reference"},
         "model_digest": final.get("model_digest"), "reload": reload_recipe(params),
-        "pruner": info.get("pruner"), "pruner_settings": info.get("pruner_settings"), "scope": params["scope"],
-        "sparsity": float(info["sparsity"]) if info.get("sparsity") is not None else None,
-        "achieved_sparsity": achieved_sparsity(entries, masks),
-        "healer": params["healer"], "healer_settings": params.get("healer_settings"), "lr": params["lr"],
+        "pruner": info.get("pruner"), "pruner_settings": parse_settings(info.get("pruner_settings")),
+        "scope": params["scope"], "sparsity": float(info["sparsity"]) if info.get("sparsity") is not None else None,
+        "achieved_sparsity": achieved_sparsity(entries, masks),  # over the pruning scope
+        "zero_fraction": zero_fraction(model),  # over the whole model's parameters
+        "healer": params["healer"], "healer_settings": params.get("healer_settings"),
         "granularity": info.get("granularity"),  # what 'auto' resolved to for this model (the trial's MLflow param)
-        "epochs": params["epochs"], "batch_size": params["batch_size"], "calib_size": params["calib_size"],
+        **_training(params),
+        "calib_size": params["calib_size"],
         "calib_digest": final.get("calib_digest"), "eval_digest": final.get("eval_digest"),
         "dataset": load_kw.get("dataset") or {"name": "digits"},
         "data_seed": params.get("data_seed", 0),
@@ -183,28 +209,68 @@ def export_trial(trial_dir: Path, out: Path, run_info: Mapping[str, Any] | None 
         "evaluation": {"split": "evaluation", "digest": final.get("eval_digest"),
                        "indices": prep["evaluation_indices"]},
         "accuracy": {k: final.get(k) for k in ("dense_acc", "pruned_acc", "healed_acc", "retention")},
-        "metrics": dict(info.get("metrics") or {}),
-        "mlflow_run_id": info.get("run_id"),
-        "trial_id": params.get("trial_id", params.get("trial_key")),  # trial_key: trial.json of runs before the rename
+        "metrics": dict(sorted((info.get("metrics") or {}).items())),
+        "report": info.get("report"),
     }
     return _write_export(out, model, masks, card)
+
+
+def _origin(params: Mapping[str, Any], final: Mapping[str, Any], masks, info: Mapping[str, Any]) -> dict:
+    """Which trial made the weights: trial.json's ids and seeds, the MLflow run's tags (cell, stage) and params
+    (grid, Optuna trial), the mask's key and digest (checked against the one the trial logged)."""
+    tags = dict(info.get("tags") or {})
+    digest = mask_digest(masks)
+    if final.get("mask_digest") and final["mask_digest"] != digest:
+        raise ValueError(f"the mask {params['mask_key']} in {params['mask_root']} (digest {digest}) is not the one "
+                         f"the trial healed (digest {final['mask_digest']})")
+    heal_seed = params.get("heal_seed")
+    return {"mlflow_run_id": info.get("run_id"),
+            "trial_id": params.get("trial_id", params.get("trial_key")),  # trial_key: trial.json before the rename
+            "sweep_id": params.get("sweep_id") or tags.get("sweep_id"), "grid": info.get("grid"),
+            "cell_id": tags.get("cell_id"), "stage": tags.get("stage"),
+            "optuna_trial": int(info["optuna_trial"]) if str(info.get("optuna_trial", "")).isdigit() else None,
+            "seed": params.get("seed"), "heal_seed": heal_seed,
+            "mask_key": params.get("mask_key"), "mask_digest": digest}
+
+
+def _training(params: Mapping[str, Any]) -> dict:
+    """lr, epochs and batch size of a gradient healer; a closed-form one (CR+BN, CORP, none) used none of them."""
+    if resolve_healer(params["healer"], params.get("healer_settings")).trains:
+        return {"closed_form": False, "lr": params["lr"], "epochs": params["epochs"],
+                "batch_size": params["batch_size"]}
+    return {"closed_form": True, "lr": None, "epochs": None, "batch_size": None}
+
+
+@torch.no_grad()
+def zero_fraction(model: nn.Module) -> float:
+    """Fraction of the model's parameters (every tensor of ``named_parameters``) that are exactly zero: the whole
+    model, where the card's sparsity is over the pruning scope only."""
+    total = zeros = 0
+    for p in model.parameters():
+        total += p.numel()
+        zeros += int((p == 0).sum())
+    return zeros / total if total else 0.0
 
 
 def _write_export(out: Path, model: nn.Module, masks: Mapping[str, torch.Tensor], card: dict) -> dict[str, Path]:
     """The four files, all or none: written into ``out/.export-staging`` first, then renamed into place, the card
     last (a full disk left model.safetensors alone in --out, and the retry was refused as another run's export;
-    over an earlier export it would have mixed the two)."""
+    over an earlier export it would have mixed the two). Every file is a function of the run alone (sorted
+    safetensors headers, the card's keys in a fixed order, no time): an export repeated is byte-identical. The
+    card gives the sha256 of the weight files (both cards) and of model_card.md (the JSON card)."""
     names = {"model": "model.safetensors", "mask": "mask.safetensors", "card_md": "model_card.md",
              "card_json": "model_card.json"}
     stage = out / ".export-staging"
     shutil.rmtree(stage, ignore_errors=True)  # an export killed before its renames (one export at a time: locked)
     try:
         _save_tensors(stage / names["model"], model.state_dict(),
-                      {"format": "pt", "healsweep": json.dumps(card["reload"])})
+                      {"format": "pt", "healsweep": json.dumps(card["reload"], sort_keys=True)})
         _save_tensors(stage / names["mask"], {k: v.to(torch.uint8) for k, v in masks.items()},
                       {"format": "healsweep-mask/1"})
+        card["files"] = {names[k]: sha256_file(stage / names[k]) for k in ("model", "mask")}
         _save_text(stage / names["card_md"], card_markdown(card))
-        _save_text(stage / names["card_json"], json.dumps(card, indent=1, default=str))
+        files = {**card["files"], names["card_md"]: sha256_file(stage / names["card_md"])}
+        _save_text(stage / names["card_json"], json.dumps({**card, "files": files}, indent=1, default=str))
         for name in names.values():
             (stage / name).replace(out / name)
     finally:
@@ -212,57 +278,9 @@ def _write_export(out: Path, model: nn.Module, masks: Mapping[str, torch.Tensor]
     return {k: out / n for k, n in names.items()}
 
 
-def _merge(*codes: str) -> str:
-    """Python snippets -> one program: their leading import lines first (deduplicated), then their bodies."""
-    imports, bodies = [], []
-    for code in codes:
-        lines = code.strip("\n").splitlines()
-        n = next((i for i, ln in enumerate(lines) if not ln.startswith(("import ", "from ")) and ln.strip()),
-                 len(lines))
-        imports += [ln for ln in lines[:n] if ln.strip()]
-        bodies.append("\n".join(lines[n:]).strip("\n"))
-    head = sorted(set(imports), key=lambda ln: (ln.startswith("from "), ln))
-    return "\n".join(head) + "\n\n\n" + "\n\n".join(b for b in bodies if b) + "\n"
-
-
-def card_code(card: Mapping[str, Any]) -> str:
-    """Python that rebuilds the healed model from model.safetensors and, for the digits, reproduces the logged
-    evaluation accuracy (run it in the export directory; it imports no healsweep module)."""
-    load = ("from safetensors.torch import load_file\n"
-            'model.load_state_dict(load_file("model.safetensors"))\nmodel.eval()')
-    if card["evaluation"]["indices"] is None:  # real datasets: the transform only
-        return _merge(card["reload"]["code"], load, card["preprocessing"]["code"])
-    prep = card["preprocessing"]["code"].replace(
-        "EVAL_INDICES", 'json.load(open("model_card.json"))["evaluation"]["indices"]')
-    evaluate = ("import json\nimport torch\nwith torch.no_grad():  # batches of 256, as the trial evaluated\n"
-                "    pred = torch.cat([model(images[i:i + 256]).argmax(1) for i in range(0, len(images), 256)])\n"
-                "accuracy = (pred == labels).float().mean().item()\n"
-                f"print(f\"healed top-1 {{accuracy:.4f}} (logged: {card['accuracy']['healed_acc']:.4f})\")")
-    return _merge(card["reload"]["code"], load, prep, evaluate)
-
-
-def card_markdown(card: Mapping[str, Any]) -> str:
-    acc = card["accuracy"]
-    pct = lambda v: "n/a" if v is None else f"{100 * float(v):.2f}%"  # noqa: E731
-    lines = [
-        f"# {card['model']}: pruned with {card['pruner']}, healed with {card['healer']}", "",
-        f"- source: `{json.dumps(card['source'], default=str)}` (weights digest `{card['model_digest']}`)",
-        f"- pruner: {card['pruner']} {card['pruner_settings'] or ''}, scope {card['scope']}, sparsity "
-        f"{card['sparsity']} (achieved {card['achieved_sparsity']:.4f})",
-        f"- healer: {card['healer']}" + (f" {card['healer_settings']}" if card["healer_settings"] else "")
-        + (f" (granularity used: {card['granularity']})" if card.get("granularity") else "")
-        + f", lr {card['lr']:.3g}, {card['epochs']} epoch{'' if card['epochs'] == 1 else 's'}, batch {card['batch_size']}",
-        f"- calibration: {card['calib_size']} images, digest `{card['calib_digest']}`; evaluation digest "
-        f"`{card['eval_digest']}`; dataset `{json.dumps(card['dataset'], default=str)}` (split seed {card['data_seed']}"
-        + (f", calibration draw {card['calib_seed']})" if card.get("calib_seed") else ")"),
-        f"- preprocessing: `{card['preprocessing']['transform']}`",
-        f"- accuracy (evaluation split): dense {pct(acc['dense_acc'])}, pruned {pct(acc['pruned_acc'])}, healed "
-        f"{pct(acc['healed_acc'])}, retention {pct(acc['retention'])}",
-    ]
-    if card["metrics"]:
-        lines.append("- logged metrics: " + ", ".join(f"{k} {v:.6g}" for k, v in sorted(card["metrics"].items())))
-    lines += [f"- MLflow run `{card['mlflow_run_id']}`, trial `{card['trial_id']}`", "",
-              "## Load" + (" and evaluate" if card["evaluation"]["indices"] is not None else ""), "",
-              "Plain timm/torchvision code (no healsweep import); run it in this directory.", "",
-              "```python", card_code(card).rstrip("\n"), "```", ""]
-    return "\n".join(lines)
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
