@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,11 +27,16 @@ from tasks.errors import first_line
 def add_parser(sub):
     p = sub.add_parser("export", help="write a trial's healed model, mask and model card",
                        description="Export the healed model of the trial whose MLflow run id is RUN_ID (the "
-                                   "report's 'MLflow run' column): DIR/model.safetensors (full state dict), "
-                                   "DIR/mask.safetensors, DIR/model_card.json and DIR/model_card.md (plain "
-                                   "timm code that rebuilds the model, the preprocessing, the logged metrics). "
+                                   "report's 'MLflow run' and 'runs of healed (%%)' columns): DIR/model.safetensors "
+                                   "(full state dict), DIR/mask.safetensors, DIR/model_card.json and "
+                                   "DIR/model_card.md (which trial made the weights, the sha256 of the weight files, "
+                                   "this run's accuracy and the report's number for its cell, plain timm code that "
+                                   "rebuilds the model and its preprocessing). Re-exporting a run gives the same "
+                                   "bytes. "
                                    "The run directory is found under --runs unless --run-dir is given.")
-    p.add_argument("run_id", metavar="RUN_ID", help="MLflow run id of a finished trial (a child run)")
+    p.add_argument("run_id", metavar="RUN_ID", help="MLflow run id of a finished trial (a child run; the report's "
+                                                    "'MLflow run' or 'runs of healed (%%)' columns), or its trial "
+                                                    "id (<cell id>-<number>) when one sweep searched holds it")
     p.add_argument("--out", metavar="DIR", required=True, help="output directory")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--run-dir", metavar="DIR", help="the sweep's run directory (holds sweep.json and trials/); "
@@ -98,18 +104,36 @@ def _skipped(skipped: list[str]) -> str:
     return f" (skipped: {'; '.join(skipped)})" if skipped else ""
 
 
+def _given_run_dir(run_dir: str) -> tuple[Path, dict]:
+    d = Path(run_dir)
+    if not (d / "sweep.json").is_file():
+        lost = (d / "trials.jsonl").is_file()  # a run directory that lost its sweep.json
+        raise CliError(f"--run-dir {d}: " + (f"sweep.json missing; rebuild it with healsweep doctor {d} --repair"
+                                             if lost else "not a run directory (no sweep.json)"))
+    return d, _sweep_json(d)
+
+
+def _given_uri(d: Path, meta: dict, tracking_uri: str | None) -> str:
+    uri = tracking_uri or _own_uri(d, meta) or f"sqlite:///{(d / 'mlflow.db').resolve()}"
+    if not isinstance(uri, str):
+        raise CliError(f"{d}: sweep.json's tracking_uri is not a URI ({str(uri)[:40]!r}); give --tracking-uri")
+    return uri
+
+
+def _search_uris(cands: list[tuple[Path, dict]], tracking_uri: str | None) -> list[str]:
+    """Each distinct tracking URI once, in order: --tracking-uri alone when given (no other store is searched),
+    else $MLFLOW_TRACKING_URI, then the run directories'."""
+    if tracking_uri:
+        return [tracking_uri]
+    uris = [os.environ["MLFLOW_TRACKING_URI"]] if os.environ.get("MLFLOW_TRACKING_URI") else []
+    return list(dict.fromkeys(uris + [u for d, m in cands if isinstance(u := _own_uri(d, m), str)]))
+
+
 def find_run(run_id: str, run_dir: str | None, runs: str, tracking_uri: str | None):
     """-> (run directory, tracking URI, MLflow run)."""
     if run_dir:
-        d = Path(run_dir)
-        if not (d / "sweep.json").is_file():
-            lost = (d / "trials.jsonl").is_file()  # a run directory that lost its sweep.json
-            raise CliError(f"--run-dir {d}: " + (f"sweep.json missing; rebuild it with healsweep doctor {d} --repair"
-                                                 if lost else "not a run directory (no sweep.json)"))
-        meta = _sweep_json(d)
-        uri = tracking_uri or _own_uri(d, meta) or f"sqlite:///{(d / 'mlflow.db').resolve()}"
-        if not isinstance(uri, str):
-            raise CliError(f"{d}: sweep.json's tracking_uri is not a URI ({str(uri)[:40]!r}); give --tracking-uri")
+        d, meta = _given_run_dir(run_dir)
+        uri = _given_uri(d, meta, tracking_uri)
         run = _get_run(uri, run_id)
         if run is None:
             raise CliError(f"run {run_id!r} not found in {uri}")
@@ -118,12 +142,7 @@ def find_run(run_id: str, run_dir: str | None, runs: str, tracking_uri: str | No
                            "give that sweep's run directory, or leave out --run-dir")  # trial of the same id was exported
         return d, uri, run
     cands, skipped = _candidates(Path(runs))
-    if tracking_uri:  # asked for: no other store is searched
-        uris = [tracking_uri]
-    else:
-        uris = [os.environ["MLFLOW_TRACKING_URI"]] if os.environ.get("MLFLOW_TRACKING_URI") else []
-        uris += [u for d, m in cands if isinstance(u := _own_uri(d, m), str)]
-    for uri in dict.fromkeys(uris):  # each distinct tracking URI once, in order
+    for uri in _search_uris(cands, tracking_uri):
         run = _get_run(uri, run_id)
         if run is None:
             continue
@@ -193,19 +212,89 @@ def earlier_export(out: Path, run_id: str) -> str | None:
     return f"{out} already holds {what}; choose another --out or pass --force to replace it"
 
 
+RUN_ID = re.compile(r"[0-9a-f]{32}")  # an MLflow run id (uuid4 hex)
+TRIAL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.]*-[0-9]+")  # <cell id>-<number>: trial.json's, the MLflow tag trial_id
+
+
+def looks_like_trial_id(text: str) -> bool:
+    return not RUN_ID.fullmatch(text) and bool(TRIAL_ID.fullmatch(text))
+
+
+def trial_run_id(trial_id: str, run_dir: str | None, runs: str, tracking_uri: str | None) -> str:
+    """A trial id -> the MLflow run id of the one live trial run with that ``trial_id`` tag, in the stores and
+    sweeps an export by run id searches (with --run-dir: its sweep alone). A trial id is unique within a sweep,
+    not across sweeps: one in several sweeps is refused, naming them."""
+    if run_dir:
+        d, meta = _given_run_dir(run_dir)
+        uris, sweeps, where = [_given_uri(d, meta, tracking_uri)], {meta.get("sweep_id")}, f"{d}'s sweep"
+    else:
+        cands, _ = _candidates(Path(runs))
+        uris, sweeps = _search_uris(cands, tracking_uri), {m.get("sweep_id") for _, m in cands}
+        where = f"the sweeps of the {len(cands)} run director{'y' if len(cands) == 1 else 'ies'} under {runs}/"
+    found = {}
+    for uri in uris:
+        for run in _trial_runs(uri, trial_id):
+            if run.data.tags.get("sweep_id") in sweeps:
+                found[run.info.run_id] = run.data.tags.get("sweep_id")
+    if len(found) == 1:
+        return next(iter(found))
+    if not found:
+        raise CliError(f"{trial_id!r} looks like a trial id (<cell id>-<number>), not an MLflow run id (32 hex "
+                       f"digits), and no trial run of that id is in {where}; the report's 'MLflow run' and "
+                       "'runs of healed (%)' columns give run ids")
+    raise CliError(f"trial id {trial_id!r} is in {len(found)} sweeps ({', '.join(sorted(map(str, found.values())))}):"
+                   f" give its MLflow run id ({', '.join(sorted(found))}) or --run-dir of its sweep")
+
+
+def _trial_runs(uri: str, trial_id: str) -> list:
+    """The live trial runs tagged ``trial_id`` in ``uri`` (none when a sqlite file does not exist)."""
+    from mlflow import MlflowClient
+
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+        return []
+    try:
+        check_server(uri, "--tracking-uri")
+    except SpecError as e:
+        raise CliError(str(e)) from None
+    client = MlflowClient(uri)
+    exps = [e.experiment_id for e in client.search_experiments()]
+    return client.search_runs(exps, f"tags.trial_id = '{trial_id}' and tags.`healsweep.role` = 'trial'",
+                              max_results=100) if exps else []
+
+
+def report_quote(uri: str, run) -> dict | None:
+    """The report's healed number for the run's cell and the runs it averages (``analysis.reported``: the
+    report's own code, on that cell's runs), or None when the cell has none (no finished search trial)."""
+    from mlflow import MlflowClient
+
+    from analysis.reported import cell_results
+
+    sweep, cell = run.data.tags.get("sweep_id"), run.data.tags.get("cell_id")
+    if not sweep or not cell:
+        return None
+    experiment = MlflowClient(uri).get_experiment(run.info.experiment_id).name
+    res = cell_results(uri, sweep, experiment, cell)
+    res = res[res["cell_id"] == cell]
+    if res.empty:
+        return None
+    return {"healed_acc": float(res["healed_acc"].iloc[0]), "run_ids": str(res["quoted_run_ids"].iloc[0]).split(";")}
+
+
 def main(args) -> int:
-    run_dir, uri, run = find_run(args.run_id, args.run_dir, args.runs, args.tracking_uri)
+    run_id = trial_run_id(args.run_id, args.run_dir, args.runs, args.tracking_uri) \
+        if looks_like_trial_id(args.run_id) else args.run_id
+    run_dir, uri, run = find_run(run_id, args.run_dir, args.runs, args.tracking_uri)
     if run.data.tags.get("healsweep.role") != "trial":
-        raise CliError(f"run {args.run_id!r} is not a trial run (tag healsweep.role != 'trial')")
+        raise CliError(f"run {run_id!r} is not a trial run (tag healsweep.role != 'trial')")
     if run.info.status != "FINISHED":
-        raise CliError(f"run {args.run_id!r} did not finish (status {run.info.status})")
-    info = {**run.data.params, "run_id": args.run_id, "metrics": dict(run.data.metrics)}
+        raise CliError(f"run {run_id!r} did not finish (status {run.info.status})")
+    info = {**run.data.params, "run_id": run_id, "metrics": dict(run.data.metrics), "tags": dict(run.data.tags)}
     if why := not_a_dir(args.out):
         raise CliError(f"--out: {why}")
     with _one_export_at_a_time(Path(args.out)):  # two exports to one --out: the second sees the first's files
-        if not args.force and (why := earlier_export(Path(args.out), args.run_id)):
+        if not args.force and (why := earlier_export(Path(args.out), run_id)):
             raise CliError(f"--out: {why}")
-        return _export(args, run_dir, run, info)
+        return _export(args, run_dir, run, {**info, "report": report_quote(uri, run)})
 
 
 @contextmanager

@@ -109,3 +109,27 @@ def test_a_full_disk_during_an_export_says_to_run_the_export_again(tmp_path, cap
     assert fault_exit(DiskFullError(tmp_path / "x" / "mask.safetensors"), args) == 1
     err = capsys.readouterr().err
     assert err.rstrip().endswith(f"free space there, then run healsweep export {'0' * 32} again") and "--resume" not in err
+
+
+@pytest.mark.timeout(300)
+def test_a_trial_id_for_a_run_id_is_mapped_or_explained(tmp_path):
+    """A trial id given where a run id is expected was a plain "run ... not found". One in a single sweep is that
+    trial's run; one in two sweeps, or in none, says so and where the run ids are."""
+    uri = f"sqlite:///{tmp_path / 'shared.db'}"
+    for name, sweep in (("a", "s1"), ("b", "s2")):
+        (tmp_path / "runs" / name / "trials").mkdir(parents=True)
+        (tmp_path / "runs" / name / "sweep.json").write_text(json.dumps({"tracking_uri": uri, "sweep_id": sweep}))
+    s1, s2 = _run(uri, "s1"), _run(uri, "s2")  # both trials c0ffee-0
+    r = healsweep("export", "c0ffee-0", "--out", "x", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"healsweep: error: trial id 'c0ffee-0' is in 2 sweeps (s1, s2): give its MLflow run id "
+        f"({', '.join(sorted([s1, s2]))}) or --run-dir of its sweep"), r.stderr
+    r = healsweep("export", "c0ffee-0", "--out", "x", "--run-dir", "runs/b", cwd=tmp_path)  # s2's: found, no weights
+    assert r.returncode == 2 and (tmp_path / "runs" / "b" / "trials" / "c0ffee-0").name in r.stderr \
+        and "no healed.safetensors" in r.stderr and str(tmp_path / "runs" / "b") in r.stderr, r.stderr
+    r = healsweep("export", "c0ffee-7", "--out", "x", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "healsweep: error: 'c0ffee-7' looks like a trial id (<cell id>-<number>), not an MLflow run id (32 hex "
+        "digits), and no trial run of that id is in the sweeps of the 2 run directories under runs/; the report's "
+        "'MLflow run' and 'runs of healed (%)' columns give run ids"), r.stderr
+    assert not (tmp_path / "x").exists()
