@@ -237,8 +237,8 @@ def _training(params: Mapping[str, Any]) -> dict:
     """lr, epochs and batch size of a gradient healer; a closed-form one (CR+BN, CORP, none) used none of them."""
     if resolve_healer(params["healer"], params.get("healer_settings")).trains:
         return {"closed_form": False, "lr": params["lr"], "epochs": params["epochs"],
-                "batch_size": params["batch_size"]}
-    return {"closed_form": True, "lr": None, "epochs": None, "batch_size": None}
+                "batch_size": params["batch_size"], "steps": params.get("steps") or None}  # steps: a steps-based search
+    return {"closed_form": True, "lr": None, "epochs": None, "batch_size": None, "steps": None}
 
 
 @torch.no_grad()

@@ -96,8 +96,9 @@ def _method_lines(card: Mapping[str, Any]) -> list[str]:
     if card.get("closed_form"):
         heal += ": closed form, no gradient training (no learning rate, epochs or batch size used)"
     else:
-        heal += (f", lr {card['lr']:.3g}, {card['epochs']} epoch{'' if card['epochs'] == 1 else 's'}, batch "
-                 f"{card['batch_size']}")
+        epochs = f"{card['epochs']} epoch{'' if card['epochs'] == 1 else 's'}"
+        heal += (f", lr {card['lr']:.3g}, " + (f"{card['steps']} steps ({epochs})" if card.get("steps") else epochs)
+                 + f", batch {card['batch_size']}")
     return [scope, heal]
 
 

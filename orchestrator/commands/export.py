@@ -242,8 +242,10 @@ def trial_run_id(trial_id: str, run_dir: str | None, runs: str, tracking_uri: st
         raise CliError(f"{trial_id!r} looks like a trial id (<cell id>-<number>), not an MLflow run id (32 hex "
                        f"digits), and no trial run of that id is in {where}; the report's 'MLflow run' and "
                        "'runs of healed (%)' columns give run ids")
-    raise CliError(f"trial id {trial_id!r} is in {len(found)} sweeps ({', '.join(sorted(map(str, found.values())))}):"
-                   f" give its MLflow run id ({', '.join(sorted(found))}) or --run-dir of its sweep")
+    sweeps = sorted(set(map(str, found.values())))
+    raise CliError(f"trial id {trial_id!r} names {len(found)} runs (sweep{'s' if len(sweeps) > 1 else ''} "
+                   f"{', '.join(sweeps)}): give its MLflow run id ({', '.join(sorted(found))})"
+                   + (" or --run-dir of its sweep" if len(sweeps) > 1 else ""))
 
 
 def _trial_runs(uri: str, trial_id: str) -> list:

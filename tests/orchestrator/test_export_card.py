@@ -145,6 +145,12 @@ def test_a_reexport_is_byte_identical_and_the_card_gives_each_files_sha256(sweep
     assert (f"- files (sha256): `mask.safetensors` {_sha(outs[0] / 'mask.safetensors')}, `model.safetensors` "
             f"{_sha(outs[0] / 'model.safetensors')}\n") in md
     assert "the mean over 2 runs (this run among them)" in md  # the search trial of a closed-form cell on 2 draws
+    from tasks.model_card import card_markdown  # a gradient healer's card: the settings it trained with
+
+    grad = {**card, "closed_form": False, "lr": 1e-3, "epochs": 4, "batch_size": 32, "steps": 64,
+            "healer_settings": {}, "granularity": None, "healer": "starfish"}
+    assert "- healer: starfish, lr 0.001, 64 steps (4 epochs), batch 32\n" in card_markdown(grad)
+    assert "- healer: starfish, lr 0.001, 4 epochs, batch 32\n" in card_markdown({**grad, "steps": None})
 
 
 @pytest.mark.timeout(120)
@@ -175,3 +181,23 @@ def test_a_trial_id_is_taken_for_its_run_id(sweep, tmp_path):
     r = _export(f"{CELL}-1", out, "--runs", run_dir.parent)
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "model_card.json").read_text())["mlflow_run_id"] == runs["reevaluate"][0]
+
+
+@pytest.mark.timeout(300)
+def test_a_mask_other_than_the_one_the_trial_healed_is_refused(sweep, tmp_path):
+    """The card's mask digest is the exported mask's; a trial.json that logged another (the store's file under the
+    key replaced since) is one error, not a card naming a mask the weights were not healed under."""
+    import shutil
+
+    from tasks.export import export_trial
+
+    run_dir, runs, _ = sweep
+    d = tmp_path / "run" / "trials" / f"{CELL}-0"
+    shutil.copytree(run_dir / "trials" / f"{CELL}-0", d)
+    rec = json.loads((d / "trial.json").read_text())
+    logged, rec["final"]["mask_digest"] = rec["final"]["mask_digest"], "0" * 16
+    (d / "trial.json").write_text(json.dumps(rec))
+    with pytest.raises(ValueError, match=f"the mask {MASK} in .* \\(digest {logged}\\) is not the one the trial "
+                                         f"healed \\(digest {'0' * 16}\\)"):
+        export_trial(d, tmp_path / "out")
+    assert not (tmp_path / "out" / "model_card.json").exists()

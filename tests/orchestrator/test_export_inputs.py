@@ -122,7 +122,7 @@ def test_a_trial_id_for_a_run_id_is_mapped_or_explained(tmp_path):
     s1, s2 = _run(uri, "s1"), _run(uri, "s2")  # both trials c0ffee-0
     r = healsweep("export", "c0ffee-0", "--out", "x", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.strip() == (
-        f"healsweep: error: trial id 'c0ffee-0' is in 2 sweeps (s1, s2): give its MLflow run id "
+        f"healsweep: error: trial id 'c0ffee-0' names 2 runs (sweeps s1, s2): give its MLflow run id "
         f"({', '.join(sorted([s1, s2]))}) or --run-dir of its sweep"), r.stderr
     r = healsweep("export", "c0ffee-0", "--out", "x", "--run-dir", "runs/b", cwd=tmp_path)  # s2's: found, no weights
     assert r.returncode == 2 and (tmp_path / "runs" / "b" / "trials" / "c0ffee-0").name in r.stderr \
